@@ -1,0 +1,1 @@
+//! Hostile and malformed peers (filled in below).

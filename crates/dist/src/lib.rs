@@ -1,0 +1,37 @@
+//! # allgrad-dist
+//!
+//! Process groups, a rendezvous store, a CPU collectives backend over TCP, and
+//! differentiable collectives for Candle.
+//!
+//! - [`ProcessGroup::from_env`] joins a job launched by torchrun, `srun` or allgrad's
+//!   `launch` (a world of one process without them). [`run_threads`] runs W ranks as
+//!   threads of one process, for tests and examples.
+//! - The plain collectives are methods of [`ProcessGroup`]: all_reduce (sum, avg, prod, max,
+//!   min), all_gather (uneven sizes too), reduce_scatter, broadcast, reduce, all_to_all,
+//!   send/recv, barrier, on f32, f64, f16, bf16, i64, u32 and u8.
+//! - Every blocking call has a timeout (ALLGRAD_TIMEOUT_S, default 300 s). A rank that fails
+//!   or dies makes every other rank's collectives fail within milliseconds, naming it. Ranks
+//!   that call different collectives fail with a message naming both calls.
+//! - Every connection is authenticated with the job token (ALLGRAD_JOB_TOKEN) and every
+//!   length read from the network is bounded before allocation.
+
+#![warn(missing_docs)]
+
+mod collectives;
+pub mod env;
+mod error;
+mod group;
+mod mesh;
+mod reduce;
+pub mod store;
+mod threads;
+mod wire;
+
+pub use env::WorldInfo;
+pub use error::{DistError, DistResult};
+pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
+pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
+pub use threads::{run_threads, ThreadWorld};
+
+#[cfg(test)]
+mod hostile_tests;

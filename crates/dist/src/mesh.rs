@@ -1,0 +1,392 @@
+//! The data plane of one process group: a TCP connection to every other member, and a
+//! single-threaded engine that drives many sends and receives at once with `poll(2)`.
+//!
+//! Written by hand rather than with an async runtime: the engine is ~300 lines, needs no
+//! executor thread, reduces incoming bytes in place while the rest of a message is still
+//! arriving, and owns the deadline and failure handling that collectives need.
+//!
+//! Failure model: the first error on a group poisons it. This rank then sends an ABORT frame
+//! with its reason to every peer and shuts its sockets, so peers blocked on it (or on anyone
+//! downstream) fail within milliseconds with a message naming the rank that failed.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::error::{DistError, DistResult};
+use crate::reduce::dtype_name;
+use crate::wire::{self, Header, HEADER_LEN, KIND_ABORT, KIND_DATA, MAX_ABORT_REASON};
+
+/// Collective op codes carried in frame headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum OpCode {
+    Barrier = 1,
+    AllReduce = 2,
+    AllGather = 3,
+    ReduceScatter = 4,
+    Broadcast = 5,
+    Reduce = 6,
+    AllToAll = 7,
+    SendRecv = 8,
+}
+
+pub(crate) fn op_name(code: u8) -> &'static str {
+    match code {
+        1 => "barrier",
+        2 => "all_reduce",
+        3 => "all_gather",
+        4 => "reduce_scatter",
+        5 => "broadcast",
+        6 => "reduce",
+        7 => "all_to_all",
+        8 => "send/recv",
+        _ => "unknown op",
+    }
+}
+
+fn redop_name(code: u8) -> &'static str {
+    match code {
+        1 => "sum",
+        2 => "avg",
+        3 => "prod",
+        4 => "max",
+        5 => "min",
+        _ => "",
+    }
+}
+
+/// How a header reads to a person.
+pub(crate) fn describe(h: &Header) -> String {
+    let red = redop_name(h.redop);
+    let red = if red.is_empty() { String::new() } else { format!("({red})") };
+    format!(
+        "{}{} of {} (call #{}, step {}, {} bytes, shape digest {:016x})",
+        op_name(h.op),
+        red,
+        dtype_name(h.dtype),
+        h.seq,
+        h.step,
+        h.len,
+        h.meta
+    )
+}
+
+/// One outgoing frame.
+pub(crate) struct SendOp<'a> {
+    pub peer: usize,
+    pub header: Header,
+    pub data: &'a [u8],
+}
+
+/// Reduces `incoming` bytes (whole elements) into `acc`.
+pub(crate) type Combine<'f> = &'f dyn Fn(&mut [u8], &[u8]);
+
+/// One expected incoming frame. Its bytes land in `data`; with `acc`, they are also combined
+/// into `acc` (same length) as they arrive.
+pub(crate) struct RecvOp<'a, 'f> {
+    pub peer: usize,
+    pub expect: Header,
+    pub data: &'a mut [u8],
+    pub acc: Option<(&'a mut [u8], Combine<'f>, usize)>,
+}
+
+/// Connections of one group, indexed by group rank (`None` at this rank's own index).
+pub(crate) struct Mesh {
+    pub group: String,
+    pub rank: usize,
+    /// Global rank of each group member.
+    pub members: Vec<usize>,
+    peers: Vec<Option<TcpStream>>,
+    pub timeout: Duration,
+    /// The first error on this group, and whether another rank caused it.
+    failure: Option<(String, bool)>,
+}
+
+impl Mesh {
+    pub fn new(group: String, rank: usize, members: Vec<usize>, peers: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
+        Mesh { group, rank, members, peers, timeout, failure: None }
+    }
+
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn failure(&self) -> Option<&(String, bool)> {
+        self.failure.as_ref()
+    }
+
+    /// Fails fast when an earlier error broke the group.
+    pub fn check_usable(&self) -> DistResult<()> {
+        match &self.failure {
+            None => Ok(()),
+            Some((first, _)) => Err(DistError::Poisoned { group: self.group.clone(), first: first.clone() }),
+        }
+    }
+
+    /// Records `err` as the group's failure, tells every peer, and closes the connections.
+    pub fn fail(&mut self, err: DistError) -> DistError {
+        if self.failure.is_none() {
+            let secondary = err.is_secondary();
+            let reason = format!("rank {} failed: {err}", self.members[self.rank]);
+            self.failure = Some((err.to_string(), secondary));
+            self.broadcast_abort(&reason);
+        }
+        err
+    }
+
+    fn broadcast_abort(&mut self, reason: &str) {
+        let reason = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON as usize)];
+        let h = Header { kind: KIND_ABORT, len: reason.len() as u64, ..Default::default() };
+        let mut frame = h.encode().to_vec();
+        frame.extend_from_slice(reason);
+        for s in self.peers.iter_mut().flatten() {
+            // Best effort and never blocking: a peer that cannot take it sees the close instead.
+            let _ = s.set_nonblocking(true);
+            let _ = s.write(&frame);
+            let _ = s.shutdown(Shutdown::Write);
+        }
+    }
+
+    fn peer_closed(&self, peer: usize, during: &str) -> DistError {
+        DistError::PeerClosed { peer: self.members[peer], during: during.to_string(), group: self.group.clone() }
+    }
+
+    /// Runs `sends` and `recvs` to completion, concurrently, before the group's deadline.
+    /// At most one send and one receive per peer. `what` describes this rank's call for
+    /// error messages. On error the group is poisoned (see [`Mesh::fail`]).
+    pub fn exchange(&mut self, sends: &mut [SendOp], recvs: &mut [RecvOp], what: &str) -> DistResult<()> {
+        self.check_usable()?;
+        let r = self.exchange_inner(sends, recvs, what);
+        r.map_err(|e| self.fail(e))
+    }
+
+    fn exchange_inner(&mut self, sends: &mut [SendOp], recvs: &mut [RecvOp], what: &str) -> DistResult<()> {
+        let deadline = Instant::now() + self.timeout;
+        // Per send: bytes of (header + data) written. Per receive: state.
+        let send_frames: Vec<[u8; HEADER_LEN]> = sends.iter().map(|s| s.header.encode()).collect();
+        let mut sent = vec![0usize; sends.len()];
+        let mut rs: Vec<RecvState> = recvs.iter().map(|_| RecvState::default()).collect();
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(sends.len() + recvs.len());
+        let mut fd_peer: Vec<usize> = Vec::with_capacity(fds.capacity());
+
+        loop {
+            fds.clear();
+            fd_peer.clear();
+            for (i, s) in sends.iter().enumerate() {
+                if sent[i] < HEADER_LEN + s.data.len() {
+                    push_fd(&mut fds, &mut fd_peer, self.stream(s.peer), s.peer, libc::POLLOUT);
+                }
+            }
+            for (i, r) in recvs.iter().enumerate() {
+                if !rs[i].done {
+                    push_fd(&mut fds, &mut fd_peer, self.stream(r.peer), r.peer, libc::POLLIN);
+                }
+            }
+            if fds.is_empty() {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let mut waiting: Vec<usize> = fd_peer.iter().map(|p| self.members[*p]).collect();
+                waiting.dedup();
+                return Err(DistError::Timeout {
+                    what: format!("in {what} on group {}, waiting for rank(s) {waiting:?}", self.group),
+                    timeout: self.timeout,
+                });
+            }
+            wire::poll(&mut fds, left.min(Duration::from_millis(500)))
+                .map_err(|e| DistError::io(format!("poll in {what}"), e))?;
+
+            for (k, fd) in fds.iter().enumerate() {
+                if fd.revents == 0 {
+                    continue;
+                }
+                let peer = fd_peer[k];
+                let readable = fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+                let writable = fd.revents & (libc::POLLOUT | libc::POLLHUP | libc::POLLERR) != 0;
+                if readable {
+                    if let Some(i) = recvs.iter().position(|r| r.peer == peer) {
+                        if !rs[i].done {
+                            self.pump_recv(&mut recvs[i], &mut rs[i], what)?;
+                        }
+                    }
+                }
+                if writable && fd.events & libc::POLLOUT != 0 {
+                    if let Some(i) = sends.iter().position(|s| s.peer == peer) {
+                        self.pump_send(&sends[i], &send_frames[i], &mut sent[i], what)?;
+                    }
+                }
+            }
+        }
+    }
+
+    fn stream(&self, peer: usize) -> &TcpStream {
+        self.peers[peer].as_ref().expect("no connection to self")
+    }
+
+    fn pump_send(&self, s: &SendOp, header: &[u8; HEADER_LEN], sent: &mut usize, what: &str) -> DistResult<()> {
+        let mut stream = self.stream(s.peer);
+        let total = HEADER_LEN + s.data.len();
+        while *sent < total {
+            let res = if *sent < HEADER_LEN {
+                if s.data.len() <= 64 * 1024 && *sent == 0 {
+                    // Small frames go out in one segment.
+                    let mut b = Vec::with_capacity(total);
+                    b.extend_from_slice(header);
+                    b.extend_from_slice(s.data);
+                    stream.write(&b)
+                } else {
+                    stream.write(&header[*sent..])
+                }
+            } else {
+                stream.write(&s.data[*sent - HEADER_LEN..])
+            };
+            match res {
+                Ok(0) => return Err(self.peer_closed(s.peer, what)),
+                Ok(n) => *sent += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if is_disconnect(&e) => return Err(self.peer_closed(s.peer, what)),
+                Err(e) => return Err(DistError::io(format!("sending to rank {} in {what}", self.members[s.peer]), e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn pump_recv(&self, r: &mut RecvOp, st: &mut RecvState, what: &str) -> DistResult<()> {
+        let mut stream = self.stream(r.peer);
+        loop {
+            let res = match st.phase {
+                Phase::Header => stream.read(&mut st.hdr[st.got..]),
+                Phase::Body => stream.read(&mut r.data[st.got..]),
+                Phase::Abort => stream.read(&mut st.reason[st.got..]),
+            };
+            let n = match res {
+                Ok(0) => return Err(self.peer_closed(r.peer, what)),
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if is_disconnect(&e) => return Err(self.peer_closed(r.peer, what)),
+                Err(e) => return Err(DistError::io(format!("receiving from rank {} in {what}", self.members[r.peer]), e)),
+            };
+            st.got += n;
+            match st.phase {
+                Phase::Header if st.got == HEADER_LEN => {
+                    let h = Header::decode(&st.hdr).ok_or_else(|| DistError::Protocol {
+                        peer: self.members[r.peer],
+                        group: self.group.clone(),
+                        detail: format!("bad frame magic during {what}"),
+                    })?;
+                    st.got = 0;
+                    if h.kind == KIND_ABORT {
+                        if h.len > MAX_ABORT_REASON {
+                            return Err(DistError::Protocol {
+                                peer: self.members[r.peer],
+                                group: self.group.clone(),
+                                detail: format!("abort reason of {} bytes (at most {MAX_ABORT_REASON})", h.len),
+                            });
+                        }
+                        st.reason = vec![0; h.len as usize];
+                        st.phase = Phase::Abort;
+                        if h.len == 0 {
+                            return Err(self.aborted(r.peer, &st.reason));
+                        }
+                        continue;
+                    }
+                    if h.kind != KIND_DATA
+                        || (h.op, h.dtype, h.redop, h.seq, h.step, h.len, h.meta)
+                            != (r.expect.op, r.expect.dtype, r.expect.redop, r.expect.seq, r.expect.step, r.expect.len, r.expect.meta)
+                    {
+                        return Err(DistError::Mismatch {
+                            group: self.group.clone(),
+                            rank: self.members[self.rank],
+                            ours: format!("{what} [{}]", describe(&r.expect)),
+                            peer: self.members[r.peer],
+                            theirs: describe(&h),
+                        });
+                    }
+                    // The header matched what this rank expects, so `len` is the buffer it sized.
+                    debug_assert_eq!(h.len as usize, r.data.len());
+                    if r.data.is_empty() {
+                        st.done = true;
+                        return Ok(());
+                    }
+                    st.phase = Phase::Body;
+                }
+                Phase::Body => {
+                    if let Some((acc, combine, elem)) = r.acc.as_mut() {
+                        // Combine whole elements as they arrive, in batches, overlapping the
+                        // reduction with the rest of the transfer.
+                        let ready = st.got - st.got % *elem;
+                        if ready - st.reduced >= (256 << 10) || st.got == r.data.len() {
+                            combine(&mut acc[st.reduced..ready], &r.data[st.reduced..ready]);
+                            st.reduced = ready;
+                        }
+                    }
+                    if st.got == r.data.len() {
+                        st.done = true;
+                        return Ok(());
+                    }
+                }
+                Phase::Abort if st.got == st.reason.len() => return Err(self.aborted(r.peer, &st.reason)),
+                _ => {}
+            }
+        }
+    }
+
+    fn aborted(&self, peer: usize, reason: &[u8]) -> DistError {
+        DistError::PeerAborted {
+            peer: self.members[peer],
+            group: self.group.clone(),
+            reason: String::from_utf8_lossy(reason).into_owned(),
+        }
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        for s in self.peers.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+#[derive(Default, PartialEq, Eq, Clone, Copy)]
+enum Phase {
+    #[default]
+    Header,
+    Body,
+    Abort,
+}
+
+struct RecvState {
+    phase: Phase,
+    hdr: [u8; HEADER_LEN],
+    got: usize,
+    reduced: usize,
+    reason: Vec<u8>,
+    done: bool,
+}
+
+impl Default for RecvState {
+    fn default() -> Self {
+        RecvState { phase: Phase::Header, hdr: [0; HEADER_LEN], got: 0, reduced: 0, reason: Vec::new(), done: false }
+    }
+}
+
+fn push_fd(fds: &mut Vec<libc::pollfd>, fd_peer: &mut Vec<usize>, s: &TcpStream, peer: usize, ev: libc::c_short) {
+    if let Some(k) = fd_peer.iter().position(|p| *p == peer) {
+        fds[k].events |= ev;
+    } else {
+        fds.push(wire::pollfd(s, ev));
+        fd_peer.push(peer);
+    }
+}
+
+fn is_disconnect(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::BrokenPipe | ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::UnexpectedEof | ErrorKind::NotConnected
+    )
+}

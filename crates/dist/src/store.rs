@@ -1,0 +1,447 @@
+//! The rendezvous store: a small key-value server that rank 0 hosts and every rank uses to
+//! find the others (data-plane addresses, later NCCL unique ids).
+//!
+//! Operations: `set`, `get` (blocks until the key exists, with a timeout), atomic `add`,
+//! `delete`, `check`. Every connection must present the job token first. Keys, values and
+//! the store's total size are bounded, and every length is checked before allocation, so a
+//! hostile client can neither crash the server nor make it allocate without bound.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{DistError, DistResult};
+use crate::wire::{read_exact_by, same_secret, write_all_by, Hello, Service};
+
+/// Longest key accepted.
+pub const MAX_KEY: usize = 4096;
+/// Largest value accepted.
+pub const MAX_VALUE: usize = 64 << 20;
+/// Largest total of keys and values the server holds.
+pub const MAX_TOTAL: usize = 1 << 30;
+/// How long a client may take to finish a request once its first byte arrived, and to send
+/// its handshake.
+const REQUEST_GRACE: Duration = Duration::from_secs(30);
+
+const CMD_SET: u8 = 1;
+const CMD_GET: u8 = 2;
+const CMD_ADD: u8 = 3;
+const CMD_DELETE: u8 = 4;
+const CMD_CHECK: u8 = 5;
+
+const ST_OK: u8 = 0;
+const ST_MISSING: u8 = 1;
+const ST_ERROR: u8 = 2;
+
+#[derive(Default)]
+struct Table {
+    map: HashMap<String, Vec<u8>>,
+    bytes: usize,
+}
+
+struct Shared {
+    table: Mutex<Table>,
+    changed: Condvar,
+    stop: AtomicBool,
+    token: String,
+}
+
+/// The store server. It runs on background threads until dropped.
+pub struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Binds `addr` (only that address: give the interface rank 0 is reached on) and serves.
+    /// Port 0 picks a free port; [`StoreServer::addr`] tells which.
+    pub fn start(addr: impl ToSocketAddrs + std::fmt::Debug, token: &str) -> DistResult<StoreServer> {
+        let listener =
+            TcpListener::bind(&addr).map_err(|e| DistError::io(format!("binding the rendezvous store to {addr:?}"), e))?;
+        let addr = listener.local_addr().map_err(|e| DistError::io("reading the store address", e))?;
+        listener.set_nonblocking(true).map_err(|e| DistError::io("configuring the store listener", e))?;
+        let shared = Arc::new(Shared {
+            table: Mutex::new(Table::default()),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            token: token.to_string(),
+        });
+        let s = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("allgrad-store".into())
+            .spawn(move || accept_loop(listener, s))
+            .map_err(|e| DistError::io("starting the store thread", e))?;
+        Ok(StoreServer { addr, shared, accept: Some(accept) })
+    }
+
+    /// The address the store listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_all();
+        if let Some(h) = self.accept.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    while !shared.stop.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let s = shared.clone();
+                let _ = std::thread::Builder::new()
+                    .name("allgrad-store-conn".into())
+                    .spawn(move || {
+                        if let Err(e) = serve(stream, &s) {
+                            if !s.stop.load(Ordering::SeqCst) {
+                                tracing::debug!("store connection from {peer} ended: {e}");
+                            }
+                        }
+                    });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => {
+                tracing::warn!("store accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+fn serve(mut stream: TcpStream, shared: &Shared) -> DistResult<()> {
+    stream.set_nonblocking(false).map_err(|e| DistError::io("store connection", e))?;
+    let _ = stream.set_nodelay(true);
+    let who = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+    let hello = Hello::read(&mut stream, Instant::now() + REQUEST_GRACE, &who)?;
+    if hello.service != Service::Store || !same_secret(&hello.token, &shared.token) {
+        tracing::warn!("rendezvous store rejected a connection from {who}: wrong job token or service");
+        return Err(DistError::Unauthenticated { addr: who, detail: "wrong job token".into() });
+    }
+    let reply = Hello { service: Service::Store, rank: 0, world: 0, token: shared.token.clone(), group: String::new() };
+    write_all_by(&mut stream, &reply.encode(), Instant::now() + REQUEST_GRACE, &who)?;
+
+    loop {
+        // Wait for the next request, checking now and then whether the server stops.
+        let mut cmd = [0u8; 1];
+        stream.set_read_timeout(Some(Duration::from_millis(200))).map_err(|e| DistError::io("store", e))?;
+        match stream.read(&mut cmd) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                if shared.stop.load(Ordering::SeqCst) {
+                    return Ok(());
+                }
+                continue;
+            }
+            Err(e) => return Err(DistError::io(format!("reading from store client {who}"), e)),
+        }
+        let deadline = Instant::now() + REQUEST_GRACE;
+        let mut lens = [0u8; 16];
+        read_exact_by(&mut stream, &mut lens, deadline, &who)?;
+        let key_len = u32::from_le_bytes(lens[0..4].try_into().unwrap()) as usize;
+        let val_len = u32::from_le_bytes(lens[4..8].try_into().unwrap()) as usize;
+        let arg = u64::from_le_bytes(lens[8..16].try_into().unwrap());
+        if key_len > MAX_KEY || val_len > MAX_VALUE {
+            let msg = format!("request too large: key {key_len} bytes (max {MAX_KEY}), value {val_len} bytes (max {MAX_VALUE})");
+            respond(&mut stream, ST_ERROR, msg.as_bytes(), &who)?;
+            return Err(DistError::Store(msg));
+        }
+        let mut key = vec![0u8; key_len];
+        read_exact_by(&mut stream, &mut key, deadline, &who)?;
+        let mut val = vec![0u8; val_len];
+        read_exact_by(&mut stream, &mut val, deadline, &who)?;
+        let key = match String::from_utf8(key) {
+            Ok(k) => k,
+            Err(_) => {
+                respond(&mut stream, ST_ERROR, b"key is not UTF-8", &who)?;
+                continue;
+            }
+        };
+        let (status, body) = handle(shared, cmd[0], key, val, arg);
+        respond(&mut stream, status, &body, &who)?;
+    }
+}
+
+fn handle(shared: &Shared, cmd: u8, key: String, val: Vec<u8>, arg: u64) -> (u8, Vec<u8>) {
+    let mut t = shared.table.lock().unwrap_or_else(|p| p.into_inner());
+    match cmd {
+        CMD_SET => {
+            let old = t.map.get(&key).map(|v| v.len() + key.len()).unwrap_or(0);
+            let new_total = t.bytes - old + key.len() + val.len();
+            if new_total > MAX_TOTAL {
+                return (ST_ERROR, format!("store is full ({MAX_TOTAL} bytes)").into_bytes());
+            }
+            t.bytes = new_total;
+            t.map.insert(key, val);
+            shared.changed.notify_all();
+            (ST_OK, Vec::new())
+        }
+        CMD_GET => {
+            let deadline = Instant::now() + Duration::from_millis(arg);
+            loop {
+                if let Some(v) = t.map.get(&key) {
+                    return (ST_OK, v.clone());
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
+                    return (ST_MISSING, Vec::new());
+                }
+                t = shared.changed.wait_timeout(t, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
+            }
+        }
+        CMD_ADD => {
+            let cur = match t.map.get(&key) {
+                None => 0i64,
+                Some(v) if v.len() == 8 => i64::from_le_bytes(v[..].try_into().unwrap()),
+                Some(_) => return (ST_ERROR, format!("key {key:?} does not hold a counter").into_bytes()),
+            };
+            let next = cur.wrapping_add(arg as i64);
+            if !t.map.contains_key(&key) {
+                t.bytes += key.len() + 8;
+            }
+            t.map.insert(key, next.to_le_bytes().to_vec());
+            shared.changed.notify_all();
+            (ST_OK, next.to_le_bytes().to_vec())
+        }
+        CMD_DELETE => match t.map.remove(&key) {
+            Some(v) => {
+                t.bytes -= key.len() + v.len();
+                (ST_OK, vec![1])
+            }
+            None => (ST_OK, vec![0]),
+        },
+        CMD_CHECK => (ST_OK, vec![t.map.contains_key(&key) as u8]),
+        c => (ST_ERROR, format!("unknown command {c}").into_bytes()),
+    }
+}
+
+fn respond(stream: &mut TcpStream, status: u8, body: &[u8], who: &str) -> DistResult<()> {
+    let mut b = Vec::with_capacity(5 + body.len());
+    b.push(status);
+    b.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    b.extend_from_slice(body);
+    write_all_by(stream, &b, Instant::now() + REQUEST_GRACE, who)
+}
+
+/// A connection to the store. Cheap to share between threads (requests are serialised).
+pub struct StoreClient {
+    stream: Mutex<TcpStream>,
+    addr: String,
+    timeout: Duration,
+}
+
+impl StoreClient {
+    /// Connects to the store at `addr`, retrying while it is not up yet, for at most `timeout`.
+    pub fn connect(addr: &str, token: &str, rank: usize, timeout: Duration) -> DistResult<StoreClient> {
+        let deadline = Instant::now() + timeout;
+        let mut last_err = None;
+        let stream = loop {
+            if Instant::now() >= deadline {
+                return Err(DistError::Timeout {
+                    what: format!(
+                        "connecting to the rendezvous store at {addr} (is rank 0 running and MASTER_ADDR/MASTER_PORT right?{})",
+                        last_err.map(|e: std::io::Error| format!(" last error: {e}")).unwrap_or_default()
+                    ),
+                    timeout,
+                });
+            }
+            let target = addr
+                .to_socket_addrs()
+                .map_err(|e| DistError::io(format!("resolving the store address {addr}"), e))?
+                .next()
+                .ok_or_else(|| DistError::Env(format!("store address {addr} resolves to nothing")))?;
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            match TcpStream::connect_timeout(&target, left.min(Duration::from_secs(5))) {
+                Ok(s) => break s,
+                Err(e) => {
+                    last_err = Some(e);
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let mut stream = stream;
+        let hello = Hello { service: Service::Store, rank: rank as u32, world: 0, token: token.to_string(), group: String::new() };
+        let who = format!("rendezvous store {addr}");
+        write_all_by(&mut stream, &hello.encode(), deadline, &who)?;
+        let reply = Hello::read(&mut stream, deadline, &who).map_err(|e| match e {
+            DistError::Io { .. } => DistError::Unauthenticated {
+                addr: addr.to_string(),
+                detail: "the store closed the connection during the handshake (is this rank's job token, ALLGRAD_JOB_TOKEN, the same as rank 0's?)".into(),
+            },
+            e => e,
+        })?;
+        if reply.service != Service::Store || !same_secret(&reply.token, token) {
+            return Err(DistError::Unauthenticated { addr: addr.to_string(), detail: "the store answered with another job token".into() });
+        }
+        Ok(StoreClient { stream: Mutex::new(stream), addr: addr.to_string(), timeout })
+    }
+
+    fn request(&self, cmd: u8, key: &str, val: &[u8], arg: u64, wait: Duration) -> DistResult<(u8, Vec<u8>)> {
+        if key.len() > MAX_KEY || val.len() > MAX_VALUE {
+            return Err(DistError::Invalid(format!(
+                "store request too large: key {} bytes (max {MAX_KEY}), value {} bytes (max {MAX_VALUE})",
+                key.len(),
+                val.len()
+            )));
+        }
+        let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let who = format!("rendezvous store {}", self.addr);
+        let deadline = Instant::now() + wait + REQUEST_GRACE;
+        let mut b = Vec::with_capacity(17 + key.len() + val.len());
+        b.push(cmd);
+        b.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        b.extend_from_slice(&(val.len() as u32).to_le_bytes());
+        b.extend_from_slice(&arg.to_le_bytes());
+        b.extend_from_slice(key.as_bytes());
+        b.extend_from_slice(val);
+        write_all_by(&mut s, &b, deadline, &who)?;
+        let mut head = [0u8; 5];
+        read_exact_by(&mut s, &mut head, deadline, &who)?;
+        let len = u32::from_le_bytes(head[1..5].try_into().unwrap()) as usize;
+        if len > MAX_VALUE {
+            return Err(DistError::Store(format!("reply of {len} bytes exceeds {MAX_VALUE}")));
+        }
+        let mut body = vec![0u8; len];
+        read_exact_by(&mut s, &mut body, deadline, &who)?;
+        if head[0] == ST_ERROR {
+            return Err(DistError::Store(String::from_utf8_lossy(&body).into_owned()));
+        }
+        Ok((head[0], body))
+    }
+
+    /// Sets `key` to `value`, replacing any earlier value.
+    pub fn set(&self, key: &str, value: &[u8]) -> DistResult<()> {
+        self.request(CMD_SET, key, value, 0, Duration::ZERO).map(|_| ())
+    }
+
+    /// Waits until `key` exists (at most the client's timeout) and returns its value.
+    pub fn get(&self, key: &str) -> DistResult<Vec<u8>> {
+        self.get_timeout(key, self.timeout)
+    }
+
+    /// Waits until `key` exists (at most `timeout`) and returns its value.
+    pub fn get_timeout(&self, key: &str, timeout: Duration) -> DistResult<Vec<u8>> {
+        let ms = timeout.as_millis().min(u64::MAX as u128) as u64;
+        match self.request(CMD_GET, key, &[], ms, timeout)? {
+            (ST_OK, v) => Ok(v),
+            _ => Err(DistError::Timeout { what: format!("waiting for store key {key:?}"), timeout }),
+        }
+    }
+
+    /// Atomically adds `delta` to the counter at `key` (0 when absent); returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> DistResult<i64> {
+        let (_, v) = self.request(CMD_ADD, key, &[], delta as u64, Duration::ZERO)?;
+        let v: [u8; 8] = v.try_into().map_err(|_| DistError::Store("malformed counter reply".into()))?;
+        Ok(i64::from_le_bytes(v))
+    }
+
+    /// Deletes `key`; returns whether it existed.
+    pub fn delete(&self, key: &str) -> DistResult<bool> {
+        Ok(self.request(CMD_DELETE, key, &[], 0, Duration::ZERO)?.1 == [1])
+    }
+
+    /// Whether `key` exists now (does not wait).
+    pub fn check(&self, key: &str) -> DistResult<bool> {
+        Ok(self.request(CMD_CHECK, key, &[], 0, Duration::ZERO)?.1 == [1])
+    }
+
+    /// The client's default timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn server() -> (StoreServer, String) {
+        let s = StoreServer::start("127.0.0.1:0", "tok").unwrap();
+        let a = s.addr().to_string();
+        (s, a)
+    }
+
+    #[test]
+    fn set_get_add_delete_check() {
+        let (_s, addr) = server();
+        let c = StoreClient::connect(&addr, "tok", 0, Duration::from_secs(5)).unwrap();
+        c.set("a", b"hello").unwrap();
+        assert_eq!(c.get("a").unwrap(), b"hello");
+        assert!(c.check("a").unwrap());
+        assert_eq!(c.add("n", 3).unwrap(), 3);
+        assert_eq!(c.add("n", -1).unwrap(), 2);
+        assert!(c.delete("a").unwrap());
+        assert!(!c.delete("a").unwrap());
+        assert!(!c.check("a").unwrap());
+    }
+
+    #[test]
+    fn get_blocks_until_another_client_sets() {
+        let (_s, addr) = server();
+        let a2 = addr.clone();
+        let t = std::thread::spawn(move || {
+            let c = StoreClient::connect(&a2, "tok", 1, Duration::from_secs(5)).unwrap();
+            c.get("late").unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let c = StoreClient::connect(&addr, "tok", 0, Duration::from_secs(5)).unwrap();
+        c.set("late", b"x").unwrap();
+        assert_eq!(t.join().unwrap(), b"x");
+    }
+
+    #[test]
+    fn get_times_out_with_the_key_name() {
+        let (_s, addr) = server();
+        let c = StoreClient::connect(&addr, "tok", 0, Duration::from_secs(5)).unwrap();
+        let err = c.get_timeout("never", Duration::from_millis(100)).unwrap_err().to_string();
+        assert!(err.contains("never") && err.contains("timed out"), "{err}");
+    }
+
+    #[test]
+    fn wrong_token_is_rejected_and_server_keeps_serving() {
+        let (_s, addr) = server();
+        let err = StoreClient::connect(&addr, "WRONG", 0, Duration::from_secs(5)).err().unwrap().to_string();
+        assert!(err.contains("token"), "{err}");
+        let c = StoreClient::connect(&addr, "tok", 0, Duration::from_secs(5)).unwrap();
+        c.set("k", b"v").unwrap();
+        assert_eq!(c.get("k").unwrap(), b"v");
+    }
+
+    #[test]
+    fn garbage_and_oversized_requests_do_not_hurt_the_server() {
+        let (_s, addr) = server();
+        // Garbage instead of a handshake.
+        let mut g = TcpStream::connect(&addr).unwrap();
+        g.write_all(&[0xff; 64]).unwrap();
+        // A valid handshake followed by a request claiming a 4 GiB value.
+        let mut h = TcpStream::connect(&addr).unwrap();
+        let hello = Hello { service: Service::Store, rank: 0, world: 0, token: "tok".into(), group: String::new() };
+        h.write_all(&hello.encode()).unwrap();
+        let _ = Hello::read(&mut h, Instant::now() + Duration::from_secs(5), "store").unwrap();
+        let mut req = vec![CMD_SET];
+        req.extend_from_slice(&1u32.to_le_bytes());
+        req.extend_from_slice(&u32::MAX.to_le_bytes());
+        req.extend_from_slice(&0u64.to_le_bytes());
+        h.write_all(&req).unwrap();
+        let mut head = [0u8; 5];
+        read_exact_by(&mut h, &mut head, Instant::now() + Duration::from_secs(5), "store").unwrap();
+        assert_eq!(head[0], ST_ERROR);
+        // A well-behaved client still works.
+        let c = StoreClient::connect(&addr, "tok", 0, Duration::from_secs(5)).unwrap();
+        c.set("k", b"v").unwrap();
+        assert_eq!(c.get("k").unwrap(), b"v");
+    }
+}

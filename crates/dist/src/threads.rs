@@ -1,0 +1,201 @@
+//! Ranks as threads: W ranks in one process, connected over loopback TCP exactly as
+//! processes would be. The harness for unit tests, doc examples and users' own tests.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use crate::env::WorldInfo;
+use crate::error::DistError;
+use crate::group::ProcessGroup;
+use crate::store::StoreServer;
+
+/// Runs `f` on `world_size` ranks, each a thread with its own [`ProcessGroup`], and returns
+/// every rank's result in rank order. See [`ThreadWorld`] for timeouts.
+///
+/// ```
+/// use allgrad_dist::{run_threads, ReduceOp};
+/// let sums = run_threads(3, |pg| {
+///     let mut x = [pg.rank() as f32 + 1.0];
+///     pg.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+///     Ok(x[0])
+/// })
+/// .unwrap();
+/// assert_eq!(sums, vec![6.0, 6.0, 6.0]);
+/// ```
+pub fn run_threads<T, F>(world_size: usize, f: F) -> candle_core::Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(ProcessGroup) -> candle_core::Result<T> + Sync,
+{
+    ThreadWorld::new(world_size).run(f)
+}
+
+/// A world of ranks as threads, with its timeouts.
+#[derive(Clone, Debug)]
+pub struct ThreadWorld {
+    world_size: usize,
+    timeout: Duration,
+    watchdog: Option<Duration>,
+}
+
+impl ThreadWorld {
+    /// `world_size` ranks; collective timeout from ALLGRAD_TIMEOUT_S, else 60 s; a watchdog
+    /// that ends the process with a message if the ranks have not all returned 60 s after that.
+    pub fn new(world_size: usize) -> Self {
+        let timeout = WorldInfo::from_env().map(|w| w.timeout).ok().filter(|t| *t != crate::env::DEFAULT_TIMEOUT);
+        let timeout = timeout.unwrap_or(Duration::from_secs(60));
+        ThreadWorld { world_size, timeout, watchdog: Some(timeout + Duration::from_secs(60)) }
+    }
+
+    /// Timeout of every blocking collective call.
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self.watchdog = self.watchdog.map(|_| t + Duration::from_secs(60));
+        self
+    }
+
+    /// Watchdog limit for the whole run (`None` turns it off). When it expires the process
+    /// prints which ranks are still running and exits with status 1: a test fails instead of
+    /// hanging.
+    pub fn watchdog(mut self, limit: Option<Duration>) -> Self {
+        self.watchdog = limit;
+        self
+    }
+
+    /// Runs `f` on every rank; see [`run_threads`]. When ranks fail, the error reports the
+    /// root cause first (a rank that failed on its own, rather than because a peer did).
+    pub fn run<T, F>(&self, f: F) -> candle_core::Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(ProcessGroup) -> candle_core::Result<T> + Sync,
+    {
+        let w = self.world_size;
+        if w == 0 {
+            return Err(DistError::Invalid("run_threads needs at least one rank".into()).into());
+        }
+        let token = format!("threads-{:032x}", rand::random::<u128>());
+        let server = if w > 1 { Some(StoreServer::start("127.0.0.1:0", &token)?) } else { None };
+        let port = server.as_ref().map(|s| s.addr().port()).unwrap_or(crate::env::DEFAULT_MASTER_PORT);
+        let info = |rank| WorldInfo {
+            rank,
+            world_size: w,
+            local_rank: rank,
+            local_world_size: w,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            token: token.clone(),
+            timeout: self.timeout,
+        };
+        let (done_tx, done_rx) = mpsc::channel::<usize>();
+        let _dog = self.watchdog.map(|limit| Watchdog::start(limit, w, done_rx));
+        let f = &f;
+        let outcomes: Vec<(candle_core::Result<T>, bool)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..w)
+                .map(|rank| {
+                    let info = info(rank);
+                    let done = done_tx.clone();
+                    std::thread::Builder::new()
+                        .name(format!("rank-{rank}"))
+                        .spawn_scoped(scope, move || {
+                            let out = run_rank(rank, &info, f);
+                            let _ = done.send(rank);
+                            out
+                        })
+                        .expect("spawning a rank thread")
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank threads catch their panics")).collect()
+        });
+        drop(server);
+
+        let mut results = Vec::with_capacity(w);
+        let mut errors = Vec::new();
+        for (rank, (out, secondary)) in outcomes.into_iter().enumerate() {
+            match out {
+                Ok(v) => results.push(v),
+                Err(e) => errors.push((rank, e, secondary)),
+            }
+        }
+        if errors.is_empty() {
+            return Ok(results);
+        }
+        // Root cause first: a rank whose own failure was not caused by another rank.
+        let pick = errors.iter().position(|(_, _, secondary)| !secondary).unwrap_or(0);
+        let (rank, err, _) = errors.swap_remove(pick);
+        let others: Vec<usize> = errors.iter().map(|(r, _, _)| *r).collect();
+        let tail = if others.is_empty() { String::new() } else { format!(" (ranks {others:?} failed after it)") };
+        Err(candle_core::Error::Msg(format!("rank {rank} of {w} failed: {err}{tail}")))
+    }
+}
+
+/// Runs one rank; returns its outcome and whether its failure was caused by another rank.
+fn run_rank<T, F>(rank: usize, info: &WorldInfo, f: &F) -> (candle_core::Result<T>, bool)
+where
+    F: Fn(ProcessGroup) -> candle_core::Result<T>,
+{
+    let pg = match ProcessGroup::join(info, None) {
+        Ok(pg) => pg,
+        Err(e) => {
+            let secondary = e.is_secondary();
+            return (Err(e.into()), secondary);
+        }
+    };
+    let probe = pg.clone();
+    let out = match catch_unwind(AssertUnwindSafe(|| f(pg))) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic".into());
+            Err(candle_core::Error::Msg(format!("rank {rank} panicked: {msg}")))
+        }
+    };
+    let secondary = match (&out, probe.failure()) {
+        (Err(e), None) => {
+            // The rank failed outside a collective: tell the others why before leaving.
+            probe.abort(&e.to_string());
+            false
+        }
+        (_, Some((_, secondary))) => secondary,
+        (Ok(_), None) => false,
+    };
+    (out, secondary)
+}
+
+struct Watchdog {
+    stop: mpsc::Sender<()>,
+}
+
+impl Watchdog {
+    fn start(limit: Duration, w: usize, done: mpsc::Receiver<usize>) -> Watchdog {
+        let (stop, stop_rx) = mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + limit;
+            let mut finished = vec![false; w];
+            loop {
+                if stop_rx.try_recv().is_ok() {
+                    return;
+                }
+                while let Ok(r) = done.try_recv() {
+                    finished[r] = true;
+                }
+                if std::time::Instant::now() >= deadline {
+                    let stuck: Vec<usize> = (0..w).filter(|r| !finished[*r]).collect();
+                    eprintln!("watchdog: ranks {stuck:?} of a {w}-rank run_threads world did not finish within {limit:?}; exiting");
+                    std::process::exit(1);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        Watchdog { stop }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        let _ = self.stop.send(());
+    }
+}
