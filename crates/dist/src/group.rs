@@ -66,6 +66,7 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
+/// Runs `$body` with `$T` bound to the Rust type of a Candle dtype.
 macro_rules! dispatch {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
@@ -406,17 +407,27 @@ impl ProcessGroup {
     /// dims must agree). Returns the result and each rank's dim-0 size.
     pub fn all_gather_with_sizes(&self, x: &Tensor) -> candle_core::Result<(Tensor, Vec<usize>)> {
         let (rows, rest) = split_first_dim(x, "all_gather")?;
-        let row: usize = rest.iter().product();
         dispatch!(x.dtype(), T => {
             let v = x.flatten_all()?.to_vec1::<T>()?;
-            let meta = shape_words(&rest);
-            let (out, counts) = self.all_gather_v_slice(&v, &meta)?;
-            let sizes: Vec<usize> = counts.iter().map(|c| if row == 0 { 0 } else { c / row }).collect();
-            let sizes = if row == 0 { self.all_gather_slice(&[rows as i64])?.into_iter().map(|s| s as usize).collect() } else { sizes };
+            let (out, sizes) = self.all_gather_rows(&v, rows, &rest)?;
             let mut dims = vec![sizes.iter().sum::<usize>()];
             dims.extend_from_slice(&rest);
             Ok((Tensor::from_vec(out, dims, x.device())?, sizes))
         })
+    }
+
+    /// Gathers `rows` rows of shape `rest` (row-major in `data`) from every rank, in rank
+    /// order; returns the data and each rank's row count.
+    pub fn all_gather_rows<T: Elem>(&self, data: &[T], rows: usize, rest: &[usize]) -> DistResult<(Vec<T>, Vec<usize>)> {
+        let row: usize = rest.iter().product();
+        let (out, counts) = self.all_gather_v_slice(data, &shape_words(rest))?;
+        let sizes = if row == 0 {
+            // Rows of zero elements: the element counts say nothing, so share the row counts.
+            self.all_gather_slice(&[rows as i64])?.into_iter().map(|s| s as usize).collect()
+        } else {
+            counts.iter().map(|c| c / row).collect()
+        };
+        Ok((out, sizes))
     }
 
     /// Concatenates every rank's tensor along dim 0 (not differentiable; see [`crate::all_gather`]).

@@ -9,6 +9,10 @@
 //! - The plain collectives are methods of [`ProcessGroup`]: all_reduce (sum, avg, prod, max,
 //!   min), all_gather (uneven sizes too), reduce_scatter, broadcast, reduce, all_to_all,
 //!   send/recv, barrier, on f32, f64, f16, bf16, i64, u32 and u8.
+//! - The differentiable collectives ([`all_gather`], [`all_reduce`], [`reduce_scatter`],
+//!   [`broadcast`], [`all_to_all`]) are Candle custom ops with a correct backward, under the
+//!   convention documented in [`ops`]. [`testing::check_world_size_invariance`] checks a
+//!   user's own distributed loss against a single process.
 //! - Every blocking call has a timeout (ALLGRAD_TIMEOUT_S, default 300 s). A rank that fails
 //!   or dies makes every other rank's collectives fail within milliseconds, naming it. Ranks
 //!   that call different collectives fail with a message naming both calls.
@@ -22,14 +26,17 @@ pub mod env;
 mod error;
 mod group;
 mod mesh;
+pub mod ops;
 mod reduce;
 pub mod store;
+pub mod testing;
 mod threads;
 mod wire;
 
 pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
 pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
+pub use ops::{all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter};
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
 pub use threads::{run_threads, ThreadWorld};
 

@@ -1,0 +1,139 @@
+//! Differentiable collectives: Candle custom ops whose backward is mathematically right.
+//!
+//! # The gradient convention (the sum rule)
+//!
+//! A distributed step optimises the MEAN over ranks of the per-rank losses,
+//! `J = (1/W) Σ_r L_r`. The backward of every op here returns, on rank r,
+//! `∂(Σ_k L_k) / ∂x_r`: the gradient of the SUM of all ranks' losses with respect to this
+//! rank's input. Hence:
+//!
+//! | forward                | backward (what rank r receives)                                   |
+//! |------------------------|-------------------------------------------------------------------|
+//! | `all_gather`           | reduce_scatter(Sum) of the output gradients (uneven sizes too)    |
+//! | `all_reduce(Sum)`      | all_reduce(Sum) of the output gradients                           |
+//! | `all_reduce(Avg)`      | all_reduce(Sum) / W                                               |
+//! | `all_reduce(Prod)`     | `Σ_k g_k · Π_{j≠r} x_j`, computed without dividing by `x_r`: right with zeros |
+//! | `all_reduce(Max/Min)`  | `Σ_k g_k` to the rank(s) holding the extremum; a tie splits it equally among the holders; a NaN extremum passes no gradient |
+//! | `reduce_scatter(op)`   | as `all_reduce(op)` restricted to this rank's block: all_gather for Sum |
+//! | `broadcast(src)`       | reduce(Sum) of the gradients to `src`; zero on the other ranks    |
+//! | `all_to_all`           | the inverse all_to_all of the gradients                           |
+//!
+//! The trainer scales every gradient by 1/W and sums replicated parameters across ranks
+//! (DDP's average); with that single rule a W-rank run equals a 1-rank run on the global
+//! batch. **Outside the trainer**, a loss computed on every rank yields W times the
+//! single-process gradient; divide the loss by W (`loss / W`) to get it back.
+//!
+//! # The seed example
+//!
+//! Two ranks, `x = 1` on rank 0 and `0` on rank 1; `y = x + 2`, `z = y * y`, all_gather,
+//! `r = z_0 * z_1`, `out = r.mean()`: the sum rule gives `y.grad` = 12 on rank 0 and 18 on
+//! rank 1; with `out / W` it gives 6 and 9 — the single-process answer. (See
+//! `examples/seed_gather.rs`.)
+//!
+//! ```
+//! use allgrad_dist::{all_gather, run_threads};
+//! use candle_core::{Device, Tensor, Var};
+//! let grads = run_threads(2, |pg| {
+//!     let x = Var::from_tensor(&Tensor::full(1.0f64 - pg.rank() as f64, (2, 2), &Device::Cpu)?)?;
+//!     let y = (x.as_tensor() + 2.0)?;
+//!     let z = (&y * &y)?;
+//!     let g = all_gather(&z, &pg)?;
+//!     let out = (g.narrow(0, 0, 2)? * g.narrow(0, 2, 2)?)?.mean_all()?;
+//!     let grads = out.backward()?;
+//!     // y = x + 2, so y's gradient is x's.
+//!     Ok(grads.get(&x).unwrap().flatten_all()?.to_vec1::<f64>()?[0])
+//! })
+//! .unwrap();
+//! assert_eq!(grads, vec![12.0, 18.0]);
+//! ```
+//!
+//! Ranks must run identical graphs: a collective whose output does not reach the loss on
+//! one rank is skipped by that rank's backward while the others wait for it (they fail at
+//! the timeout, naming the call).
+//!
+//! Inputs may be non-contiguous, of any float dtype, on any device (non-CPU tensors are
+//! staged through host memory by the CPU backend). When the input does not track gradients
+//! the op is a plain collective.
+
+mod all_gather;
+mod all_reduce;
+mod all_to_all;
+mod broadcast;
+mod reduce_scatter;
+
+pub use all_gather::all_gather;
+pub use all_reduce::all_reduce;
+pub use all_to_all::{all_to_all, all_to_all_sizes};
+pub use broadcast::broadcast;
+pub use reduce_scatter::reduce_scatter;
+
+use candle_core::{Device, Result, Tensor};
+
+use crate::group::ProcessGroup;
+use crate::reduce::ReduceOp;
+
+/// Runs `$body` with `$v` the contiguous slice of a CPU storage and `$T` its element type.
+macro_rules! on_cpu_slice {
+    ($storage:expr, $layout:expr, $T:ident, $v:ident => $body:expr) => {{
+        let (start, end) = $layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("collective input is not contiguous".into()))?;
+        match $storage {
+            candle_core::CpuStorage::F32(all) => { type $T = f32; let $v: &[$T] = &all[start..end]; $body }
+            candle_core::CpuStorage::F64(all) => { type $T = f64; let $v: &[$T] = &all[start..end]; $body }
+            candle_core::CpuStorage::F16(all) => { type $T = half::f16; let $v: &[$T] = &all[start..end]; $body }
+            candle_core::CpuStorage::BF16(all) => { type $T = half::bf16; let $v: &[$T] = &all[start..end]; $body }
+            candle_core::CpuStorage::I64(all) => { type $T = i64; let $v: &[$T] = &all[start..end]; $body }
+            candle_core::CpuStorage::U32(all) => { type $T = u32; let $v: &[$T] = &all[start..end]; $body }
+            candle_core::CpuStorage::U8(all) => { type $T = u8; let $v: &[$T] = &all[start..end]; $body }
+            s => Err(crate::error::DistError::Invalid(format!(
+                "collectives support the dtypes {:?}, not {:?}",
+                crate::reduce::SUPPORTED_DTYPES,
+                candle_core::backend::BackendStorage::dtype(s)
+            ))
+            .into()),
+        }
+    }};
+}
+pub(crate) use on_cpu_slice;
+
+/// Applies a CPU custom op to `x`, staging tensors of other devices through host memory
+/// (the copies are differentiable, so gradients flow back to the original device).
+pub(crate) fn on_host(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    if x.device().is_cpu() {
+        f(&x)
+    } else {
+        let dev = x.device().clone();
+        f(&x.to_device(&Device::Cpu)?)?.to_device(&dev)
+    }
+}
+
+/// The gradient of an element-wise reduction `out = op_j x_j` with respect to this rank's
+/// `x`, given `g_sum = Σ_k g_k`, the sum over ranks of the gradients of `out` (all three
+/// tensors have the same shape). Implements the table in the module docs.
+pub(crate) fn reduction_grad(pg: &ProcessGroup, op: ReduceOp, x: &Tensor, out: &Tensor, g_sum: &Tensor) -> Result<Tensor> {
+    let w = pg.world_size();
+    match op {
+        ReduceOp::Sum => Ok(g_sum.clone()),
+        ReduceOp::Avg => g_sum / w as f64,
+        ReduceOp::Prod => {
+            // Π_{j≠r} x_j from every rank's x, by multiplication only (no division by x_r).
+            let all = pg.all_gather(&x.unsqueeze(0)?)?;
+            let mut others = Tensor::ones_like(x)?;
+            for j in (0..w).filter(|j| *j != pg.rank()) {
+                others = others.mul(&all.get(j)?)?;
+            }
+            g_sum * others
+        }
+        ReduceOp::Max | ReduceOp::Min => {
+            // The holders of the extremum share the gradient equally.
+            // Counted and divided in the gradient's own dtype: a 1/3 share in f32 would cost
+            // an f64 run seven digits.
+            let holds = x.eq(out)?.to_dtype(g_sum.dtype())?;
+            let holders = pg.all_reduce(&holds, ReduceOp::Sum)?;
+            g_sum * holds.div(&holders.maximum(1.0)?)?
+        }
+    }
+}
+

@@ -1,0 +1,113 @@
+//! Checking a distributed loss for world-size invariance.
+//!
+//! A loss written with the differentiable collectives should train the same on W ranks as
+//! on one rank with the same global batch. [`check_world_size_invariance`] runs a user's
+//! loss both ways and reports how far apart the results are.
+//!
+//! ```
+//! use allgrad_dist::{all_gather, testing::check_world_size_invariance};
+//! use candle_core::{Device, Tensor, D};
+//!
+//! // A custom contrastive-style loss: each rank's rows against ALL rows of the global batch.
+//! let loss = |x: &Tensor, pg: &allgrad_dist::ProcessGroup| -> candle_core::Result<Tensor> {
+//!     let all = all_gather(x, pg)?;                       // [B, D], differentiable
+//!     let sim = x.matmul(&all.t()?)?;                     // [B/W, B]
+//!     let lse = candle_nn_free_logsumexp(&sim)?;          // log Σ_j exp(sim_ij)
+//!     lse.mean_all()                                      // mean over local anchors
+//! };
+//! fn candle_nn_free_logsumexp(s: &Tensor) -> candle_core::Result<Tensor> {
+//!     let m = s.max_keepdim(D::Minus1)?;
+//!     (s.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?.squeeze(D::Minus1)
+//! }
+//!
+//! let x = Tensor::randn(0f64, 1.0, (12, 5), &Device::Cpu).unwrap();
+//! for report in check_world_size_invariance(&x, &[2, 3, 4], loss).unwrap() {
+//!     report.assert_close(1e-10).unwrap();
+//! }
+//! ```
+
+use candle_core::{Result, Tensor, Var};
+
+use crate::group::ProcessGroup;
+use crate::threads::ThreadWorld;
+
+/// How a W-rank run compared with the 1-rank run.
+#[derive(Clone, Debug)]
+pub struct InvarianceReport {
+    /// Ranks of the distributed run.
+    pub world_size: usize,
+    /// Loss of the single-process run on the global batch.
+    pub reference_loss: f64,
+    /// Objective of the W-rank run: the mean over ranks of the per-rank losses.
+    pub loss: f64,
+    /// Largest absolute difference between the input gradients of the two runs.
+    pub max_grad_diff: f64,
+    /// Largest absolute input gradient of the reference (for relative tolerances).
+    pub max_grad: f64,
+}
+
+impl InvarianceReport {
+    /// Fails, with the figures, unless the loss and every gradient agree within `tol`
+    /// relative to max(1, magnitude).
+    pub fn assert_close(&self, tol: f64) -> Result<()> {
+        let loss_err = (self.loss - self.reference_loss).abs() / self.reference_loss.abs().max(1.0);
+        let grad_err = self.max_grad_diff / self.max_grad.max(1.0);
+        if !(loss_err <= tol && grad_err <= tol) {
+            candle_core::bail!(
+                "not world-size invariant at W = {}: loss {} vs single-process {} (rel. diff {loss_err:.3e}), \
+                 largest gradient difference {:.3e} (rel. {grad_err:.3e}); tolerance {tol:.1e}",
+                self.world_size,
+                self.loss,
+                self.reference_loss,
+                self.max_grad_diff
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Runs `loss(features, pg)` on one rank with the whole batch `global` (rows = samples),
+/// then, for each W in `world_sizes`, on W thread-ranks with the rows split into W
+/// consecutive near-equal parts, and compares:
+/// - the single-process loss with the mean over ranks of the per-rank losses, and
+/// - the single-process gradient of the features with the W-rank gradients under the
+///   trainer's rule (each rank's backward scaled by 1/W), concatenated in rank order.
+///
+/// `loss` must return a scalar and build the same graph on every rank.
+pub fn check_world_size_invariance<F>(global: &Tensor, world_sizes: &[usize], loss: F) -> Result<Vec<InvarianceReport>>
+where
+    F: Fn(&Tensor, &ProcessGroup) -> Result<Tensor> + Sync,
+{
+    let run = |w: usize| -> Result<(f64, Tensor)> {
+        let rows = global.dim(0)?;
+        let parts = crate::collectives::split_even(rows, w);
+        let per_rank = ThreadWorld::new(w).run(|pg| {
+            let part = &parts[pg.rank()];
+            let x = Var::from_tensor(&global.narrow(0, part.start, part.len())?.contiguous()?)?;
+            let l = loss(x.as_tensor(), &pg)?;
+            if l.rank() != 0 {
+                candle_core::bail!("the loss must be a scalar, got shape {:?}", l.dims());
+            }
+            let scaled = (&l / w as f64)?;
+            let grads = scaled.backward()?;
+            let g = match grads.get(&x) {
+                Some(g) => g.clone(),
+                None => x.as_tensor().zeros_like()?,
+            };
+            Ok((l.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?, g))
+        })?;
+        let mean_loss = per_rank.iter().map(|(l, _)| l).sum::<f64>() / w as f64;
+        let grads: Vec<Tensor> = per_rank.into_iter().map(|(_, g)| g).collect();
+        Ok((mean_loss, Tensor::cat(&grads, 0)?))
+    };
+    let (reference_loss, reference_grad) = run(1)?;
+    let max_grad = reference_grad.abs()?.max_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+    world_sizes
+        .iter()
+        .map(|&w| {
+            let (l, g) = run(w)?;
+            let diff = (g - &reference_grad)?.abs()?.max_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            Ok(InvarianceReport { world_size: w, reference_loss, loss: l, max_grad_diff: diff, max_grad })
+        })
+        .collect()
+}
