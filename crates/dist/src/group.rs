@@ -507,16 +507,28 @@ impl ProcessGroup {
             ))
             .into());
         }
-        let row: usize = rest.iter().product::<usize>().max(1);
         dispatch!(x.dtype(), T => {
             let v = x.flatten_all()?.to_vec1::<T>()?;
-            let counts: Vec<usize> = send_sizes.iter().map(|s| s * row).collect();
-            let (out, got) = self.all_to_all_v_slice(&v, &counts, &shape_words(&rest))?;
-            let recv_sizes: Vec<usize> = got.iter().map(|c| c / row).collect();
+            let (out, recv_sizes) = self.all_to_all_rows(&v, send_sizes, &rest)?;
             let mut dims = vec![recv_sizes.iter().sum::<usize>()];
             dims.extend_from_slice(&rest);
             Ok((Tensor::from_vec(out, dims, x.device())?, recv_sizes))
         })
+    }
+
+    /// Sends `send_rows[j]` rows of shape `rest` (row-major in `data`, consecutive) to rank j;
+    /// returns the rows received, in rank order, and how many came from each rank.
+    pub fn all_to_all_rows<T: Elem>(&self, data: &[T], send_rows: &[usize], rest: &[usize]) -> DistResult<(Vec<T>, Vec<usize>)> {
+        let row: usize = rest.iter().product();
+        if row == 0 {
+            // Rows of zero elements: exchange the row counts themselves.
+            let counts: Vec<i64> = send_rows.iter().map(|r| *r as i64).collect();
+            let (got, _) = self.all_to_all_v_slice(&counts, &vec![1; self.world_size()], &shape_words(rest))?;
+            return Ok((Vec::new(), got.into_iter().map(|r| r as usize).collect()));
+        }
+        let counts: Vec<usize> = send_rows.iter().map(|s| s * row).collect();
+        let (out, got) = self.all_to_all_v_slice(data, &counts, &shape_words(rest))?;
+        Ok((out, got.iter().map(|c| c / row).collect()))
     }
 
     /// Splits dim 0 (divisible by W) into W equal blocks and sends block j to rank j.

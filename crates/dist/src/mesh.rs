@@ -101,11 +101,14 @@ pub(crate) struct Mesh {
     pub timeout: Duration,
     /// The first error on this group, and whether another rank caused it.
     failure: Option<(String, bool)>,
+    /// Peers to which a frame is half written: an ABORT frame must not be sent to them.
+    mid_frame: Vec<bool>,
 }
 
 impl Mesh {
     pub fn new(group: String, rank: usize, members: Vec<usize>, peers: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
-        Mesh { group, rank, members, peers, timeout, failure: None }
+        let n = peers.len();
+        Mesh { group, rank, members, peers, timeout, failure: None, mid_frame: vec![false; n] }
     }
 
     pub fn size(&self) -> usize {
@@ -140,16 +143,42 @@ impl Mesh {
         let h = Header { kind: KIND_ABORT, len: reason.len() as u64, ..Default::default() };
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(reason);
-        for s in self.peers.iter_mut().flatten() {
-            // Best effort and never blocking: a peer that cannot take it sees the close instead.
+        for (p, s) in self.peers.iter_mut().enumerate() {
+            let Some(s) = s else { continue };
+            // Best effort and never blocking: a peer that cannot take it (or that is in the
+            // middle of one of our frames) sees the connection close instead.
             let _ = s.set_nonblocking(true);
-            let _ = s.write(&frame);
+            if !self.mid_frame[p] {
+                let _ = s.write(&frame);
+            }
             let _ = s.shutdown(Shutdown::Write);
         }
     }
 
-    fn peer_closed(&self, peer: usize, during: &str) -> DistError {
+    /// The error for a peer whose connection closed. A peer that failed because of another
+    /// rank sent an ABORT frame before closing; when that frame is waiting at the front of its
+    /// stream, report it (it names the root cause) rather than the close.
+    fn peer_closed(&self, peer: usize, during: &str, at_frame_boundary: bool) -> DistError {
+        if at_frame_boundary {
+            if let Some(e) = self.pending_abort(peer) {
+                return e;
+            }
+        }
         DistError::PeerClosed { peer: self.members[peer], during: during.to_string(), group: self.group.clone() }
+    }
+
+    fn pending_abort(&self, peer: usize) -> Option<DistError> {
+        let s = self.peers[peer].as_ref()?;
+        let mut head = [0u8; HEADER_LEN];
+        if s.peek(&mut head).ok()? != HEADER_LEN {
+            return None;
+        }
+        let h = Header::decode(&head).filter(|h| h.kind == KIND_ABORT && h.len <= MAX_ABORT_REASON)?;
+        let mut buf = vec![0u8; HEADER_LEN + h.len as usize];
+        if s.peek(&mut buf).ok()? != buf.len() {
+            return None;
+        }
+        Some(self.aborted(peer, &buf[HEADER_LEN..]))
     }
 
     /// Runs `sends` and `recvs` to completion, concurrently, before the group's deadline.
@@ -214,7 +243,9 @@ impl Mesh {
                 }
                 if writable && fd.events & libc::POLLOUT != 0 {
                     if let Some(i) = sends.iter().position(|s| s.peer == peer) {
-                        self.pump_send(&sends[i], &send_frames[i], &mut sent[i], what)?;
+                        // Whether this rank is part-way through reading a frame from the same peer.
+                        let reading = recvs.iter().zip(&rs).any(|(r, st)| r.peer == peer && !st.done && (st.phase != Phase::Header || st.got > 0));
+                        self.pump_send(&sends[i], &send_frames[i], &mut sent[i], what, reading)?;
                     }
                 }
             }
@@ -225,7 +256,13 @@ impl Mesh {
         self.peers[peer].as_ref().expect("no connection to self")
     }
 
-    fn pump_send(&self, s: &SendOp, header: &[u8; HEADER_LEN], sent: &mut usize, what: &str) -> DistResult<()> {
+    fn pump_send(&mut self, s: &SendOp, header: &[u8; HEADER_LEN], sent: &mut usize, what: &str, reading_mid_frame: bool) -> DistResult<()> {
+        let r = self.pump_send_inner(s, header, sent, what, reading_mid_frame);
+        self.mid_frame[s.peer] = *sent > 0 && *sent < HEADER_LEN + s.data.len();
+        r
+    }
+
+    fn pump_send_inner(&self, s: &SendOp, header: &[u8; HEADER_LEN], sent: &mut usize, what: &str, reading_mid_frame: bool) -> DistResult<()> {
         let mut stream = self.stream(s.peer);
         let total = HEADER_LEN + s.data.len();
         while *sent < total {
@@ -243,11 +280,11 @@ impl Mesh {
                 stream.write(&s.data[*sent - HEADER_LEN..])
             };
             match res {
-                Ok(0) => return Err(self.peer_closed(s.peer, what)),
+                Ok(0) => return Err(self.peer_closed(s.peer, what, !reading_mid_frame)),
                 Ok(n) => *sent += n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if is_disconnect(&e) => return Err(self.peer_closed(s.peer, what)),
+                Err(e) if is_disconnect(&e) => return Err(self.peer_closed(s.peer, what, !reading_mid_frame)),
                 Err(e) => return Err(DistError::io(format!("sending to rank {} in {what}", self.members[s.peer]), e)),
             }
         }
@@ -263,11 +300,11 @@ impl Mesh {
                 Phase::Abort => stream.read(&mut st.reason[st.got..]),
             };
             let n = match res {
-                Ok(0) => return Err(self.peer_closed(r.peer, what)),
+                Ok(0) => return Err(self.peer_closed(r.peer, what, false)),
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) if is_disconnect(&e) => return Err(self.peer_closed(r.peer, what)),
+                Err(e) if is_disconnect(&e) => return Err(self.peer_closed(r.peer, what, st.phase == Phase::Header && st.got == 0)),
                 Err(e) => return Err(DistError::io(format!("receiving from rank {} in {what}", self.members[r.peer]), e)),
             };
             st.got += n;
@@ -346,7 +383,17 @@ impl Mesh {
 
 impl Drop for Mesh {
     fn drop(&mut self) {
-        for s in self.peers.iter().flatten() {
+        // Closing a socket with unread input makes the kernel send a reset, which can make the
+        // peer lose an ABORT frame still queued for it. Drain what has arrived first.
+        let mut sink = vec![0u8; 64 << 10];
+        for mut s in self.peers.iter().flatten() {
+            let _ = s.set_nonblocking(true);
+            for _ in 0..1024 {
+                match s.read(&mut sink) {
+                    Ok(n) if n > 0 => {}
+                    _ => break,
+                }
+            }
             let _ = s.shutdown(Shutdown::Both);
         }
     }

@@ -53,12 +53,8 @@ impl CustomOp1 for AllToAll {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = l.dims();
-        let row: usize = dims[1..].iter().product::<usize>().max(1);
-        let counts: Vec<usize> = self.send_sizes.iter().map(|s| s * row).collect();
-        let meta: Vec<u64> = dims[1..].iter().map(|d| *d as u64).collect();
         on_cpu_slice!(s, l, T, v => {
-            let (out, got) = self.pg.all_to_all_v_slice(v, &counts, &meta)?;
-            let recv: Vec<usize> = got.iter().map(|c| c / row).collect();
+            let (out, recv) = self.pg.all_to_all_rows(v, &self.send_sizes, &dims[1..])?;
             let mut shape = vec![recv.iter().sum::<usize>()];
             shape.extend_from_slice(&dims[1..]);
             let _ = self.recv_sizes.set(recv);
