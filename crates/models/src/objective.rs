@@ -1,0 +1,50 @@
+//! The trait between a method and the trainer.
+
+use allgrad_dist::ProcessGroup;
+use candle_core::{Result, Tensor};
+use candle_nn::VarBuilder;
+
+/// Where a step's local batch comes from. Every random choice an objective makes (views,
+/// augmentations, dropout) must be keyed by `(seed, epoch, global sample index, ...)` or
+/// `(seed, step, ...)`, never by the rank or a sample's local position, so that a run on W
+/// ranks equals a run on one rank at the same global batch.
+#[derive(Clone, Copy, Debug)]
+pub struct Batch<'a> {
+    /// Global indices of this rank's samples (its contiguous part of the global batch).
+    pub indices: &'a [usize],
+    /// Epoch, from 0.
+    pub epoch: usize,
+    /// Optimizer step, from 0.
+    pub step: usize,
+    /// The run's seed.
+    pub seed: u64,
+}
+
+/// A method: parameters plus the loss of a local batch.
+///
+/// The trainer optimises `J = (1/W) Σ_r L_r` where `L_r` is what [`Objective::loss`] returns
+/// on rank r. A loss that depends on other ranks' data must reach it through the
+/// differentiable collectives of `allgrad_dist` (their backward follows the sum rule); the
+/// trainer then scales gradients by 1/W and sums replicated parameters across ranks.
+pub trait Objective: Send {
+    /// Creates the parameters through `vb`. Initialisation is seeded by the parameter's name,
+    /// so it does not depend on the world size or on the order of creation.
+    fn build(&mut self, vb: VarBuilder) -> Result<()>;
+
+    /// Number of samples in the training set.
+    fn num_samples(&self) -> usize;
+
+    /// This rank's loss (a scalar) on its part of the global batch.
+    fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor>;
+
+    /// Whether a parameter is sharded across ranks (each rank holds a different part, as in a
+    /// class-sharded classification head). Sharded parameters are not all-reduced.
+    fn is_sharded(&self, _name: &str) -> bool {
+        false
+    }
+
+    /// Evaluation metrics (name, value), logged at the end of every epoch and of the run.
+    fn evaluate(&mut self, _pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
+        Ok(Vec::new())
+    }
+}

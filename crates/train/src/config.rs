@@ -1,0 +1,302 @@
+//! The run configuration: YAML into serde types, one section per component.
+//!
+//! ```yaml
+//! seed: 0
+//! data: { kind: vectors, samples: 1024 }
+//! model: { kind: mlp, hidden: 64, out: 16 }
+//! loss: { kind: nt_xent, temperature: 0.2 }
+//! optim: { kind: lars, lr: 0.3, weight_decay: 1.0e-6 }
+//! schedule: { warmup_steps: 10, scale_by_batch: true }
+//! train: { global_batch: 128, epochs: 2 }
+//! checkpoint: { every: 50, keep_last: 3 }
+//! log: { every: 10 }
+//! ```
+//!
+//! Unknown keys, wrong types and values that do not fit the world size fail at start, with
+//! the file, the key path and what was expected.
+
+use std::path::{Path, PathBuf};
+
+use allgrad_models::vectors::{VectorData, VectorLoss, VectorModel};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::CheckpointConfig;
+use crate::metrics::LogConfig;
+use crate::optim::OptimConfig;
+use crate::schedule::ScheduleConfig;
+use crate::trainer::TrainSection;
+
+/// A whole run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Seed of every random stream (initialisation, data order, views).
+    #[serde(default)]
+    pub seed: u64,
+    /// Where tensors live.
+    #[serde(default)]
+    pub device: DeviceKind,
+    /// Precision of parameters and compute.
+    #[serde(default)]
+    pub dtype: Precision,
+    /// The training data.
+    pub data: DataConfig,
+    /// The model.
+    pub model: ModelConfig,
+    /// The loss.
+    #[serde(default)]
+    pub loss: VectorLoss,
+    /// The optimizer.
+    #[serde(default)]
+    pub optim: OptimConfig,
+    /// The learning-rate schedule.
+    #[serde(default)]
+    pub schedule: ScheduleConfig,
+    /// Batch, length and step policy.
+    pub train: TrainSection,
+    /// Checkpointing.
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    /// Metrics, progress and plots.
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+/// The device to train on.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    /// The CPU.
+    #[default]
+    Cpu,
+    /// The GPU of this rank's LOCAL_RANK (needs a build with the `cuda` feature).
+    Cuda,
+}
+
+/// Floating-point precision.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// 32-bit.
+    #[default]
+    F32,
+    /// 64-bit (for exactness checks).
+    F64,
+}
+
+/// The `data` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum DataConfig {
+    /// Seeded synthetic vectors around random cluster centres.
+    Vectors(VectorData),
+}
+
+/// The `model` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ModelConfig {
+    /// A two-layer perceptron encoder (for vector data).
+    Mlp(VectorModel),
+}
+
+/// A configuration that could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid YAML.
+    #[error("{path}: not valid YAML: {msg}")]
+    Yaml {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message (with line and column).
+        msg: String,
+    },
+    /// A key is unknown or its value has the wrong type.
+    #[error("{path}: at `{key}`: {msg}")]
+    Field {
+        /// The file.
+        path: PathBuf,
+        /// Dotted key path.
+        key: String,
+        /// What was wrong and what was expected.
+        msg: String,
+    },
+    /// A `--set key=value` argument is malformed.
+    #[error("--set {arg:?}: {msg}")]
+    Override {
+        /// The argument.
+        arg: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// The values do not work together (or with the world size).
+    #[error("{path}: {msg}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, with the numbers.
+        msg: String,
+    },
+}
+
+impl RunConfig {
+    /// Reads `path`, applies `overrides` (`dotted.key=value`, the value parsed as YAML), and
+    /// deserialises.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        Self::parse(&text, path, overrides)
+    }
+
+    /// As [`RunConfig::load`], from text; `path` is only used in messages.
+    pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        let mut value: serde_yaml::Value =
+            serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml { path: path.into(), msg: e.to_string() })?;
+        for arg in overrides {
+            apply_override(&mut value, arg)?;
+        }
+        serde_path_to_error::deserialize(value).map_err(|e| {
+            let key = e.path().to_string();
+            ConfigError::Field { path: path.into(), key, msg: e.into_inner().to_string() }
+        })
+    }
+
+    /// Checks the values against each other and the world size.
+    pub fn validate(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
+        let bad = |msg: String| ConfigError::Invalid { path: path.into(), msg };
+        let t = &self.train;
+        if t.global_batch == 0 || t.accumulate == 0 {
+            return Err(bad(format!("train.global_batch ({}) and train.accumulate ({}) must be positive", t.global_batch, t.accumulate)));
+        }
+        let unit = world_size * t.accumulate;
+        if t.global_batch % unit != 0 {
+            return Err(bad(format!(
+                "train.global_batch = {} is not divisible by world size {world_size} x train.accumulate {} = {unit}: \
+                 each rank takes global_batch / world_size samples per step, in `accumulate` equal micro-batches",
+                t.global_batch, t.accumulate
+            )));
+        }
+        let DataConfig::Vectors(d) = &self.data;
+        if d.samples < t.global_batch {
+            return Err(bad(format!("data.samples = {} is smaller than train.global_batch = {}", d.samples, t.global_batch)));
+        }
+        if t.epochs == 0 && t.max_steps.is_none() {
+            return Err(bad("train.epochs is 0 and train.max_steps is not set: nothing to train".into()));
+        }
+        if let Some(c) = t.clip_grad_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(bad(format!("train.clip_grad_norm must be positive, got {c}")));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.schedule.final_fraction) {
+            return Err(bad(format!("schedule.final_fraction must be in [0, 1], got {}", self.schedule.final_fraction)));
+        }
+        if self.log.every == 0 {
+            return Err(bad("log.every must be at least 1".into()));
+        }
+        self.optim.validate().map_err(bad)?;
+        match &self.loss {
+            VectorLoss::NtXent { temperature } if !(*temperature > 0.0) => {
+                return Err(bad(format!("loss.temperature must be positive, got {temperature}")))
+            }
+            VectorLoss::CrossCorrelation { lambda } if !(*lambda >= 0.0) => {
+                return Err(bad(format!("loss.lambda must be non-negative, got {lambda}")))
+            }
+            _ => {}
+        }
+        if self.device == DeviceKind::Cuda && !candle_core::utils::cuda_is_available() {
+            return Err(bad("device: cuda, but this build has no CUDA support (build with --features cuda on a machine with nvcc)".into()));
+        }
+        Ok(())
+    }
+
+    /// The resolved configuration as YAML (written to the run directory).
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("configs serialise")
+    }
+}
+
+fn apply_override(root: &mut serde_yaml::Value, arg: &str) -> Result<(), ConfigError> {
+    let err = |msg: &str| ConfigError::Override { arg: arg.to_string(), msg: msg.to_string() };
+    let (key, raw) = arg.split_once('=').ok_or_else(|| err("expected dotted.key=value"))?;
+    let parts: Vec<&str> = key.trim().split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(err("empty key segment"));
+    }
+    let value: serde_yaml::Value = serde_yaml::from_str(raw).unwrap_or_else(|_| serde_yaml::Value::String(raw.to_string()));
+    let mut node = root;
+    for (i, part) in parts.iter().enumerate() {
+        if node.is_null() {
+            *node = serde_yaml::Value::Mapping(Default::default());
+        }
+        let map = node
+            .as_mapping_mut()
+            .ok_or_else(|| err(&format!("`{}` is not a section", parts[..i].join("."))))?;
+        let k = serde_yaml::Value::String(part.to_string());
+        if i + 1 == parts.len() {
+            map.insert(k, value);
+            return Ok(());
+        }
+        node = map.entry(k).or_insert(serde_yaml::Value::Null);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "data: {kind: vectors}\nmodel: {kind: mlp}\ntrain: {global_batch: 12}\n";
+
+    fn parse(text: &str, sets: &[&str]) -> Result<RunConfig, ConfigError> {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        RunConfig::parse(text, Path::new("run.yaml"), &sets)
+    }
+
+    #[test]
+    fn defaults_fill_the_sections() {
+        let c = parse(BASE, &[]).unwrap();
+        assert_eq!(c.train.global_batch, 12);
+        assert_eq!(c.optim, OptimConfig::default());
+        c.validate(3, Path::new("run.yaml")).unwrap();
+    }
+
+    #[test]
+    fn unknown_key_names_file_path_and_expected_keys() {
+        let e = parse(&format!("{BASE}optim: {{kind: sgd, lr: 0.1, momentun: 0.9}}\n"), &[]).unwrap_err().to_string();
+        assert!(e.starts_with("run.yaml: at `optim"), "{e}");
+        assert!(e.contains("unknown field `momentun`") && e.contains("momentum"), "{e}");
+        let e = parse(&format!("{BASE}trian: {{}}\n"), &[]).unwrap_err().to_string();
+        assert!(e.contains("unknown field `trian`"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let e = parse("data: {kind: vectors}\nmodel: {kind: mlp}\ntrain: {global_batch: many}\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("at `train.global_batch`") && e.contains("invalid type"), "{e}");
+    }
+
+    #[test]
+    fn indivisible_batch_names_the_numbers() {
+        let c = parse(BASE, &["train.global_batch=30"]).unwrap();
+        let e = c.validate(4, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.contains("train.global_batch = 30 is not divisible by world size 4"), "{e}");
+    }
+
+    #[test]
+    fn overrides_set_nested_keys_with_yaml_types() {
+        let c = parse(BASE, &["optim.kind=adamw", "optim.lr=0.001", "log.plot=false", "seed=7"]).unwrap();
+        assert!(matches!(c.optim, OptimConfig::Adamw { lr, .. } if lr == 0.001));
+        assert!(!c.log.plot);
+        assert_eq!(c.seed, 7);
+        assert!(parse(BASE, &["nokey"]).is_err());
+        assert!(parse(BASE, &["train.global_batch.x=1"]).unwrap_err().to_string().contains("`train.global_batch` is not a section"));
+    }
+}

@@ -1,0 +1,26 @@
+//! # allgrad-train
+//!
+//! The trainer as a library: a [`RunConfig`] (YAML), a [`Trainer`] that runs any
+//! [`allgrad_models::Objective`] data-parallel with exact gradient semantics, optimizers
+//! (SGD, LARS, AdamW), warmup + cosine schedules, atomic checkpoints with bitwise resume,
+//! `metrics.jsonl`, a progress bar and `loss.png`.
+//!
+//! A run directory holds `config.yaml`, `metrics.jsonl`, `checkpoints/step_<N>/`
+//! (`model.safetensors`, `optimizer.safetensors`, `state.json`), `checkpoints/latest` and
+//! `loss.png`.
+
+#![warn(missing_docs)]
+
+pub mod checkpoint;
+pub mod config;
+pub mod ddp;
+pub mod metrics;
+pub mod optim;
+pub mod params;
+pub mod run;
+pub mod sampler;
+pub mod schedule;
+pub mod trainer;
+
+pub use config::RunConfig;
+pub use trainer::{Summary, Trainer, TrainerConfig};

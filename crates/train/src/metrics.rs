@@ -1,0 +1,224 @@
+//! What a person sees: `metrics.jsonl`, a progress bar (or periodic lines when the output is
+//! not a terminal), and `loss.png` at the end.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+/// The `log` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// Write a metrics line every this many steps.
+    pub every: usize,
+    /// Progress display on rank 0.
+    pub progress: Progress,
+    /// Draw `loss.png` at the end.
+    pub plot: bool,
+}
+
+/// How rank 0 shows progress.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Progress {
+    /// A bar when stderr is a terminal, log lines otherwise.
+    Auto,
+    /// Always a bar.
+    Bar,
+    /// Log lines every `every` steps.
+    Lines,
+    /// Nothing but the summary.
+    Quiet,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { every: 10, progress: Progress::Auto, plot: true }
+    }
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Record {
+    /// Steps completed.
+    pub step: usize,
+    /// Epoch of the step.
+    pub epoch: usize,
+    /// Mean over ranks of the per-rank losses (absent on evaluation lines).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub loss: Option<f64>,
+    /// Learning rate of the step.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub lr: Option<f64>,
+    /// Global samples per second since the last line.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub samples_per_s: Option<f64>,
+    /// Global gradient norm before clipping.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub grad_norm: Option<f64>,
+    /// Evaluation metrics.
+    #[serde(flatten)]
+    pub eval: std::collections::BTreeMap<String, f64>,
+}
+
+/// The metrics file of a run (rank 0 only).
+pub struct MetricsLog {
+    path: PathBuf,
+    file: File,
+    /// Every record, for the plot.
+    pub history: Vec<Record>,
+}
+
+impl MetricsLog {
+    /// Opens `dir/metrics.jsonl`. On resume, keeps the lines up to `resume_step` (a crash may
+    /// have left lines past the checkpoint) and appends after them; otherwise starts afresh.
+    pub fn open(dir: &Path, resume_step: Option<usize>) -> std::io::Result<MetricsLog> {
+        let path = dir.join("metrics.jsonl");
+        let mut history = Vec::new();
+        if let (Some(limit), Ok(f)) = (resume_step, File::open(&path)) {
+            for line in BufReader::new(f).lines() {
+                if let Ok(r) = serde_json::from_str::<Record>(&line?) {
+                    if r.step <= limit {
+                        history.push(r);
+                    }
+                }
+            }
+        }
+        let mut file = OpenOptions::new().create(true).write(true).truncate(true).open(&path)?;
+        for r in &history {
+            writeln!(file, "{}", serde_json::to_string(r).expect("records serialise"))?;
+        }
+        file.flush()?;
+        Ok(MetricsLog { path, file, history })
+    }
+
+    /// Appends a record.
+    pub fn write(&mut self, r: Record) -> std::io::Result<()> {
+        writeln!(self.file, "{}", serde_json::to_string(&r).expect("records serialise"))?;
+        self.file.flush()?;
+        self.history.push(r);
+        Ok(())
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Rank 0's progress display.
+pub struct ProgressView {
+    bar: Option<indicatif::ProgressBar>,
+    lines: bool,
+    quiet: bool,
+    started: Instant,
+}
+
+impl ProgressView {
+    /// A display for `total` steps starting at `done`.
+    pub fn new(mode: Progress, total: usize, done: usize) -> Self {
+        let use_bar = match mode {
+            Progress::Bar => true,
+            Progress::Auto => std::io::stderr().is_terminal(),
+            _ => false,
+        };
+        let bar = use_bar.then(|| {
+            let b = indicatif::ProgressBar::new(total as u64);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
+                    .expect("valid template"),
+            );
+            b.set_position(done as u64);
+            b
+        });
+        let lines = mode == Progress::Lines || (mode == Progress::Auto && !use_bar);
+        ProgressView { bar, lines, quiet: mode == Progress::Quiet, started: Instant::now() }
+    }
+
+    /// Shows the state after a step.
+    pub fn update(&self, step: usize, total: usize, loss: f64, lr: f64, samples_per_s: f64, log_line: bool) {
+        let msg = format!("loss {loss:.4}  lr {lr:.3e}  {samples_per_s:.0} samples/s");
+        if let Some(b) = &self.bar {
+            b.set_position(step as u64);
+            b.set_message(msg);
+        } else if self.lines && log_line {
+            eprintln!("step {step}/{total}  {msg}  ({:.1} s)", self.started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Prints a line without breaking the bar.
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(b) => b.println(line),
+            None if !self.quiet => eprintln!("{line}"),
+            None => {}
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// Draws loss and learning-rate curves to `path` (PNG). Text needs a TrueType font: the
+/// file named by ALLGRAD_FONT, else DejaVu Sans where Debian installs it; without one the
+/// curves are drawn unlabelled.
+pub fn plot(history: &[Record], path: &Path) -> Result<(), String> {
+    use plotters::prelude::*;
+    let pts = |f: fn(&Record) -> Option<f64>| -> Vec<(f64, f64)> {
+        history.iter().filter_map(|r| f(r).filter(|v| v.is_finite()).map(|v| (r.step as f64, v))).collect()
+    };
+    let loss = pts(|r| r.loss);
+    let lr = pts(|r| r.lr);
+    if loss.is_empty() {
+        return Err("no loss values to plot".into());
+    }
+    let labelled = register_font();
+    let root = BitMapBackend::new(path, (900, 700)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let panels = root.split_evenly((2, 1));
+    let x_max = history.iter().map(|r| r.step).max().unwrap_or(1).max(1) as f64;
+    for (panel, (data, name, color)) in panels.iter().zip([(&loss, "loss", BLUE), (&lr, "learning rate", RED)]) {
+        if data.is_empty() {
+            continue;
+        }
+        let (lo, hi) = data.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (_, y)| (a.min(*y), b.max(*y)));
+        let pad = ((hi - lo) * 0.05).max(1e-12);
+        let mut chart = ChartBuilder::on(panel);
+        chart.margin(15);
+        if labelled {
+            chart.caption(name, ("sans-serif", 22)).x_label_area_size(35).y_label_area_size(70);
+        }
+        let mut chart = chart.build_cartesian_2d(0f64..x_max, (lo - pad)..(hi + pad)).map_err(|e| e.to_string())?;
+        if labelled {
+            chart.configure_mesh().x_desc("step").draw().map_err(|e| e.to_string())?;
+        }
+        chart.draw_series(LineSeries::new(data.iter().copied(), color.stroke_width(2))).map_err(|e| e.to_string())?;
+    }
+    root.present().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+fn register_font() -> bool {
+    use std::sync::OnceLock;
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        let candidates = [std::env::var("ALLGRAD_FONT").unwrap_or_default(), "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into()];
+        for c in candidates.iter().filter(|c| !c.is_empty()) {
+            if let Ok(bytes) = std::fs::read(c) {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes).is_ok() {
+                    return true;
+                }
+            }
+        }
+        tracing::warn!("no TrueType font found (set ALLGRAD_FONT): loss.png is drawn without labels");
+        false
+    })
+}

@@ -1,0 +1,232 @@
+//! Optimizers with their state: SGD (momentum, nesterov, weight decay), LARS, AdamW.
+//!
+//! All run on the synchronised gradients, so every rank applies the same update to its
+//! replicated parameters. Their state is a set of named tensors (`<param>/<slot>`) plus a
+//! step count, saved in checkpoints.
+
+use std::collections::BTreeMap;
+
+use allgrad_dist::{ProcessGroup, ReduceOp};
+use candle_core::{DType, Result, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+/// The `optim` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum OptimConfig {
+    /// Stochastic gradient descent.
+    Sgd {
+        /// Peak learning rate (see the schedule for warmup, decay and batch scaling).
+        lr: f64,
+        /// Momentum (0 disables it).
+        #[serde(default)]
+        momentum: f64,
+        /// Nesterov momentum.
+        #[serde(default)]
+        nesterov: bool,
+        /// L2 weight decay added to the gradient.
+        #[serde(default)]
+        weight_decay: f64,
+    },
+    /// Layer-wise adaptive rate scaling (as used by SimCLR and BarlowTwins): each weight's
+    /// update is scaled by `trust_coefficient * |w| / |g + wd w|`.
+    Lars {
+        /// Peak learning rate.
+        lr: f64,
+        /// Momentum.
+        #[serde(default = "default_momentum")]
+        momentum: f64,
+        /// Weight decay (not applied to excluded parameters).
+        #[serde(default)]
+        weight_decay: f64,
+        /// The trust coefficient (eta).
+        #[serde(default = "default_trust")]
+        trust_coefficient: f64,
+        /// Exclude biases and normalisation parameters (every 1-D parameter) from adaptation
+        /// and weight decay.
+        #[serde(default = "yes")]
+        exclude_1d: bool,
+    },
+    /// Adam with decoupled weight decay.
+    Adamw {
+        /// Peak learning rate.
+        lr: f64,
+        /// First-moment decay.
+        #[serde(default = "default_beta1")]
+        beta1: f64,
+        /// Second-moment decay.
+        #[serde(default = "default_beta2")]
+        beta2: f64,
+        /// Denominator guard.
+        #[serde(default = "default_eps")]
+        eps: f64,
+        /// Decoupled weight decay.
+        #[serde(default = "default_adamw_wd")]
+        weight_decay: f64,
+    },
+}
+
+fn default_momentum() -> f64 {
+    0.9
+}
+fn default_trust() -> f64 {
+    0.001
+}
+fn yes() -> bool {
+    true
+}
+fn default_beta1() -> f64 {
+    0.9
+}
+fn default_beta2() -> f64 {
+    0.999
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+fn default_adamw_wd() -> f64 {
+    0.01
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig::Sgd { lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.0 }
+    }
+}
+
+impl OptimConfig {
+    /// The configured peak learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            OptimConfig::Sgd { lr, .. } | OptimConfig::Lars { lr, .. } | OptimConfig::Adamw { lr, .. } => *lr,
+        }
+    }
+
+    /// Checks the values; the message names the key.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let lr = self.lr();
+        if !(lr.is_finite() && lr > 0.0) {
+            return Err(format!("optim.lr must be a positive number, got {lr}"));
+        }
+        let check = |name: &str, v: f64, lo: f64, hi: f64| {
+            if v.is_finite() && v >= lo && v < hi {
+                Ok(())
+            } else {
+                Err(format!("optim.{name} must be in [{lo}, {hi}), got {v}"))
+            }
+        };
+        match self {
+            OptimConfig::Sgd { momentum, weight_decay, .. } => {
+                check("momentum", *momentum, 0.0, 1.0)?;
+                check("weight_decay", *weight_decay, 0.0, f64::INFINITY)
+            }
+            OptimConfig::Lars { momentum, weight_decay, trust_coefficient, .. } => {
+                check("momentum", *momentum, 0.0, 1.0)?;
+                check("weight_decay", *weight_decay, 0.0, f64::INFINITY)?;
+                check("trust_coefficient", *trust_coefficient, f64::MIN_POSITIVE, f64::INFINITY)
+            }
+            OptimConfig::Adamw { beta1, beta2, eps, weight_decay, .. } => {
+                check("beta1", *beta1, 0.0, 1.0)?;
+                check("beta2", *beta2, 0.0, 1.0)?;
+                check("eps", *eps, f64::MIN_POSITIVE, f64::INFINITY)?;
+                check("weight_decay", *weight_decay, 0.0, f64::INFINITY)
+            }
+        }
+    }
+}
+
+/// An optimizer and its state.
+pub struct Optimizer {
+    cfg: OptimConfig,
+    /// Slot tensors by `<param>/<slot>`.
+    state: BTreeMap<String, Tensor>,
+    /// Updates applied so far.
+    pub steps: u64,
+}
+
+fn sq_norm(t: &Tensor) -> Result<f64> {
+    t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()
+}
+
+impl Optimizer {
+    /// A fresh optimizer.
+    pub fn new(cfg: OptimConfig) -> Self {
+        Optimizer { cfg, state: BTreeMap::new(), steps: 0 }
+    }
+
+    /// The state tensors, for checkpoints.
+    pub fn state(&self) -> &BTreeMap<String, Tensor> {
+        &self.state
+    }
+
+    /// Restores state saved by [`Optimizer::state`].
+    pub fn load_state(&mut self, state: BTreeMap<String, Tensor>, steps: u64) {
+        self.state = state;
+        self.steps = steps;
+    }
+
+    fn slot(&mut self, name: &str, slot: &str, like: &Tensor) -> Result<Tensor> {
+        let key = format!("{name}/{slot}");
+        match self.state.get(&key) {
+            Some(t) => Ok(t.clone()),
+            None => like.zeros_like(),
+        }
+    }
+
+    fn set_slot(&mut self, name: &str, slot: &str, t: Tensor) {
+        self.state.insert(format!("{name}/{slot}"), t);
+    }
+
+    /// Applies one update with learning rate `lr`. `params` and `grads` are aligned and in
+    /// name order; `sharded[i]` marks parameters split across ranks, whose norms (for LARS)
+    /// are summed over `pg` so every shard sees the full tensor's trust ratio.
+    pub fn step(&mut self, params: &[(String, Var)], grads: &[Tensor], sharded: &[bool], lr: f64, pg: &ProcessGroup) -> Result<()> {
+        self.steps += 1;
+        let t = self.steps as i32;
+        let cfg = self.cfg.clone();
+        for (i, ((name, p), g)) in params.iter().zip(grads).enumerate() {
+            let w = p.as_tensor();
+            let update = match cfg {
+                OptimConfig::Sgd { momentum, nesterov, weight_decay, .. } => {
+                    let mut d = if weight_decay > 0.0 { (g + (w * weight_decay)?)? } else { g.clone() };
+                    if momentum > 0.0 {
+                        let buf = ((self.slot(name, "momentum", w)? * momentum)? + &d)?;
+                        d = if nesterov { (&d + (&buf * momentum)?)? } else { buf.clone() };
+                        self.set_slot(name, "momentum", buf);
+                    }
+                    (d * lr)?
+                }
+                OptimConfig::Lars { momentum, weight_decay, trust_coefficient, exclude_1d, .. } => {
+                    let excluded = exclude_1d && w.rank() <= 1;
+                    let d = if excluded {
+                        g.clone()
+                    } else {
+                        let d = if weight_decay > 0.0 { (g + (w * weight_decay)?)? } else { g.clone() };
+                        let mut norms = [sq_norm(w)?, sq_norm(&d)?];
+                        if sharded[i] {
+                            pg.all_reduce_slice(&mut norms, ReduceOp::Sum)?;
+                        }
+                        let (wn, dn) = (norms[0].sqrt(), norms[1].sqrt());
+                        let trust = if wn > 0.0 && dn > 0.0 { trust_coefficient * wn / dn } else { 1.0 };
+                        (d * trust)?
+                    };
+                    let buf = ((self.slot(name, "momentum", w)? * momentum)? + &d)?;
+                    self.set_slot(name, "momentum", buf.clone());
+                    (buf * lr)?
+                }
+                OptimConfig::Adamw { beta1, beta2, eps, weight_decay, .. } => {
+                    let m = ((self.slot(name, "exp_avg", w)? * beta1)? + (g * (1.0 - beta1))?)?;
+                    let v = ((self.slot(name, "exp_avg_sq", w)? * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                    let m_hat = (&m / (1.0 - beta1.powi(t)))?;
+                    let v_hat = (&v / (1.0 - beta2.powi(t)))?;
+                    self.set_slot(name, "exp_avg", m);
+                    self.set_slot(name, "exp_avg_sq", v);
+                    let step = (m_hat / (v_hat.sqrt()? + eps)?)?;
+                    ((step + (w * weight_decay)?)? * lr)?
+                }
+            };
+            p.set(&(w - update)?)?;
+        }
+        Ok(())
+    }
+}

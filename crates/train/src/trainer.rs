@@ -1,0 +1,426 @@
+//! The training loop.
+//!
+//! One step on rank r: take its slice of the global batch, compute its loss `L_r` (in
+//! `accumulate` micro-batches), backpropagate `L_r / (W * accumulate)`, sum replicated
+//! gradients across ranks, check for non-finite values, clip, and apply the optimizer.
+//! With the sum-rule collectives inside the loss, this makes a run on W ranks equal a run
+//! on one rank at the same global batch (DESIGN §2, §3).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use allgrad_dist::{ProcessGroup, ReduceOp};
+use allgrad_models::{Batch, Objective};
+use candle_core::{DType, Device, Result, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, CheckpointConfig, TrainState};
+use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
+use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
+use crate::optim::{OptimConfig, Optimizer};
+use crate::params::ParamStore;
+use crate::sampler::DistributedSampler;
+use crate::schedule::ScheduleConfig;
+
+/// The `train` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// Samples per optimizer step, over all ranks (each rank takes global_batch / W).
+    pub global_batch: usize,
+    /// Passes over the data.
+    #[serde(default = "one")]
+    pub epochs: usize,
+    /// Stop after this many steps (overrides `epochs` when smaller).
+    #[serde(default)]
+    pub max_steps: Option<usize>,
+    /// Micro-batches per step on each rank (gradients are synchronised once per step).
+    #[serde(default = "one")]
+    pub accumulate: usize,
+    /// Clip gradients to this global L2 norm.
+    #[serde(default)]
+    pub clip_grad_norm: Option<f64>,
+    /// What to do when the loss or the gradients are not finite.
+    #[serde(default)]
+    pub on_nonfinite: NonFinite,
+    /// Shuffle the data every epoch (from the seed and the epoch).
+    #[serde(default = "yes")]
+    pub shuffle: bool,
+    /// Evaluate at the end of every epoch and of the run.
+    #[serde(default = "yes")]
+    pub eval: bool,
+}
+
+fn one() -> usize {
+    1
+}
+fn yes() -> bool {
+    true
+}
+
+/// Policy for a non-finite loss or gradient.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum NonFinite {
+    /// Stop the run with an error naming the step.
+    #[default]
+    Error,
+    /// Skip the update and go on.
+    Skip,
+}
+
+/// What the trainer needs besides the objective.
+#[derive(Clone, Debug)]
+pub struct TrainerConfig {
+    /// Seed of every random stream.
+    pub seed: u64,
+    /// Precision of parameters.
+    pub dtype: DType,
+    /// Device of parameters.
+    pub device: Device,
+    /// Batch and length.
+    pub train: TrainSection,
+    /// Optimizer.
+    pub optim: OptimConfig,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleConfig,
+    /// Checkpointing.
+    pub checkpoint: CheckpointConfig,
+    /// Logging.
+    pub log: LogConfig,
+}
+
+/// How a run ended.
+#[derive(Clone, Debug)]
+pub struct Summary {
+    /// Steps completed (in total, including before a resume).
+    pub steps: usize,
+    /// Loss of the last step.
+    pub last_loss: f64,
+    /// Steps skipped for non-finite values.
+    pub skipped: usize,
+    /// Evaluation metrics at the end.
+    pub eval: Vec<(String, f64)>,
+    /// Wall time of this process's run.
+    pub seconds: f64,
+}
+
+/// A data-parallel trainer for one [`Objective`].
+pub struct Trainer {
+    cfg: TrainerConfig,
+    pg: ProcessGroup,
+    objective: Box<dyn Objective>,
+    params: Vec<(String, Var)>,
+    sharded: Vec<bool>,
+    optimizer: Optimizer,
+    sampler: DistributedSampler,
+    step: usize,
+    total_steps: usize,
+    out_dir: Option<PathBuf>,
+    metrics: Option<MetricsLog>,
+}
+
+fn nonfinite(what: String) -> candle_core::Error {
+    candle_core::Error::Msg(what)
+}
+
+impl Trainer {
+    /// Builds the objective's parameters (seeded by name, then broadcast from rank 0), and
+    /// with `resume`, restores the newest checkpoint of `out_dir`. Rank 0 writes metrics and
+    /// checkpoints under `out_dir` when one is given.
+    pub fn new(cfg: TrainerConfig, mut objective: Box<dyn Objective>, pg: ProcessGroup, out_dir: Option<PathBuf>, resume: bool) -> Result<Self> {
+        let store = ParamStore::new(cfg.seed);
+        objective.build(store.var_builder(cfg.dtype, &cfg.device))?;
+        let params = store.vars();
+        if params.is_empty() {
+            candle_core::bail!("the objective created no parameters");
+        }
+        let sharded: Vec<bool> = params.iter().map(|(n, _)| objective.is_sharded(n)).collect();
+        // Replicated parameters start identical everywhere: broadcast from rank 0 in name order.
+        for ((_, v), sh) in params.iter().zip(&sharded) {
+            if !sh {
+                v.set(&pg.broadcast(v.as_tensor(), 0)?)?;
+            }
+        }
+        let w = pg.world_size();
+        if cfg.train.global_batch % (w * cfg.train.accumulate) != 0 {
+            candle_core::bail!(
+                "train.global_batch = {} is not divisible by world size {w} x train.accumulate {}",
+                cfg.train.global_batch,
+                cfg.train.accumulate
+            );
+        }
+        let sampler = DistributedSampler::new(objective.num_samples(), cfg.train.global_batch, cfg.seed, cfg.train.shuffle);
+        let per_epoch = sampler.steps_per_epoch();
+        if per_epoch == 0 {
+            candle_core::bail!("the data set has {} samples, fewer than one global batch of {}", objective.num_samples(), cfg.train.global_batch);
+        }
+        let total_steps = match cfg.train.max_steps {
+            Some(m) if cfg.train.epochs == 0 => m,
+            Some(m) => m.min(cfg.train.epochs * per_epoch),
+            None => cfg.train.epochs * per_epoch,
+        };
+        if out_dir.is_some() && sharded.iter().any(|s| *s) {
+            candle_core::bail!("checkpoints of sharded parameters are not supported yet: run without an output directory");
+        }
+
+        let mut optimizer = Optimizer::new(cfg.optim.clone());
+        let mut step = 0;
+        if resume {
+            let dir = out_dir.as_ref().ok_or_else(|| candle_core::Error::Msg("--resume needs an output directory".into()))?;
+            match checkpoint::load_latest(dir, &cfg.device)? {
+                None => tracing::warn!("--resume: no checkpoint in {}; starting from step 0", dir.display()),
+                Some(ck) => {
+                    if ck.state.world_size != w && sharded.iter().any(|s| *s) {
+                        candle_core::bail!(
+                            "checkpoint {} was written by {} ranks; its sharded parameters cannot be resumed on {w}",
+                            ck.path.display(),
+                            ck.state.world_size
+                        );
+                    }
+                    if ck.state.seed != cfg.seed {
+                        candle_core::bail!("checkpoint {} was written with seed {}, the config says {}", ck.path.display(), ck.state.seed, cfg.seed);
+                    }
+                    for (name, v) in &params {
+                        let t = ck.model.get(name).ok_or_else(|| {
+                            candle_core::Error::Msg(format!("checkpoint {} has no parameter {name}", ck.path.display()))
+                        })?;
+                        if t.dims() != v.dims() {
+                            candle_core::bail!("checkpoint {}: parameter {name} has shape {:?}, the model {:?}", ck.path.display(), t.dims(), v.dims());
+                        }
+                        v.set(&t.to_dtype(cfg.dtype)?)?;
+                    }
+                    optimizer.load_state(ck.optimizer, ck.state.optimizer_steps);
+                    step = ck.state.step;
+                    if pg.rank() == 0 {
+                        tracing::info!("resumed from {} at step {step}", ck.path.display());
+                    }
+                }
+            }
+        }
+        let metrics = match (&out_dir, pg.rank()) {
+            (Some(dir), 0) => {
+                std::fs::create_dir_all(dir).map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
+                Some(MetricsLog::open(dir, resume.then_some(step)).map_err(|e| candle_core::Error::Msg(format!("opening metrics in {}: {e}", dir.display())))?)
+            }
+            _ => None,
+        };
+        Ok(Trainer { cfg, pg, objective, params, sharded, optimizer, sampler, step, total_steps, out_dir, metrics })
+    }
+
+    /// Parameters by name (sorted).
+    pub fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    /// Steps completed.
+    pub fn step(&self) -> usize {
+        self.step
+    }
+
+    /// Steps the run will take in total.
+    pub fn total_steps(&self) -> usize {
+        self.total_steps
+    }
+
+    /// Trains to the end; see the module docs.
+    pub fn train(&mut self) -> Result<Summary> {
+        self.train_until(self.total_steps)
+    }
+
+    /// Trains until `stop` steps are done (or the end), then checkpoints: a job with a time
+    /// limit can run part of the schedule and `--resume` later, ending exactly where an
+    /// uninterrupted run would.
+    pub fn train_until(&mut self, stop: usize) -> Result<Summary> {
+        let stop = stop.min(self.total_steps);
+        let started = Instant::now();
+        let rank0 = self.pg.rank() == 0;
+        let progress = rank0.then(|| ProgressView::new(self.cfg.log.progress, self.total_steps, self.step));
+        let per_epoch = self.sampler.steps_per_epoch();
+        let (mut last_loss, mut skipped) = (f64::NAN, 0);
+        let mut window = (Instant::now(), 0usize);
+        let mut eval = Vec::new();
+        while self.step < stop {
+            let epoch = self.step / per_epoch;
+            let lr = self.cfg.schedule.lr(self.cfg.optim.lr(), self.step, self.total_steps, self.cfg.train.global_batch);
+            let outcome = self.train_step(epoch, lr)?;
+            window.1 += 1;
+            match outcome {
+                StepOutcome::Applied { loss, grad_norm } => {
+                    last_loss = loss;
+                    self.step += 1;
+                    let log_line = self.step % self.cfg.log.every == 0 || self.step == stop;
+                    let sps = (window.1 * self.cfg.train.global_batch) as f64 / window.0.elapsed().as_secs_f64().max(1e-9);
+                    if let Some(p) = &progress {
+                        p.update(self.step, self.total_steps, loss, lr, sps, log_line);
+                    }
+                    if log_line {
+                        self.record(Record {
+                            step: self.step,
+                            epoch,
+                            loss: Some(loss),
+                            lr: Some(lr),
+                            samples_per_s: Some(sps),
+                            grad_norm: Some(grad_norm),
+                            eval: Default::default(),
+                        })?;
+                        window = (Instant::now(), 0);
+                    }
+                }
+                StepOutcome::Skipped(why) => {
+                    skipped += 1;
+                    self.step += 1;
+                    if let Some(p) = &progress {
+                        p.println(&format!("step {}: {why}; update skipped (train.on_nonfinite: skip)", self.step));
+                    }
+                }
+            }
+            let epoch_done = self.step % per_epoch == 0;
+            if self.cfg.train.eval && (epoch_done || self.step == self.total_steps) {
+                eval = self.objective.evaluate(&self.pg)?;
+                if !eval.is_empty() {
+                    if let Some(p) = &progress {
+                        let text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
+                        p.println(&format!("step {} (epoch {}): {}", self.step, epoch, text.join(", ")));
+                    }
+                    self.record(Record {
+                        step: self.step,
+                        epoch,
+                        loss: None,
+                        lr: None,
+                        samples_per_s: None,
+                        grad_norm: None,
+                        eval: eval.iter().cloned().collect(),
+                    })?;
+                }
+            }
+            let every = self.cfg.checkpoint.every;
+            if self.out_dir.is_some() && ((every > 0 && self.step % every == 0) || self.step == stop) {
+                self.save_checkpoint()?;
+            }
+        }
+        if let Some(p) = &progress {
+            p.finish();
+        }
+        if let (Some(m), Some(dir), true) = (&self.metrics, &self.out_dir, self.cfg.log.plot) {
+            if let Err(e) = plot(&m.history, &dir.join("loss.png")) {
+                tracing::warn!("could not draw loss.png: {e}");
+            }
+        }
+        Ok(Summary { steps: self.step, last_loss, skipped, eval, seconds: started.elapsed().as_secs_f64() })
+    }
+
+    fn record(&mut self, r: Record) -> Result<()> {
+        if let Some(m) = &mut self.metrics {
+            m.write(r).map_err(|e| candle_core::Error::Msg(format!("writing {}: {e}", m.path().display())))?;
+        }
+        Ok(())
+    }
+
+    fn train_step(&mut self, epoch: usize, lr: f64) -> Result<StepOutcome> {
+        let (w, rank) = (self.pg.world_size(), self.pg.rank());
+        let acc = self.cfg.train.accumulate;
+        let pos = self.step % self.sampler.steps_per_epoch();
+        let global = self.sampler.global_batch(epoch, pos).to_vec();
+        let local = self.sampler.local(&global, rank, w).to_vec();
+        let micro = local.len() / acc;
+
+        let mut grads: Vec<Tensor> = self.params.iter().map(|(_, v)| v.as_tensor().zeros_like()).collect::<Result<_>>()?;
+        let mut loss_sum = 0f64;
+        for m in 0..acc {
+            let batch = Batch { indices: &local[m * micro..(m + 1) * micro], epoch, step: self.step, seed: self.cfg.seed };
+            let loss = self.objective.loss(&batch, &self.pg)?;
+            if loss.rank() != 0 {
+                candle_core::bail!("the objective's loss must be a scalar, got shape {:?}", loss.dims());
+            }
+            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let g = (loss / (w * acc) as f64)?.backward()?;
+            for ((_, v), acc_g) in self.params.iter().zip(grads.iter_mut()) {
+                if let Some(gv) = g.get(v) {
+                    *acc_g = (&*acc_g + gv)?;
+                }
+            }
+        }
+        // The objective J = mean over ranks of the per-rank (micro-batch mean) losses.
+        let mut loss = [loss_sum / acc as f64];
+        self.pg.all_reduce_slice(&mut loss, ReduceOp::Avg)?;
+        let loss = loss[0];
+
+        sync_gradients(&self.pg, &mut grads, &self.sharded, DEFAULT_BUCKET_BYTES)?;
+        let grad_norm = self.global_grad_norm(&grads)?;
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            let why = format!(
+                "non-finite {} at step {} (loss {loss}, gradient norm {grad_norm})",
+                if loss.is_finite() { "gradient" } else { "loss" },
+                self.step + 1
+            );
+            return match self.cfg.train.on_nonfinite {
+                NonFinite::Error => Err(nonfinite(format!("{why}; stopping (set train.on_nonfinite: skip to skip such steps)"))),
+                NonFinite::Skip => Ok(StepOutcome::Skipped(why)),
+            };
+        }
+        if let Some(max) = self.cfg.train.clip_grad_norm {
+            if grad_norm > max {
+                let scale = max / (grad_norm + 1e-6);
+                for g in grads.iter_mut() {
+                    *g = (&*g * scale)?;
+                }
+            }
+        }
+        self.optimizer.step(&self.params, &grads, &self.sharded, lr, &self.pg)?;
+        Ok(StepOutcome::Applied { loss, grad_norm })
+    }
+
+    /// L2 norm of all gradients: replicated ones are identical on every rank after the
+    /// sync; sharded ones are summed over ranks.
+    fn global_grad_norm(&self, grads: &[Tensor]) -> Result<f64> {
+        let mut sums = [0f64, 0f64];
+        for (g, sh) in grads.iter().zip(&self.sharded) {
+            sums[*sh as usize] += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+        if self.sharded.iter().any(|s| *s) {
+            let mut s = [sums[1]];
+            self.pg.all_reduce_slice(&mut s, ReduceOp::Sum)?;
+            sums[1] = s[0];
+        }
+        Ok((sums[0] + sums[1]).sqrt())
+    }
+
+    fn save_checkpoint(&mut self) -> Result<()> {
+        let Some(dir) = self.out_dir.clone() else { return Ok(()) };
+        // Never write a checkpoint of broken weights.
+        for (name, v) in &self.params {
+            let bad = v.as_tensor().to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?;
+            if !bad.is_finite() {
+                candle_core::bail!("parameter {name} is not finite after step {}; checkpoint not written", self.step);
+            }
+        }
+        if self.pg.rank() != 0 {
+            return Ok(());
+        }
+        let model: HashMap<String, Tensor> = self.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        let per_epoch = self.sampler.steps_per_epoch();
+        let state = TrainState {
+            step: self.step,
+            epoch: self.step / per_epoch,
+            batch_in_epoch: self.step % per_epoch,
+            optimizer_steps: self.optimizer.steps,
+            seed: self.cfg.seed,
+            world_size: self.pg.world_size(),
+        };
+        let optimizer: BTreeMap<String, Tensor> = self.optimizer.state().clone();
+        checkpoint::save(&dir, &model, &optimizer, &state, self.cfg.checkpoint.keep_last)?;
+        Ok(())
+    }
+
+    /// The run directory, if any.
+    pub fn out_dir(&self) -> Option<&Path> {
+        self.out_dir.as_deref()
+    }
+}
+
+enum StepOutcome {
+    Applied { loss: f64, grad_norm: f64 },
+    Skipped(String),
+}

@@ -1,0 +1,148 @@
+//! The trainer's semantics, with ranks as threads:
+//! - W = 2 and 3 ranks end with the same parameters as 1 rank at the same global batch, for
+//!   a local loss (NT-Xent over global negatives) and a replicated loss (cross-correlation);
+//! - a run stopped and resumed from its checkpoint ends bitwise identical to one that was not;
+//! - a non-finite loss stops the run naming the step, or is skipped when the config says so.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use allgrad_dist::{run_threads, ProcessGroup};
+use allgrad_train::{run, RunConfig};
+
+fn config(extra: &[&str]) -> RunConfig {
+    let base = "seed: 3\n\
+                data: {kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}\n\
+                model: {kind: mlp, hidden: 16, out: 8}\n\
+                train: {global_batch: 24, epochs: 2, max_steps: 5}\n\
+                log: {progress: quiet, plot: false}\n";
+    let sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    RunConfig::parse(base, Path::new("test.yaml"), &sets).unwrap()
+}
+
+type Params = BTreeMap<String, Vec<f32>>;
+
+fn final_params(cfg: &RunConfig, w: usize) -> Params {
+    let all = run_threads(w, |pg: ProcessGroup| {
+        cfg.validate(pg.world_size(), Path::new("test.yaml")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let mut t = run::build(cfg, pg, None, false)?;
+        t.train()?;
+        let mut out = Params::new();
+        for (name, v) in t.params() {
+            out.insert(name.clone(), v.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    })
+    .unwrap();
+    for p in &all[1..] {
+        assert_eq!(p, &all[0], "replicated parameters differ between ranks");
+    }
+    all.into_iter().next().unwrap()
+}
+
+fn assert_close(a: &Params, b: &Params, rel: f32, what: &str) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (name, x) in a {
+        let y = &b[name];
+        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+        for (i, (p, q)) in x.iter().zip(y).enumerate() {
+            assert!((p - q).abs() <= rel * scale, "{what}: {name}[{i}] = {p} vs {q} (scale {scale})");
+        }
+    }
+}
+
+fn moved(a: &Params, b: &Params) -> bool {
+    a.iter().any(|(k, v)| v.iter().zip(&b[k]).any(|(p, q)| p != q))
+}
+
+#[test]
+fn local_loss_on_2_and_3_ranks_equals_1_rank() {
+    let cfg = config(&["loss.kind=nt_xent", "optim={kind: sgd, lr: 0.5, momentum: 0.9, weight_decay: 0.0001}"]);
+    let one = final_params(&cfg, 1);
+    let untrained = final_params(&config(&["train.max_steps=0", "train.epochs=0"]), 1);
+    assert!(moved(&one, &untrained), "training changed nothing");
+    for w in [2, 3] {
+        assert_close(&final_params(&cfg, w), &one, 1e-5, &format!("nt_xent W={w}"));
+    }
+}
+
+#[test]
+fn replicated_loss_on_2_and_3_ranks_equals_1_rank() {
+    let cfg = config(&["loss={kind: cross_correlation, lambda: 0.01}", "optim={kind: lars, lr: 0.2, weight_decay: 0.0001}"]);
+    let one = final_params(&cfg, 1);
+    for w in [2, 3] {
+        assert_close(&final_params(&cfg, w), &one, 1e-5, &format!("cross_correlation W={w}"));
+    }
+}
+
+#[test]
+fn adamw_on_2_ranks_equals_1_rank_and_accumulation_trains() {
+    // NT-Xent: every parameter has a real gradient. (Under the cross-correlation loss the last
+    // bias has an exactly zero gradient, whose rounding noise AdamW would normalise into
+    // full-size steps of either sign: no optimizer-independent truth to compare with.)
+    let cfg = config(&["loss.kind=nt_xent", "optim={kind: adamw, lr: 0.001}"]);
+    let one = final_params(&cfg, 1);
+    assert_close(&final_params(&cfg, 2), &one, 1e-5, "adamw W=2");
+    let acc = final_params(&config(&["train.accumulate=2"]), 2);
+    assert!(moved(&acc, &final_params(&config(&["train.max_steps=0", "train.epochs=0"]), 1)));
+}
+
+#[test]
+fn resumed_run_ends_bitwise_identical_to_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(&["train.max_steps=7", "checkpoint.every=2", "log.every=1", "optim={kind: adamw, lr: 0.01}"]);
+    let run_to_end = |out: &Path, stop: usize, resume: bool| -> Params {
+        run_threads(2, |pg| {
+            let mut t = run::build(&cfg, pg, Some(out.to_path_buf()), resume)?;
+            t.train_until(stop)?;
+            let mut p = Params::new();
+            for (n, v) in t.params() {
+                p.insert(n.clone(), v.flatten_all()?.to_vec1::<f32>()?);
+            }
+            Ok(p)
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let straight = run_to_end(&dir.path().join("a"), usize::MAX, false);
+    let b = dir.path().join("b");
+    let first = run_to_end(&b, 3, false);
+    assert_ne!(first, straight);
+    let latest = std::fs::read_to_string(b.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), "step_3");
+    let resumed = run_to_end(&b, usize::MAX, true);
+    assert_eq!(resumed, straight, "resume is not bitwise identical");
+    // The metrics of the resumed run continue where the first part stopped.
+    let steps: Vec<u64> = std::fs::read_to_string(b.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .map(|v| v["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=7).collect::<Vec<u64>>(), "{steps:?}");
+}
+
+#[test]
+fn non_finite_loss_stops_the_run_naming_the_step_or_is_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(&["optim={kind: sgd, lr: 1.0e30}", "checkpoint.every=1"]);
+    let out = dir.path().to_path_buf();
+    let err = run_threads(2, |pg| {
+        let mut t = run::build(&cfg, pg, Some(out.clone()), false)?;
+        t.train()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("non-finite") && err.contains("at step"), "{err}");
+    // Whatever was checkpointed before is finite.
+    if let Some(ck) = allgrad_train::checkpoint::load_latest(&out, &candle_core::Device::Cpu).unwrap() {
+        for (name, t) in ck.model {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(v.iter().all(|x| x.is_finite()), "checkpoint {} holds non-finite {name}", ck.path.display());
+        }
+    }
+    let skip = config(&["optim={kind: sgd, lr: 1.0e30}", "train.on_nonfinite=skip"]);
+    let summaries = run_threads(2, |pg| run::build(&skip, pg, None, false)?.train()).unwrap();
+    assert!(summaries[0].skipped > 0 && summaries[0].steps == 5, "{:?}", summaries[0]);
+}

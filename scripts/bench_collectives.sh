@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# allgrad's collectives next to PyTorch gloo's, on this machine's CPU over loopback TCP.
+#
+#   scripts/bench_collectives.sh [--nproc 2] [--min-bytes 1K] [--max-bytes 256M] \
+#       [--ops all_reduce,all_gather,reduce_scatter] [--iters N] [--warmup N] [--dtype f32]
+#
+# Builds and runs `allgrad-bench collectives`, then scripts/bench_gloo.py with the same
+# arguments if `import torch` works (else it says so and shows allgrad's numbers alone), then
+# prints one table per collective: size, both busbw figures and the ratio allgrad/gloo.
+# Both write JSON lines into $BENCH_OUT (default: a new temporary folder, kept and named at the
+# end). ALLGRAD_BENCH_BIN names a prebuilt allgrad-bench to skip the build; PYTHON picks the
+# interpreter (default python3).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+OUT="${BENCH_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/allgrad-bench.XXXXXX")}"
+mkdir -p "$OUT"
+
+for a in "$@"; do
+    case "$a" in
+        --json|--json=*) echo "bench_collectives.sh: --json is set by this script (files go to \$BENCH_OUT)" >&2; exit 64 ;;
+        -h|--help) sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    esac
+done
+
+if [[ -n "${ALLGRAD_BENCH_BIN:-}" ]]; then
+    BIN="$ALLGRAD_BENCH_BIN"
+else
+    (cd "$ROOT" && cargo build --release --bin allgrad-bench)
+    BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/allgrad-bench"
+fi
+[[ -x "$BIN" ]] || { echo "bench_collectives.sh: no allgrad-bench binary at $BIN" >&2; exit 1; }
+
+echo "== allgrad (allgrad-dist CPU/TCP backend)"
+"$BIN" collectives "$@" --json "$OUT/allgrad.jsonl"
+
+GLOO=0
+if "$PYTHON" -c "import torch, torch.distributed" >/dev/null 2>&1; then
+    echo
+    echo "== PyTorch gloo"
+    "$PYTHON" "$ROOT/scripts/bench_gloo.py" "$@" --json "$OUT/gloo.jsonl"
+    GLOO=1
+else
+    echo
+    echo "== PyTorch is not importable with $PYTHON: skipping the gloo baseline (pip install torch, ~5 GB)"
+fi
+
+echo
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "(no $PYTHON to join the tables; allgrad's rows are in $OUT/allgrad.jsonl)"
+    exit 0
+fi
+"$PYTHON" - "$OUT/allgrad.jsonl" "$OUT/gloo.jsonl" "$GLOO" <<'PY'
+import json, os, sys
+
+def load(path):
+    rows = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    rows[(r["op"], r["bytes"])] = r
+    return rows
+
+ours = load(sys.argv[1])
+gloo = load(sys.argv[2]) if sys.argv[3] == "1" else {}
+ops = []
+for op, _ in ours:
+    if op not in ops:
+        ops.append(op)
+w = next(iter(ours.values()))["world_size"] if ours else "?"
+for op in ops:
+    print(f"# {op}, {w} ranks: busbw in GB/s (nccl-tests convention), time per call in us")
+    print(f"{'size(B)':>12} {'allgrad us':>11} {'gloo us':>11} {'allgrad busbw':>14} {'gloo busbw':>11} {'allgrad/gloo':>13}")
+    for (o, size) in sorted(k for k in ours if k[0] == op):
+        a = ours[(o, size)]
+        g = gloo.get((o, size))
+        gt = f"{g['time_us']:11.1f}" if g else f"{'-':>11}"
+        gb = f"{g['busbw_gbps']:11.3f}" if g else f"{'-':>11}"
+        ratio = f"{a['busbw_gbps'] / g['busbw_gbps']:13.2f}" if g and g["busbw_gbps"] > 0 else f"{'-':>13}"
+        print(f"{size:>12} {a['time_us']:11.1f} {gt} {a['busbw_gbps']:14.3f} {gb} {ratio}")
+    print()
+PY
+if [[ "$GLOO" == 1 ]]; then
+    echo "(JSON lines: $OUT/allgrad.jsonl and $OUT/gloo.jsonl)"
+else
+    echo "(JSON lines: $OUT/allgrad.jsonl)"
+fi

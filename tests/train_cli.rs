@@ -1,0 +1,174 @@
+//! `train` as a process, alone and under `launch`: W ranks end where 1 rank does; a process
+//! killed while saving a checkpoint leaves `latest` loadable and resumes exactly; config
+//! errors name the file, the key and the numbers.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+
+const CONFIG: &str = "seed: 5\n\
+data: {kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}\n\
+model: {kind: mlp, hidden: 16, out: 8}\n\
+loss: {kind: nt_xent, temperature: 0.3}\n\
+optim: {kind: lars, lr: 0.4, weight_decay: 0.0001}\n\
+schedule: {warmup_steps: 2}\n\
+train: {global_batch: 24, epochs: 2}\n\
+checkpoint: {every: 2, keep_last: 2}\n\
+log: {every: 1, progress: lines}\n";
+
+fn run(cmd: &mut Command, limit: Duration) -> Output {
+    let t = Instant::now();
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            panic!("watchdog: {cmd:?} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn train(dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_train"));
+    c.arg("--config").arg(dir.join("run.yaml")).args(args);
+    c
+}
+
+fn launched(dir: &Path, n: usize, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_launch"));
+    c.args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_train"), "--config"]).arg(dir.join("run.yaml")).args(args);
+    c
+}
+
+fn setup() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("run.yaml"), CONFIG).unwrap();
+    d
+}
+
+fn latest_model(run_dir: &Path) -> (PathBuf, HashMap<String, Tensor>) {
+    let name = std::fs::read_to_string(run_dir.join("checkpoints/latest")).expect("checkpoints/latest");
+    let ck = run_dir.join("checkpoints").join(name.trim());
+    let model = candle_core::safetensors::load(ck.join("model.safetensors"), &Device::Cpu).expect("a complete checkpoint");
+    (ck, model)
+}
+
+fn values(m: &HashMap<String, Tensor>) -> Vec<(String, Vec<f32>)> {
+    let mut v: Vec<_> = m.iter().map(|(k, t)| (k.clone(), t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn ok(out: &Output) {
+    assert!(out.status.success(), "stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn launched_runs_on_2_and_3_ranks_end_where_1_rank_does() {
+    let d = setup();
+    let limit = Duration::from_secs(120);
+    ok(&run(&mut train(d.path(), &["--output-dir"]).arg(d.path().join("w1")), limit));
+    let (_, one) = latest_model(&d.path().join("w1"));
+    let one = values(&one);
+    for w in [2, 3] {
+        let out_dir = d.path().join(format!("w{w}"));
+        ok(&run(&mut launched(d.path(), w, &["--output-dir"]).arg(&out_dir), limit));
+        let (ck, m) = latest_model(&out_dir);
+        assert!(ck.ends_with("step_8"), "{}", ck.display());
+        for ((name, a), (_, b)) in values(&m).iter().zip(&one) {
+            let scale = b.iter().fold(1e-3f32, |s, v| s.max(v.abs()));
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-5 * scale, "W={w} {name}: {x} vs {y}");
+            }
+        }
+    }
+    for f in ["config.yaml", "metrics.jsonl", "loss.png", "checkpoints/step_8/optimizer.safetensors", "checkpoints/step_8/state.json"] {
+        assert!(d.path().join("w2").join(f).exists(), "missing {f}");
+    }
+}
+
+#[test]
+fn a_crash_while_saving_keeps_latest_loadable_and_resume_is_exact() {
+    let d = setup();
+    let limit = Duration::from_secs(120);
+    let straight = d.path().join("straight");
+    ok(&run(&mut train(d.path(), &["--output-dir"]).arg(&straight), limit));
+    let want = values(&latest_model(&straight).1);
+
+    let crashed = d.path().join("crashed");
+    ok(&run(&mut train(d.path(), &["--stop-after", "2", "--output-dir"]).arg(&crashed), limit));
+    assert!(latest_model(&crashed).0.ends_with("step_2"));
+    for stage in ["model", "optimizer", "rename"] {
+        let out = run(train(d.path(), &["--resume", "--output-dir"]).arg(&crashed).env("ALLGRAD_FAULT", format!("checkpoint:{stage}")), limit);
+        assert!(!out.status.success(), "the fault at {stage} did not fire");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("stage {stage}")));
+        // The interrupted save of step 4 is invisible: latest still names step 2, complete.
+        let (ck, _) = latest_model(&crashed);
+        assert!(ck.ends_with("step_2"), "after a crash at {stage}: {}", ck.display());
+    }
+    ok(&run(&mut train(d.path(), &["--resume", "--output-dir"]).arg(&crashed), limit));
+    let (ck, m) = latest_model(&crashed);
+    assert!(ck.ends_with("step_8"));
+    assert_eq!(values(&m), want, "resumed run differs from the uninterrupted one");
+    let leftovers: Vec<_> = std::fs::read_dir(crashed.join("checkpoints")).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(leftovers.iter().all(|n| !n.to_string_lossy().contains(".tmp-")), "{leftovers:?}");
+}
+
+#[test]
+fn sigkill_at_random_moments_never_leaves_a_broken_latest() {
+    let d = setup();
+    let out_dir = d.path().join("killed");
+    let args = ["--set", "checkpoint.every=1", "--set", "train.epochs=40", "--output-dir"];
+    for (i, delay_ms) in [150u64, 400, 700, 1100].into_iter().enumerate() {
+        let mut c = train(d.path(), &args);
+        c.arg(&out_dir);
+        if i > 0 {
+            c.arg("--resume");
+        }
+        let mut child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let _ = child.kill();
+        let _ = child.wait();
+        if out_dir.join("checkpoints/latest").exists() {
+            let (ck, m) = latest_model(&out_dir);
+            assert!(!m.is_empty(), "{}", ck.display());
+            assert!(ck.join("optimizer.safetensors").exists() && ck.join("state.json").exists());
+        }
+    }
+}
+
+#[test]
+fn config_errors_name_the_file_the_key_and_the_numbers() {
+    let d = setup();
+    let limit = Duration::from_secs(60);
+    let cases: Vec<(Command, Vec<&str>)> = vec![
+        (train(d.path(), &["--set", "optim.momentun=0.9"]), vec!["run.yaml", "optim", "unknown field `momentun`"]),
+        (train(d.path(), &["--set", "train.global_batch=lots"]), vec!["run.yaml", "train.global_batch", "invalid type"]),
+        (launched(d.path(), 2, &["--set", "train.global_batch=25"]), vec!["train.global_batch = 25 is not divisible by world size 2"]),
+    ];
+    for (mut cmd, needles) in cases {
+        let out = run(&mut cmd, limit);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        for n in needles {
+            assert!(err.contains(n), "missing {n:?} in:\n{err}");
+        }
+    }
+}
+
+#[test]
+fn an_existing_run_is_not_overwritten_without_resume() {
+    let d = setup();
+    let out_dir = d.path().join("r");
+    ok(&run(&mut train(d.path(), &["--stop-after", "2", "--output-dir"]).arg(&out_dir), Duration::from_secs(60)));
+    let out = run(&mut train(d.path(), &["--output-dir"]).arg(&out_dir), Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
+    assert!(latest_model(&out_dir).0.ends_with("step_2"));
+}
