@@ -224,7 +224,13 @@ fn stop_all(children: &mut [(usize, Child)], grace: Duration) {
 }
 
 /// Copies a child's output to ours, a line at a time, prefixed with its rank.
-fn pump(src: impl Read + Send + 'static, rank: usize, show: bool, is_err: bool, lock: Arc<Mutex<()>>) -> std::thread::JoinHandle<()> {
+fn pump(
+    src: impl Read + Send + 'static,
+    rank: usize,
+    show: bool,
+    is_err: bool,
+    lock: Arc<Mutex<()>>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(src);
         let mut line = Vec::new();

@@ -76,8 +76,10 @@ fn ranks_filter_shows_only_the_chosen_ranks() {
 fn a_failing_rank_stops_the_job_with_its_exit_code_and_leaves_no_process() {
     let marker = "61.4242";
     let script = format!("if [ \"$RANK\" = 1 ]; then sleep 0.3; exit 3; fi; exec sleep {marker}");
-    let (out, elapsed) =
-        run_with_watchdog(Command::new(launch_bin()).args(["--nproc-per-node", "3", "--grace-s", "2", "sh", "-c", &script]), Duration::from_secs(60));
+    let (out, elapsed) = run_with_watchdog(
+        Command::new(launch_bin()).args(["--nproc-per-node", "3", "--grace-s", "2", "sh", "-c", &script]),
+        Duration::from_secs(60),
+    );
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 exited with code 3"));
@@ -88,8 +90,10 @@ fn a_failing_rank_stops_the_job_with_its_exit_code_and_leaves_no_process() {
 fn a_rank_that_ignores_sigterm_is_killed_after_the_grace_period() {
     let marker = "62.4242";
     let script = format!("if [ \"$RANK\" = 0 ]; then exit 5; fi; trap '' TERM; sleep {marker}; sleep {marker}");
-    let (out, elapsed) =
-        run_with_watchdog(Command::new(launch_bin()).args(["--nproc-per-node", "2", "--grace-s", "1", "sh", "-c", &script]), Duration::from_secs(60));
+    let (out, elapsed) = run_with_watchdog(
+        Command::new(launch_bin()).args(["--nproc-per-node", "2", "--grace-s", "1", "sh", "-c", &script]),
+        Duration::from_secs(60),
+    );
     assert_eq!(out.status.code(), Some(5), "{out:?}");
     assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
     assert_eq!(processes_matching(&format!("sleep {marker}")), 0, "ranks left behind");
@@ -143,10 +147,22 @@ fn a_killed_rank_makes_the_others_fail_naming_it_within_seconds() {
 #[test]
 fn the_seed_examples_print_the_documented_gradients() {
     for (name, want) in [
-        ("seed_gather", vec!["[rank0]: rank 0: y.grad = 12 (sum rule), 6 (loss / W)", "[rank1]: rank 1: y.grad = 18 (sum rule), 9 (loss / W)"]),
-        ("seed_all_reduce", vec!["[rank0]: rank 0: prod, loss (rank+2)*s: x.grad = 30", "[rank1]: rank 1: sum, loss s*s: x.grad = 60"]),
+        (
+            "seed_gather",
+            vec![
+                "[rank0]: rank 0: y.grad = 12 (sum rule), 6 (loss / W)",
+                "[rank1]: rank 1: y.grad = 18 (sum rule), 9 (loss / W)",
+            ],
+        ),
+        (
+            "seed_all_reduce",
+            vec!["[rank0]: rank 0: prod, loss (rank+2)*s: x.grad = 30", "[rank1]: rank 1: sum, loss s*s: x.grad = 60"],
+        ),
     ] {
-        let (out, _) = run_with_watchdog(Command::new(launch_bin()).args(["--nproc-per-node", "2"]).arg(example(name)), Duration::from_secs(60));
+        let (out, _) = run_with_watchdog(
+            Command::new(launch_bin()).args(["--nproc-per-node", "2"]).arg(example(name)),
+            Duration::from_secs(60),
+        );
         assert!(out.status.success(), "{name}: {out:?}");
         let text = String::from_utf8_lossy(&out.stdout);
         for w in want {

@@ -66,7 +66,12 @@ fn values(m: &HashMap<String, Tensor>) -> Vec<(String, Vec<f32>)> {
 }
 
 fn ok(out: &Output) {
-    assert!(out.status.success(), "stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -88,7 +93,9 @@ fn launched_runs_on_2_and_3_ranks_end_where_1_rank_does() {
             }
         }
     }
-    for f in ["config.yaml", "metrics.jsonl", "loss.png", "checkpoints/step_8/optimizer.safetensors", "checkpoints/step_8/state.json"] {
+    for f in
+        ["config.yaml", "metrics.jsonl", "loss.png", "checkpoints/step_8/optimizer.safetensors", "checkpoints/step_8/state.json"]
+    {
         assert!(d.path().join("w2").join(f).exists(), "missing {f}");
     }
 }
@@ -105,7 +112,10 @@ fn a_crash_while_saving_keeps_latest_loadable_and_resume_is_exact() {
     ok(&run(&mut train(d.path(), &["--stop-after", "2", "--output-dir"]).arg(&crashed), limit));
     assert!(latest_model(&crashed).0.ends_with("step_2"));
     for stage in ["model", "optimizer", "rename"] {
-        let out = run(train(d.path(), &["--resume", "--output-dir"]).arg(&crashed).env("ALLGRAD_FAULT", format!("checkpoint:{stage}")), limit);
+        let out = run(
+            train(d.path(), &["--resume", "--output-dir"]).arg(&crashed).env("ALLGRAD_FAULT", format!("checkpoint:{stage}")),
+            limit,
+        );
         assert!(!out.status.success(), "the fault at {stage} did not fire");
         assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("stage {stage}")));
         // The interrupted save of step 4 is invisible: latest still names step 2, complete.
@@ -150,7 +160,10 @@ fn config_errors_name_the_file_the_key_and_the_numbers() {
     let cases: Vec<(Command, Vec<&str>)> = vec![
         (train(d.path(), &["--set", "optim.momentun=0.9"]), vec!["run.yaml", "optim", "unknown field `momentun`"]),
         (train(d.path(), &["--set", "train.global_batch=lots"]), vec!["run.yaml", "train.global_batch", "invalid type"]),
-        (launched(d.path(), 2, &["--set", "train.global_batch=25"]), vec!["train.global_batch = 25 is not divisible by world size 2"]),
+        (
+            launched(d.path(), 2, &["--set", "train.global_batch=25"]),
+            vec!["train.global_batch = 25 is not divisible by world size 2"],
+        ),
     ];
     for (mut cmd, needles) in cases {
         let out = run(&mut cmd, limit);

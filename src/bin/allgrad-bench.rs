@@ -347,7 +347,10 @@ fn sweep<T: Elem>(pg: &ProcessGroup, args: &CollArgs) -> Result<()> {
         println!("# size: all_reduce buffer; all_gather output (size/W per rank); reduce_scatter input (size/W per rank)");
         println!("# time: max over ranks of the mean per call; busbw factor 2(W-1)/W (all_reduce), (W-1)/W (others)");
         println!("#");
-        println!("{:>15} {:>13} {:>12} {:>5} {:>6} {:>12} {:>12} {:>12}", "op", "size(B)", "count", "type", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+        println!(
+            "{:>15} {:>13} {:>12} {:>5} {:>6} {:>12} {:>12} {:>12}",
+            "op", "size(B)", "count", "type", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
+        );
     }
     for &op in &args.ops.0 {
         for size in sizes(args.min_bytes, args.max_bytes) {
@@ -363,8 +366,8 @@ fn sweep<T: Elem>(pg: &ProcessGroup, args: &CollArgs) -> Result<()> {
                 continue;
             }
             let (iters, warmup) = iters_for(bytes, args);
-            let secs = time_op::<T>(pg, op, count as usize, iters, warmup)
-                .with_context(|| format!("{} of {bytes} bytes", op.name()))?;
+            let secs =
+                time_op::<T>(pg, op, count as usize, iters, warmup).with_context(|| format!("{} of {bytes} bytes", op.name()))?;
             if rank != 0 {
                 continue;
             }
@@ -373,12 +376,21 @@ fn sweep<T: Elem>(pg: &ProcessGroup, args: &CollArgs) -> Result<()> {
             let row = Row { op, bytes, count, iters, warmup, time_us: per_call * 1e6, algbw, busbw: algbw * op.bus_factor(w) };
             println!(
                 "{:>15} {:>13} {:>12} {:>5} {:>6} {:>12.1} {:>12.3} {:>12.3}",
-                op.name(), row.bytes, row.count, args.dtype, row.iters, row.time_us, row.algbw, row.busbw
+                op.name(),
+                row.bytes,
+                row.count,
+                args.dtype,
+                row.iters,
+                row.time_us,
+                row.algbw,
+                row.busbw
             );
             let _ = std::io::stdout().flush();
             if let Some(f) = json.as_mut() {
                 let line = json_line(&row, &args.dtype, w);
-                writeln!(f, "{line}").and_then(|_| f.flush()).with_context(|| format!("writing {}", show(args.json.as_deref())))?;
+                writeln!(f, "{line}")
+                    .and_then(|_| f.flush())
+                    .with_context(|| format!("writing {}", show(args.json.as_deref())))?;
             }
         }
     }

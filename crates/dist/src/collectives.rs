@@ -188,7 +188,14 @@ impl Mesh {
 
     /// One ring pass of all-gather: rank r starts owning chunk `r + offset`; at step `s` it
     /// sends chunk `r + offset - s` right and receives chunk `r + offset - s - 1` from the left.
-    fn ring_all_gather<T: Elem>(&mut self, c: &Call, buf: &mut [T], chunks: &[Range<usize>], offset: isize, step0: u32) -> DistResult<()> {
+    fn ring_all_gather<T: Elem>(
+        &mut self,
+        c: &Call,
+        buf: &mut [T],
+        chunks: &[Range<usize>],
+        offset: isize,
+        step0: u32,
+    ) -> DistResult<()> {
         let w = self.size() as isize;
         let r = self.rank as isize;
         let esz = T::DTYPE.size_in_bytes();
@@ -235,8 +242,10 @@ impl Mesh {
         got[r] = mine[r];
         let words: Vec<[u64; 1]> = mine.iter().map(|m| [*m]).collect();
         let header = |step| Header { dtype: 0, redop: 0, ..c.header::<u8>(step, 8) };
-        let mut sends: Vec<SendOp> =
-            (0..w).filter(|p| *p != r).map(|p| SendOp { peer: p, header: header(step), data: bytemuck::cast_slice(&words[p]) }).collect();
+        let mut sends: Vec<SendOp> = (0..w)
+            .filter(|p| *p != r)
+            .map(|p| SendOp { peer: p, header: header(step), data: bytemuck::cast_slice(&words[p]) })
+            .collect();
         let mut recvs: Vec<RecvOp> = got
             .iter_mut()
             .enumerate()
@@ -284,7 +293,13 @@ impl Mesh {
 
     /// Reduces `input` (blocks of `counts[j]` elements, one per rank) and returns this rank's
     /// reduced block.
-    pub(crate) fn reduce_scatter_v<T: Elem>(&mut self, c: &Call, op: ReduceOp, input: &[T], counts: &[usize]) -> DistResult<Vec<T>> {
+    pub(crate) fn reduce_scatter_v<T: Elem>(
+        &mut self,
+        c: &Call,
+        op: ReduceOp,
+        input: &[T],
+        counts: &[usize],
+    ) -> DistResult<Vec<T>> {
         let (w, r) = (self.size(), self.rank);
         let blocks = ranges(counts);
         if w == 1 {
@@ -301,7 +316,11 @@ impl Mesh {
             let mut others = vec![T::zeroed(); n * (w - 1)];
             let mut sends: Vec<SendOp> = (0..w)
                 .filter(|p| *p != r)
-                .map(|p| SendOp { peer: p, header: c.header::<T>(0, blocks[p].len() * esz), data: bytes(&input[blocks[p].clone()]) })
+                .map(|p| SendOp {
+                    peer: p,
+                    header: c.header::<T>(0, blocks[p].len() * esz),
+                    data: bytes(&input[blocks[p].clone()]),
+                })
                 .collect();
             let peers: Vec<usize> = (0..w).filter(|p| *p != r).collect();
             let mut recvs: Vec<RecvOp> = if n == 0 {
@@ -337,8 +356,10 @@ impl Mesh {
         let nbytes = buf.len() * esz;
         if nbytes <= DIRECT_BYTES || w == 2 {
             if r == root {
-                let mut sends: Vec<SendOp> =
-                    (0..w).filter(|p| *p != r).map(|p| SendOp { peer: p, header: c.header::<T>(0, nbytes), data: bytes(buf) }).collect();
+                let mut sends: Vec<SendOp> = (0..w)
+                    .filter(|p| *p != r)
+                    .map(|p| SendOp { peer: p, header: c.header::<T>(0, nbytes), data: bytes(buf) })
+                    .collect();
                 self.exchange(&mut sends, &mut [], c.what)?;
             } else {
                 let mut recvs = [RecvOp { peer: root, expect: c.header::<T>(0, nbytes), data: bytes_mut(buf), acc: None }];
@@ -358,7 +379,8 @@ impl Mesh {
                 (None, None) => {}
                 (Some(sk), None) => {
                     let d = &buf[segs[sk].clone()];
-                    let mut sends = [SendOp { peer: self.right(), header: c.header::<T>(sk as u32, d.len() * esz), data: bytes(d) }];
+                    let mut sends =
+                        [SendOp { peer: self.right(), header: c.header::<T>(sk as u32, d.len() * esz), data: bytes(d) }];
                     self.exchange(&mut sends, &mut [], c.what)?;
                 }
                 (None, Some(rk)) => {
@@ -369,7 +391,8 @@ impl Mesh {
                 }
                 (Some(sk), Some(rk)) => {
                     let (d_s, d_r) = split2(buf, segs[sk].clone(), segs[rk].clone());
-                    let mut sends = [SendOp { peer: self.right(), header: c.header::<T>(sk as u32, d_s.len() * esz), data: bytes(d_s) }];
+                    let mut sends =
+                        [SendOp { peer: self.right(), header: c.header::<T>(sk as u32, d_s.len() * esz), data: bytes(d_s) }];
                     let h = c.header::<T>(rk as u32, d_r.len() * esz);
                     let mut recvs = [RecvOp { peer: self.left(), expect: h, data: bytes_mut(d_r), acc: None }];
                     self.exchange(&mut sends, &mut recvs, c.what)?;
@@ -478,7 +501,11 @@ impl Mesh {
         let esz = esz as usize;
         let mut sends: Vec<SendOp> = (0..w)
             .filter(|p| *p != r)
-            .map(|p| SendOp { peer: p, header: c.header::<T>(1, in_blocks[p].len() * esz), data: bytes(&input[in_blocks[p].clone()]) })
+            .map(|p| SendOp {
+                peer: p,
+                header: c.header::<T>(1, in_blocks[p].len() * esz),
+                data: bytes(&input[in_blocks[p].clone()]),
+            })
             .collect();
         let mut recvs = Vec::with_capacity(w - 1);
         let mut rest: &mut [T] = &mut out;
@@ -501,7 +528,8 @@ impl Mesh {
         let (w, r) = (self.size(), self.rank);
         let h = Header { dtype: 0, ..c.header::<u8>(0, 0) };
         let mut sends: Vec<SendOp> = (0..w).filter(|p| *p != r).map(|p| SendOp { peer: p, header: h, data: &[] }).collect();
-        let mut recvs: Vec<RecvOp> = (0..w).filter(|p| *p != r).map(|p| RecvOp { peer: p, expect: h, data: &mut [], acc: None }).collect();
+        let mut recvs: Vec<RecvOp> =
+            (0..w).filter(|p| *p != r).map(|p| RecvOp { peer: p, expect: h, data: &mut [], acc: None }).collect();
         self.exchange(&mut sends, &mut recvs, c.what)
     }
 }

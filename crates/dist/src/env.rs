@@ -63,20 +63,16 @@ impl WorldInfo {
         let num = |k: &str| -> DistResult<Option<usize>> {
             match get(k) {
                 None => Ok(None),
-                Some(v) => v.parse::<usize>().map(Some).map_err(|_| {
-                    DistError::Env(format!("{k}={v:?} is not a non-negative integer"))
-                }),
+                Some(v) => {
+                    v.parse::<usize>().map(Some).map_err(|_| DistError::Env(format!("{k}={v:?} is not a non-negative integer")))
+                }
             }
         };
         let timeout = match get("ALLGRAD_TIMEOUT_S") {
             None => DEFAULT_TIMEOUT,
             Some(v) => match v.parse::<f64>() {
                 Ok(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
-                _ => {
-                    return Err(DistError::Env(format!(
-                        "ALLGRAD_TIMEOUT_S={v:?} is not a positive number of seconds"
-                    )))
-                }
+                _ => return Err(DistError::Env(format!("ALLGRAD_TIMEOUT_S={v:?} is not a positive number of seconds"))),
             },
         };
 
@@ -87,8 +83,8 @@ impl WorldInfo {
             ("torchrun", rank, world, num("LOCAL_RANK")?, num("LOCAL_WORLD_SIZE")?)
         } else if get("SLURM_PROCID").is_some() {
             let rank = num("SLURM_PROCID")?.unwrap_or(0);
-            let world = num("SLURM_NTASKS")?
-                .ok_or_else(|| DistError::Env("SLURM_PROCID is set but SLURM_NTASKS is not".into()))?;
+            let world =
+                num("SLURM_NTASKS")?.ok_or_else(|| DistError::Env("SLURM_PROCID is set but SLURM_NTASKS is not".into()))?;
             // SLURM_NTASKS_PER_NODE can read "4(x2)"; take the leading number.
             let per_node = get("SLURM_NTASKS_PER_NODE")
                 .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next().and_then(|d| d.parse().ok()));
@@ -146,16 +142,7 @@ impl WorldInfo {
                 format!("derived:{job}:{master_addr}:{master_port}")
             }
         };
-        Ok(WorldInfo {
-            rank,
-            world_size: world,
-            local_rank,
-            local_world_size,
-            master_addr,
-            master_port,
-            token,
-            timeout,
-        })
+        Ok(WorldInfo { rank, world_size: world, local_rank, local_world_size, master_addr, master_port, token, timeout })
     }
 }
 

@@ -118,10 +118,7 @@ impl DistError {
     /// True when this error was caused by another rank's failure rather than by this rank.
     /// Harnesses use it to report the root cause first.
     pub fn is_secondary(&self) -> bool {
-        matches!(
-            self,
-            DistError::PeerAborted { .. } | DistError::PeerClosed { .. } | DistError::Poisoned { .. }
-        )
+        matches!(self, DistError::PeerAborted { .. } | DistError::PeerClosed { .. } | DistError::Poisoned { .. })
     }
 }
 

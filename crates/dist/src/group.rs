@@ -70,16 +70,35 @@ impl std::fmt::Debug for ProcessGroup {
 macro_rules! dispatch {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            DType::F32 => { type $T = f32; $body }
-            DType::F64 => { type $T = f64; $body }
-            DType::F16 => { type $T = half::f16; $body }
-            DType::BF16 => { type $T = half::bf16; $body }
-            DType::I64 => { type $T = i64; $body }
-            DType::U32 => { type $T = u32; $body }
-            DType::U8 => { type $T = u8; $body }
-            d => Err(DistError::Invalid(format!(
-                "collectives support the dtypes {SUPPORTED_DTYPES:?}, not {d:?}"
-            )).into()),
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            d => Err(DistError::Invalid(format!("collectives support the dtypes {SUPPORTED_DTYPES:?}, not {d:?}")).into()),
         }
     };
 }
@@ -129,7 +148,13 @@ impl ProcessGroup {
         let store_addr = format!("{}:{}", info.master_addr, info.master_port);
         let store = StoreClient::connect(&store_addr, &info.token, info.rank, info.timeout)?;
         let bind_ip = bind_ip_toward(&info.master_addr, info.master_port)?;
-        let ctx = Arc::new(Context { info: info.clone(), store: Some(store), bind_ip, max_message_bytes: max_message_bytes()?, _server: server });
+        let ctx = Arc::new(Context {
+            info: info.clone(),
+            store: Some(store),
+            bind_ip,
+            max_message_bytes: max_message_bytes()?,
+            _server: server,
+        });
         let mesh = connect_mesh(&ctx, "world", info.rank, &members)?;
         let pg = Self::from_mesh("world".into(), info.rank, members, mesh, ctx);
         tracing::debug!("rank {} joined a world of {}", info.rank, info.world_size);
@@ -246,18 +271,26 @@ impl ProcessGroup {
     pub fn all_reduce_slice<T: Elem>(&self, buf: &mut [T], op: ReduceOp) -> DistResult<()> {
         let n = buf.len();
         let meta = [n as u64];
-        self.call(OpCode::AllReduce, Some(op), &meta, || format!("all_reduce({op:?}) of {n} x {:?}", T::DTYPE), |m, c| {
-            m.all_reduce(c, op, buf)
-        })
+        self.call(
+            OpCode::AllReduce,
+            Some(op),
+            &meta,
+            || format!("all_reduce({op:?}) of {n} x {:?}", T::DTYPE),
+            |m, c| m.all_reduce(c, op, buf),
+        )
     }
 
     /// Gathers every rank's `own` (equal lengths on every rank) in rank order.
     pub fn all_gather_slice<T: Elem>(&self, own: &[T]) -> DistResult<Vec<T>> {
         let n = own.len();
         let counts = vec![n; self.world_size()];
-        self.call(OpCode::AllGather, None, &[n as u64], || format!("all_gather of {n} x {:?}", T::DTYPE), |m, c| {
-            m.all_gather_v(c, own, &counts, 0)
-        })
+        self.call(
+            OpCode::AllGather,
+            None,
+            &[n as u64],
+            || format!("all_gather of {n} x {:?}", T::DTYPE),
+            |m, c| m.all_gather_v(c, own, &counts, 0),
+        )
     }
 
     /// Gathers every rank's `own` in rank order when lengths may differ; `unit` is a number of
@@ -290,9 +323,13 @@ impl ProcessGroup {
     pub fn reduce_scatter_slice<T: Elem>(&self, input: &[T], op: ReduceOp, counts: &[usize]) -> DistResult<Vec<T>> {
         self.check_counts("reduce_scatter", input.len(), counts)?;
         let meta: Vec<u64> = counts.iter().map(|c| *c as u64).collect();
-        self.call(OpCode::ReduceScatter, Some(op), &meta, || format!("reduce_scatter({op:?}) of {} x {:?} into {counts:?}", input.len(), T::DTYPE), |m, c| {
-            m.reduce_scatter_v(c, op, input, counts)
-        })
+        self.call(
+            OpCode::ReduceScatter,
+            Some(op),
+            &meta,
+            || format!("reduce_scatter({op:?}) of {} x {:?} into {counts:?}", input.len(), T::DTYPE),
+            |m, c| m.reduce_scatter_v(c, op, input, counts),
+        )
     }
 
     /// Copies rank `root`'s `buf` to every rank.
@@ -300,9 +337,13 @@ impl ProcessGroup {
         self.check_rank("broadcast root", root)?;
         let n = buf.len();
         let meta = [n as u64, root as u64];
-        self.call(OpCode::Broadcast, None, &meta, || format!("broadcast from rank {root} of {n} x {:?}", T::DTYPE), |m, c| {
-            m.broadcast(c, buf, root)
-        })
+        self.call(
+            OpCode::Broadcast,
+            None,
+            &meta,
+            || format!("broadcast from rank {root} of {n} x {:?}", T::DTYPE),
+            |m, c| m.broadcast(c, buf, root),
+        )
     }
 
     /// Reduces every rank's `buf` into rank `root`'s; other ranks' buffers are unchanged.
@@ -310,19 +351,32 @@ impl ProcessGroup {
         self.check_rank("reduce root", root)?;
         let n = buf.len();
         let meta = [n as u64, root as u64];
-        self.call(OpCode::Reduce, Some(op), &meta, || format!("reduce({op:?}) to rank {root} of {n} x {:?}", T::DTYPE), |m, c| {
-            m.reduce(c, op, buf, root)
-        })
+        self.call(
+            OpCode::Reduce,
+            Some(op),
+            &meta,
+            || format!("reduce({op:?}) to rank {root} of {n} x {:?}", T::DTYPE),
+            |m, c| m.reduce(c, op, buf, root),
+        )
     }
 
     /// Sends `send_counts[j]` elements of `input` (consecutive blocks) to rank j; returns what
     /// every rank sent here, in rank order, and the block sizes.
-    pub fn all_to_all_v_slice<T: Elem>(&self, input: &[T], send_counts: &[usize], meta: &[u64]) -> DistResult<(Vec<T>, Vec<usize>)> {
+    pub fn all_to_all_v_slice<T: Elem>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        meta: &[u64],
+    ) -> DistResult<(Vec<T>, Vec<usize>)> {
         self.check_counts("all_to_all", input.len(), send_counts)?;
         let max = self.inner.ctx.max_message_bytes;
-        self.call(OpCode::AllToAll, None, meta, || format!("all_to_all of {} x {:?} split {send_counts:?}", input.len(), T::DTYPE), |m, c| {
-            m.all_to_all_v(c, input, send_counts, max)
-        })
+        self.call(
+            OpCode::AllToAll,
+            None,
+            meta,
+            || format!("all_to_all of {} x {:?} split {send_counts:?}", input.len(), T::DTYPE),
+            |m, c| m.all_to_all_v(c, input, send_counts, max),
+        )
     }
 
     /// Waits until every rank of the group has reached the barrier.
@@ -333,23 +387,40 @@ impl ProcessGroup {
     /// Sends `data` to rank `dst`, which must call [`ProcessGroup::recv_slice`] with a buffer of
     /// the same length and type. Messages between two ranks arrive in order.
     pub fn send_slice<T: Elem>(&self, data: &[T], dst: usize) -> DistResult<()> {
-        self.p2p(dst, |m, h| {
-            let mut sends = [SendOp { peer: dst, header: h(data.len() * T::DTYPE.size_in_bytes(), T::DTYPE), data: bytemuck::cast_slice(data) }];
-            m.exchange(&mut sends, &mut [], &format!("send of {} x {:?} to rank {dst}", data.len(), T::DTYPE))
-        }, true)
+        self.p2p(
+            dst,
+            |m, h| {
+                let mut sends = [SendOp {
+                    peer: dst,
+                    header: h(data.len() * T::DTYPE.size_in_bytes(), T::DTYPE),
+                    data: bytemuck::cast_slice(data),
+                }];
+                m.exchange(&mut sends, &mut [], &format!("send of {} x {:?} to rank {dst}", data.len(), T::DTYPE))
+            },
+            true,
+        )
     }
 
     /// Receives into `buf` what rank `src` sent with [`ProcessGroup::send_slice`].
     pub fn recv_slice<T: Elem>(&self, buf: &mut [T], src: usize) -> DistResult<()> {
-        self.p2p(src, |m, h| {
-            let what = format!("recv of {} x {:?} from rank {src}", buf.len(), T::DTYPE);
-            let expect = h(buf.len() * T::DTYPE.size_in_bytes(), T::DTYPE);
-            let mut recvs = [RecvOp { peer: src, expect, data: bytemuck::cast_slice_mut(buf), acc: None }];
-            m.exchange(&mut [], &mut recvs, &what)
-        }, false)
+        self.p2p(
+            src,
+            |m, h| {
+                let what = format!("recv of {} x {:?} from rank {src}", buf.len(), T::DTYPE);
+                let expect = h(buf.len() * T::DTYPE.size_in_bytes(), T::DTYPE);
+                let mut recvs = [RecvOp { peer: src, expect, data: bytemuck::cast_slice_mut(buf), acc: None }];
+                m.exchange(&mut [], &mut recvs, &what)
+            },
+            false,
+        )
     }
 
-    fn p2p(&self, peer: usize, f: impl FnOnce(&mut Mesh, &dyn Fn(usize, DType) -> wire::Header) -> DistResult<()>, sending: bool) -> DistResult<()> {
+    fn p2p(
+        &self,
+        peer: usize,
+        f: impl FnOnce(&mut Mesh, &dyn Fn(usize, DType) -> wire::Header) -> DistResult<()>,
+        sending: bool,
+    ) -> DistResult<()> {
         self.check_rank(if sending { "send destination" } else { "recv source" }, peer)?;
         if peer == self.rank() {
             return Err(DistError::Invalid(format!("rank {peer} cannot send to or receive from itself")));
@@ -619,19 +690,28 @@ fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> Dis
     let store = ctx.store.as_ref().expect("a multi-rank group has a store");
     let deadline = Instant::now() + info.timeout;
     let n = members.len();
-    let listener = TcpListener::bind((ctx.bind_ip, 0)).map_err(|e| DistError::io(format!("binding the data plane on {}", ctx.bind_ip), e))?;
+    let listener = TcpListener::bind((ctx.bind_ip, 0))
+        .map_err(|e| DistError::io(format!("binding the data plane on {}", ctx.bind_ip), e))?;
     let addr = listener.local_addr().map_err(|e| DistError::io("data-plane address", e))?;
     store.set(&format!("{group}/addr/{me}"), addr.to_string().as_bytes())?;
 
-    let hello = Hello { service: Service::Data, rank: members[me] as u32, world: n as u32, token: info.token.clone(), group: group.to_string() };
+    let hello = Hello {
+        service: Service::Data,
+        rank: members[me] as u32,
+        world: n as u32,
+        token: info.token.clone(),
+        group: group.to_string(),
+    };
     let mut peers: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
 
     for p in 0..me {
         let who = format!("rank {} ({group})", members[p]);
         let raw = store.get(&format!("{group}/addr/{p}"))?;
-        let target: SocketAddr = String::from_utf8_lossy(&raw)
-            .parse()
-            .map_err(|_| DistError::Protocol { peer: members[p], group: group.into(), detail: "unreadable address in the store".into() })?;
+        let target: SocketAddr = String::from_utf8_lossy(&raw).parse().map_err(|_| DistError::Protocol {
+            peer: members[p],
+            group: group.into(),
+            detail: "unreadable address in the store".into(),
+        })?;
         let mut s = loop {
             match TcpStream::connect_timeout(&target, Duration::from_secs(5)) {
                 Ok(s) => break s,
@@ -644,7 +724,11 @@ fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> Dis
         };
         wire::write_all_by(&mut s, &hello.encode(), deadline, &who)?;
         let reply = Hello::read(&mut s, deadline, &who)?;
-        if reply.service != Service::Data || !same_secret(&reply.token, &info.token) || reply.group != group || reply.rank as usize != members[p] {
+        if reply.service != Service::Data
+            || !same_secret(&reply.token, &info.token)
+            || reply.group != group
+            || reply.rank as usize != members[p]
+        {
             return Err(DistError::Unauthenticated { addr: target.to_string(), detail: format!("expected {who} of this job") });
         }
         peers[p] = Some(s);
@@ -662,7 +746,10 @@ fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> Dis
                 let limit = deadline.min(Instant::now() + HANDSHAKE_GRACE);
                 std::thread::spawn(move || {
                     let who = from.to_string();
-                    let h = s.set_nonblocking(false).map_err(|e| DistError::io("accepted connection", e)).and_then(|_| Hello::read(&mut s, limit, &who));
+                    let h = s
+                        .set_nonblocking(false)
+                        .map_err(|e| DistError::io("accepted connection", e))
+                        .and_then(|_| Hello::read(&mut s, limit, &who));
                     let _ = tx.send((s, who, h));
                 });
             }
@@ -679,7 +766,10 @@ fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> Dis
                         wire::write_all_by(&mut s, &hello.encode(), deadline, &who)?;
                         Ok(i)
                     }
-                    _ => Err(DistError::Unauthenticated { addr: who.clone(), detail: format!("unexpected peer rank {} for group {:?}", h.rank, h.group) }),
+                    _ => Err(DistError::Unauthenticated {
+                        addr: who.clone(),
+                        detail: format!("unexpected peer rank {} for group {:?}", h.rank, h.group),
+                    }),
                 }
             });
             match checked {
@@ -693,7 +783,10 @@ fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> Dis
         if missing > 0 {
             if Instant::now() >= deadline {
                 let waiting: Vec<usize> = (me + 1..n).filter(|p| peers[*p].is_none()).map(|p| members[p]).collect();
-                return Err(DistError::Timeout { what: format!("waiting for rank(s) {waiting:?} to connect ({group})"), timeout: info.timeout });
+                return Err(DistError::Timeout {
+                    what: format!("waiting for rank(s) {waiting:?} to connect ({group})"),
+                    timeout: info.timeout,
+                });
             }
             std::thread::sleep(Duration::from_millis(1));
         }

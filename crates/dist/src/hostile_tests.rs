@@ -98,9 +98,7 @@ fn closed_without_reply(s: &mut TcpStream, limit: Duration) -> Result<(), String
         Ok(0) => Ok(()),
         Ok(n) => Err(format!("got {n} bytes back: {:?}", String::from_utf8_lossy(&buf[..n]))),
         Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted) => Ok(()),
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-            Err(format!("still open after {limit:?}"))
-        }
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => Err(format!("still open after {limit:?}")),
         Err(e) => Err(format!("read failed: {e}")),
     }
 }
@@ -148,7 +146,12 @@ fn intruders_are_dropped_and_the_real_ranks_still_connect_and_all_reduce() {
     // Every rejected intruder is disconnected without a reply (rank 0 must not hand its own
     // handshake, token included, to an unauthenticated peer), while rank 0 is still waiting
     // for the real rank 1.
-    for (name, s) in [("wrong token", &mut wrong_token), ("garbage", &mut garbage), ("wrong service", &mut wrong_service), ("oversized token", &mut oversized)] {
+    for (name, s) in [
+        ("wrong token", &mut wrong_token),
+        ("garbage", &mut garbage),
+        ("wrong service", &mut wrong_service),
+        ("oversized token", &mut oversized),
+    ] {
         if let Err(e) = closed_without_reply(s, Duration::from_secs(5)) {
             panic!("intruder with {name}: {e}");
         }
@@ -258,7 +261,8 @@ fn data_header_claiming_u64_max_bytes_fails_without_allocating() {
 fn abort_header_with_oversized_reason_fails_without_allocating() {
     for len in [MAX_ABORT_REASON + 1, u64::MAX] {
         let case = format!("abort reason of {len} bytes");
-        let err = rank0_error_after_hostile_frame(&case, |_| Header { kind: KIND_ABORT, len, ..Default::default() }.encode().to_vec());
+        let err =
+            rank0_error_after_hostile_frame(&case, |_| Header { kind: KIND_ABORT, len, ..Default::default() }.encode().to_vec());
         assert_names_rank1(&case, &err, &len.to_string());
     }
 }

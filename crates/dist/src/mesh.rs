@@ -244,7 +244,10 @@ impl Mesh {
                 if writable && fd.events & libc::POLLOUT != 0 {
                     if let Some(i) = sends.iter().position(|s| s.peer == peer) {
                         // Whether this rank is part-way through reading a frame from the same peer.
-                        let reading = recvs.iter().zip(&rs).any(|(r, st)| r.peer == peer && !st.done && (st.phase != Phase::Header || st.got > 0));
+                        let reading = recvs
+                            .iter()
+                            .zip(&rs)
+                            .any(|(r, st)| r.peer == peer && !st.done && (st.phase != Phase::Header || st.got > 0));
                         self.pump_send(&sends[i], &send_frames[i], &mut sent[i], what, reading)?;
                     }
                 }
@@ -256,13 +259,27 @@ impl Mesh {
         self.peers[peer].as_ref().expect("no connection to self")
     }
 
-    fn pump_send(&mut self, s: &SendOp, header: &[u8; HEADER_LEN], sent: &mut usize, what: &str, reading_mid_frame: bool) -> DistResult<()> {
+    fn pump_send(
+        &mut self,
+        s: &SendOp,
+        header: &[u8; HEADER_LEN],
+        sent: &mut usize,
+        what: &str,
+        reading_mid_frame: bool,
+    ) -> DistResult<()> {
         let r = self.pump_send_inner(s, header, sent, what, reading_mid_frame);
         self.mid_frame[s.peer] = *sent > 0 && *sent < HEADER_LEN + s.data.len();
         r
     }
 
-    fn pump_send_inner(&self, s: &SendOp, header: &[u8; HEADER_LEN], sent: &mut usize, what: &str, reading_mid_frame: bool) -> DistResult<()> {
+    fn pump_send_inner(
+        &self,
+        s: &SendOp,
+        header: &[u8; HEADER_LEN],
+        sent: &mut usize,
+        what: &str,
+        reading_mid_frame: bool,
+    ) -> DistResult<()> {
         let mut stream = self.stream(s.peer);
         let total = HEADER_LEN + s.data.len();
         while *sent < total {
@@ -304,7 +321,9 @@ impl Mesh {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) if is_disconnect(&e) => return Err(self.peer_closed(r.peer, what, st.phase == Phase::Header && st.got == 0)),
+                Err(e) if is_disconnect(&e) => {
+                    return Err(self.peer_closed(r.peer, what, st.phase == Phase::Header && st.got == 0))
+                }
                 Err(e) => return Err(DistError::io(format!("receiving from rank {} in {what}", self.members[r.peer]), e)),
             };
             st.got += n;
@@ -333,7 +352,15 @@ impl Mesh {
                     }
                     if h.kind != KIND_DATA
                         || (h.op, h.dtype, h.redop, h.seq, h.step, h.len, h.meta)
-                            != (r.expect.op, r.expect.dtype, r.expect.redop, r.expect.seq, r.expect.step, r.expect.len, r.expect.meta)
+                            != (
+                                r.expect.op,
+                                r.expect.dtype,
+                                r.expect.redop,
+                                r.expect.seq,
+                                r.expect.step,
+                                r.expect.len,
+                                r.expect.meta,
+                            )
                     {
                         return Err(DistError::Mismatch {
                             group: self.group.clone(),
@@ -434,6 +461,10 @@ fn push_fd(fds: &mut Vec<libc::pollfd>, fd_peer: &mut Vec<usize>, s: &TcpStream,
 fn is_disconnect(e: &std::io::Error) -> bool {
     matches!(
         e.kind(),
-        ErrorKind::BrokenPipe | ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::UnexpectedEof | ErrorKind::NotConnected
+        ErrorKind::BrokenPipe
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::UnexpectedEof
+            | ErrorKind::NotConnected
     )
 }

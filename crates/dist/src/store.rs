@@ -100,15 +100,13 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         match listener.accept() {
             Ok((stream, peer)) => {
                 let s = shared.clone();
-                let _ = std::thread::Builder::new()
-                    .name("allgrad-store-conn".into())
-                    .spawn(move || {
-                        if let Err(e) = serve(stream, &s) {
-                            if !s.stop.load(Ordering::SeqCst) {
-                                tracing::debug!("store connection from {peer} ended: {e}");
-                            }
+                let _ = std::thread::Builder::new().name("allgrad-store-conn".into()).spawn(move || {
+                    if let Err(e) = serve(stream, &s) {
+                        if !s.stop.load(Ordering::SeqCst) {
+                            tracing::debug!("store connection from {peer} ended: {e}");
                         }
-                    });
+                    }
+                });
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
             Err(e) => {
@@ -272,7 +270,8 @@ impl StoreClient {
         };
         let _ = stream.set_nodelay(true);
         let mut stream = stream;
-        let hello = Hello { service: Service::Store, rank: rank as u32, world: 0, token: token.to_string(), group: String::new() };
+        let hello =
+            Hello { service: Service::Store, rank: rank as u32, world: 0, token: token.to_string(), group: String::new() };
         let who = format!("rendezvous store {addr}");
         write_all_by(&mut stream, &hello.encode(), deadline, &who)?;
         let reply = Hello::read(&mut stream, deadline, &who).map_err(|e| match e {
@@ -283,7 +282,10 @@ impl StoreClient {
             e => e,
         })?;
         if reply.service != Service::Store || !same_secret(&reply.token, token) {
-            return Err(DistError::Unauthenticated { addr: addr.to_string(), detail: "the store answered with another job token".into() });
+            return Err(DistError::Unauthenticated {
+                addr: addr.to_string(),
+                detail: "the store answered with another job token".into(),
+            });
         }
         Ok(StoreClient { stream: Mutex::new(stream), addr: addr.to_string(), timeout })
     }

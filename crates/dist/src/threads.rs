@@ -184,7 +184,9 @@ impl Watchdog {
                 }
                 if std::time::Instant::now() >= deadline {
                     let stuck: Vec<usize> = (0..w).filter(|r| !finished[*r]).collect();
-                    eprintln!("watchdog: ranks {stuck:?} of a {w}-rank run_threads world did not finish within {limit:?}; exiting");
+                    eprintln!(
+                        "watchdog: ranks {stuck:?} of a {w}-rank run_threads world did not finish within {limit:?}; exiting"
+                    );
                     std::process::exit(1);
                 }
                 std::thread::sleep(Duration::from_millis(50));

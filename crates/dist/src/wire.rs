@@ -127,9 +127,7 @@ pub(crate) fn read_exact_by(stream: &mut TcpStream, buf: &mut [u8], deadline: In
 /// Writes all of `buf` to a blocking stream before `deadline`.
 pub(crate) fn write_all_by(stream: &mut TcpStream, buf: &[u8], deadline: Instant, who: &str) -> DistResult<()> {
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    stream
-        .set_write_timeout(Some(left))
-        .map_err(|e| DistError::io(format!("setting a write timeout on {who}"), e))?;
+    stream.set_write_timeout(Some(left)).map_err(|e| DistError::io(format!("setting a write timeout on {who}"), e))?;
     stream.write_all(buf).map_err(|e| DistError::io(format!("writing to {who}"), e))
 }
 

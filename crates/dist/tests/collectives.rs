@@ -143,13 +143,34 @@ fn fold(op: ReduceOp, dtype: DType, parts: &[Vec<f64>]) -> Vec<f64> {
 macro_rules! with_type {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            DType::F32 => { type $T = f32; $body }
-            DType::F64 => { type $T = f64; $body }
-            DType::F16 => { type $T = f16; $body }
-            DType::BF16 => { type $T = bf16; $body }
-            DType::I64 => { type $T = i64; $body }
-            DType::U32 => { type $T = u32; $body }
-            DType::U8 => { type $T = u8; $body }
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = bf16;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
             d => panic!("no test type for {d:?}"),
         }
     };
@@ -224,10 +245,7 @@ fn exact_op(op: ReduceOp, dtype: DType) -> bool {
 /// A world of `w` thread-ranks with a generous per-call timeout; panics with the harness's
 /// message (which names the failing rank and case) on error.
 fn world<T: Send>(w: usize, f: impl Fn(ProcessGroup) -> candle_core::Result<T> + Sync) -> Vec<T> {
-    ThreadWorld::new(w)
-        .timeout(Duration::from_secs(30))
-        .run(f)
-        .unwrap_or_else(|e| panic!("world of {w} ranks failed: {e}"))
+    ThreadWorld::new(w).timeout(Duration::from_secs(30)).run(f).unwrap_or_else(|e| panic!("world of {w} ranks failed: {e}"))
 }
 
 /// Dim-0 sizes of the uneven cases: rank 1 has no rows, the others all differ.
@@ -240,11 +258,14 @@ fn uneven_rows(q: usize, w: usize, base: usize) -> usize {
 }
 
 fn offsets(sizes: &[usize]) -> Vec<usize> {
-    sizes.iter().scan(0, |acc, s| {
-        let o = *acc;
-        *acc += s;
-        Some(o)
-    }).collect()
+    sizes
+        .iter()
+        .scan(0, |acc, s| {
+            let o = *acc;
+            *acc += s;
+            Some(o)
+        })
+        .collect()
 }
 
 // ------------------------------------------------------------------ all_reduce
@@ -302,13 +323,24 @@ fn all_reduce_is_bitwise_identical_on_every_rank_with_rounding_inputs() {
                         // Each of the W - 1 combining steps rounds relative to the partial
                         // result, which for sums can be far larger than the final value (the
                         // inputs cancel): bound sums by max(sum of |x|, 1) instead.
-                        let abs_sum = fold(ReduceOp::Sum, dtype, &parts.iter().map(|p| p.iter().map(|x| x.abs()).collect()).collect::<Vec<_>>());
+                        let abs_sum = fold(
+                            ReduceOp::Sum,
+                            dtype,
+                            &parts.iter().map(|p| p.iter().map(|x| x.abs()).collect()).collect::<Vec<_>>(),
+                        );
                         let scale: Vec<f64> = match op {
                             ReduceOp::Sum => abs_sum,
                             ReduceOp::Avg => abs_sum.iter().map(|s| s / w as f64).collect(),
                             _ => fold(op, dtype, &parts).iter().map(|x| x.abs()).collect(),
                         };
-                        check_scaled(&format!("{what} on rank {r}"), dtype, exact_op(op, dtype), &read(&y), &fold(op, dtype, &parts), &scale);
+                        check_scaled(
+                            &format!("{what} on rank {r}"),
+                            dtype,
+                            exact_op(op, dtype),
+                            &read(&y),
+                            &fold(op, dtype, &parts),
+                            &scale,
+                        );
                         // Small results travel whole, large ones as a digest of their bits.
                         let bits = if n <= 7 { read(&y).iter().map(|v| v.to_bits()).collect() } else { vec![bits_digest(&y)] };
                         out.push((what, bits));
@@ -345,8 +377,7 @@ fn all_gather_equal_and_uneven_sizes_match_serial_reference() {
                 for base in ROW_SIZES {
                     let s = salt("all_gather_uneven", dtype, base);
                     let rows: Vec<usize> = (0..w).map(|q| uneven_rows(q, w, base)).collect();
-                    let parts: Vec<Vec<f64>> =
-                        (0..w).map(|q| gen(dtype, Kind::General, q, s, 0..rows[q] * COLS)).collect();
+                    let parts: Vec<Vec<f64>> = (0..w).map(|q| gen(dtype, Kind::General, q, s, 0..rows[q] * COLS)).collect();
                     let x = tensor(dtype, &parts[r], &[rows[r], COLS]);
                     let (y, sizes) = pg.all_gather_with_sizes(&x)?;
                     let what = format!("uneven all_gather W={w} {dtype:?} rows={rows:?} on rank {r}");
@@ -654,15 +685,36 @@ fn subgroups_follow_the_given_rank_order_and_run_collectives() {
                     }
                     if kind == Kind::General {
                         let y = sub.all_gather(&x)?;
-                        check(&format!("subgroup {members:?} all_gather on rank {g}"), &y, dtype, &[2 * n], true, &parts.concat());
+                        check(
+                            &format!("subgroup {members:?} all_gather on rank {g}"),
+                            &y,
+                            dtype,
+                            &[2 * n],
+                            true,
+                            &parts.concat(),
+                        );
                         for root in 0..2 {
                             let y = sub.broadcast(&x, root)?;
-                            check(&format!("subgroup {members:?} broadcast from {root} on rank {g}"), &y, dtype, &[n], true, &parts[root]);
+                            check(
+                                &format!("subgroup {members:?} broadcast from {root} on rank {g}"),
+                                &y,
+                                dtype,
+                                &[n],
+                                true,
+                                &parts[root],
+                            );
                         }
                         let xs = tensor(dtype, &gen(dtype, kind, members[me], s, 0..2 * n), &[2, n]);
                         let mine: Vec<Vec<f64>> = members.iter().map(|m| gen(dtype, kind, *m, s, me * n..(me + 1) * n)).collect();
                         let y = sub.reduce_scatter(&xs, ReduceOp::Sum)?;
-                        check(&format!("subgroup {members:?} reduce_scatter on rank {g}"), &y, dtype, &[1, n], is_int(dtype), &fold(ReduceOp::Sum, dtype, &mine));
+                        check(
+                            &format!("subgroup {members:?} reduce_scatter on rank {g}"),
+                            &y,
+                            dtype,
+                            &[1, n],
+                            is_int(dtype),
+                            &fold(ReduceOp::Sum, dtype, &mine),
+                        );
                         // Point to point uses group ranks.
                         if me == 0 {
                             sub.send(&x, 1)?;
@@ -684,7 +736,14 @@ fn subgroups_follow_the_given_rank_order_and_run_collectives() {
         let y = pg.all_reduce(&tensor(DType::F64, &[g as f64, 1.0], &[2]), ReduceOp::Sum)?;
         check(&format!("world all_reduce after subgroups on rank {g}"), &y, DType::F64, &[2], true, &[6.0, 4.0]);
         let y = sub.all_reduce(&tensor(DType::U32, &[g as f64], &[1]), ReduceOp::Max)?;
-        check(&format!("subgroup all_reduce after world on rank {g}"), &y, DType::U32, &[1], true, &[members[0].max(members[1]) as f64]);
+        check(
+            &format!("subgroup all_reduce after world on rank {g}"),
+            &y,
+            DType::U32,
+            &[1],
+            true,
+            &[members[0].max(members[1]) as f64],
+        );
         Ok(())
     });
 }
@@ -833,11 +892,8 @@ fn mismatched_collectives_fail_on_every_rank_naming_both_calls() {
 fn mismatched_shapes_or_dtypes_of_the_same_collective_fail_on_every_rank() {
     // (rank 1's tensor, the others' tensor): same byte count but another shape, another
     // length, another dtype of the same size in bytes.
-    let cases: [(DType, &[usize], DType, &[usize]); 3] = [
-        (DType::F32, &[2, 2], DType::F32, &[4]),
-        (DType::F32, &[5], DType::F32, &[4]),
-        (DType::U32, &[4], DType::F32, &[4]),
-    ];
+    let cases: [(DType, &[usize], DType, &[usize]); 3] =
+        [(DType::F32, &[2, 2], DType::F32, &[4]), (DType::F32, &[5], DType::F32, &[4]), (DType::U32, &[4], DType::F32, &[4])];
     for (odd_dtype, odd_shape, dtype, shape) in cases {
         for w in [2, 3] {
             let start = Instant::now();

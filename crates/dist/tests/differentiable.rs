@@ -188,7 +188,12 @@ fn all_gather_uneven_matches_simulation() {
     for w in 1..=4 {
         // Rank r has 2r+1 rows (rank 2 of W=4 has none, to cover empty contributions).
         let rows = |r: usize| if w == 4 && r == 2 { 0 } else { 2 * r + 1 };
-        check_against_simulation(w, |r| tensor(10 + r as u64, &[rows(r), 3]), |x, pg| all_gather(x, pg), |xs, _| Tensor::cat(xs, 0));
+        check_against_simulation(
+            w,
+            |r| tensor(10 + r as u64, &[rows(r), 3]),
+            |x, pg| all_gather(x, pg),
+            |xs, _| Tensor::cat(xs, 0),
+        );
     }
 }
 
@@ -196,7 +201,12 @@ fn all_gather_uneven_matches_simulation() {
 fn all_reduce_every_op_matches_simulation() {
     for op in OPS {
         for w in 1..=4 {
-            check_against_simulation(w, |r| tensor(20 + r as u64, &[4, 3]), |x, pg| all_reduce(x, op, pg), |xs, _| reduce_sim(op, xs));
+            check_against_simulation(
+                w,
+                |r| tensor(20 + r as u64, &[4, 3]),
+                |x, pg| all_reduce(x, op, pg),
+                |xs, _| reduce_sim(op, xs),
+            );
         }
     }
 }
@@ -205,7 +215,12 @@ fn all_reduce_every_op_matches_simulation() {
 fn all_reduce_takes_the_ring_path_for_large_inputs() {
     // 40_000 f64 = 320 KB: above the direct-path threshold.
     for w in [2, 3] {
-        check_against_simulation(w, |r| tensor(25 + r as u64, &[40_000]), |x, pg| all_reduce(x, ReduceOp::Sum, pg), |xs, _| sum_of(xs));
+        check_against_simulation(
+            w,
+            |r| tensor(25 + r as u64, &[40_000]),
+            |x, pg| all_reduce(x, ReduceOp::Sum, pg),
+            |xs, _| sum_of(xs),
+        );
     }
 }
 
@@ -227,7 +242,12 @@ fn reduce_scatter_every_op_matches_simulation() {
 fn broadcast_from_every_source_matches_simulation() {
     for w in 1..=4 {
         for src in 0..w {
-            check_against_simulation(w, |r| tensor(40 + r as u64, &[3, 2]), |x, pg| broadcast(x, src, pg), |xs, _| Ok(xs[src].clone()));
+            check_against_simulation(
+                w,
+                |r| tensor(40 + r as u64, &[3, 2]),
+                |x, pg| broadcast(x, src, pg),
+                |xs, _| Ok(xs[src].clone()),
+            );
         }
     }
 }

@@ -65,7 +65,11 @@ pub fn nt_xent(z1: &Tensor, z2: &Tensor, temperature: f64, pg: &ProcessGroup) ->
 /// loss.
 pub fn cross_correlation(z1: &Tensor, z2: &Tensor, lambda: f64, pg: &ProcessGroup) -> Result<Tensor> {
     if z1.dims() != z2.dims() || z1.rank() != 2 {
-        candle_core::bail!("cross_correlation: the two views must be [b, d] of the same shape, got {:?} and {:?}", z1.dims(), z2.dims());
+        candle_core::bail!(
+            "cross_correlation: the two views must be [b, d] of the same shape, got {:?} and {:?}",
+            z1.dims(),
+            z2.dims()
+        );
     }
     let d = z1.dim(1)?;
     let n_local = [z1.dim(0)? as i64];

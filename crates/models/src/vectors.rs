@@ -96,7 +96,9 @@ impl VectorContrastive {
     /// A new objective; `seed` fixes the data set.
     pub fn new(data: VectorData, model: VectorModel, loss: VectorLoss, seed: u64, device: Device, dtype: DType) -> Result<Self> {
         if data.samples == 0 || data.dim == 0 || data.clusters == 0 || model.hidden == 0 || model.out == 0 {
-            candle_core::bail!("vectors objective: samples, dim, clusters, hidden and out must all be positive ({data:?}, {model:?})");
+            candle_core::bail!(
+                "vectors objective: samples, dim, clusters, hidden and out must all be positive ({data:?}, {model:?})"
+            );
         }
         let centres = normals(&mut stream(&[seed, 0xC3A7]), data.clusters * data.dim).into_iter().map(|v| 2.0 * v).collect();
         Ok(VectorContrastive { data, model, loss, centres, layers: None, device, dtype })
@@ -117,7 +119,8 @@ impl VectorContrastive {
     }
 
     fn encode(&self, x: &Tensor) -> Result<Tensor> {
-        let (l1, l2) = self.layers.as_ref().ok_or_else(|| candle_core::Error::Msg("vectors objective used before build".into()))?;
+        let (l1, l2) =
+            self.layers.as_ref().ok_or_else(|| candle_core::Error::Msg("vectors objective used before build".into()))?;
         l2.forward(&l1.forward(x)?.relu()?)
     }
 }

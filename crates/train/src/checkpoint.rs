@@ -171,6 +171,7 @@ pub fn load_latest(run_dir: &Path, device: &Device) -> candle_core::Result<Optio
         .into_iter()
         .collect();
     let raw = fs::read(dir.join("state.json")).map_err(|e| io(ctx("state.json"), e))?;
-    let state: TrainState = serde_json::from_slice(&raw).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", ctx("state.json"))))?;
+    let state: TrainState =
+        serde_json::from_slice(&raw).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", ctx("state.json"))))?;
     Ok(Some(Checkpoint { model, optimizer, state, path: dir }))
 }

@@ -173,7 +173,10 @@ impl RunConfig {
         let bad = |msg: String| ConfigError::Invalid { path: path.into(), msg };
         let t = &self.train;
         if t.global_batch == 0 || t.accumulate == 0 {
-            return Err(bad(format!("train.global_batch ({}) and train.accumulate ({}) must be positive", t.global_batch, t.accumulate)));
+            return Err(bad(format!(
+                "train.global_batch ({}) and train.accumulate ({}) must be positive",
+                t.global_batch, t.accumulate
+            )));
         }
         let unit = world_size * t.accumulate;
         if t.global_batch % unit != 0 {
@@ -212,7 +215,9 @@ impl RunConfig {
             _ => {}
         }
         if self.device == DeviceKind::Cuda && !candle_core::utils::cuda_is_available() {
-            return Err(bad("device: cuda, but this build has no CUDA support (build with --features cuda on a machine with nvcc)".into()));
+            return Err(bad(
+                "device: cuda, but this build has no CUDA support (build with --features cuda on a machine with nvcc)".into(),
+            ));
         }
         Ok(())
     }
@@ -236,9 +241,7 @@ fn apply_override(root: &mut serde_yaml::Value, arg: &str) -> Result<(), ConfigE
         if node.is_null() {
             *node = serde_yaml::Value::Mapping(Default::default());
         }
-        let map = node
-            .as_mapping_mut()
-            .ok_or_else(|| err(&format!("`{}` is not a section", parts[..i].join("."))))?;
+        let map = node.as_mapping_mut().ok_or_else(|| err(&format!("`{}` is not a section", parts[..i].join("."))))?;
         let k = serde_yaml::Value::String(part.to_string());
         if i + 1 == parts.len() {
             map.insert(k, value);
@@ -297,6 +300,9 @@ mod tests {
         assert!(!c.log.plot);
         assert_eq!(c.seed, 7);
         assert!(parse(BASE, &["nokey"]).is_err());
-        assert!(parse(BASE, &["train.global_batch.x=1"]).unwrap_err().to_string().contains("`train.global_batch` is not a section"));
+        assert!(parse(BASE, &["train.global_batch.x=1"])
+            .unwrap_err()
+            .to_string()
+            .contains("`train.global_batch` is not a section"));
     }
 }

@@ -209,7 +209,8 @@ fn register_font() -> bool {
     use std::sync::OnceLock;
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
-        let candidates = [std::env::var("ALLGRAD_FONT").unwrap_or_default(), "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into()];
+        let candidates =
+            [std::env::var("ALLGRAD_FONT").unwrap_or_default(), "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into()];
         for c in candidates.iter().filter(|c| !c.is_empty()) {
             if let Ok(bytes) = std::fs::read(c) {
                 let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());

@@ -180,7 +180,14 @@ impl Optimizer {
     /// Applies one update with learning rate `lr`. `params` and `grads` are aligned and in
     /// name order; `sharded[i]` marks parameters split across ranks, whose norms (for LARS)
     /// are summed over `pg` so every shard sees the full tensor's trust ratio.
-    pub fn step(&mut self, params: &[(String, Var)], grads: &[Tensor], sharded: &[bool], lr: f64, pg: &ProcessGroup) -> Result<()> {
+    pub fn step(
+        &mut self,
+        params: &[(String, Var)],
+        grads: &[Tensor],
+        sharded: &[bool],
+        lr: f64,
+        pg: &ProcessGroup,
+    ) -> Result<()> {
         self.steps += 1;
         let t = self.steps as i32;
         let cfg = self.cfg.clone();

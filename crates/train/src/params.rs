@@ -65,7 +65,11 @@ impl SimpleBackend for ParamStore {
         let mut vars = self.vars.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(v) = vars.get(name) {
             if v.shape() != &s {
-                candle_core::bail!("parameter {name} exists with shape {:?}, requested again with shape {:?}", v.dims(), s.dims());
+                candle_core::bail!(
+                    "parameter {name} exists with shape {:?}, requested again with shape {:?}",
+                    v.dims(),
+                    s.dims()
+                );
             }
             return Ok(v.as_tensor().clone());
         }

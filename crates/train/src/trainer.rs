@@ -129,7 +129,13 @@ impl Trainer {
     /// Builds the objective's parameters (seeded by name, then broadcast from rank 0), and
     /// with `resume`, restores the newest checkpoint of `out_dir`. Rank 0 writes metrics and
     /// checkpoints under `out_dir` when one is given.
-    pub fn new(cfg: TrainerConfig, mut objective: Box<dyn Objective>, pg: ProcessGroup, out_dir: Option<PathBuf>, resume: bool) -> Result<Self> {
+    pub fn new(
+        cfg: TrainerConfig,
+        mut objective: Box<dyn Objective>,
+        pg: ProcessGroup,
+        out_dir: Option<PathBuf>,
+        resume: bool,
+    ) -> Result<Self> {
         let store = ParamStore::new(cfg.seed);
         objective.build(store.var_builder(cfg.dtype, &cfg.device))?;
         let params = store.vars();
@@ -154,7 +160,11 @@ impl Trainer {
         let sampler = DistributedSampler::new(objective.num_samples(), cfg.train.global_batch, cfg.seed, cfg.train.shuffle);
         let per_epoch = sampler.steps_per_epoch();
         if per_epoch == 0 {
-            candle_core::bail!("the data set has {} samples, fewer than one global batch of {}", objective.num_samples(), cfg.train.global_batch);
+            candle_core::bail!(
+                "the data set has {} samples, fewer than one global batch of {}",
+                objective.num_samples(),
+                cfg.train.global_batch
+            );
         }
         let total_steps = match cfg.train.max_steps {
             Some(m) if cfg.train.epochs == 0 => m,
@@ -180,14 +190,24 @@ impl Trainer {
                         );
                     }
                     if ck.state.seed != cfg.seed {
-                        candle_core::bail!("checkpoint {} was written with seed {}, the config says {}", ck.path.display(), ck.state.seed, cfg.seed);
+                        candle_core::bail!(
+                            "checkpoint {} was written with seed {}, the config says {}",
+                            ck.path.display(),
+                            ck.state.seed,
+                            cfg.seed
+                        );
                     }
                     for (name, v) in &params {
                         let t = ck.model.get(name).ok_or_else(|| {
                             candle_core::Error::Msg(format!("checkpoint {} has no parameter {name}", ck.path.display()))
                         })?;
                         if t.dims() != v.dims() {
-                            candle_core::bail!("checkpoint {}: parameter {name} has shape {:?}, the model {:?}", ck.path.display(), t.dims(), v.dims());
+                            candle_core::bail!(
+                                "checkpoint {}: parameter {name} has shape {:?}, the model {:?}",
+                                ck.path.display(),
+                                t.dims(),
+                                v.dims()
+                            );
                         }
                         v.set(&t.to_dtype(cfg.dtype)?)?;
                     }
@@ -202,7 +222,10 @@ impl Trainer {
         let metrics = match (&out_dir, pg.rank()) {
             (Some(dir), 0) => {
                 std::fs::create_dir_all(dir).map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
-                Some(MetricsLog::open(dir, resume.then_some(step)).map_err(|e| candle_core::Error::Msg(format!("opening metrics in {}: {e}", dir.display())))?)
+                Some(
+                    MetricsLog::open(dir, resume.then_some(step))
+                        .map_err(|e| candle_core::Error::Msg(format!("opening metrics in {}: {e}", dir.display())))?,
+                )
             }
             _ => None,
         };
