@@ -29,6 +29,8 @@ pub struct LaunchConfig {
     pub master_port: u16,
     /// Local ranks whose output is shown (all when `None`).
     pub ranks_filter: Option<Vec<usize>>,
+    /// Prefix each output line with `[rankN]: `.
+    pub prefix: bool,
     /// Time between SIGTERM and SIGKILL when stopping ranks.
     pub grace: Duration,
     /// The program and its arguments.
@@ -150,8 +152,9 @@ pub fn launch(cfg: &LaunchConfig) -> anyhow::Result<Outcome> {
         let show = cfg.ranks_filter.as_ref().map(|f| f.contains(&local)).unwrap_or(true);
         let stdout = child.stdout.take().expect("piped");
         let stderr = child.stderr.take().expect("piped");
-        pumps.push(pump(stdout, rank, show, false, out_lock.clone()));
-        pumps.push(pump(stderr, rank, show, true, out_lock.clone()));
+        let prefix = if cfg.prefix { format!("[rank{rank}]: ") } else { String::new() };
+        pumps.push(pump(stdout, prefix.clone(), show, false, out_lock.clone()));
+        pumps.push(pump(stderr, prefix, show, true, out_lock.clone()));
         children.push((rank, child));
     }
 
@@ -223,10 +226,10 @@ fn stop_all(children: &mut [(usize, Child)], grace: Duration) {
     }
 }
 
-/// Copies a child's output to ours, a line at a time, prefixed with its rank.
+/// Copies a child's output to ours, a line at a time, after `prefix`.
 fn pump(
     src: impl Read + Send + 'static,
-    rank: usize,
+    prefix: String,
     show: bool,
     is_err: bool,
     lock: Arc<Mutex<()>>,
@@ -234,7 +237,6 @@ fn pump(
     std::thread::spawn(move || {
         let mut reader = BufReader::new(src);
         let mut line = Vec::new();
-        let prefix = format!("[rank{rank}]: ");
         loop {
             line.clear();
             match reader.read_until(b'\n', &mut line) {

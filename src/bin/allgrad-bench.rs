@@ -21,16 +21,11 @@
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use allgrad_dist::{Elem, ProcessGroup, ReduceOp};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-
-/// Set by the launcher in each rank: the launcher's pid, so a rank whose launcher died exits
-/// instead of lingering as an orphan.
-const LAUNCHER_PID_VAR: &str = "ALLGRAD_BENCH_LAUNCHER_PID";
 
 /// Auto iteration count: about this many bytes per size, between MIN_ITERS and MAX_ITERS
 /// (the same rule as scripts/bench_gloo.py, so both run the same number of calls).
@@ -175,11 +170,9 @@ fn run(args: CollArgs) -> Result<i32> {
     }
 }
 
-// ------------------------------------------------------------------------------ launcher
-
+/// Starts `--nproc` ranks of this same program through allgrad's launcher.
 fn launch(args: &CollArgs) -> Result<i32> {
-    let n = args.nproc;
-    if n == 0 {
+    if args.nproc == 0 {
         bail!("--nproc must be at least 1");
     }
     if let Some(p) = &args.json {
@@ -187,102 +180,20 @@ fn launch(args: &CollArgs) -> Result<i32> {
         std::fs::File::create(p).with_context(|| format!("creating the JSON output {}", p.display()))?;
     }
     let exe = std::env::current_exe().context("finding this executable to start the ranks")?;
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free loopback port")?;
-        l.local_addr().context("reading the free port")?.port()
+    let mut program = vec![exe.to_string_lossy().into_owned()];
+    program.extend(std::env::args().skip(1));
+    let cfg = allgrad::launch::LaunchConfig {
+        nproc_per_node: args.nproc,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        ranks_filter: None,
+        prefix: false,
+        grace: Duration::from_secs(2),
+        program,
     };
-    let token = format!("bench-{:032x}", rand::random::<u128>());
-    let me = std::process::id().to_string();
-    let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
-    for rank in 0..n {
-        let spawned = Command::new(&exe)
-            .args(std::env::args_os().skip(1))
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("ALLGRAD_JOB_TOKEN", &token)
-            .env(LAUNCHER_PID_VAR, &me)
-            .spawn();
-        match spawned {
-            Ok(c) => children.push(Some(c)),
-            Err(e) => {
-                kill_all(&mut children);
-                return Err(e).with_context(|| format!("starting rank {rank} ({})", exe.display()));
-            }
-        }
-    }
-    // Wait for every rank. After the first failure the others get a moment to fail on their
-    // own (they notice within milliseconds and print why); then whatever is left is killed.
-    let mut statuses: Vec<Option<ExitStatus>> = vec![None; n];
-    let mut first_failure: Option<Instant> = None;
-    loop {
-        for (rank, slot) in children.iter_mut().enumerate() {
-            let Some(child) = slot else { continue };
-            match child.try_wait() {
-                Ok(Some(status)) => {
-                    *slot = None;
-                    statuses[rank] = Some(status);
-                    if !status.success() && first_failure.is_none() {
-                        first_failure = Some(Instant::now());
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    kill_all(&mut children);
-                    return Err(e).with_context(|| format!("waiting for rank {rank}"));
-                }
-            }
-        }
-        if children.iter().all(Option::is_none) {
-            break;
-        }
-        if first_failure.is_some_and(|t| t.elapsed() > Duration::from_secs(2)) {
-            kill_all(&mut children);
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let failed: Vec<(usize, ExitStatus)> =
-        statuses.iter().enumerate().filter_map(|(r, s)| s.filter(|s| !s.success()).map(|s| (r, s))).collect();
-    if first_failure.is_none() && failed.is_empty() {
-        return Ok(0);
-    }
-    // A rank that died by a signal (killed, crashed) is the likely root cause; name it first.
-    let culprit = failed.iter().find(|(_, s)| s.code().is_none()).or(failed.first());
-    let still = statuses.iter().filter(|s| s.is_none()).count();
-    let detail: Vec<String> = failed.iter().map(|(r, s)| format!("rank {r}: {s}")).collect();
-    eprintln!(
-        "allgrad-bench: {} of {n} ranks failed ({}){}",
-        failed.len(),
-        detail.join(", "),
-        if still > 0 { format!("; killed the {still} still running") } else { String::new() }
-    );
-    Ok(culprit.and_then(|(_, s)| s.code()).filter(|c| *c != 0).unwrap_or(1))
-}
-
-fn kill_all(children: &mut [Option<Child>]) {
-    for slot in children.iter_mut() {
-        if let Some(mut c) = slot.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// A rank started by our launcher exits if the launcher goes away (killed, say), so no rank
-/// outlives it.
-fn watch_launcher() {
-    let Some(pid) = std::env::var(LAUNCHER_PID_VAR).ok().and_then(|p| p.trim().parse::<u32>().ok()) else { return };
-    std::thread::spawn(move || loop {
-        if std::os::unix::process::parent_id() != pid {
-            eprintln!("allgrad-bench: the launcher (pid {pid}) is gone; rank exiting");
-            std::process::exit(1);
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    });
+    Ok(allgrad::launch::launch(&cfg)?.exit_code())
 }
 
 // ------------------------------------------------------------------------------ rank
@@ -299,7 +210,6 @@ struct Row {
 }
 
 fn run_rank(args: &CollArgs) -> Result<()> {
-    watch_launcher();
     let pg = ProcessGroup::from_env().context("joining the job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")?;
     let out = match args.dtype.as_str() {
         "f32" => sweep::<f32>(&pg, args),
@@ -447,13 +357,16 @@ fn time_op<T: Elem>(pg: &ProcessGroup, op: Op, count: usize, iters: u64, warmup:
             let out = pg.all_gather_slice(&own).context("checked call")?;
             check(&out, |i| val(i / per, i % per), "all_gather")?;
             drop(out);
+            // Timed calls write into a preallocated output, as nccl-tests and gloo's
+            // all_gather_into_tensor do.
+            let mut out = vec![T::from_f64(0.0); per * w];
             for _ in 0..warmup {
-                std::hint::black_box(pg.all_gather_slice(&own)?);
+                pg.all_gather_into(&own, &mut out)?;
             }
             pg.barrier()?;
             let t = Instant::now();
             for _ in 0..iters {
-                std::hint::black_box(pg.all_gather_slice(&own)?);
+                pg.all_gather_into(&own, &mut out)?;
             }
             elapsed[0] = t.elapsed().as_secs_f64();
         }
@@ -463,13 +376,14 @@ fn time_op<T: Elem>(pg: &ProcessGroup, op: Op, count: usize, iters: u64, warmup:
             let out = pg.reduce_scatter_slice(&input, ReduceOp::Sum, &counts).context("checked call")?;
             check(&out, |i| wsum + (w * ((r * per + i) % 7)) as f64, "reduce_scatter")?;
             drop(out);
+            let mut out = vec![T::from_f64(0.0); per];
             for _ in 0..warmup {
-                std::hint::black_box(pg.reduce_scatter_slice(&input, ReduceOp::Sum, &counts)?);
+                pg.reduce_scatter_into(&input, ReduceOp::Sum, &counts, &mut out)?;
             }
             pg.barrier()?;
             let t = Instant::now();
             for _ in 0..iters {
-                std::hint::black_box(pg.reduce_scatter_slice(&input, ReduceOp::Sum, &counts)?);
+                pg.reduce_scatter_into(&input, ReduceOp::Sum, &counts, &mut out)?;
             }
             elapsed[0] = t.elapsed().as_secs_f64();
         }

@@ -34,6 +34,9 @@ struct Args {
     /// Show the output of these local ranks only, e.g. `0` or `0,1`.
     #[arg(long, value_delimiter = ',')]
     ranks_filter: Option<Vec<usize>>,
+    /// Do not prefix output lines with the rank.
+    #[arg(long)]
+    no_prefix: bool,
     /// Seconds between SIGTERM and SIGKILL when stopping ranks.
     #[arg(long, default_value_t = 5.0)]
     grace_s: f64,
@@ -51,6 +54,7 @@ fn main() {
         master_addr: a.master_addr,
         master_port: a.master_port,
         ranks_filter: a.ranks_filter,
+        prefix: !a.no_prefix,
         grace: Duration::from_secs_f64(a.grace_s.max(0.0)),
         program: a.program,
     };

@@ -90,6 +90,23 @@ fn split2<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]
     }
 }
 
+/// Splits `buf` into consecutive mutable blocks of the given ranges (which tile it in order).
+fn blocks_mut<'a, T>(buf: &'a mut [T], blocks: &[Range<usize>]) -> Vec<&'a mut [T]> {
+    let mut out = Vec::with_capacity(blocks.len());
+    let mut rest = buf;
+    for b in blocks {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(b.len());
+        out.push(head);
+        rest = tail;
+    }
+    out
+}
+
+/// Views `words` of scratch as `n` elements of `T`.
+fn typed<T: Elem>(words: &mut [u64], n: usize) -> &mut [T] {
+    &mut bytemuck::cast_slice_mut::<u64, T>(words)[..n]
+}
+
 impl Mesh {
     fn right(&self) -> usize {
         (self.rank + 1) % self.size()
@@ -121,38 +138,38 @@ impl Mesh {
         }
     }
 
-    /// Every rank sends `own` to every peer and receives each peer's `n` elements; returns
-    /// the peers' data in rank order (this rank skipped).
-    fn direct_all_to_all_same<T: Elem>(&mut self, c: &Call, step: u32, own: &[T]) -> DistResult<Vec<T>> {
-        let (w, r, n) = (self.size(), self.rank, own.len());
-        let mut others = vec![T::zeroed(); n * (w - 1)];
-        let mut sends: Vec<SendOp> = (0..w)
-            .filter(|p| *p != r)
-            .map(|p| SendOp { peer: p, header: c.header::<T>(step, n * T::DTYPE.size_in_bytes()), data: bytes(own) })
-            .collect();
+    /// Sends `send(p)` to every peer p and receives `n` elements from each into `others`
+    /// (peers in rank order, this rank skipped).
+    fn direct_exchange<'d, T: Elem>(
+        &mut self,
+        c: &Call,
+        step: u32,
+        send: impl Fn(usize) -> &'d [T],
+        n: usize,
+        others: &mut [T],
+    ) -> DistResult<()> {
+        let (w, r) = (self.size(), self.rank);
+        let esz = T::DTYPE.size_in_bytes();
         let peers: Vec<usize> = (0..w).filter(|p| *p != r).collect();
-        let mut recvs: Vec<RecvOp> = others
-            .chunks_mut(n.max(1))
-            .take(w - 1)
-            .zip(&peers)
-            .map(|(chunk, p)| RecvOp {
-                peer: *p,
-                expect: c.header::<T>(step, chunk.len().min(n) * T::DTYPE.size_in_bytes()),
-                data: if n == 0 { &mut [] } else { bytes_mut(chunk) },
-                acc: None,
+        let mut sends: Vec<SendOp> = peers
+            .iter()
+            .map(|&p| {
+                let d = send(p);
+                SendOp { peer: p, header: c.header::<T>(step, std::mem::size_of_val(d)), data: bytes(d) }
             })
             .collect();
-        if n == 0 {
-            // chunks_mut(1) over an empty buffer yields nothing: build the empty receives.
-            recvs = peers.iter().map(|p| RecvOp { peer: *p, expect: c.header::<T>(step, 0), data: &mut [], acc: None }).collect();
-        }
-        self.exchange(&mut sends, &mut recvs, c.what)?;
-        Ok(others)
+        let blocks: Vec<Range<usize>> = (0..peers.len()).map(|i| i * n..(i + 1) * n).collect();
+        let mut recvs: Vec<RecvOp> = blocks_mut(&mut others[..n * peers.len()], &blocks)
+            .into_iter()
+            .zip(&peers)
+            .map(|(b, &p)| RecvOp { peer: p, expect: c.header::<T>(step, n * esz), data: bytes_mut(b), acc: None })
+            .collect();
+        self.exchange(&mut sends, &mut recvs, c.what)
     }
 
-    /// One ring pass of reduce-scatter over `chunks` of `buf`: at step `s` rank r sends chunk
-    /// `r + shift - s` to the right and combines chunk `r + shift - s - 1` from the left. Rank r
-    /// ends owning the full reduction of chunk `r + shift + 1`. Steps are numbered from `step0`.
+    /// One ring pass of reduce-scatter in place over `chunks` of `buf`: at step `s` rank r
+    /// sends chunk `r + shift - s` to the right and combines chunk `r + shift - s - 1` from the
+    /// left. Rank r ends owning the full reduction of chunk `r + shift + 1`.
     fn ring_reduce_scatter<T: Elem>(
         &mut self,
         c: &Call,
@@ -160,29 +177,74 @@ impl Mesh {
         buf: &mut [T],
         chunks: &[Range<usize>],
         shift: isize,
-        step0: u32,
     ) -> DistResult<()> {
-        let w = self.size() as isize;
-        let r = self.rank as isize;
-        let max = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
-        let mut scratch = vec![T::zeroed(); max];
-        let combine = move |acc: &mut [u8], x: &[u8]| T::combine(op, bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(x));
+        let (w, r) = (self.size() as isize, self.rank as isize);
         let esz = T::DTYPE.size_in_bytes();
+        let max = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
+        let mut raw = self.take_scratch(max * esz);
+        let combine = move |acc: &mut [u8], x: &[u8]| T::combine(op, bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(x));
         for s in 0..(w - 1) {
             let send_i = self.modw(r + shift - s);
             let recv_i = self.modw(r + shift - s - 1);
             let (send, acc) = split2(buf, chunks[send_i].clone(), chunks[recv_i].clone());
-            let step = step0 + s as u32;
             let rlen = acc.len();
-            let mut sends = [SendOp { peer: self.right(), header: c.header::<T>(step, send.len() * esz), data: bytes(send) }];
+            let scratch = typed::<T>(&mut raw, rlen);
+            let mut sends = [SendOp { peer: self.right(), header: c.header::<T>(s as u32, send.len() * esz), data: bytes(send) }];
             let mut recvs = [RecvOp {
                 peer: self.left(),
-                expect: c.header::<T>(step, rlen * esz),
-                data: bytes_mut(&mut scratch[..rlen]),
+                expect: c.header::<T>(s as u32, rlen * esz),
+                data: bytes_mut(scratch),
                 acc: Some((bytes_mut(acc), &combine, esz)),
             }];
             self.exchange(&mut sends, &mut recvs, c.what)?;
         }
+        self.put_scratch(raw);
+        Ok(())
+    }
+
+    /// Ring reduce-scatter of a read-only `input`: rank r ends with the reduction of chunk r
+    /// in `out`. Partial sums travel in two chunk-sized buffers, so the input is never copied
+    /// whole.
+    fn ring_reduce_scatter_into<T: Elem>(
+        &mut self,
+        c: &Call,
+        op: ReduceOp,
+        input: &[T],
+        chunks: &[Range<usize>],
+        out: &mut [T],
+    ) -> DistResult<()> {
+        let (w, r) = (self.size() as isize, self.rank as isize);
+        let esz = T::DTYPE.size_in_bytes();
+        let max = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
+        let words = (max * esz).div_ceil(8);
+        let mut raw = self.take_scratch(3 * words * 8);
+        let (a_words, rest) = raw.split_at_mut(words);
+        let (b_words, s_words) = rest.split_at_mut(words);
+        let (mut a, mut b) = (typed::<T>(a_words, max), typed::<T>(b_words, max));
+        let scratch = typed::<T>(s_words, max);
+        let combine = move |acc: &mut [u8], x: &[u8]| T::combine(op, bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(x));
+        for s in 0..(w - 1) {
+            let send_i = self.modw(r - 1 - s);
+            let recv_i = self.modw(r - 2 - s);
+            let send: &[T] = if s == 0 { &input[chunks[send_i].clone()] } else { &a[..chunks[send_i].len()] };
+            let rlen = chunks[recv_i].len();
+            let last = s == w - 2;
+            let acc: &mut [T] = if last { &mut out[..rlen] } else { &mut b[..rlen] };
+            acc.copy_from_slice(&input[chunks[recv_i].clone()]);
+            let mut sends = [SendOp { peer: self.right(), header: c.header::<T>(s as u32, send.len() * esz), data: bytes(send) }];
+            let mut recvs = [RecvOp {
+                peer: self.left(),
+                expect: c.header::<T>(s as u32, rlen * esz),
+                data: bytes_mut(&mut scratch[..rlen]),
+                acc: Some((bytes_mut(acc), &combine, esz)),
+            }];
+            self.exchange(&mut sends, &mut recvs, c.what)?;
+            std::mem::swap(&mut a, &mut b);
+        }
+        if op == ReduceOp::Avg {
+            T::divide(out, self.size());
+        }
+        self.put_scratch(raw);
         Ok(())
     }
 
@@ -196,8 +258,7 @@ impl Mesh {
         offset: isize,
         step0: u32,
     ) -> DistResult<()> {
-        let w = self.size() as isize;
-        let r = self.rank as isize;
+        let (w, r) = (self.size() as isize, self.rank as isize);
         let esz = T::DTYPE.size_in_bytes();
         for s in 0..(w - 1) {
             let send_i = self.modw(r + offset - s);
@@ -218,18 +279,23 @@ impl Mesh {
         if w == 1 {
             return Ok(());
         }
-        let nbytes = std::mem::size_of_val(buf);
-        if nbytes * (w - 1) <= DIRECT_BYTES || buf.len() < w {
-            let own = buf.to_vec();
-            let others = self.direct_all_to_all_same(c, 0, &own)?;
-            self.combine_in_rank_order(op, &own, &others, buf);
+        let n = buf.len();
+        let esz = T::DTYPE.size_in_bytes();
+        if n * esz * (w - 1) <= DIRECT_BYTES || n < w {
+            let mut raw = self.take_scratch(n * w * esz);
+            let all = typed::<T>(&mut raw, n * w);
+            let (own, others) = all.split_at_mut(n);
+            own.copy_from_slice(buf);
+            let own: &[T] = own;
+            self.direct_exchange(c, 0, |_| own, n, others)?;
+            self.combine_in_rank_order(op, own, others, buf);
+            self.put_scratch(raw);
             return Ok(());
         }
-        let chunks = split_even(buf.len(), w);
-        self.ring_reduce_scatter(c, op, buf, &chunks, 0, 0)?;
-        let owned = chunks[(self.rank + 1) % w].clone();
+        let chunks = split_even(n, w);
+        self.ring_reduce_scatter(c, op, buf, &chunks, 0)?;
         if op == ReduceOp::Avg {
-            T::divide(&mut buf[owned], w);
+            T::divide(&mut buf[chunks[(self.rank + 1) % w].clone()], w);
         }
         self.ring_all_gather(c, buf, &chunks, 1, (w - 1) as u32)
     }
@@ -256,94 +322,66 @@ impl Mesh {
         Ok(got)
     }
 
-    /// Gathers every rank's `own` block (sizes in elements given by `counts`) in rank order.
-    pub(crate) fn all_gather_v<T: Elem>(&mut self, c: &Call, own: &[T], counts: &[usize], step0: u32) -> DistResult<Vec<T>> {
+    /// Gathers every rank's `own` block (sizes in elements given by `counts`) into `out`, in
+    /// rank order.
+    pub(crate) fn all_gather_v<T: Elem>(
+        &mut self,
+        c: &Call,
+        own: &[T],
+        counts: &[usize],
+        step0: u32,
+        out: &mut [T],
+    ) -> DistResult<()> {
         let (w, r) = (self.size(), self.rank);
-        let total: usize = counts.iter().sum();
         let blocks = ranges(counts);
-        let mut out = vec![T::zeroed(); total];
         out[blocks[r].clone()].copy_from_slice(own);
         if w == 1 {
-            return Ok(out);
+            return Ok(());
         }
         let esz = T::DTYPE.size_in_bytes();
-        if total * esz <= DIRECT_BYTES {
+        if out.len() * esz <= DIRECT_BYTES {
             let mut sends: Vec<SendOp> = (0..w)
                 .filter(|p| *p != r)
                 .map(|p| SendOp { peer: p, header: c.header::<T>(step0, own.len() * esz), data: bytes(own) })
                 .collect();
-            let mut recvs = Vec::with_capacity(w - 1);
-            let mut rest: &mut [T] = &mut out;
-            let mut consumed = 0;
-            for (p, b) in blocks.iter().enumerate() {
-                let (_, tail) = rest.split_at_mut(b.start - consumed);
-                let (this, tail) = tail.split_at_mut(b.len());
-                consumed = b.end;
-                rest = tail;
-                if p != r {
-                    recvs.push(RecvOp { peer: p, expect: c.header::<T>(step0, b.len() * esz), data: bytes_mut(this), acc: None });
-                }
-            }
-            self.exchange(&mut sends, &mut recvs, c.what)?;
-            return Ok(out);
+            let mut recvs: Vec<RecvOp> = blocks_mut(out, &blocks)
+                .into_iter()
+                .enumerate()
+                .filter(|(p, _)| *p != r)
+                .map(|(p, b)| RecvOp { peer: p, expect: c.header::<T>(step0, b.len() * esz), data: bytes_mut(b), acc: None })
+                .collect();
+            return self.exchange(&mut sends, &mut recvs, c.what);
         }
-        self.ring_all_gather(c, &mut out, &blocks, 0, step0)?;
-        Ok(out)
+        self.ring_all_gather(c, out, &blocks, 0, step0)
     }
 
-    /// Reduces `input` (blocks of `counts[j]` elements, one per rank) and returns this rank's
-    /// reduced block.
+    /// Reduces `input` (blocks of `counts[j]` elements, one per rank) and writes this rank's
+    /// reduced block to `out`.
     pub(crate) fn reduce_scatter_v<T: Elem>(
         &mut self,
         c: &Call,
         op: ReduceOp,
         input: &[T],
         counts: &[usize],
-    ) -> DistResult<Vec<T>> {
+        out: &mut [T],
+    ) -> DistResult<()> {
         let (w, r) = (self.size(), self.rank);
         let blocks = ranges(counts);
         if w == 1 {
-            let mut out = input.to_vec();
-            if op == ReduceOp::Avg {
-                T::divide(&mut out, 1);
-            }
-            return Ok(out);
+            out.copy_from_slice(input);
+            return Ok(());
         }
         let esz = T::DTYPE.size_in_bytes();
-        let mine = blocks[r].clone();
+        let n = blocks[r].len();
         if input.len() * esz <= DIRECT_BYTES {
-            let n = mine.len();
-            let mut others = vec![T::zeroed(); n * (w - 1)];
-            let mut sends: Vec<SendOp> = (0..w)
-                .filter(|p| *p != r)
-                .map(|p| SendOp {
-                    peer: p,
-                    header: c.header::<T>(0, blocks[p].len() * esz),
-                    data: bytes(&input[blocks[p].clone()]),
-                })
-                .collect();
-            let peers: Vec<usize> = (0..w).filter(|p| *p != r).collect();
-            let mut recvs: Vec<RecvOp> = if n == 0 {
-                peers.iter().map(|p| RecvOp { peer: *p, expect: c.header::<T>(0, 0), data: &mut [], acc: None }).collect()
-            } else {
-                others
-                    .chunks_mut(n)
-                    .zip(&peers)
-                    .map(|(ch, p)| RecvOp { peer: *p, expect: c.header::<T>(0, n * esz), data: bytes_mut(ch), acc: None })
-                    .collect()
-            };
-            self.exchange(&mut sends, &mut recvs, c.what)?;
-            let mut out = vec![T::zeroed(); n];
-            self.combine_in_rank_order(op, &input[mine], &others, &mut out);
-            return Ok(out);
+            let mut raw = self.take_scratch(n * (w - 1) * esz);
+            let others = typed::<T>(&mut raw, n * (w - 1));
+            self.direct_exchange(c, 0, |p| &input[blocks[p].clone()], n, others)?;
+            self.combine_in_rank_order(op, &input[blocks[r].clone()], others, out);
+            self.put_scratch(raw);
+            return Ok(());
         }
-        let mut work = input.to_vec();
-        self.ring_reduce_scatter(c, op, &mut work, &blocks, -1, 0)?;
-        let mut out = work[mine].to_vec();
-        if op == ReduceOp::Avg {
-            T::divide(&mut out, w);
-        }
-        Ok(out)
+        self.ring_reduce_scatter_into(c, op, input, &blocks, out)
     }
 
     /// Copies `root`'s buffer into every rank's `buf`.
@@ -409,56 +447,47 @@ impl Mesh {
             return Ok(());
         }
         let esz = T::DTYPE.size_in_bytes();
-        let nbytes = buf.len() * esz;
-        if nbytes * (w - 1) <= DIRECT_BYTES || buf.len() < w {
+        let n = buf.len();
+        let nbytes = n * esz;
+        if nbytes * (w - 1) <= DIRECT_BYTES || n < w {
             if r == root {
-                let n = buf.len();
-                let mut others = vec![T::zeroed(); n * (w - 1)];
+                let mut raw = self.take_scratch(n * w * esz);
+                let all = typed::<T>(&mut raw, n * w);
+                let (own, others) = all.split_at_mut(n);
+                own.copy_from_slice(buf);
                 let peers: Vec<usize> = (0..w).filter(|p| *p != r).collect();
-                let mut recvs: Vec<RecvOp> = if n == 0 {
-                    peers.iter().map(|p| RecvOp { peer: *p, expect: c.header::<T>(0, 0), data: &mut [], acc: None }).collect()
-                } else {
-                    others
-                        .chunks_mut(n)
-                        .zip(&peers)
-                        .map(|(ch, p)| RecvOp { peer: *p, expect: c.header::<T>(0, nbytes), data: bytes_mut(ch), acc: None })
-                        .collect()
-                };
+                let blocks: Vec<Range<usize>> = (0..w - 1).map(|i| i * n..(i + 1) * n).collect();
+                let mut recvs: Vec<RecvOp> = blocks_mut(others, &blocks)
+                    .into_iter()
+                    .zip(&peers)
+                    .map(|(b, &p)| RecvOp { peer: p, expect: c.header::<T>(0, nbytes), data: bytes_mut(b), acc: None })
+                    .collect();
                 self.exchange(&mut [], &mut recvs, c.what)?;
-                let own = buf.to_vec();
-                self.combine_in_rank_order(op, &own, &others, buf);
+                self.combine_in_rank_order(op, own, others, buf);
+                self.put_scratch(raw);
             } else {
                 let mut sends = [SendOp { peer: root, header: c.header::<T>(0, nbytes), data: bytes(buf) }];
                 self.exchange(&mut sends, &mut [], c.what)?;
             }
             return Ok(());
         }
-        // Ring reduce-scatter on a copy, then every rank sends the chunk it owns to the root.
-        let chunks = split_even(buf.len(), w);
-        let mut work = buf.to_vec();
-        self.ring_reduce_scatter(c, op, &mut work, &chunks, -1, 0)?;
-        if op == ReduceOp::Avg {
-            T::divide(&mut work[chunks[r].clone()], w);
-        }
+        // Ring reduce-scatter, then every rank sends the chunk it owns to the root.
+        let chunks = split_even(n, w);
+        let mine = chunks[r].clone();
+        let mut reduced = vec![T::zeroed(); mine.len()];
+        self.ring_reduce_scatter_into(c, op, buf, &chunks, &mut reduced)?;
         let step = (w - 1) as u32;
         if r == root {
-            buf[chunks[r].clone()].copy_from_slice(&work[chunks[r].clone()]);
-            let mut recvs = Vec::with_capacity(w - 1);
-            let mut rest: &mut [T] = buf;
-            let mut consumed = 0;
-            for (p, ch) in chunks.iter().enumerate() {
-                let (_, tail) = rest.split_at_mut(ch.start - consumed);
-                let (this, tail) = tail.split_at_mut(ch.len());
-                consumed = ch.end;
-                rest = tail;
-                if p != r {
-                    recvs.push(RecvOp { peer: p, expect: c.header::<T>(step, ch.len() * esz), data: bytes_mut(this), acc: None });
-                }
-            }
+            buf[mine].copy_from_slice(&reduced);
+            let mut recvs: Vec<RecvOp> = blocks_mut(buf, &chunks)
+                .into_iter()
+                .enumerate()
+                .filter(|(p, _)| *p != r)
+                .map(|(p, b)| RecvOp { peer: p, expect: c.header::<T>(step, b.len() * esz), data: bytes_mut(b), acc: None })
+                .collect();
             self.exchange(&mut [], &mut recvs, c.what)?;
         } else {
-            let d = &work[chunks[r].clone()];
-            let mut sends = [SendOp { peer: root, header: c.header::<T>(step, d.len() * esz), data: bytes(d) }];
+            let mut sends = [SendOp { peer: root, header: c.header::<T>(step, reduced.len() * esz), data: bytes(&reduced) }];
             self.exchange(&mut sends, &mut [], c.what)?;
         }
         Ok(())
@@ -507,18 +536,12 @@ impl Mesh {
                 data: bytes(&input[in_blocks[p].clone()]),
             })
             .collect();
-        let mut recvs = Vec::with_capacity(w - 1);
-        let mut rest: &mut [T] = &mut out;
-        let mut consumed = 0;
-        for (p, b) in out_blocks.iter().enumerate() {
-            let (_, tail) = rest.split_at_mut(b.start - consumed);
-            let (this, tail) = tail.split_at_mut(b.len());
-            consumed = b.end;
-            rest = tail;
-            if p != r {
-                recvs.push(RecvOp { peer: p, expect: c.header::<T>(1, b.len() * esz), data: bytes_mut(this), acc: None });
-            }
-        }
+        let mut recvs: Vec<RecvOp> = blocks_mut(&mut out, &out_blocks)
+            .into_iter()
+            .enumerate()
+            .filter(|(p, _)| *p != r)
+            .map(|(p, b)| RecvOp { peer: p, expect: c.header::<T>(1, b.len() * esz), data: bytes_mut(b), acc: None })
+            .collect();
         self.exchange(&mut sends, &mut recvs, c.what)?;
         Ok((out, recv_counts))
     }

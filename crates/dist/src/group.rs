@@ -282,14 +282,26 @@ impl ProcessGroup {
 
     /// Gathers every rank's `own` (equal lengths on every rank) in rank order.
     pub fn all_gather_slice<T: Elem>(&self, own: &[T]) -> DistResult<Vec<T>> {
+        let mut out = vec![T::zeroed(); own.len() * self.world_size()];
+        self.all_gather_into(own, &mut out)?;
+        Ok(out)
+    }
+
+    /// Gathers every rank's `own` (equal lengths on every rank) into `out` (W times as long),
+    /// in rank order, without allocating.
+    pub fn all_gather_into<T: Elem>(&self, own: &[T], out: &mut [T]) -> DistResult<()> {
         let n = own.len();
-        let counts = vec![n; self.world_size()];
+        let w = self.world_size();
+        if out.len() != n * w {
+            return Err(DistError::Invalid(format!("all_gather_into: output holds {} elements, needs {n} x {w}", out.len())));
+        }
+        let counts = vec![n; w];
         self.call(
             OpCode::AllGather,
             None,
             &[n as u64],
             || format!("all_gather of {n} x {:?}", T::DTYPE),
-            |m, c| m.all_gather_v(c, own, &counts, 0),
+            |m, c| m.all_gather_v(c, own, &counts, 0, out),
         )
     }
 
@@ -313,7 +325,8 @@ impl ProcessGroup {
                 }));
             }
             let counts: Vec<usize> = counts.into_iter().map(|c| c as usize).collect();
-            let out = m.all_gather_v(c, own, &counts, 1)?;
+            let mut out = vec![T::zeroed(); counts.iter().sum()];
+            m.all_gather_v(c, own, &counts, 1, &mut out)?;
             Ok((out, counts))
         })
     }
@@ -322,14 +335,25 @@ impl ProcessGroup {
     /// rank j (they must sum to `input.len()` and agree across ranks).
     pub fn reduce_scatter_slice<T: Elem>(&self, input: &[T], op: ReduceOp, counts: &[usize]) -> DistResult<Vec<T>> {
         self.check_counts("reduce_scatter", input.len(), counts)?;
+        let mut out = vec![T::zeroed(); counts[self.rank()]];
+        self.reduce_scatter_into(input, op, counts, &mut out)?;
+        Ok(out)
+    }
+
+    /// As [`ProcessGroup::reduce_scatter_slice`], writing this rank's block into `out`
+    /// (`counts[rank]` long) without allocating.
+    pub fn reduce_scatter_into<T: Elem>(&self, input: &[T], op: ReduceOp, counts: &[usize], out: &mut [T]) -> DistResult<()> {
+        self.check_counts("reduce_scatter", input.len(), counts)?;
+        if out.len() != counts[self.rank()] {
+            return Err(DistError::Invalid(format!(
+                "reduce_scatter_into: output holds {} elements, this rank's block has {}",
+                out.len(),
+                counts[self.rank()]
+            )));
+        }
         let meta: Vec<u64> = counts.iter().map(|c| *c as u64).collect();
-        self.call(
-            OpCode::ReduceScatter,
-            Some(op),
-            &meta,
-            || format!("reduce_scatter({op:?}) of {} x {:?} into {counts:?}", input.len(), T::DTYPE),
-            |m, c| m.reduce_scatter_v(c, op, input, counts),
-        )
+        let what = || format!("reduce_scatter({op:?}) of {} x {:?} into {counts:?}", input.len(), T::DTYPE);
+        self.call(OpCode::ReduceScatter, Some(op), &meta, what, |m, c| m.reduce_scatter_v(c, op, input, counts, out))
     }
 
     /// Copies rank `root`'s `buf` to every rank.

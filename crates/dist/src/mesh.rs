@@ -103,16 +103,35 @@ pub(crate) struct Mesh {
     failure: Option<(String, bool)>,
     /// Peers to which a frame is half written: an ABORT frame must not be sent to them.
     mid_frame: Vec<bool>,
+    /// Scratch memory reused across calls (grow-only, 8-byte aligned): fresh large buffers
+    /// on every call would cost a page fault per 4 KiB.
+    scratch: Vec<u64>,
 }
 
 impl Mesh {
     pub fn new(group: String, rank: usize, members: Vec<usize>, peers: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
         let n = peers.len();
-        Mesh { group, rank, members, peers, timeout, failure: None, mid_frame: vec![false; n] }
+        Mesh { group, rank, members, peers, timeout, failure: None, mid_frame: vec![false; n], scratch: Vec::new() }
     }
 
     pub fn size(&self) -> usize {
         self.members.len()
+    }
+
+    /// Takes the scratch buffer, grown to hold at least `bytes`; give it back with
+    /// [`Mesh::put_scratch`].
+    pub fn take_scratch(&mut self, bytes: usize) -> Vec<u64> {
+        let mut s = std::mem::take(&mut self.scratch);
+        let words = bytes.div_ceil(8);
+        if s.len() < words {
+            s.resize(words, 0);
+        }
+        s
+    }
+
+    /// Returns the scratch buffer for the next call.
+    pub fn put_scratch(&mut self, s: Vec<u64>) {
+        self.scratch = s;
     }
 
     pub fn failure(&self) -> Option<&(String, bool)> {
