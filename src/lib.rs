@@ -5,12 +5,17 @@
 //!
 //! - [`dist`]: process groups, rendezvous, the CPU/TCP collectives backend and the
 //!   differentiable collectives (`allgrad::dist::all_gather`, `all_reduce`, ...).
+//! - [`models`]: the `Objective` trait (a method = parameters + the loss of a local batch),
+//!   distributed losses and built-in methods.
+//! - [`train`]: the trainer (config, DDP sync, optimizers, checkpoints, metrics).
 //! - [`testing`]: check your own distributed loss for world-size invariance.
 //! - [`launch`]: the torchrun-style launcher behind the `launch` binary.
 
 #![warn(missing_docs)]
 
 pub use allgrad_dist as dist;
+pub use allgrad_models as models;
+pub use allgrad_train as train;
 
 pub mod launch;
 

@@ -170,3 +170,15 @@ fn the_seed_examples_print_the_documented_gradients() {
         }
     }
 }
+
+#[test]
+fn the_custom_loss_example_checks_invariance_and_trains_on_2_ranks() {
+    let (out, _) = run_with_watchdog(
+        Command::new(launch_bin()).args(["--nproc-per-node", "2"]).arg(example("custom_loss")),
+        Duration::from_secs(120),
+    );
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("[rank0]: uniformity is world-size invariant at W = 4"), "{text}");
+    assert!(text.contains("[rank0]: trained 32 steps on 2 ranks"), "{text}");
+}
