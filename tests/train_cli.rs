@@ -76,27 +76,32 @@ fn ok(out: &Output) {
 
 #[test]
 fn launched_runs_on_2_and_3_ranks_end_where_1_rank_does() {
+    // A local loss (NT-Xent per local anchor) and a replicated one (cross-correlation of
+    // all-reduced statistics), each on 1, 2 and 3 processes at the same global batch.
     let d = setup();
     let limit = Duration::from_secs(120);
-    ok(&run(&mut train(d.path(), &["--output-dir"]).arg(d.path().join("w1")), limit));
-    let (_, one) = latest_model(&d.path().join("w1"));
-    let one = values(&one);
-    for w in [2, 3] {
-        let out_dir = d.path().join(format!("w{w}"));
-        ok(&run(&mut launched(d.path(), w, &["--output-dir"]).arg(&out_dir), limit));
-        let (ck, m) = latest_model(&out_dir);
-        assert!(ck.ends_with("step_8"), "{}", ck.display());
-        for ((name, a), (_, b)) in values(&m).iter().zip(&one) {
-            let scale = b.iter().fold(1e-3f32, |s, v| s.max(v.abs()));
-            for (x, y) in a.iter().zip(b) {
-                assert!((x - y).abs() <= 1e-5 * scale, "W={w} {name}: {x} vs {y}");
+    for loss in ["{kind: nt_xent, temperature: 0.3}", "{kind: cross_correlation, lambda: 0.01}"] {
+        let set = format!("loss={loss}");
+        let tag = if loss.contains("nt_xent") { "local" } else { "replicated" };
+        let dir = |w: usize| d.path().join(format!("{tag}-w{w}"));
+        ok(&run(train(d.path(), &["--set", &set, "--output-dir"]).arg(dir(1)), limit));
+        let one = values(&latest_model(&dir(1)).1);
+        for w in [2, 3] {
+            ok(&run(launched(d.path(), w, &["--set", &set, "--output-dir"]).arg(dir(w)), limit));
+            let (ck, m) = latest_model(&dir(w));
+            assert!(ck.ends_with("step_8"), "{}", ck.display());
+            for ((name, a), (_, b)) in values(&m).iter().zip(&one) {
+                let scale = b.iter().fold(1e-3f32, |s, v| s.max(v.abs()));
+                for (x, y) in a.iter().zip(b) {
+                    assert!((x - y).abs() <= 1e-5 * scale, "{tag} W={w} {name}: {x} vs {y}");
+                }
             }
         }
     }
     for f in
         ["config.yaml", "metrics.jsonl", "loss.png", "checkpoints/step_8/optimizer.safetensors", "checkpoints/step_8/state.json"]
     {
-        assert!(d.path().join("w2").join(f).exists(), "missing {f}");
+        assert!(d.path().join("local-w2").join(f).exists(), "missing {f}");
     }
 }
 
