@@ -1,0 +1,334 @@
+//! Augmentation pipelines keyed by (seed, epoch, global sample index, view).
+//!
+//! [`Augment`] runs, in the order of the SimCLR recipe: RandomResizedCrop, horizontal flip,
+//! colour jitter (applied with probability p, operations in random order), random
+//! grayscale, Gaussian blur, then normalisation to an f32 CHW sample. Each stage draws from
+//! its own keyed stream `stream(&[seed, epoch, index, view, stage])`, so a view depends only
+//! on its key and on the image: never on the rank, the worker thread or the batch position
+//! (DESIGN §3), and changing one stage's settings does not change the draws of the others.
+//!
+//! Images may have 1 or 3 channels; on one channel, saturation, hue and grayscale are
+//! no-ops. [`TwoViews`] gives the two views of a contrastive pair.
+//!
+//! ```
+//! use allgrad_data::{AugmentConfig, Image, TwoViews};
+//! let cfg: AugmentConfig = serde_yaml::from_str("crop: { size: 16 }").unwrap();
+//! let views = TwoViews::new(cfg).unwrap();
+//! let img = Image::new(32, 32, 3, (0..32 * 32 * 3).map(|i| (i % 251) as u8).collect()).unwrap();
+//! let [a, b] = views.apply(&img, 0, 0, 7).unwrap();
+//! assert_eq!(a.shape(), (3, 16, 16));
+//! assert_ne!(a, b);
+//! ```
+
+mod blur;
+mod crop;
+mod flip;
+mod jitter;
+mod normalize;
+
+pub use blur::{gaussian_blur, gaussian_kernel, GaussianBlur};
+pub use crop::{resize_bilinear, CropBox, RandomResizedCrop};
+pub use flip::{hflip, RandomHorizontalFlip};
+pub use jitter::{
+    adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation, grayscale, hsv_to_rgb, rgb_to_hsv, ColorJitter,
+    RandomGrayscale,
+};
+pub use normalize::Normalize;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{DataError, DataResult};
+use crate::image::{Chw, FloatImage, Image};
+use crate::rng::{stream, KeyedRng};
+
+/// What names one augmented view: the run's seed, the epoch, the sample's global index in
+/// the dataset and the view number (0 and 1 for a pair).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ViewKey {
+    /// The run's seed.
+    pub seed: u64,
+    /// The epoch.
+    pub epoch: u64,
+    /// The sample's global index in the dataset.
+    pub index: u64,
+    /// The view number.
+    pub view: u64,
+}
+
+/// Stage tags: the last word of each stage's stream key.
+const CROP: u64 = 1;
+const FLIP: u64 = 2;
+const JITTER: u64 = 3;
+const GRAY: u64 = 4;
+const BLUR: u64 = 5;
+
+impl ViewKey {
+    /// The random stream of one stage of this view.
+    fn stream(&self, stage: u64) -> KeyedRng {
+        stream(&[self.seed, self.epoch, self.index, self.view, stage])
+    }
+}
+
+/// The augmentations of one view. Every field has a default; the defaults are the SimCLR
+/// CIFAR-10 recipe (crop 32 with scale (0.08, 1), flip 0.5, jitter (0.4, 0.4, 0.4, 0.1) with
+/// p 0.8, grayscale 0.2, no blur, CIFAR-10 mean/std).
+///
+/// In YAML: `crop: null` leaves the crop out (images keep their size, so all images of a
+/// batch must then have the same size); a probability of 0 leaves a stage out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AugmentConfig {
+    /// Random resized crop; `None` keeps the whole image at its size.
+    pub crop: Option<RandomResizedCrop>,
+    /// Random horizontal flip.
+    pub flip: RandomHorizontalFlip,
+    /// Random colour jitter.
+    pub color_jitter: ColorJitter,
+    /// Random conversion to grayscale.
+    pub grayscale: RandomGrayscale,
+    /// Random Gaussian blur.
+    pub blur: GaussianBlur,
+    /// Per-channel normalisation into the output sample.
+    pub normalize: Normalize,
+}
+
+impl Default for AugmentConfig {
+    fn default() -> Self {
+        AugmentConfig {
+            crop: Some(RandomResizedCrop::default()),
+            flip: RandomHorizontalFlip::default(),
+            color_jitter: ColorJitter::default(),
+            grayscale: RandomGrayscale::default(),
+            blur: GaussianBlur::default(),
+            normalize: Normalize::default(),
+        }
+    }
+}
+
+impl AugmentConfig {
+    /// The SimCLR CIFAR-10 recipe for `size` x `size` crops (the default is `size` 32).
+    pub fn simclr(size: usize) -> Self {
+        AugmentConfig { crop: Some(RandomResizedCrop { size, ..Default::default() }), ..Default::default() }
+    }
+
+    /// No randomness: the whole image, normalised (for evaluation and feature extraction).
+    pub fn eval(normalize: Normalize) -> Self {
+        AugmentConfig {
+            crop: None,
+            flip: RandomHorizontalFlip { p: 0.0 },
+            color_jitter: ColorJitter { p: 0.0, ..Default::default() },
+            grayscale: RandomGrayscale { p: 0.0 },
+            blur: GaussianBlur { p: 0.0, ..Default::default() },
+            normalize,
+        }
+    }
+
+    /// Checks every stage.
+    pub fn validate(&self) -> DataResult<()> {
+        if let Some(c) = &self.crop {
+            c.validate()?;
+        }
+        self.flip.validate()?;
+        self.color_jitter.validate()?;
+        self.grayscale.validate()?;
+        self.blur.validate()?;
+        self.normalize.validate()
+    }
+}
+
+/// Something that turns an image into `num_views()` samples, each named by a [`ViewKey`].
+/// The loader asks for views `0..num_views()` of every sample.
+pub trait Pipeline: Send + Sync {
+    /// Views per sample.
+    fn num_views(&self) -> usize;
+
+    /// View `key.view` of `img`.
+    fn view(&self, img: &Image, key: ViewKey) -> DataResult<Chw>;
+}
+
+/// A validated augmentation pipeline (one view per call).
+#[derive(Clone, Debug)]
+pub struct Augment {
+    cfg: AugmentConfig,
+}
+
+impl Augment {
+    /// Validates `cfg`.
+    pub fn new(cfg: AugmentConfig) -> DataResult<Self> {
+        cfg.validate()?;
+        Ok(Augment { cfg })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AugmentConfig {
+        &self.cfg
+    }
+
+    /// The view of `img` named by `key`. Fails only when the image's channel count does not
+    /// fit the normalisation statistics.
+    pub fn apply(&self, img: &Image, key: ViewKey) -> DataResult<Chw> {
+        let cfg = &self.cfg;
+        let mut x = FloatImage::from_image(img);
+        if x.width == 0 || x.height == 0 {
+            return Err(DataError::ImageShape { width: x.width, height: x.height, channels: x.channels, expected: 0, found: 0 });
+        }
+        if let Some(crop) = &cfg.crop {
+            x = crop.apply(&x, &mut key.stream(CROP));
+        }
+        x = cfg.flip.apply(&x, &mut key.stream(FLIP));
+        x = cfg.color_jitter.apply(&x, &mut key.stream(JITTER));
+        x = cfg.grayscale.apply(&x, &mut key.stream(GRAY));
+        x = cfg.blur.apply(&x, &mut key.stream(BLUR));
+        cfg.normalize.apply(&x)
+    }
+}
+
+impl Pipeline for Augment {
+    fn num_views(&self) -> usize {
+        1
+    }
+
+    fn view(&self, img: &Image, key: ViewKey) -> DataResult<Chw> {
+        self.apply(img, key)
+    }
+}
+
+/// Two augmented views per sample: view 0 from the first pipeline, view 1 from the second
+/// (the same configuration for SimCLR; different ones for asymmetric recipes such as BYOL's).
+#[derive(Clone, Debug)]
+pub struct TwoViews {
+    first: Augment,
+    second: Augment,
+}
+
+impl TwoViews {
+    /// Both views from `cfg`.
+    pub fn new(cfg: AugmentConfig) -> DataResult<Self> {
+        let a = Augment::new(cfg)?;
+        Ok(TwoViews { first: a.clone(), second: a })
+    }
+
+    /// View 0 from `first`, view 1 from `second`.
+    pub fn asymmetric(first: AugmentConfig, second: AugmentConfig) -> DataResult<Self> {
+        Ok(TwoViews { first: Augment::new(first)?, second: Augment::new(second)? })
+    }
+
+    /// Both views of sample `index` of `epoch`.
+    pub fn apply(&self, img: &Image, seed: u64, epoch: u64, index: u64) -> DataResult<[Chw; 2]> {
+        let key = |view| ViewKey { seed, epoch, index, view };
+        Ok([self.first.apply(img, key(0))?, self.second.apply(img, key(1))?])
+    }
+}
+
+impl Pipeline for TwoViews {
+    fn num_views(&self) -> usize {
+        2
+    }
+
+    /// View 0 uses the first pipeline, any other view number the second.
+    fn view(&self, img: &Image, key: ViewKey) -> DataResult<Chw> {
+        if key.view == 0 {
+            self.first.apply(img, key)
+        } else {
+            self.second.apply(img, key)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 12x10 RGB image with varied content.
+    fn picture() -> Image {
+        let px = (0..10).flat_map(|y| (0..12).flat_map(move |x| [(x * 20) as u8, (y * 25) as u8, ((x * y) % 256) as u8]));
+        Image::new(12, 10, 3, px.collect()).unwrap()
+    }
+
+    fn key(index: u64, view: u64) -> ViewKey {
+        ViewKey { seed: 3, epoch: 1, index, view }
+    }
+
+    #[test]
+    fn same_key_same_view_other_keys_differ() {
+        let aug = Augment::new(AugmentConfig::simclr(8)).unwrap();
+        let img = picture();
+        let a = aug.apply(&img, key(5, 0)).unwrap();
+        assert_eq!(a, aug.apply(&img, key(5, 0)).unwrap());
+        assert_ne!(a, aug.apply(&img, key(5, 1)).unwrap());
+        assert_ne!(a, aug.apply(&img, key(6, 0)).unwrap());
+        assert_ne!(a, aug.apply(&img, ViewKey { epoch: 2, ..key(5, 0) }).unwrap());
+        assert_ne!(a, aug.apply(&img, ViewKey { seed: 4, ..key(5, 0) }).unwrap());
+        let pair = TwoViews::new(AugmentConfig::simclr(8)).unwrap();
+        let [v0, v1] = pair.apply(&img, 3, 1, 5).unwrap();
+        assert_eq!(v0, a);
+        assert_eq!(v1, aug.apply(&img, key(5, 1)).unwrap());
+        assert_eq!(pair.view(&img, key(5, 1)).unwrap(), v1);
+    }
+
+    #[test]
+    fn one_stage_does_not_shift_the_others() {
+        // Turning the blur on changes nothing before it: with an identity-sized blur
+        // (sigma tiny) the output is unchanged although the blur stream was drawn.
+        let img = picture();
+        let plain = Augment::new(AugmentConfig::simclr(8)).unwrap();
+        let mut cfg = AugmentConfig::simclr(8);
+        cfg.blur = GaussianBlur { kernel: 3, sigma: [1e-3, 1e-3], p: 1.0 };
+        let blurred = Augment::new(cfg).unwrap();
+        for i in 0..10 {
+            let (a, b) = (plain.apply(&img, key(i, 0)).unwrap(), blurred.apply(&img, key(i, 0)).unwrap());
+            assert!(a.data.iter().zip(&b.data).all(|(x, y)| (x - y).abs() < 1e-5));
+        }
+    }
+
+    #[test]
+    fn shapes_and_ranges_for_one_and_three_channels() {
+        let rgb = picture();
+        let gray = Image::new(9, 7, 1, (0..63).map(|v| (v * 4) as u8).collect()).unwrap();
+        let unit = Normalize::identity();
+        for (img, c) in [(&rgb, 3), (&gray, 1)] {
+            let cfg = AugmentConfig {
+                blur: GaussianBlur { p: 0.5, ..Default::default() },
+                normalize: unit.clone(),
+                ..AugmentConfig::simclr(6)
+            };
+            let aug = Augment::new(cfg).unwrap();
+            for i in 0..40 {
+                let v = aug.apply(img, key(i, i % 2)).unwrap();
+                assert_eq!(v.shape(), (c, 6, 6));
+                assert!(v.data.iter().all(|x| (-1e-6..=1.0 + 1e-6).contains(x)), "{:?}", v.data);
+            }
+        }
+        // Without a crop the size is kept; the eval pipeline is the plain normalised image.
+        let eval = Augment::new(AugmentConfig::eval(unit)).unwrap();
+        let v = eval.apply(&gray, key(0, 0)).unwrap();
+        assert_eq!(v.shape(), (1, 7, 9));
+        assert_eq!(v.data, FloatImage::from_image(&gray).to_chw().data);
+        // CIFAR statistics on a one-channel image: a clear error, not a panic.
+        let aug = Augment::new(AugmentConfig::default()).unwrap();
+        assert!(matches!(aug.apply(&gray, key(0, 0)), Err(DataError::NormalizeChannels { .. })));
+        let empty = Image { width: 0, height: 0, channels: 3, pixels: vec![] };
+        assert!(aug.apply(&empty, key(0, 0)).is_err());
+    }
+
+    #[test]
+    fn config_defaults_yaml_and_unknown_fields() {
+        let cfg: AugmentConfig = serde_yaml::from_str("{}").unwrap();
+        assert_eq!(cfg, AugmentConfig::default());
+        assert_eq!(cfg.crop.as_ref().unwrap().size, 32);
+        assert_eq!((cfg.flip.p, cfg.color_jitter.p, cfg.grayscale.p, cfg.blur.p), (0.5, 0.8, 0.2, 0.0));
+        let cfg: AugmentConfig =
+            serde_yaml::from_str("crop: { size: 28 }\nnormalize: { mean: [0.286], std: [0.353] }\ncolor_jitter: { hue: 0.0 }")
+                .unwrap();
+        assert_eq!(cfg.crop.unwrap().scale, [0.08, 1.0]);
+        assert_eq!((cfg.color_jitter.hue, cfg.color_jitter.brightness), (0.0, 0.4));
+        let no_crop: AugmentConfig = serde_yaml::from_str("crop: null").unwrap();
+        assert!(no_crop.crop.is_none());
+        assert!(serde_yaml::from_str::<AugmentConfig>("flip: { q: 0.5 }").is_err());
+        assert!(serde_yaml::from_str::<AugmentConfig>("croop: {}").is_err());
+        let bad =
+            AugmentConfig { crop: Some(RandomResizedCrop { scale: [0.5, 0.1], ..Default::default() }), ..Default::default() };
+        let err = Augment::new(bad).unwrap_err();
+        assert!(err.to_string().contains("crop.scale"), "{err}");
+    }
+}

@@ -1,0 +1,210 @@
+//! RandomResizedCrop: a random box of random area and aspect ratio, resized to a square.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{DataError, DataResult};
+use crate::image::FloatImage;
+use crate::rng::{below, uniform, KeyedRng};
+
+/// Crop a random box and resize it to `size` x `size` (torchvision's `RandomResizedCrop`).
+///
+/// The box is drawn as torchvision draws it: up to 10 tries of an area fraction uniform in
+/// `scale` and an aspect ratio (width / height) log-uniform in `ratio`; the first box that
+/// fits gets a uniform position. If none fits, the whole image is cropped to the nearest
+/// ratio in `ratio`, centred. The resize is bilinear (a triangle filter, widened when
+/// shrinking so that it averages every source pixel, like PIL and torchvision's
+/// `antialias=True`), on float values with no rounding to bytes in between.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RandomResizedCrop {
+    /// Side of the square output, in pixels (32 for CIFAR).
+    pub size: usize,
+    /// Range of the box's area as a fraction of the image's area, `[min, max]`, `0 < min <= max`.
+    pub scale: [f64; 2],
+    /// Range of the box's aspect ratio (width / height), `[min, max]`, `0 < min <= max`.
+    pub ratio: [f64; 2],
+}
+
+impl Default for RandomResizedCrop {
+    fn default() -> Self {
+        RandomResizedCrop { size: 32, scale: [0.08, 1.0], ratio: [3.0 / 4.0, 4.0 / 3.0] }
+    }
+}
+
+/// A box within an image, in pixels: columns `x..x + width`, rows `y..y + height`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CropBox {
+    /// First column.
+    pub x: usize,
+    /// First row.
+    pub y: usize,
+    /// Width (at least 1).
+    pub width: usize,
+    /// Height (at least 1).
+    pub height: usize,
+}
+
+impl RandomResizedCrop {
+    /// Checks the ranges and the size.
+    pub fn validate(&self) -> DataResult<()> {
+        if self.size == 0 {
+            return Err(DataError::Config { field: "crop.size", reason: "must be at least 1".into() });
+        }
+        let [s0, s1] = self.scale;
+        if !(s0 > 0.0 && s0 <= s1 && s1.is_finite()) {
+            return Err(DataError::Config { field: "crop.scale", reason: format!("needs 0 < min <= max, got [{s0}, {s1}]") });
+        }
+        let [r0, r1] = self.ratio;
+        if !(r0 > 0.0 && r0 <= r1 && r1.is_finite()) {
+            return Err(DataError::Config { field: "crop.ratio", reason: format!("needs 0 < min <= max, got [{r0}, {r1}]") });
+        }
+        Ok(())
+    }
+
+    /// Draws the box for an image of `width` x `height` (both at least 1). The box always
+    /// lies within the image and is at least 1 x 1.
+    pub fn sample_box(&self, width: usize, height: usize, rng: &mut KeyedRng) -> CropBox {
+        let area = (width * height) as f64;
+        let (log_r0, log_r1) = (self.ratio[0].ln(), self.ratio[1].ln());
+        for _ in 0..10 {
+            let target = area * uniform(rng, self.scale[0], self.scale[1]);
+            let aspect = uniform(rng, log_r0, log_r1).exp();
+            let w = (target * aspect).sqrt().round() as usize;
+            let h = (target / aspect).sqrt().round() as usize;
+            if 0 < w && w <= width && 0 < h && h <= height {
+                let y = below(rng, height - h + 1);
+                let x = below(rng, width - w + 1);
+                return CropBox { x, y, width: w, height: h };
+            }
+        }
+        // Fallback: centre crop at the nearest allowed ratio.
+        let in_ratio = width as f64 / height as f64;
+        let (w, h) = if in_ratio < self.ratio[0] {
+            (width, ((width as f64 / self.ratio[0]).round() as usize).clamp(1, height))
+        } else if in_ratio > self.ratio[1] {
+            (((height as f64 * self.ratio[1]).round() as usize).clamp(1, width), height)
+        } else {
+            (width, height)
+        };
+        CropBox { x: (width - w) / 2, y: (height - h) / 2, width: w, height: h }
+    }
+
+    /// Draws a box and resizes it to `size` x `size`.
+    pub fn apply(&self, img: &FloatImage, rng: &mut KeyedRng) -> FloatImage {
+        let b = self.sample_box(img.width, img.height, rng);
+        resize_bilinear(img, b, self.size, self.size)
+    }
+}
+
+/// Resizes the box `b` of `img` to `out_width` x `out_height`, bilinearly (triangle filter
+/// over pixel centres, widened by the shrink factor when shrinking; samples outside the box
+/// are not used, weights at the border are renormalised).
+pub fn resize_bilinear(img: &FloatImage, b: CropBox, out_width: usize, out_height: usize) -> FloatImage {
+    let c = img.channels;
+    let wx = filter(b.x, b.width, out_width);
+    let wy = filter(b.y, b.height, out_height);
+    // Horizontal pass over the box's rows: box height x out_width.
+    let mut tmp = vec![0f32; b.height * out_width * c];
+    for row in 0..b.height {
+        let src = &img.data[(b.y + row) * img.width * c..(b.y + row + 1) * img.width * c];
+        for (ox, (start, ws)) in wx.iter().enumerate() {
+            for k in 0..c {
+                let v: f32 = ws.iter().enumerate().map(|(i, w)| w * src[(start + i) * c + k]).sum();
+                tmp[(row * out_width + ox) * c + k] = v;
+            }
+        }
+    }
+    // Vertical pass: out_height x out_width.
+    let mut data = vec![0f32; out_height * out_width * c];
+    for (oy, (start, ws)) in wy.iter().enumerate() {
+        for ox in 0..out_width {
+            for k in 0..c {
+                let v: f32 = ws.iter().enumerate().map(|(i, w)| w * tmp[((start - b.y + i) * out_width + ox) * c + k]).sum();
+                data[(oy * out_width + ox) * c + k] = v;
+            }
+        }
+    }
+    FloatImage { width: out_width, height: out_height, channels: c, data }
+}
+
+/// For each output pixel, the first source index and the normalised weights of the source
+/// pixels `start..start + weights.len()`, all within `offset..offset + len`.
+fn filter(offset: usize, len: usize, out: usize) -> Vec<(usize, Vec<f32>)> {
+    let scale = len as f64 / out as f64;
+    let support = scale.max(1.0);
+    (0..out)
+        .map(|o| {
+            let centre = (o as f64 + 0.5) * scale; // in box coordinates
+            let lo = ((centre - support).floor().max(0.0)) as usize;
+            let hi = ((centre + support).ceil() as usize).min(len);
+            let raw: Vec<f64> = (lo..hi).map(|i| (1.0 - ((i as f64 + 0.5 - centre) / support).abs()).max(0.0)).collect();
+            let sum: f64 = raw.iter().sum();
+            (offset + lo, raw.iter().map(|w| (w / sum) as f32).collect())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::stream;
+
+    fn ramp(w: usize, h: usize) -> FloatImage {
+        let data = (0..h).flat_map(|y| (0..w).map(move |x| (x + 10 * y) as f32)).collect();
+        FloatImage { width: w, height: h, channels: 1, data }
+    }
+
+    #[test]
+    fn boxes_lie_within_the_image() {
+        let crop = RandomResizedCrop::default();
+        for (w, h) in [(32, 32), (28, 28), (1, 1), (1, 50), (50, 1), (7, 3), (300, 20)] {
+            for i in 0..300 {
+                let b = crop.sample_box(w, h, &mut stream(&[1, 0, i, 0]));
+                assert!(b.width >= 1 && b.height >= 1, "{b:?}");
+                assert!(b.x + b.width <= w && b.y + b.height <= h, "{b:?} in {w}x{h}");
+            }
+        }
+        // Area within the scale range when the box fits (a large image, so rounding is small).
+        let crop = RandomResizedCrop { scale: [0.25, 0.5], ..Default::default() };
+        for i in 0..200 {
+            let b = crop.sample_box(1000, 1000, &mut stream(&[2, i]));
+            let frac = (b.width * b.height) as f64 / 1e6;
+            let ratio = b.width as f64 / b.height as f64;
+            assert!((0.24..=0.51).contains(&frac) && (0.74..=1.34).contains(&ratio), "{b:?}");
+        }
+    }
+
+    #[test]
+    fn impossible_ranges_fall_back_to_a_centre_crop() {
+        // Ratio 1 only, on a 10x4 image, scale 1: never fits; centre crop 4x4.
+        let crop = RandomResizedCrop { size: 4, scale: [1.0, 1.0], ratio: [1.0, 1.0] };
+        let b = crop.sample_box(10, 4, &mut stream(&[0]));
+        assert_eq!(b, CropBox { x: 3, y: 0, width: 4, height: 4 });
+    }
+
+    #[test]
+    fn resize_identity_halving_and_doubling() {
+        let img = ramp(4, 4);
+        let full = CropBox { x: 0, y: 0, width: 4, height: 4 };
+        assert_eq!(resize_bilinear(&img, full, 4, 4).data, img.data);
+        // Expected values from PIL (`Image.resize(..., BILINEAR)` on a mode "F" image), which
+        // torchvision's resized_crop calls after cropping:
+        //   ramp(4, 4).resize((2, 2))                          -> [7.857143, 9.428572, 23.571428, 25.142857]
+        //   [0, 1].resize((4, 1))                              -> [0, 0.25, 0.75, 1]
+        //   ramp(7, 5).crop((1, 1, 6, 4)).resize((3, 4))       -> below
+        let close = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-4);
+        let half = resize_bilinear(&img, full, 2, 2);
+        assert!(close(&half.data, &[7.857143, 9.428572, 23.571428, 25.142857]), "{:?}", half.data);
+        let row = FloatImage { width: 2, height: 1, channels: 1, data: vec![0.0, 1.0] };
+        let up = resize_bilinear(&row, CropBox { x: 0, y: 0, width: 2, height: 1 }, 4, 1);
+        assert!(close(&up.data, &[0.0, 0.25, 0.75, 1.0]), "{:?}", up.data);
+        let boxed = resize_bilinear(&ramp(7, 5), CropBox { x: 1, y: 1, width: 5, height: 3 }, 3, 4);
+        #[rustfmt::skip]
+        let pil = [11.428572, 13.0, 14.571428, 17.678572, 19.25, 20.821428,
+                   25.178572, 26.75, 28.321428, 31.428572, 33.0, 34.57143];
+        assert!(close(&boxed.data, &pil), "{:?}", boxed.data);
+        // A box uses only its own pixels.
+        let b = resize_bilinear(&img, CropBox { x: 1, y: 2, width: 2, height: 1 }, 2, 1);
+        assert_eq!(b.data, vec![21.0, 22.0]);
+    }
+}
