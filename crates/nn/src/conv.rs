@@ -1,0 +1,421 @@
+//! 2-D convolution as im2col + GEMM, with a backward that is itself im2col + GEMM.
+//!
+//! Candle's CPU backward for `conv2d` runs `conv_transpose2d` for the input gradient and a
+//! convolution with an image-sized "kernel" for the weight gradient; both are several times
+//! slower than the forward. Here the forward, the input gradient and the weight gradient are
+//! each one GEMM per image and group over the image's column matrix, and the two gradients
+//! share one pass over the batch.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::cpu::{contiguous, matmul, BatchPlan, Float, MatRef, Strides4};
+use crate::im2col::{col2im, im2col, ConvGeom};
+
+/// Stride, padding, dilation and groups of a 2-D convolution (the same on both spatial axes).
+///
+/// The defaults (stride 1, padding 0, dilation 1, groups 1) match PyTorch and
+/// `candle_nn::Conv2dConfig`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvParams {
+    /// Step between two output positions, in input pixels (at least 1).
+    pub stride: usize,
+    /// Zeros added on each side of both spatial axes.
+    pub padding: usize,
+    /// Spacing between kernel taps (at least 1; 1 is a dense kernel).
+    pub dilation: usize,
+    /// Number of channel groups (at least 1); `groups == channels` is a depthwise convolution.
+    pub groups: usize,
+}
+
+impl Default for ConvParams {
+    fn default() -> Self {
+        Self { stride: 1, padding: 0, dilation: 1, groups: 1 }
+    }
+}
+
+impl From<candle_nn::Conv2dConfig> for ConvParams {
+    fn from(c: candle_nn::Conv2dConfig) -> Self {
+        Self { stride: c.stride, padding: c.padding, dilation: c.dilation, groups: c.groups }
+    }
+}
+
+/// Checks shapes and parameters and resolves the geometry of `conv2d(x, w)`.
+fn geometry(x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<ConvGeom> {
+    let (n, c, h, wd) = match *x.dims() {
+        [n, c, h, wd] => (n, c, h, wd),
+        _ => bail!("conv2d: input must be (batch, channels, height, width), got shape {:?}", x.shape()),
+    };
+    let (o, wc, kh, kw) = match *w.dims() {
+        [o, wc, kh, kw] => (o, wc, kh, kw),
+        _ => bail!("conv2d: weight must be (out_channels, in_channels / groups, kernel_h, kernel_w), got shape {:?}", w.shape()),
+    };
+    let ConvParams { stride, padding, dilation, groups } = *p;
+    if stride == 0 || dilation == 0 || groups == 0 {
+        bail!("conv2d: stride ({stride}), dilation ({dilation}) and groups ({groups}) must all be at least 1")
+    }
+    if c != wc * groups {
+        bail!("conv2d: input has {c} channels but the weight expects {wc} x groups {groups}")
+    }
+    if o % groups != 0 {
+        bail!("conv2d: weight has {o} output channels, which groups {groups} does not divide")
+    }
+    if kh == 0 || kw == 0 || wc == 0 {
+        bail!("conv2d: weight shape {:?} has an empty dimension", w.shape())
+    }
+    let (ekh, ekw) = (dilation * (kh - 1) + 1, dilation * (kw - 1) + 1);
+    let (ph, pw) = (h + 2 * padding, wd + 2 * padding);
+    if ekh > ph || ekw > pw {
+        bail!(
+            "conv2d: the kernel {kh}x{kw} with dilation {dilation} spans {ekh}x{ekw}, larger than the input {h}x{wd} padded by {padding} ({ph}x{pw})"
+        )
+    }
+    if x.dtype() != w.dtype() {
+        bail!("conv2d: input is {:?} but weight is {:?}", x.dtype(), w.dtype())
+    }
+    if !x.device().same_device(w.device()) {
+        bail!("conv2d: input and weight are on different devices")
+    }
+    Ok(ConvGeom {
+        n,
+        c,
+        h,
+        w: wd,
+        o,
+        kh,
+        kw,
+        oh: (ph - ekh) / stride + 1,
+        ow: (pw - ekw) / stride + 1,
+        stride,
+        pad: padding,
+        dil: dilation,
+        groups,
+    })
+}
+
+fn fast_path(x: &Tensor) -> bool {
+    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
+}
+
+/// 2-D convolution of `x` (batch, channels, height, width) with `w`
+/// (out_channels, channels / groups, kernel_h, kernel_w); no bias (add it with
+/// `broadcast_add` of a `(1, out_channels, 1, 1)` tensor, or use [`Conv2d`]).
+///
+/// On the CPU with f32 or f64 this is im2col + GEMM, parallel over the batch, and its backward
+/// returns both the input and the weight gradient (each only when the tensor is tracked), again
+/// as GEMMs. Other devices and dtypes fall back to Candle's `conv2d` (and its backward).
+///
+/// Gradient convention: this op is local to the rank; its backward returns ∂L/∂x and ∂L/∂w of
+/// whatever scalar the caller differentiates, with no cross-rank scaling.
+///
+/// # Errors
+/// When the ranks, channel counts, groups or sizes do not fit together; the message names the
+/// shapes.
+pub fn conv2d(x: &Tensor, w: &Tensor, params: ConvParams) -> Result<Tensor> {
+    let g = geometry(x, w, &params)?;
+    if !fast_path(x) {
+        return x.conv2d(w, params.padding, params.stride, params.dilation, params.groups);
+    }
+    x.apply_op2(w, Conv2dOp { g })
+}
+
+/// The gradients of [`conv2d`] returned by [`conv2d_backward`].
+#[derive(Clone, Debug)]
+pub struct ConvGrads {
+    /// ∂L/∂x, shaped like the input, when requested.
+    pub input: Option<Tensor>,
+    /// ∂L/∂w, shaped like the weight, when requested.
+    pub weight: Option<Tensor>,
+}
+
+/// The backward of [`conv2d`] as a plain function: given the forward's `x`, `w`, `params` and
+/// `grad` = ∂L/∂y, returns ∂L/∂x (if `want_input`) and ∂L/∂w (if `want_weight`), computed in one
+/// pass over the batch. Autograd calls this; it is public for benchmarks and hand-written
+/// backward passes. The results are not tracked.
+///
+/// # Errors
+/// As [`conv2d`], and when `grad` is not shaped like the forward's output.
+pub fn conv2d_backward(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    params: ConvParams,
+    want_input: bool,
+    want_weight: bool,
+) -> Result<ConvGrads> {
+    let g = geometry(x, w, &params)?;
+    let expect = [g.n, g.o, g.oh, g.ow];
+    if grad.dims() != expect {
+        bail!("conv2d backward: output gradient has shape {:?}, expected {expect:?}", grad.shape())
+    }
+    if !fast_path(x) {
+        return candle_backward(x, w, grad, &params, want_input, want_weight);
+    }
+    let (x, w, grad) = (x.detach(), w.detach().contiguous()?, grad.detach().contiguous()?);
+    let mut grads = ConvGrads { input: None, weight: None };
+    if !want_input && !want_weight {
+        return Ok(grads);
+    }
+    let flat = x.apply_op3_no_bwd(&w, &grad, &Conv2dBackward { g, want_input, want_weight })?;
+    let mut at = 0;
+    if want_input {
+        let len = g.n * g.in_img();
+        grads.input = Some(flat.narrow(0, at, len)?.reshape(x.shape())?);
+        at += len;
+    }
+    if want_weight {
+        grads.weight = Some(flat.narrow(0, at, g.weight_len())?.reshape(w.shape())?);
+    }
+    Ok(grads)
+}
+
+/// Candle's own backward formulas, for devices and dtypes without a fast path.
+fn candle_backward(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    p: &ConvParams,
+    want_input: bool,
+    want_weight: bool,
+) -> Result<ConvGrads> {
+    // Run Candle's autograd on a copy of the forward and read off the requested gradients.
+    let xv = candle_core::Var::from_tensor(&x.detach())?;
+    let wv = candle_core::Var::from_tensor(&w.detach())?;
+    let y = xv.as_tensor().conv2d(wv.as_tensor(), p.padding, p.stride, p.dilation, p.groups)?;
+    let store = (y * grad.detach())?.sum_all()?.backward()?;
+    Ok(ConvGrads {
+        input: if want_input { store.get(xv.as_tensor()).cloned() } else { None },
+        weight: if want_weight { store.get(wv.as_tensor()).cloned() } else { None },
+    })
+}
+
+/// The forward custom op.
+struct Conv2dOp {
+    g: ConvGeom,
+}
+
+/// The backward kernel: inputs (x, w contiguous, grad contiguous), output the flat
+/// concatenation `[∂x (if wanted), ∂w (if wanted)]`.
+struct Conv2dBackward {
+    g: ConvGeom,
+    want_input: bool,
+    want_weight: bool,
+}
+
+impl CustomOp2 for Conv2dOp {
+    fn name(&self) -> &'static str {
+        "allgrad-conv2d"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = &self.g;
+        let shape = Shape::from((g.n, g.o, g.oh, g.ow));
+        match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => Ok((CpuStorage::F32(conv_fwd(x, l1, &contiguous(w, l2), g)), shape)),
+            (CpuStorage::F64(x), CpuStorage::F64(w)) => Ok((CpuStorage::F64(conv_fwd(x, l1, &contiguous(w, l2), g)), shape)),
+            _ => bail!("conv2d: unsupported dtypes {:?} (input) and {:?} (weight)", s1.dtype(), s2.dtype()),
+        }
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let p = ConvParams { stride: self.g.stride, padding: self.g.pad, dilation: self.g.dil, groups: self.g.groups };
+        let grads = conv2d_backward(x, w, grad, p, x.track_op(), w.track_op())?;
+        Ok((grads.input, grads.weight))
+    }
+}
+
+impl CustomOp3 for Conv2dBackward {
+    fn name(&self) -> &'static str {
+        "allgrad-conv2d-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (g, wi, ww) = (&self.g, self.want_input, self.want_weight);
+        let len = if wi { g.n * g.in_img() } else { 0 } + if ww { g.weight_len() } else { 0 };
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(gy)) => {
+                CpuStorage::F32(conv_bwd(x, l1, &contiguous(w, l2), &contiguous(gy, l3), g, wi, ww))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(gy)) => {
+                CpuStorage::F64(conv_bwd(x, l1, &contiguous(w, l2), &contiguous(gy, l3), g, wi, ww))
+            }
+            _ => bail!(
+                "conv2d backward: unsupported dtypes {:?} (input), {:?} (weight), {:?} (gradient)",
+                s1.dtype(),
+                s2.dtype(),
+                s3.dtype()
+            ),
+        };
+        Ok((out, Shape::from(len)))
+    }
+}
+
+/// Forward: per image and group, `y[n, g] = W_g · im2col(x[n, g])`.
+fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
+    let st = Strides4::of(xl);
+    let (p, kdim, og, cg) = (g.p(), g.kdim(), g.og(), g.cg());
+    let pointwise = g.is_pointwise(&st);
+    let plan = BatchPlan::new(g.n, 1);
+    let mut out = vec![T::from_f64(0.0); g.n * g.out_img()];
+    if out.is_empty() {
+        return out;
+    }
+    let col_len = if pointwise { 0 } else { kdim * p };
+    out.par_chunks_mut(g.out_img()).enumerate().for_each_init(
+        || vec![T::from_f64(0.0); col_len],
+        |col, (n, y)| {
+            let base = st.offset + n * st.n;
+            for grp in 0..g.groups {
+                let rhs = if pointwise {
+                    MatRef::new(&x[base + grp * cg * st.c..], st.c, 1)
+                } else {
+                    im2col(x, base, &st, g, grp * cg, col);
+                    MatRef::new(&col[..], p, 1)
+                };
+                let lhs = MatRef::new(&w[grp * og * kdim..], kdim, 1);
+                matmul(&mut y[grp * og * p..], p, false, lhs, rhs, (og, p, kdim), plan.gemm);
+            }
+        },
+    );
+    out
+}
+
+/// Backward: per image and group, `∂W_g += ∂y[n, g] · im2col(x[n, g])ᵀ` and
+/// `∂x[n, g] = col2im(W_gᵀ · ∂y[n, g])`. Images are cut into a fixed number of chunks; each
+/// chunk accumulates its own weight gradient and the chunks are summed in order, so the result
+/// does not depend on scheduling.
+fn conv_bwd<T: Float>(x: &[T], xl: &Layout, w: &[T], gy: &[T], g: &ConvGeom, want_input: bool, want_weight: bool) -> Vec<T> {
+    let zero = T::from_f64(0.0);
+    let st = Strides4::of(xl);
+    let (p, kdim, og, cg) = (g.p(), g.kdim(), g.og(), g.cg());
+    let pointwise = g.is_pointwise(&st);
+    let plan = BatchPlan::new(g.n, 2);
+    let in_img = g.in_img();
+    let mut dx = vec![zero; if want_input { g.n * in_img } else { 0 }];
+    // One task per chunk of images; each task owns its slice of ∂x.
+    let mut dx_chunks: Vec<&mut [T]> = if want_input && !dx.is_empty() {
+        dx.chunks_mut(plan.per_chunk * in_img).collect()
+    } else {
+        (0..plan.chunks).map(|_| &mut [][..]).collect()
+    };
+    let dw_parts: Vec<Vec<T>> = dx_chunks
+        .par_iter_mut()
+        .enumerate()
+        .map(|(chunk, dxc)| {
+            let mut dw = vec![zero; if want_weight { g.weight_len() } else { 0 }];
+            let need_col = want_weight && !pointwise;
+            let mut col = vec![zero; if need_col { kdim * p } else { 0 }];
+            let mut dcol = vec![zero; if want_input && !pointwise { kdim * p } else { 0 }];
+            let first = chunk * plan.per_chunk;
+            let last = (first + plan.per_chunk).min(g.n);
+            // Write the fresh (calloc'd, not yet mapped) ∂x pages before col2im reads them:
+            // a first touch by a read maps the shared zero page, and the write after it costs a
+            // copy-on-write fault with a TLB shootdown on every core.
+            dxc.fill(zero);
+            for n in first..last {
+                let base = st.offset + n * st.n;
+                for grp in 0..g.groups {
+                    let gyg = MatRef::new(&gy[n * g.out_img() + grp * og * p..], p, 1);
+                    if want_weight {
+                        // ∂W_g (og x kdim) += ∂y_g (og x p) · colᵀ (p x kdim)
+                        let colt = if pointwise {
+                            MatRef::new(&x[base + grp * cg * st.c..], 1, st.c)
+                        } else {
+                            im2col(x, base, &st, g, grp * cg, &mut col);
+                            MatRef::new(&col[..], 1, p)
+                        };
+                        let dwg = &mut dw[grp * og * kdim..(grp + 1) * og * kdim];
+                        matmul(dwg, kdim, n > first, gyg, colt, (og, kdim, p), plan.gemm);
+                    }
+                    if want_input {
+                        // ∂col (kdim x p) = W_gᵀ (kdim x og) · ∂y_g (og x p)
+                        let wt = MatRef::new(&w[grp * og * kdim..], 1, kdim);
+                        let img = &mut dxc[(n - first) * in_img..(n - first + 1) * in_img];
+                        let dxg = &mut img[grp * cg * g.h * g.w..(grp + 1) * cg * g.h * g.w];
+                        if pointwise {
+                            matmul(dxg, p, false, wt, gyg, (kdim, p, og), plan.gemm);
+                        } else {
+                            matmul(&mut dcol, p, false, wt, gyg, (kdim, p, og), plan.gemm);
+                            col2im(&dcol, g, dxg);
+                        }
+                    }
+                }
+            }
+            dw
+        })
+        .collect();
+    let mut out = dx;
+    if want_weight {
+        let mut parts = dw_parts.into_iter();
+        let mut dw = parts.next().unwrap_or_else(|| vec![zero; g.weight_len()]);
+        for part in parts {
+            for (a, b) in dw.iter_mut().zip(&part) {
+                *a += *b;
+            }
+        }
+        out.extend_from_slice(&dw);
+    }
+    out
+}
+
+/// A 2-D convolution layer: a weight, an optional bias and its [`ConvParams`], applied with
+/// [`conv2d`]. Build the tensors with the project's seeded initialisers and pass them in.
+#[derive(Clone, Debug)]
+pub struct Conv2d {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    params: ConvParams,
+}
+
+impl Conv2d {
+    /// A layer from its weight `(out, in / groups, kh, kw)` and optional bias `(out,)`.
+    ///
+    /// # Errors
+    /// When the weight is not rank 4 or the bias length differs from the weight's first dim.
+    pub fn new(weight: Tensor, bias: Option<Tensor>, params: ConvParams) -> Result<Self> {
+        let o = match *weight.dims() {
+            [o, _, _, _] => o,
+            _ => bail!("Conv2d: weight must be (out_channels, in_channels / groups, kh, kw), got {:?}", weight.shape()),
+        };
+        if let Some(b) = &bias {
+            if b.dims() != [o] {
+                bail!("Conv2d: bias has shape {:?} but the weight has {o} output channels", b.shape())
+            }
+        }
+        Ok(Self { weight, bias, params })
+    }
+
+    /// The weight, `(out, in / groups, kh, kw)`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias, `(out,)`, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Stride, padding, dilation and groups.
+    pub fn params(&self) -> ConvParams {
+        self.params
+    }
+}
+
+impl Module for Conv2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = conv2d(x, &self.weight, self.params)?;
+        match &self.bias {
+            None => Ok(y),
+            Some(b) => y.broadcast_add(&b.reshape((1, b.elem_count(), 1, 1))?),
+        }
+    }
+}

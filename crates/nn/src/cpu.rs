@@ -1,0 +1,211 @@
+//! CPU plumbing shared by the kernels: the float element trait, strided-to-contiguous copies,
+//! a bounds-checked GEMM wrapper and the batch-parallel plan.
+
+use std::borrow::Cow;
+
+use candle_core::{Layout, WithDType};
+use gemm::Parallelism;
+
+/// The element types the CPU kernels are written for (`f32` and `f64`).
+pub(crate) trait Float: WithDType {
+    /// Negative infinity, the identity of `max`.
+    const NEG_INFINITY: Self;
+    /// `e^self`.
+    fn exp(self) -> Self;
+    /// Natural logarithm.
+    fn ln(self) -> Self;
+    /// Square root.
+    fn sqrt(self) -> Self;
+    /// Whether the value is NaN.
+    fn is_nan(self) -> bool;
+}
+
+macro_rules! impl_float {
+    ($t:ty) => {
+        impl Float for $t {
+            const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
+            #[inline]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
+}
+impl_float!(f32);
+impl_float!(f64);
+
+/// The elements of `data` seen through `layout`, in row-major order: borrowed when the layout is
+/// already contiguous, copied otherwise.
+pub(crate) fn contiguous<'a, T: Copy>(data: &'a [T], layout: &Layout) -> Cow<'a, [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Cow::Borrowed(&data[start..end]),
+        None => Cow::Owned(gather_strided(data, layout)),
+    }
+}
+
+/// Copies a strided view into a new row-major vector, one innermost run at a time.
+fn gather_strided<T: Copy>(data: &[T], layout: &Layout) -> Vec<T> {
+    let (dims, stride) = (layout.dims(), layout.stride());
+    let len: usize = dims.iter().product();
+    let mut out = Vec::with_capacity(len);
+    if len == 0 {
+        return out;
+    }
+    let Some((&inner, outer)) = dims.split_last() else {
+        out.push(data[layout.start_offset()]);
+        return out;
+    };
+    let inner_stride = stride[dims.len() - 1];
+    let mut index = vec![0usize; outer.len()];
+    loop {
+        let base = layout.start_offset() + index.iter().zip(stride).map(|(i, s)| i * s).sum::<usize>();
+        out.extend((0..inner).map(|j| data[base + j * inner_stride]));
+        // Advance the outer multi-index like an odometer.
+        let mut d = outer.len();
+        loop {
+            if d == 0 {
+                return out;
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] < outer[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// Offset and strides of a rank-4 layout, in elements.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Strides4 {
+    pub offset: usize,
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+}
+
+impl Strides4 {
+    /// Reads the strides of a rank-4 layout (the caller has checked the rank).
+    pub fn of(layout: &Layout) -> Self {
+        let s = layout.stride();
+        Self { offset: layout.start_offset(), n: s[0], c: s[1], h: s[2], w: s[3] }
+    }
+}
+
+/// How a batch of independent images is spread over the rayon pool.
+#[derive(Clone, Copy)]
+pub(crate) struct BatchPlan {
+    /// Number of chunks the batch is cut into (each chunk is one task).
+    pub chunks: usize,
+    /// Images per chunk (the last chunk may hold fewer).
+    pub per_chunk: usize,
+    /// Parallelism for GEMMs inside a task: the whole pool when there are fewer images than
+    /// threads, none otherwise (the tasks already occupy every thread).
+    pub gemm: Parallelism,
+}
+
+impl BatchPlan {
+    /// Plans `n` images into at most `max_chunks_per_thread` chunks per thread. The plan depends
+    /// only on `n` and the pool size, never on scheduling, so reductions over chunks are
+    /// deterministic on a given machine.
+    pub fn new(n: usize, max_chunks_per_thread: usize) -> Self {
+        let threads = rayon::current_num_threads().max(1);
+        let chunks = n.clamp(1, threads * max_chunks_per_thread.max(1));
+        let per_chunk = n.div_ceil(chunks).max(1);
+        let chunks = n.div_ceil(per_chunk).max(1);
+        let gemm = if n < threads { Parallelism::Rayon(threads) } else { Parallelism::None };
+        Self { chunks, per_chunk, gemm }
+    }
+}
+
+/// A read-only matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct MatRef<'a, T> {
+    pub data: &'a [T],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> MatRef<'a, T> {
+    /// A view with row stride `rs` and column stride `cs`.
+    pub fn new(data: &'a [T], rs: usize, cs: usize) -> Self {
+        Self { data, rs, cs }
+    }
+
+    /// Panics (an internal bug, never user input) unless every element of a `rows x cols` view
+    /// lies inside `data`.
+    fn check(&self, rows: usize, cols: usize, what: &str) {
+        if rows > 0 && cols > 0 {
+            let last = (rows - 1) * self.rs + (cols - 1) * self.cs;
+            assert!(last < self.data.len(), "allgrad-nn internal error: {what} view out of bounds");
+        }
+    }
+}
+
+/// `dst (m x n, row stride dst_rs, unit column stride) (+)= lhs (m x k) · rhs (k x n)`.
+///
+/// With `accumulate` the product is added to `dst`, otherwise `dst` is overwritten.
+pub(crate) fn matmul<T: Float>(
+    dst: &mut [T],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: MatRef<'_, T>,
+    rhs: MatRef<'_, T>,
+    (m, n, k): (usize, usize, usize),
+    parallelism: Parallelism,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let zero = T::from_f64(0.0);
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                dst[i * dst_rs..i * dst_rs + n].fill(zero);
+            }
+        }
+        return;
+    }
+    MatRef::new(&*dst, dst_rs, 1).check(m, n, "dst");
+    lhs.check(m, k, "lhs");
+    rhs.check(k, n, "rhs");
+    // SAFETY: the three views were bounds-checked above, `dst` is borrowed mutably and cannot
+    // alias `lhs` or `rhs`, and `T` is f32 or f64, both supported by `gemm`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            T::from_f64(1.0),
+            T::from_f64(1.0),
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}

@@ -1,0 +1,57 @@
+//! Layers and losses that Candle lacks or gets wrong for training, with fast CPU kernels.
+//!
+//! On the CPU every op here is a Candle custom op with a fused kernel and a backward that is
+//! implemented (never `None` for a tracked input), so gradients flow through it:
+//!
+//! - [`conv2d`]: im2col + GEMM convolution (stride, padding, dilation, groups) whose backward
+//!   computes the input and weight gradients as GEMMs too; Candle's CPU backward is several
+//!   times slower than its forward.
+//! - [`max_pool2d`], [`avg_pool2d`], [`adaptive_avg_pool2d`]: pooling with padding and a
+//!   backward for any kernel and stride (Candle's fails when kernel != stride, misplaces
+//!   gradients when the kernel does not divide the input, and divides max-pool gradients by
+//!   the kernel area).
+//! - [`layer_norm`] / [`LayerNorm`]: differentiable in x, gamma and beta (Candle's
+//!   `LayerNorm` on a contiguous input is not).
+//! - [`softmax_last_dim`], [`log_softmax_last_dim`]: fused, with backward (Candle's
+//!   `softmax_last_dim` has none).
+//! - [`cross_entropy`]: fused, stable log-sum-exp cross-entropy from logits.
+//!
+//! On devices other than the CPU, and for dtypes other than f32/f64, each op falls back to the
+//! equivalent Candle op or a composition of differentiable Candle ops, so models run anywhere.
+//!
+//! All ops are local to a rank: their backward returns the gradient of whatever scalar the
+//! caller differentiates, with no cross-rank scaling (the trainer applies the 1/W rule). The
+//! backward results are not themselves tracked (no second-order gradients), as in Candle.
+//! CPU kernels are parallel over rayon's global pool, and every reduction across parallel
+//! tasks is summed in a fixed order, so results do not depend on scheduling (they may change
+//! in the last bits with the number of threads).
+//!
+//! ```
+//! use allgrad_nn::{conv2d, ConvParams};
+//! use candle_core::{DType, Device, Tensor, Var};
+//! # fn main() -> candle_core::Result<()> {
+//! let x = Var::from_tensor(&Tensor::ones((2, 4, 8, 8), DType::F32, &Device::Cpu)?)?;
+//! let w = Var::from_tensor(&Tensor::ones((6, 2, 3, 3), DType::F32, &Device::Cpu)?)?;
+//! let params = ConvParams { padding: 1, groups: 2, ..Default::default() };
+//! let y = conv2d(&x, &w, params)?;
+//! assert_eq!(y.dims(), [2, 6, 8, 8]);
+//! let grads = y.sum_all()?.backward()?;
+//! assert_eq!(grads.get(&w).unwrap().dims(), [6, 2, 3, 3]);
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+mod conv;
+mod cpu;
+mod im2col;
+mod loss;
+mod norm;
+mod pool;
+mod softmax;
+
+pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
+pub use loss::{cross_entropy, per_row_cross_entropy};
+pub use norm::{layer_norm, layer_norm_composed, LayerNorm};
+pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
+pub use softmax::{log_softmax_last_dim, softmax_last_dim};

@@ -1,0 +1,273 @@
+//! Layer normalisation over the last dimension, differentiable in the input, the scale and the
+//! shift. (`candle_nn::LayerNorm` on a contiguous input uses a custom op without backward, so
+//! gradients silently stop there.)
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::cpu::{contiguous, Float};
+
+/// `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension of `x`, with the
+/// biased variance (as PyTorch's `layer_norm`). `gamma` and `beta` have shape `(d,)` where `d`
+/// is the last dimension of `x`.
+///
+/// On the CPU with f32/f64 the forward and the backward are fused kernels, parallel over rows;
+/// the backward returns ∂x, ∂gamma and ∂beta. Elsewhere this is a composition of
+/// differentiable Candle ops (computed in f32 for f16/bf16 inputs).
+///
+/// # Errors
+/// When `x` has rank 0, `gamma` or `beta` are not `(d,)`, or the dtypes differ.
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
+    let d = match x.dims().last() {
+        Some(&d) => d,
+        None => bail!("layer_norm: input must have at least one dimension, got a scalar"),
+    };
+    if gamma.dims() != [d] || beta.dims() != [d] {
+        bail!(
+            "layer_norm: gamma {:?} and beta {:?} must both be ({d},), the last dimension of the input {:?}",
+            gamma.shape(),
+            beta.shape(),
+            x.shape()
+        )
+    }
+    if gamma.dtype() != x.dtype() || beta.dtype() != x.dtype() {
+        bail!("layer_norm: input {:?}, gamma {:?} and beta {:?} must share a dtype", x.dtype(), gamma.dtype(), beta.dtype())
+    }
+    if eps.is_nan() || eps < 0.0 {
+        bail!("layer_norm: eps must be non-negative, got {eps}")
+    }
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+        x.apply_op3(gamma, beta, LayerNormOp { eps })
+    } else {
+        layer_norm_composed(x, gamma, beta, eps)
+    }
+}
+
+/// The same function as [`layer_norm`] written with differentiable Candle ops (used off the
+/// CPU, and as a reference in tests and benchmarks).
+///
+/// # Errors
+/// As Candle's ops on mismatched shapes.
+pub fn layer_norm_composed(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let work = match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
+    };
+    let x = x.to_dtype(work)?;
+    let xc = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let xhat = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    xhat.to_dtype(dtype)?.broadcast_mul(gamma)?.broadcast_add(beta)
+}
+
+/// A layer-norm layer over the last dimension: scale, shift and epsilon, applied with
+/// [`layer_norm`].
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    gamma: Tensor,
+    beta: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// A layer from its scale `gamma (d,)` and shift `beta (d,)`.
+    ///
+    /// # Errors
+    /// When `gamma` and `beta` are not both `(d,)` for the same `d`.
+    pub fn new(gamma: Tensor, beta: Tensor, eps: f64) -> Result<Self> {
+        if gamma.rank() != 1 || gamma.dims() != beta.dims() {
+            bail!("LayerNorm: gamma {:?} and beta {:?} must both be (d,)", gamma.shape(), beta.shape())
+        }
+        Ok(Self { gamma, beta, eps })
+    }
+
+    /// The scale, `(d,)`.
+    pub fn gamma(&self) -> &Tensor {
+        &self.gamma
+    }
+
+    /// The shift, `(d,)`.
+    pub fn beta(&self) -> &Tensor {
+        &self.beta
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        layer_norm(x, &self.gamma, &self.beta, self.eps)
+    }
+}
+
+struct LayerNormOp {
+    eps: f64,
+}
+
+/// The backward kernel: inputs `(x, gamma, grad)`, output the flat concatenation
+/// `[∂x, ∂gamma, ∂beta]`.
+struct LayerNormBackward {
+    eps: f64,
+}
+
+/// Rows per parallel task, so that each task has some work.
+fn rows_per_task(d: usize) -> usize {
+    (16384 / d.max(1)).max(1)
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "allgrad-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(b)) => {
+                CpuStorage::F32(ln_fwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(b, l3), self.eps))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(g), CpuStorage::F64(b)) => {
+                CpuStorage::F64(ln_fwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(b, l3), self.eps))
+            }
+            _ => bail!("layer_norm: unsupported dtype {:?}", s1.dtype()),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = gamma.elem_count();
+        let flat = x.detach().apply_op3_no_bwd(&gamma.detach(), &grad.detach(), &LayerNormBackward { eps: self.eps })?;
+        let nx = x.elem_count();
+        let dx = flat.narrow(0, 0, nx)?.reshape(x.shape())?;
+        let dgamma = flat.narrow(0, nx, d)?;
+        let dbeta = flat.narrow(0, nx + d, d)?;
+        Ok((x.track_op().then_some(dx), gamma.track_op().then_some(dgamma), beta.track_op().then_some(dbeta)))
+    }
+}
+
+impl CustomOp3 for LayerNormBackward {
+    fn name(&self) -> &'static str {
+        "allgrad-layer-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = l2.shape().elem_count();
+        let len = l1.shape().elem_count() + 2 * d;
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(gy)) => {
+                CpuStorage::F32(ln_bwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(gy, l3), self.eps))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(g), CpuStorage::F64(gy)) => {
+                CpuStorage::F64(ln_bwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(gy, l3), self.eps))
+            }
+            _ => bail!("layer_norm backward: unsupported dtype {:?}", s1.dtype()),
+        };
+        Ok((out, Shape::from(len)))
+    }
+}
+
+/// Mean and `1 / sqrt(var + eps)` of one row (two passes, biased variance).
+#[inline]
+fn moments<T: Float>(row: &[T], eps: f64) -> (T, T) {
+    let d = T::from_f64(row.len() as f64);
+    let mut sum = T::from_f64(0.0);
+    for &v in row {
+        sum += v;
+    }
+    let mean = sum / d;
+    let mut ss = T::from_f64(0.0);
+    for &v in row {
+        let c = v - mean;
+        ss += c * c;
+    }
+    let rstd = T::from_f64(1.0) / (ss / d + T::from_f64(eps)).sqrt();
+    (mean, rstd)
+}
+
+fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64) -> Vec<T> {
+    let d = gamma.len();
+    let mut y = vec![T::from_f64(0.0); x.len()];
+    if d == 0 || x.is_empty() {
+        return y;
+    }
+    let rows = rows_per_task(d);
+    y.par_chunks_mut(rows * d).zip(x.par_chunks(rows * d)).for_each(|(ys, xs)| {
+        for (yr, xr) in ys.chunks_mut(d).zip(xs.chunks(d)) {
+            let (mean, rstd) = moments(xr, eps);
+            for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+                *o = (v - mean) * rstd * g + b;
+            }
+        }
+    });
+    y
+}
+
+/// Per row, with `x̂ = (x - mean) · rstd` and `ĝ = ∂y · gamma`:
+/// `∂x = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`, `∂gamma = Σ_rows ∂y · x̂`, `∂beta = Σ_rows ∂y`.
+/// Row blocks accumulate their own ∂gamma/∂beta, summed in block order (deterministic).
+fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64) -> Vec<T> {
+    let zero = T::from_f64(0.0);
+    let d = gamma.len();
+    let mut out = vec![zero; x.len() + 2 * d];
+    if d == 0 {
+        return out;
+    }
+    let (dx, dgb) = out.split_at_mut(x.len());
+    let rows = rows_per_task(d);
+    let inv_d = T::from_f64(1.0 / d as f64);
+    let parts: Vec<Vec<T>> = dx
+        .par_chunks_mut(rows * d)
+        .zip(x.par_chunks(rows * d))
+        .zip(gy.par_chunks(rows * d))
+        .map(|((dxs, xs), gs)| {
+            let mut acc = vec![zero; 2 * d];
+            let (dg, db) = acc.split_at_mut(d);
+            for ((dxr, xr), gr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(gs.chunks(d)) {
+                let (mean, rstd) = moments(xr, eps);
+                let (mut a, mut b) = (zero, zero);
+                for i in 0..d {
+                    let xhat = (xr[i] - mean) * rstd;
+                    let gh = gr[i] * gamma[i];
+                    a += gh;
+                    b += gh * xhat;
+                    dg[i] += gr[i] * xhat;
+                    db[i] += gr[i];
+                }
+                let (a, b) = (a * inv_d, b * inv_d);
+                for i in 0..d {
+                    let xhat = (xr[i] - mean) * rstd;
+                    dxr[i] = rstd * (gr[i] * gamma[i] - a - xhat * b);
+                }
+            }
+            acc
+        })
+        .collect();
+    for part in parts {
+        for (o, v) in dgb.iter_mut().zip(&part) {
+            *o += *v;
+        }
+    }
+    out
+}

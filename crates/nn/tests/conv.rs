@@ -1,0 +1,311 @@
+//! conv2d against Candle's conv2d (forward and, where Candle's backward is right, gradients)
+//! and against central finite differences in f64.
+
+mod common;
+
+use allgrad_nn::{conv2d, conv2d_backward, Conv2d, ConvParams};
+use candle_core::{DType, Module, Result, Tensor, Var};
+use common::*;
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    kh: usize,
+    kw: usize,
+    p: ConvParams,
+}
+
+impl Case {
+    fn x_shape(&self) -> [usize; 4] {
+        [self.n, self.c, self.h, self.w]
+    }
+    fn w_shape(&self) -> [usize; 4] {
+        [self.o, self.c / self.p.groups, self.kh, self.kw]
+    }
+    fn fits(&self) -> bool {
+        let d = self.p.dilation;
+        d * (self.kh - 1) < self.h + 2 * self.p.padding && d * (self.kw - 1) < self.w + 2 * self.p.padding
+    }
+    /// Candle's backward computes conv_transpose2d's output padding from the height only and
+    /// uses it for the width too, so its input gradient is wrong (or fails) when the two axes
+    /// leave different remainders.
+    fn candle_backward_ok(&self) -> bool {
+        let rem = |size: usize, k: usize| (size + 2 * self.p.padding - self.p.dilation * (k - 1) - 1) % self.p.stride;
+        rem(self.h, self.kh) == rem(self.w, self.kw)
+    }
+}
+
+/// Batch 1 and 3; groups 1, 2 and 4 (4 = depthwise with channel multiplier 2); strides 1-3;
+/// padding 0-2; dilation 1-2; square, non-square and pointwise kernels; a non-square input.
+fn grid() -> Vec<Case> {
+    let mut cases = vec![];
+    for n in [1, 3] {
+        for groups in [1, 2, 4] {
+            for stride in [1, 2, 3] {
+                for padding in [0, 1, 2] {
+                    for dilation in [1, 2] {
+                        for (kh, kw) in [(3, 3), (2, 3), (1, 1)] {
+                            let p = ConvParams { stride, padding, dilation, groups };
+                            let case = Case { n, c: 4, h: 6, w: 7, o: 8, kh, kw, p };
+                            if case.fits() {
+                                cases.push(case);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    cases
+}
+
+fn candle_conv(x: &Tensor, w: &Tensor, p: ConvParams) -> Result<Tensor> {
+    x.conv2d(w, p.padding, p.stride, p.dilation, p.groups)
+}
+
+/// Gradients of `sum(conv(x, w) * r)` with respect to x and w.
+fn grads(
+    conv: fn(&Tensor, &Tensor, ConvParams) -> Result<Tensor>,
+    x: &Tensor,
+    w: &Tensor,
+    r: &Tensor,
+    p: ConvParams,
+) -> Result<(Tensor, Tensor)> {
+    let (xv, wv) = (Var::from_tensor(x)?, Var::from_tensor(w)?);
+    let y = conv(xv.as_tensor(), wv.as_tensor(), p)?;
+    let g = (y * r)?.sum_all()?.backward()?;
+    Ok((g.get(&xv).unwrap().clone(), g.get(&wv).unwrap().clone()))
+}
+
+fn out_shape(x: &Tensor, w: &Tensor, p: ConvParams) -> Vec<usize> {
+    candle_conv(x, w, p).unwrap().dims().to_vec()
+}
+
+#[test]
+fn forward_matches_candle_on_parameter_grid() {
+    for (i, case) in grid().into_iter().enumerate() {
+        for dtype in [DType::F32, DType::F64] {
+            let x = rand_tensor(&case.x_shape(), i as u64, dtype);
+            let w = rand_tensor(&case.w_shape(), 1000 + i as u64, dtype);
+            let ours = conv2d(&x, &w, case.p).unwrap();
+            let theirs = candle_conv(&x, &w, case.p).unwrap();
+            assert_close(&ours, &theirs, tol(dtype), &format!("{case:?} {dtype:?}"));
+        }
+    }
+}
+
+#[test]
+fn gradients_match_candle_where_candle_is_right() {
+    let mut compared = 0;
+    for (i, case) in grid().into_iter().enumerate() {
+        if !case.candle_backward_ok() {
+            continue;
+        }
+        for dtype in [DType::F32, DType::F64] {
+            let x = rand_tensor(&case.x_shape(), i as u64, dtype);
+            let w = rand_tensor(&case.w_shape(), 1000 + i as u64, dtype);
+            let r = rand_tensor(&out_shape(&x, &w, case.p), 2000 + i as u64, dtype);
+            let (dx, dw) = grads(conv2d, &x, &w, &r, case.p).unwrap();
+            let (cdx, cdw) = grads(candle_conv, &x, &w, &r, case.p).unwrap();
+            assert_close(&dx, &cdx, tol(dtype), &format!("input grad {case:?} {dtype:?}"));
+            assert_close(&dw, &cdw, tol(dtype), &format!("weight grad {case:?} {dtype:?}"));
+            compared += 1;
+        }
+    }
+    assert!(compared > 200, "only {compared} cases compared");
+}
+
+#[test]
+fn candle_backward_is_wrong_when_height_and_width_leave_different_remainders() {
+    // The case our op exists for: Candle's input gradient fails here; ours matches finite
+    // differences (checked in the grid test below).
+    let p = ConvParams { stride: 2, padding: 1, ..Default::default() };
+    let x = rand_tensor(&[1, 2, 6, 7], 1, DType::F64);
+    let w = rand_tensor(&[3, 2, 3, 3], 2, DType::F64);
+    let r = rand_tensor(&out_shape(&x, &w, p), 3, DType::F64);
+    let candle = grads(candle_conv, &x, &w, &r, p);
+    let candle_right = match &candle {
+        Ok((dx, _)) => dx.dims() == x.dims(),
+        Err(_) => false,
+    };
+    assert!(!candle_right, "Candle's conv2d backward got this case right; revisit the grid filter");
+    let (dx, _) = grads(conv2d, &x, &w, &r, p).unwrap();
+    assert_eq!(dx.dims(), x.dims());
+}
+
+#[test]
+fn gradients_match_directional_finite_differences_f64() {
+    for (i, case) in grid().into_iter().enumerate() {
+        let dt = DType::F64;
+        let x = rand_tensor(&case.x_shape(), i as u64, dt);
+        let w = rand_tensor(&case.w_shape(), 1000 + i as u64, dt);
+        let r = rand_tensor(&out_shape(&x, &w, case.p), 2000 + i as u64, dt);
+        let (dx, dw) = grads(conv2d, &x, &w, &r, case.p).unwrap();
+        let vx = rand_tensor(x.dims(), 3000 + i as u64, dt);
+        let vw = rand_tensor(w.dims(), 4000 + i as u64, dt);
+        let fx = |t: &Tensor| (conv2d(t, &w, case.p)? * &r)?.sum_all();
+        let fw = |t: &Tensor| (conv2d(&x, t, case.p)? * &r)?.sum_all();
+        let (ex, ew) = (fd_directional(&fx, &x, &vx, 1e-4), fd_directional(&fw, &w, &vw, 1e-4));
+        // The loss is linear in each argument, so central differences are exact up to rounding.
+        assert!((dot(&dx, &vx) - ex).abs() <= 1e-9 * ex.abs().max(1.0), "input grad {case:?}");
+        assert!((dot(&dw, &vw) - ew).abs() <= 1e-9 * ew.abs().max(1.0), "weight grad {case:?}");
+    }
+}
+
+#[test]
+fn gradients_match_elementwise_finite_differences_f64() {
+    let cases = [
+        Case { n: 3, c: 2, h: 5, w: 4, o: 3, kh: 3, kw: 2, p: ConvParams { stride: 2, padding: 1, dilation: 1, groups: 1 } },
+        Case { n: 1, c: 4, h: 7, w: 5, o: 4, kh: 3, kw: 3, p: ConvParams { stride: 3, padding: 2, dilation: 2, groups: 4 } },
+        Case { n: 2, c: 4, h: 4, w: 6, o: 6, kh: 2, kw: 2, p: ConvParams { stride: 1, padding: 0, dilation: 2, groups: 2 } },
+    ];
+    for (i, case) in cases.into_iter().enumerate() {
+        let dt = DType::F64;
+        let x = rand_tensor(&case.x_shape(), i as u64, dt);
+        let w = rand_tensor(&case.w_shape(), 10 + i as u64, dt);
+        let r = rand_tensor(&out_shape(&x, &w, case.p), 20 + i as u64, dt);
+        let (dx, dw) = grads(conv2d, &x, &w, &r, case.p).unwrap();
+        let fx = |t: &Tensor| (conv2d(t, &w, case.p)? * &r)?.sum_all();
+        let fw = |t: &Tensor| (conv2d(&x, t, case.p)? * &r)?.sum_all();
+        assert_close(&dx, &fd_grad(&fx, &x, 1e-5), 1e-9, &format!("input grad {case:?}"));
+        assert_close(&dw, &fd_grad(&fw, &w, 1e-5), 1e-9, &format!("weight grad {case:?}"));
+    }
+}
+
+#[test]
+fn non_contiguous_input_and_weight() {
+    let p = ConvParams { stride: 2, padding: 1, dilation: 1, groups: 2 };
+    for dtype in [DType::F32, DType::F64] {
+        // x: a transposed (h <-> w) view; w: a narrowed view of a larger weight.
+        let x = rand_tensor(&[3, 4, 9, 6], 1, dtype).transpose(2, 3).unwrap();
+        let w = rand_tensor(&[6, 3, 3, 3], 2, dtype).narrow(1, 1, 2).unwrap();
+        assert!(!x.is_contiguous() && !w.is_contiguous());
+        let r = rand_tensor(&out_shape(&x, &w, p), 3, dtype);
+        assert_close(&conv2d(&x, &w, p).unwrap(), &candle_conv(&x, &w, p).unwrap(), tol(dtype), "forward");
+        let (dx, dw) = grads(conv2d, &x, &w, &r, p).unwrap();
+        let (cdx, cdw) = grads(conv2d, &x.contiguous().unwrap(), &w.contiguous().unwrap(), &r, p).unwrap();
+        assert_close(&dx, &cdx, tol(dtype), "input grad");
+        assert_close(&dw, &cdw, tol(dtype), "weight grad");
+    }
+}
+
+#[test]
+fn pointwise_conv_reads_the_input_directly_and_matches_candle() {
+    // 1x1 / stride 1 / no padding takes the no-im2col path when channel planes are contiguous,
+    // and the im2col path for a non-contiguous plane.
+    let p = ConvParams { groups: 2, ..Default::default() };
+    let w = rand_tensor(&[6, 2, 1, 1], 2, DType::F64);
+    for x in [
+        rand_tensor(&[3, 4, 5, 7], 1, DType::F64),
+        rand_tensor(&[3, 4, 7, 5], 1, DType::F64).transpose(2, 3).unwrap(),
+        rand_tensor(&[4, 3, 5, 7], 1, DType::F64).transpose(0, 1).unwrap(),
+    ] {
+        let r = rand_tensor(&out_shape(&x, &w, p), 3, DType::F64);
+        assert_close(&conv2d(&x, &w, p).unwrap(), &candle_conv(&x, &w, p).unwrap(), 1e-12, "forward");
+        let (dx, dw) = grads(conv2d, &x, &w, &r, p).unwrap();
+        let (cdx, cdw) = grads(candle_conv, &x, &w, &r, p).unwrap();
+        assert_close(&dx, &cdx, 1e-12, "input grad");
+        assert_close(&dw, &cdw, 1e-12, "weight grad");
+    }
+}
+
+#[test]
+fn batch_of_one_with_larger_image_uses_parallel_gemm() {
+    let p = ConvParams { padding: 1, ..Default::default() };
+    let x = rand_tensor(&[1, 8, 20, 17], 1, DType::F32);
+    let w = rand_tensor(&[16, 8, 3, 3], 2, DType::F32);
+    let r = rand_tensor(&[1, 16, 20, 17], 3, DType::F32);
+    assert_close(&conv2d(&x, &w, p).unwrap(), &candle_conv(&x, &w, p).unwrap(), 1e-5, "forward");
+    let (dx, dw) = grads(conv2d, &x, &w, &r, p).unwrap();
+    let (cdx, cdw) = grads(candle_conv, &x, &w, &r, p).unwrap();
+    assert_close(&dx, &cdx, 1e-5, "input grad");
+    assert_close(&dw, &cdw, 1e-5, "weight grad");
+}
+
+#[test]
+fn untracked_input_gets_no_gradient_and_weight_still_does() {
+    let p = ConvParams { padding: 1, ..Default::default() };
+    let x = rand_tensor(&[2, 3, 5, 5], 1, DType::F64);
+    let w = rand_var(&[4, 3, 3, 3], 2, DType::F64);
+    let loss = conv2d(&x, &w, p).unwrap().sqr().unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    assert!(g.get(&x).is_none());
+    let dy = (candle_conv(&x, &w, p).unwrap() * 2.0).unwrap().detach();
+    let (_, cdw) = grads(candle_conv, &x, &w.as_tensor().detach(), &dy, p).unwrap();
+    assert_close(g.get(&w).unwrap(), &cdw, 1e-12, "weight grad");
+}
+
+#[test]
+fn backward_function_returns_only_what_is_asked() {
+    let p = ConvParams { stride: 2, padding: 1, ..Default::default() };
+    let x = rand_tensor(&[2, 3, 6, 6], 1, DType::F64);
+    let w = rand_tensor(&[4, 3, 3, 3], 2, DType::F64);
+    let gy = rand_tensor(&[2, 4, 3, 3], 3, DType::F64);
+    let (dx, dw) = grads(conv2d, &x, &w, &gy, p).unwrap();
+    let only_x = conv2d_backward(&x, &w, &gy, p, true, false).unwrap();
+    let only_w = conv2d_backward(&x, &w, &gy, p, false, true).unwrap();
+    assert!(only_x.weight.is_none() && only_w.input.is_none());
+    assert_close(&only_x.input.unwrap(), &dx, 1e-12, "input grad");
+    assert_close(&only_w.weight.unwrap(), &dw, 1e-12, "weight grad");
+    let bad = rand_tensor(&[2, 4, 6, 6], 3, DType::F64);
+    let e = err_text(conv2d_backward(&x, &w, &bad, p, true, true));
+    assert!(e.contains("[2, 4, 6, 6]") && e.contains("[2, 4, 3, 3]"), "{e}");
+}
+
+#[test]
+fn f16_falls_back_to_candle() {
+    let p = ConvParams { padding: 1, ..Default::default() };
+    let x = rand_tensor(&[2, 3, 5, 5], 1, DType::F16);
+    let w = rand_tensor(&[4, 3, 3, 3], 2, DType::F16);
+    let ours = conv2d(&x, &w, p).unwrap();
+    assert_eq!(ours.dtype(), DType::F16);
+    assert_close(&ours, &candle_conv(&x, &w, p).unwrap(), 0.0, "f16 forward");
+}
+
+#[test]
+fn module_adds_the_bias_per_output_channel() {
+    let p = ConvParams { padding: 1, ..Default::default() };
+    let x = rand_tensor(&[2, 3, 5, 4], 1, DType::F64);
+    let w = rand_tensor(&[4, 3, 3, 3], 2, DType::F64);
+    let b = rand_tensor(&[4], 3, DType::F64);
+    let layer = Conv2d::new(w.clone(), Some(b.clone()), p).unwrap();
+    let want = candle_conv(&x, &w, p).unwrap().broadcast_add(&b.reshape((1, 4, 1, 1)).unwrap()).unwrap();
+    assert_close(&layer.forward(&x).unwrap(), &want, 1e-12, "conv + bias");
+    let e = err_text(Conv2d::new(w, Some(rand_tensor(&[5], 3, DType::F64)), p));
+    assert!(e.contains("[5]") && e.contains("4 output channels"), "{e}");
+}
+
+#[test]
+fn bad_input_is_an_error_that_names_the_shapes() {
+    let x = rand_tensor(&[2, 6, 5, 5], 1, DType::F32);
+    let p = |groups| ConvParams { groups, ..Default::default() };
+    let e = err_text(conv2d(&x, &rand_tensor(&[4, 4, 3, 3], 2, DType::F32), p(1)));
+    assert!(e.contains("input has 6 channels but the weight expects 4 x groups 1"), "{e}");
+    let e = err_text(conv2d(&x, &rand_tensor(&[5, 3, 3, 3], 2, DType::F32), p(2)));
+    assert!(e.contains("5 output channels") && e.contains("groups 2"), "{e}");
+    let e = err_text(conv2d(&x, &rand_tensor(&[4, 6, 7, 3], 2, DType::F32), p(1)));
+    assert!(e.contains("7x3") && e.contains("5x5"), "{e}");
+    let e = err_text(conv2d(&x.flatten_from(2).unwrap(), &rand_tensor(&[4, 6, 3, 3], 2, DType::F32), p(1)));
+    assert!(e.contains("[2, 6, 25]"), "{e}");
+    let e = err_text(conv2d(&x, &rand_tensor(&[4, 6, 3, 3], 2, DType::F32), ConvParams { stride: 0, ..Default::default() }));
+    assert!(e.contains("stride (0)"), "{e}");
+    let e = err_text(conv2d(&x, &rand_tensor(&[4, 6, 3, 3], 2, DType::F64), p(1)));
+    assert!(e.contains("F32") && e.contains("F64"), "{e}");
+}
+
+#[test]
+fn larger_batch_accumulates_the_weight_gradient_across_images_and_chunks() {
+    // 17 images: several images per parallel chunk and several chunks, whatever the pool size.
+    let p = ConvParams { padding: 1, groups: 3, ..Default::default() };
+    let x = rand_tensor(&[17, 3, 5, 6], 1, DType::F64);
+    let w = rand_tensor(&[6, 1, 3, 3], 2, DType::F64);
+    let r = rand_tensor(&out_shape(&x, &w, p), 3, DType::F64);
+    let (dx, dw) = grads(conv2d, &x, &w, &r, p).unwrap();
+    let (cdx, cdw) = grads(candle_conv, &x, &w, &r, p).unwrap();
+    assert_close(&dx, &cdx, 1e-12, "input grad");
+    assert_close(&dw, &cdw, 1e-12, "weight grad");
+}
