@@ -7,13 +7,18 @@
 //!   NT-Xent loss (global negatives through the differentiable all_gather) or a replicated
 //!   cross-correlation loss (statistics through the differentiable all_reduce). Small and
 //!   fast: smoke runs, examples and the trainer's equivalence tests.
-//! - [`losses`]: the distributed losses themselves.
+//! - [`simclr::SimClr`]: SimCLR on images (ResNet + projection MLP, NT-Xent over global
+//!   negatives, SyncBatchNorm, kNN monitor).
+//! - [`losses`]: the distributed losses themselves; [`batch_norm`]: (Sync)BatchNorm.
 
 #![warn(missing_docs)]
 
+pub mod batch_norm;
 pub mod losses;
 mod objective;
+pub mod resnet;
 pub mod rng;
+pub mod simclr;
 pub mod vectors;
 
 pub use objective::{Batch, Objective};

@@ -17,6 +17,7 @@
 
 use std::path::{Path, PathBuf};
 
+use allgrad_models::simclr::{ImageData, SimClrModel};
 use allgrad_models::vectors::{VectorData, VectorLoss, VectorModel};
 use serde::{Deserialize, Serialize};
 
@@ -90,6 +91,8 @@ pub enum Precision {
 pub enum DataConfig {
     /// Seeded synthetic vectors around random cluster centres.
     Vectors(VectorData),
+    /// An image data set on disk, with the augmentations that make two views.
+    Images(ImageData),
 }
 
 /// The `model` section.
@@ -98,6 +101,8 @@ pub enum DataConfig {
 pub enum ModelConfig {
     /// A two-layer perceptron encoder (for vector data).
     Mlp(VectorModel),
+    /// A ResNet encoder and a projection MLP (SimCLR, for images).
+    Resnet(SimClrModel),
 }
 
 /// A configuration that could not be used.
@@ -186,9 +191,18 @@ impl RunConfig {
                 t.global_batch, t.accumulate
             )));
         }
-        let DataConfig::Vectors(d) = &self.data;
-        if d.samples < t.global_batch {
-            return Err(bad(format!("data.samples = {} is smaller than train.global_batch = {}", d.samples, t.global_batch)));
+        match (&self.data, &self.model) {
+            (DataConfig::Vectors(d), ModelConfig::Mlp(_)) => {
+                if d.samples < t.global_batch {
+                    return Err(bad(format!(
+                        "data.samples = {} is smaller than train.global_batch = {}",
+                        d.samples, t.global_batch
+                    )));
+                }
+            }
+            (DataConfig::Images(_), ModelConfig::Resnet(_)) => {}
+            (DataConfig::Vectors(_), _) => return Err(bad("data.kind: vectors needs model.kind: mlp".into())),
+            (DataConfig::Images(_), _) => return Err(bad("data.kind: images needs model.kind: resnet".into())),
         }
         if t.epochs == 0 && t.max_steps.is_none() {
             return Err(bad("train.epochs is 0 and train.max_steps is not set: nothing to train".into()));

@@ -264,6 +264,10 @@ impl Trainer {
         let (mut last_loss, mut skipped) = (f64::NAN, 0);
         let mut window = (Instant::now(), 0usize);
         let mut eval = Vec::new();
+        if self.cfg.train.eval && self.step == 0 && stop > 0 {
+            // The untrained model's figures, so the gain of training is visible.
+            self.evaluate(0, &progress)?;
+        }
         while self.step < stop {
             let epoch = self.step / per_epoch;
             let lr = self.cfg.schedule.lr(self.cfg.optim.lr(), self.step, self.total_steps, self.cfg.train.global_batch);
@@ -301,22 +305,7 @@ impl Trainer {
             }
             let epoch_done = self.step % per_epoch == 0;
             if self.cfg.train.eval && (epoch_done || self.step == self.total_steps) {
-                eval = self.objective.evaluate(&self.pg)?;
-                if !eval.is_empty() {
-                    if let Some(p) = &progress {
-                        let text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
-                        p.println(&format!("step {} (epoch {}): {}", self.step, epoch, text.join(", ")));
-                    }
-                    self.record(Record {
-                        step: self.step,
-                        epoch,
-                        loss: None,
-                        lr: None,
-                        samples_per_s: None,
-                        grad_norm: None,
-                        eval: eval.iter().cloned().collect(),
-                    })?;
-                }
+                eval = self.evaluate(epoch, &progress)?;
             }
             let every = self.cfg.checkpoint.every;
             if self.out_dir.is_some() && ((every > 0 && self.step % every == 0) || self.step == stop) {
@@ -332,6 +321,27 @@ impl Trainer {
             }
         }
         Ok(Summary { steps: self.step, last_loss, skipped, eval, seconds: started.elapsed().as_secs_f64() })
+    }
+
+    fn evaluate(&mut self, epoch: usize, progress: &Option<ProgressView>) -> Result<Vec<(String, f64)>> {
+        let eval = self.objective.evaluate(&self.pg)?;
+        if !eval.is_empty() {
+            if let Some(p) = progress {
+                let text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
+                p.println(&format!("step {} (epoch {epoch}): {}", self.step, text.join(", ")));
+            }
+            let r = Record {
+                step: self.step,
+                epoch,
+                loss: None,
+                lr: None,
+                samples_per_s: None,
+                grad_norm: None,
+                eval: eval.iter().cloned().collect(),
+            };
+            self.record(r)?;
+        }
+        Ok(eval)
     }
 
     fn record(&mut self, r: Record) -> Result<()> {

@@ -1,0 +1,277 @@
+//! SimCLR on images: a ResNet encoder and a projection MLP trained with NT-Xent over the
+//! global batch, with a kNN monitor on the frozen encoder's features.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use allgrad_data::{Augment, AugmentConfig, Cifar10, Dataset, IdxDataset, Normalize, Split, TwoViews};
+use allgrad_dist::ProcessGroup;
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::{Linear, Module, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::batch_norm::{BatchNorm, Mode};
+use crate::losses::{l2_normalize, nt_xent};
+use crate::resnet::{ResNet, ResNetConfig};
+use crate::{Batch, Objective};
+
+/// The `data` section for images.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ImageData {
+    /// Directory of the data set.
+    pub dir: PathBuf,
+    /// Its file format.
+    pub format: ImageFormat,
+    /// Augmentations making the two training views.
+    #[serde(default)]
+    pub augment: AugmentConfig,
+    /// The kNN monitor.
+    #[serde(default)]
+    pub knn: KnnConfig,
+}
+
+/// On-disk formats.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageFormat {
+    /// MNIST-style IDX files (`train-images-idx3-ubyte[.gz]`, ...).
+    Idx,
+    /// CIFAR-10 binary batches.
+    Cifar10,
+}
+
+/// kNN evaluation of the encoder's features: each test image votes among its `k` most
+/// similar training images (cosine similarity), weighted by `exp(similarity / temperature)`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct KnnConfig {
+    /// Neighbours that vote.
+    pub k: usize,
+    /// Temperature of the vote weights.
+    pub temperature: f64,
+    /// Training images in the memory bank (the first ones of the set; 0 = all).
+    pub bank: usize,
+    /// Test images evaluated (the first ones; 0 = all).
+    pub queries: usize,
+}
+
+impl Default for KnnConfig {
+    fn default() -> Self {
+        KnnConfig { k: 200, temperature: 0.1, bank: 0, queries: 0 }
+    }
+}
+
+/// The `model` section for SimCLR.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimClrModel {
+    /// The encoder.
+    pub encoder: ResNetConfig,
+    /// The projection head.
+    pub projector: ProjectorConfig,
+}
+
+/// The projection MLP: `layers` linear layers (2: SimCLR v1, Linear-ReLU-Linear; 3: SimCLR
+/// v2, with batch norm after the hidden layers).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProjectorConfig {
+    /// Hidden width (0: the encoder's feature width).
+    pub hidden: usize,
+    /// Output width.
+    pub out: usize,
+    /// 2 or 3.
+    pub layers: usize,
+}
+
+impl Default for ProjectorConfig {
+    fn default() -> Self {
+        ProjectorConfig { hidden: 0, out: 128, layers: 2 }
+    }
+}
+
+struct Projector {
+    layers: Vec<(Linear, Option<BatchNorm>)>,
+}
+
+impl Projector {
+    fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        let mut h = x.clone();
+        let n = self.layers.len();
+        for (i, (lin, bn)) in self.layers.iter().enumerate() {
+            h = lin.forward(&h)?;
+            if let Some(bn) = bn {
+                h = bn.forward(&h, mode)?;
+            }
+            if i + 1 < n {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+}
+
+/// The SimCLR objective; see the module docs.
+pub struct SimClr {
+    model: SimClrModel,
+    train: Arc<dyn Dataset>,
+    test: Arc<dyn Dataset>,
+    views: TwoViews,
+    eval_view: Augment,
+    temperature: f64,
+    knn: KnnConfig,
+    device: Device,
+    dtype: DType,
+    net: Option<(ResNet, Projector)>,
+}
+
+fn open(data: &ImageData, split: Split) -> Result<Arc<dyn Dataset>> {
+    let err = |e: allgrad_data::DataError| candle_core::Error::Msg(format!("data.dir {}: {e}", data.dir.display()));
+    Ok(match data.format {
+        ImageFormat::Idx => Arc::new(IdxDataset::open_dir(&data.dir, split).map_err(err)?),
+        ImageFormat::Cifar10 => Arc::new(Cifar10::open_dir(&data.dir, split).map_err(err)?),
+    })
+}
+
+impl SimClr {
+    /// Opens the data and prepares the augmentations (parameters come with `build`).
+    pub fn new(data: &ImageData, model: SimClrModel, temperature: f64, device: Device, dtype: DType) -> Result<Self> {
+        let aug_err = |e: allgrad_data::DataError| candle_core::Error::Msg(format!("data.augment: {e}"));
+        let views = TwoViews::new(data.augment.clone()).map_err(aug_err)?;
+        let eval_view = Augment::new(AugmentConfig::eval(Normalize { ..data.augment.normalize.clone() })).map_err(aug_err)?;
+        Ok(SimClr {
+            model,
+            train: open(data, Split::Train)?,
+            test: open(data, Split::Test)?,
+            views,
+            eval_view,
+            temperature,
+            knn: data.knn.clone(),
+            device,
+            dtype,
+            net: None,
+        })
+    }
+
+    fn net(&self) -> Result<&(ResNet, Projector)> {
+        self.net.as_ref().ok_or_else(|| candle_core::Error::Msg("SimCLR used before build".into()))
+    }
+
+    fn stack(&self, views: Vec<allgrad_data::Chw>) -> Result<Tensor> {
+        let (c, h, w) = (views[0].channels, views[0].height, views[0].width);
+        let n = views.len();
+        let data: Vec<f32> = views.into_iter().flat_map(|v| v.data).collect();
+        Tensor::from_vec(data, (n, c, h, w), &self.device)?.to_dtype(self.dtype)
+    }
+
+    /// Encoder features (eval mode, L2-normalised) of the first `n` images of `set`.
+    fn features(&self, set: &Arc<dyn Dataset>, n: usize, pg: &ProcessGroup) -> Result<(Tensor, Vec<usize>)> {
+        let (enc, _) = self.net()?;
+        let mode = Mode { train: false, pg };
+        let mut feats = Vec::new();
+        let mut labels = Vec::with_capacity(n);
+        for start in (0..n).step_by(256) {
+            let mut views = Vec::new();
+            for i in start..(start + 256).min(n) {
+                let img = set.get(i).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let key = allgrad_data::ViewKey { seed: 0, epoch: 0, index: i as u64, view: 0 };
+                views.push(self.eval_view.apply(&img, key).map_err(|e| candle_core::Error::Msg(e.to_string()))?);
+                labels.push(set.label(i).map_err(|e| candle_core::Error::Msg(e.to_string()))?);
+            }
+            feats.push(l2_normalize(&enc.forward(&self.stack(views)?, mode)?)?.detach());
+        }
+        Ok((Tensor::cat(&feats, 0)?, labels))
+    }
+}
+
+impl Objective for SimClr {
+    fn build(&mut self, vb: VarBuilder) -> Result<()> {
+        let enc = ResNet::new(&self.model.encoder, vb.pp("encoder"))?;
+        let p = &self.model.projector;
+        if !(p.layers == 2 || p.layers == 3) || p.out == 0 {
+            candle_core::bail!("model.projector: layers must be 2 or 3 and out positive (got {} and {})", p.layers, p.out);
+        }
+        let hidden = if p.hidden == 0 { enc.feature_dim() } else { p.hidden };
+        let mut layers = Vec::new();
+        let mut cin = enc.feature_dim();
+        for i in 0..p.layers {
+            let last = i + 1 == p.layers;
+            let cout = if last { p.out } else { hidden };
+            let vbl = vb.pp(format!("projector.{i}"));
+            let bn =
+                (p.layers == 3 && !last).then(|| BatchNorm::new(cout, self.model.encoder.sync_bn, vbl.pp("bn"))).transpose()?;
+            layers.push((candle_nn::linear(cin, cout, vbl.pp("linear"))?, bn));
+            cin = cout;
+        }
+        self.net = Some((enc, Projector { layers }));
+        Ok(())
+    }
+
+    fn num_samples(&self) -> usize {
+        self.train.len()
+    }
+
+    fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        let b = batch.indices.len();
+        let (mut first, mut second) = (Vec::with_capacity(b), Vec::with_capacity(b));
+        for &i in batch.indices {
+            let img = self.train.get(i).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let [v1, v2] = self
+                .views
+                .apply(&img, batch.seed, batch.epoch as u64, i as u64)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            first.push(v1);
+            second.push(v2);
+        }
+        first.extend(second);
+        let x = self.stack(first)?;
+        let (enc, proj) = self.net()?;
+        let mode = Mode { train: true, pg };
+        // Both views in one batch: batch norm sees 2b samples, as in SimCLR.
+        let z = proj.forward(&enc.forward(&x, mode)?, mode)?;
+        nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, self.temperature, pg)
+    }
+
+    fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
+        if pg.rank() != 0 {
+            return Ok(Vec::new());
+        }
+        let bank_n = if self.knn.bank == 0 { self.train.len() } else { self.knn.bank.min(self.train.len()) };
+        let query_n = if self.knn.queries == 0 { self.test.len() } else { self.knn.queries.min(self.test.len()) };
+        let (bank, bank_labels) = self.features(&self.train.clone(), bank_n, pg)?;
+        let (queries, query_labels) = self.features(&self.test.clone(), query_n, pg)?;
+        let classes = self.train.num_classes().max(self.test.num_classes());
+        let acc = knn_accuracy(&queries, &bank, &bank_labels, &query_labels, classes, self.knn.k, self.knn.temperature)?;
+        Ok(vec![("knn_top1".into(), acc)])
+    }
+}
+
+/// Top-1 accuracy of a weighted kNN vote (features L2-normalised, rows = samples).
+pub fn knn_accuracy(
+    queries: &Tensor,
+    bank: &Tensor,
+    bank_labels: &[usize],
+    query_labels: &[usize],
+    classes: usize,
+    k: usize,
+    temperature: f64,
+) -> Result<f64> {
+    let k = k.clamp(1, bank_labels.len().max(1));
+    let mut hits = 0usize;
+    for start in (0..query_labels.len()).step_by(512) {
+        let n = (query_labels.len() - start).min(512);
+        let sim = queries.narrow(0, start, n)?.matmul(&bank.t()?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        for (row, truth) in sim.iter().zip(&query_labels[start..start + n]) {
+            let mut idx: Vec<usize> = (0..row.len()).collect();
+            idx.select_nth_unstable_by(k - 1, |a, b| row[*b].total_cmp(&row[*a]));
+            let mut votes = vec![0f64; classes];
+            for &j in &idx[..k] {
+                votes[bank_labels[j]] += (row[j] as f64 / temperature).exp();
+            }
+            let best = votes.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(c, _)| c).unwrap_or(0);
+            hits += usize::from(best == *truth);
+        }
+    }
+    Ok(hits as f64 / query_labels.len().max(1) as f64)
+}
