@@ -59,3 +59,34 @@ fn sync_bucket<T: Elem>(pg: &ProcessGroup, grads: &mut [Tensor], bucket: &[usize
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use allgrad_dist::run_threads;
+    use candle_core::Device;
+
+    #[test]
+    fn replicated_gradients_are_summed_and_sharded_ones_left_alone() {
+        for w in [1, 2, 3] {
+            let out = run_threads(w, |pg| {
+                let r = pg.rank() as f32;
+                let mut grads = vec![
+                    Tensor::new(&[1.0f32 + r, 2.0], &Device::Cpu)?,
+                    Tensor::new(&[10.0f32 * (r + 1.0)], &Device::Cpu)?,
+                    Tensor::new(&[0.5f64 * (r as f64 + 1.0); 3], &Device::Cpu)?,
+                ];
+                // A tiny bucket size forces one bucket per tensor.
+                sync_gradients(&pg, &mut grads, &[false, true, false], 4)?;
+                Ok((grads[0].to_vec1::<f32>()?, grads[1].to_vec1::<f32>()?, grads[2].to_vec1::<f64>()?))
+            })
+            .unwrap();
+            let n = w as f32;
+            for (rank, (a, sharded, c)) in out.into_iter().enumerate() {
+                assert_eq!(a, vec![n + n * (n - 1.0) / 2.0, 2.0 * n], "W={w}");
+                assert_eq!(sharded, vec![10.0 * (rank as f32 + 1.0)], "W={w}: a sharded gradient was communicated");
+                assert_eq!(c, vec![0.5 * (n as f64) * (n as f64 + 1.0) / 2.0; 3], "W={w}");
+            }
+        }
+    }
+}
