@@ -6,10 +6,15 @@
 //! like one rank on the whole batch. The running statistics are updated from those global
 //! values, so they are identical on every rank. With `sync: false` each rank normalises with
 //! its own batch (plain BatchNorm: W-rank runs then differ from 1-rank runs).
+//!
+//! The statistics come from allgrad-nn's fused per-channel passes (sums accumulated in f64),
+//! so a CPU step pays two passes over the activations instead of Candle's strided
+//! broadcast reductions, and SyncBatchNorm needs one small all_reduce of `[2, C]` moments.
 
 use std::sync::Mutex;
 
 use allgrad_dist::{all_reduce, ProcessGroup, ReduceOp};
+use allgrad_nn::{channel_affine, channel_moments};
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -45,44 +50,32 @@ impl BatchNorm {
     /// Normalises `x`.
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let c = self.weight.dim(0)?;
-        let shape: Vec<usize> = (0..x.rank()).map(|d| if d == 1 { c } else { 1 }).collect();
         if x.rank() < 2 || x.dim(1)? != c {
             candle_core::bail!("batch norm over {c} channels got an input of shape {:?}", x.dims());
         }
         let (mean, var) = if mode.train {
-            let reduce = |t: &Tensor| -> Result<Tensor> {
-                // [N, C, ...] -> [N, C, rest]: summing the contiguous last dim first is far
-                // faster on CPU than reducing over strided dims.
-                let n = t.dim(0)?;
-                let rest = t.elem_count() / (n * c).max(1);
-                let s = t.reshape((n, c, rest))?.sum(2)?.sum_keepdim(0)?.reshape(shape.as_slice())?;
-                if self.sync {
-                    all_reduce(&s, ReduceOp::Sum, mode.pg)
-                } else {
-                    Ok(s)
-                }
-            };
+            // Per-channel [Σx, Σx²] in one fused pass (summed in f64), then over ranks.
+            let mut moments = channel_moments(x)?;
             let mut count = [(x.elem_count() / c) as i64];
             if self.sync {
+                moments = all_reduce(&moments, ReduceOp::Sum, mode.pg)?;
                 mode.pg.all_reduce_slice(&mut count, ReduceOp::Sum)?;
             }
             let n = count[0] as f64;
-            let mean = (reduce(x)? / n)?;
-            let var = (reduce(&x.broadcast_sub(&mean)?.sqr()?)? / n)?;
+            let mean = (moments.get(0)? / n)?;
+            let var = ((moments.get(1)? / n)? - mean.sqr()?)?.relu()?;
             let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            let unbiased = (var.detach().flatten_all()? * (n / (n - 1.0).max(1.0)))?;
+            let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?;
             let m = self.momentum;
-            *running = (
-                ((&running.0 * (1.0 - m))? + (mean.detach().flatten_all()? * m)?)?,
-                ((&running.1 * (1.0 - m))? + (unbiased * m)?)?,
-            );
+            *running = (((&running.0 * (1.0 - m))? + (mean.detach() * m)?)?, ((&running.1 * (1.0 - m))? + (unbiased * m)?)?);
             (mean, var)
         } else {
-            let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            (running.0.reshape(shape.as_slice())?, running.1.reshape(shape.as_slice())?)
+            self.running.lock().unwrap_or_else(|p| p.into_inner()).clone()
         };
-        let xhat = x.broadcast_sub(&mean)?.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        xhat.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)
+        // y = x · a + b per channel, with a = γ / sqrt(var + eps) and b = β − mean · a.
+        let a = (&self.weight / (var + self.eps)?.sqrt()?)?;
+        let b = (&self.bias - (mean * &a)?)?;
+        channel_affine(x, &a, &b)
     }
 
     /// The running mean and variance.

@@ -15,6 +15,8 @@
 //! - [`softmax_last_dim`], [`log_softmax_last_dim`]: fused, with backward (Candle's
 //!   `softmax_last_dim` has none).
 //! - [`cross_entropy`]: fused, stable log-sum-exp cross-entropy from logits.
+//! - [`channel_moments`], [`channel_affine`]: the two passes of batch normalisation over
+//!   `[N, C, ...]` tensors, fused, with backward (sums in f64).
 //!
 //! On devices other than the CPU, and for dtypes other than f32/f64, each op falls back to the
 //! equivalent Candle op or a composition of differentiable Candle ops, so models run anywhere.
@@ -42,6 +44,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod channel;
 mod conv;
 mod cpu;
 mod im2col;
@@ -50,6 +53,7 @@ mod norm;
 mod pool;
 mod softmax;
 
+pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm};
