@@ -54,11 +54,13 @@ pub struct KnnConfig {
     pub bank: usize,
     /// Test images evaluated (the first ones; 0 = all).
     pub queries: usize,
+    /// Full-batch steps of the linear probe trained on the same frozen features (0: no probe).
+    pub linear_probe_steps: usize,
 }
 
 impl Default for KnnConfig {
     fn default() -> Self {
-        KnnConfig { k: 200, temperature: 0.1, bank: 0, queries: 0 }
+        KnnConfig { k: 200, temperature: 0.1, bank: 0, queries: 0, linear_probe_steps: 300 }
     }
 }
 
@@ -243,7 +245,12 @@ impl Objective for SimClr {
         let (queries, query_labels) = self.features(&self.test.clone(), query_n, pg)?;
         let classes = self.train.num_classes().max(self.test.num_classes());
         let acc = knn_accuracy(&queries, &bank, &bank_labels, &query_labels, classes, self.knn.k, self.knn.temperature)?;
-        Ok(vec![("knn_top1".into(), acc)])
+        let mut out = vec![("knn_top1".into(), acc)];
+        if self.knn.linear_probe_steps > 0 {
+            let probe = linear_probe(&bank, &bank_labels, &queries, &query_labels, classes, self.knn.linear_probe_steps)?;
+            out.push(("linear_top1".into(), probe));
+        }
+        Ok(out)
     }
 }
 
@@ -274,4 +281,73 @@ pub fn knn_accuracy(
         }
     }
     Ok(hits as f64 / query_labels.len().max(1) as f64)
+}
+
+/// Top-1 test accuracy of a linear classifier (multinomial logistic regression) trained on
+/// frozen features: the features are standardised with the training set's statistics, then
+/// `steps` full-batch gradient steps with momentum minimise the cross-entropy.
+pub fn linear_probe(
+    train: &Tensor,
+    train_labels: &[usize],
+    test: &Tensor,
+    test_labels: &[usize],
+    classes: usize,
+    steps: usize,
+) -> Result<f64> {
+    let train = train.to_dtype(DType::F32)?;
+    let test = test.to_dtype(DType::F32)?;
+    let mean = train.mean_keepdim(0)?;
+    let std = (train.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)? + 1e-6)?.sqrt()?;
+    let standardise = |f: &Tensor| f.broadcast_sub(&mean)?.broadcast_div(&std);
+    let (xtr, xte) = (standardise(&train)?, standardise(&test)?);
+    let d = xtr.dim(1)?;
+    let dev = xtr.device().clone();
+    let y = Tensor::from_vec(train_labels.iter().map(|l| *l as u32).collect::<Vec<_>>(), train_labels.len(), &dev)?;
+    let w = candle_core::Var::zeros((d, classes), DType::F32, &dev)?;
+    let b = candle_core::Var::zeros(classes, DType::F32, &dev)?;
+    let (mut vw, mut vb) = (w.as_tensor().zeros_like()?, b.as_tensor().zeros_like()?);
+    let (lr, momentum) = (0.5, 0.9);
+    for _ in 0..steps {
+        let logits = xtr.matmul(w.as_tensor())?.broadcast_add(b.as_tensor())?;
+        let grads = allgrad_nn::cross_entropy(&logits, &y)?.backward()?;
+        let (gw, gb) = (grads.get(&w).cloned().unwrap_or(vw.zeros_like()?), grads.get(&b).cloned().unwrap_or(vb.zeros_like()?));
+        vw = ((vw * momentum)? + gw)?;
+        vb = ((vb * momentum)? + gb)?;
+        w.set(&(w.as_tensor() - (&vw * lr)?)?)?;
+        b.set(&(b.as_tensor() - (&vb * lr)?)?)?;
+    }
+    let pred = xte.matmul(w.as_tensor())?.broadcast_add(b.as_tensor())?.argmax(1)?.to_vec1::<u32>()?;
+    let hits = pred.iter().zip(test_labels).filter(|(p, t)| **p as usize == **t).count();
+    Ok(hits as f64 / test_labels.len().max(1) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Features: a noisy one-hot of the class in 6 dims, with a distractor dimension.
+    fn features(n: usize, seed: u64) -> (Tensor, Vec<usize>) {
+        let noise = crate::rng::normals(&mut crate::rng::stream(&[seed]), n * 6);
+        let labels: Vec<usize> = (0..n).map(|i| i % 4).collect();
+        let v: Vec<f32> = (0..n)
+            .flat_map(|i| (0..6).map(move |j| (i, j)))
+            .map(|(i, j)| f32::from(u8::from(j == labels[i])) * 2.0 + 0.3 * noise[i * 6 + j] as f32)
+            .collect();
+        (Tensor::from_vec(v, (n, 6), &Device::Cpu).unwrap(), labels)
+    }
+
+    #[test]
+    fn linear_probe_learns_separable_classes_and_knn_votes_by_neighbours() {
+        let (tr, ytr) = features(400, 1);
+        let (te, yte) = features(200, 2);
+        let probe = linear_probe(&tr, &ytr, &te, &yte, 4, 200).unwrap();
+        assert!(probe > 0.95, "linear probe accuracy {probe}");
+        let norm = |t: &Tensor| l2_normalize(t).unwrap();
+        let knn = knn_accuracy(&norm(&te), &norm(&tr), &ytr, &yte, 4, 20, 0.1).unwrap();
+        assert!(knn > 0.95, "kNN accuracy {knn}");
+        // Labels independent of the features leave nothing to learn: about chance (1/4).
+        let random: Vec<usize> = (0..ytr.len()).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % 4).collect();
+        let chance = linear_probe(&tr, &random, &te, &yte, 4, 200).unwrap();
+        assert!(chance < 0.45, "probe trained on random labels scored {chance}");
+    }
 }
