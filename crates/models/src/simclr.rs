@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use allgrad_data::{Augment, AugmentConfig, Cifar10, Dataset, IdxDataset, Normalize, Split, TwoViews};
+use allgrad_data::{Augment, AugmentConfig, Cifar10, Dataset, IdxDataset, Split, TwoViews};
 use allgrad_dist::ProcessGroup;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
@@ -141,7 +141,7 @@ impl SimClr {
     pub fn new(data: &ImageData, model: SimClrModel, temperature: f64, device: Device, dtype: DType) -> Result<Self> {
         let aug_err = |e: allgrad_data::DataError| candle_core::Error::Msg(format!("data.augment: {e}"));
         let views = TwoViews::new(data.augment.clone()).map_err(aug_err)?;
-        let eval_view = Augment::new(AugmentConfig::eval(Normalize { ..data.augment.normalize.clone() })).map_err(aug_err)?;
+        let eval_view = Augment::new(AugmentConfig::eval(data.augment.normalize.clone())).map_err(aug_err)?;
         Ok(SimClr {
             model,
             train: open(data, Split::Train)?,

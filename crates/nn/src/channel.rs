@@ -139,7 +139,7 @@ impl CustomOp3 for Affine {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, c, inner) = geometry(lx.dims(), "channel_affine")?;
+        let (_, c, inner) = geometry(lx.dims(), "channel_affine")?;
         fn run<T: Float + std::ops::Mul<Output = T> + std::ops::Add<Output = T>>(
             x: &[T],
             a: &[T],
@@ -157,7 +157,6 @@ impl CustomOp3 for Affine {
             });
             out
         }
-        let _ = n; // the geometry check above validates the rank
         let out = match (sx, sa, sb) {
             (CpuStorage::F32(x), CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(run(
                 contiguous(x, lx, "channel_affine")?,
