@@ -65,17 +65,21 @@ impl BatchNorm {
             let mean = (moments.get(0)? / n)?;
             let var = ((moments.get(1)? / n)? - mean.sqr()?)?.relu()?;
             let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?;
+            let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?.to_dtype(x.dtype())?;
+            let mean_d = mean.detach().to_dtype(x.dtype())?;
             let m = self.momentum;
-            *running = (((&running.0 * (1.0 - m))? + (mean.detach() * m)?)?, ((&running.1 * (1.0 - m))? + (unbiased * m)?)?);
+            *running = (((&running.0 * (1.0 - m))? + (mean_d * m)?)?, ((&running.1 * (1.0 - m))? + (unbiased * m)?)?);
             (mean, var)
         } else {
             self.running.lock().unwrap_or_else(|p| p.into_inner()).clone()
         };
-        // y = x · a + b per channel, with a = γ / sqrt(var + eps) and b = β − mean · a.
-        let a = (&self.weight / (var + self.eps)?.sqrt()?)?;
-        let b = (&self.bias - (mean * &a)?)?;
-        channel_affine(x, &a, &b)
+        // y = x · a + b per channel, with a = γ / sqrt(var + eps) and b = β − mean · a,
+        // computed in f64 (the moments are f64) and rounded to x's dtype at the end.
+        let dt = x.dtype();
+        let inv_std = (var.to_dtype(DType::F64)? + self.eps)?.sqrt()?.recip()?;
+        let a = (self.weight.to_dtype(DType::F64)? * inv_std)?;
+        let b = (self.bias.to_dtype(DType::F64)? - (mean.to_dtype(DType::F64)? * &a)?)?;
+        channel_affine(x, &a.to_dtype(dt)?, &b.to_dtype(dt)?)
     }
 
     /// The running mean and variance.

@@ -4,8 +4,8 @@
 //! reductions over strided dims (the backward of every broadcast) and in temporaries. These
 //! two fused ops make it two passes over the activations forward and two backward:
 //!
-//! - [`channel_moments`]: per-channel `Σx` and `Σx²` as a `[2, C]` tensor, accumulated in f64
-//!   (so long f32 sums lose no precision); backward `dx = g₀[c] + 2·x·g₁[c]`.
+//! - [`channel_moments`]: per-channel `Σx` and `Σx²` as a `[2, C]` f64 tensor (so long f32
+//!   sums lose no precision, nor the variance computed from them); backward `dx = g₀[c] + 2·x·g₁[c]`.
 //! - [`channel_affine`]: `y = a[c]·x + b[c]`; backward `dx = a[c]·g`, `da[c] = Σ g·x`,
 //!   `db[c] = Σ g` (again accumulated in f64).
 //!
@@ -92,12 +92,12 @@ impl CustomOp1 for Moments {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, c, inner) = geometry(l.dims(), "channel_moments")?;
-        fn run<T: Float>(x: &[T], n: usize, c: usize, inner: usize) -> Vec<T> {
+        fn run<T: Float>(x: &[T], n: usize, c: usize, inner: usize) -> Vec<f64> {
             let sums = per_channel(x, None, n, c, inner);
-            sums.iter().map(|s| T::from64(s.0)).chain(sums.iter().map(|s| T::from64(s.1))).collect()
+            sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect()
         }
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(run(contiguous(v, l, "channel_moments")?, n, c, inner)),
+            CpuStorage::F32(v) => CpuStorage::F64(run(contiguous(v, l, "channel_moments")?, n, c, inner)),
             CpuStorage::F64(v) => CpuStorage::F64(run(contiguous(v, l, "channel_moments")?, n, c, inner)),
             _ => bail!("channel_moments: f32 or f64 only on the fast path"),
         };
@@ -106,20 +106,23 @@ impl CustomOp1 for Moments {
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         // d/dx (Σx·g₀ + Σx²·g₁) = g₀ + 2x·g₁, per channel.
+        let g = g.to_dtype(x.dtype())?;
         let g0 = g.get(0)?;
         let g1 = (g.get(1)? * 2.0)?;
         Ok(Some(channel_affine(&x.detach(), &g1, &g0)?.detach()))
     }
 }
 
-/// Per-channel `[Σx, Σx²]` of an `[N, C, ...]` tensor, as a `[2, C]` tensor; see the module
+/// Per-channel `[Σx, Σx²]` of an `[N, C, ...]` tensor, as a `[2, C]` f64 tensor (whatever
+/// the input's dtype: `Σx²/n − mean²` cancels digits when the mean is large beside the
+/// deviation, and f32 moments would leave that difference to f32 rounding); see the module
 /// docs.
 pub fn channel_moments(x: &Tensor) -> Result<Tensor> {
     let (_, c, _) = geometry(x.dims(), "channel_moments")?;
     if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
         return x.contiguous()?.apply_op1(Moments);
     }
-    let flat = x.transpose(0, 1)?.contiguous()?.reshape((c, ()))?;
+    let flat = x.transpose(0, 1)?.contiguous()?.reshape((c, ()))?.to_dtype(DType::F64)?;
     Tensor::stack(&[flat.sum(1)?, flat.sqr()?.sum(1)?], 0)
 }
 
