@@ -1,19 +1,26 @@
-//! SimCLR on images: a ResNet encoder and a projection MLP trained with NT-Xent over the
-//! global batch, with a kNN monitor on the frozen encoder's features.
+//! The parts shared by the image methods (SimCLR, BarlowTwins): the data and its two
+//! augmented views, a ResNet encoder with a projection MLP, and the evaluation of the frozen
+//! encoder (kNN monitor and linear probe).
+//!
+//! The views of the coming batches are built ahead on loader threads (see
+//! [`crate::Objective::plan`]) while the model computes; they are keyed by (seed, epoch,
+//! global sample index, view), so prefetching changes nothing in the numbers.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use allgrad_data::{Augment, AugmentConfig, Cifar10, Dataset, IdxDataset, Split, TwoViews};
+use allgrad_data::{
+    Augment, AugmentConfig, Cifar10, Dataset, FolderOptions, IdxDataset, ImageFolder, Loader, LoaderConfig, Split, TwoViews,
+};
 use allgrad_dist::ProcessGroup;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::batch_norm::{BatchNorm, Mode};
-use crate::losses::{l2_normalize, nt_xent};
+use crate::losses::l2_normalize;
 use crate::resnet::{ResNet, ResNetConfig};
-use crate::{Batch, Objective};
+use crate::Batch;
 
 /// The `data` section for images.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -29,6 +36,12 @@ pub struct ImageData {
     /// The kNN monitor.
     #[serde(default)]
     pub knn: KnnConfig,
+    /// Threads that build the training views ahead of the model.
+    #[serde(default)]
+    pub loader: LoaderConfig,
+    /// Options of the `folder` format.
+    #[serde(default)]
+    pub folder: FolderOptions,
 }
 
 /// On-disk formats.
@@ -39,6 +52,9 @@ pub enum ImageFormat {
     Idx,
     /// CIFAR-10 binary batches.
     Cifar10,
+    /// Image files (PNG, JPEG, ...) in `train/` and `test/`, each with one sub-folder per
+    /// class.
+    Folder,
 }
 
 /// kNN evaluation of the encoder's features: each test image votes among its `k` most
@@ -64,18 +80,20 @@ impl Default for KnnConfig {
     }
 }
 
-/// The `model` section for SimCLR.
+/// The `model` section of the image methods.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 #[serde(deny_unknown_fields, default)]
-pub struct SimClrModel {
+pub struct ImageModel {
     /// The encoder.
     pub encoder: ResNetConfig,
     /// The projection head.
     pub projector: ProjectorConfig,
 }
 
-/// The projection MLP: `layers` linear layers (2: SimCLR v1, Linear-ReLU-Linear; 3: SimCLR
-/// v2, with batch norm after the hidden layers).
+/// The projection MLP: `layers` linear layers with ReLU between them (2: SimCLR v1,
+/// Linear-ReLU-Linear; 3 or more: batch norm after every hidden layer, as in SimCLR v2 and
+/// BarlowTwins' Linear-BN-ReLU-Linear-BN-ReLU-Linear). Its batch norms are synchronised
+/// when the encoder's are (`encoder.sync_bn`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProjectorConfig {
@@ -83,13 +101,15 @@ pub struct ProjectorConfig {
     pub hidden: usize,
     /// Output width.
     pub out: usize,
-    /// 2 or 3.
+    /// Number of linear layers, at least 2.
     pub layers: usize,
+    /// Whether the linear layers have biases (a bias before a batch norm has no effect).
+    pub bias: bool,
 }
 
 impl Default for ProjectorConfig {
     fn default() -> Self {
-        ProjectorConfig { hidden: 0, out: 128, layers: 2 }
+        ProjectorConfig { hidden: 0, out: 128, layers: 2, bias: true }
     }
 }
 
@@ -114,15 +134,17 @@ impl Projector {
     }
 }
 
-/// The SimCLR objective; see the module docs.
-pub struct SimClr {
-    model: SimClrModel,
+/// Two augmented views of image batches through an encoder and a projector; see the
+/// module docs. The methods add their loss on top.
+pub struct TwoViewImages {
+    model: ImageModel,
     train: Arc<dyn Dataset>,
     test: Arc<dyn Dataset>,
-    views: TwoViews,
+    views: Arc<TwoViews>,
     eval_view: Augment,
-    temperature: f64,
     knn: KnnConfig,
+    loader_cfg: LoaderConfig,
+    loader: Option<Loader>,
     device: Device,
     dtype: DType,
     net: Option<(ResNet, Projector)>,
@@ -133,31 +155,124 @@ fn open(data: &ImageData, split: Split) -> Result<Arc<dyn Dataset>> {
     Ok(match data.format {
         ImageFormat::Idx => Arc::new(IdxDataset::open_dir(&data.dir, split).map_err(err)?),
         ImageFormat::Cifar10 => Arc::new(Cifar10::open_dir(&data.dir, split).map_err(err)?),
+        ImageFormat::Folder => {
+            let sub = match split {
+                Split::Train => "train",
+                Split::Test => "test",
+            };
+            Arc::new(ImageFolder::open(data.dir.join(sub), &data.folder).map_err(err)?)
+        }
     })
 }
 
-impl SimClr {
+fn data_err(e: allgrad_data::DataError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+impl TwoViewImages {
     /// Opens the data and prepares the augmentations (parameters come with `build`).
-    pub fn new(data: &ImageData, model: SimClrModel, temperature: f64, device: Device, dtype: DType) -> Result<Self> {
+    pub fn new(data: &ImageData, model: ImageModel, device: Device, dtype: DType) -> Result<Self> {
         let aug_err = |e: allgrad_data::DataError| candle_core::Error::Msg(format!("data.augment: {e}"));
         let views = TwoViews::new(data.augment.clone()).map_err(aug_err)?;
         let eval_view = Augment::new(AugmentConfig::eval(data.augment.normalize.clone())).map_err(aug_err)?;
-        Ok(SimClr {
+        let p = &model.projector;
+        if p.layers < 2 || p.out == 0 {
+            candle_core::bail!("model.projector: layers must be at least 2 and out positive (got {} and {})", p.layers, p.out);
+        }
+        Ok(TwoViewImages {
             model,
             train: open(data, Split::Train)?,
             test: open(data, Split::Test)?,
-            views,
+            views: Arc::new(views),
             eval_view,
-            temperature,
             knn: data.knn.clone(),
+            loader_cfg: data.loader.clone(),
+            loader: None,
             device,
             dtype,
             net: None,
         })
     }
 
+    /// Creates the encoder (`encoder.*`) and projector (`projector.*`) parameters.
+    pub fn build(&mut self, vb: VarBuilder) -> Result<()> {
+        let enc = ResNet::new(&self.model.encoder, vb.pp("encoder"))?;
+        let p = &self.model.projector;
+        let hidden = if p.hidden == 0 { enc.feature_dim() } else { p.hidden };
+        let mut layers = Vec::new();
+        let mut cin = enc.feature_dim();
+        for i in 0..p.layers {
+            let last = i + 1 == p.layers;
+            let cout = if last { p.out } else { hidden };
+            let vbl = vb.pp(format!("projector.{i}"));
+            let bn =
+                (p.layers >= 3 && !last).then(|| BatchNorm::new(cout, self.model.encoder.sync_bn, vbl.pp("bn"))).transpose()?;
+            let linear = if p.bias {
+                candle_nn::linear(cin, cout, vbl.pp("linear"))?
+            } else {
+                candle_nn::linear_no_bias(cin, cout, vbl.pp("linear"))?
+            };
+            layers.push((linear, bn));
+            cin = cout;
+        }
+        self.net = Some((enc, Projector { layers }));
+        Ok(())
+    }
+
+    /// Training images.
+    pub fn num_samples(&self) -> usize {
+        self.train.len()
+    }
+
+    /// Starts building the views of `batches` (this rank's coming micro-batches of `epoch`,
+    /// in order) on the loader's threads. Replaces any earlier plan.
+    pub fn plan(&mut self, epoch: usize, seed: u64, batches: &[Vec<usize>]) -> Result<()> {
+        self.loader = None; // stops the old workers first
+        if self.loader_cfg.workers == 0 || batches.is_empty() {
+            return Ok(());
+        }
+        let pipeline: Arc<dyn allgrad_data::Pipeline> = self.views.clone();
+        let loader =
+            Loader::new(self.train.clone(), pipeline, seed, epoch as u64, batches.to_vec(), &self.loader_cfg, &self.device)
+                .map_err(data_err)?;
+        self.loader = Some(loader);
+        Ok(())
+    }
+
+    /// The two views of `batch`, `[b, C, H, W]` each: from the loader when it built this
+    /// batch, otherwise built here.
+    pub fn views(&mut self, batch: &Batch) -> Result<(Tensor, Tensor)> {
+        if let Some(loader) = &mut self.loader {
+            match loader.next() {
+                Some(Ok(b)) if b.indices == batch.indices => {
+                    return Ok((b.views[0].to_dtype(self.dtype)?, b.views[1].to_dtype(self.dtype)?));
+                }
+                Some(Err(e)) => return Err(data_err(e)),
+                _ => {
+                    tracing::debug!("the loader's plan does not match the batch asked for; building it inline");
+                    self.loader = None;
+                }
+            }
+        }
+        let b = batch.indices.len();
+        let (mut first, mut second) = (Vec::with_capacity(b), Vec::with_capacity(b));
+        for &i in batch.indices {
+            let img = self.train.get(i).map_err(data_err)?;
+            let [v1, v2] = self.views.apply(&img, batch.seed, batch.epoch as u64, i as u64).map_err(data_err)?;
+            first.push(v1);
+            second.push(v2);
+        }
+        Ok((self.stack(first)?, self.stack(second)?))
+    }
+
+    /// Projector outputs of the encoder's features of `x`.
+    pub fn embed(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        let (enc, proj) = self.net()?;
+        proj.forward(&enc.forward(x, mode)?, mode)
+    }
+
     fn net(&self) -> Result<&(ResNet, Projector)> {
-        self.net.as_ref().ok_or_else(|| candle_core::Error::Msg("SimCLR used before build".into()))
+        self.net.as_ref().ok_or_else(|| candle_core::Error::Msg("image objective used before build".into()))
     }
 
     fn stack(&self, views: Vec<allgrad_data::Chw>) -> Result<Tensor> {
@@ -176,66 +291,19 @@ impl SimClr {
         for start in (0..n).step_by(256) {
             let mut views = Vec::new();
             for i in start..(start + 256).min(n) {
-                let img = set.get(i).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let img = set.get(i).map_err(data_err)?;
                 let key = allgrad_data::ViewKey { seed: 0, epoch: 0, index: i as u64, view: 0 };
-                views.push(self.eval_view.apply(&img, key).map_err(|e| candle_core::Error::Msg(e.to_string()))?);
-                labels.push(set.label(i).map_err(|e| candle_core::Error::Msg(e.to_string()))?);
+                views.push(self.eval_view.apply(&img, key).map_err(data_err)?);
+                labels.push(set.label(i).map_err(data_err)?);
             }
             feats.push(l2_normalize(&enc.forward(&self.stack(views)?, mode)?)?.detach());
         }
         Ok((Tensor::cat(&feats, 0)?, labels))
     }
-}
 
-impl Objective for SimClr {
-    fn build(&mut self, vb: VarBuilder) -> Result<()> {
-        let enc = ResNet::new(&self.model.encoder, vb.pp("encoder"))?;
-        let p = &self.model.projector;
-        if !(p.layers == 2 || p.layers == 3) || p.out == 0 {
-            candle_core::bail!("model.projector: layers must be 2 or 3 and out positive (got {} and {})", p.layers, p.out);
-        }
-        let hidden = if p.hidden == 0 { enc.feature_dim() } else { p.hidden };
-        let mut layers = Vec::new();
-        let mut cin = enc.feature_dim();
-        for i in 0..p.layers {
-            let last = i + 1 == p.layers;
-            let cout = if last { p.out } else { hidden };
-            let vbl = vb.pp(format!("projector.{i}"));
-            let bn =
-                (p.layers == 3 && !last).then(|| BatchNorm::new(cout, self.model.encoder.sync_bn, vbl.pp("bn"))).transpose()?;
-            layers.push((candle_nn::linear(cin, cout, vbl.pp("linear"))?, bn));
-            cin = cout;
-        }
-        self.net = Some((enc, Projector { layers }));
-        Ok(())
-    }
-
-    fn num_samples(&self) -> usize {
-        self.train.len()
-    }
-
-    fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        let b = batch.indices.len();
-        let (mut first, mut second) = (Vec::with_capacity(b), Vec::with_capacity(b));
-        for &i in batch.indices {
-            let img = self.train.get(i).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            let [v1, v2] = self
-                .views
-                .apply(&img, batch.seed, batch.epoch as u64, i as u64)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            first.push(v1);
-            second.push(v2);
-        }
-        first.extend(second);
-        let x = self.stack(first)?;
-        let (enc, proj) = self.net()?;
-        let mode = Mode { train: true, pg };
-        // Both views in one batch: batch norm sees 2b samples, as in SimCLR.
-        let z = proj.forward(&enc.forward(&x, mode)?, mode)?;
-        nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, self.temperature, pg)
-    }
-
-    fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
+    /// kNN top-1 (and the linear probe's top-1 when configured) of the frozen encoder's
+    /// features, on rank 0 (the other ranks return nothing).
+    pub fn evaluate(&self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         if pg.rank() != 0 {
             return Ok(Vec::new());
         }

@@ -9,11 +9,17 @@
 //!   fast: smoke runs, examples and the trainer's equivalence tests.
 //! - [`simclr::SimClr`]: SimCLR on images (ResNet + projection MLP, NT-Xent over global
 //!   negatives, SyncBatchNorm, kNN monitor).
+//! - [`barlow_twins::BarlowTwins`]: BarlowTwins on images (ResNet + BN projector, the
+//!   cross-correlation of the two views over the global batch).
+//! - [`image_ssl`]: what the image methods share (data, views built ahead on loader
+//!   threads, encoder + projector, kNN monitor and linear probe).
 //! - [`losses`]: the distributed losses themselves; [`batch_norm`]: (Sync)BatchNorm.
 
 #![warn(missing_docs)]
 
+pub mod barlow_twins;
 pub mod batch_norm;
+pub mod image_ssl;
 pub mod losses;
 mod objective;
 pub mod resnet;

@@ -2,6 +2,74 @@
 
 use allgrad_dist::{all_gather, all_reduce, ProcessGroup, ReduceOp};
 use candle_core::{DType, Result, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+/// The `loss` section of a run: which distributed loss compares the two views' embeddings.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LossConfig {
+    /// NT-Xent over global negatives ([`nt_xent`]; a local loss: each rank scores its own
+    /// anchors). SimCLR's loss.
+    NtXent {
+        /// Softmax temperature.
+        #[serde(default = "default_temperature")]
+        temperature: f64,
+    },
+    /// Cross-correlation redundancy reduction ([`cross_correlation`]; a replicated loss: the
+    /// same on every rank). BarlowTwins' loss.
+    CrossCorrelation {
+        /// Weight of the off-diagonal terms.
+        #[serde(default = "default_lambda")]
+        lambda: f64,
+        /// Factor applied to the whole loss (1: none); a smaller scale acts like a smaller
+        /// learning rate for optimizers that are not scale-invariant.
+        #[serde(default = "one")]
+        scale: f64,
+    },
+}
+
+fn default_temperature() -> f64 {
+    0.2
+}
+fn default_lambda() -> f64 {
+    0.005
+}
+fn one() -> f64 {
+    1.0
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        LossConfig::NtXent { temperature: default_temperature() }
+    }
+}
+
+impl LossConfig {
+    /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples).
+    pub fn compute(&self, z1: &Tensor, z2: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+        match *self {
+            LossConfig::NtXent { temperature } => nt_xent(z1, z2, temperature, pg),
+            LossConfig::CrossCorrelation { lambda, scale } if scale == 1.0 => cross_correlation(z1, z2, lambda, pg),
+            LossConfig::CrossCorrelation { lambda, scale } => cross_correlation(z1, z2, lambda, pg)? * scale,
+        }
+    }
+
+    /// Checks the values; the message names the key.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        match *self {
+            LossConfig::NtXent { temperature } if !(temperature > 0.0 && temperature.is_finite()) => {
+                Err(format!("loss.temperature must be positive, got {temperature}"))
+            }
+            LossConfig::CrossCorrelation { lambda, .. } if !(lambda >= 0.0 && lambda.is_finite()) => {
+                Err(format!("loss.lambda must be non-negative, got {lambda}"))
+            }
+            LossConfig::CrossCorrelation { scale, .. } if !(scale > 0.0 && scale.is_finite()) => {
+                Err(format!("loss.scale must be positive, got {scale}"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
 
 /// Rows scaled to unit L2 norm (differentiable; `eps` guards zero rows).
 pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
@@ -58,11 +126,49 @@ pub fn nt_xent(z1: &Tensor, z2: &Tensor, temperature: f64, pg: &ProcessGroup) ->
     (lse - pos)?.mean_all()
 }
 
+/// Each column of `z` (`[b, d]`, this rank's rows of a global batch of `n` rows) centred
+/// and scaled to unit variance with the GLOBAL batch's mean and (biased) variance, as a
+/// batch norm without affine parameters: the sums go through the differentiable all_reduce,
+/// so gradients reach every rank's rows exactly as in one process.
+pub fn standardise_global(z: &Tensor, n: f64, pg: &ProcessGroup) -> Result<Tensor> {
+    let mean = (all_reduce(&z.sum_keepdim(0)?, ReduceOp::Sum, pg)? / n)?;
+    let centred = z.broadcast_sub(&mean)?;
+    let var = (all_reduce(&centred.sqr()?.sum_keepdim(0)?, ReduceOp::Sum, pg)? / n)?;
+    centred.broadcast_div(&(var + 1e-5)?.sqrt()?)
+}
+
+/// The redundancy-reduction loss of a `[d, d]` cross-correlation matrix:
+/// `Σ_i (1 - c_ii)^2 + λ Σ_{i≠j} c_ij^2`.
+pub fn redundancy_reduction(c: &Tensor, lambda: f64) -> Result<Tensor> {
+    let d = c.dim(0)?;
+    if c.dims() != [d, d] {
+        candle_core::bail!("redundancy_reduction: expected a square matrix, got {:?}", c.dims());
+    }
+    let eye = Tensor::eye(d, DType::F32, c.device())?.to_dtype(c.dtype())?;
+    let diag = (c * &eye)?.sum(1)?;
+    let on_diag = (1.0 - diag.clone())?.sqr()?.sum_all()?;
+    let off_diag = (c.sqr()?.sum_all()? - diag.sqr()?.sum_all()?)?;
+    on_diag + (off_diag * lambda)?
+}
+
+/// Rows in the global batch: this rank's `b` summed over the group.
+pub fn global_rows(b: usize, pg: &ProcessGroup) -> Result<usize> {
+    let mut n = [b as i64];
+    pg.all_reduce_slice(&mut n, ReduceOp::Sum)?;
+    Ok(n[0] as usize)
+}
+
 /// The cross-correlation (redundancy reduction) loss over the GLOBAL batch: each view's
 /// embeddings are standardised per dimension with global batch statistics (sums through the
 /// differentiable all_reduce), `c = z1n^T z2n / N` is summed across ranks the same way, and
 /// `loss = Σ_i (1 - c_ii)^2 + λ Σ_{i≠j} c_ij^2`. Every rank computes the same (replicated)
 /// loss.
+///
+/// The sum of `c` over ranks must be differentiable: a raw all_reduce (identity backward)
+/// leaves each rank only its own rows' share of `dL/dc`, so after the data-parallel average
+/// every gradient is 1/W of the truth (a test in `tests/losses.rs` shows it). LARS rescales
+/// each weight matrix's update and hides that for weights; biases and batch-norm parameters,
+/// excluded from LARS, then learn W times too slowly.
 pub fn cross_correlation(z1: &Tensor, z2: &Tensor, lambda: f64, pg: &ProcessGroup) -> Result<Tensor> {
     if z1.dims() != z2.dims() || z1.rank() != 2 {
         candle_core::bail!(
@@ -71,26 +177,12 @@ pub fn cross_correlation(z1: &Tensor, z2: &Tensor, lambda: f64, pg: &ProcessGrou
             z2.dims()
         );
     }
-    let d = z1.dim(1)?;
-    let n_local = [z1.dim(0)? as i64];
-    let mut n = n_local;
-    pg.all_reduce_slice(&mut n, ReduceOp::Sum)?;
-    let n = n[0] as f64;
+    let n = global_rows(z1.dim(0)?, pg)? as f64;
     if n < 2.0 {
         candle_core::bail!("cross_correlation: the global batch needs at least 2 samples, got {n}");
     }
-    let standardise = |z: &Tensor| -> Result<Tensor> {
-        let mean = (all_reduce(&z.sum_keepdim(0)?, ReduceOp::Sum, pg)? / n)?;
-        let centred = z.broadcast_sub(&mean)?;
-        let var = (all_reduce(&centred.sqr()?.sum_keepdim(0)?, ReduceOp::Sum, pg)? / n)?;
-        centred.broadcast_div(&(var + 1e-5)?.sqrt()?)
-    };
-    let z1n = standardise(z1)?;
-    let z2n = standardise(z2)?;
+    let z1n = standardise_global(z1, n, pg)?;
+    let z2n = standardise_global(z2, n, pg)?;
     let c = (all_reduce(&z1n.t()?.matmul(&z2n)?, ReduceOp::Sum, pg)? / n)?; // [d, d]
-    let eye = Tensor::eye(d, DType::F32, z1.device())?.to_dtype(c.dtype())?;
-    let diag = (&c * &eye)?.sum(1)?;
-    let on_diag = (1.0 - diag.clone())?.sqr()?.sum_all()?;
-    let off_diag = (c.sqr()?.sum_all()? - diag.sqr()?.sum_all()?)?;
-    on_diag + (off_diag * lambda)?
+    redundancy_reduction(&c, lambda)
 }

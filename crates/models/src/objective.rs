@@ -34,6 +34,14 @@ pub trait Objective: Send {
     /// Number of samples in the training set.
     fn num_samples(&self) -> usize;
 
+    /// The micro-batches this rank will pass to [`Objective::loss`] next, in order (the rest
+    /// of `epoch`, or up to where the run stops), so that the objective can prepare them
+    /// ahead, e.g. build augmented views on worker threads while the model computes. A hint
+    /// only: `loss` must still accept any batch.
+    fn plan(&mut self, _epoch: usize, _seed: u64, _batches: &[Vec<usize>]) -> Result<()> {
+        Ok(())
+    }
+
     /// This rank's loss (a scalar) on its part of the global batch.
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor>;
 

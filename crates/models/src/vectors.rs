@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::losses::{cross_correlation, nt_xent};
+use crate::losses::LossConfig;
 use crate::rng::{normals, stream};
 use crate::{Batch, Objective};
 
@@ -50,42 +50,11 @@ impl Default for VectorModel {
     }
 }
 
-/// Which distributed loss trains the encoder.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum VectorLoss {
-    /// NT-Xent over global negatives (a local loss: each rank scores its own anchors).
-    NtXent {
-        /// Softmax temperature.
-        #[serde(default = "default_temperature")]
-        temperature: f64,
-    },
-    /// Cross-correlation redundancy reduction (a replicated loss: the same on every rank).
-    CrossCorrelation {
-        /// Weight of the off-diagonal terms.
-        #[serde(default = "default_lambda")]
-        lambda: f64,
-    },
-}
-
-fn default_temperature() -> f64 {
-    0.2
-}
-fn default_lambda() -> f64 {
-    0.005
-}
-
-impl Default for VectorLoss {
-    fn default() -> Self {
-        VectorLoss::NtXent { temperature: default_temperature() }
-    }
-}
-
 /// The objective; see the module docs.
 pub struct VectorContrastive {
     data: VectorData,
     model: VectorModel,
-    loss: VectorLoss,
+    loss: LossConfig,
     centres: Vec<f64>,
     layers: Option<(Linear, Linear)>,
     device: Device,
@@ -94,7 +63,7 @@ pub struct VectorContrastive {
 
 impl VectorContrastive {
     /// A new objective; `seed` fixes the data set.
-    pub fn new(data: VectorData, model: VectorModel, loss: VectorLoss, seed: u64, device: Device, dtype: DType) -> Result<Self> {
+    pub fn new(data: VectorData, model: VectorModel, loss: LossConfig, seed: u64, device: Device, dtype: DType) -> Result<Self> {
         if data.samples == 0 || data.dim == 0 || data.clusters == 0 || model.hidden == 0 || model.out == 0 {
             candle_core::bail!(
                 "vectors objective: samples, dim, clusters, hidden and out must all be positive ({data:?}, {model:?})"
@@ -140,10 +109,7 @@ impl Objective for VectorContrastive {
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
         let z1 = self.encode(&self.views(batch, 1)?)?;
         let z2 = self.encode(&self.views(batch, 2)?)?;
-        match self.loss {
-            VectorLoss::NtXent { temperature } => nt_xent(&z1, &z2, temperature, pg),
-            VectorLoss::CrossCorrelation { lambda } => cross_correlation(&z1, &z2, lambda, pg),
-        }
+        self.loss.compute(&z1, &z2, pg)
     }
 
     fn evaluate(&mut self, _pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

@@ -17,8 +17,9 @@
 
 use std::path::{Path, PathBuf};
 
-use allgrad_models::simclr::{ImageData, SimClrModel};
-use allgrad_models::vectors::{VectorData, VectorLoss, VectorModel};
+use allgrad_models::image_ssl::{ImageData, ImageModel};
+use allgrad_models::losses::LossConfig;
+use allgrad_models::vectors::{VectorData, VectorModel};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::CheckpointConfig;
@@ -46,7 +47,7 @@ pub struct RunConfig {
     pub model: ModelConfig,
     /// The loss.
     #[serde(default)]
-    pub loss: VectorLoss,
+    pub loss: LossConfig,
     /// The optimizer.
     #[serde(default)]
     pub optim: OptimConfig,
@@ -101,8 +102,8 @@ pub enum DataConfig {
 pub enum ModelConfig {
     /// A two-layer perceptron encoder (for vector data).
     Mlp(VectorModel),
-    /// A ResNet encoder and a projection MLP (SimCLR, for images).
-    Resnet(SimClrModel),
+    /// A ResNet encoder and a projection MLP (SimCLR or BarlowTwins, for images).
+    Resnet(ImageModel),
 }
 
 /// A configuration that could not be used.
@@ -219,15 +220,7 @@ impl RunConfig {
             return Err(bad("log.every must be at least 1".into()));
         }
         self.optim.validate().map_err(bad)?;
-        match &self.loss {
-            VectorLoss::NtXent { temperature } if !(*temperature > 0.0) => {
-                return Err(bad(format!("loss.temperature must be positive, got {temperature}")))
-            }
-            VectorLoss::CrossCorrelation { lambda } if !(*lambda >= 0.0) => {
-                return Err(bad(format!("loss.lambda must be non-negative, got {lambda}")))
-            }
-            _ => {}
-        }
+        self.loss.validate().map_err(bad)?;
         if self.device == DeviceKind::Cuda && !candle_core::utils::cuda_is_available() {
             return Err(bad(
                 "device: cuda, but this build has no CUDA support (build with --features cuda on a machine with nvcc)".into(),

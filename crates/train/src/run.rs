@@ -3,8 +3,10 @@
 use std::path::PathBuf;
 
 use allgrad_dist::ProcessGroup;
+use allgrad_models::barlow_twins::BarlowTwins;
+use allgrad_models::losses::LossConfig;
 use allgrad_models::simclr::SimClr;
-use allgrad_models::vectors::{VectorContrastive, VectorLoss};
+use allgrad_models::vectors::VectorContrastive;
 use allgrad_models::Objective;
 use candle_core::{DType, Device, Result};
 
@@ -27,9 +29,9 @@ pub fn objective(cfg: &RunConfig, device: &Device) -> Result<Box<dyn Objective>>
             Ok(Box::new(VectorContrastive::new(d.clone(), m.clone(), cfg.loss.clone(), cfg.seed, device.clone(), dtype)?))
         }
         (DataConfig::Images(d), ModelConfig::Resnet(m)) => match cfg.loss {
-            VectorLoss::NtXent { temperature } => Ok(Box::new(SimClr::new(d, m.clone(), temperature, device.clone(), dtype)?)),
-            VectorLoss::CrossCorrelation { .. } => {
-                candle_core::bail!("model.kind: resnet trains with loss.kind: nt_xent (SimCLR)")
+            LossConfig::NtXent { temperature } => Ok(Box::new(SimClr::new(d, m.clone(), temperature, device.clone(), dtype)?)),
+            LossConfig::CrossCorrelation { lambda, scale } => {
+                Ok(Box::new(BarlowTwins::new(d, m.clone(), lambda, scale, device.clone(), dtype)?))
             }
         },
         (d, m) => candle_core::bail!("data {d:?} cannot feed model {m:?}"),

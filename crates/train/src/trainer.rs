@@ -258,6 +258,7 @@ impl Trainer {
     pub fn train_until(&mut self, stop: usize) -> Result<Summary> {
         let stop = stop.min(self.total_steps);
         let started = Instant::now();
+        let started_at = self.step;
         let rank0 = self.pg.rank() == 0;
         let progress = rank0.then(|| ProgressView::new(self.cfg.log.progress, self.total_steps, self.step));
         let per_epoch = self.sampler.steps_per_epoch();
@@ -270,6 +271,9 @@ impl Trainer {
         }
         while self.step < stop {
             let epoch = self.step / per_epoch;
+            if self.step == started_at || self.step % per_epoch == 0 {
+                self.plan(epoch, stop)?;
+            }
             let lr = self.cfg.schedule.lr(self.cfg.optim.lr(), self.step, self.total_steps, self.cfg.train.global_batch);
             let outcome = self.train_step(epoch, lr)?;
             window.1 += 1;
@@ -349,6 +353,22 @@ impl Trainer {
             m.write(r).map_err(|e| candle_core::Error::Msg(format!("writing {}: {e}", m.path().display())))?;
         }
         Ok(())
+    }
+
+    /// Tells the objective which micro-batches it will see from this step to the end of
+    /// `epoch` (or `stop`), so it can build them ahead.
+    fn plan(&mut self, epoch: usize, stop: usize) -> Result<()> {
+        let (w, rank, acc) = (self.pg.world_size(), self.pg.rank(), self.cfg.train.accumulate);
+        let per_epoch = self.sampler.steps_per_epoch();
+        let end = ((epoch + 1) * per_epoch).min(stop);
+        let mut batches = Vec::new();
+        for step in self.step..end {
+            let global = self.sampler.global_batch(epoch, step % per_epoch).to_vec();
+            let local = self.sampler.local(&global, rank, w);
+            let micro = local.len() / acc;
+            batches.extend((0..acc).map(|m| local[m * micro..(m + 1) * micro].to_vec()));
+        }
+        self.objective.plan(epoch, self.cfg.seed, &batches)
     }
 
     fn train_step(&mut self, epoch: usize, lr: f64) -> Result<StepOutcome> {
