@@ -17,6 +17,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, Optimizer, SGD};
 
 fn main() -> anyhow::Result<()> {
+    // As the train binary does (ALLGRAD_MALLOC_TUNE=0 measures without it).
+    allgrad::tune_allocator();
     let batches: Vec<usize> = std::env::args().skip(1).map(|a| a.parse()).collect::<Result<_, _>>()?;
     let batches = if batches.is_empty() { vec![64, 256] } else { batches };
     let pg = ProcessGroup::single();

@@ -37,8 +37,10 @@ struct Args {
 }
 
 fn main() {
+    let tuned = allgrad::tune_allocator();
     let filter = tracing_subscriber::EnvFilter::try_from_env("ALLGRAD_LOG").unwrap_or_else(|_| "info".into());
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    tracing::debug!("allocator tuned for training: {tuned}");
     let args = Args::parse();
     std::process::exit(match main_inner(&args) {
         Ok(()) => 0,
