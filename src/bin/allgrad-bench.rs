@@ -253,7 +253,12 @@ fn sweep<T: Elem>(pg: &ProcessGroup, args: &CollArgs) -> Result<()> {
         _ => None,
     };
     if rank == 0 {
-        println!("# allgrad-bench collectives: allgrad-dist CPU/TCP backend, {w} ranks (processes), dtype {}", args.dtype);
+        println!("# allgrad-bench collectives: allgrad-dist CPU backend, {w} ranks (processes), dtype {}", args.dtype);
+        if pg.shared_memory() {
+            println!("# transport: shared memory for messages of 64 KiB and more, loopback TCP below (ALLGRAD_SHM=0: TCP only)");
+        } else {
+            println!("# transport: TCP");
+        }
         println!("# size: all_reduce buffer; all_gather output (size/W per rank); reduce_scatter input (size/W per rank)");
         println!("# time: max over ranks of the mean per call; busbw factor 2(W-1)/W (all_reduce), (W-1)/W (others)");
         println!("#");

@@ -4,7 +4,9 @@
 //! who needs it, then each rank reduces in rank order 0..W). Large ones take bandwidth-optimal
 //! rings: all_reduce = reduce-scatter + all-gather around the ring, each chunk reduced once
 //! along a fixed chain and then copied; broadcast = a segmented, pipelined chain. Either way
-//! every rank ends with bitwise-identical results.
+//! every rank ends with bitwise-identical results. When every member of the group runs on this
+//! host, large all_reduce, all_gather and reduce_scatter calls go through shared memory
+//! instead (`shm_ops`).
 
 use std::ops::Range;
 
@@ -30,7 +32,7 @@ pub(crate) struct Call<'a> {
 }
 
 impl Call<'_> {
-    fn header<T: Elem>(&self, step: u32, bytes: usize) -> Header {
+    pub(crate) fn header<T: Elem>(&self, step: u32, bytes: usize) -> Header {
         Header {
             kind: KIND_DATA,
             op: self.op as u8,
@@ -281,6 +283,9 @@ impl Mesh {
         }
         let n = buf.len();
         let esz = T::DTYPE.size_in_bytes();
+        if self.use_shm(n * esz) {
+            return self.shm_all_reduce(c, op, buf);
+        }
         if n * esz * (w - 1) <= DIRECT_BYTES || n < w {
             let mut raw = self.take_scratch(n * w * esz);
             let all = typed::<T>(&mut raw, n * w);
@@ -339,6 +344,9 @@ impl Mesh {
             return Ok(());
         }
         let esz = T::DTYPE.size_in_bytes();
+        if self.use_shm(out.len() * esz) {
+            return self.shm_all_gather_v(c, own, counts, out);
+        }
         if out.len() * esz <= DIRECT_BYTES {
             let mut sends: Vec<SendOp> = (0..w)
                 .filter(|p| *p != r)
@@ -373,6 +381,9 @@ impl Mesh {
         }
         let esz = T::DTYPE.size_in_bytes();
         let n = blocks[r].len();
+        if self.use_shm(input.len() * esz) && self.shm.as_ref().is_some_and(|s| s.slot_bytes() / esz >= w) {
+            return self.shm_reduce_scatter_v(c, op, input, counts, out);
+        }
         if input.len() * esz <= DIRECT_BYTES {
             let mut raw = self.take_scratch(n * (w - 1) * esz);
             let others = typed::<T>(&mut raw, n * (w - 1));

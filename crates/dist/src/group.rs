@@ -19,6 +19,7 @@ use crate::env::WorldInfo;
 use crate::error::{DistError, DistResult};
 use crate::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::reduce::{dtype_code, Elem, ReduceOp, SUPPORTED_DTYPES};
+use crate::shm_ops::ShmConfig;
 use crate::store::{StoreClient, StoreServer};
 use crate::wire::{self, digest, same_secret, Hello, Service};
 
@@ -34,6 +35,7 @@ struct Context {
     store: Option<StoreClient>,
     bind_ip: IpAddr,
     max_message_bytes: u64,
+    shm: ShmConfig,
     // Rank 0 hosts the store for as long as its world group lives. Declared last: dropped last.
     _server: Option<StoreServer>,
 }
@@ -128,11 +130,11 @@ impl ProcessGroup {
         } else {
             None
         };
-        Self::join(info, server)
+        Self::join(info, server, ShmConfig::from_env()?)
     }
 
     /// Joins a job whose store is hosted elsewhere (by [`crate::run_threads`], say).
-    pub(crate) fn join(info: &WorldInfo, server: Option<StoreServer>) -> DistResult<ProcessGroup> {
+    pub(crate) fn join(info: &WorldInfo, server: Option<StoreServer>, shm: ShmConfig) -> DistResult<ProcessGroup> {
         let members: Vec<usize> = (0..info.world_size).collect();
         if info.world_size == 1 {
             let ctx = Arc::new(Context {
@@ -140,6 +142,7 @@ impl ProcessGroup {
                 store: None,
                 bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
                 max_message_bytes: max_message_bytes()?,
+                shm,
                 _server: None,
             });
             let mesh = Mesh::new("world".into(), 0, members.clone(), vec![None], info.timeout);
@@ -153,6 +156,7 @@ impl ProcessGroup {
             store: Some(store),
             bind_ip,
             max_message_bytes: max_message_bytes()?,
+            shm,
             _server: server,
         });
         let mesh = connect_mesh(&ctx, "world", info.rank, &members)?;
@@ -203,6 +207,13 @@ impl ProcessGroup {
         if st.mesh.failure().is_none() {
             st.mesh.fail(DistError::Invalid(reason.to_string()));
         }
+    }
+
+    /// Whether large collectives of this group (all_reduce, all_gather and reduce_scatter of
+    /// 64 KiB and more) move their data through shared memory rather than TCP: true when every
+    /// member runs on this host and none set ALLGRAD_SHM=0. Decided when the group is made.
+    pub fn shared_memory(&self) -> bool {
+        self.lock().mesh.shm.is_some()
     }
 
     /// The rendezvous store, when the world has more than one rank.
@@ -708,7 +719,8 @@ fn bind_ip_toward(master: &str, port: u16) -> DistResult<IpAddr> {
 
 /// Connects this rank to every other member of a group: members publish their listening
 /// address in the store, each connects to the lower ranks and accepts the higher ones. Every
-/// connection is authenticated with the job token both ways.
+/// connection is authenticated with the job token both ways. Then the members find out
+/// whether they share this host, and set up shared memory if so (`shm_ops`).
 fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> DistResult<Mesh> {
     let info = &ctx.info;
     let store = ctx.store.as_ref().expect("a multi-rank group has a store");
@@ -820,5 +832,7 @@ fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> Dis
         s.set_nonblocking(true).map_err(|e| DistError::io("configuring a data-plane socket", e))?;
         wire::tune_data_socket(s);
     }
-    Ok(Mesh::new(group.to_string(), me, members.to_vec(), peers, info.timeout))
+    let mut mesh = Mesh::new(group.to_string(), me, members.to_vec(), peers, info.timeout);
+    mesh.setup_shm(&info.token, ctx.shm)?;
+    Ok(mesh)
 }

@@ -4,10 +4,14 @@
 //!   nothing, the right token for the wrong service, an oversized handshake field) connect
 //!   to rank 0 before the real rank 1: they are dropped without learning anything, and both
 //!   real ranks come up and all_reduce correctly.
-//! - A fake rank 1 that completes the handshake and then sends a malformed frame (bad magic,
+//! - A fake rank 1 that completes the handshake and the group setup (declining shared
+//!   memory, so the group stays on TCP) and then sends a malformed frame (bad magic,
 //!   a DATA header claiming u64::MAX bytes, an oversized ABORT reason, ...) makes rank 0's
 //!   collective fail promptly, naming rank 1, without panicking, allocating the claimed size
 //!   or waiting for the timeout; rank 0 then tells the peer why with an ABORT frame.
+//!
+//! - A fake rank 1 that answers the group setup with a malformed frame makes rank 0's init fail
+//!   promptly, naming it.
 //!
 //! Ranks run on threads started by hand; every join has a watchdog so a hang fails the test.
 
@@ -19,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use crate::env::WorldInfo;
 use crate::group::ProcessGroup;
+use crate::mesh::OpCode;
 use crate::reduce::ReduceOp;
 use crate::store::StoreClient;
 use crate::wire::{Header, Hello, Service, HEADER_LEN, KIND_ABORT, KIND_DATA, MAX_ABORT_REASON};
@@ -105,6 +110,28 @@ fn closed_without_reply(s: &mut TcpStream, limit: Duration) -> Result<(), String
 
 fn data_hello(rank: u32, token: &str, group: &str, service: Service) -> Hello {
     Hello { service, rank, world: 2, token: token.into(), group: group.into() }
+}
+
+/// Reads rank 0's first group-setup frame (its host and shared-memory offer); returns its
+/// header.
+fn read_setup_offer(s: &mut TcpStream, case: &str) -> Header {
+    let mut hdr = [0u8; HEADER_LEN];
+    read_exact_within(s, &mut hdr, TIMEOUT).unwrap_or_else(|e| panic!("{case}: reading rank 0's setup frame: {e}"));
+    let h = Header::decode(&hdr).unwrap_or_else(|| panic!("{case}: rank 0's setup frame has bad magic"));
+    assert_eq!((h.kind, h.op, h.seq), (KIND_DATA, OpCode::Setup as u8, 0), "{case}: rank 0's setup header {h:?}");
+    assert!(h.len <= 64, "{case}: setup offer of {} bytes", h.len);
+    let mut body = vec![0u8; h.len as usize];
+    read_exact_within(s, &mut body, TIMEOUT).unwrap();
+    h
+}
+
+/// The fake rank 1's part of the group setup: an offer of zeros (unknown host, no shared
+/// memory), so the group stays on TCP.
+fn fake_setup(s: &mut TcpStream, case: &str) {
+    let h = read_setup_offer(s, case);
+    let mut reply = h.encode().to_vec();
+    reply.resize(HEADER_LEN + h.len as usize, 0);
+    s.write_all(&reply).unwrap();
 }
 
 #[test]
@@ -196,6 +223,7 @@ fn rank0_error_after_hostile_frame(case: &str, hostile: impl FnOnce(&Header) -> 
     s.write_all(&data_hello(1, token, "world", Service::Data).encode()).unwrap();
     let reply = Hello::read(&mut s, Instant::now() + TIMEOUT, "rank 0").unwrap_or_else(|e| panic!("{case}: handshake: {e}"));
     assert_eq!((reply.service, reply.rank, reply.group.as_str()), (Service::Data, 0, "world"), "{case}: rank 0's handshake");
+    fake_setup(&mut s, case);
 
     // Rank 0's all_reduce frame: a header and 16 bytes.
     let mut hdr = [0u8; HEADER_LEN];
@@ -298,6 +326,7 @@ fn header_split_across_writes_then_truncated_body_reports_the_closed_peer() {
     let mut s = TcpStream::connect(&addr).unwrap();
     s.write_all(&data_hello(1, token, "world", Service::Data).encode()).unwrap();
     Hello::read(&mut s, Instant::now() + TIMEOUT, "rank 0").unwrap();
+    fake_setup(&mut s, "truncated body");
     let mut frame = [0u8; HEADER_LEN + 16];
     read_exact_within(&mut s, &mut frame, TIMEOUT).unwrap();
     let start = Instant::now();
@@ -309,4 +338,43 @@ fn header_split_across_writes_then_truncated_body_reports_the_closed_peer() {
     let err = rank0.join(TIMEOUT + Duration::from_secs(10)).expect_err("rank 0's all_reduce succeeded with half a frame");
     assert!(start.elapsed() < PROMPT, "rank 0 took {:?} to notice: {err}", start.elapsed());
     assert!(err.contains("rank 1") && err.contains("closed"), "{err}");
+}
+
+#[test]
+fn malformed_setup_frame_fails_init_naming_the_peer() {
+    // A setup answer of the wrong length, then one claiming u64::MAX bytes, then an unknown op.
+    type Answer = fn(&Header) -> Vec<u8>;
+    let cases: [(&str, Answer); 3] = [
+        ("short offer", |h| {
+            let mut b = Header { len: 8, ..*h }.encode().to_vec();
+            b.extend_from_slice(&[0u8; 8]);
+            b
+        }),
+        ("offer of u64::MAX bytes", |h| Header { len: u64::MAX, ..*h }.encode().to_vec()),
+        ("another op", |h| {
+            let mut b = Header { op: OpCode::AllReduce as u8, ..*h }.encode().to_vec();
+            b.resize(HEADER_LEN + h.len as usize, 0);
+            b
+        }),
+    ];
+    for (case, hostile) in cases {
+        let port = free_port();
+        let token = "hostile-test-token-setup";
+        let rank0 = spawn_guarded(&format!("rank 0 ({case})"), move || {
+            let t = Instant::now();
+            let r = ProcessGroup::init(&world_info(0, port, token)).map(|_| ()).map_err(|e| e.to_string());
+            (r, t.elapsed())
+        });
+        let addr = rank0_data_addr(port, token);
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.write_all(&data_hello(1, token, "world", Service::Data).encode()).unwrap();
+        Hello::read(&mut s, Instant::now() + TIMEOUT, "rank 0").unwrap();
+        let h = read_setup_offer(&mut s, case);
+        let start = Instant::now();
+        let _ = s.write_all(&hostile(&h));
+        let (res, _) = rank0.join(TIMEOUT + Duration::from_secs(10));
+        let err = res.err().unwrap_or_else(|| panic!("{case}: rank 0 joined after a malformed setup frame"));
+        assert!(start.elapsed() < PROMPT, "{case}: rank 0 took {:?} to fail: {err}", start.elapsed());
+        assert_names_rank1(case, &err, "group setup");
+    }
 }

@@ -18,6 +18,14 @@
 //!   that call different collectives fail with a message naming both calls.
 //! - Every connection is authenticated with the job token (ALLGRAD_JOB_TOKEN) and every
 //!   length read from the network is bounded before allocation.
+//! - Members of a group that all run on one host move the data of large all_reduce,
+//!   all_gather and reduce_scatter calls (64 KiB and more) through a shared-memory segment
+//!   instead of loopback TCP; the calls are still checked against each other over TCP, and
+//!   failures and timeouts behave as above. The segment (under `/dev/shm`, mode 0600) loses
+//!   its name as soon as every member has mapped it. ALLGRAD_SHM=0 keeps a process on TCP
+//!   (its groups then use TCP throughout); ALLGRAD_SHM_SLOT_BYTES sets the bytes each rank
+//!   moves per step (default 1 MiB). [`ProcessGroup::shared_memory`] tells which path a group
+//!   takes.
 
 #![warn(missing_docs)]
 
@@ -28,6 +36,8 @@ mod group;
 mod mesh;
 pub mod ops;
 mod reduce;
+mod shm;
+mod shm_ops;
 pub mod store;
 pub mod testing;
 mod threads;
@@ -42,3 +52,5 @@ pub use threads::{run_threads, ThreadWorld};
 
 #[cfg(test)]
 mod hostile_tests;
+#[cfg(test)]
+mod shm_tests;

@@ -15,7 +15,12 @@ use std::time::{Duration, Instant};
 
 use crate::error::{DistError, DistResult};
 use crate::reduce::dtype_name;
+use crate::shm::Segment;
 use crate::wire::{self, Header, HEADER_LEN, KIND_ABORT, KIND_DATA, MAX_ABORT_REASON};
+
+/// How long an exchange polls without sleeping before it blocks in poll(2): waking a sleeping
+/// thread (a halted virtual CPU, often) costs more than a short wait.
+const BUSY_POLL: Duration = Duration::from_micros(100);
 
 /// Collective op codes carried in frame headers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +34,8 @@ pub(crate) enum OpCode {
     Reduce = 6,
     AllToAll = 7,
     SendRecv = 8,
+    /// The exchanges that set a new group up (host detection, shared memory).
+    Setup = 9,
 }
 
 pub(crate) fn op_name(code: u8) -> &'static str {
@@ -41,6 +48,7 @@ pub(crate) fn op_name(code: u8) -> &'static str {
         6 => "reduce",
         7 => "all_to_all",
         8 => "send/recv",
+        9 => "group setup",
         _ => "unknown op",
     }
 }
@@ -56,20 +64,20 @@ fn redop_name(code: u8) -> &'static str {
     }
 }
 
+/// The step number of the frame that announces a collective whose data goes through shared
+/// memory (see `shm_ops`): a header without payload, checked like any other.
+pub(crate) const SHM_STEP: u32 = u32::MAX;
+
 /// How a header reads to a person.
 pub(crate) fn describe(h: &Header) -> String {
     let red = redop_name(h.redop);
     let red = if red.is_empty() { String::new() } else { format!("({red})") };
-    format!(
-        "{}{} of {} (call #{}, step {}, {} bytes, shape digest {:016x})",
-        op_name(h.op),
-        red,
-        dtype_name(h.dtype),
-        h.seq,
-        h.step,
-        h.len,
-        h.meta
-    )
+    // Barriers and setup frames carry no dtype.
+    let of = if h.dtype == 0 { String::new() } else { format!(" of {}", dtype_name(h.dtype)) };
+    if h.step == SHM_STEP {
+        return format!("{}{red}{of} (call #{}, through shared memory, shape digest {:016x})", op_name(h.op), h.seq, h.meta);
+    }
+    format!("{}{red}{of} (call #{}, step {}, {} bytes, shape digest {:016x})", op_name(h.op), h.seq, h.step, h.len, h.meta)
 }
 
 /// One outgoing frame.
@@ -106,12 +114,14 @@ pub(crate) struct Mesh {
     /// Scratch memory reused across calls (grow-only, 8-byte aligned): fresh large buffers
     /// on every call would cost a page fault per 4 KiB.
     scratch: Vec<u64>,
+    /// The group's shared-memory segment, when every member runs on this host (see `shm_ops`).
+    pub shm: Option<Segment>,
 }
 
 impl Mesh {
     pub fn new(group: String, rank: usize, members: Vec<usize>, peers: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
         let n = peers.len();
-        Mesh { group, rank, members, peers, timeout, failure: None, mid_frame: vec![false; n], scratch: Vec::new() }
+        Mesh { group, rank, members, peers, timeout, failure: None, mid_frame: vec![false; n], scratch: Vec::new(), shm: None }
     }
 
     pub fn size(&self) -> usize {
@@ -153,8 +163,55 @@ impl Mesh {
             let reason = format!("rank {} failed: {err}", self.members[self.rank]);
             self.failure = Some((err.to_string(), secondary));
             self.broadcast_abort(&reason);
+            // Peers waiting at a shared-memory barrier look at this word first (the ABORT frame
+            // sent above carries the reason).
+            if let Some(seg) = &self.shm {
+                seg.raise_abort(self.rank);
+            }
         }
         err
+    }
+
+    /// Test only: this rank disappears as a killed process would: its connections close
+    /// without an ABORT frame and the shared abort word stays down.
+    #[cfg(test)]
+    pub fn kill_for_test(&mut self) {
+        self.failure = Some(("killed by a test".into(), false));
+        for s in self.peers.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Looks, without blocking, for a peer that sent an ABORT frame or closed its connection;
+    /// anything else waiting on a connection is left for the next exchange.
+    pub fn peer_failure(&self, what: &str) -> Option<DistError> {
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.peers.len());
+        let mut fd_peer: Vec<usize> = Vec::with_capacity(self.peers.len());
+        for (p, s) in self.peers.iter().enumerate() {
+            if let Some(s) = s {
+                push_fd(&mut fds, &mut fd_peer, s, p, libc::POLLIN);
+            }
+        }
+        match wire::poll(&mut fds, Duration::ZERO) {
+            Ok(0) => return None,
+            Ok(_) => {}
+            Err(e) => return Some(DistError::io(format!("poll in {what}"), e)),
+        }
+        for (fd, &p) in fds.iter().zip(&fd_peer) {
+            if fd.revents == 0 {
+                continue;
+            }
+            if let Some(e) = self.pending_abort(p) {
+                return Some(e);
+            }
+            let mut one = [0u8; 1];
+            match self.stream(p).peek(&mut one) {
+                Ok(0) => return Some(self.peer_closed(p, what, true)),
+                Err(e) if is_disconnect(&e) => return Some(self.peer_closed(p, what, true)),
+                _ => {}
+            }
+        }
+        None
     }
 
     fn broadcast_abort(&mut self, reason: &str) {
@@ -186,7 +243,7 @@ impl Mesh {
         DistError::PeerClosed { peer: self.members[peer], during: during.to_string(), group: self.group.clone() }
     }
 
-    fn pending_abort(&self, peer: usize) -> Option<DistError> {
+    pub fn pending_abort(&self, peer: usize) -> Option<DistError> {
         let s = self.peers[peer].as_ref()?;
         let mut head = [0u8; HEADER_LEN];
         if s.peek(&mut head).ok()? != HEADER_LEN {
@@ -211,6 +268,7 @@ impl Mesh {
 
     fn exchange_inner(&mut self, sends: &mut [SendOp], recvs: &mut [RecvOp], what: &str) -> DistResult<()> {
         let deadline = Instant::now() + self.timeout;
+        let busy_until = Instant::now() + BUSY_POLL;
         // Per send: bytes of (header + data) written. Per receive: state.
         let send_frames: Vec<[u8; HEADER_LEN]> = sends.iter().map(|s| s.header.encode()).collect();
         let mut sent = vec![0usize; sends.len()];
@@ -243,8 +301,17 @@ impl Mesh {
                     timeout: self.timeout,
                 });
             }
-            wire::poll(&mut fds, left.min(Duration::from_millis(500)))
-                .map_err(|e| DistError::io(format!("poll in {what}"), e))?;
+            if Instant::now() < busy_until {
+                // A peer a few microseconds behind is cheaper to wait for awake than asleep.
+                let ready = wire::poll(&mut fds, Duration::ZERO).map_err(|e| DistError::io(format!("poll in {what}"), e))?;
+                if ready == 0 {
+                    std::thread::yield_now();
+                    continue;
+                }
+            } else {
+                wire::poll(&mut fds, left.min(Duration::from_millis(500)))
+                    .map_err(|e| DistError::io(format!("poll in {what}"), e))?;
+            }
 
             for (k, fd) in fds.iter().enumerate() {
                 if fd.revents == 0 {

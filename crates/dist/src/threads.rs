@@ -37,6 +37,10 @@ pub struct ThreadWorld {
     world_size: usize,
     timeout: Duration,
     watchdog: Option<Duration>,
+    shm: Option<bool>,
+    shm_slot_bytes: Option<usize>,
+    /// A rank that runs with shared memory off while the others have it on (tests).
+    declining: Option<usize>,
 }
 
 impl ThreadWorld {
@@ -45,7 +49,36 @@ impl ThreadWorld {
     pub fn new(world_size: usize) -> Self {
         let timeout = WorldInfo::from_env().map(|w| w.timeout).ok().filter(|t| *t != crate::env::DEFAULT_TIMEOUT);
         let timeout = timeout.unwrap_or(Duration::from_secs(60));
-        ThreadWorld { world_size, timeout, watchdog: Some(timeout + Duration::from_secs(60)) }
+        ThreadWorld {
+            world_size,
+            timeout,
+            watchdog: Some(timeout + Duration::from_secs(60)),
+            shm: None,
+            shm_slot_bytes: None,
+            declining: None,
+        }
+    }
+
+    /// Whether the ranks' groups may use shared memory for large collectives (they are on one
+    /// host), overriding ALLGRAD_SHM: `false` sends everything over loopback TCP, as ranks on
+    /// different hosts would.
+    pub fn shm(mut self, enabled: bool) -> Self {
+        self.shm = Some(enabled);
+        self
+    }
+
+    /// Bytes per rank of one shared-memory piece (tests use small ones for many pieces).
+    #[cfg(test)]
+    pub(crate) fn shm_slot_bytes(mut self, bytes: usize) -> Self {
+        self.shm_slot_bytes = Some(bytes);
+        self
+    }
+
+    /// Rank `rank` runs with shared memory off, as if its environment said ALLGRAD_SHM=0.
+    #[cfg(test)]
+    pub(crate) fn declining_rank_for_test(mut self, rank: usize) -> Self {
+        self.declining = Some(rank);
+        self
     }
 
     /// Timeout of every blocking collective call.
@@ -74,6 +107,9 @@ impl ThreadWorld {
         if w == 0 {
             return Err(DistError::Invalid("run_threads needs at least one rank".into()).into());
         }
+        let mut shm = crate::shm_ops::ShmConfig::from_env()?;
+        shm.enabled = self.shm.unwrap_or(shm.enabled);
+        shm.slot_bytes = self.shm_slot_bytes.unwrap_or(shm.slot_bytes);
         let token = format!("threads-{:032x}", rand::random::<u128>());
         let server = if w > 1 { Some(StoreServer::start("127.0.0.1:0", &token)?) } else { None };
         let port = server.as_ref().map(|s| s.addr().port()).unwrap_or(crate::env::DEFAULT_MASTER_PORT);
@@ -98,7 +134,8 @@ impl ThreadWorld {
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
                         .spawn_scoped(scope, move || {
-                            let out = run_rank(rank, &info, f);
+                            let shm = crate::shm_ops::ShmConfig { enabled: shm.enabled && self.declining != Some(rank), ..shm };
+                            let out = run_rank(rank, &info, shm, f);
                             let _ = done.send(rank);
                             out
                         })
@@ -130,11 +167,11 @@ impl ThreadWorld {
 }
 
 /// Runs one rank; returns its outcome and whether its failure was caused by another rank.
-fn run_rank<T, F>(rank: usize, info: &WorldInfo, f: &F) -> (candle_core::Result<T>, bool)
+fn run_rank<T, F>(rank: usize, info: &WorldInfo, shm: crate::shm_ops::ShmConfig, f: &F) -> (candle_core::Result<T>, bool)
 where
     F: Fn(ProcessGroup) -> candle_core::Result<T>,
 {
-    let pg = match ProcessGroup::join(info, None) {
+    let pg = match ProcessGroup::join(info, None, shm) {
         Ok(pg) => pg,
         Err(e) => {
             let secondary = e.is_secondary();

@@ -12,6 +12,12 @@
 //! - subgroups (`new_group`), with members in the order given;
 //! - a killed peer and mismatched collectives fail every rank quickly, naming the culprit.
 //!
+//! Ranks as threads are on one host, so their large collectives (all_reduce, all_gather and
+//! reduce_scatter of 64 KiB and more) go through shared memory: the large cases above test that
+//! path, in several pieces (the slots hold 1 MiB per rank). The same large cases also run with
+//! shared memory off (`ThreadWorld::shm(false)`), over the TCP rings, and both paths must agree
+//! bitwise on exact data. Mismatched calls fail the same way on both paths and across them.
+//!
 //! Each test runs many cases inside one `run_threads` world per world size; `ThreadWorld`'s
 //! watchdog turns a hang into a failure.
 
@@ -248,6 +254,23 @@ fn world<T: Send>(w: usize, f: impl Fn(ProcessGroup) -> candle_core::Result<T> +
     ThreadWorld::new(w).timeout(Duration::from_secs(30)).run(f).unwrap_or_else(|e| panic!("world of {w} ranks failed: {e}"))
 }
 
+/// [`world`] with shared memory on or off.
+fn world_with<T: Send>(w: usize, shm: bool, f: impl Fn(ProcessGroup) -> candle_core::Result<T> + Sync) -> Vec<T> {
+    let tw = ThreadWorld::new(w).timeout(Duration::from_secs(30)).shm(shm);
+    tw.run(f).unwrap_or_else(|e| panic!("world of {w} ranks (shared memory {shm}) failed: {e}"))
+}
+
+/// Whether this host offers shared memory (`/dev/shm`).
+fn shm_available() -> bool {
+    std::path::Path::new("/dev/shm").is_dir()
+}
+
+/// Whether a `w`-rank thread world is expected to use shared memory for large collectives
+/// (ALLGRAD_SHM=0 in the test's environment turns it off where the test does not force it).
+fn expect_shm(w: usize) -> bool {
+    w > 1 && shm_available() && std::env::var("ALLGRAD_SHM").map_or(true, |v| v.trim() != "0")
+}
+
 /// Dim-0 sizes of the uneven cases: rank 1 has no rows, the others all differ.
 fn uneven_rows(q: usize, w: usize, base: usize) -> usize {
     if w > 1 && q == 1 {
@@ -275,6 +298,7 @@ fn all_reduce_matches_serial_reference_for_every_op_dtype_size_and_world_size() 
     for w in 1..=4 {
         let digests = world(w, |pg| {
             let r = pg.rank();
+            assert_eq!(pg.shared_memory(), expect_shm(w), "W={w}: shared memory");
             let mut out = Vec::new();
             for dtype in DTYPES {
                 for n in SIZES {
@@ -306,7 +330,8 @@ fn all_reduce_matches_serial_reference_for_every_op_dtype_size_and_world_size() 
 #[test]
 fn all_reduce_is_bitwise_identical_on_every_rank_with_rounding_inputs() {
     // Inputs with full mantissas: the result depends on the summation order, so every rank
-    // must have used the same one (direct path and ring path alike).
+    // must have used the same one (direct path and shared-memory path alike; the ring path
+    // in shared_memory_and_tcp_paths_agree_bitwise_on_exact_data).
     for w in 2..=4 {
         let results = world(w, |pg| {
             let r = pg.rank();
@@ -352,6 +377,82 @@ fn all_reduce_is_bitwise_identical_on_every_rank_with_rounding_inputs() {
         for r in 1..w {
             for (a, b) in results[0].iter().zip(&results[r]) {
                 assert_eq!(a, b, "W={w}: rank {r}'s result differs bitwise from rank 0's");
+            }
+        }
+    }
+}
+
+#[test]
+fn shared_memory_and_tcp_paths_agree_bitwise_on_exact_data() {
+    // The large cases of all_reduce, all_gather and reduce_scatter (even and uneven), on both
+    // paths: each checked against the serial reference, and the two runs bitwise equal. The
+    // inputs make every partial result exact, so the reduction order cannot show, except for
+    // products in bf16 at W >= 3 (its 8-bit mantissa rounds them), left out of the comparison.
+    for w in 2..=4 {
+        let run = |shm: bool| {
+            ThreadWorld::new(w)
+                .timeout(Duration::from_secs(30))
+                .shm(shm)
+                .run(|pg| {
+                    let r = pg.rank();
+                    assert_eq!(pg.shared_memory(), shm && shm_available(), "W={w}");
+                    let path = if shm { "shared memory" } else { "TCP" };
+                    let mut out = Vec::new();
+                    for dtype in DTYPES {
+                        for kind in [Kind::General, Kind::Prod] {
+                            let s = salt("paths", dtype, LARGE);
+                            let parts: Vec<Vec<f64>> = (0..w).map(|q| gen(dtype, kind, q, s, 0..LARGE)).collect();
+                            let x = tensor(dtype, &parts[r], &[LARGE]);
+                            for op in OPS.into_iter().filter(|op| kind_for(*op) == kind) {
+                                let what = format!("all_reduce({op:?}) W={w} {dtype:?} over {path} on rank {r}");
+                                let y = pg.all_reduce(&x, op)?;
+                                check(&what, &y, dtype, &[LARGE], exact_op(op, dtype), &fold(op, dtype, &parts));
+                                let comparable = !(dtype == DType::BF16 && op == ReduceOp::Prod && w >= 3);
+                                out.push((format!("all_reduce({op:?}) {dtype:?}"), comparable.then(|| bits_digest(&y))));
+
+                                // reduce_scatter of [W, LARGE / W] (even) and of uneven rows.
+                                let rows = LARGE / w;
+                                let xs = tensor(dtype, &parts[r][..rows * w], &[w, rows]);
+                                let y = pg.reduce_scatter(&xs, op)?;
+                                let mine: Vec<Vec<f64>> = parts.iter().map(|p| p[r * rows..(r + 1) * rows].to_vec()).collect();
+                                let what = format!("reduce_scatter({op:?}) W={w} {dtype:?} over {path} on rank {r}");
+                                check(&what, &y, dtype, &[1, rows], exact_op(op, dtype), &fold(op, dtype, &mine));
+                                out.push((format!("reduce_scatter({op:?}) {dtype:?}"), comparable.then(|| bits_digest(&y))));
+                                let sizes: Vec<usize> = (0..w).map(|q| uneven_rows(q, w, LARGE / (w + 2))).collect();
+                                let total: usize = sizes.iter().sum();
+                                let y = pg.reduce_scatter_sizes(&tensor(dtype, &parts[r][..total], &[total]), op, &sizes)?;
+                                let off = offsets(&sizes)[r];
+                                let mine: Vec<Vec<f64>> = parts.iter().map(|p| p[off..off + sizes[r]].to_vec()).collect();
+                                let what =
+                                    format!("reduce_scatter_sizes({op:?}) W={w} {dtype:?} {sizes:?} over {path} on rank {r}");
+                                check(&what, &y, dtype, &[sizes[r]], exact_op(op, dtype), &fold(op, dtype, &mine));
+                                out.push((
+                                    format!("reduce_scatter_sizes({op:?}) {dtype:?}"),
+                                    comparable.then(|| bits_digest(&y)),
+                                ));
+                            }
+                            if kind == Kind::General {
+                                let y = pg.all_gather(&x)?;
+                                check(
+                                    &format!("all_gather W={w} {dtype:?} over {path} on rank {r}"),
+                                    &y,
+                                    dtype,
+                                    &[w * LARGE],
+                                    true,
+                                    &parts.concat(),
+                                );
+                                out.push((format!("all_gather {dtype:?}"), Some(bits_digest(&y))));
+                            }
+                        }
+                    }
+                    Ok(out)
+                })
+                .unwrap_or_else(|e| panic!("W={w}, shared memory {shm}: {e}"))
+        };
+        let (fast, tcp) = (run(true), run(false));
+        for r in 0..w {
+            for (a, b) in fast[r].iter().zip(&tcp[r]) {
+                assert_eq!(a, b, "W={w} rank {r}: the shared-memory and TCP results differ");
             }
         }
     }
@@ -667,6 +768,7 @@ fn subgroups_follow_the_given_rank_order_and_run_collectives() {
         };
         assert_eq!(sub.members(), &members[..]);
         assert_eq!(sub.world_size(), 2);
+        assert_eq!(sub.shared_memory(), expect_shm(2), "subgroup {members:?}");
         let me = members.iter().position(|m| *m == g).unwrap();
         assert_eq!(sub.rank(), me, "global rank {g} in {members:?}");
         assert_eq!(single.is_some(), g == 2);
@@ -757,11 +859,11 @@ fn names_rank(msg: &str, r: usize) -> bool {
 }
 
 /// Rank `dead` of a `w`-rank world returns at once (dropping its group, so its sockets close
-/// as a killed process's would) while the others run an all_reduce of `n` f32. Returns the
-/// error of `run_threads` and the time it took.
-fn run_with_killed_rank(w: usize, dead: usize, n: usize) -> (String, Duration) {
+/// as a killed process's would) while the others run an all_reduce of `n` f32, with shared
+/// memory on or off. Returns the error of `run_threads` and the time it took.
+fn run_with_killed_rank(w: usize, dead: usize, n: usize, shm: bool) -> (String, Duration) {
     let start = Instant::now();
-    let res = ThreadWorld::new(w).timeout(Duration::from_secs(30)).run(|pg| {
+    let res = ThreadWorld::new(w).timeout(Duration::from_secs(30)).shm(shm).run(|pg| {
         if pg.rank() == dead {
             return Ok(());
         }
@@ -777,8 +879,8 @@ fn run_with_killed_rank(w: usize, dead: usize, n: usize) -> (String, Duration) {
 }
 
 /// Like [`run_with_killed_rank`], but every survivor returns its own error text.
-fn survivors_errors_with_killed_rank(w: usize, dead: usize, n: usize) -> Vec<(usize, String)> {
-    let out = world(w, |pg| {
+fn survivors_errors_with_killed_rank(w: usize, dead: usize, n: usize, shm: bool) -> Vec<(usize, String)> {
+    let out = world_with(w, shm, |pg| {
         let r = pg.rank();
         if r == dead {
             return Ok(None);
@@ -792,13 +894,13 @@ fn survivors_errors_with_killed_rank(w: usize, dead: usize, n: usize) -> Vec<(us
     out.into_iter().enumerate().filter_map(|(r, e)| e.map(|e| (r, e))).collect()
 }
 
-fn assert_killed_rank_is_reported(w: usize, dead: usize, n: usize) {
-    let (err, elapsed) = run_with_killed_rank(w, dead, n);
+fn assert_killed_rank_is_reported(w: usize, dead: usize, n: usize, shm: bool) {
+    let (err, elapsed) = run_with_killed_rank(w, dead, n, shm);
     assert!(elapsed < Duration::from_secs(10), "W={w}, rank {dead} gone, n={n}: took {elapsed:?}: {err}");
     assert!(names_rank(&err, dead), "W={w}, n={n}: the error does not name rank {dead}: {err}");
 
     let start = Instant::now();
-    for (r, err) in survivors_errors_with_killed_rank(w, dead, n) {
+    for (r, err) in survivors_errors_with_killed_rank(w, dead, n, shm) {
         assert!(names_rank(&err, dead), "W={w}, n={n}: rank {r}'s error does not name rank {dead}: {err}");
     }
     assert!(start.elapsed() < Duration::from_secs(10), "W={w}, n={n}: survivors took {:?}", start.elapsed());
@@ -806,33 +908,46 @@ fn assert_killed_rank_is_reported(w: usize, dead: usize, n: usize) {
 
 #[test]
 fn killed_peer_fails_all_reduce_naming_it_within_10s_w3() {
-    assert_killed_rank_is_reported(3, 2, 4);
-    assert_killed_rank_is_reported(3, 0, 4);
+    assert_killed_rank_is_reported(3, 2, 4, true);
+    assert_killed_rank_is_reported(3, 0, 4, true);
 }
 
 #[test]
 fn killed_peer_fails_all_reduce_naming_it_within_10s_w2() {
-    assert_killed_rank_is_reported(2, 1, 4);
-    // Ring path (with one peer there is no one else to blame).
-    assert_killed_rank_is_reported(2, 0, LARGE);
+    assert_killed_rank_is_reported(2, 1, 4, true);
+    // Ring path and shared memory (with one peer there is no one else to blame).
+    assert_killed_rank_is_reported(2, 0, LARGE, false);
+    assert_killed_rank_is_reported(2, 0, LARGE, true);
 }
 
 #[test]
 fn killed_peer_fails_all_reduce_naming_it_at_w4_direct_path() {
-    assert_killed_rank_is_reported(4, 2, 4);
+    assert_killed_rank_is_reported(4, 2, 4, true);
+}
+
+#[test]
+fn killed_peer_fails_shared_memory_all_reduce_naming_it_on_every_rank() {
+    // Large calls of thread ranks go through shared memory; a rank killed in the middle of
+    // one is tested in the crate's own tests (src/shm_tests.rs) and with processes
+    // (tests/shm_processes.rs).
+    for w in [3, 4] {
+        for dead in [0, 2] {
+            assert_killed_rank_is_reported(w, dead, LARGE, true);
+        }
+    }
 }
 
 #[test]
 fn killed_peer_fails_ring_all_reduce_on_every_rank_within_10s() {
-    // Ring path, rank 2 gone. At W = 3 it is a neighbour of both survivors; at W = 4 it is not
-    // a ring neighbour of rank 0, which can only learn of the failure through ranks 1 and 3.
-    // Every survivor must fail, promptly.
+    // Ring path (shared memory off), rank 2 gone. At W = 3 it is a neighbour of both survivors;
+    // at W = 4 it is not a ring neighbour of rank 0, which can only learn of the failure
+    // through ranks 1 and 3. Every survivor must fail, promptly.
     for w in [3, 4] {
         for _ in 0..3 {
-            let (err, elapsed) = run_with_killed_rank(w, 2, LARGE);
+            let (err, elapsed) = run_with_killed_rank(w, 2, LARGE, false);
             assert!(elapsed < Duration::from_secs(10), "W={w}: took {elapsed:?}: {err}");
             let start = Instant::now();
-            let errs = survivors_errors_with_killed_rank(w, 2, LARGE);
+            let errs = survivors_errors_with_killed_rank(w, 2, LARGE, false);
             assert!(start.elapsed() < Duration::from_secs(10), "W={w}: survivors took {:?}", start.elapsed());
             assert_eq!(errs.len(), w - 1);
             for (r, e) in errs {
@@ -847,8 +962,8 @@ fn killed_peer_on_ring_path_is_named_by_every_rank() {
     // As above, and every error (run_threads' and each survivor's) must name rank 2.
     // Repeated, since the outcome depends on timing (about half the runs fail).
     for _ in 0..5 {
-        assert_killed_rank_is_reported(3, 2, LARGE);
-        assert_killed_rank_is_reported(4, 2, LARGE);
+        assert_killed_rank_is_reported(3, 2, LARGE, false);
+        assert_killed_rank_is_reported(4, 2, LARGE, false);
     }
 }
 
@@ -884,6 +999,46 @@ fn mismatched_collectives_fail_on_every_rank_naming_both_calls() {
         for (r, e) in errs.iter().enumerate() {
             let e = e.as_deref().unwrap_or_else(|| panic!("W={w}: rank {r}'s call succeeded"));
             assert!(e.contains("all_reduce") && e.contains("all_gather"), "W={w}: rank {r}: {e}");
+        }
+    }
+}
+
+#[test]
+fn mismatched_large_collectives_fail_on_every_rank_naming_both_calls() {
+    // Large calls go through shared memory (forced on here), which starts with an exchange of
+    // call headers over TCP: (rank 1's call, the others' call), both large, or one large and one
+    // small (shared memory against the TCP direct path).
+    let cases: [(&str, usize, &str, usize); 4] = [
+        ("all_gather", LARGE, "all_reduce", LARGE),
+        ("reduce_scatter", LARGE, "all_reduce", LARGE),
+        ("all_reduce", 4, "all_reduce", LARGE),
+        ("all_gather", LARGE, "all_reduce", 4),
+    ];
+    for (odd, odd_n, common, n) in cases {
+        for w in [2, 3] {
+            let case = format!("W={w}: rank 1 {odd} of {odd_n}, others {common} of {n}");
+            let start = Instant::now();
+            let errs = ThreadWorld::new(w)
+                .timeout(MISMATCH_TIMEOUT)
+                .shm(true)
+                .run(|pg| {
+                    let (op, n) = if pg.rank() == 1 { (odd, odd_n) } else { (common, n) };
+                    let x = tensor(DType::F32, &vec![1.0; n * w], &[w, n]);
+                    let res = match op {
+                        "all_gather" => pg.all_gather(&x),
+                        "reduce_scatter" => pg.reduce_scatter(&x, ReduceOp::Sum),
+                        _ => pg.all_reduce(&x, ReduceOp::Sum),
+                    };
+                    Ok(res.err().map(|e| e.to_string()))
+                })
+                .unwrap_or_else(|e| panic!("{case}: {e}"));
+            assert!(start.elapsed() < MISMATCH_TIMEOUT, "{case}: took {:?}", start.elapsed());
+            for (r, e) in errs.iter().enumerate() {
+                let e = e.as_deref().unwrap_or_else(|| panic!("{case}: rank {r}'s call succeeded"));
+                assert!(e.contains("mismatch") && e.contains(odd) && e.contains(common), "{case}: rank {r}: {e}");
+                let named = if r == 1 { (0..w).any(|p| p != 1 && names_rank(e, p)) } else { names_rank(e, 1) };
+                assert!(named, "{case}: rank {r}'s error does not name the other side: {e}");
+            }
         }
     }
 }

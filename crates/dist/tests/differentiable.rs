@@ -212,8 +212,9 @@ fn all_reduce_every_op_matches_simulation() {
 }
 
 #[test]
-fn all_reduce_takes_the_ring_path_for_large_inputs() {
-    // 40_000 f64 = 320 KB: above the direct-path threshold.
+fn all_reduce_takes_the_large_message_path_for_large_inputs() {
+    // 40_000 f64 = 320 KB: above the direct-path threshold (thread ranks share a host, so this
+    // goes through shared memory; the TCP ring is covered in tests/collectives.rs).
     for w in [2, 3] {
         check_against_simulation(
             w,
