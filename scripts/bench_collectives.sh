@@ -32,7 +32,7 @@ else
 fi
 [[ -x "$BIN" ]] || { echo "bench_collectives.sh: no allgrad-bench binary at $BIN" >&2; exit 1; }
 
-echo "== allgrad (allgrad-dist CPU/TCP backend)"
+echo "== allgrad (allgrad-dist CPU backend: shared memory on one host, TCP between hosts)"
 "$BIN" collectives "$@" --json "$OUT/allgrad.jsonl"
 
 GLOO=0
