@@ -4,7 +4,7 @@
 //! gradients) over and over. With glibc's defaults every block above a dynamic threshold is
 //! a fresh `mmap`, zero-filled by the kernel page by page on first touch and returned with
 //! `munmap` when freed, and the heap top is trimmed back to the system: a ResNet-18 SimCLR
-//! step at batch 64 then spends about a third of its time in page faults.
+//! step at batch 64 then spends about a quarter of its time on that.
 //! [`tune_allocator`] keeps freed memory in the process for reuse instead. The cost is that
 //! the resident size stays at the step's peak, which a training process reaches every step
 //! anyway. Set `ALLGRAD_MALLOC_TUNE=0` to keep the defaults.
