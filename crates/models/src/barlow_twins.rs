@@ -16,7 +16,7 @@ use candle_nn::VarBuilder;
 
 use crate::batch_norm::Mode;
 use crate::image_ssl::{ImageData, ImageModel, TwoViewImages};
-use crate::losses::cross_correlation;
+use crate::losses::{cross_correlation, LossConfig};
 use crate::{Batch, Objective};
 
 /// The BarlowTwins objective; see the module docs.
@@ -30,9 +30,9 @@ impl BarlowTwins {
     /// Opens the data and prepares the augmentations (parameters come with `build`).
     /// `lambda` weighs the off-diagonal terms, `scale` multiplies the loss.
     pub fn new(data: &ImageData, model: ImageModel, lambda: f64, scale: f64, device: Device, dtype: DType) -> Result<Self> {
-        if !(lambda >= 0.0 && lambda.is_finite() && scale > 0.0 && scale.is_finite()) {
-            candle_core::bail!("BarlowTwins: lambda must be non-negative and scale positive, got {lambda} and {scale}");
-        }
+        LossConfig::CrossCorrelation { lambda, scale }
+            .validate()
+            .map_err(|e| candle_core::Error::Msg(format!("BarlowTwins: {e}")))?;
         Ok(BarlowTwins { images: TwoViewImages::new(data, model, device, dtype)?, lambda, scale })
     }
 }
@@ -55,12 +55,7 @@ impl Objective for BarlowTwins {
         let mode = Mode { train: true, pg };
         let z1 = self.images.embed(&v1, mode)?;
         let z2 = self.images.embed(&v2, mode)?;
-        let loss = cross_correlation(&z1, &z2, self.lambda, pg)?;
-        if self.scale == 1.0 {
-            Ok(loss)
-        } else {
-            loss * self.scale
-        }
+        cross_correlation(&z1, &z2, self.lambda, pg)? * self.scale
     }
 
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

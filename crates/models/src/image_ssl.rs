@@ -145,6 +145,7 @@ pub struct TwoViewImages {
     knn: KnnConfig,
     loader_cfg: LoaderConfig,
     loader: Option<Loader>,
+    prefetched: usize,
     device: Device,
     dtype: DType,
     net: Option<(ResNet, Projector)>,
@@ -188,6 +189,7 @@ impl TwoViewImages {
             knn: data.knn.clone(),
             loader_cfg: data.loader.clone(),
             loader: None,
+            prefetched: 0,
             device,
             dtype,
             net: None,
@@ -245,6 +247,7 @@ impl TwoViewImages {
         if let Some(loader) = &mut self.loader {
             match loader.next() {
                 Some(Ok(b)) if b.indices == batch.indices => {
+                    self.prefetched += 1;
                     return Ok((b.views[0].to_dtype(self.dtype)?, b.views[1].to_dtype(self.dtype)?));
                 }
                 Some(Err(e)) => return Err(data_err(e)),
@@ -263,6 +266,12 @@ impl TwoViewImages {
             second.push(v2);
         }
         Ok((self.stack(first)?, self.stack(second)?))
+    }
+
+    /// How many batches [`TwoViewImages::views`] took from the loader (the rest it built
+    /// itself).
+    pub fn prefetched(&self) -> usize {
+        self.prefetched
     }
 
     /// Projector outputs of the encoder's features of `x`.
@@ -417,5 +426,34 @@ mod tests {
         let random: Vec<usize> = (0..ytr.len()).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % 4).collect();
         let chance = linear_probe(&tr, &random, &te, &yte, 4, 200).unwrap();
         assert!(chance < 0.45, "probe trained on random labels scored {chance}");
+    }
+
+    #[test]
+    fn planned_batches_come_from_the_loader_and_equal_views_built_inline() {
+        let data = |workers| ImageData {
+            dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/fashion-mnist"),
+            format: ImageFormat::Idx,
+            augment: AugmentConfig { normalize: allgrad_data::Normalize::identity(), ..AugmentConfig::simclr(12) },
+            knn: KnnConfig::default(),
+            loader: LoaderConfig { workers, prefetch: 2 },
+            folder: FolderOptions::default(),
+        };
+        let plan = vec![vec![3, 1, 4], vec![1, 5, 9]];
+        let run = |workers| {
+            let mut images = TwoViewImages::new(&data(workers), ImageModel::default(), Device::Cpu, DType::F32).unwrap();
+            images.plan(2, 7, &plan).unwrap();
+            let views: Vec<(Tensor, Tensor)> =
+                plan.iter().map(|idx| images.views(&Batch { indices: idx, epoch: 2, step: 0, seed: 7 }).unwrap()).collect();
+            (views, images.prefetched())
+        };
+        let ((ahead, n_ahead), (inline, n_inline)) = (run(2), run(0));
+        assert_eq!((n_ahead, n_inline), (2, 0), "batches taken from the loader");
+        for ((a1, a2), (b1, b2)) in ahead.iter().zip(&inline) {
+            assert_eq!(a1.dims(), &[3, 1, 12, 12]);
+            for (a, b) in [(a1, b1), (a2, b2)] {
+                let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert_eq!(diff, 0.0, "prefetched views differ from inline ones");
+            }
+        }
     }
 }

@@ -49,7 +49,6 @@ impl LossConfig {
     pub fn compute(&self, z1: &Tensor, z2: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
         match *self {
             LossConfig::NtXent { temperature } => nt_xent(z1, z2, temperature, pg),
-            LossConfig::CrossCorrelation { lambda, scale } if scale == 1.0 => cross_correlation(z1, z2, lambda, pg),
             LossConfig::CrossCorrelation { lambda, scale } => cross_correlation(z1, z2, lambda, pg)? * scale,
         }
     }
