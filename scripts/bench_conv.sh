@@ -3,7 +3,7 @@
 #
 #   scripts/bench_conv.sh [--rounds 3] [--runs 5] [--all] [--skip-candle]
 #
-# Each round builds/runs crates/nn/examples/bench_conv.rs (Candle and allgrad-nn, their runs
+# Each round builds/runs crates/allgrad-nn/examples/bench_conv.rs (Candle and allgrad-nn, their runs
 # alternating) and then scripts/bench_conv.py (PyTorch, if `import torch` works), one after the
 # other. Every figure is the median of --runs timed runs; the table shows, over the rounds, the
 # median of each figure and the median of the per-round ratios candle/allgrad (allgrad's

@@ -1,13 +1,12 @@
 //! Colour jitter (brightness, contrast, saturation, hue in random order) and random
 //! grayscale, with the arithmetic of torchvision's tensor functions on values in [0, 1].
 
-use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
 
 use super::flip::check_probability;
 use crate::error::{DataError, DataResult};
 use crate::image::FloatImage;
-use crate::rng::{bernoulli, uniform, KeyedRng};
+use crate::rng::{bernoulli, shuffle, uniform, KeyedRng};
 
 /// With probability `p`, change brightness, contrast, saturation and hue by random factors,
 /// in a random order (torchvision's `RandomApply([ColorJitter(b, c, s, h)], p)`).
@@ -69,7 +68,7 @@ impl ColorJitter {
             return img.clone();
         }
         let mut order = [0usize, 1, 2, 3];
-        order.shuffle(rng);
+        shuffle(rng, &mut order);
         let factor = |rng: &mut KeyedRng, s: f64| (s > 0.0).then(|| uniform(rng, (1.0 - s).max(0.0), 1.0 + s) as f32);
         let b = factor(rng, self.brightness);
         let c = factor(rng, self.contrast);

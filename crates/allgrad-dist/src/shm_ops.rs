@@ -146,25 +146,6 @@ impl Offer {
     }
 }
 
-/// 64-bit FNV-1a of `parts` (each followed by a separator byte), from `basis`.
-fn fnv(basis: u64, parts: &[&[u8]]) -> u64 {
-    let mut h = basis;
-    for p in parts {
-        for &b in p.iter().chain(&[0xff]) {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
-}
-
-fn hash128(parts: &[&[u8]]) -> [u8; 16] {
-    let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325, parts).to_le_bytes());
-    out[8..].copy_from_slice(&fnv(0x6c62_272e_07bb_0142, parts).to_le_bytes());
-    out
-}
-
 /// This host, as seen by this process: the kernel's boot id, the host name and the mount
 /// namespace (containers on one kernel with their own /dev/shm differ). `None` where there is
 /// no boot id to read.
@@ -172,14 +153,14 @@ fn host_id() -> Option<[u8; 16]> {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let mnt = std::fs::read_link("/proc/self/ns/mnt").map(|p| p.display().to_string()).unwrap_or_default();
-    Some(hash128(&[boot.trim().as_bytes(), name.trim().as_bytes(), mnt.as_bytes()]))
+    Some(allgrad_rng::hash128(&[boot.trim().as_bytes(), name.trim().as_bytes(), mnt.as_bytes()]))
 }
 
 /// The segment's file. Its name hashes the job token with the group and rank 0's 128-bit
 /// random nonce: unpredictable to other users, and (with 128 unknown random bits hashed in)
 /// revealing nothing of the token.
 fn segment_path(token: &str, group: &str, nonce: u128) -> PathBuf {
-    let h = hash128(&[&nonce.to_le_bytes(), token.as_bytes(), group.as_bytes(), &nonce.to_le_bytes()]);
+    let h = allgrad_rng::hash128(&[&nonce.to_le_bytes(), token.as_bytes(), group.as_bytes(), &nonce.to_le_bytes()]);
     let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
     PathBuf::from(SHM_DIR).join(format!("allgrad-{hex}"))
 }

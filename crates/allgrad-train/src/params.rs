@@ -8,12 +8,11 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use allgrad_models::rng::{name_key, normals, stream};
+use allgrad_models::rng::{name_key, normals, stream, uniform};
 use candle_core::{DType, Device, Result, Shape, Tensor, Var};
 use candle_nn::init::NormalOrUniform;
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
-use rand::Rng;
 
 /// Trainable parameters by name, in name order.
 #[derive(Clone, Default)]
@@ -44,14 +43,14 @@ impl ParamStore {
         let values: Vec<f64> = match init {
             Init::Const(v) => vec![v; n],
             Init::Randn { mean, stdev } => normals(&mut rng, n).into_iter().map(|z| mean + stdev * z).collect(),
-            Init::Uniform { lo, up } => (0..n).map(|_| rng.gen_range(lo..=up)).collect(),
+            Init::Uniform { lo, up } => (0..n).map(|_| uniform(&mut rng, lo, up)).collect(),
             Init::Kaiming { dist, fan, non_linearity } => {
                 let std = non_linearity.gain() / (fan.for_shape(shape) as f64).sqrt();
                 match dist {
                     NormalOrUniform::Normal => normals(&mut rng, n).into_iter().map(|z| std * z).collect(),
                     NormalOrUniform::Uniform => {
                         let bound = 3f64.sqrt() * std;
-                        (0..n).map(|_| rng.gen_range(-bound..=bound)).collect()
+                        (0..n).map(|_| uniform(&mut rng, -bound, bound)).collect()
                     }
                 }
             }

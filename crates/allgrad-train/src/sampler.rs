@@ -3,7 +3,6 @@
 //! sees exactly the batches of a run on one rank (DESIGN §3).
 
 use allgrad_models::rng::stream;
-use rand::seq::SliceRandom;
 
 /// The distributed sampler.
 #[derive(Clone, Debug)]
@@ -32,7 +31,7 @@ impl DistributedSampler {
         if self.cached.as_ref().map(|(e, _)| *e) != Some(epoch) {
             let mut perm: Vec<usize> = (0..self.num_samples).collect();
             if self.shuffle {
-                perm.shuffle(&mut stream(&[self.seed, 0x5A3B, epoch as u64]));
+                allgrad_rng::shuffle(&mut stream(&[self.seed, 0x5A3B, epoch as u64]), &mut perm);
             }
             self.cached = Some((epoch, perm));
         }
