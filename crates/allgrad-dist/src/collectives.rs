@@ -284,7 +284,7 @@ impl Mesh {
         let n = buf.len();
         let esz = T::DTYPE.size_in_bytes();
         if self.use_shm(n * esz) {
-            return self.shm_all_reduce(c, op, buf);
+            return self.shm_all_reduce(c, op, buf).map_err(|e| self.fail(e));
         }
         if n * esz * (w - 1) <= DIRECT_BYTES || n < w {
             let mut raw = self.take_scratch(n * w * esz);
@@ -345,7 +345,7 @@ impl Mesh {
         }
         let esz = T::DTYPE.size_in_bytes();
         if self.use_shm(out.len() * esz) {
-            return self.shm_all_gather_v(c, own, counts, out);
+            return self.shm_all_gather_v(c, own, counts, out).map_err(|e| self.fail(e));
         }
         if out.len() * esz <= DIRECT_BYTES {
             let mut sends: Vec<SendOp> = (0..w)
@@ -382,7 +382,7 @@ impl Mesh {
         let esz = T::DTYPE.size_in_bytes();
         let n = blocks[r].len();
         if self.use_shm(input.len() * esz) && self.shm.as_ref().is_some_and(|s| s.slot_bytes() / esz >= w) {
-            return self.shm_reduce_scatter_v(c, op, input, counts, out);
+            return self.shm_reduce_scatter_v(c, op, input, counts, out).map_err(|e| self.fail(e));
         }
         if input.len() * esz <= DIRECT_BYTES {
             let mut raw = self.take_scratch(n * (w - 1) * esz);

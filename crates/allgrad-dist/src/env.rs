@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::error::{DistError, DistResult};
+use crate::settings::Settings;
 
 /// Default timeout of every blocking distributed call.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -57,7 +58,8 @@ impl WorldInfo {
         Self::from_vars(&std::env::vars().collect())
     }
 
-    /// Reads the given variables (the testable core of [`WorldInfo::from_env`]).
+    /// Reads the given variables (the testable core of [`WorldInfo::from_env`]); the
+    /// `ALLGRAD_*` ones through [`Settings::from_vars`], so a bad value of any is an error here.
     pub fn from_vars(vars: &HashMap<String, String>) -> DistResult<Self> {
         let get = |k: &str| vars.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
         let num = |k: &str| -> DistResult<Option<usize>> {
@@ -68,13 +70,9 @@ impl WorldInfo {
                 }
             }
         };
-        let timeout = match get("ALLGRAD_TIMEOUT_S") {
-            None => DEFAULT_TIMEOUT,
-            Some(v) => match v.parse::<f64>() {
-                Ok(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
-                _ => return Err(DistError::Env(format!("ALLGRAD_TIMEOUT_S={v:?} is not a positive number of seconds"))),
-            },
-        };
+        // The ALLGRAD_* variables, parsed once; the timeout and token come from them.
+        let settings = Settings::from_vars(vars)?;
+        let timeout = settings.timeout;
 
         // torchrun first, then SLURM, else a single process.
         let (source, rank, world, local_rank, local_world) = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
@@ -126,8 +124,8 @@ impl WorldInfo {
                 .filter(|p| *p != 0)
                 .ok_or_else(|| DistError::Env(format!("MASTER_PORT={p:?} is not a port number (1-65535)")))?,
         };
-        let token = match get("ALLGRAD_JOB_TOKEN") {
-            Some(t) => t.to_string(),
+        let token = match settings.job_token {
+            Some(t) => t,
             None => {
                 // Ranks started by torchrun or srun directly share no secret; derive one from what
                 // they do share, which keeps stray connections out but is no protection against

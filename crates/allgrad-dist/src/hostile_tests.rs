@@ -204,7 +204,7 @@ fn intruders_are_dropped_and_the_real_ranks_still_connect_and_all_reduce() {
 /// Rank 0 of a 2-rank world runs an all_reduce of 4 f32 against a fake rank 1 that completes
 /// the handshake, reads rank 0's frame, and answers with `hostile(&rank0_header)`. Returns
 /// rank 0's error, after checking it came promptly and that rank 0 sent an ABORT frame.
-fn rank0_error_after_hostile_frame(case: &str, hostile: impl FnOnce(&Header) -> Vec<u8>) -> String {
+pub(crate) fn rank0_error_after_hostile_frame(case: &str, hostile: impl FnOnce(&Header) -> Vec<u8>) -> String {
     let port = free_port();
     let token = "hostile-test-token-frames";
     let rank0 = spawn_guarded(&format!("rank 0 ({case})"), move || -> Result<Duration, (String, Duration)> {
@@ -377,4 +377,50 @@ fn malformed_setup_frame_fails_init_naming_the_peer() {
         assert!(start.elapsed() < PROMPT, "{case}: rank 0 took {:?} to fail: {err}", start.elapsed());
         assert_names_rank1(case, &err, "group setup");
     }
+}
+
+// ------------------------------------------------------------------ the message cap
+
+#[test]
+fn peer_announced_sizes_over_the_cap_fail_every_rank_before_allocating_and_poison_the_group() {
+    use crate::threads::ThreadWorld;
+    const CAP: u64 = 4096;
+    let out = ThreadWorld::new(2)
+        .timeout(TIMEOUT)
+        .max_message_bytes_for_test(CAP)
+        .run(|pg| {
+            assert_eq!(pg.max_message_bytes(), CAP);
+            // Exactly the cap is accepted: 4 + 1020 f32.
+            let fits = vec![1f32; if pg.rank() == 0 { 4 } else { 1020 }];
+            let (got, counts) = pg.all_gather_v_slice(&fits, &[])?;
+            assert_eq!((got.len(), counts), (1024, vec![4, 1020]));
+            // Rank 1 announces 2000 f32: 8032 bytes in all, over the cap of rank 0 (and its own).
+            let over = vec![1f32; if pg.rank() == 0 { 8 } else { 2000 }];
+            let err = pg.all_gather_v_slice(&over, &[]).expect_err("a gather over the cap succeeded").to_string();
+            let after = pg.barrier().expect_err("the group still worked after the refused gather").to_string();
+            Ok((err, after))
+        })
+        .unwrap();
+    for (rank, (err, after)) in out.iter().enumerate() {
+        assert!(err.contains("over the limit of 4096 bytes"), "rank {rank}: {err}");
+        assert!(err.contains("[8, 2000]"), "rank {rank}: {err}");
+        assert!(!after.is_empty(), "rank {rank}");
+    }
+}
+
+#[test]
+fn the_default_cap_is_this_ranks_share_of_the_host_memory() {
+    use crate::settings::{host_memory, message_cap};
+    let one = crate::threads::run_threads(1, |pg| Ok(pg.max_message_bytes())).unwrap()[0];
+    let three = crate::threads::run_threads(3, |pg| Ok(pg.max_message_bytes())).unwrap();
+    let memory = host_memory();
+    if std::env::var_os("ALLGRAD_MAX_MESSAGE_BYTES").is_some() || memory.is_none() {
+        return; // overridden, or no memory figure on this system: nothing derived to check
+    }
+    let memory = memory.unwrap();
+    assert_eq!(one, memory);
+    assert_eq!(three, vec![memory / 3; 3]);
+    assert_eq!(message_cap(Some(memory), 3), memory / 3);
+    // Below the old fixed 64 GiB wherever the host has less memory than that.
+    assert!(memory >= 64 << 30 || one < crate::group::DEFAULT_MAX_MESSAGE_BYTES);
 }

@@ -26,30 +26,43 @@
 //!   (its groups then use TCP throughout); ALLGRAD_SHM_SLOT_BYTES sets the bytes each rank
 //!   moves per step (default 1 MiB). [`ProcessGroup::shared_memory`] tells which path a group
 //!   takes.
+//! - Every `ALLGRAD_*` variable is read once, when the group is made, into [`Settings`]
+//!   (the table of variables, defaults and meanings is in [`settings`]); a bad value is an
+//!   error naming the variable and the value. Peers cannot make a rank allocate more than
+//!   [`ProcessGroup::max_message_bytes`] in one call (by default its share of the host's
+//!   memory, [`settings::message_cap`]).
 
 #![warn(missing_docs)]
 
 mod collectives;
+mod dispatch;
 pub mod env;
 mod error;
 mod group;
 mod mesh;
 pub mod ops;
 mod reduce;
+pub mod settings;
 mod shm;
 mod shm_ops;
+mod shm_setup;
 pub mod store;
 pub mod testing;
 mod threads;
 mod wire;
 
+#[doc(hidden)]
+pub use dispatch::__private;
 pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
 pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
 pub use ops::{all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter};
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
+pub use settings::Settings;
 pub use threads::{run_threads, ThreadWorld};
 
+#[cfg(test)]
+mod fuzz_tests;
 #[cfg(test)]
 mod hostile_tests;
 #[cfg(test)]

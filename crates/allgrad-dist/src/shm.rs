@@ -17,13 +17,21 @@
 //!
 //! Which region may be read or written when is decided by the protocol in `shm_ops` (every
 //! write to a region and every read of it are separated by a barrier); the control words are
-//! only ever accessed as atomics.
+//! only ever accessed as atomics. Other processes write the data regions, so this module never
+//! hands out a `&[T]` or `&mut [T]` over them: data moves by raw-pointer copies only, and the
+//! reductions read a region through a small private buffer ([`Segment::combine_from`]).
+//! Every byte offset is computed with overflow checks, and the rank, the regions and the
+//! alignment are checked in every build: a bad argument is an error, never a panic or an
+//! access outside the mapping.
 
 use std::ffi::CString;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
+
+use crate::error::{DistError, DistResult};
+use crate::reduce::{Elem, ReduceOp};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"AGRDSHM\0");
 const LAYOUT_VERSION: u32 = 1;
@@ -74,7 +82,7 @@ impl Segment {
     /// Creates the segment file at `path` (it must not exist; mode 0600), reserves its memory,
     /// maps it and writes the header. The file stays until [`unlink`] removes it.
     pub fn create(path: &Path, w: usize, rank: usize, slot: usize) -> io::Result<Segment> {
-        let len = checked_layout(w, slot)?;
+        let len = checked_layout(w, rank, slot)?;
         let c = cpath(path)?;
         // SAFETY: `c` is a NUL-terminated path that outlives the call.
         let fd = unsafe {
@@ -92,7 +100,7 @@ impl Segment {
     /// Opens a segment another rank created, checking that it is a regular file of this user,
     /// private to it, of the expected size and header, before trusting its contents.
     pub fn open(path: &Path, w: usize, rank: usize, slot: usize) -> io::Result<Segment> {
-        let len = checked_layout(w, slot)?;
+        let len = checked_layout(w, rank, slot)?;
         let c = cpath(path)?;
         // SAFETY: `c` is a NUL-terminated path that outlives the call.
         let fd = Fd::new(unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC) })?;
@@ -133,7 +141,15 @@ impl Segment {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Segment { base: p.cast(), len, w, rank, slot, epoch: 0, phase: 0 })
+        // Constructed first, so that the mapping is released on the error below too.
+        let seg = Segment { base: p.cast(), len, w, rank, slot, epoch: 0, phase: 0 };
+        // Every region and control word is aligned because the base is (page-aligned on every
+        // system this runs on); checked in every build, as the safety of the atomics and of
+        // the element copies rests on it.
+        if !(seg.base as usize).is_multiple_of(SLOT_ALIGN) {
+            return Err(io::Error::other(format!("mapping at {:p} is not aligned to {SLOT_ALIGN} bytes", seg.base)));
+        }
+        Ok(seg)
     }
 
     fn write_header(&mut self) {
@@ -167,7 +183,9 @@ impl Segment {
     }
 
     fn word(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off + 4 <= control_bytes(self.w) && off.is_multiple_of(64));
+        // Offsets are constants or OFF_EPOCH + 64 * rank with rank < w (checked when the
+        // segment is made); checked again in every build, as the reference below rests on it.
+        assert!(off + 4 <= control_bytes(self.w) && off.is_multiple_of(64), "control word at {off} outside the control area");
         // SAFETY: `off` is a 64-aligned offset inside the control area of the live mapping
         // (borrowed from `self`, so it cannot outlive it); control words are only ever
         // accessed atomically, by every mapping, and AtomicU32 has the layout of u32.
@@ -235,48 +253,65 @@ impl Segment {
         }
     }
 
-    /// Byte range of `bytes` bytes at byte `offset` of a region, checked against the layout.
-    fn range(&self, at: Region, offset: usize, bytes: usize) -> usize {
-        assert!(at.set < 2 && at.slot <= self.w, "no region {at:?}");
-        assert!(offset.checked_add(bytes).is_some_and(|end| end <= self.slot), "{bytes} bytes at {offset} overflow a slot");
-        control_bytes(self.w) + (at.set * (self.w + 1) + at.slot) * self.slot + offset
+    /// Byte offset in the mapping of `count` elements of `T` at element `offset` of a region,
+    /// checked (without overflow) against the layout and the alignment of `T`.
+    fn range<T>(&self, at: Region, offset: usize, count: usize) -> DistResult<usize> {
+        let esz = std::mem::size_of::<T>();
+        let bad = |why: String| DistError::Invalid(format!("shared-memory access to {at:?}: {why}"));
+        if at.set >= 2 || at.slot > self.w {
+            return Err(bad(format!("no such region for {} ranks", self.w)));
+        }
+        let (Some(off), Some(bytes)) = (offset.checked_mul(esz), count.checked_mul(esz)) else {
+            return Err(bad(format!("{count} elements of {esz} bytes at element {offset} overflow")));
+        };
+        if off.checked_add(bytes).is_none_or(|end| end > self.slot) {
+            return Err(bad(format!("{bytes} bytes at {off} overflow a slot of {} bytes", self.slot)));
+        }
+        // Cannot overflow: the whole layout was checked to fit when the segment was made.
+        let start = control_bytes(self.w) + (at.set * (self.w + 1) + at.slot) * self.slot + off;
+        if !(self.base as usize + start).is_multiple_of(std::mem::align_of::<T>()) {
+            return Err(bad(format!("byte {start} is not aligned for elements of {esz} bytes")));
+        }
+        Ok(start)
     }
 
     /// Copies `src` into a region, starting at element `offset`.
-    pub fn write<T: bytemuck::Pod>(&mut self, at: Region, offset: usize, src: &[T]) {
-        let esz = std::mem::size_of::<T>();
-        let start = self.range(at, offset * esz, std::mem::size_of_val(src));
+    pub fn write<T: bytemuck::Pod>(&mut self, at: Region, offset: usize, src: &[T]) -> DistResult<()> {
+        let start = self.range::<T>(at, offset, src.len())?;
         // SAFETY: `range` checked the bytes lie inside the mapping; `src` is private memory, so
-        // the two do not overlap. `&mut self` rules out views of this mapping being alive, and
-        // the protocol guarantees no other rank reads or writes these bytes until the next
-        // barrier.
+        // the two do not overlap. The protocol guarantees no other rank reads or writes these
+        // bytes until the next barrier.
         unsafe { copy(src.as_ptr().cast::<u8>(), self.base.add(start), std::mem::size_of_val(src)) };
+        Ok(())
     }
 
     /// Copies from a region, starting at element `offset`, into `dst`.
-    pub fn read<T: bytemuck::Pod>(&self, at: Region, offset: usize, dst: &mut [T]) {
-        let esz = std::mem::size_of::<T>();
-        let start = self.range(at, offset * esz, std::mem::size_of_val(dst));
-        // SAFETY: inside the mapping (checked); `dst` is private memory (it is a `&mut`, so it
-        // cannot be a view of this mapping, which only hands out shared views). The protocol
-        // guarantees no rank writes these bytes until the next barrier. Any bit pattern is a
-        // valid `T` (Pod).
+    pub fn read<T: bytemuck::Pod>(&self, at: Region, offset: usize, dst: &mut [T]) -> DistResult<()> {
+        let start = self.range::<T>(at, offset, dst.len())?;
+        // SAFETY: inside the mapping (checked); `dst` is private memory (no reference over the
+        // mapping is ever made). The protocol guarantees no rank writes these bytes until the
+        // next barrier. Any bit pattern is a valid `T` (Pod).
         unsafe { copy(self.base.add(start), dst.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(dst)) };
+        Ok(())
     }
 
-    /// A read-only view of `len` elements of a region from element `offset`, for reducing in
-    /// place without a copy.
-    pub fn view<T: bytemuck::Pod>(&self, at: Region, offset: usize, len: usize) -> &[T] {
-        let esz = std::mem::size_of::<T>();
-        let start = self.range(at, offset * esz, len * esz);
-        debug_assert_eq!(start % std::mem::align_of::<T>(), 0);
-        // SAFETY: inside the mapping (checked) and aligned (regions are page-aligned, offsets
-        // whole elements); the view borrows `self`, so no `write` can run and the mapping
-        // cannot be unmapped while it lives. The protocol guarantees no rank writes these
-        // bytes until the next barrier. Any bit pattern is a valid `T` (Pod).
-        unsafe { std::slice::from_raw_parts(self.base.add(start).cast::<T>(), len) }
+    /// `acc[i] = acc[i] op region[offset + i]`: reads the region in small pieces into a private
+    /// buffer (a copy that stays in the L1 cache) and combines from there, so that no reference
+    /// to memory other processes write is ever made.
+    pub fn combine_from<T: Elem>(&self, at: Region, offset: usize, acc: &mut [T], op: ReduceOp) -> DistResult<()> {
+        self.range::<T>(at, offset, acc.len())?;
+        let mut buf = [T::zeroed(); COMBINE_CHUNK];
+        for (k, part) in acc.chunks_mut(COMBINE_CHUNK).enumerate() {
+            let tmp = &mut buf[..part.len()];
+            self.read(at, offset + k * COMBINE_CHUNK, tmp)?;
+            T::combine(op, part, tmp);
+        }
+        Ok(())
     }
 }
+
+/// Elements per piece of [`Segment::combine_from`] (at most 4 KiB of f64).
+const COMBINE_CHUNK: usize = 512;
 
 impl Drop for Segment {
     fn drop(&mut self) {
@@ -350,7 +385,10 @@ fn reserve(_: &Fd, _: usize) -> io::Result<()> {
     Ok(())
 }
 
-fn checked_layout(w: usize, slot: usize) -> io::Result<usize> {
+fn checked_layout(w: usize, rank: usize, slot: usize) -> io::Result<usize> {
+    if rank >= w {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("rank {rank} is not below the group size {w}")));
+    }
     let ok = w >= 2 && w < u32::MAX as usize && slot > 0 && slot.is_multiple_of(SLOT_ALIGN);
     match segment_bytes(w, slot) {
         Some(len) if ok && len <= isize::MAX as usize => Ok(len),
@@ -423,71 +461,4 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 fn futex_wake(_: &AtomicU32) {}
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn temp_path(tag: &str) -> std::path::PathBuf {
-        std::env::temp_dir().join(format!("allgrad-shm-test-{tag}-{}-{:x}", std::process::id(), rand::random::<u64>()))
-    }
-
-    #[test]
-    fn create_open_copy_and_barrier() {
-        let path = temp_path("basic");
-        let mut a = Segment::create(&path, 2, 0, SLOT_ALIGN).unwrap();
-        let mut b = Segment::open(&path, 2, 1, SLOT_ALIGN).unwrap();
-        unlink(&path);
-        assert!(!path.exists());
-        a.write(Region { set: 1, slot: 0 }, 3, &[1.5f32, 2.5]);
-        b.write(Region { set: 1, slot: 2 }, 0, &[7u64]);
-        let ta = a.arrive();
-        assert!(!a.passed(ta));
-        assert_eq!(a.missing(ta), vec![1]);
-        let tb = b.arrive();
-        assert_eq!((ta, tb), (1, 1));
-        assert!(a.passed(ta) && b.passed(tb));
-        assert_eq!(b.view::<f32>(Region { set: 1, slot: 0 }, 3, 2), &[1.5, 2.5]);
-        let mut x = [0u64];
-        a.read(Region { set: 1, slot: 2 }, 0, &mut x);
-        assert_eq!(x, [7]);
-        assert_eq!(a.aborted_by(), None);
-        b.raise_abort(1);
-        assert_eq!(a.aborted_by(), Some(1));
-    }
-
-    #[test]
-    fn open_refuses_wrong_size_mode_or_layout() {
-        let path = temp_path("checks");
-        let _a = Segment::create(&path, 2, 0, SLOT_ALIGN).unwrap();
-        // Another layout: the size does not match.
-        assert!(Segment::open(&path, 3, 1, SLOT_ALIGN).is_err());
-        assert!(Segment::open(&path, 2, 1, 2 * SLOT_ALIGN).is_err());
-        // Creating it again fails (O_EXCL).
-        assert!(Segment::create(&path, 2, 0, SLOT_ALIGN).is_err());
-        // Open to other users: refused.
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-        let err = Segment::open(&path, 2, 1, SLOT_ALIGN).err().expect("a world-readable segment was accepted");
-        assert!(err.to_string().contains("open to other users"), "{err}");
-        unlink(&path);
-        // A symlink is not followed.
-        let link = temp_path("link");
-        std::os::unix::fs::symlink("/dev/null", &link).unwrap();
-        assert!(Segment::open(&link, 2, 1, SLOT_ALIGN).is_err());
-        std::fs::remove_file(&link).unwrap();
-        // A file of the right size that is not a segment.
-        let fake = temp_path("fake");
-        std::fs::write(&fake, vec![0u8; segment_bytes(2, SLOT_ALIGN).unwrap()]).unwrap();
-        std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-        let err = Segment::open(&fake, 2, 1, SLOT_ALIGN).err().expect("a zero file was accepted");
-        assert!(err.to_string().contains("header"), "{err}");
-        std::fs::remove_file(&fake).unwrap();
-    }
-
-    #[test]
-    #[should_panic(expected = "overflow a slot")]
-    fn copies_are_bounds_checked() {
-        let path = temp_path("bounds");
-        let mut a = Segment::create(&path, 2, 0, SLOT_ALIGN).unwrap();
-        unlink(&path);
-        a.write(Region { set: 0, slot: 1 }, SLOT_ALIGN / 4 - 1, &[0f32, 0.0]);
-    }
-}
+mod tests;

@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 
 use crate::group::ProcessGroup;
 use crate::reduce::{Elem, ReduceOp};
+use crate::settings::Settings;
 use crate::shm::SLOT_ALIGN;
-use crate::shm_ops::{Fault, ShmConfig, FAULT};
+use crate::shm_ops::{Fault, FAULT};
+use crate::shm_setup::ShmConfig;
 use crate::threads::ThreadWorld;
 use candle_core::WithDType;
 
@@ -251,11 +253,9 @@ fn a_member_that_declines_keeps_the_whole_group_on_tcp() {
 #[test]
 fn allgrad_shm_variables_are_parsed() {
     let cfg = |shm: Option<&str>, slot: Option<&str>| {
-        ShmConfig::from_vars(|k| match k {
-            "ALLGRAD_SHM" => shm.map(String::from),
-            "ALLGRAD_SHM_SLOT_BYTES" => slot.map(String::from),
-            _ => None,
-        })
+        let vars = [("ALLGRAD_SHM", shm), ("ALLGRAD_SHM_SLOT_BYTES", slot)];
+        let vars = vars.iter().filter_map(|(k, v)| v.map(|v| (k.to_string(), v.to_string()))).collect();
+        Settings::from_vars(&vars).map(|s| s.shm_config())
     };
     assert_eq!(cfg(None, None).unwrap(), ShmConfig::default());
     assert!(cfg(Some("1"), None).unwrap().enabled);

@@ -74,6 +74,11 @@ impl InvarianceReport {
 ///   trainer's rule (each rank's backward scaled by 1/W), concatenated in rank order.
 ///
 /// `loss` must return a scalar and build the same graph on every rank.
+///
+/// Fails, naming the rank and its rows of the batch, when the loss has no gradient with
+/// respect to its input (on any rank, or in the single process), or when a rank's input
+/// gradient is all zero where the single-process gradient of the same rows is not: a loss
+/// that detaches its input cannot pass.
 pub fn check_world_size_invariance<F>(global: &Tensor, world_sizes: &[usize], loss: F) -> Result<Vec<InvarianceReport>>
 where
     F: Fn(&Tensor, &ProcessGroup) -> Result<Tensor> + Sync,
@@ -90,10 +95,15 @@ where
             }
             let scaled = (&l / w as f64)?;
             let grads = scaled.backward()?;
-            let g = match grads.get(&x) {
-                Some(g) => g.clone(),
-                None => x.as_tensor().zeros_like()?,
+            let Some(g) = grads.get(&x) else {
+                candle_core::bail!(
+                    "the loss has no gradient with respect to its input on rank {} of {w} (rows {:?} of the \
+                     global batch): it does not depend on the input, or detaches it",
+                    pg.rank(),
+                    part
+                );
             };
+            let g = g.clone();
             Ok((l.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?, g))
         })?;
         let mean_loss = per_rank.iter().map(|(l, _)| l).sum::<f64>() / w as f64;
@@ -101,13 +111,33 @@ where
         Ok((mean_loss, Tensor::cat(&grads, 0)?))
     };
     let (reference_loss, reference_grad) = run(1)?;
-    let max_grad = reference_grad.abs()?.max_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+    let max_grad = max_abs(&reference_grad)?;
     world_sizes
         .iter()
         .map(|&w| {
             let (l, g) = run(w)?;
-            let diff = (g - &reference_grad)?.abs()?.max_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            // A rank whose input gradient is all zero where the single process has a non-zero
+            // one lost its gradient (a detached input, a collective without a backward); the
+            // difference below would show it only relative to the tolerance, so say it here.
+            for (r, part) in crate::collectives::split_even(reference_grad.dim(0)?, w).into_iter().enumerate() {
+                let (got, want) = (g.narrow(0, part.start, part.len())?, reference_grad.narrow(0, part.start, part.len())?);
+                if max_abs(&got)? == 0.0 && max_abs(&want)? != 0.0 {
+                    candle_core::bail!(
+                        "the input gradient of rank {r} of {w} (rows {part:?} of the global batch) is all zero, \
+                         but the single-process gradient of those rows is not: the gradient is lost on the way"
+                    );
+                }
+            }
+            let diff = max_abs(&(g - &reference_grad)?)?;
             Ok(InvarianceReport { world_size: w, reference_loss, loss: l, max_grad_diff: diff, max_grad })
         })
         .collect()
+}
+
+/// Largest absolute value of a tensor (0 for an empty one), in f64.
+fn max_abs(t: &Tensor) -> Result<f64> {
+    if t.elem_count() == 0 {
+        return Ok(0.0);
+    }
+    t.abs()?.max_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::env::WorldInfo;
 use crate::error::DistError;
 use crate::group::ProcessGroup;
+use crate::settings::Settings;
 use crate::store::StoreServer;
 
 /// Runs `f` on `world_size` ranks, each a thread with its own [`ProcessGroup`], and returns
@@ -39,6 +40,7 @@ pub struct ThreadWorld {
     watchdog: Option<Duration>,
     shm: Option<bool>,
     shm_slot_bytes: Option<usize>,
+    max_message_bytes: Option<u64>,
     /// A rank that runs with shared memory off while the others have it on (tests).
     declining: Option<usize>,
 }
@@ -47,7 +49,7 @@ impl ThreadWorld {
     /// `world_size` ranks; collective timeout from ALLGRAD_TIMEOUT_S, else 60 s; a watchdog
     /// that ends the process with a message if the ranks have not all returned 60 s after that.
     pub fn new(world_size: usize) -> Self {
-        let timeout = WorldInfo::from_env().map(|w| w.timeout).ok().filter(|t| *t != crate::env::DEFAULT_TIMEOUT);
+        let timeout = Settings::from_env().map(|s| s.timeout).ok().filter(|t| *t != crate::env::DEFAULT_TIMEOUT);
         let timeout = timeout.unwrap_or(Duration::from_secs(60));
         ThreadWorld {
             world_size,
@@ -55,6 +57,7 @@ impl ThreadWorld {
             watchdog: Some(timeout + Duration::from_secs(60)),
             shm: None,
             shm_slot_bytes: None,
+            max_message_bytes: None,
             declining: None,
         }
     }
@@ -71,6 +74,13 @@ impl ThreadWorld {
     #[cfg(test)]
     pub(crate) fn shm_slot_bytes(mut self, bytes: usize) -> Self {
         self.shm_slot_bytes = Some(bytes);
+        self
+    }
+
+    /// Every rank's cap on peer-announced message sizes, as ALLGRAD_MAX_MESSAGE_BYTES would set it.
+    #[cfg(test)]
+    pub(crate) fn max_message_bytes_for_test(mut self, bytes: u64) -> Self {
+        self.max_message_bytes = Some(bytes);
         self
     }
 
@@ -107,9 +117,11 @@ impl ThreadWorld {
         if w == 0 {
             return Err(DistError::Invalid("run_threads needs at least one rank".into()).into());
         }
-        let mut shm = crate::shm_ops::ShmConfig::from_env()?;
-        shm.enabled = self.shm.unwrap_or(shm.enabled);
-        shm.slot_bytes = self.shm_slot_bytes.unwrap_or(shm.slot_bytes);
+        let mut settings = Settings::from_env()?;
+        settings.shm = self.shm.unwrap_or(settings.shm);
+        settings.shm_slot_bytes = self.shm_slot_bytes.unwrap_or(settings.shm_slot_bytes);
+        settings.max_message_bytes = self.max_message_bytes.or(settings.max_message_bytes);
+        settings.timeout = self.timeout;
         let token = format!("threads-{:032x}", rand::random::<u128>());
         let server = if w > 1 { Some(StoreServer::start("127.0.0.1:0", &token)?) } else { None };
         let port = server.as_ref().map(|s| s.addr().port()).unwrap_or(crate::env::DEFAULT_MASTER_PORT);
@@ -131,11 +143,11 @@ impl ThreadWorld {
                 .map(|rank| {
                     let info = info(rank);
                     let done = done_tx.clone();
+                    let settings = Settings { shm: settings.shm && self.declining != Some(rank), ..settings.clone() };
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
                         .spawn_scoped(scope, move || {
-                            let shm = crate::shm_ops::ShmConfig { enabled: shm.enabled && self.declining != Some(rank), ..shm };
-                            let out = run_rank(rank, &info, shm, f);
+                            let out = run_rank(rank, &info, settings, f);
                             let _ = done.send(rank);
                             out
                         })
@@ -167,11 +179,11 @@ impl ThreadWorld {
 }
 
 /// Runs one rank; returns its outcome and whether its failure was caused by another rank.
-fn run_rank<T, F>(rank: usize, info: &WorldInfo, shm: crate::shm_ops::ShmConfig, f: &F) -> (candle_core::Result<T>, bool)
+fn run_rank<T, F>(rank: usize, info: &WorldInfo, settings: Settings, f: &F) -> (candle_core::Result<T>, bool)
 where
     F: Fn(ProcessGroup) -> candle_core::Result<T>,
 {
-    let pg = match ProcessGroup::join(info, None, shm) {
+    let pg = match ProcessGroup::join(info, None, settings) {
         Ok(pg) => pg,
         Err(e) => {
             let secondary = e.is_secondary();

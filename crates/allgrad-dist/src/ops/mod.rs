@@ -75,51 +75,13 @@ use crate::reduce::ReduceOp;
 /// Runs `$body` with `$v` the contiguous slice of a CPU storage and `$T` its element type.
 macro_rules! on_cpu_slice {
     ($storage:expr, $layout:expr, $T:ident, $v:ident => $body:expr) => {{
+        let storage: &candle_core::CpuStorage = $storage;
         let (start, end) =
             $layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("collective input is not contiguous".into()))?;
-        match $storage {
-            candle_core::CpuStorage::F32(all) => {
-                type $T = f32;
-                let $v: &[$T] = &all[start..end];
-                $body
-            }
-            candle_core::CpuStorage::F64(all) => {
-                type $T = f64;
-                let $v: &[$T] = &all[start..end];
-                $body
-            }
-            candle_core::CpuStorage::F16(all) => {
-                type $T = half::f16;
-                let $v: &[$T] = &all[start..end];
-                $body
-            }
-            candle_core::CpuStorage::BF16(all) => {
-                type $T = half::bf16;
-                let $v: &[$T] = &all[start..end];
-                $body
-            }
-            candle_core::CpuStorage::I64(all) => {
-                type $T = i64;
-                let $v: &[$T] = &all[start..end];
-                $body
-            }
-            candle_core::CpuStorage::U32(all) => {
-                type $T = u32;
-                let $v: &[$T] = &all[start..end];
-                $body
-            }
-            candle_core::CpuStorage::U8(all) => {
-                type $T = u8;
-                let $v: &[$T] = &all[start..end];
-                $body
-            }
-            s => Err(crate::error::DistError::Invalid(format!(
-                "collectives support the dtypes {:?}, not {:?}",
-                crate::reduce::SUPPORTED_DTYPES,
-                candle_core::backend::BackendStorage::dtype(s)
-            ))
-            .into()),
-        }
+        crate::with_elem_type!(candle_core::backend::BackendStorage::dtype(storage), $T => {
+            let $v: &[$T] = &storage.as_slice::<$T>()?[start..end];
+            $body
+        }, d => Err(crate::dispatch::unsupported_dtype(d).into()))
     }};
 }
 pub(crate) use on_cpu_slice;

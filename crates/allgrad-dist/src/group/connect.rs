@@ -1,0 +1,157 @@
+//! The network of a group: the address its data plane binds to, and the authenticated
+//! connections between every pair of members.
+
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::time::{Duration, Instant};
+
+use super::Context;
+use crate::error::{DistError, DistResult};
+use crate::mesh::Mesh;
+use crate::wire::{self, same_secret, Hello, Service};
+
+/// How long an accepted connection may take to present its handshake.
+const HANDSHAKE_GRACE: Duration = Duration::from_secs(10);
+
+pub(super) fn resolve(host: &str, port: u16) -> DistResult<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| DistError::io(format!("resolving MASTER_ADDR {host}"), e))?
+        .next()
+        .ok_or_else(|| DistError::Env(format!("MASTER_ADDR {host} resolves to no address")))
+}
+
+/// The local address this rank's data plane binds to: `configured` (ALLGRAD_BIND_ADDR) if
+/// set, else the interface the OS would use to reach the master (found without sending a packet).
+pub(super) fn bind_ip_toward(configured: Option<IpAddr>, master: &str, port: u16) -> DistResult<IpAddr> {
+    if let Some(a) = configured {
+        return Ok(a);
+    }
+    let target = resolve(master, port)?;
+    if target.ip().is_loopback() {
+        return Ok(target.ip());
+    }
+    let any: SocketAddr = if target.is_ipv4() { "0.0.0.0:0".parse().unwrap() } else { "[::]:0".parse().unwrap() };
+    let probe = UdpSocket::bind(any).map_err(|e| DistError::io("finding the local interface", e))?;
+    probe.connect(target).map_err(|e| DistError::io(format!("finding the interface that reaches {master}"), e))?;
+    Ok(probe.local_addr().map_err(|e| DistError::io("finding the local interface", e))?.ip())
+}
+
+/// Connects this rank to every other member of a group: members publish their listening
+/// address in the store, each connects to the lower ranks and accepts the higher ones. Every
+/// connection is authenticated with the job token both ways. Then the members find out
+/// whether they share this host, and set up shared memory if so (`shm_ops`).
+pub(super) fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> DistResult<Mesh> {
+    let info = &ctx.info;
+    let store = ctx.store.as_ref().expect("a multi-rank group has a store");
+    let deadline = Instant::now() + info.timeout;
+    let n = members.len();
+    let listener = TcpListener::bind((ctx.bind_ip, 0))
+        .map_err(|e| DistError::io(format!("binding the data plane on {}", ctx.bind_ip), e))?;
+    let addr = listener.local_addr().map_err(|e| DistError::io("data-plane address", e))?;
+    store.set(&format!("{group}/addr/{me}"), addr.to_string().as_bytes())?;
+
+    let hello = Hello {
+        service: Service::Data,
+        rank: members[me] as u32,
+        world: n as u32,
+        token: info.token.clone(),
+        group: group.to_string(),
+    };
+    let mut peers: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+
+    for p in 0..me {
+        let who = format!("rank {} ({group})", members[p]);
+        let raw = store.get(&format!("{group}/addr/{p}"))?;
+        let target: SocketAddr = String::from_utf8_lossy(&raw).parse().map_err(|_| DistError::Protocol {
+            peer: members[p],
+            group: group.into(),
+            detail: "unreadable address in the store".into(),
+        })?;
+        let mut s = loop {
+            match TcpStream::connect_timeout(&target, Duration::from_secs(5)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!("connecting to {who} at {target}: {e}; retrying");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(DistError::io(format!("connecting to {who} at {target}"), e)),
+            }
+        };
+        wire::write_all_by(&mut s, &hello.encode(), deadline, &who)?;
+        let reply = Hello::read(&mut s, deadline, &who)?;
+        if reply.service != Service::Data
+            || !same_secret(&reply.token, &info.token)
+            || reply.group != group
+            || reply.rank as usize != members[p]
+        {
+            return Err(DistError::Unauthenticated { addr: target.to_string(), detail: format!("expected {who} of this job") });
+        }
+        peers[p] = Some(s);
+    }
+
+    // Accept the higher ranks. Each handshake is read on its own short-lived thread, so a
+    // stray or hostile connection that sends nothing cannot hold up the others.
+    listener.set_nonblocking(true).map_err(|e| DistError::io("data-plane listener", e))?;
+    let (tx, rx) = std::sync::mpsc::channel::<(TcpStream, String, DistResult<Hello>)>();
+    let mut missing = n - 1 - me;
+    while missing > 0 {
+        match listener.accept() {
+            Ok((mut s, from)) => {
+                let tx = tx.clone();
+                let limit = deadline.min(Instant::now() + HANDSHAKE_GRACE);
+                std::thread::spawn(move || {
+                    let who = from.to_string();
+                    let h = s
+                        .set_nonblocking(false)
+                        .map_err(|e| DistError::io("accepted connection", e))
+                        .and_then(|_| Hello::read(&mut s, limit, &who));
+                    let _ = tx.send((s, who, h));
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(DistError::io("accepting a data-plane connection", e)),
+        }
+        while let Ok((mut s, who, h)) = rx.try_recv() {
+            let checked = h.and_then(|h| {
+                if h.service != Service::Data || !same_secret(&h.token, &info.token) {
+                    return Err(DistError::Unauthenticated { addr: who.clone(), detail: "wrong job token".into() });
+                }
+                match members.iter().position(|m| *m == h.rank as usize).filter(|i| *i > me && h.group == group) {
+                    Some(i) if peers[i].is_none() => {
+                        wire::write_all_by(&mut s, &hello.encode(), deadline, &who)?;
+                        Ok(i)
+                    }
+                    _ => Err(DistError::Unauthenticated {
+                        addr: who.clone(),
+                        detail: format!("unexpected peer rank {} for group {:?}", h.rank, h.group),
+                    }),
+                }
+            });
+            match checked {
+                Ok(i) => {
+                    peers[i] = Some(s);
+                    missing -= 1;
+                }
+                Err(e) => tracing::warn!("dropped a connection to the data plane of {group}: {e}"),
+            }
+        }
+        if missing > 0 {
+            if Instant::now() >= deadline {
+                let waiting: Vec<usize> = (me + 1..n).filter(|p| peers[*p].is_none()).map(|p| members[p]).collect();
+                return Err(DistError::Timeout {
+                    what: format!("waiting for rank(s) {waiting:?} to connect ({group})"),
+                    timeout: info.timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    drop(listener);
+    for s in peers.iter().flatten() {
+        s.set_nonblocking(true).map_err(|e| DistError::io("configuring a data-plane socket", e))?;
+        wire::tune_data_socket(s);
+    }
+    let mut mesh = Mesh::new(group.to_string(), me, members.to_vec(), peers, info.timeout);
+    mesh.setup_shm(&info.token, ctx.settings.shm_config())?;
+    Ok(mesh)
+}

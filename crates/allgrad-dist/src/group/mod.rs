@@ -1,0 +1,279 @@
+//! [`ProcessGroup`]: a set of ranks that run collectives together; its lifecycle (joining a
+//! job, subgroups, failure) lives here.
+//!
+//! The collectives are methods too, in the files beside this one: `slices` (on slices of any
+//! [`Elem`] type) and `tensors` (on Candle tensors of the dtypes in [`SUPPORTED_DTYPES`];
+//! tensors on other devices are staged through host memory). `connect` sets up the network
+//! of a group. For collectives inside a loss, use the differentiable functions of
+//! [`crate::ops`] instead.
+//!
+//! Every rank of a group must issue the same collectives, in the same order, from one thread
+//! at a time. A rank that does otherwise gets a [`DistError::Mismatch`] naming both calls.
+
+mod connect;
+mod slices;
+mod tensors;
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::collectives::Call;
+use crate::env::WorldInfo;
+use crate::error::{DistError, DistResult};
+use crate::mesh::{Mesh, OpCode};
+use crate::reduce::ReduceOp;
+#[allow(unused_imports)] // named in the rustdoc above
+use crate::reduce::{Elem, SUPPORTED_DTYPES};
+use crate::settings::{host_memory, message_cap, Settings};
+use crate::store::{StoreClient, StoreServer};
+use crate::wire::digest;
+use connect::{bind_ip_toward, connect_mesh, resolve};
+
+/// Largest total a rank agrees to receive in one all_gather or all_to_all whose sizes come
+/// from the peers, where the host's memory cannot be read; otherwise the cap is the rank's
+/// share of that memory ([`crate::settings::message_cap`]). ALLGRAD_MAX_MESSAGE_BYTES
+/// overrides both.
+pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 64 << 30;
+
+/// What every group of one process shares: the job's identity and the rendezvous store.
+struct Context {
+    info: WorldInfo,
+    store: Option<StoreClient>,
+    bind_ip: IpAddr,
+    /// Cap on the total bytes peers may announce for one all_gather or all_to_all.
+    max_message_bytes: u64,
+    settings: Settings,
+    // Rank 0 hosts the store for as long as its world group lives. Declared last: dropped last.
+    _server: Option<StoreServer>,
+}
+
+struct State {
+    mesh: Mesh,
+    seq: u64,
+    p2p_sent: Vec<u64>,
+    p2p_recvd: Vec<u64>,
+    subgroups: u64,
+}
+
+struct Inner {
+    name: String,
+    rank: usize,
+    members: Vec<usize>,
+    state: Mutex<State>,
+    ctx: Arc<Context>,
+}
+
+/// A group of ranks that run collectives together. Cheap to clone (shared handle).
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ProcessGroup({}, rank {} of {})", self.inner.name, self.rank(), self.world_size())
+    }
+}
+
+impl ProcessGroup {
+    /// Joins the job described by the launcher environment (see [`WorldInfo::from_env`]);
+    /// a world of size 1 when no launcher variables are set. Every `ALLGRAD_*` variable is
+    /// read here, once ([`Settings`]).
+    pub fn from_env() -> DistResult<ProcessGroup> {
+        let vars = std::env::vars().collect();
+        Self::init_with(&WorldInfo::from_vars(&vars)?, Settings::from_vars(&vars)?)
+    }
+
+    /// A world of one rank; every collective is a copy. Reads no environment (default
+    /// [`Settings`]).
+    pub fn single() -> ProcessGroup {
+        Self::init_with(&WorldInfo::single(), Settings::default()).expect("a single-rank group needs no network")
+    }
+
+    /// Joins the job: rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT, every
+    /// rank connects to every other, and the call returns once all are connected. The
+    /// `ALLGRAD_*` settings are read from the environment now ([`Settings::from_env`]).
+    pub fn init(info: &WorldInfo) -> DistResult<ProcessGroup> {
+        Self::init_with(info, Settings::from_env()?)
+    }
+
+    /// As [`ProcessGroup::init`], with the given settings (the timeout and token are those of
+    /// `info`). Reads no environment.
+    pub fn init_with(info: &WorldInfo, settings: Settings) -> DistResult<ProcessGroup> {
+        let server = if info.rank == 0 && info.world_size > 1 {
+            let ip = resolve(&info.master_addr, info.master_port)?;
+            Some(StoreServer::start(ip, &info.token)?)
+        } else {
+            None
+        };
+        Self::join(info, server, settings)
+    }
+
+    /// Joins a job whose store is hosted elsewhere (by [`crate::run_threads`], say).
+    pub(crate) fn join(info: &WorldInfo, server: Option<StoreServer>, settings: Settings) -> DistResult<ProcessGroup> {
+        let members: Vec<usize> = (0..info.world_size).collect();
+        let max_message_bytes = settings.max_message_bytes.unwrap_or_else(|| message_cap(host_memory(), info.local_world_size));
+        if info.world_size == 1 {
+            let ctx = Arc::new(Context {
+                info: info.clone(),
+                store: None,
+                bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                max_message_bytes,
+                settings,
+                _server: None,
+            });
+            let mesh = Mesh::new("world".into(), 0, members.clone(), vec![None], info.timeout);
+            return Ok(Self::from_mesh("world".into(), 0, members, mesh, ctx));
+        }
+        let store_addr = format!("{}:{}", info.master_addr, info.master_port);
+        let store = StoreClient::connect(&store_addr, &info.token, info.rank, info.timeout)?;
+        let bind_ip = bind_ip_toward(settings.bind_addr, &info.master_addr, info.master_port)?;
+        let ctx =
+            Arc::new(Context { info: info.clone(), store: Some(store), bind_ip, max_message_bytes, settings, _server: server });
+        let mesh = connect_mesh(&ctx, "world", info.rank, &members)?;
+        let pg = Self::from_mesh("world".into(), info.rank, members, mesh, ctx);
+        tracing::debug!("rank {} joined a world of {}", info.rank, info.world_size);
+        Ok(pg)
+    }
+
+    fn from_mesh(name: String, rank: usize, members: Vec<usize>, mesh: Mesh, ctx: Arc<Context>) -> ProcessGroup {
+        let n = members.len();
+        let state = State { mesh, seq: 0, p2p_sent: vec![0; n], p2p_recvd: vec![0; n], subgroups: 0 };
+        ProcessGroup { inner: Arc::new(Inner { name, rank, members, state: Mutex::new(state), ctx }) }
+    }
+
+    /// This rank's index in the group, `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+    /// Number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.inner.members.len()
+    }
+    /// The group's name (`world`, `world/1`, ...), as used in error messages.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+    /// Global rank of each member, in group-rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.inner.members
+    }
+    /// The job this group belongs to (global rank, local rank, timeout, ...).
+    pub fn world_info(&self) -> &WorldInfo {
+        &self.inner.ctx.info
+    }
+    /// The `ALLGRAD_*` settings this group was made with.
+    pub fn settings(&self) -> &Settings {
+        &self.inner.ctx.settings
+    }
+    /// The most bytes peers may make this rank receive in one all_gather or all_to_all whose
+    /// sizes they announce (ALLGRAD_MAX_MESSAGE_BYTES, else this rank's share of the host's
+    /// memory: see [`crate::settings::message_cap`]). A larger announcement fails the call and
+    /// poisons the group before anything is allocated.
+    pub fn max_message_bytes(&self) -> u64 {
+        self.inner.ctx.max_message_bytes
+    }
+    /// The timeout of every blocking call on this group.
+    pub fn timeout(&self) -> Duration {
+        self.inner.ctx.info.timeout
+    }
+    /// The first error that broke this group, and whether another rank caused it (`true`)
+    /// rather than this one.
+    pub fn failure(&self) -> Option<(String, bool)> {
+        self.lock().mesh.failure().cloned()
+    }
+    /// Breaks the group on purpose: every peer's pending and later collectives on it fail
+    /// with `reason`, naming this rank. Used when a rank fails outside a collective.
+    pub fn abort(&self, reason: &str) {
+        let mut st = self.lock();
+        if st.mesh.failure().is_none() {
+            st.mesh.fail(DistError::Invalid(reason.to_string()));
+        }
+    }
+
+    /// Whether large collectives of this group (all_reduce, all_gather and reduce_scatter of
+    /// 64 KiB and more) move their data through shared memory rather than TCP: true when every
+    /// member runs on this host and none set ALLGRAD_SHM=0. Decided when the group is made.
+    pub fn shared_memory(&self) -> bool {
+        self.lock().mesh.shm.is_some()
+    }
+
+    /// The rendezvous store, when the world has more than one rank.
+    pub fn store(&self) -> Option<&StoreClient> {
+        self.inner.ctx.store.as_ref()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` as the next collective call of this group.
+    fn call<R>(
+        &self,
+        op: OpCode,
+        redop: Option<ReduceOp>,
+        meta: &[u64],
+        what: impl FnOnce() -> String,
+        f: impl FnOnce(&mut Mesh, &Call) -> DistResult<R>,
+    ) -> DistResult<R> {
+        let mut st = self.lock();
+        st.mesh.check_usable()?;
+        st.seq += 1;
+        let what = what();
+        let call = Call { op, redop, seq: st.seq, meta: digest(meta), what: &what };
+        f(&mut st.mesh, &call)
+    }
+
+    /// Makes a subgroup of the given ranks of this group (group ranks, in the order given;
+    /// they become ranks 0.. of the subgroup). Every rank of this group must call it, in the
+    /// same order as its other `new_group` calls; members get `Some(group)`, the others `None`.
+    pub fn new_group(&self, ranks: &[usize]) -> DistResult<Option<ProcessGroup>> {
+        let n = self.world_size();
+        let mut seen = vec![false; n];
+        for &r in ranks {
+            if r >= n || std::mem::replace(&mut seen[r], true) {
+                return Err(DistError::Invalid(format!(
+                    "new_group({ranks:?}) on {}: ranks must be distinct and below {n}",
+                    self.name()
+                )));
+            }
+        }
+        if ranks.is_empty() {
+            return Err(DistError::Invalid("new_group needs at least one rank".into()));
+        }
+        let id = {
+            let mut st = self.lock();
+            st.subgroups += 1;
+            st.subgroups
+        };
+        let name = format!("{}/{id}", self.name());
+        let Some(me) = ranks.iter().position(|r| *r == self.rank()) else { return Ok(None) };
+        let members: Vec<usize> = ranks.iter().map(|r| self.inner.members[*r]).collect();
+        let ctx = self.inner.ctx.clone();
+        let mesh = if members.len() == 1 {
+            Mesh::new(name.clone(), 0, members.clone(), vec![None], ctx.info.timeout)
+        } else {
+            connect_mesh(&ctx, &name, me, &members)?
+        };
+        Ok(Some(Self::from_mesh(name, me, members, mesh, ctx)))
+    }
+
+    fn check_rank(&self, what: &str, r: usize) -> DistResult<()> {
+        if r >= self.world_size() {
+            return Err(DistError::Invalid(format!("{what} {r} is not a rank of {} (size {})", self.name(), self.world_size())));
+        }
+        Ok(())
+    }
+
+    fn check_counts(&self, what: &str, len: usize, counts: &[usize]) -> DistResult<()> {
+        if counts.len() != self.world_size() || counts.iter().sum::<usize>() != len {
+            return Err(DistError::Invalid(format!(
+                "{what} on {}: split sizes {counts:?} must have {} entries summing to the input length {len}",
+                self.name(),
+                self.world_size()
+            )));
+        }
+        Ok(())
+    }
+}

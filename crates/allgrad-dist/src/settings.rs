@@ -1,0 +1,197 @@
+//! [`Settings`]: every `ALLGRAD_*` environment variable this crate reads, parsed once, at
+//! start-up ([`ProcessGroup::from_env`](crate::ProcessGroup::from_env),
+//! [`ProcessGroup::init`](crate::ProcessGroup::init), [`ThreadWorld`](crate::ThreadWorld)),
+//! and carried by the group from then on. Nothing reads the environment at the point of use.
+//!
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `ALLGRAD_TIMEOUT_S` | 300 | seconds every blocking call may take (positive, fractions allowed) |
+//! | `ALLGRAD_JOB_TOKEN` | derived from the job id and MASTER_ADDR/PORT | secret every connection presents |
+//! | `ALLGRAD_MAX_MESSAGE_BYTES` | this rank's share of the host's memory (see [`message_cap`]) | largest total a rank accepts in one all_gather or all_to_all whose sizes come from the peers |
+//! | `ALLGRAD_BIND_ADDR` | the interface that reaches MASTER_ADDR | IP address the data plane listens on |
+//! | `ALLGRAD_SHM` | 1 | `0` keeps this process's groups on TCP; `1` lets same-host groups use shared memory |
+//! | `ALLGRAD_SHM_SLOT_BYTES` | 1048576 | bytes each rank moves per shared-memory step (at least 4096; rounded down to pages) |
+//!
+//! An empty value counts as unset. A value that does not parse is an error naming the
+//! variable and the value.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::env::DEFAULT_TIMEOUT;
+use crate::error::{DistError, DistResult};
+use crate::shm::SLOT_ALIGN;
+use crate::shm_setup::{ShmConfig, DEFAULT_SLOT_BYTES};
+
+/// The `ALLGRAD_*` settings of a process (see the module docs for the table).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// ALLGRAD_TIMEOUT_S: timeout of every blocking call.
+    pub timeout: Duration,
+    /// ALLGRAD_JOB_TOKEN: the shared secret, when set (else [`WorldInfo`](crate::WorldInfo)
+    /// derives one).
+    pub job_token: Option<String>,
+    /// ALLGRAD_MAX_MESSAGE_BYTES: an explicit cap on peer-announced message totals; `None`
+    /// derives it from this host's memory ([`message_cap`]).
+    pub max_message_bytes: Option<u64>,
+    /// ALLGRAD_BIND_ADDR: the address the data plane listens on; `None` picks the interface
+    /// that reaches MASTER_ADDR.
+    pub bind_addr: Option<IpAddr>,
+    /// ALLGRAD_SHM: whether same-host groups may use shared memory.
+    pub shm: bool,
+    /// ALLGRAD_SHM_SLOT_BYTES: bytes each rank moves per shared-memory step.
+    pub shm_slot_bytes: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            timeout: DEFAULT_TIMEOUT,
+            job_token: None,
+            max_message_bytes: None,
+            bind_addr: None,
+            shm: true,
+            shm_slot_bytes: DEFAULT_SLOT_BYTES,
+        }
+    }
+}
+
+impl Settings {
+    /// Reads the process environment.
+    pub fn from_env() -> DistResult<Settings> {
+        Self::from_vars(&std::env::vars().collect())
+    }
+
+    /// Reads the given variables (the testable core of [`Settings::from_env`]).
+    pub fn from_vars(vars: &HashMap<String, String>) -> DistResult<Settings> {
+        let get = |k: &str| vars.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+        let bad = |k: &str, v: &str, what: &str| DistError::Env(format!("{k}={v:?} is not {what}"));
+        let mut s = Settings::default();
+        if let Some(v) = get("ALLGRAD_TIMEOUT_S") {
+            s.timeout = match v.parse::<f64>() {
+                Ok(t) if t > 0.0 && t.is_finite() => Duration::from_secs_f64(t),
+                _ => return Err(bad("ALLGRAD_TIMEOUT_S", v, "a positive number of seconds")),
+            };
+        }
+        s.job_token = get("ALLGRAD_JOB_TOKEN").map(String::from);
+        if let Some(v) = get("ALLGRAD_MAX_MESSAGE_BYTES") {
+            s.max_message_bytes = Some(v.parse().map_err(|_| bad("ALLGRAD_MAX_MESSAGE_BYTES", v, "a number of bytes"))?);
+        }
+        if let Some(v) = get("ALLGRAD_BIND_ADDR") {
+            s.bind_addr = Some(v.parse().map_err(|_| bad("ALLGRAD_BIND_ADDR", v, "an IP address"))?);
+        }
+        if let Some(v) = get("ALLGRAD_SHM") {
+            s.shm = match v {
+                "1" => true,
+                "0" => false,
+                _ => return Err(DistError::Env(format!("ALLGRAD_SHM={v:?} is neither 0 (TCP only) nor 1 (default)"))),
+            };
+        }
+        if let Some(v) = get("ALLGRAD_SHM_SLOT_BYTES") {
+            s.shm_slot_bytes = v
+                .parse::<usize>()
+                .ok()
+                .filter(|b| *b >= SLOT_ALIGN)
+                .ok_or_else(|| bad("ALLGRAD_SHM_SLOT_BYTES", v, &format!("a number of bytes of at least {SLOT_ALIGN}")))?;
+        }
+        Ok(s)
+    }
+
+    pub(crate) fn shm_config(&self) -> ShmConfig {
+        ShmConfig { enabled: self.shm, slot_bytes: self.shm_slot_bytes }
+    }
+}
+
+/// The default cap on what peers may make this rank allocate in one all_gather or all_to_all
+/// whose sizes they announce: this rank's share of the memory of its host (`memory` bytes,
+/// shared by `local_ranks` ranks), or [`DEFAULT_MAX_MESSAGE_BYTES`](crate::DEFAULT_MAX_MESSAGE_BYTES)
+/// where the memory is unknown.
+///
+/// Why this is the largest collective a rank can really be asked for: the output of an
+/// all_gather is the same on every rank, so the `local_ranks` ranks of the host each hold a
+/// copy and no real call can gather more than `memory / local_ranks` bytes without running
+/// the host out of memory. A peer that announces more is refused before anything is
+/// allocated, and the group is poisoned. An all_to_all whose outputs are very uneven across
+/// the ranks of one host (one rank receiving almost everything) can exceed the share in a
+/// real program: set ALLGRAD_MAX_MESSAGE_BYTES for it.
+pub fn message_cap(memory: Option<u64>, local_ranks: usize) -> u64 {
+    match memory {
+        Some(m) if m > 0 => m / local_ranks.max(1) as u64,
+        _ => crate::group::DEFAULT_MAX_MESSAGE_BYTES,
+    }
+}
+
+/// Bytes of memory this process may use: the physical memory, or the cgroup (v2) limit where
+/// that is lower; `None` where neither can be read.
+pub(crate) fn host_memory() -> Option<u64> {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    let physical = (pages > 0 && page > 0).then(|| (pages as u64).saturating_mul(page as u64));
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok().and_then(|s| s.trim().parse::<u64>().ok());
+    match (physical, cgroup) {
+        (Some(p), Some(c)) => Some(p.min(c)),
+        (p, c) => p.or(c),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(kv: &[(&str, &str)]) -> HashMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn unset_variables_give_the_defaults() {
+        let s = Settings::from_vars(&vars(&[])).unwrap();
+        assert_eq!(s, Settings::default());
+        assert_eq!((s.timeout, s.shm, s.shm_slot_bytes), (Duration::from_secs(300), true, 1 << 20));
+        assert_eq!((s.max_message_bytes, s.bind_addr, s.job_token), (None, None, None));
+    }
+
+    #[test]
+    fn every_variable_is_read() {
+        let s = Settings::from_vars(&vars(&[
+            ("ALLGRAD_TIMEOUT_S", "2.5"),
+            ("ALLGRAD_JOB_TOKEN", "s3cret"),
+            ("ALLGRAD_MAX_MESSAGE_BYTES", " 1024 "),
+            ("ALLGRAD_BIND_ADDR", "10.1.2.3"),
+            ("ALLGRAD_SHM", "0"),
+            ("ALLGRAD_SHM_SLOT_BYTES", "65536"),
+        ]))
+        .unwrap();
+        assert_eq!(s.timeout, Duration::from_millis(2500));
+        assert_eq!(s.job_token.as_deref(), Some("s3cret"));
+        assert_eq!(s.max_message_bytes, Some(1024));
+        assert_eq!(s.bind_addr, Some("10.1.2.3".parse().unwrap()));
+        assert!(!s.shm);
+        assert_eq!(s.shm_slot_bytes, 65536);
+    }
+
+    #[test]
+    fn bad_values_are_errors_naming_the_variable_and_value() {
+        for (k, v) in [
+            ("ALLGRAD_TIMEOUT_S", "-1"),
+            ("ALLGRAD_TIMEOUT_S", "inf"),
+            ("ALLGRAD_MAX_MESSAGE_BYTES", "64G"),
+            ("ALLGRAD_BIND_ADDR", "eth0"),
+            ("ALLGRAD_SHM", "yes"),
+            ("ALLGRAD_SHM_SLOT_BYTES", "12"),
+            ("ALLGRAD_SHM_SLOT_BYTES", "1M"),
+        ] {
+            let e = Settings::from_vars(&vars(&[(k, v)])).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(&format!("{v:?}")), "{k}={v}: {e}");
+        }
+    }
+
+    #[test]
+    fn message_cap_is_the_hosts_memory_shared_by_its_ranks() {
+        assert_eq!(message_cap(Some(64 << 30), 4), 16 << 30);
+        assert_eq!(message_cap(Some(1000), 3), 333);
+        assert_eq!(message_cap(Some(1000), 0), 1000);
+        assert_eq!(message_cap(None, 4), 64 << 30);
+        assert_eq!(message_cap(Some(0), 4), 64 << 30);
+    }
+}
