@@ -6,7 +6,7 @@
 //! 1. every rank sends every other its host id (boot id, host name and mount namespace,
 //!    hashed), whether it wants shared memory (ALLGRAD_SHM is not `0`) and, from rank 0, a
 //!    random nonce and the slot size. Shared memory is used only if every member agrees.
-//! 2. rank 0 creates `/dev/shm/allgrad-<hash of job token, group and nonce>` (O_EXCL, mode
+//! 2. rank 0 creates `/dev/shm/<job prefix><hash of job token, group and nonce>` (O_EXCL, mode
 //!    0600, its memory reserved up front), maps it and says whether that worked;
 //! 3. the others open it, check owner, mode, size and header, map it, and everyone tells
 //!    everyone whether it succeeded. Rank 0 then removes the name, so nothing is left behind
@@ -47,6 +47,7 @@ use crate::error::{DistError, DistResult};
 use crate::mesh::{Mesh, OpCode, RecvOp, SendOp, SHM_STEP};
 use crate::reduce::{Elem, ReduceOp};
 use crate::shm::{segment_bytes, Region, Segment, SLOT_ALIGN};
+use crate::shm_job::{shm_job_prefix, SHM_DIR};
 use crate::wire::{Header, KIND_DATA};
 
 /// Collectives of at least this many bytes (the all_reduce buffer, the all_gather output, the
@@ -56,8 +57,6 @@ pub(crate) const SHM_MIN_BYTES: usize = 64 << 10;
 pub(crate) const DEFAULT_SLOT_BYTES: usize = 1 << 20;
 /// Largest segment a group maps (two sets of W + 1 slots); slots shrink to fit.
 pub(crate) const MAX_SEGMENT_BYTES: usize = 256 << 20;
-/// Directory of the segment files.
-const SHM_DIR: &str = "/dev/shm";
 /// How long a waiter spins before it starts yielding its CPU.
 const SPIN: Duration = Duration::from_micros(20);
 /// How long a waiter yields (staying awake when nothing else wants the CPU) before it sleeps.
@@ -156,13 +155,15 @@ fn host_id() -> Option<[u8; 16]> {
     Some(allgrad_rng::hash128(&[boot.trim().as_bytes(), name.trim().as_bytes(), mnt.as_bytes()]))
 }
 
-/// The segment's file. Its name hashes the job token with the group and rank 0's 128-bit
-/// random nonce: unpredictable to other users, and (with 128 unknown random bits hashed in)
-/// revealing nothing of the token.
-fn segment_path(token: &str, group: &str, nonce: u128) -> PathBuf {
+/// The segment's file. After the job's prefix, its name hashes the job token with the group
+/// and rank 0's 128-bit random nonce: unpredictable to other users, and (with 128 unknown
+/// random bits hashed in) revealing nothing more of the token than the prefix does. The name
+/// starts with the job's [`shm_job_prefix`], so the launcher can remove a file left
+/// by a rank that died during setup.
+pub(crate) fn segment_path(token: &str, group: &str, nonce: u128) -> PathBuf {
     let h = allgrad_rng::hash128(&[&nonce.to_le_bytes(), token.as_bytes(), group.as_bytes(), &nonce.to_le_bytes()]);
     let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
-    PathBuf::from(SHM_DIR).join(format!("allgrad-{hex}"))
+    PathBuf::from(SHM_DIR).join(format!("{}{hex}", shm_job_prefix(token)))
 }
 
 /// Removes the segment's name when dropped (on success and on every error path alike).
