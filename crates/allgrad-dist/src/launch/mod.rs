@@ -2,13 +2,13 @@
 //!
 //! Each child gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 //! MASTER_PORT and ALLGRAD_JOB_TOKEN; its output lines are prefixed with its rank
-//! ([`output`]). When one rank fails the others are stopped (SIGTERM, then SIGKILL after a
-//! grace period) and the launcher exits with the failing rank's code ([`supervise`]).
+//! (`output.rs`). When one rank fails the others are stopped (SIGTERM, then SIGKILL after a
+//! grace period) and the launcher exits with the failing rank's code (`supervise.rs`).
 //! SIGINT/SIGTERM sent to the launcher reach every rank; the handlers that catch them are
 //! installed only while [`launch`] runs and the previous ones are restored when it returns
-//! ([`signals`]). Each rank runs in its own process group (so its own children are stopped
+//! (`signals.rs`). Each rank runs in its own process group (so its own children are stopped
 //! with it) and, on Linux, is killed by the kernel if the launcher itself dies, so no process
-//! is left behind ([`spawn`]). Once every rank has exited, the shared-memory files of the
+//! is left behind (`spawn.rs`). Once every rank has exited, the shared-memory files of the
 //! job that a rank dying during a group's setup left under `/dev/shm` are removed
 //! ([`remove_job_segments`](crate::remove_job_segments)).
 //!
