@@ -282,8 +282,9 @@ fn run_on_a_terminal(program: &str, args: &[&str], limit: Duration) -> (std::pro
     use std::io::Read;
     use std::os::fd::FromRawFd;
     let (mut master, mut slave) = (-1, -1);
-    // SAFETY: openpty writes two descriptors; the other arguments may be null.
-    let rc = unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) };
+    // SAFETY: openpty writes two descriptors; the other arguments may be null (null_mut fits
+    // both the const pointers of glibc and the mut ones of the BSDs).
+    let rc = unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()) };
     assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
     // SAFETY: both descriptors were just opened and are owned here alone.
     let (mut master, slave) = unsafe { (std::fs::File::from_raw_fd(master), std::fs::File::from_raw_fd(slave)) };
