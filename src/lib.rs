@@ -9,7 +9,8 @@
 //!   distributed losses and built-in methods.
 //! - [`train`]: the trainer (config, DDP sync, optimizers, checkpoints, metrics).
 //! - [`testing`]: check your own distributed loss for world-size invariance.
-//! - [`launch`]: the torchrun-style launcher behind the `launch` binary.
+//! - [`launch`]: the torchrun-style launcher behind the `launch` binary (re-exported from
+//!   [`dist::launch`]).
 //! - [`tune_allocator`]: allocator settings that make CPU training steps much faster.
 
 #![warn(missing_docs)]
@@ -19,7 +20,8 @@ pub use allgrad_models as models;
 pub use allgrad_train as train;
 
 mod alloc;
-pub mod launch;
+
+pub use allgrad_dist::launch;
 
 pub use alloc::tune_allocator;
 

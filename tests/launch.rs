@@ -1,6 +1,8 @@
 //! The launcher and ranks as processes: the torchrun environment, a failing rank stopping
 //! the job with its exit code, a killed rank making the others fail with its name, Ctrl-C
-//! reaching every rank, and no process left behind in any of these cases.
+//! reaching every rank, and no process left behind in any of these cases; a program that
+//! cannot start reported as such; no shared-memory file left by a rank killed while its group
+//! was being set up; and, on a terminal, rank 0 drawing there (the trainer's progress bar).
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -181,4 +183,167 @@ fn the_custom_loss_example_checks_invariance_and_trains_on_2_ranks() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("[rank0]: uniformity is world-size invariant at W = 4"), "{text}");
     assert!(text.contains("[rank0]: trained 32 steps on 2 ranks"), "{text}");
+}
+
+#[test]
+fn a_program_that_cannot_start_is_a_launch_error_with_exit_code_2() {
+    let (out, _) = run_with_watchdog(
+        Command::new(launch_bin()).args(["--nproc-per-node", "2", "/nonexistent/allgrad-program", "x"]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.lines().any(|l| l.starts_with("launch: error: starting rank 0: /nonexistent/allgrad-program: ")
+            && l.contains("No such file or directory")),
+        "{err}"
+    );
+}
+
+// ------------------------------------------------------------ shared memory left behind
+
+/// What a child rank does, by ALLGRAD_TEST_CHILD (nothing without it): `die_in_shm_setup`
+/// joins the group while a thread watches `/dev/shm` for the job's segment; rank 0 kills
+/// itself with SIGKILL as soon as the segment exists, that is while the group is still being
+/// set up (rank 0 reserves and maps 256 MiB, and rank 1 maps them, before the name goes).
+#[test]
+fn child_rank() {
+    let Ok(mode) = std::env::var("ALLGRAD_TEST_CHILD") else { return };
+    assert_eq!(mode, "die_in_shm_setup");
+    let prefix = allgrad::dist::shm_job_prefix(&std::env::var("ALLGRAD_JOB_TOKEN").unwrap());
+    if std::env::var("RANK").as_deref() == Ok("0") {
+        std::thread::spawn(move || loop {
+            let entries = std::fs::read_dir("/dev/shm").unwrap();
+            if let Some(e) = entries.flatten().find(|e| e.file_name().to_string_lossy().starts_with(&prefix)) {
+                println!("segment {} exists; dying", e.path().display());
+                use std::io::Write;
+                std::io::stdout().flush().unwrap();
+                // SAFETY: raising a signal against ourselves.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            std::thread::yield_now();
+        });
+    }
+    match allgrad::dist::ProcessGroup::from_env() {
+        Ok(pg) => println!("setup completed first (shared memory {})", pg.shared_memory()),
+        Err(e) => println!("joining failed: {e}"),
+    }
+    std::process::exit(3);
+}
+
+fn job_files(prefix: &str) -> Vec<String> {
+    let entries = std::fs::read_dir("/dev/shm").unwrap();
+    entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(prefix)).collect()
+}
+
+#[test]
+fn a_rank_killed_during_shared_memory_setup_leaves_no_segment_after_launch_exits() {
+    if !std::path::Path::new("/dev/shm").is_dir() {
+        eprintln!("skipped: no /dev/shm on this system");
+        return;
+    }
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let token = format!("shm-cleanup-test-{}-{nanos}", std::process::id());
+    let prefix = allgrad::dist::shm_job_prefix(&token);
+    let (out, _) = run_with_watchdog(
+        Command::new(launch_bin())
+            .args(["--nproc-per-node", "2", "--grace-s", "1"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["child_rank", "--exact", "--nocapture", "--test-threads", "1"])
+            .env("ALLGRAD_TEST_CHILD", "die_in_shm_setup")
+            .env("ALLGRAD_JOB_TOKEN", &token)
+            // The largest segment (256 MiB): its setup lasts long enough for the watcher.
+            .env("ALLGRAD_SHM_SLOT_BYTES", (64 << 20).to_string())
+            .env_remove("ALLGRAD_SHM"),
+        Duration::from_secs(60),
+    );
+    let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // Rank 0 died while its segment existed (the case the cleanup is for).
+    let seen: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("[rank0]: "))
+        .filter_map(|l| l.split("segment ").nth(1)?.strip_suffix(" exists; dying"))
+        .collect();
+    assert_eq!(seen.len(), 1, "rank 0 did not die during setup:\n{text}\n{err}");
+    assert!(seen[0].starts_with(&format!("/dev/shm/{prefix}")), "{}", seen[0]);
+    assert_eq!(out.status.code(), Some(137), "{text}\n{err}");
+    assert!(err.contains("rank 0 exited with code 137"), "{err}");
+    // The launcher removed it, said so, and nothing of the job is left.
+    assert!(err.contains(&format!("launch: removed shared-memory files left by the job's ranks: {}", seen[0])), "{err}");
+    assert_eq!(job_files(&prefix), Vec::<String>::new());
+}
+
+// ------------------------------------------------------------------- on a terminal
+
+/// Runs `program args` with stdout and stderr on a new pseudo-terminal (stdin closed) under
+/// a watchdog; returns its exit status and everything written to the terminal, without the
+/// carriage returns the terminal adds.
+fn run_on_a_terminal(program: &str, args: &[&str], limit: Duration) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty writes two descriptors; the other arguments may be null (null_mut fits
+    // both the const pointers of glibc and the mut ones of the BSDs).
+    let rc = unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just opened and are owned here alone.
+    let (mut master, slave) = unsafe { (std::fs::File::from_raw_fd(master), std::fs::File::from_raw_fd(slave)) };
+    let mut child = {
+        let mut cmd = Command::new(program);
+        cmd.args(args).stdin(Stdio::null()).stdout(slave.try_clone().unwrap()).stderr(slave);
+        cmd.spawn().unwrap()
+        // `cmd` (holding the last copies of the terminal's slave side here) is dropped here, so
+        // reading the master side ends once the child and its ranks have closed theirs.
+    };
+    let reader = std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = master.read_to_end(&mut bytes); // ends with EIO once every slave is closed
+        bytes
+    });
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            panic!("watchdog: {program} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let bytes = reader.join().unwrap();
+    (status, String::from_utf8_lossy(&bytes).replace('\r', ""))
+}
+
+#[test]
+fn on_a_terminal_rank_0_gets_it_as_stderr_and_the_other_ranks_stay_prefixed() {
+    let script =
+        "if [ -t 2 ]; then t=terminal; else t=pipe; fi; echo \"rank $RANK stderr: $t\"; echo \"rank $RANK on stderr\" >&2";
+    let (status, text) = run_on_a_terminal(launch_bin(), &["--nproc-per-node", "3", "sh", "-c", script], Duration::from_secs(30));
+    assert!(status.success(), "{status:?}\n{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    for want in [
+        "[rank0]: rank 0 stderr: terminal",
+        "rank 0 on stderr",
+        "[rank1]: rank 1 stderr: pipe",
+        "[rank1]: rank 1 on stderr",
+        "[rank2]: rank 2 stderr: pipe",
+        "[rank2]: rank 2 on stderr",
+    ] {
+        assert!(lines.contains(&want), "missing {want:?} in\n{text}");
+    }
+}
+
+#[test]
+fn train_under_launch_on_a_terminal_draws_the_progress_bar_on_rank_0() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = out_dir.path().to_str().unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/vectors.yaml");
+    let args = ["--nproc-per-node", "2", env!("CARGO_BIN_EXE_train"), "--config", config];
+    let args: Vec<&str> = args.into_iter().chain(["--set", "train.epochs=1", "--output-dir", out]).collect();
+    let (status, text) = run_on_a_terminal(launch_bin(), &args, Duration::from_secs(120));
+    assert!(status.success(), "{status:?}\n{text}");
+    // The bar's template is "{bar} {pos}/{len} steps ..."; periodic lines read "step N/8".
+    assert!(text.contains("/8 steps"), "no progress bar in\n{text}");
+    assert!(!text.lines().any(|l| l.contains("step 8/8")), "periodic lines instead of the bar:\n{text}");
 }

@@ -4,6 +4,9 @@
 //! launch --nproc-per-node 2 target/release/train --config configs/simclr.yaml
 //! launch --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 --nproc-per-node 8 PROGRAM ...
 //! ```
+//!
+//! Exit code: the first failing rank's (128 + signal for a rank killed by a signal), 128 +
+//! signal when the launcher itself was interrupted, 2 when it could not start the job.
 
 use std::time::Duration;
 
@@ -61,7 +64,7 @@ fn main() {
     match launch(&cfg) {
         Ok(outcome) => std::process::exit(outcome.exit_code()),
         Err(e) => {
-            eprintln!("launch: error: {e:#}");
+            eprintln!("launch: error: {e}");
             std::process::exit(2);
         }
     }

@@ -13,6 +13,8 @@
 //!   [`broadcast`], [`all_to_all`]) are Candle custom ops with a correct backward, under the
 //!   convention documented in [`ops`]. [`testing::check_world_size_invariance`] checks a
 //!   user's own distributed loss against a single process.
+//! - [`launch`] starts the ranks of one node as processes, torchrun-style (the `launch`
+//!   binary of the `allgrad` crate).
 //! - Every blocking call has a timeout (ALLGRAD_TIMEOUT_S, default 300 s). A rank that fails
 //!   or dies makes every other rank's collectives fail within milliseconds, naming it. Ranks
 //!   that call different collectives fail with a message naming both calls.
@@ -39,11 +41,13 @@ mod dispatch;
 pub mod env;
 mod error;
 mod group;
+pub mod launch;
 mod mesh;
 pub mod ops;
 mod reduce;
 pub mod settings;
 mod shm;
+mod shm_job;
 mod shm_ops;
 mod shm_setup;
 pub mod store;
@@ -59,6 +63,7 @@ pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
 pub use ops::{all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter};
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
 pub use settings::Settings;
+pub use shm_job::{remove_job_segments, shm_job_prefix};
 pub use threads::{run_threads, ThreadWorld};
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! 1. every rank sends every other its host id (boot id, host name and mount namespace,
 //!    hashed), whether it wants shared memory (ALLGRAD_SHM is not `0`) and, from rank 0, a
 //!    random nonce and the slot size. Shared memory is used only if every member agrees.
-//! 2. rank 0 creates `/dev/shm/allgrad-<hash of job token, group and nonce>` (O_EXCL, mode
+//! 2. rank 0 creates `/dev/shm/<job prefix><hash of job token, group and nonce>` (O_EXCL, mode
 //!    0600, its memory reserved up front), maps it and says whether that worked;
 //! 3. the others open it, check owner, mode, size and header, map it, and everyone tells
 //!    everyone whether it succeeded. Rank 0 then removes the name, so nothing is left behind
@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use crate::error::DistResult;
 use crate::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::shm::{segment_bytes, Segment, SLOT_ALIGN};
+use crate::shm_job::{shm_job_prefix, SHM_DIR};
 use crate::wire::{Header, KIND_DATA};
 
 /// Default bytes of one rank's slot (ALLGRAD_SHM_SLOT_BYTES overrides).
@@ -26,7 +27,6 @@ pub(crate) const DEFAULT_SLOT_BYTES: usize = 1 << 20;
 /// Largest segment a group maps (two sets of W + 1 slots); slots shrink to fit.
 pub(crate) const MAX_SEGMENT_BYTES: usize = 256 << 20;
 /// Directory of the segment files.
-const SHM_DIR: &str = "/dev/shm";
 
 /// Whether and how a process's groups use shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,13 +91,14 @@ fn host_id() -> Option<[u8; 16]> {
     Some(allgrad_rng::hash128(&[boot.trim().as_bytes(), name.trim().as_bytes(), mnt.as_bytes()]))
 }
 
-/// The segment's file. Its name hashes the job token with the group and rank 0's 128-bit
-/// random nonce: unpredictable to other users, and (with 128 unknown random bits hashed in)
-/// revealing nothing of the token.
-fn segment_path(token: &str, group: &str, nonce: u128) -> PathBuf {
+/// The segment's file. After the job's prefix ([`shm_job_prefix`], so that the launcher can
+/// remove a file left by a rank that died during setup), its name hashes the job token with
+/// the group and rank 0's 128-bit random nonce: unpredictable to other users, and (with 128
+/// unknown random bits hashed in) revealing nothing more of the token than the prefix does.
+pub(crate) fn segment_path(token: &str, group: &str, nonce: u128) -> PathBuf {
     let h = allgrad_rng::hash128(&[&nonce.to_le_bytes(), token.as_bytes(), group.as_bytes(), &nonce.to_le_bytes()]);
     let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
-    PathBuf::from(SHM_DIR).join(format!("allgrad-{hex}"))
+    PathBuf::from(SHM_DIR).join(format!("{}{hex}", shm_job_prefix(token)))
 }
 
 /// Removes the segment's name when dropped (on success and on every error path alike).

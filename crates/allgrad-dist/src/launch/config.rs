@@ -1,0 +1,168 @@
+//! What to launch ([`LaunchConfig`]), how the job ended ([`Outcome`]), and the checks and
+//! defaults applied before any rank starts.
+
+use std::time::Duration;
+
+use super::LaunchError;
+
+/// What to launch, and where this node sits in the job.
+#[derive(Clone, Debug)]
+pub struct LaunchConfig {
+    /// Ranks to start on this node.
+    pub nproc_per_node: usize,
+    /// Nodes in the job.
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes`.
+    pub node_rank: usize,
+    /// Host of rank 0 (its rendezvous store).
+    pub master_addr: String,
+    /// Port of rank 0's rendezvous store; 0 picks a free one (single node only).
+    pub master_port: u16,
+    /// Local ranks whose output is shown (all when `None`).
+    pub ranks_filter: Option<Vec<usize>>,
+    /// Prefix each output line with `[rankN]: `.
+    pub prefix: bool,
+    /// Time between SIGTERM and SIGKILL when stopping ranks.
+    pub grace: Duration,
+    /// The program and its arguments.
+    pub program: Vec<String>,
+}
+
+impl LaunchConfig {
+    /// Ranks in the whole job.
+    pub fn world_size(&self) -> usize {
+        self.nproc_per_node * self.nnodes
+    }
+
+    /// Global rank of this node's local rank `local`.
+    pub fn global_rank(&self, local: usize) -> usize {
+        self.node_rank * self.nproc_per_node + local
+    }
+
+    /// Whether local rank `local`'s output is shown (`ranks_filter`).
+    pub fn shows(&self, local: usize) -> bool {
+        self.ranks_filter.as_ref().is_none_or(|f| f.contains(&local))
+    }
+
+    /// Checks the sizes and returns the program and its arguments.
+    pub(crate) fn validate(&self) -> Result<(&str, &[String]), LaunchError> {
+        if self.nproc_per_node == 0 || self.nnodes == 0 {
+            return Err(LaunchError::EmptyWorld { nproc_per_node: self.nproc_per_node, nnodes: self.nnodes });
+        }
+        if self.node_rank >= self.nnodes {
+            return Err(LaunchError::NodeRankOutOfRange { node_rank: self.node_rank, nnodes: self.nnodes });
+        }
+        let (prog, args) = self.program.split_first().ok_or(LaunchError::NoProgram)?;
+        Ok((prog.as_str(), args))
+    }
+
+    /// The port of rank 0's store: the configured one, else a free one on a single node.
+    pub(crate) fn port(&self) -> Result<u16, LaunchError> {
+        if self.master_port != 0 {
+            Ok(self.master_port)
+        } else if self.nnodes == 1 {
+            free_port()
+        } else {
+            Err(LaunchError::MasterPortRequired { nnodes: self.nnodes })
+        }
+    }
+}
+
+/// The job token handed to the ranks: ALLGRAD_JOB_TOKEN from `env_token` when set, a fresh
+/// random one on a single node, and none with several nodes (each rank then derives a weak
+/// one, and the launcher says so).
+pub(crate) fn job_token(env_token: Option<String>, nnodes: usize) -> Option<String> {
+    match env_token {
+        Some(t) if !t.is_empty() => Some(t),
+        _ if nnodes == 1 => Some(format!("{:032x}", rand::random::<u128>())),
+        _ => {
+            eprintln!(
+                "launch: ALLGRAD_JOB_TOKEN is not set; with several nodes every node needs the same secret, \
+                 so ranks will derive a weak one (set ALLGRAD_JOB_TOKEN on every node)"
+            );
+            None
+        }
+    }
+}
+
+/// How the job ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every rank exited with status 0.
+    Success,
+    /// A rank failed first; the others were stopped.
+    RankFailed {
+        /// Global rank of the first failing process.
+        rank: usize,
+        /// Its exit code (128 + signal number when killed by a signal).
+        code: i32,
+    },
+    /// The launcher was interrupted by a signal and stopped every rank.
+    Interrupted(i32),
+}
+
+impl Outcome {
+    /// The launcher's exit code.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Outcome::Success => 0,
+            Outcome::RankFailed { code, .. } => (*code).max(1),
+            Outcome::Interrupted(sig) => 128 + sig,
+        }
+    }
+}
+
+/// A free TCP port on loopback (bound, read, released).
+pub fn free_port() -> Result<u16, LaunchError> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(LaunchError::FreePort)?;
+    Ok(l.local_addr().map_err(LaunchError::FreePort)?.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(nproc_per_node: usize, nnodes: usize, node_rank: usize, program: &[&str]) -> LaunchConfig {
+        LaunchConfig {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            ranks_filter: None,
+            prefix: true,
+            grace: Duration::from_secs(1),
+            program: program.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn invalid_configs_are_typed_errors_naming_the_values() {
+        let e = cfg(0, 1, 0, &["true"]).validate().unwrap_err();
+        assert!(matches!(e, LaunchError::EmptyWorld { nproc_per_node: 0, nnodes: 1 }), "{e:?}");
+        assert_eq!(e.to_string(), "--nproc-per-node (0) and --nnodes (1) must be at least 1");
+        let e = cfg(2, 2, 2, &["true"]).validate().unwrap_err();
+        assert!(matches!(e, LaunchError::NodeRankOutOfRange { node_rank: 2, nnodes: 2 }), "{e:?}");
+        assert_eq!(e.to_string(), "--node-rank 2 is not below --nnodes 2");
+        assert!(matches!(cfg(1, 1, 0, &[]).validate(), Err(LaunchError::NoProgram)));
+        let e = cfg(1, 3, 0, &["true"]).port().unwrap_err();
+        assert!(matches!(e, LaunchError::MasterPortRequired { nnodes: 3 }), "{e:?}");
+        assert_eq!(cfg(2, 1, 0, &["prog", "a"]).validate().unwrap(), ("prog", &["a".to_string()][..]));
+    }
+
+    #[test]
+    fn ranks_are_numbered_by_node_and_filtered_by_local_rank() {
+        let mut c = cfg(4, 3, 2, &["true"]);
+        assert_eq!((c.world_size(), c.global_rank(0), c.global_rank(3)), (12, 8, 11));
+        c.ranks_filter = Some(vec![1]);
+        assert!(c.shows(1) && !c.shows(0));
+    }
+
+    #[test]
+    fn the_token_comes_from_the_environment_or_is_fresh_on_one_node() {
+        assert_eq!(job_token(Some("abc".into()), 2).as_deref(), Some("abc"));
+        let (a, b) = (job_token(None, 1).unwrap(), job_token(Some(String::new()), 1).unwrap());
+        assert!(a.len() == 32 && b.len() == 32 && a != b, "{a} {b}");
+        assert_eq!(job_token(None, 2), None);
+    }
+}

@@ -1,0 +1,85 @@
+//! A torchrun-style launcher: starts the ranks of one node as child processes.
+//!
+//! Each child gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+//! MASTER_PORT and ALLGRAD_JOB_TOKEN; its output lines are prefixed with its rank
+//! (`output.rs`). When one rank fails the others are stopped (SIGTERM, then SIGKILL after a
+//! grace period) and the launcher exits with the failing rank's code (`supervise.rs`).
+//! SIGINT/SIGTERM sent to the launcher reach every rank; the handlers that catch them are
+//! installed only while [`launch`] runs and the previous ones are restored when it returns
+//! (`signals.rs`). Each rank runs in its own process group (so its own children are stopped
+//! with it) and, on Linux, is killed by the kernel if the launcher itself dies, so no process
+//! is left behind (`spawn.rs`). Once every rank has exited, the shared-memory files of the
+//! job that a rank dying during a group's setup left under `/dev/shm` are removed
+//! ([`remove_job_segments`](crate::remove_job_segments)).
+//!
+//! Errors before or while starting ranks are [`LaunchError`]s; a failing rank is an
+//! [`Outcome`].
+
+mod config;
+mod error;
+mod output;
+mod signals;
+mod spawn;
+mod supervise;
+
+use std::sync::{Arc, Mutex};
+
+pub use config::{free_port, LaunchConfig, Outcome};
+pub use error::LaunchError;
+
+use output::Stream;
+use spawn::Job;
+
+/// Starts the ranks and supervises them until they all end; see the module docs.
+pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
+    let (program, args) = cfg.validate()?;
+    let port = cfg.port()?;
+    let token = config::job_token(std::env::var("ALLGRAD_JOB_TOKEN").ok(), cfg.nnodes);
+    let signals = signals::SignalGuard::install()?;
+    let job = Job { cfg, program, args, port, token: token.as_deref() };
+
+    let out_lock = Arc::new(Mutex::new(()));
+    let mut children = Vec::with_capacity(cfg.nproc_per_node);
+    let mut pumps = Vec::new();
+    let terminal = output::stderr_is_terminal();
+    for local in 0..cfg.nproc_per_node {
+        let rank = cfg.global_rank(local);
+        let show = cfg.shows(local);
+        let stderr = output::stderr_for(rank, show, terminal);
+        let mut child = match spawn::spawn_rank(&job, local, stderr) {
+            Ok(c) => c,
+            Err(e) => {
+                supervise::stop_all(&mut children, cfg.grace);
+                remove_segments(job.token);
+                return Err(e);
+            }
+        };
+        let prefix = if cfg.prefix { format!("[rank{rank}]: ") } else { String::new() };
+        if let Some(out) = child.stdout.take() {
+            pumps.push(output::pump(out, prefix.clone(), show, Stream::Out, out_lock.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(output::pump(err, prefix, show, Stream::Err, out_lock.clone()));
+        }
+        children.push((rank, child));
+    }
+
+    let outcome = supervise::supervise(&mut children, &signals, cfg.grace);
+    for p in pumps {
+        let _ = p.join();
+    }
+    remove_segments(job.token);
+    Ok(outcome)
+}
+
+/// Removes the shared-memory files the job's ranks left (a rank that died while setting up a
+/// group), once every rank has exited. Without a token (several nodes, none set) the ranks'
+/// segment names are not known here and nothing is removed.
+fn remove_segments(token: Option<&str>) {
+    let Some(token) = token else { return };
+    let removed = crate::shm_job::remove_job_segments(token);
+    if !removed.is_empty() {
+        let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
+        eprintln!("launch: removed shared-memory files left by the job's ranks: {}", names.join(", "));
+    }
+}

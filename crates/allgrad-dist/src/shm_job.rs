@@ -1,0 +1,101 @@
+//! The names of a job's shared-memory segments, and their removal when the job ends.
+//!
+//! Every segment of a job is named `allgrad-<16 hex digits>-<32 hex digits>` under
+//! `/dev/shm`: the first part hashes the job token alone ([`shm_job_prefix`]), the second the
+//! token with the group and rank 0's random nonce. A segment's name lives only for the few
+//! milliseconds of a group's setup, but a rank that dies in between leaves the file behind;
+//! the launcher, which knows the token, removes every file of its job once all ranks have
+//! exited ([`remove_job_segments`]).
+//!
+//! The prefix reveals 64 bits of a (non-cryptographic) hash of the token to other users of
+//! the host while a name exists. The launcher's tokens are 128 random bits, and a token only
+//! matching the hash does not pass the connection handshake, which checks the token itself.
+
+use std::path::{Path, PathBuf};
+
+/// Directory of the segment files.
+pub(crate) const SHM_DIR: &str = "/dev/shm";
+
+/// The start of the name of every shared-memory segment of the job whose token is `token`:
+/// `allgrad-` and 16 hex digits of a hash of the token, then `-`.
+pub fn shm_job_prefix(token: &str) -> String {
+    let h = allgrad_rng::hash128(&[b"allgrad shared-memory job", token.as_bytes()]);
+    let hex: String = h[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("allgrad-{hex}-")
+}
+
+/// Removes the files under `/dev/shm` of the job whose token is `token` (regular files of
+/// this user whose name starts with [`shm_job_prefix`]) and returns their paths. Call it only
+/// once no process of the job is setting up a group any more: a name removed during a
+/// setup makes that group fall back to TCP.
+pub fn remove_job_segments(token: &str) -> Vec<PathBuf> {
+    remove_job_segments_in(Path::new(SHM_DIR), token)
+}
+
+fn remove_job_segments_in(dir: &Path, token: &str) -> Vec<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let prefix = shm_job_prefix(token);
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let path = entry.path();
+        // symlink_metadata: a link planted under the job's name is not followed.
+        let ours = std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_file() && m.uid() == me);
+        if ours && std::fs::remove_file(&path).is_ok() {
+            removed.push(path);
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefix_depends_on_the_token_only_and_does_not_show_it() {
+        let p = shm_job_prefix("secret-token");
+        assert_eq!(p.len(), "allgrad-".len() + 16 + 1, "{p}");
+        assert!(p.starts_with("allgrad-") && p.ends_with('-') && !p.contains("secret"), "{p}");
+        assert_eq!(p, shm_job_prefix("secret-token"));
+        assert_ne!(p, shm_job_prefix("secret-tokeN"));
+    }
+
+    #[test]
+    fn every_segment_name_of_a_job_starts_with_its_prefix() {
+        let prefix = shm_job_prefix("tok");
+        for (group, nonce) in [("world", 1u128), ("world/1", u128::MAX), ("g", 7)] {
+            let path = crate::shm_setup::segment_path("tok", group, nonce);
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            assert!(path.starts_with(SHM_DIR) && name.starts_with(&prefix), "{name} vs {prefix}");
+            assert!(!name.starts_with(&shm_job_prefix("other")), "{name}");
+        }
+    }
+
+    #[test]
+    fn removal_takes_this_jobs_files_only_and_follows_no_link() {
+        let dir = tempfile_dir();
+        let mine = dir.join(format!("{}0123", shm_job_prefix("job-a")));
+        let other = dir.join(format!("{}0123", shm_job_prefix("job-b")));
+        let target = dir.join("target");
+        let link = dir.join(format!("{}link", shm_job_prefix("job-a")));
+        for p in [&mine, &other, &target] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert_eq!(remove_job_segments_in(&dir, "job-a"), vec![mine.clone()]);
+        assert!(!mine.exists() && other.exists() && target.exists() && link.symlink_metadata().is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("allgrad-shm-job-test-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}
