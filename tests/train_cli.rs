@@ -140,6 +140,7 @@ fn sigkill_at_random_moments_never_leaves_a_broken_latest() {
     let d = setup();
     let out_dir = d.path().join("killed");
     let args = ["--set", "checkpoint.every=1", "--set", "train.epochs=40", "--output-dir"];
+    let mut checked = 0;
     for (i, delay_ms) in [150u64, 400, 700, 1100].into_iter().enumerate() {
         let mut c = train(d.path(), &args);
         c.arg(&out_dir);
@@ -154,8 +155,13 @@ fn sigkill_at_random_moments_never_leaves_a_broken_latest() {
             let (ck, m) = latest_model(&out_dir);
             assert!(!m.is_empty(), "{}", ck.display());
             assert!(ck.join("optimizer.safetensors").exists() && ck.join("state.json").exists());
+            checked += 1;
         }
     }
+    // Without a checkpoint written before some kill, the test would have checked nothing.
+    assert!(checked > 0, "no run lived long enough to write a checkpoint: nothing was checked");
+    // The last latest is loadable by a resume that completes a step.
+    ok(&run(train(d.path(), &args).arg(&out_dir).args(["--resume", "--stop-after", "1"]), Duration::from_secs(60)));
 }
 
 #[test]
