@@ -93,6 +93,7 @@ pub enum Precision {
 /// The `data` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+#[allow(clippy::large_enum_variant)] // one per run, parsed once: the size does not matter
 pub enum DataConfig {
     /// Seeded synthetic vectors around random cluster centres.
     Vectors(VectorData),
@@ -189,7 +190,7 @@ impl RunConfig {
             )));
         }
         let unit = world_size * t.accumulate;
-        if t.global_batch % unit != 0 {
+        if !t.global_batch.is_multiple_of(unit) {
             return Err(bad(format!(
                 "train.global_batch = {} is not divisible by world size {world_size} x train.accumulate {} = {unit}: \
                  each rank takes global_batch / world_size samples per step, in `accumulate` equal micro-batches",

@@ -180,8 +180,8 @@ pub fn plot(history: &[Record], path: &Path, font: Option<&Path>) -> Result<(), 
     if loss.is_empty() {
         return Err("no loss values to plot".into());
     }
-    let mut panels: Vec<(String, Vec<(f64, f64)>, RGBColor)> =
-        vec![("loss".into(), loss, BLUE), ("learning rate".into(), pts(&|r| r.lr), RED)];
+    type Panel = (String, Vec<(f64, f64)>, RGBColor);
+    let mut panels: Vec<Panel> = vec![("loss".into(), loss, BLUE), ("learning rate".into(), pts(&|r| r.lr), RED)];
     let names: std::collections::BTreeSet<&String> = history.iter().flat_map(|r| r.eval.keys()).collect();
     let colors = [RGBColor(0, 128, 0), RGBColor(128, 0, 128), RGBColor(200, 120, 0), RGBColor(0, 128, 128)];
     for (i, name) in names.into_iter().enumerate() {

@@ -123,7 +123,7 @@ fn sync_batch_norm_buffers_are_identical_on_every_rank_moved_and_checkpointed() 
     assert_eq!(changed, b.len(), "some running statistics never moved from their initial values");
     let ck = allgrad_train::checkpoint::load_latest(dir.path(), &Device::Cpu).unwrap().expect("a checkpoint at step 2");
     assert!(ck.path.ends_with("step_2"), "{}", ck.path.display());
-    let saved = bits(ck.buffers.into_iter()).unwrap();
+    let saved = bits(ck.buffers).unwrap();
     assert!(saved == *b, "buffers.safetensors does not hold rank 0's running statistics");
 }
 
