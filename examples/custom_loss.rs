@@ -101,6 +101,7 @@ fn main() -> anyhow::Result<()> {
         schedule: Default::default(),
         checkpoint: Default::default(),
         log: allgrad::train::metrics::LogConfig { every: 8, progress: allgrad::train::metrics::Progress::Lines, plot: false },
+        settings: Default::default(),
     };
     let mut trainer = Trainer::new(cfg, Box::new(PointsObjective { centres, layer: None }), pg.clone(), None, false)?;
     let summary = trainer.train()?;

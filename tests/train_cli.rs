@@ -110,11 +110,11 @@ fn a_crash_while_saving_keeps_latest_loadable_and_resume_is_exact() {
     let d = setup();
     let limit = Duration::from_secs(120);
     let straight = d.path().join("straight");
-    ok(&run(&mut train(d.path(), &["--output-dir"]).arg(&straight), limit));
+    ok(&run(train(d.path(), &["--output-dir"]).arg(&straight), limit));
     let want = values(&latest_model(&straight).1);
 
     let crashed = d.path().join("crashed");
-    ok(&run(&mut train(d.path(), &["--stop-after", "2", "--output-dir"]).arg(&crashed), limit));
+    ok(&run(train(d.path(), &["--stop-after", "2", "--output-dir"]).arg(&crashed), limit));
     assert!(latest_model(&crashed).0.ends_with("step_2"));
     for stage in ["model", "optimizer", "rename"] {
         let out = run(
@@ -127,7 +127,7 @@ fn a_crash_while_saving_keeps_latest_loadable_and_resume_is_exact() {
         let (ck, _) = latest_model(&crashed);
         assert!(ck.ends_with("step_2"), "after a crash at {stage}: {}", ck.display());
     }
-    ok(&run(&mut train(d.path(), &["--resume", "--output-dir"]).arg(&crashed), limit));
+    ok(&run(train(d.path(), &["--resume", "--output-dir"]).arg(&crashed), limit));
     let (ck, m) = latest_model(&crashed);
     assert!(ck.ends_with("step_8"));
     assert_eq!(values(&m), want, "resumed run differs from the uninterrupted one");
@@ -140,6 +140,7 @@ fn sigkill_at_random_moments_never_leaves_a_broken_latest() {
     let d = setup();
     let out_dir = d.path().join("killed");
     let args = ["--set", "checkpoint.every=1", "--set", "train.epochs=40", "--output-dir"];
+    let mut checked = 0;
     for (i, delay_ms) in [150u64, 400, 700, 1100].into_iter().enumerate() {
         let mut c = train(d.path(), &args);
         c.arg(&out_dir);
@@ -154,8 +155,13 @@ fn sigkill_at_random_moments_never_leaves_a_broken_latest() {
             let (ck, m) = latest_model(&out_dir);
             assert!(!m.is_empty(), "{}", ck.display());
             assert!(ck.join("optimizer.safetensors").exists() && ck.join("state.json").exists());
+            checked += 1;
         }
     }
+    // Without a checkpoint written before some kill, the test would have checked nothing.
+    assert!(checked > 0, "no run lived long enough to write a checkpoint: nothing was checked");
+    // The last latest is loadable by a resume that completes a step.
+    ok(&run(train(d.path(), &args).arg(&out_dir).args(["--resume", "--stop-after", "1"]), Duration::from_secs(60)));
 }
 
 #[test]
@@ -184,8 +190,8 @@ fn config_errors_name_the_file_the_key_and_the_numbers() {
 fn an_existing_run_is_not_overwritten_without_resume() {
     let d = setup();
     let out_dir = d.path().join("r");
-    ok(&run(&mut train(d.path(), &["--stop-after", "2", "--output-dir"]).arg(&out_dir), Duration::from_secs(60)));
-    let out = run(&mut train(d.path(), &["--output-dir"]).arg(&out_dir), Duration::from_secs(60));
+    ok(&run(train(d.path(), &["--stop-after", "2", "--output-dir"]).arg(&out_dir), Duration::from_secs(60)));
+    let out = run(train(d.path(), &["--output-dir"]).arg(&out_dir), Duration::from_secs(60));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
     assert!(latest_model(&out_dir).0.ends_with("step_2"));

@@ -6,12 +6,13 @@
 //! ```
 //!
 //! Without launcher variables it is a world of one rank; under `launch`, torchrun or srun it
-//! joins the job they describe.
+//! joins the job they describe. The run-directory policy is `allgrad_train::run_dir`; the
+//! environment variables are read once, here, into `allgrad_train::Settings`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use allgrad::dist::ProcessGroup;
-use allgrad_train::{run, RunConfig};
+use allgrad_train::{run, run_dir, RunConfig, Settings};
 use clap::Parser;
 
 /// Train the method a config describes, on this rank.
@@ -52,23 +53,13 @@ fn main() {
 }
 
 fn main_inner(args: &Args) -> Result<(), (i32, String)> {
+    let settings = Settings::from_env().map_err(|e| (2, e.to_string()))?;
     let cfg = RunConfig::load(&args.config, &args.set).map_err(|e| (2, e.to_string()))?;
     let pg = ProcessGroup::from_env().map_err(|e| (1, e.to_string()))?;
     cfg.validate(pg.world_size(), &args.config).map_err(|e| (2, e.to_string()))?;
-    let out_dir = match &args.output_dir {
-        Some(d) => d.clone(),
-        None => default_run_dir(&args.config, args.resume).map_err(|e| (2, e))?,
-    };
-    if !args.resume && out_dir.join("checkpoints").join("latest").exists() {
-        return Err((
-            2,
-            format!(
-                "{} already holds checkpoints of a run: pass --resume to continue it, or choose another --output-dir",
-                out_dir.display()
-            ),
-        ));
-    }
-    let result = run::build(&cfg, pg.clone(), Some(out_dir.clone()), args.resume)
+    let out_dir = run_dir::choose(args.output_dir.as_deref(), Path::new("runs"), &args.config, args.resume, run_dir::now_secs())
+        .map_err(|e| (2, e.to_string()))?;
+    let result = run::build_with(&cfg, pg.clone(), Some(out_dir.clone()), args.resume, settings)
         .and_then(|mut t| t.train_until(args.stop_after.unwrap_or(usize::MAX)).map(|s| (s, t.total_steps())));
     match result {
         Ok((s, total)) => {
@@ -92,48 +83,5 @@ fn main_inner(args: &Args) -> Result<(), (i32, String)> {
             pg.abort(&e.to_string());
             Err((1, format!("rank {}: {e}", pg.rank())))
         }
-    }
-}
-
-/// `runs/<config name>/<UTC time>` for a new run; the newest such directory for a resume.
-/// Only rank 0 writes into it, so ranks that pick a different second do no harm.
-fn default_run_dir(config: &std::path::Path, resume: bool) -> Result<PathBuf, String> {
-    let stem = config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
-    let parent = PathBuf::from("runs").join(stem);
-    if resume {
-        let mut runs: Vec<PathBuf> = std::fs::read_dir(&parent)
-            .map_err(|e| format!("--resume without --output-dir: cannot list {}: {e}", parent.display()))?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.join("checkpoints").join("latest").exists())
-            .collect();
-        runs.sort();
-        return runs.pop().ok_or_else(|| format!("--resume: no run with checkpoints under {}", parent.display()));
-    }
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    Ok(parent.join(utc_stamp(secs)))
-}
-
-/// `YYYYmmdd-HHMMSS` in UTC (days to civil date after Howard Hinnant's algorithm).
-fn utc_stamp(secs: u64) -> String {
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn utc_stamps() {
-        assert_eq!(super::utc_stamp(0), "19700101-000000");
-        assert_eq!(super::utc_stamp(951_782_400 + 3_723), "20000229-010203");
     }
 }

@@ -12,6 +12,7 @@
 //!   every random choice drawn from a stream keyed by (seed, epoch, global sample index,
 //!   view), see [`rng`]. A sample's views therefore never depend on the rank, the worker or
 //!   its position in a batch, which keeps a run on W ranks equal to a run on one.
+//! - [`DistributedSampler`]: which global samples each rank takes at each step.
 //! - [`Loader`]: batches of global indices in, `[B, C, H, W]` f32 tensors out, built on
 //!   worker threads with bounded prefetch, in order and identical for any number of workers.
 //!
@@ -42,6 +43,7 @@ mod image;
 mod loader;
 mod read;
 pub mod rng;
+mod sampler;
 
 pub use augment::{
     Augment, AugmentConfig, ColorJitter, CropBox, GaussianBlur, Normalize, Pipeline, RandomGrayscale, RandomHorizontalFlip,
@@ -54,3 +56,4 @@ pub use folder::{ColorMode, FolderOptions, ImageFolder};
 pub use idx::IdxDataset;
 pub use image::{Chw, FloatImage, Image};
 pub use loader::{Batch, Loader, LoaderConfig};
+pub use sampler::DistributedSampler;

@@ -61,4 +61,12 @@ impl Objective for BarlowTwins {
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         self.images.evaluate(pg)
     }
+
+    fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        self.images.buffers()
+    }
+
+    fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        self.images.load_buffers(buffers)
+    }
 }

@@ -26,6 +26,7 @@ pub struct BatchNorm {
     eps: f64,
     momentum: f64,
     sync: bool,
+    name: String,
 }
 
 /// Training or evaluation, and the group SyncBatchNorm reduces over.
@@ -44,7 +45,8 @@ impl BatchNorm {
         let bias = vb.get_with_hints(channels, "bias", candle_nn::Init::Const(0.0))?;
         let zeros = Tensor::zeros(channels, DType::F32, vb.device())?.to_dtype(vb.dtype())?;
         let ones = Tensor::ones(channels, DType::F32, vb.device())?.to_dtype(vb.dtype())?;
-        Ok(BatchNorm { weight, bias, running: Mutex::new((zeros, ones)), eps: 1e-5, momentum: 0.1, sync })
+        let name = vb.prefix();
+        Ok(BatchNorm { weight, bias, running: Mutex::new((zeros, ones)), eps: 1e-5, momentum: 0.1, sync, name })
     }
 
     /// Normalises `x`.
@@ -86,4 +88,58 @@ impl BatchNorm {
     pub fn running_stats(&self) -> (Tensor, Tensor) {
         self.running.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
+
+    /// Replaces the running mean and variance (on resume), checking their shapes.
+    pub fn set_running_stats(&self, mean: &Tensor, var: &Tensor) -> Result<()> {
+        let c = self.weight.dim(0)?;
+        if mean.dims() != [c] || var.dims() != [c] {
+            candle_core::bail!(
+                "batch norm {} has {c} channels, the running statistics given have shapes {:?} and {:?}",
+                self.name,
+                mean.dims(),
+                var.dims()
+            );
+        }
+        let dt = self.weight.dtype();
+        *self.running.lock().unwrap_or_else(|p| p.into_inner()) = (mean.to_dtype(dt)?, var.to_dtype(dt)?);
+        Ok(())
+    }
+
+    /// The layer's name (its parameters' prefix, e.g. `encoder.layer1.0.bn1`); the running
+    /// statistics are the buffers `<name>.running_mean` and `<name>.running_var`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// The running statistics of `layers` as named buffers (`<name>.running_mean`,
+/// `<name>.running_var`). With `sync: true` they are identical on every rank by
+/// construction (updated from the global statistics); with plain BatchNorm each rank's are
+/// those of its own samples.
+pub fn running_buffers(layers: &[&BatchNorm]) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::with_capacity(2 * layers.len());
+    for bn in layers {
+        let (mean, var) = bn.running_stats();
+        out.push((format!("{}.running_mean", bn.name), mean));
+        out.push((format!("{}.running_var", bn.name), var));
+    }
+    Ok(out)
+}
+
+/// Restores what [`running_buffers`] returned: every layer's two buffers must be present, and
+/// no other.
+pub fn load_running_buffers(layers: &[&BatchNorm], buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+    let get = |name: String| {
+        buffers.get(&name).ok_or_else(|| candle_core::Error::Msg(format!("no buffer {name} among the {} given", buffers.len())))
+    };
+    for bn in layers {
+        bn.set_running_stats(get(format!("{}.running_mean", bn.name))?, get(format!("{}.running_var", bn.name))?)?;
+    }
+    if buffers.len() != 2 * layers.len() {
+        let known: std::collections::HashSet<String> =
+            layers.iter().flat_map(|b| [format!("{}.running_mean", b.name), format!("{}.running_var", b.name)]).collect();
+        let extra: Vec<&String> = buffers.keys().filter(|k| !known.contains(*k)).collect();
+        candle_core::bail!("buffers {extra:?} belong to no batch norm of this model");
+    }
+    Ok(())
 }

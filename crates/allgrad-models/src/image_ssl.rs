@@ -310,6 +310,22 @@ impl TwoViewImages {
         Ok((Tensor::cat(&feats, 0)?, labels))
     }
 
+    /// The running statistics of every batch norm (encoder, then projector) as buffers; see
+    /// [`crate::batch_norm::running_buffers`].
+    pub fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        crate::batch_norm::running_buffers(&self.batch_norms()?)
+    }
+
+    /// Restores [`TwoViewImages::buffers`].
+    pub fn load_buffers(&self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        crate::batch_norm::load_running_buffers(&self.batch_norms()?, buffers)
+    }
+
+    fn batch_norms(&self) -> Result<Vec<&BatchNorm>> {
+        let (enc, proj) = self.net()?;
+        Ok(enc.batch_norms().into_iter().chain(proj.layers.iter().filter_map(|(_, bn)| bn.as_ref())).collect())
+    }
+
     /// kNN top-1 (and the linear probe's top-1 when configured) of the frozen encoder's
     /// features, on rank 0 (the other ranks return nothing).
     pub fn evaluate(&self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

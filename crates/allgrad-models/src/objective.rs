@@ -1,6 +1,8 @@
 //! The trait between a method and the trainer.
 
 use allgrad_dist::ProcessGroup;
+use std::collections::HashMap;
+
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -54,5 +56,22 @@ pub trait Objective: Send {
     /// Evaluation metrics (name, value), logged at the end of every epoch and of the run.
     fn evaluate(&mut self, _pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         Ok(Vec::new())
+    }
+
+    /// Non-trainable state by name (batch-norm running statistics, ...), saved in every
+    /// checkpoint beside the parameters. Default: none. An objective with buffers should keep
+    /// them identical on every rank (SyncBatchNorm does, by construction); the trainer saves
+    /// rank 0's.
+    fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(Vec::new())
+    }
+
+    /// Restores what [`Objective::buffers`] returned (on resume). Default: an error unless
+    /// `buffers` is empty, so state is never dropped silently.
+    fn load_buffers(&mut self, buffers: &HashMap<String, Tensor>) -> Result<()> {
+        if let Some(name) = buffers.keys().next() {
+            candle_core::bail!("this objective has no buffers, but the checkpoint holds {name} (and {} more)", buffers.len() - 1);
+        }
+        Ok(())
     }
 }

@@ -144,6 +144,19 @@ impl ResNet {
         Ok(ResNet { stem, pool: cfg.stem == Stem::Imagenet, blocks, feature_dim: cin })
     }
 
+    /// Every batch norm of the encoder, in layer order.
+    pub fn batch_norms(&self) -> Vec<&BatchNorm> {
+        let mut out = vec![&self.stem.bn];
+        for b in &self.blocks {
+            let convs: Vec<&ConvBn> = match b {
+                Block::Basic { a, b, down } => [Some(a), Some(b), down.as_ref()].into_iter().flatten().collect(),
+                Block::Bottleneck { a, b, c, down } => [Some(a), Some(b), Some(c), down.as_ref()].into_iter().flatten().collect(),
+            };
+            out.extend(convs.into_iter().map(|c| &c.bn));
+        }
+        out
+    }
+
     /// Width of the output features.
     pub fn feature_dim(&self) -> usize {
         self.feature_dim

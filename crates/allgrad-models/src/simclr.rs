@@ -48,4 +48,12 @@ impl Objective for SimClr {
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         self.images.evaluate(pg)
     }
+
+    fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        self.images.buffers()
+    }
+
+    fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        self.images.load_buffers(buffers)
+    }
 }

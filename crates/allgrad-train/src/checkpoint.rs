@@ -1,5 +1,13 @@
-//! Checkpoints: `DIR/checkpoints/step_<N>/{model,optimizer}.safetensors` and `state.json`,
-//! with `DIR/checkpoints/latest` naming the newest.
+//! Checkpoints: `DIR/checkpoints/step_<N>/{model,optimizer,buffers}.safetensors` and
+//! `state.json`, with `DIR/checkpoints/latest` naming the newest; and [`restore`], which puts
+//! a loaded checkpoint back into a run.
+//!
+//! `buffers.safetensors` holds the objective's non-trainable state
+//! ([`allgrad_models::Objective::buffers`]: batch-norm running statistics). Rank 0 writes
+//! it. With SyncBatchNorm the running statistics are identical on every rank by construction
+//! (they are updated from the global batch statistics), so rank 0's are everyone's; with plain
+//! per-rank BatchNorm they are rank 0's own (statistics of its slices of the batches), which
+//! every rank loads on resume; evaluation runs on rank 0, so its figures resume exactly.
 //!
 //! Writes are atomic: everything goes to a temporary directory, each file and the directory
 //! are fsynced, the directory is renamed into place, and only then is `latest` replaced (by
@@ -10,8 +18,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use allgrad_models::Objective;
+use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
+
+use crate::error::{TrainError, TrainResult};
+use crate::optim::Optimizer;
+use crate::settings::FaultStage;
 
 /// The `checkpoint` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -53,77 +66,89 @@ pub struct Checkpoint {
     pub model: HashMap<String, Tensor>,
     /// Optimizer state by `<param>/<slot>`.
     pub optimizer: BTreeMap<String, Tensor>,
+    /// The objective's buffers by name (empty when the checkpoint has none).
+    pub buffers: HashMap<String, Tensor>,
     /// Position and random state.
     pub state: TrainState,
     /// Where it was read from.
     pub path: PathBuf,
 }
 
-/// Test hook: ALLGRAD_FAULT=checkpoint:<stage> aborts the process at that stage of a save
-/// (`model`, `optimizer`, `rename`), to prove that a crash never corrupts `latest`.
-fn fault(stage: &str) {
-    if std::env::var("ALLGRAD_FAULT").map(|v| v == format!("checkpoint:{stage}")).unwrap_or(false) {
-        eprintln!("ALLGRAD_FAULT: aborting during checkpoint save at stage {stage}");
+/// Test hook (`ALLGRAD_FAULT=checkpoint:<stage>`, see [`crate::settings`]): aborts the
+/// process at that stage of a save, to prove that a crash never corrupts `latest`.
+fn fault(armed: Option<FaultStage>, stage: FaultStage) {
+    if armed == Some(stage) {
+        eprintln!("ALLGRAD_FAULT: aborting during checkpoint save at stage {}", stage.name());
         std::process::abort();
     }
 }
 
-fn io(what: impl std::fmt::Display, e: std::io::Error) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{what}: {e}"))
+fn io_err<'a>(path: &'a Path, action: &str) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
+    let action = action.to_string();
+    move |e| TrainError::checkpoint(path, action, e)
 }
 
-fn fsync_file(p: &Path) -> candle_core::Result<()> {
-    File::open(p).and_then(|f| f.sync_all()).map_err(|e| io(format!("fsync {}", p.display()), e))
+fn fsync(p: &Path) -> TrainResult<()> {
+    File::open(p).and_then(|f| f.sync_all()).map_err(io_err(p, "fsync"))
 }
 
-fn fsync_dir(p: &Path) -> candle_core::Result<()> {
-    File::open(p).and_then(|f| f.sync_all()).map_err(|e| io(format!("fsync directory {}", p.display()), e))
+fn save_tensors<'a>(dir: &Path, file: &str, tensors: impl Iterator<Item = (&'a String, &'a Tensor)>) -> TrainResult<()> {
+    let path = dir.join(file);
+    let map: HashMap<String, Tensor> = tensors.map(|(k, v)| (k.clone(), v.clone())).collect();
+    candle_core::safetensors::save(&map, &path).map_err(|e| TrainError::checkpoint(&path, format!("writing {file}"), e))?;
+    fsync(&path)
 }
 
-/// Writes a checkpoint of `step` under `run_dir/checkpoints` and prunes old ones.
-pub fn save(
-    run_dir: &Path,
-    model: &HashMap<String, Tensor>,
-    optimizer: &BTreeMap<String, Tensor>,
-    state: &TrainState,
-    keep_last: usize,
-) -> candle_core::Result<PathBuf> {
+/// What one checkpoint holds.
+pub struct Contents<'a> {
+    /// Parameters by name.
+    pub model: &'a HashMap<String, Tensor>,
+    /// Optimizer state by `<param>/<slot>`.
+    pub optimizer: &'a BTreeMap<String, Tensor>,
+    /// The objective's buffers by name.
+    pub buffers: &'a [(String, Tensor)],
+    /// Position and random state.
+    pub state: &'a TrainState,
+}
+
+/// Writes a checkpoint of `state.step` under `run_dir/checkpoints` and prunes old ones;
+/// `fault` is the test hook of [`crate::settings::Settings`].
+pub fn save(run_dir: &Path, c: &Contents, keep_last: usize, fault_at: Option<FaultStage>) -> TrainResult<PathBuf> {
     let root = run_dir.join("checkpoints");
-    fs::create_dir_all(&root).map_err(|e| io(format!("creating {}", root.display()), e))?;
-    let name = format!("step_{}", state.step);
+    fs::create_dir_all(&root).map_err(io_err(&root, "creating the directory"))?;
+    let name = format!("step_{}", c.state.step);
     let tmp = root.join(format!(".{name}.tmp-{}", std::process::id()));
     if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| io(format!("removing {}", tmp.display()), e))?;
+        fs::remove_dir_all(&tmp).map_err(io_err(&tmp, "removing a leftover"))?;
     }
-    fs::create_dir(&tmp).map_err(|e| io(format!("creating {}", tmp.display()), e))?;
+    fs::create_dir(&tmp).map_err(io_err(&tmp, "creating the directory"))?;
 
-    let model_path = tmp.join("model.safetensors");
-    candle_core::safetensors::save(model, &model_path)?;
-    fsync_file(&model_path)?;
-    fault("model");
-    let opt_path = tmp.join("optimizer.safetensors");
-    let opt: HashMap<String, Tensor> = optimizer.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    candle_core::safetensors::save(&opt, &opt_path)?;
-    fsync_file(&opt_path)?;
-    fault("optimizer");
+    save_tensors(&tmp, "model.safetensors", c.model.iter())?;
+    fault(fault_at, FaultStage::Model);
+    save_tensors(&tmp, "optimizer.safetensors", c.optimizer.iter())?;
+    fault(fault_at, FaultStage::Optimizer);
+    if !c.buffers.is_empty() {
+        save_tensors(&tmp, "buffers.safetensors", c.buffers.iter().map(|(k, v)| (k, v)))?;
+    }
+    fault(fault_at, FaultStage::Buffers);
     let state_path = tmp.join("state.json");
-    let json = serde_json::to_vec_pretty(state).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    fs::write(&state_path, json).map_err(|e| io(format!("writing {}", state_path.display()), e))?;
-    fsync_file(&state_path)?;
-    fsync_dir(&tmp)?;
-    fault("rename");
+    let json = serde_json::to_vec_pretty(c.state).map_err(|e| TrainError::checkpoint(&state_path, "encoding", e))?;
+    fs::write(&state_path, json).map_err(io_err(&state_path, "writing"))?;
+    fsync(&state_path)?;
+    fsync(&tmp)?;
+    fault(fault_at, FaultStage::Rename);
 
     let dest = root.join(&name);
     if dest.exists() {
-        fs::remove_dir_all(&dest).map_err(|e| io(format!("replacing {}", dest.display()), e))?;
+        fs::remove_dir_all(&dest).map_err(io_err(&dest, "replacing"))?;
     }
-    fs::rename(&tmp, &dest).map_err(|e| io(format!("renaming {} to {}", tmp.display(), dest.display()), e))?;
-    fsync_dir(&root)?;
+    fs::rename(&tmp, &dest).map_err(io_err(&dest, "renaming the temporary directory"))?;
+    fsync(&root)?;
     let latest_tmp = root.join(format!(".latest.tmp-{}", std::process::id()));
-    fs::write(&latest_tmp, format!("{name}\n")).map_err(|e| io(format!("writing {}", latest_tmp.display()), e))?;
-    fsync_file(&latest_tmp)?;
-    fs::rename(&latest_tmp, root.join("latest")).map_err(|e| io("updating checkpoints/latest", e))?;
-    fsync_dir(&root)?;
+    fs::write(&latest_tmp, format!("{name}\n")).map_err(io_err(&latest_tmp, "writing"))?;
+    fsync(&latest_tmp)?;
+    fs::rename(&latest_tmp, root.join("latest")).map_err(io_err(&root, "updating latest"))?;
+    fsync(&root)?;
     prune(&root, keep_last.max(1), &name);
     Ok(dest)
 }
@@ -151,27 +176,79 @@ fn prune(root: &Path, keep: usize, current: &str) {
 }
 
 /// Loads the checkpoint `latest` names, or `None` when the run has none.
-pub fn load_latest(run_dir: &Path, device: &Device) -> candle_core::Result<Option<Checkpoint>> {
+pub fn load_latest(run_dir: &Path, device: &Device) -> TrainResult<Option<Checkpoint>> {
     let root = run_dir.join("checkpoints");
     let latest = root.join("latest");
     let name = match fs::read_to_string(&latest) {
         Ok(s) => s.trim().to_string(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io(format!("reading {}", latest.display()), e)),
+        Err(e) => return Err(TrainError::checkpoint(&latest, "reading", e)),
     };
     if !name.starts_with("step_") || name.contains('/') {
-        candle_core::bail!("{} names {name:?}, which is not a checkpoint directory", latest.display());
+        return Err(TrainError::checkpoint(
+            &latest,
+            "reading",
+            format!("it names {name:?}, which is not a checkpoint directory"),
+        ));
     }
     let dir = root.join(&name);
-    let ctx = |what: &str| format!("checkpoint {} ({what})", dir.display());
-    let model = candle_core::safetensors::load(dir.join("model.safetensors"), device)
-        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", ctx("model.safetensors"))))?;
-    let optimizer = candle_core::safetensors::load(dir.join("optimizer.safetensors"), device)
-        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", ctx("optimizer.safetensors"))))?
-        .into_iter()
-        .collect();
-    let raw = fs::read(dir.join("state.json")).map_err(|e| io(ctx("state.json"), e))?;
-    let state: TrainState =
-        serde_json::from_slice(&raw).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", ctx("state.json"))))?;
-    Ok(Some(Checkpoint { model, optimizer, state, path: dir }))
+    let load = |file: &str| {
+        let path = dir.join(file);
+        candle_core::safetensors::load(&path, device).map_err(|e| TrainError::checkpoint(&path, format!("reading {file}"), e))
+    };
+    let model = load("model.safetensors")?;
+    let optimizer = load("optimizer.safetensors")?.into_iter().collect();
+    let buffers = if dir.join("buffers.safetensors").exists() { load("buffers.safetensors")? } else { HashMap::new() };
+    let state_path = dir.join("state.json");
+    let raw = fs::read(&state_path).map_err(io_err(&state_path, "reading"))?;
+    let state: TrainState = serde_json::from_slice(&raw).map_err(|e| TrainError::checkpoint(&state_path, "parsing", e))?;
+    Ok(Some(Checkpoint { model, optimizer, buffers, state, path: dir }))
+}
+
+/// Where a run is put back: its parameters, which of them are sharded, its optimizer and
+/// objective, and what the checkpoint must agree with.
+pub struct RestoreTarget<'a> {
+    /// Parameters by name.
+    pub params: &'a [(String, Var)],
+    /// Whether each parameter is sharded.
+    pub sharded: &'a [bool],
+    /// The optimizer, which gets the saved state.
+    pub optimizer: &'a mut Optimizer,
+    /// The objective, which gets the saved buffers.
+    pub objective: &'a mut dyn Objective,
+    /// This run's world size.
+    pub world_size: usize,
+    /// This run's seed.
+    pub seed: u64,
+    /// This run's parameter precision.
+    pub dtype: DType,
+}
+
+/// Puts `ck` back into `to` and returns the step to continue from. Every parameter must be in
+/// the checkpoint with its shape; the seed must match (it is the run's whole random state);
+/// sharded parameters need the same world size.
+pub fn restore(ck: Checkpoint, to: RestoreTarget) -> TrainResult<usize> {
+    let mismatch = |reason: String| TrainError::CheckpointMismatch { path: ck.path.clone(), reason };
+    if ck.state.world_size != to.world_size && to.sharded.iter().any(|s| *s) {
+        return Err(mismatch(format!(
+            "it was written by {} ranks; its sharded parameters cannot be resumed on {} (resume on {} ranks)",
+            ck.state.world_size, to.world_size, ck.state.world_size
+        )));
+    }
+    if ck.state.seed != to.seed {
+        return Err(mismatch(format!(
+            "it was written with seed {}, the config says {} (set seed: {} to resume it)",
+            ck.state.seed, to.seed, ck.state.seed
+        )));
+    }
+    for (name, v) in to.params {
+        let t = ck.model.get(name).ok_or_else(|| mismatch(format!("it has no parameter {name}: was the model changed?")))?;
+        if t.dims() != v.dims() {
+            return Err(mismatch(format!("parameter {name} has shape {:?} there, {:?} in the model", t.dims(), v.dims())));
+        }
+        v.set(&t.to_dtype(to.dtype)?)?;
+    }
+    to.objective.load_buffers(&ck.buffers).map_err(|e| mismatch(format!("its buffers do not fit the model: {e}")))?;
+    to.optimizer.load_state(ck.optimizer, ck.state.optimizer_steps);
+    Ok(ck.state.step)
 }

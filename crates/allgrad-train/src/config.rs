@@ -71,9 +71,13 @@ pub enum DeviceKind {
     /// The CPU.
     #[default]
     Cpu,
-    /// The GPU of this rank's LOCAL_RANK (needs a build with the `cuda` feature).
+    /// A GPU: rejected by [`RunConfig::validate`] until the GPU backend lands (see [`NO_GPU`]).
     Cuda,
 }
+
+/// Why `device: cuda` is refused.
+pub const NO_GPU: &str = "device: cuda, but this build of allgrad has no GPU support (the GPU backend has not landed yet): \
+     use device: cpu";
 
 /// Floating-point precision.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -89,6 +93,7 @@ pub enum Precision {
 /// The `data` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+#[allow(clippy::large_enum_variant)] // one per run, parsed once: the size does not matter
 pub enum DataConfig {
     /// Seeded synthetic vectors around random cluster centres.
     Vectors(VectorData),
@@ -185,7 +190,7 @@ impl RunConfig {
             )));
         }
         let unit = world_size * t.accumulate;
-        if t.global_batch % unit != 0 {
+        if !t.global_batch.is_multiple_of(unit) {
             return Err(bad(format!(
                 "train.global_batch = {} is not divisible by world size {world_size} x train.accumulate {} = {unit}: \
                  each rank takes global_batch / world_size samples per step, in `accumulate` equal micro-batches",
@@ -221,10 +226,8 @@ impl RunConfig {
         }
         self.optim.validate().map_err(bad)?;
         self.loss.validate().map_err(bad)?;
-        if self.device == DeviceKind::Cuda && !candle_core::utils::cuda_is_available() {
-            return Err(bad(
-                "device: cuda, but this build has no CUDA support (build with --features cuda on a machine with nvcc)".into(),
-            ));
+        if self.device == DeviceKind::Cuda {
+            return Err(bad(NO_GPU.into()));
         }
         Ok(())
     }
@@ -298,6 +301,13 @@ mod tests {
         let c = parse(BASE, &["train.global_batch=30"]).unwrap();
         let e = c.validate(4, Path::new("run.yaml")).unwrap_err().to_string();
         assert!(e.contains("train.global_batch = 30 is not divisible by world size 4"), "{e}");
+    }
+
+    #[test]
+    fn device_cuda_is_rejected_saying_the_build_has_no_gpu_support() {
+        let c = parse(BASE, &["device=cuda"]).unwrap();
+        let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.starts_with("run.yaml: device: cuda") && e.contains("no GPU support") && e.contains("device: cpu"), "{e}");
     }
 
     #[test]

@@ -5,22 +5,28 @@
 //! (SGD, LARS, AdamW), warmup + cosine schedules, atomic checkpoints with bitwise resume,
 //! `metrics.jsonl`, a progress bar and `loss.png`.
 //!
-//! A run directory holds `config.yaml`, `metrics.jsonl`, `checkpoints/step_<N>/`
-//! (`model.safetensors`, `optimizer.safetensors`, `state.json`), `checkpoints/latest` and
-//! `loss.png`.
+//! Errors are [`TrainError`]s; the environment variables it reads are in [`settings`]. A
+//! run directory ([`run_dir`]) holds `config.yaml`, `metrics.jsonl`, `checkpoints/step_<N>/`
+//! (`model.safetensors`, `optimizer.safetensors`, `buffers.safetensors`, `state.json`),
+//! `checkpoints/latest` and `loss.png` (loss, learning rate and evaluation metrics against
+//! steps).
 
 #![warn(missing_docs)]
 
 pub mod checkpoint;
 pub mod config;
 pub mod ddp;
+pub mod error;
 pub mod metrics;
 pub mod optim;
 pub mod params;
 pub mod run;
-pub mod sampler;
+pub mod run_dir;
 pub mod schedule;
+pub mod settings;
 pub mod trainer;
 
 pub use config::RunConfig;
+pub use error::{TrainError, TrainResult};
+pub use settings::Settings;
 pub use trainer::{Summary, Trainer, TrainerConfig};

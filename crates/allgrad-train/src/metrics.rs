@@ -166,31 +166,37 @@ impl ProgressView {
     }
 }
 
-/// Draws loss and learning-rate curves to `path` (PNG). Text needs a TrueType font: the
-/// file named by ALLGRAD_FONT, else DejaVu Sans where Debian installs it; without one the
-/// curves are drawn unlabelled.
-pub fn plot(history: &[Record], path: &Path) -> Result<(), String> {
+/// Draws `loss.png`: loss, learning rate and (when the objective's `evaluate` returned any)
+/// every evaluation metric (kNN, linear probe, ...) against steps, one panel each, stacked
+/// with the same step axis. Text needs a TrueType font: `font` (ALLGRAD_FONT, see
+/// [`crate::settings`]), else DejaVu Sans where Debian installs it; without one the curves
+/// are drawn unlabelled.
+pub fn plot(history: &[Record], path: &Path, font: Option<&Path>) -> Result<(), String> {
     use plotters::prelude::*;
-    let pts = |f: fn(&Record) -> Option<f64>| -> Vec<(f64, f64)> {
+    let pts = |f: &dyn Fn(&Record) -> Option<f64>| -> Vec<(f64, f64)> {
         history.iter().filter_map(|r| f(r).filter(|v| v.is_finite()).map(|v| (r.step as f64, v))).collect()
     };
-    let loss = pts(|r| r.loss);
-    let lr = pts(|r| r.lr);
+    let loss = pts(&|r| r.loss);
     if loss.is_empty() {
         return Err("no loss values to plot".into());
     }
-    let labelled = register_font();
-    let root = BitMapBackend::new(path, (900, 700)).into_drawing_area();
+    type Panel = (String, Vec<(f64, f64)>, RGBColor);
+    let mut panels: Vec<Panel> = vec![("loss".into(), loss, BLUE), ("learning rate".into(), pts(&|r| r.lr), RED)];
+    let names: std::collections::BTreeSet<&String> = history.iter().flat_map(|r| r.eval.keys()).collect();
+    let colors = [RGBColor(0, 128, 0), RGBColor(128, 0, 128), RGBColor(200, 120, 0), RGBColor(0, 128, 128)];
+    for (i, name) in names.into_iter().enumerate() {
+        panels.push((format!("{name} (evaluation)"), pts(&|r| r.eval.get(name).copied()), colors[i % colors.len()]));
+    }
+    panels.retain(|p| !p.1.is_empty());
+    let labelled = register_font(font);
+    let root = BitMapBackend::new(path, (900, 300 * panels.len() as u32 + 100)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
-    let panels = root.split_evenly((2, 1));
+    let areas = root.split_evenly((panels.len(), 1));
     let x_max = history.iter().map(|r| r.step).max().unwrap_or(1).max(1) as f64;
-    for (panel, (data, name, color)) in panels.iter().zip([(&loss, "loss", BLUE), (&lr, "learning rate", RED)]) {
-        if data.is_empty() {
-            continue;
-        }
+    for (area, (name, data, color)) in areas.iter().zip(&panels) {
         let (lo, hi) = data.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (_, y)| (a.min(*y), b.max(*y)));
-        let pad = ((hi - lo) * 0.05).max(1e-12);
-        let mut chart = ChartBuilder::on(panel);
+        let pad = ((hi - lo) * 0.05).max(1e-12 + hi.abs() * 0.01);
+        let mut chart = ChartBuilder::on(area);
         chart.margin(15);
         if labelled {
             chart.caption(name, ("sans-serif", 22)).x_label_area_size(35).y_label_area_size(70);
@@ -200,18 +206,21 @@ pub fn plot(history: &[Record], path: &Path) -> Result<(), String> {
             chart.configure_mesh().x_desc("step").draw().map_err(|e| e.to_string())?;
         }
         chart.draw_series(LineSeries::new(data.iter().copied(), color.stroke_width(2))).map_err(|e| e.to_string())?;
+        // Evaluations are few: mark each point.
+        if data.len() < 50 {
+            chart.draw_series(data.iter().map(|p| Circle::new(*p, 4, color.filled()))).map_err(|e| e.to_string())?;
+        }
     }
     root.present().map_err(|e| e.to_string())?;
     Ok(())
 }
 
-fn register_font() -> bool {
+fn register_font(font: Option<&Path>) -> bool {
     use std::sync::OnceLock;
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
-        let candidates =
-            [std::env::var("ALLGRAD_FONT").unwrap_or_default(), "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into()];
-        for c in candidates.iter().filter(|c| !c.is_empty()) {
+        let system = Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf");
+        for c in font.into_iter().chain([system]) {
             if let Ok(bytes) = std::fs::read(c) {
                 let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
                 if plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes).is_ok() {
@@ -222,4 +231,39 @@ fn register_font() -> bool {
         tracing::warn!("no TrueType font found (set ALLGRAD_FONT): loss.png is drawn without labels");
         false
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(step: usize, loss: Option<f64>, eval: &[(&str, f64)]) -> Record {
+        Record {
+            step,
+            epoch: 0,
+            loss,
+            lr: loss.map(|_| 0.1),
+            samples_per_s: None,
+            grad_norm: None,
+            eval: eval.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        }
+    }
+
+    #[test]
+    fn the_plot_has_one_panel_per_evaluation_metric() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut h: Vec<Record> = (1..=20).map(|s| record(s, Some(3.0 / s as f64), &[])).collect();
+        h.push(record(0, None, &[("knn_top1", 0.2), ("linear_top1", 0.25)]));
+        h.push(record(20, None, &[("knn_top1", 0.5), ("linear_top1", 0.6)]));
+        let (with, without) = (dir.path().join("with.png"), dir.path().join("without.png"));
+        plot(&h, &with, None).unwrap();
+        plot(&h[..20], &without, None).unwrap();
+        // Four panels (loss, lr, two metrics) of 300 px against two.
+        let height = |p: &Path| {
+            let b = std::fs::read(p).unwrap();
+            u32::from_be_bytes([b[20], b[21], b[22], b[23]])
+        };
+        assert_eq!((height(&with), height(&without)), (1300, 700));
+        assert!(plot(&h[20..], &without, None).unwrap_err().contains("no loss"));
+    }
 }

@@ -10,18 +10,20 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use allgrad_data::DistributedSampler;
 use allgrad_dist::{ProcessGroup, ReduceOp};
 use allgrad_models::{Batch, Objective};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, CheckpointConfig, TrainState};
+use crate::checkpoint::{self, CheckpointConfig, Contents, RestoreTarget, TrainState};
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
+use crate::error::{TrainError, TrainResult};
 use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
 use crate::optim::{OptimConfig, Optimizer};
 use crate::params::ParamStore;
-use crate::sampler::DistributedSampler;
 use crate::schedule::ScheduleConfig;
+use crate::settings::Settings;
 
 /// The `train` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -89,6 +91,8 @@ pub struct TrainerConfig {
     pub checkpoint: CheckpointConfig,
     /// Logging.
     pub log: LogConfig,
+    /// What the environment says (read once at start-up).
+    pub settings: Settings,
 }
 
 /// How a run ended.
@@ -121,10 +125,6 @@ pub struct Trainer {
     metrics: Option<MetricsLog>,
 }
 
-fn nonfinite(what: String) -> candle_core::Error {
-    candle_core::Error::Msg(what)
-}
-
 impl Trainer {
     /// Builds the objective's parameters (seeded by name, then broadcast from rank 0), and
     /// with `resume`, restores the newest checkpoint of `out_dir`. Rank 0 writes metrics and
@@ -135,12 +135,12 @@ impl Trainer {
         pg: ProcessGroup,
         out_dir: Option<PathBuf>,
         resume: bool,
-    ) -> Result<Self> {
+    ) -> TrainResult<Self> {
         let store = ParamStore::new(cfg.seed);
         objective.build(store.var_builder(cfg.dtype, &cfg.device))?;
         let params = store.vars();
         if params.is_empty() {
-            candle_core::bail!("the objective created no parameters");
+            return Err(TrainError::Setup("the objective created no parameters in build()".into()));
         }
         let sharded: Vec<bool> = params.iter().map(|(n, _)| objective.is_sharded(n)).collect();
         // Replicated parameters start identical everywhere: broadcast from rank 0 in name order.
@@ -150,82 +150,62 @@ impl Trainer {
             }
         }
         let w = pg.world_size();
-        if cfg.train.global_batch % (w * cfg.train.accumulate) != 0 {
-            candle_core::bail!(
+        let t = &cfg.train;
+        if t.accumulate == 0 || !t.global_batch.is_multiple_of(w * t.accumulate) {
+            return Err(TrainError::Setup(format!(
                 "train.global_batch = {} is not divisible by world size {w} x train.accumulate {}",
-                cfg.train.global_batch,
-                cfg.train.accumulate
-            );
+                t.global_batch, t.accumulate
+            )));
         }
-        let sampler = DistributedSampler::new(objective.num_samples(), cfg.train.global_batch, cfg.seed, cfg.train.shuffle);
+        let sampler = DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle);
         let per_epoch = sampler.steps_per_epoch();
         if per_epoch == 0 {
-            candle_core::bail!(
-                "the data set has {} samples, fewer than one global batch of {}",
+            return Err(TrainError::Setup(format!(
+                "the data set has {} samples, fewer than one global batch (train.global_batch = {})",
                 objective.num_samples(),
-                cfg.train.global_batch
-            );
+                t.global_batch
+            )));
         }
-        let total_steps = match cfg.train.max_steps {
-            Some(m) if cfg.train.epochs == 0 => m,
-            Some(m) => m.min(cfg.train.epochs * per_epoch),
-            None => cfg.train.epochs * per_epoch,
+        let total_steps = match t.max_steps {
+            Some(m) if t.epochs == 0 => m,
+            Some(m) => m.min(t.epochs * per_epoch),
+            None => t.epochs * per_epoch,
         };
         if out_dir.is_some() && sharded.iter().any(|s| *s) {
-            candle_core::bail!("checkpoints of sharded parameters are not supported yet: run without an output directory");
+            return Err(TrainError::Setup(
+                "checkpoints of sharded parameters are not supported yet: run without an output directory".into(),
+            ));
         }
 
         let mut optimizer = Optimizer::new(cfg.optim.clone());
         let mut step = 0;
         if resume {
-            let dir = out_dir.as_ref().ok_or_else(|| candle_core::Error::Msg("--resume needs an output directory".into()))?;
+            let dir = out_dir.as_ref().ok_or_else(|| TrainError::Setup("resuming needs an output directory".into()))?;
             match checkpoint::load_latest(dir, &cfg.device)? {
                 None => tracing::warn!("--resume: no checkpoint in {}; starting from step 0", dir.display()),
                 Some(ck) => {
-                    if ck.state.world_size != w && sharded.iter().any(|s| *s) {
-                        candle_core::bail!(
-                            "checkpoint {} was written by {} ranks; its sharded parameters cannot be resumed on {w}",
-                            ck.path.display(),
-                            ck.state.world_size
-                        );
-                    }
-                    if ck.state.seed != cfg.seed {
-                        candle_core::bail!(
-                            "checkpoint {} was written with seed {}, the config says {}",
-                            ck.path.display(),
-                            ck.state.seed,
-                            cfg.seed
-                        );
-                    }
-                    for (name, v) in &params {
-                        let t = ck.model.get(name).ok_or_else(|| {
-                            candle_core::Error::Msg(format!("checkpoint {} has no parameter {name}", ck.path.display()))
-                        })?;
-                        if t.dims() != v.dims() {
-                            candle_core::bail!(
-                                "checkpoint {}: parameter {name} has shape {:?}, the model {:?}",
-                                ck.path.display(),
-                                t.dims(),
-                                v.dims()
-                            );
-                        }
-                        v.set(&t.to_dtype(cfg.dtype)?)?;
-                    }
-                    optimizer.load_state(ck.optimizer, ck.state.optimizer_steps);
-                    step = ck.state.step;
+                    let path = ck.path.clone();
+                    let to = RestoreTarget {
+                        params: &params,
+                        sharded: &sharded,
+                        optimizer: &mut optimizer,
+                        objective: objective.as_mut(),
+                        world_size: w,
+                        seed: cfg.seed,
+                        dtype: cfg.dtype,
+                    };
+                    step = checkpoint::restore(ck, to)?;
                     if pg.rank() == 0 {
-                        tracing::info!("resumed from {} at step {step}", ck.path.display());
+                        tracing::info!("resumed from {} at step {step}", path.display());
                     }
                 }
             }
         }
         let metrics = match (&out_dir, pg.rank()) {
             (Some(dir), 0) => {
-                std::fs::create_dir_all(dir).map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
-                Some(
-                    MetricsLog::open(dir, resume.then_some(step))
-                        .map_err(|e| candle_core::Error::Msg(format!("opening metrics in {}: {e}", dir.display())))?,
-                )
+                let io = |action| move |source| TrainError::Io { action, path: dir.clone(), source };
+                std::fs::create_dir_all(dir).map_err(io("creating the run directory"))?;
+                Some(MetricsLog::open(dir, resume.then_some(step)).map_err(io("opening metrics.jsonl in"))?)
             }
             _ => None,
         };
@@ -235,6 +215,11 @@ impl Trainer {
     /// Parameters by name (sorted).
     pub fn params(&self) -> &[(String, Var)] {
         &self.params
+    }
+
+    /// The objective's buffers (non-trainable state such as batch-norm running statistics).
+    pub fn buffers(&self) -> TrainResult<Vec<(String, Tensor)>> {
+        Ok(self.objective.buffers()?)
     }
 
     /// Steps completed.
@@ -248,14 +233,14 @@ impl Trainer {
     }
 
     /// Trains to the end; see the module docs.
-    pub fn train(&mut self) -> Result<Summary> {
+    pub fn train(&mut self) -> TrainResult<Summary> {
         self.train_until(self.total_steps)
     }
 
     /// Trains until `stop` steps are done (or the end), then checkpoints: a job with a time
     /// limit can run part of the schedule and `--resume` later, ending exactly where an
     /// uninterrupted run would.
-    pub fn train_until(&mut self, stop: usize) -> Result<Summary> {
+    pub fn train_until(&mut self, stop: usize) -> TrainResult<Summary> {
         let stop = stop.min(self.total_steps);
         let started = Instant::now();
         let started_at = self.step;
@@ -271,7 +256,7 @@ impl Trainer {
         }
         while self.step < stop {
             let epoch = self.step / per_epoch;
-            if self.step == started_at || self.step % per_epoch == 0 {
+            if self.step == started_at || self.step.is_multiple_of(per_epoch) {
                 self.plan(epoch, stop)?;
             }
             let lr = self.cfg.schedule.lr(self.cfg.optim.lr(), self.step, self.total_steps, self.cfg.train.global_batch);
@@ -281,7 +266,7 @@ impl Trainer {
                 StepOutcome::Applied { loss, grad_norm } => {
                     last_loss = loss;
                     self.step += 1;
-                    let log_line = self.step % self.cfg.log.every == 0 || self.step == stop;
+                    let log_line = self.step.is_multiple_of(self.cfg.log.every) || self.step == stop;
                     let sps = (window.1 * self.cfg.train.global_batch) as f64 / window.0.elapsed().as_secs_f64().max(1e-9);
                     if let Some(p) = &progress {
                         p.update(self.step, self.total_steps, loss, lr, sps, log_line);
@@ -307,12 +292,12 @@ impl Trainer {
                     }
                 }
             }
-            let epoch_done = self.step % per_epoch == 0;
+            let epoch_done = self.step.is_multiple_of(per_epoch);
             if self.cfg.train.eval && (epoch_done || self.step == self.total_steps) {
                 eval = self.evaluate(epoch, &progress)?;
             }
             let every = self.cfg.checkpoint.every;
-            if self.out_dir.is_some() && ((every > 0 && self.step % every == 0) || self.step == stop) {
+            if self.out_dir.is_some() && ((every > 0 && self.step.is_multiple_of(every)) || self.step == stop) {
                 self.save_checkpoint()?;
             }
         }
@@ -320,14 +305,14 @@ impl Trainer {
             p.finish();
         }
         if let (Some(m), Some(dir), true) = (&self.metrics, &self.out_dir, self.cfg.log.plot) {
-            if let Err(e) = plot(&m.history, &dir.join("loss.png")) {
+            if let Err(e) = plot(&m.history, &dir.join("loss.png"), self.cfg.settings.font.as_deref()) {
                 tracing::warn!("could not draw loss.png: {e}");
             }
         }
         Ok(Summary { steps: self.step, last_loss, skipped, eval, seconds: started.elapsed().as_secs_f64() })
     }
 
-    fn evaluate(&mut self, epoch: usize, progress: &Option<ProgressView>) -> Result<Vec<(String, f64)>> {
+    fn evaluate(&mut self, epoch: usize, progress: &Option<ProgressView>) -> TrainResult<Vec<(String, f64)>> {
         let eval = self.objective.evaluate(&self.pg)?;
         if !eval.is_empty() {
             if let Some(p) = progress {
@@ -348,9 +333,10 @@ impl Trainer {
         Ok(eval)
     }
 
-    fn record(&mut self, r: Record) -> Result<()> {
+    fn record(&mut self, r: Record) -> TrainResult<()> {
         if let Some(m) = &mut self.metrics {
-            m.write(r).map_err(|e| candle_core::Error::Msg(format!("writing {}: {e}", m.path().display())))?;
+            let path = m.path().to_path_buf();
+            m.write(r).map_err(|source| TrainError::Io { action: "writing", path, source })?;
         }
         Ok(())
     }
@@ -371,7 +357,7 @@ impl Trainer {
         self.objective.plan(epoch, self.cfg.seed, &batches)
     }
 
-    fn train_step(&mut self, epoch: usize, lr: f64) -> Result<StepOutcome> {
+    fn train_step(&mut self, epoch: usize, lr: f64) -> TrainResult<StepOutcome> {
         let (w, rank) = (self.pg.world_size(), self.pg.rank());
         let acc = self.cfg.train.accumulate;
         let pos = self.step % self.sampler.steps_per_epoch();
@@ -385,7 +371,7 @@ impl Trainer {
             let batch = Batch { indices: &local[m * micro..(m + 1) * micro], epoch, step: self.step, seed: self.cfg.seed };
             let loss = self.objective.loss(&batch, &self.pg)?;
             if loss.rank() != 0 {
-                candle_core::bail!("the objective's loss must be a scalar, got shape {:?}", loss.dims());
+                return Err(TrainError::Setup(format!("the objective's loss must be a scalar, got shape {:?}", loss.dims())));
             }
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             let g = (loss / (w * acc) as f64)?.backward()?;
@@ -403,14 +389,18 @@ impl Trainer {
         sync_gradients(&self.pg, &mut grads, &self.sharded, DEFAULT_BUCKET_BYTES)?;
         let grad_norm = self.global_grad_norm(&grads)?;
         if !loss.is_finite() || !grad_norm.is_finite() {
-            let why = format!(
-                "non-finite {} at step {} (loss {loss}, gradient norm {grad_norm})",
-                if loss.is_finite() { "gradient" } else { "loss" },
-                self.step + 1
-            );
+            let mut parameter = None;
+            for ((name, _), g) in self.params.iter().zip(&grads) {
+                if !g.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?.is_finite() {
+                    parameter = Some(name.clone());
+                    break;
+                }
+            }
+            let what = if loss.is_finite() { "gradient" } else { "loss" };
+            let err = TrainError::NonFinite { what, step: self.step + 1, loss, grad_norm, parameter };
             return match self.cfg.train.on_nonfinite {
-                NonFinite::Error => Err(nonfinite(format!("{why}; stopping (set train.on_nonfinite: skip to skip such steps)"))),
-                NonFinite::Skip => Ok(StepOutcome::Skipped(why)),
+                NonFinite::Error => Err(err),
+                NonFinite::Skip => Ok(StepOutcome::Skipped(format!("non-finite {what} at step {} (loss {loss})", self.step + 1))),
             };
         }
         if let Some(max) = self.cfg.train.clip_grad_norm {
@@ -440,13 +430,13 @@ impl Trainer {
         Ok((sums[0] + sums[1]).sqrt())
     }
 
-    fn save_checkpoint(&mut self) -> Result<()> {
+    fn save_checkpoint(&mut self) -> TrainResult<()> {
         let Some(dir) = self.out_dir.clone() else { return Ok(()) };
         // Never write a checkpoint of broken weights.
         for (name, v) in &self.params {
             let bad = v.as_tensor().to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?;
             if !bad.is_finite() {
-                candle_core::bail!("parameter {name} is not finite after step {}; checkpoint not written", self.step);
+                return Err(TrainError::NonFiniteParameter { step: self.step, parameter: name.clone() });
             }
         }
         if self.pg.rank() != 0 {
@@ -462,8 +452,10 @@ impl Trainer {
             seed: self.cfg.seed,
             world_size: self.pg.world_size(),
         };
-        let optimizer: BTreeMap<String, Tensor> = self.optimizer.state().clone();
-        checkpoint::save(&dir, &model, &optimizer, &state, self.cfg.checkpoint.keep_last)?;
+        let optimizer: &BTreeMap<String, Tensor> = self.optimizer.state();
+        let buffers = self.objective.buffers()?;
+        let contents = Contents { model: &model, optimizer, buffers: &buffers, state: &state };
+        checkpoint::save(&dir, &contents, self.cfg.checkpoint.keep_last, self.cfg.settings.fault)?;
         Ok(())
     }
 

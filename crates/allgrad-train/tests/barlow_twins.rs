@@ -8,7 +8,7 @@ mod common;
 
 use allgrad_dist::run_threads;
 use allgrad_train::run;
-use common::{image_config, max_rel_diff, max_rel_diff_floor, params};
+use common::{image_config, max_rel_diff, params};
 
 const BARLOW: &str = "{kind: cross_correlation, lambda: 0.02, scale: 0.5}";
 
@@ -21,21 +21,25 @@ fn config(sets: &[&str]) -> allgrad_train::RunConfig {
 
 #[test]
 fn two_and_three_ranks_equal_one_rank_in_f64() {
-    let cfg = config(&["dtype=f64", "train.max_steps=4"]);
+    // At lr 0.05 the runs agree to ~1e-13 (at lr 0.5 the dynamics amplify any difference,
+    // f64 rounding included; see tests/simclr.rs).
+    let cfg = config(&["dtype=f64", "optim.lr=0.05", "train.max_steps=4"]);
     let one = params(&cfg, 1);
     for w in [2, 3] {
         let (d, name) = max_rel_diff(&params(&cfg, w), &one);
-        assert!(d <= 1e-9, "W={w}: largest relative difference {d:.2e} in {name}");
+        println!("f64 W={w}: {d:.2e} in {name}");
+        assert!(d <= 1e-12, "W={w}: largest relative difference {d:.2e} in {name}");
     }
 }
 
 #[test]
 fn two_and_three_ranks_equal_one_rank_in_f32() {
-    // f32 runs differ by the rounding of reductions split differently over ranks (they agree
-    // to ~5e-6 here). Parameters that start at 0 are compared against a scale of at least 1.
-    // This test found batch norm's variance computed as Σx²/n − mean² in f32: the
-    // cancellation made 1- and 2-rank runs 1e-1 apart after 3 LARS steps; the moments are f64 now.
-    let cfg = config(&["train.max_steps=4"]);
+    // f32 runs differ by the rounding of reductions split differently over ranks: ~1e-6
+    // after one step, 1.1e-5 after two at lr 0.5 (the dynamics amplify it; see
+    // tests/simclr.rs), so one step is checked to 1e-5. This test found batch norm's
+    // variance computed as Σx²/n − mean² in f32: the cancellation made 1- and 2-rank runs 1e-1
+    // apart after 3 LARS steps; the moments are f64 now.
+    let cfg = config(&["train.max_steps=1"]);
     let run_loss = |w: usize| {
         run_threads(w, |pg| {
             let mut t = run::build(&cfg, pg, None, false)?;
@@ -46,9 +50,10 @@ fn two_and_three_ranks_equal_one_rank_in_f32() {
     let one = params(&cfg, 1);
     let loss1 = run_loss(1);
     for w in [2, 3] {
-        let (d, name) = max_rel_diff_floor(&params(&cfg, w), &one, 1.0);
-        assert!(d <= 1e-4, "W={w}: largest relative difference {d:.2e} in {name}");
+        let (d, name) = max_rel_diff(&params(&cfg, w), &one);
+        println!("f32 W={w}: {d:.2e} in {name}");
+        assert!(d <= 1e-5, "W={w}: largest relative difference {d:.2e} in {name}");
         let loss = run_loss(w);
-        assert!((loss - loss1).abs() <= 1e-4 * loss1.abs(), "W={w}: last loss {loss} vs {loss1}");
+        assert!((loss - loss1).abs() <= 1e-5 * loss1.abs(), "W={w}: last loss {loss} vs {loss1}");
     }
 }

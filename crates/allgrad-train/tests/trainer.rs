@@ -70,6 +70,8 @@ fn local_loss_on_2_and_3_ranks_equals_1_rank() {
 fn replicated_loss_on_2_and_3_ranks_equals_1_rank() {
     let cfg = config(&["loss={kind: cross_correlation, lambda: 0.01}", "optim={kind: lars, lr: 0.2, weight_decay: 0.0001}"]);
     let one = final_params(&cfg, 1);
+    let untrained = final_params(&config(&["train.max_steps=0", "train.epochs=0"]), 1);
+    assert!(moved(&one, &untrained), "training changed nothing");
     for w in [2, 3] {
         assert_close(&final_params(&cfg, w), &one, 1e-5, &format!("cross_correlation W={w}"));
     }
@@ -130,7 +132,7 @@ fn non_finite_loss_stops_the_run_naming_the_step_or_is_skipped() {
     let out = dir.path().to_path_buf();
     let err = run_threads(2, |pg| {
         let mut t = run::build(&cfg, pg, Some(out.clone()), false)?;
-        t.train()
+        Ok(t.train()?)
     })
     .unwrap_err()
     .to_string();
@@ -143,6 +145,6 @@ fn non_finite_loss_stops_the_run_naming_the_step_or_is_skipped() {
         }
     }
     let skip = config(&["optim={kind: sgd, lr: 1.0e30}", "train.on_nonfinite=skip"]);
-    let summaries = run_threads(2, |pg| run::build(&skip, pg, None, false)?.train()).unwrap();
+    let summaries = run_threads(2, |pg| Ok(run::build(&skip, pg, None, false)?.train()?)).unwrap();
     assert!(summaries[0].skipped > 0 && summaries[0].steps == 5, "{:?}", summaries[0]);
 }

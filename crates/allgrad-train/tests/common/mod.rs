@@ -28,19 +28,37 @@ pub fn image_config(loss: &str, sync_bn: bool, global_batch: usize, sets: &[&str
     RunConfig::parse(&text, Path::new("image-test.yaml"), &sets).unwrap()
 }
 
-/// Rank 0's parameters (f64) after training `cfg` on `w` thread-ranks.
-pub fn params(cfg: &RunConfig, w: usize) -> BTreeMap<String, Vec<f64>> {
-    run_threads(w, |pg| {
+/// Parameters by name, as f64.
+pub type Params = BTreeMap<String, Vec<f64>>;
+
+/// Rank 0's parameters (f64) after training `cfg` on `w` thread-ranks. Every rank ends with
+/// bitwise the same replicated parameters (a reduction whose result depended on the rank
+/// would break this first).
+pub fn params(cfg: &RunConfig, w: usize) -> Params {
+    params_at(cfg, w, &[usize::MAX]).remove(0)
+}
+
+/// Rank 0's parameters after each of `stops` steps (increasing) of ONE run of `cfg` on `w`
+/// thread-ranks: the schedule is that of the whole run, so step k here is step k of it.
+pub fn params_at(cfg: &RunConfig, w: usize, stops: &[usize]) -> Vec<Params> {
+    let mut all = run_threads(w, |pg| {
         let mut t = run::build(cfg, pg, None, false)?;
-        t.train()?;
-        let mut out = BTreeMap::new();
-        for (n, v) in t.params() {
-            out.insert(n.clone(), v.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1::<f64>()?);
+        let mut out = Vec::new();
+        for &stop in stops {
+            t.train_until(stop)?;
+            let mut p = Params::new();
+            for (n, v) in t.params() {
+                p.insert(n.clone(), v.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1::<f64>()?);
+            }
+            out.push(p);
         }
         Ok(out)
     })
-    .unwrap()
-    .remove(0)
+    .unwrap();
+    for (r, other) in all.iter().enumerate().skip(1) {
+        assert!(other == &all[0], "rank {r}'s replicated parameters differ from rank 0's");
+    }
+    all.remove(0)
 }
 
 /// Largest |a - b| / max(floor, largest |b| of the tensor), and where.

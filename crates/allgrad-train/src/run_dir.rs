@@ -1,0 +1,130 @@
+//! Where a run writes: the run-directory policy of the `train` binary.
+//!
+//! With `--output-dir DIR` the run uses DIR. Without it a new run gets
+//! `runs/<config name>/<UTC time as YYYYmmdd-HHMMSS>`, and `--resume` picks the newest run of
+//! that config that holds a checkpoint. Only rank 0 writes into the directory, so ranks that
+//! read the clock in different seconds do no harm. A new run never overwrites a directory
+//! that holds checkpoints.
+
+use std::path::{Path, PathBuf};
+
+/// Why no run directory could be chosen.
+#[derive(Debug, thiserror::Error)]
+pub enum RunDirError {
+    /// `--resume` without `--output-dir`, and the config's runs cannot be listed.
+    #[error("--resume without --output-dir: cannot list {path}: {source} (pass --output-dir to name the run)")]
+    List {
+        /// The config's folder of runs.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `--resume`, but no run of this config has a checkpoint.
+    #[error("--resume: no run with checkpoints under {0} (start a run without --resume first, or pass --output-dir)")]
+    NothingToResume(PathBuf),
+    /// A new run would overwrite one that holds checkpoints.
+    #[error("{0} already holds checkpoints of a run: pass --resume to continue it, or choose another --output-dir")]
+    Occupied(PathBuf),
+}
+
+/// The run directory: `explicit` if given, else the default under `root` (`runs` relative to
+/// the working directory in the binary) for `config`, at UNIX time `now_secs`.
+pub fn choose(explicit: Option<&Path>, root: &Path, config: &Path, resume: bool, now_secs: u64) -> Result<PathBuf, RunDirError> {
+    let dir = match explicit {
+        Some(d) => d.to_path_buf(),
+        None => default_run_dir(root, config, resume, now_secs)?,
+    };
+    if !resume && has_checkpoint(&dir) {
+        return Err(RunDirError::Occupied(dir));
+    }
+    Ok(dir)
+}
+
+fn has_checkpoint(dir: &Path) -> bool {
+    dir.join("checkpoints").join("latest").exists()
+}
+
+/// `root/<config name>/<UTC time>` for a new run; the newest such directory with a
+/// checkpoint for a resume.
+fn default_run_dir(root: &Path, config: &Path, resume: bool, now_secs: u64) -> Result<PathBuf, RunDirError> {
+    let stem = config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
+    let parent = root.join(stem);
+    if resume {
+        let entries = std::fs::read_dir(&parent).map_err(|source| RunDirError::List { path: parent.clone(), source })?;
+        let mut runs: Vec<PathBuf> = entries.flatten().map(|e| e.path()).filter(|p| has_checkpoint(p)).collect();
+        runs.sort();
+        return runs.pop().ok_or(RunDirError::NothingToResume(parent));
+    }
+    Ok(parent.join(utc_stamp(now_secs)))
+}
+
+/// Seconds since the UNIX epoch now (0 if the clock is before it).
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// `YYYYmmdd-HHMMSS` in UTC (days to civil date after Howard Hinnant's algorithm); the
+/// names sort in time order.
+pub fn utc_stamp(secs: u64) -> String {
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_stamps_match_the_calendar() {
+        assert_eq!(utc_stamp(0), "19700101-000000");
+        // 2000-02-29 01:02:03: a leap day of a century divisible by 400.
+        assert_eq!(utc_stamp(951_782_400 + 3_723), "20000229-010203");
+        // 2100 is not a leap year: the day after 2100-02-28 is 2100-03-01.
+        assert_eq!(utc_stamp(4_107_456_000), "21000228-000000");
+        assert_eq!(utc_stamp(4_107_456_000 + 86_400), "21000301-000000");
+        assert_eq!(utc_stamp(1_767_225_599), "20251231-235959");
+        assert_eq!(utc_stamp(1_767_225_600), "20260101-000000");
+    }
+
+    fn checkpointed(dir: &Path) {
+        std::fs::create_dir_all(dir.join("checkpoints")).unwrap();
+        std::fs::write(dir.join("checkpoints/latest"), "step_1\n").unwrap();
+    }
+
+    #[test]
+    fn new_runs_get_a_stamped_directory_and_resume_picks_the_newest_with_a_checkpoint() {
+        let root = tempfile::tempdir().unwrap();
+        let cfg = Path::new("configs/simclr.yaml");
+        let new = choose(None, root.path(), cfg, false, 0).unwrap();
+        assert_eq!(new, root.path().join("simclr/19700101-000000"));
+        assert!(matches!(choose(None, root.path(), cfg, true, 0), Err(RunDirError::List { .. })));
+        checkpointed(&root.path().join("simclr/20250101-000000"));
+        checkpointed(&root.path().join("simclr/20260101-000000"));
+        std::fs::create_dir_all(root.path().join("simclr/20270101-000000")).unwrap(); // no checkpoint
+        assert_eq!(choose(None, root.path(), cfg, true, 0).unwrap(), root.path().join("simclr/20260101-000000"));
+        let other = Path::new("vectors.yaml");
+        std::fs::create_dir_all(root.path().join("vectors/x")).unwrap();
+        let e = choose(None, root.path(), other, true, 0).unwrap_err();
+        assert!(matches!(e, RunDirError::NothingToResume(_)), "{e}");
+    }
+
+    #[test]
+    fn an_explicit_directory_with_checkpoints_needs_resume() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("r");
+        checkpointed(&dir);
+        let e = choose(Some(&dir), root.path(), Path::new("a.yaml"), false, 0).unwrap_err().to_string();
+        assert!(e.contains("already holds checkpoints") && e.contains("--resume"), "{e}");
+        assert_eq!(choose(Some(&dir), root.path(), Path::new("a.yaml"), true, 0).unwrap(), dir);
+    }
+}

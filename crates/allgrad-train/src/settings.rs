@@ -1,0 +1,103 @@
+//! The environment variables the trainer reads, read once at start-up into [`Settings`]
+//! (never at the point of use), so a run's behaviour is fixed when it starts and a typo is
+//! an error before any work is done.
+//!
+//! | variable | meaning |
+//! |---|---|
+//! | `ALLGRAD_FONT` | TrueType font for the labels of `loss.png` (default: DejaVu Sans where Debian installs it) |
+//! | `ALLGRAD_FAULT` | test hook: `checkpoint:<stage>` aborts the process at that stage of a checkpoint save (`model`, `optimizer`, `buffers`, `rename`) |
+//!
+//! (`ALLGRAD_LOG`, the log filter, is read by the `train` binary; the distributed layer reads
+//! its own variables.)
+
+use std::path::PathBuf;
+
+use crate::error::TrainError;
+
+/// A stage of a checkpoint save at which `ALLGRAD_FAULT` can abort the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultStage {
+    /// After `model.safetensors` is written.
+    Model,
+    /// After `optimizer.safetensors` is written.
+    Optimizer,
+    /// After `buffers.safetensors` is written.
+    Buffers,
+    /// After everything is written, before the directory is renamed into place.
+    Rename,
+}
+
+impl FaultStage {
+    const ALL: [(&'static str, FaultStage); 4] = [
+        ("model", FaultStage::Model),
+        ("optimizer", FaultStage::Optimizer),
+        ("buffers", FaultStage::Buffers),
+        ("rename", FaultStage::Rename),
+    ];
+
+    /// The stage's name in `ALLGRAD_FAULT`.
+    pub fn name(self) -> &'static str {
+        Self::ALL.iter().find(|(_, s)| *s == self).map(|(n, _)| *n).unwrap_or("?")
+    }
+}
+
+/// The trainer's settings from the environment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// `ALLGRAD_FONT`.
+    pub font: Option<PathBuf>,
+    /// `ALLGRAD_FAULT=checkpoint:<stage>`.
+    pub fault: Option<FaultStage>,
+}
+
+impl Settings {
+    /// Reads the variables of the module docs from this process's environment.
+    pub fn from_env() -> Result<Settings, TrainError> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// As [`Settings::from_env`], from any lookup (for tests).
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Settings, TrainError> {
+        let font = get("ALLGRAD_FONT").filter(|s| !s.is_empty()).map(PathBuf::from);
+        let fault = match get("ALLGRAD_FAULT").filter(|s| !s.is_empty()) {
+            None => None,
+            Some(v) => {
+                let stage = v.strip_prefix("checkpoint:").and_then(|s| FaultStage::ALL.iter().find(|(n, _)| *n == s));
+                let names: Vec<&str> = FaultStage::ALL.iter().map(|(n, _)| *n).collect();
+                Some(
+                    stage
+                        .ok_or_else(|| {
+                            TrainError::Setup(format!(
+                                "ALLGRAD_FAULT={v:?} is not a known fault: use checkpoint:<stage> with stage one of {}, or unset it",
+                                names.join(", ")
+                            ))
+                        })?
+                        .1,
+                )
+            }
+        };
+        Ok(Settings { font, fault })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variables_are_parsed_and_a_bad_fault_is_an_error_listing_the_stages() {
+        let none = Settings::from_vars(|_| None).unwrap();
+        assert_eq!(none, Settings::default());
+        let s = Settings::from_vars(|k| match k {
+            "ALLGRAD_FONT" => Some("/f.ttf".into()),
+            "ALLGRAD_FAULT" => Some("checkpoint:buffers".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(s.font, Some(PathBuf::from("/f.ttf")));
+        assert_eq!(s.fault, Some(FaultStage::Buffers));
+        assert_eq!(FaultStage::Buffers.name(), "buffers");
+        let e = Settings::from_vars(|k| (k == "ALLGRAD_FAULT").then(|| "checkpoint:nope".into())).unwrap_err().to_string();
+        assert!(e.contains("ALLGRAD_FAULT") && e.contains("model, optimizer, buffers, rename"), "{e}");
+    }
+}
