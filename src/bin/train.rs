@@ -6,7 +6,8 @@
 //! ```
 //!
 //! Without launcher variables it is a world of one rank; under `launch`, torchrun or srun it
-//! joins the job they describe.
+//! joins the job they describe. A worker that `torchrun --max-restarts N` restarted resumes
+//! from the newest checkpoint of its run directory (see `elastic_run_dir`).
 
 use std::path::PathBuf;
 
@@ -55,11 +56,15 @@ fn main_inner(args: &Args) -> Result<(), (i32, String)> {
     let cfg = RunConfig::load(&args.config, &args.set).map_err(|e| (2, e.to_string()))?;
     let pg = ProcessGroup::from_env().map_err(|e| (1, e.to_string()))?;
     cfg.validate(pg.world_size(), &args.config).map_err(|e| (2, e.to_string()))?;
-    let out_dir = match &args.output_dir {
-        Some(d) => d.clone(),
-        None => default_run_dir(&args.config, args.resume).map_err(|e| (2, e))?,
+    // A worker that torchrun restarted resumes its run without being told (same directory).
+    let elastic = pg.world_info().elastic.clone();
+    let resume = args.resume || elastic.as_ref().is_some_and(|e| e.is_restart());
+    let out_dir = match (&args.output_dir, &elastic) {
+        (Some(d), _) => d.clone(),
+        (None, Some(e)) => elastic_run_dir(&args.config, e, resume),
+        (None, None) => default_run_dir(&args.config, resume).map_err(|e| (2, e))?,
     };
-    if !args.resume && out_dir.join("checkpoints").join("latest").exists() {
+    if !resume && out_dir.join("checkpoints").join("latest").exists() {
         return Err((
             2,
             format!(
@@ -68,7 +73,7 @@ fn main_inner(args: &Args) -> Result<(), (i32, String)> {
             ),
         ));
     }
-    let result = run::build(&cfg, pg.clone(), Some(out_dir.clone()), args.resume)
+    let result = run::build(&cfg, pg.clone(), Some(out_dir.clone()), resume)
         .and_then(|mut t| t.train_until(args.stop_after.unwrap_or(usize::MAX)).map(|s| (s, t.total_steps())));
     match result {
         Ok((s, total)) => {
@@ -112,6 +117,20 @@ fn default_run_dir(config: &std::path::Path, resume: bool) -> Result<PathBuf, St
     }
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     Ok(parent.join(utc_stamp(secs)))
+}
+
+/// The run directory of a torchrun job, the same across its restarts:
+/// `runs/<config name>/torchrun-<TORCHELASTIC_RUN_ID>`. torchrun's default run id `none`
+/// names no job, so then a first start gets a new directory and a restart the newest one
+/// with checkpoints (pass `--rdzv-id`, `--standalone` or `--output-dir` to be exact).
+fn elastic_run_dir(config: &std::path::Path, e: &allgrad::dist::Elastic, resume: bool) -> PathBuf {
+    if e.run_id == "none" {
+        let fresh = || default_run_dir(config, false).unwrap_or_else(|_| PathBuf::from("runs"));
+        return if resume { default_run_dir(config, true).unwrap_or_else(|_| fresh()) } else { fresh() };
+    }
+    let id: String = e.run_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    let stem = config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
+    PathBuf::from("runs").join(stem).join(format!("torchrun-{id}"))
 }
 
 /// `YYYYmmdd-HHMMSS` in UTC (days to civil date after Howard Hinnant's algorithm).

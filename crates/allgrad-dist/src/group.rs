@@ -124,6 +124,10 @@ impl ProcessGroup {
     /// Joins the job: rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT, every
     /// rank connects to every other, and the call returns once all are connected.
     pub fn init(info: &WorldInfo) -> DistResult<ProcessGroup> {
+        // Under torchrun's agent store, rank 0 does not bind MASTER_PORT (crate::elastic).
+        if let Some((info, server)) = crate::elastic::rendezvous_via_agent(info)? {
+            return Self::join(&info, server, ShmConfig::from_env()?);
+        }
         let server = if info.rank == 0 && info.world_size > 1 {
             let ip = resolve(&info.master_addr, info.master_port)?;
             Some(StoreServer::start(ip, &info.token)?)

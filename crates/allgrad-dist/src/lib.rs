@@ -30,6 +30,7 @@
 #![warn(missing_docs)]
 
 mod collectives;
+pub mod elastic;
 pub mod env;
 mod error;
 mod group;
@@ -38,11 +39,14 @@ pub mod ops;
 mod reduce;
 mod shm;
 mod shm_ops;
+pub mod slurm;
 pub mod store;
 pub mod testing;
 mod threads;
+pub mod torch_store;
 mod wire;
 
+pub use elastic::Elastic;
 pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
 pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
