@@ -51,7 +51,7 @@ for _ in $(seq 1 3000); do [ -e "$RUN/checkpoints/latest" ] && break; sleep 0.01
 VICTIM="$(pgrep -P "$AGENT" -x train | tail -n 1 || true)"
 if [ -n "$VICTIM" ]; then echo "SIGKILL worker $VICTIM (latest: $(cat "$RUN/checkpoints/latest"))"; kill -9 "$VICTIM"; fi
 wait "$AGENT"
-grep -E "resumed from|trained|restart|Worker group" "$OUT/restarted.txt" | sed 's/^/    /'
+grep -E "resumed from|trained|exitcode|closing signal" "$OUT/restarted.txt" | sed 's/^/    /'
 grep -q "resumed from" "$OUT/restarted.txt" || { echo "no resume: see $OUT/restarted.txt" >&2; exit 1; }
 
 echo "== 3. cargo test --test torchrun"
