@@ -8,6 +8,8 @@
 //! Without launcher variables it is a world of one rank; under `launch`, torchrun or srun it
 //! joins the job they describe. The run-directory policy is `allgrad_train::run_dir`; the
 //! environment variables are read once, here, into `allgrad_train::Settings`.
+//! A worker that `torchrun --max-restarts N` restarted resumes from the newest checkpoint of
+//! its run directory (`allgrad_train::run_dir::torchrun_run_dir`).
 
 use std::path::{Path, PathBuf};
 
@@ -57,9 +59,16 @@ fn main_inner(args: &Args) -> Result<(), (i32, String)> {
     let cfg = RunConfig::load(&args.config, &args.set).map_err(|e| (2, e.to_string()))?;
     let pg = ProcessGroup::from_env().map_err(|e| (1, e.to_string()))?;
     cfg.validate(pg.world_size(), &args.config).map_err(|e| (2, e.to_string()))?;
-    let out_dir = run_dir::choose(args.output_dir.as_deref(), Path::new("runs"), &args.config, args.resume, run_dir::now_secs())
-        .map_err(|e| (2, e.to_string()))?;
-    let result = run::build_with(&cfg, pg.clone(), Some(out_dir.clone()), args.resume, settings)
+    // A worker that torchrun restarted resumes its run without being told (same directory).
+    let elastic = pg.world_info().elastic.clone();
+    let resume = args.resume || elastic.as_ref().is_some_and(|e| e.is_restart());
+    let root = Path::new("runs");
+    let out_dir = match (&args.output_dir, &elastic) {
+        (None, Some(e)) => run_dir::torchrun_run_dir(root, &args.config, &e.run_id, resume, run_dir::now_secs()),
+        (explicit, _) => run_dir::choose(explicit.as_deref(), root, &args.config, resume, run_dir::now_secs()),
+    }
+    .map_err(|e| (2, e.to_string()))?;
+    let result = run::build_with(&cfg, pg.clone(), Some(out_dir.clone()), resume, settings)
         .and_then(|mut t| t.train_until(args.stop_after.unwrap_or(usize::MAX)).map(|s| (s, t.total_steps())));
     match result {
         Ok((s, total)) => {

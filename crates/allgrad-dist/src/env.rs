@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::elastic::Elastic;
 use crate::error::{DistError, DistResult};
 use crate::settings::Settings;
 
@@ -36,6 +37,9 @@ pub struct WorldInfo {
     pub token: String,
     /// Timeout of every blocking call.
     pub timeout: Duration,
+    /// Set when torchrun's elastic agent started this process: run id, restart round, and
+    /// whether its store serves MASTER_PORT (then rank 0 does not bind it; see [`crate::elastic`]).
+    pub elastic: Option<Elastic>,
 }
 
 impl WorldInfo {
@@ -50,6 +54,7 @@ impl WorldInfo {
             master_port: DEFAULT_MASTER_PORT,
             token: String::new(),
             timeout: DEFAULT_TIMEOUT,
+            elastic: None,
         }
     }
 
@@ -106,9 +111,13 @@ impl WorldInfo {
                 "local rank {local_rank} from {source} is not below the local world size {local_world_size}"
             )));
         }
+        // Under srun without MASTER_ADDR/MASTER_PORT: the first host of the step (else job) and a
+        // port from the job id (crate::slurm).
+        let slurm_nodes = get("SLURM_STEP_NODELIST").or(get("SLURM_JOB_NODELIST"));
         let master_addr = match get("MASTER_ADDR") {
             Some(a) => a.to_string(),
             None if world == 1 => "127.0.0.1".to_string(),
+            None if source == "SLURM" && slurm_nodes.is_some() => crate::slurm::first_host(slurm_nodes.unwrap_or_default())?,
             None => {
                 return Err(DistError::Env(format!(
                     "MASTER_ADDR is not set: {source} gives {world} ranks, and they meet at rank 0's address \
@@ -117,6 +126,9 @@ impl WorldInfo {
             }
         };
         let master_port = match get("MASTER_PORT") {
+            None if source == "SLURM" && get("SLURM_JOB_ID").is_some() => {
+                crate::slurm::port_from_job_id(get("SLURM_JOB_ID").unwrap_or_default())?
+            }
             None => DEFAULT_MASTER_PORT,
             Some(p) => p
                 .parse::<u16>()
@@ -140,7 +152,8 @@ impl WorldInfo {
                 format!("derived:{job}:{master_addr}:{master_port}")
             }
         };
-        Ok(WorldInfo { rank, world_size: world, local_rank, local_world_size, master_addr, master_port, token, timeout })
+        let elastic = Elastic::from_vars(vars)?;
+        Ok(WorldInfo { rank, world_size: world, local_rank, local_world_size, master_addr, master_port, token, timeout, elastic })
     }
 }
 

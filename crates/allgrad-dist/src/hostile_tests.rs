@@ -49,6 +49,7 @@ fn world_info(rank: usize, port: u16, token: &str) -> WorldInfo {
         master_port: port,
         token: token.into(),
         timeout: TIMEOUT,
+        elastic: None,
     }
 }
 

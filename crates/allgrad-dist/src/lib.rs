@@ -38,6 +38,7 @@
 
 mod collectives;
 mod dispatch;
+pub mod elastic;
 pub mod env;
 mod error;
 mod group;
@@ -50,13 +51,16 @@ mod shm;
 mod shm_job;
 mod shm_ops;
 mod shm_setup;
+pub mod slurm;
 pub mod store;
 pub mod testing;
 mod threads;
+pub mod torch_store;
 mod wire;
 
 #[doc(hidden)]
 pub use dispatch::__private;
+pub use elastic::Elastic;
 pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
 pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};

@@ -134,6 +134,7 @@ impl ThreadWorld {
             master_port: port,
             token: token.clone(),
             timeout: self.timeout,
+            elastic: None,
         };
         let (done_tx, done_rx) = mpsc::channel::<usize>();
         let _dog = self.watchdog.map(|limit| Watchdog::start(limit, w, done_rx));

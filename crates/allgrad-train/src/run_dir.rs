@@ -5,6 +5,10 @@
 //! that config that holds a checkpoint. Only rank 0 writes into the directory, so ranks that
 //! read the clock in different seconds do no harm. A new run never overwrites a directory
 //! that holds checkpoints.
+//!
+//! Under torchrun ([`torchrun_run_dir`]) the directory is the same across the job's restarts:
+//! `runs/<config name>/torchrun-<TORCHELASTIC_RUN_ID>`, so a restarted worker finds the
+//! checkpoints its previous incarnation wrote.
 
 use std::path::{Path, PathBuf};
 
@@ -41,6 +45,28 @@ pub fn choose(explicit: Option<&Path>, root: &Path, config: &Path, resume: bool,
     Ok(dir)
 }
 
+/// The run directory of a torchrun job whose `TORCHELASTIC_RUN_ID` is `run_id`, the same
+/// across its restarts: `root/<config name>/torchrun-<run id>` (characters other than ASCII
+/// letters, digits, `-`, `_` and `.` become `_`). torchrun's default run id `none` names no
+/// job: then a first start gets a new directory as [`choose`] would, and a restart the newest
+/// one with checkpoints (pass `--rdzv-id`, `--standalone` or `--output-dir` to be exact).
+pub fn torchrun_run_dir(root: &Path, config: &Path, run_id: &str, resume: bool, now_secs: u64) -> Result<PathBuf, RunDirError> {
+    if run_id == "none" {
+        let dir = if resume {
+            default_run_dir(root, config, true, now_secs).or_else(|_| default_run_dir(root, config, false, now_secs))?
+        } else {
+            default_run_dir(root, config, false, now_secs)?
+        };
+        return Ok(dir);
+    }
+    let id: String = run_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    Ok(root.join(config_stem(config)).join(format!("torchrun-{id}")))
+}
+
+fn config_stem(config: &Path) -> String {
+    config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into())
+}
+
 fn has_checkpoint(dir: &Path) -> bool {
     dir.join("checkpoints").join("latest").exists()
 }
@@ -48,8 +74,7 @@ fn has_checkpoint(dir: &Path) -> bool {
 /// `root/<config name>/<UTC time>` for a new run; the newest such directory with a
 /// checkpoint for a resume.
 fn default_run_dir(root: &Path, config: &Path, resume: bool, now_secs: u64) -> Result<PathBuf, RunDirError> {
-    let stem = config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
-    let parent = root.join(stem);
+    let parent = root.join(config_stem(config));
     if resume {
         let entries = std::fs::read_dir(&parent).map_err(|source| RunDirError::List { path: parent.clone(), source })?;
         let mut runs: Vec<PathBuf> = entries.flatten().map(|e| e.path()).filter(|p| has_checkpoint(p)).collect();
@@ -126,5 +151,19 @@ mod tests {
         let e = choose(Some(&dir), root.path(), Path::new("a.yaml"), false, 0).unwrap_err().to_string();
         assert!(e.contains("already holds checkpoints") && e.contains("--resume"), "{e}");
         assert_eq!(choose(Some(&dir), root.path(), Path::new("a.yaml"), true, 0).unwrap(), dir);
+    }
+
+    #[test]
+    fn torchrun_jobs_keep_their_directory_across_restarts() {
+        let root = tempfile::tempdir().unwrap();
+        let cfg = Path::new("configs/vectors.yaml");
+        let first = torchrun_run_dir(root.path(), cfg, "job/7", false, 0).unwrap();
+        assert_eq!(first, root.path().join("vectors/torchrun-job_7"));
+        assert_eq!(torchrun_run_dir(root.path(), cfg, "job/7", true, 99).unwrap(), first);
+        // The default id names no job: a new stamp, and on restart the newest run with checkpoints.
+        assert_eq!(torchrun_run_dir(root.path(), cfg, "none", false, 0).unwrap(), root.path().join("vectors/19700101-000000"));
+        let old = root.path().join("vectors/19700101-000000");
+        std::fs::create_dir_all(old.join("checkpoints/latest")).unwrap();
+        assert_eq!(torchrun_run_dir(root.path(), cfg, "none", true, 5_000).unwrap(), old);
     }
 }

@@ -101,6 +101,10 @@ impl ProcessGroup {
     /// As [`ProcessGroup::init`], with the given settings (the timeout and token are those of
     /// `info`). Reads no environment.
     pub fn init_with(info: &WorldInfo, settings: Settings) -> DistResult<ProcessGroup> {
+        // Under torchrun's agent store, rank 0 does not bind MASTER_PORT (crate::elastic).
+        if let Some((info, server)) = crate::elastic::rendezvous_via_agent(info)? {
+            return Self::join(&info, server, settings);
+        }
         let server = if info.rank == 0 && info.world_size > 1 {
             let ip = resolve(&info.master_addr, info.master_port)?;
             Some(StoreServer::start(ip, &info.token)?)

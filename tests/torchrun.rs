@@ -1,0 +1,257 @@
+//! Ranks under the real torchrun (PyTorch's elastic agent, which serves its own TCPStore on
+//! MASTER_PORT): 2 ranks train the vectors method and end exactly where `launch` does; a run
+//! whose worker is SIGKILLed once under `--max-restarts 1` is restarted by torchrun, resumes
+//! from its checkpoint and ends where an uninterrupted run does; and allgrad's TCPStore
+//! client talks to PyTorch's own store.
+//!
+//! torchrun is found through ALLGRAD_TORCHRUN (a path) or `torchrun` on PATH, and Python
+//! (for the store test) through ALLGRAD_PYTHON or the `python` next to that torchrun. Without
+//! them, or when they cannot import torch, each test prints why it is skipped and passes.
+//! `scripts/torchrun_local.sh` runs this file against the venv's torchrun.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use allgrad::dist::torch_store::TorchStore;
+use candle_core::{Device, Tensor};
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// A small vectors run: 4 steps an epoch; `epochs` and the checkpoint period set its length.
+fn config(epochs: usize, every: usize) -> String {
+    format!(
+        "seed: 11\n\
+         data: {{kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}}\n\
+         model: {{kind: mlp, hidden: 16, out: 8}}\n\
+         loss: {{kind: nt_xent, temperature: 0.3}}\n\
+         optim: {{kind: lars, lr: 0.4, weight_decay: 0.0001}}\n\
+         schedule: {{warmup_steps: 2}}\n\
+         train: {{global_batch: 24, epochs: {epochs}}}\n\
+         checkpoint: {{every: {every}, keep_last: 2}}\n\
+         log: {{every: 1, progress: lines}}\n"
+    )
+}
+
+fn torchrun() -> Option<PathBuf> {
+    let path = match std::env::var_os("ALLGRAD_TORCHRUN") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::var_os("PATH")
+            .and_then(|paths| std::env::split_paths(&paths).map(|d| d.join("torchrun")).find(|p| p.is_file()))?,
+    };
+    let ok = Command::new(&path).arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    ok.map(|s| s.success()).unwrap_or(false).then_some(path)
+}
+
+fn python() -> Option<PathBuf> {
+    let path =
+        std::env::var_os("ALLGRAD_PYTHON").map(PathBuf::from).or_else(|| torchrun().map(|t| t.with_file_name("python")))?;
+    let ok = Command::new(&path).args(["-c", "import torch.distributed"]).stderr(Stdio::null()).status();
+    ok.map(|s| s.success()).unwrap_or(false).then_some(path)
+}
+
+fn skip(test: &str, what: &str) {
+    println!("{test}: skipped: {what} not found or cannot import torch (set ALLGRAD_TORCHRUN / ALLGRAD_PYTHON)");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Waits for `child` with a watchdog; `tick` runs every few milliseconds meanwhile.
+fn wait(mut child: Child, what: &str, mut tick: impl FnMut(u32)) -> Output {
+    let t = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if t.elapsed() > LIMIT {
+            let pid = child.id();
+            let _ = child.kill();
+            panic!("watchdog: {what} still running after {LIMIT:?} (pid {pid})");
+        }
+        tick(child.id());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Kills `pid` after [`LIMIT`] unless dropped first: a hung helper process fails the test.
+struct Watchdog(Arc<AtomicBool>);
+
+impl Watchdog {
+    fn start(pid: u32) -> Watchdog {
+        let done = Arc::new(AtomicBool::new(false));
+        let d = done.clone();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            while !d.load(Ordering::SeqCst) {
+                if t.elapsed() > LIMIT {
+                    eprintln!("watchdog: killing pid {pid} after {LIMIT:?}");
+                    // SAFETY: kill(2) on a child's process id; no memory is involved.
+                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        Watchdog(done)
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{what} failed: {}\nstdout:\n{so}\nstderr:\n{se}", out.status);
+    format!("{so}\n{se}")
+}
+
+fn torchrun_cmd(torchrun: &Path, dir: &Path, run_dir: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(torchrun);
+    c.args(["--nproc-per-node", "2", "--master-port", &free_port().to_string()])
+        .args(extra)
+        .args(["--no-python", env!("CARGO_BIN_EXE_train"), "--config"])
+        .arg(dir.join("run.yaml"))
+        .arg("--output-dir")
+        .arg(run_dir)
+        .env("ALLGRAD_JOB_TOKEN", "torchrun-test-token")
+        .env("ALLGRAD_TIMEOUT_S", "60")
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+fn launched(dir: &Path, run_dir: &Path) -> Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_launch"))
+        .args(["--nproc-per-node", "2", env!("CARGO_BIN_EXE_train"), "--config"])
+        .arg(dir.join("run.yaml"))
+        .arg("--output-dir")
+        .arg(run_dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait(child, "launch", |_| {})
+}
+
+/// The final checkpoint's parameters, by name.
+fn final_model(run_dir: &Path) -> (String, Vec<(String, Vec<f32>)>) {
+    let name = std::fs::read_to_string(run_dir.join("checkpoints/latest")).expect("checkpoints/latest");
+    let path = run_dir.join("checkpoints").join(name.trim()).join("model.safetensors");
+    let m: HashMap<String, Tensor> = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    let mut v: Vec<_> = m.iter().map(|(k, t)| (k.clone(), t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    (name.trim().to_string(), v)
+}
+
+/// The `last loss X` that rank 0 prints.
+fn last_loss(text: &str) -> String {
+    let at = text.find("last loss ").unwrap_or_else(|| panic!("no `last loss` in:\n{text}"));
+    text[at + 10..].split(|c: char| c == ';' || c.is_whitespace()).next().unwrap().to_string()
+}
+
+#[test]
+fn two_ranks_under_torchrun_end_where_launch_does() {
+    let Some(torchrun) = torchrun() else { return skip("two_ranks_under_torchrun_end_where_launch_does", "torchrun") };
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("run.yaml"), config(2, 4)).unwrap();
+    let by_launch = ok(&launched(d.path(), &d.path().join("launch")), "launch");
+    let child = torchrun_cmd(&torchrun, d.path(), &d.path().join("torchrun"), &[]).spawn().unwrap();
+    let by_torchrun = ok(&wait(child, "torchrun", |_| {}), "torchrun");
+    assert!(by_torchrun.contains("trained 8 of 8 steps on 2 rank(s)"), "{by_torchrun}");
+    assert_eq!(last_loss(&by_torchrun), last_loss(&by_launch));
+    assert_eq!(final_model(&d.path().join("torchrun")), final_model(&d.path().join("launch")));
+}
+
+/// The `train` processes torchrun's agent started.
+fn workers_of(agent: u32) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        // pid (comm) state ppid ...
+        let Some(close) = stat.rfind(')') else { continue };
+        let comm = &stat[stat.find('(').unwrap_or(0) + 1..close];
+        let ppid = stat[close + 2..].split(' ').nth(1).and_then(|p| p.parse::<u32>().ok());
+        if comm == "train" && ppid == Some(agent) {
+            pids.push(stat.split(' ').next().unwrap().parse().unwrap());
+        }
+    }
+    pids
+}
+
+#[test]
+fn a_worker_killed_once_is_restarted_by_torchrun_and_resumes_exactly() {
+    let test = "a_worker_killed_once_is_restarted_by_torchrun_and_resumes_exactly";
+    let Some(torchrun) = torchrun() else { return skip(test, "torchrun") };
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("run.yaml"), config(150, 4)).unwrap();
+    ok(&launched(d.path(), &d.path().join("straight")), "launch");
+
+    let run_dir = d.path().join("killed");
+    let child = torchrun_cmd(&torchrun, d.path(), &run_dir, &["--max-restarts", "1"]).spawn().unwrap();
+    let mut killed = None;
+    let out = wait(child, "torchrun --max-restarts 1", |agent| {
+        if killed.is_none() && run_dir.join("checkpoints/latest").exists() {
+            let workers = workers_of(agent);
+            if let Some(&pid) = workers.last() {
+                // SAFETY: kill(2) on a process id read from /proc; no memory is involved.
+                assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0, "SIGKILL of worker {pid}");
+                killed = Some(pid);
+            }
+        }
+    });
+    let text = ok(&out, "torchrun --max-restarts 1");
+    assert!(killed.is_some(), "no worker was killed: the run ended before its first checkpoint\n{text}");
+    let resumed = text.lines().find(|l| l.contains("resumed from")).unwrap_or_else(|| panic!("no resume in:\n{text}"));
+    let step: usize = resumed.rsplit("at step ").next().and_then(|s| s.trim().parse().ok()).expect(resumed);
+    assert!(step > 0 && step < 600, "resumed at step {step}: {resumed}");
+    assert!(text.contains("trained 600 of 600 steps"), "{text}");
+    assert_eq!(final_model(&run_dir), final_model(&d.path().join("straight")), "resumed run differs");
+}
+
+#[test]
+fn the_store_client_talks_to_pytorchs_tcpstore() {
+    let test = "the_store_client_talks_to_pytorchs_tcpstore";
+    let Some(python) = python() else { return skip(test, "python with torch") };
+    let script = r#"
+import datetime, sys, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+print(s.port, flush=True)
+p = dist.PrefixStore("/worker/attempt_2", s)
+v = p.get("from_rust")
+p.add("counter", 10)
+p.set("from_python", v[::-1] + b"!")
+p.wait(["done"])
+print("python read", v.decode(), "and counter", int(p.get("counter")), flush=True)
+"#;
+    let mut child = Command::new(&python).args(["-c", script]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let _dog = Watchdog::start(child.id());
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let port = lines.next().expect("the store's port").unwrap();
+    let store = TorchStore::connect(&format!("127.0.0.1:{}", port.trim()), Duration::from_secs(60))
+        .unwrap()
+        .with_prefix("/worker/attempt_2");
+    store.ping(12345).unwrap();
+    assert!(!store.check(&["from_python"]).unwrap());
+    store.set("from_rust", b"abc").unwrap();
+    assert_eq!(store.get("from_python").unwrap(), b"cba!");
+    assert!(store.check(&["from_python", "counter"]).unwrap());
+    store.wait(&["from_python"], Duration::from_secs(5)).unwrap();
+    assert_eq!(store.add("counter", 5).unwrap(), 15);
+    let err = store.wait(&["never"], Duration::from_millis(200)).unwrap_err().to_string();
+    assert!(err.contains("timed out") && err.contains(port.trim()), "{err}");
+    store.set("done", b"").unwrap();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let out = wait(child, "python", |_| {});
+    assert!(out.status.success(), "python: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(rest, ["python read abc and counter 15"]);
+}
