@@ -67,7 +67,7 @@ fn hostile_frame(seed: u64, h: &Header) -> (String, Vec<u8>) {
         }
         5 => {
             // A frame of another call: earlier or later.
-            m.seq = h.seq.wrapping_add(1 + rng.next() % 1000).wrapping_sub(if rng.next() % 2 == 0 { 0 } else { 1001 });
+            m.seq = h.seq.wrapping_add(1 + rng.next() % 1000).wrapping_sub(if rng.next().is_multiple_of(2) { 0 } else { 1001 });
             if m.seq == h.seq {
                 m.seq += 1;
             }
@@ -81,7 +81,7 @@ fn hostile_frame(seed: u64, h: &Header) -> (String, Vec<u8>) {
             "step"
         }
         7 => {
-            m.len = if rng.next() % 2 == 0 { rng.other_u64(h.len) | (1 << 40) } else { rng.next() % h.len };
+            m.len = if rng.next().is_multiple_of(2) { rng.other_u64(h.len) | (1 << 40) } else { rng.next() % h.len };
             "length"
         }
         _ => {
