@@ -11,7 +11,7 @@ use crate::hostile_tests::rank0_error_after_hostile_frame;
 use crate::wire::{Header, KIND_ABORT, KIND_DATA};
 
 /// Cases per run, and a bound on the whole run well under a minute.
-const CASES: u64 = 40;
+const CASES: u64 = 200;
 const BUDGET: Duration = Duration::from_secs(50);
 
 /// splitmix64: a fixed, documented generator, so a failing case can be replayed by seed.
