@@ -57,7 +57,7 @@ fn subgroups_follow_the_given_rank_order_and_run_collectives() {
                             true,
                             &parts.concat(),
                         );
-                        for root in 0..2 {
+                        for (root, want) in parts.iter().enumerate() {
                             let y = sub.broadcast(&x, root)?;
                             check(
                                 &format!("subgroup {members:?} broadcast from {root} on rank {g}"),
@@ -65,7 +65,7 @@ fn subgroups_follow_the_given_rank_order_and_run_collectives() {
                                 dtype,
                                 &[n],
                                 true,
-                                &parts[root],
+                                want,
                             );
                         }
                         let xs = tensor(dtype, &gen(dtype, kind, members[me], s, 0..2 * n), &[2, n]);

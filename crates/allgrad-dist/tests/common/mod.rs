@@ -108,7 +108,7 @@ pub fn value(dtype: DType, kind: Kind, h: u64) -> f64 {
     let unit = (h >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
     match kind {
         Kind::General => ((h % 33) as f64 - 16.0) * 0.25,
-        Kind::Prod if h % 8 == 0 => 0.0,
+        Kind::Prod if h.is_multiple_of(8) => 0.0,
         Kind::Prod => 0.5 + 0.25 * ((h >> 3) % 5) as f64,
         Kind::Rough => quantize(dtype, (unit - 0.5) * 8.0),
         Kind::RoughProd => quantize(dtype, 0.5 + unit),
@@ -192,7 +192,8 @@ pub fn tolerance(dtype: DType) -> f64 {
 }
 
 /// Checks `got` against the reference: exact for integers and when `exact`, else within the
-/// dtype's tolerance relative to max(|expected|, 1).
+/// dtype's tolerance relative to max(|expected|, 1). A NaN fails (hence the negated test).
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub fn check_values(what: &str, dtype: DType, exact: bool, got: &[f64], want: &[f64]) {
     assert_eq!(got.len(), want.len(), "{what}: {} elements, expected {}", got.len(), want.len());
     let tol = if exact { 0.0 } else { tolerance(dtype) };
@@ -204,6 +205,7 @@ pub fn check_values(what: &str, dtype: DType, exact: bool, got: &[f64], want: &[
 }
 
 /// Like [`check_values`], with the tolerance relative to max(scale[i], 1).
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub fn check_scaled(what: &str, dtype: DType, exact: bool, got: &[f64], want: &[f64], scale: &[f64]) {
     assert_eq!(got.len(), want.len(), "{what}: {} elements, expected {}", got.len(), want.len());
     let tol = if exact { 0.0 } else { tolerance(dtype) };
