@@ -3,7 +3,8 @@
 //! The trainer as a library: a [`RunConfig`] (YAML), a [`Trainer`] that runs any
 //! [`allgrad_models::Objective`] data-parallel with exact gradient semantics, optimizers
 //! (SGD, LARS, AdamW), warmup + cosine schedules, atomic checkpoints with bitwise resume,
-//! `metrics.jsonl`, a progress bar and `loss.png`.
+//! `metrics.jsonl`, a progress bar and `loss.png`. The `method:` of a config names an entry of
+//! a [`Registry`] ([`method`]); [`cli::main_with`] is the `train` binary for any registry.
 //!
 //! A run directory holds `config.yaml`, `metrics.jsonl`, `checkpoints/step_<N>/`
 //! (`model.safetensors`, `optimizer.safetensors`, `state.json`), `checkpoints/latest` and
@@ -12,8 +13,10 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint;
+pub mod cli;
 pub mod config;
 pub mod ddp;
+pub mod method;
 pub mod metrics;
 pub mod optim;
 pub mod params;
@@ -23,4 +26,5 @@ pub mod schedule;
 pub mod trainer;
 
 pub use config::RunConfig;
+pub use method::{Method, Registry};
 pub use trainer::{Summary, Trainer, TrainerConfig};

@@ -3,14 +3,11 @@
 use std::path::PathBuf;
 
 use allgrad_dist::ProcessGroup;
-use allgrad_models::barlow_twins::BarlowTwins;
-use allgrad_models::losses::LossConfig;
-use allgrad_models::simclr::SimClr;
-use allgrad_models::vectors::VectorContrastive;
 use allgrad_models::Objective;
-use candle_core::{DType, Device, Result};
+use candle_core::{Device, Result};
 
-use crate::config::{DataConfig, DeviceKind, ModelConfig, Precision, RunConfig};
+use crate::config::{DeviceKind, RunConfig};
+use crate::method::Registry;
 use crate::trainer::{Trainer, TrainerConfig};
 
 /// The device of this rank: the CPU, or the GPU of its LOCAL_RANK.
@@ -21,35 +18,16 @@ pub fn device(cfg: &RunConfig, pg: &ProcessGroup) -> Result<Device> {
     }
 }
 
-/// The built-in objective a config names.
+/// The objective of a config whose method is built in ([`Registry::objective`] for others).
 pub fn objective(cfg: &RunConfig, device: &Device) -> Result<Box<dyn Objective>> {
-    let dtype = dtype(cfg);
-    match (&cfg.data, &cfg.model) {
-        (DataConfig::Vectors(d), ModelConfig::Mlp(m)) => {
-            Ok(Box::new(VectorContrastive::new(d.clone(), m.clone(), cfg.loss.clone(), cfg.seed, device.clone(), dtype)?))
-        }
-        (DataConfig::Images(d), ModelConfig::Resnet(m)) => match cfg.loss {
-            LossConfig::NtXent { temperature } => Ok(Box::new(SimClr::new(d, m.clone(), temperature, device.clone(), dtype)?)),
-            LossConfig::CrossCorrelation { lambda, scale } => {
-                Ok(Box::new(BarlowTwins::new(d, m.clone(), lambda, scale, device.clone(), dtype)?))
-            }
-        },
-        (d, m) => candle_core::bail!("data {d:?} cannot feed model {m:?}"),
-    }
-}
-
-fn dtype(cfg: &RunConfig) -> DType {
-    match cfg.dtype {
-        Precision::F32 => DType::F32,
-        Precision::F64 => DType::F64,
-    }
+    Registry::builtin().objective(cfg, device)
 }
 
 /// The trainer's part of a run config.
 pub fn trainer_config(cfg: &RunConfig, device: Device) -> TrainerConfig {
     TrainerConfig {
         seed: cfg.seed,
-        dtype: dtype(cfg),
+        dtype: cfg.candle_dtype(),
         device,
         train: cfg.train.clone(),
         optim: cfg.optim.clone(),
@@ -59,14 +37,26 @@ pub fn trainer_config(cfg: &RunConfig, device: Device) -> TrainerConfig {
     }
 }
 
-/// Builds the trainer for a (validated) config; rank 0 writes `config.yaml` to `out_dir`.
+/// Builds the trainer for a (validated) config of a built-in method; rank 0 writes
+/// `config.yaml` to `out_dir`.
 pub fn build(cfg: &RunConfig, pg: ProcessGroup, out_dir: Option<PathBuf>, resume: bool) -> Result<Trainer> {
+    build_with(&Registry::builtin(), cfg, pg, out_dir, resume)
+}
+
+/// As [`build`], with the method taken from `registry`.
+pub fn build_with(
+    registry: &Registry,
+    cfg: &RunConfig,
+    pg: ProcessGroup,
+    out_dir: Option<PathBuf>,
+    resume: bool,
+) -> Result<Trainer> {
     let device = device(cfg, &pg)?;
     if let (Some(dir), 0) = (&out_dir, pg.rank()) {
         std::fs::create_dir_all(dir).map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
         let path = dir.join("config.yaml");
         std::fs::write(&path, cfg.to_yaml()).map_err(|e| candle_core::Error::Msg(format!("writing {}: {e}", path.display())))?;
     }
-    let objective = objective(cfg, &device)?;
+    let objective = registry.objective(cfg, &device)?;
     Trainer::new(trainer_config(cfg, device), objective, pg, out_dir, resume)
 }
