@@ -104,7 +104,7 @@ pub fn nt_xent(z1: &Tensor, z2: &Tensor, temperature: f64, pg: &ProcessGroup) ->
     if z1.dims() != z2.dims() || z1.rank() != 2 {
         return fail(ModelError::ViewShapes { loss: "nt_xent", z1: z1.dims().to_vec(), z2: z2.dims().to_vec() });
     }
-    if !(temperature > 0.0) {
+    if temperature.is_nan() || temperature <= 0.0 {
         return fail(ModelError::LossValue { key: "temperature", expected: "positive", value: temperature });
     }
     let b = z1.dim(0)?;

@@ -51,7 +51,7 @@ struct ConvBn {
 }
 
 impl ConvBn {
-    fn new(cin: usize, cout: usize, k: usize, stride: usize, sync: bool, vb: VarBuilder, name: &str, bn: &str) -> Result<Self> {
+    fn new(cin: usize, cout: usize, k: usize, stride: usize, sync: bool, vb: VarBuilder, [name, bn]: [&str; 2]) -> Result<Self> {
         let params = ConvParams { stride, padding: k / 2, ..Default::default() };
         let conv = Conv2d::from_vb(cin, cout, k, params, false, vb.pp(name))?;
         Ok(ConvBn { conv, bn: BatchNorm::new(cout, sync, vb.pp(bn))? })
@@ -107,7 +107,7 @@ impl ResNet {
             Stem::Cifar => (3, 1),
             Stem::Imagenet => (7, 2),
         };
-        let stem = ConvBn::new(cfg.in_channels, cfg.width, k, stride, s, vb.clone(), "conv1", "bn1")?;
+        let stem = ConvBn::new(cfg.in_channels, cfg.width, k, stride, s, vb.clone(), ["conv1", "bn1"])?;
         let expansion = if bottleneck { 4 } else { 1 };
         let mut cin = cfg.width;
         let mut blocks = Vec::new();
@@ -118,21 +118,21 @@ impl ResNet {
                 let stride = if stage > 0 && i == 0 { 2 } else { 1 };
                 let cout = planes * expansion;
                 let down = if stride != 1 || cin != cout {
-                    Some(ConvBn::new(cin, cout, 1, stride, s, vbb.pp("downsample"), "0", "1")?)
+                    Some(ConvBn::new(cin, cout, 1, stride, s, vbb.pp("downsample"), ["0", "1"])?)
                 } else {
                     None
                 };
                 blocks.push(if bottleneck {
                     Block::Bottleneck {
-                        a: ConvBn::new(cin, planes, 1, 1, s, vbb.clone(), "conv1", "bn1")?,
-                        b: ConvBn::new(planes, planes, 3, stride, s, vbb.clone(), "conv2", "bn2")?,
-                        c: ConvBn::new(planes, cout, 1, 1, s, vbb.clone(), "conv3", "bn3")?,
+                        a: ConvBn::new(cin, planes, 1, 1, s, vbb.clone(), ["conv1", "bn1"])?,
+                        b: ConvBn::new(planes, planes, 3, stride, s, vbb.clone(), ["conv2", "bn2"])?,
+                        c: ConvBn::new(planes, cout, 1, 1, s, vbb.clone(), ["conv3", "bn3"])?,
                         down,
                     }
                 } else {
                     Block::Basic {
-                        a: ConvBn::new(cin, planes, 3, stride, s, vbb.clone(), "conv1", "bn1")?,
-                        b: ConvBn::new(planes, planes, 3, 1, s, vbb.clone(), "conv2", "bn2")?,
+                        a: ConvBn::new(cin, planes, 3, stride, s, vbb.clone(), ["conv1", "bn1"])?,
+                        b: ConvBn::new(planes, planes, 3, 1, s, vbb.clone(), ["conv2", "bn2"])?,
                         down,
                     }
                 });

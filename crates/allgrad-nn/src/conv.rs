@@ -402,7 +402,7 @@ impl Conv2d {
         bias: bool,
         vb: candle_nn::VarBuilder,
     ) -> Result<Self> {
-        if params.groups == 0 || in_channels % params.groups != 0 {
+        if params.groups == 0 || !in_channels.is_multiple_of(params.groups) {
             return fail(NnError::ConvChannels {
                 channels: in_channels,
                 per_group: in_channels / params.groups.max(1),

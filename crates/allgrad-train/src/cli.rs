@@ -2,10 +2,9 @@
 //! a [`Registry`], so a user's own method gets the same command from a few lines:
 //!
 //! ```no_run
-//! fn main() {
-//!     let methods = allgrad_train::Registry::builtin(); // plus `methods.register("mine", Mine);`
-//!     std::process::exit(allgrad_train::cli::main_with(methods));
-//! }
+//! // In a binary's `main`:
+//! let methods = allgrad_train::Registry::builtin(); // plus `methods.register("mine", Mine);`
+//! std::process::exit(allgrad_train::cli::main_with(methods));
 //! ```
 //!
 //! ```text

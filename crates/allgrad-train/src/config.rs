@@ -213,7 +213,7 @@ impl RunConfig {
             )));
         }
         let unit = world_size * t.accumulate;
-        if t.global_batch % unit != 0 {
+        if !t.global_batch.is_multiple_of(unit) {
             return Err(bad(format!(
                 "train.global_batch = {} is not divisible by world size {world_size} x train.accumulate {} = {unit}: \
                  each rank takes global_batch / world_size samples per step, in `accumulate` equal micro-batches",

@@ -150,7 +150,7 @@ impl Trainer {
             }
         }
         let w = pg.world_size();
-        if cfg.train.global_batch % (w * cfg.train.accumulate) != 0 {
+        if !cfg.train.global_batch.is_multiple_of(w * cfg.train.accumulate) {
             candle_core::bail!(
                 "train.global_batch = {} is not divisible by world size {w} x train.accumulate {}",
                 cfg.train.global_batch,
@@ -271,7 +271,7 @@ impl Trainer {
         }
         while self.step < stop {
             let epoch = self.step / per_epoch;
-            if self.step == started_at || self.step % per_epoch == 0 {
+            if self.step == started_at || self.step.is_multiple_of(per_epoch) {
                 self.plan(epoch, stop)?;
             }
             let lr = self.cfg.schedule.lr(self.cfg.optim.lr(), self.step, self.total_steps, self.cfg.train.global_batch);
@@ -281,7 +281,7 @@ impl Trainer {
                 StepOutcome::Applied { loss, grad_norm } => {
                     last_loss = loss;
                     self.step += 1;
-                    let log_line = self.step % self.cfg.log.every == 0 || self.step == stop;
+                    let log_line = self.step.is_multiple_of(self.cfg.log.every) || self.step == stop;
                     let sps = (window.1 * self.cfg.train.global_batch) as f64 / window.0.elapsed().as_secs_f64().max(1e-9);
                     if let Some(p) = &progress {
                         p.update(self.step, self.total_steps, loss, lr, sps, log_line);
@@ -307,12 +307,12 @@ impl Trainer {
                     }
                 }
             }
-            let epoch_done = self.step % per_epoch == 0;
+            let epoch_done = self.step.is_multiple_of(per_epoch);
             if self.cfg.train.eval && (epoch_done || self.step == self.total_steps) {
                 eval = self.evaluate(epoch, &progress)?;
             }
             let every = self.cfg.checkpoint.every;
-            if self.out_dir.is_some() && ((every > 0 && self.step % every == 0) || self.step == stop) {
+            if self.out_dir.is_some() && ((every > 0 && self.step.is_multiple_of(every)) || self.step == stop) {
                 self.save_checkpoint()?;
             }
         }

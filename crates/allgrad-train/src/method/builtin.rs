@@ -1,7 +1,7 @@
 //! The built-in methods and the sections they share: `data`, `model` and `loss`.
 //!
 //! - `vectors` ([`Vectors`]): an MLP on seeded synthetic vectors, with either loss.
-//! - `simclr` and `barlowtwins` ([`TwoViewImages`]): the two-view image method with NT-Xent
+//! - `simclr` and `barlowtwins` ([`ImageMethod`]): the two-view image method with NT-Xent
 //!   (both views in one batch) or the cross-correlation loss (each view on its own).
 
 use allgrad_models::image_ssl::{ImageData, ImageModel, TwoViewMethod, ViewBatch};
@@ -34,7 +34,7 @@ pub enum DataConfig {
     /// Seeded synthetic vectors around random cluster centres.
     Vectors(VectorData),
     /// An image data set on disk, with the augmentations that make two views.
-    Images(ImageData),
+    Images(Box<ImageData>),
 }
 
 impl DataConfig {
@@ -126,18 +126,18 @@ impl Method for Vectors {
 
 /// `simclr` and `barlowtwins`: [`TwoViewMethod`] on image data with a ResNet encoder, with
 /// the loss (and view batching) that names the method.
-pub struct TwoViewImages {
+pub struct ImageMethod {
     name: &'static str,
     default_loss: LossConfig,
     batch: ViewBatch,
 }
 
-impl TwoViewImages {
+impl ImageMethod {
     /// SimCLR: NT-Xent over global negatives, both views in one batch.
-    pub const SIMCLR: TwoViewImages =
-        TwoViewImages { name: "simclr", default_loss: LossConfig::NtXent { temperature: 0.2 }, batch: ViewBatch::Joint };
+    pub const SIMCLR: ImageMethod =
+        ImageMethod { name: "simclr", default_loss: LossConfig::NtXent { temperature: 0.2 }, batch: ViewBatch::Joint };
     /// BarlowTwins: the cross-correlation over the global batch, each view on its own.
-    pub const BARLOW_TWINS: TwoViewImages = TwoViewImages {
+    pub const BARLOW_TWINS: ImageMethod = ImageMethod {
         name: "barlowtwins",
         default_loss: LossConfig::CrossCorrelation { lambda: 0.005, scale: 1.0 },
         batch: ViewBatch::PerView,
@@ -148,7 +148,7 @@ impl TwoViewImages {
     }
 }
 
-impl Method for TwoViewImages {
+impl Method for ImageMethod {
     type Sections = ContrastiveSections;
 
     fn validate(&self, s: &ContrastiveSections, _run: &RunConfig, _world_size: usize) -> Result<(), SectionError> {

@@ -148,8 +148,8 @@ impl Registry {
     /// The built-in methods: `simclr`, `barlowtwins` and `vectors`.
     pub fn builtin() -> Registry {
         let mut r = Registry::empty();
-        r.register("simclr", builtin::TwoViewImages::SIMCLR);
-        r.register("barlowtwins", builtin::TwoViewImages::BARLOW_TWINS);
+        r.register("simclr", builtin::ImageMethod::SIMCLR);
+        r.register("barlowtwins", builtin::ImageMethod::BARLOW_TWINS);
         r.register("vectors", builtin::Vectors);
         r
     }
