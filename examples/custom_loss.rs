@@ -1,25 +1,28 @@
-//! Bring your own model and distributed loss to the trainer.
+//! Bring your own model and distributed loss to the `train` command: register a method next
+//! to the built-in ones and hand the registry to `allgrad::train::cli::main_with`.
 //!
 //! ```text
 //! cargo build --release --bin launch --example custom_loss
-//! target/release/launch --nproc-per-node 2 target/release/examples/custom_loss
+//! target/release/launch --nproc-per-node 2 target/release/examples/custom_loss --config examples/custom_loss.yaml
 //! ```
 //!
-//! The objective embeds noisy 2-D points with a linear layer and trains it with an
-//! alignment + uniformity loss whose uniformity term compares this rank's embeddings with
-//! those of EVERY rank, gathered with the differentiable `allgrad::dist::all_gather`. Before
-//! training, rank 0 checks that the loss is world-size invariant (1 rank with the whole batch
-//! vs 2, 3 and 4 thread-ranks with it split), then all ranks train it with the same Trainer
-//! the `train` binary uses.
+//! The method (`align_uniform`) embeds noisy 2-D points with a linear layer and trains it
+//! with an alignment + uniformity loss whose uniformity term compares this rank's embeddings
+//! with those of EVERY rank, gathered with the differentiable `allgrad::dist::all_gather`. It
+//! owns one config section, `points:`. Before training, every rank checks that the loss is
+//! world-size invariant (1 rank with the whole batch vs 2, 3 and 4 thread-ranks with it split;
+//! rank 0 prints it), then the command trains it exactly as `train` trains a built-in method:
+//! same arguments (`--set`, `--output-dir`, `--resume`), checkpoints and metrics.
 
-use allgrad::dist::{all_gather, ProcessGroup};
+use allgrad::dist::{all_gather, ProcessGroup, WorldInfo};
 use allgrad::models::rng::{normals, stream};
 use allgrad::models::{Batch, Objective};
 use allgrad::testing::check_world_size_invariance;
-use allgrad::train::trainer::{NonFinite, TrainSection};
-use allgrad::train::{optim::OptimConfig, Trainer, TrainerConfig};
+use allgrad::train::method::{Method, SectionError};
+use allgrad::train::{cli, Registry, RunConfig};
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Linear, Module, VarBuilder};
+use serde::Deserialize;
 
 /// Alignment of the two views, plus log E exp(-2 |z_i - z_j|^2) of each local embedding
 /// against all embeddings of the global batch (the uniformity term needs every rank's).
@@ -37,7 +40,23 @@ fn uniformity(z: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
     ((sq * -2.0)?.exp()?.sum(D::Minus1)? / n)?.log()?.mean_all()
 }
 
+/// The method's own section of the run config.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PointsSections {
+    /// `points: {samples, clusters}`.
+    points: Points,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Points {
+    samples: usize,
+    clusters: usize,
+}
+
 struct PointsObjective {
+    samples: usize,
     centres: Vec<[f64; 2]>,
     layer: Option<Linear>,
 }
@@ -60,53 +79,64 @@ impl Objective for PointsObjective {
         Ok(())
     }
     fn num_samples(&self) -> usize {
-        512
+        self.samples
     }
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        let layer = self.layer.as_ref().expect("built");
+        let Some(layer) = self.layer.as_ref() else { candle_core::bail!("align_uniform used before build") };
         let z1 = layer.forward(&self.views(batch, 1)?)?;
         let z2 = layer.forward(&self.views(batch, 2)?)?;
         align_uniform(&z1, &z2, pg)
     }
 }
 
-fn main() -> anyhow::Result<()> {
-    let pg = ProcessGroup::from_env()?;
-    if pg.rank() == 0 {
-        let x = Tensor::randn(0f64, 1.0, (24, 3), &Device::Cpu)?;
-        for report in check_world_size_invariance(&x, &[2, 3, 4], |z, pg| uniformity(z, pg))? {
-            report.assert_close(1e-10)?;
+/// The registry entry: reads `points:`, checks it, builds the objective.
+struct AlignUniform;
+
+impl Method for AlignUniform {
+    type Sections = PointsSections;
+
+    fn validate(&self, s: &PointsSections, run: &RunConfig, _world_size: usize) -> std::result::Result<(), SectionError> {
+        if s.points.clusters == 0 || s.points.samples < run.train.global_batch {
+            return Err(SectionError::new(
+                "points",
+                format!(
+                    "needs at least one cluster and train.global_batch = {} samples (got {} and {})",
+                    run.train.global_batch, s.points.clusters, s.points.samples
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn objective(&self, s: PointsSections, _run: &RunConfig, _device: &Device) -> Result<Box<dyn Objective>> {
+        let k = s.points.clusters;
+        let step = std::f64::consts::TAU / k as f64;
+        let centres = (0..k).map(|i| [(i as f64 * step).cos(), (i as f64 * step).sin()]).collect();
+        Ok(Box::new(PointsObjective { samples: s.points.samples, centres, layer: None }))
+    }
+}
+
+fn check_invariance(rank0: bool) -> Result<()> {
+    let x = Tensor::randn(0f64, 1.0, (24, 3), &Device::Cpu)?;
+    for report in check_world_size_invariance(&x, &[2, 3, 4], |z, pg| uniformity(z, pg))? {
+        report.assert_close(1e-10)?;
+        if rank0 {
             println!(
                 "uniformity is world-size invariant at W = {} (largest gradient difference {:.1e})",
                 report.world_size, report.max_grad_diff
             );
         }
     }
-    let centres = (0..8).map(|k| [(k as f64 * 0.785).cos(), (k as f64 * 0.785).sin()]).collect();
-    let cfg = TrainerConfig {
-        seed: 1,
-        dtype: DType::F32,
-        device: Device::Cpu,
-        train: TrainSection {
-            global_batch: 64,
-            epochs: 4,
-            max_steps: None,
-            accumulate: 1,
-            clip_grad_norm: Some(10.0),
-            on_nonfinite: NonFinite::Error,
-            shuffle: true,
-            eval: false,
-        },
-        optim: OptimConfig::Sgd { lr: 0.5, momentum: 0.9, nesterov: false, weight_decay: 0.0 },
-        schedule: Default::default(),
-        checkpoint: Default::default(),
-        log: allgrad::train::metrics::LogConfig { every: 8, progress: allgrad::train::metrics::Progress::Lines, plot: false },
-        settings: Default::default(),
-    };
-    let mut trainer = Trainer::new(cfg, Box::new(PointsObjective { centres, layer: None }), pg.clone(), None, false)?;
-    let summary = trainer.train()?;
-    if pg.rank() == 0 {
-        println!("trained {} steps on {} ranks; final loss {:.4}", summary.steps, pg.world_size(), summary.last_loss);
-    }
     Ok(())
+}
+
+fn main() {
+    let rank0 = WorldInfo::from_env().map(|w| w.rank == 0).unwrap_or(true);
+    if let Err(e) = check_invariance(rank0) {
+        eprintln!("custom_loss: the loss is not world-size invariant: {e}");
+        std::process::exit(1);
+    }
+    let mut methods = Registry::builtin();
+    methods.register("align_uniform", AlignUniform);
+    std::process::exit(cli::main_with(methods));
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 
 const CONFIG: &str = "seed: 5\n\
+method: vectors\n\
 data: {kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}\n\
 model: {kind: mlp, hidden: 16, out: 8}\n\
 loss: {kind: nt_xent, temperature: 0.3}\n\

@@ -18,6 +18,27 @@ use allgrad_nn::{channel_affine, channel_moments};
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::error::fail;
+use crate::ModelError;
+
+/// The configuration of a [`BatchNorm`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchNormConfig {
+    /// Added to the variance before the square root (positive).
+    pub eps: f64,
+    /// Weight of the new batch's statistics in the running statistics, in [0, 1].
+    pub momentum: f64,
+    /// Synchronise the batch statistics across ranks (SyncBatchNorm).
+    pub sync: bool,
+}
+
+impl Default for BatchNormConfig {
+    /// PyTorch's defaults (eps 1e-5, momentum 0.1), per rank.
+    fn default() -> Self {
+        BatchNormConfig { eps: 1e-5, momentum: 0.1, sync: false }
+    }
+}
+
 /// Batch normalisation over dim 1 of `[N, C]` or `[N, C, H, W]` inputs.
 pub struct BatchNorm {
     weight: Tensor,
@@ -39,21 +60,32 @@ pub struct Mode<'a> {
 }
 
 impl BatchNorm {
-    /// `channels` channels; `weight` starts at 1 and `bias` at 0.
+    /// `channels` channels with the default eps and momentum; `weight` starts at 1 and `bias`
+    /// at 0.
     pub fn new(channels: usize, sync: bool, vb: VarBuilder) -> Result<Self> {
+        Self::from_vb(channels, BatchNormConfig { sync, ..Default::default() }, vb)
+    }
+
+    /// `channels` channels configured by `cfg`, parameters `weight` (from 1) and `bias` (from
+    /// 0) created through `vb`.
+    pub fn from_vb(channels: usize, cfg: BatchNormConfig, vb: VarBuilder) -> Result<Self> {
+        let BatchNormConfig { eps, momentum, sync } = cfg;
+        if !(eps > 0.0 && eps.is_finite() && (0.0..=1.0).contains(&momentum)) {
+            return fail(ModelError::BatchNormConfig { eps, momentum });
+        }
         let weight = vb.get_with_hints(channels, "weight", candle_nn::Init::Const(1.0))?;
         let bias = vb.get_with_hints(channels, "bias", candle_nn::Init::Const(0.0))?;
         let zeros = Tensor::zeros(channels, DType::F32, vb.device())?.to_dtype(vb.dtype())?;
         let ones = Tensor::ones(channels, DType::F32, vb.device())?.to_dtype(vb.dtype())?;
         let name = vb.prefix();
-        Ok(BatchNorm { weight, bias, running: Mutex::new((zeros, ones)), eps: 1e-5, momentum: 0.1, sync, name })
+        Ok(BatchNorm { weight, bias, running: Mutex::new((zeros, ones)), eps, momentum, sync, name })
     }
 
     /// Normalises `x`.
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let c = self.weight.dim(0)?;
         if x.rank() < 2 || x.dim(1)? != c {
-            candle_core::bail!("batch norm over {c} channels got an input of shape {:?}", x.dims());
+            return fail(ModelError::BatchNormInput { channels: c, shape: x.dims().to_vec() });
         }
         let (mean, var) = if mode.train {
             // Per-channel [Σx, Σx²] in one fused pass (summed in f64), then over ranks.

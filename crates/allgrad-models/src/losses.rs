@@ -4,6 +4,9 @@ use allgrad_dist::{all_gather, all_reduce, ProcessGroup, ReduceOp};
 use candle_core::{DType, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
+use crate::error::fail;
+use crate::ModelError;
+
 /// The `loss` section of a run: which distributed loss compares the two views' embeddings.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
@@ -53,18 +56,25 @@ impl LossConfig {
         }
     }
 
-    /// Checks the values; the message names the key.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    /// The `kind` tag (`nt_xent`, `cross_correlation`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LossConfig::NtXent { .. } => "nt_xent",
+            LossConfig::CrossCorrelation { .. } => "cross_correlation",
+        }
+    }
+
+    /// Checks the values; the error names the key.
+    pub fn validate(&self) -> std::result::Result<(), ModelError> {
+        let bad = |key, expected, value| Err(ModelError::LossValue { key, expected, value });
         match *self {
             LossConfig::NtXent { temperature } if !(temperature > 0.0 && temperature.is_finite()) => {
-                Err(format!("loss.temperature must be positive, got {temperature}"))
+                bad("temperature", "positive", temperature)
             }
             LossConfig::CrossCorrelation { lambda, .. } if !(lambda >= 0.0 && lambda.is_finite()) => {
-                Err(format!("loss.lambda must be non-negative, got {lambda}"))
+                bad("lambda", "non-negative", lambda)
             }
-            LossConfig::CrossCorrelation { scale, .. } if !(scale > 0.0 && scale.is_finite()) => {
-                Err(format!("loss.scale must be positive, got {scale}"))
-            }
+            LossConfig::CrossCorrelation { scale, .. } if !(scale > 0.0 && scale.is_finite()) => bad("scale", "positive", scale),
             _ => Ok(()),
         }
     }
@@ -92,10 +102,10 @@ pub fn logsumexp(x: &Tensor) -> Result<Tensor> {
 /// `z1`, `z2`: `[b, d]` embeddings of the two views (normalised here).
 pub fn nt_xent(z1: &Tensor, z2: &Tensor, temperature: f64, pg: &ProcessGroup) -> Result<Tensor> {
     if z1.dims() != z2.dims() || z1.rank() != 2 {
-        candle_core::bail!("nt_xent: the two views must be [b, d] of the same shape, got {:?} and {:?}", z1.dims(), z2.dims());
+        return fail(ModelError::ViewShapes { loss: "nt_xent", z1: z1.dims().to_vec(), z2: z2.dims().to_vec() });
     }
-    if !(temperature > 0.0) {
-        candle_core::bail!("nt_xent: temperature must be positive, got {temperature}");
+    if temperature.is_nan() || temperature <= 0.0 {
+        return fail(ModelError::LossValue { key: "temperature", expected: "positive", value: temperature });
     }
     let b = z1.dim(0)?;
     let z1 = l2_normalize(z1)?;
@@ -141,7 +151,7 @@ pub fn standardise_global(z: &Tensor, n: f64, pg: &ProcessGroup) -> Result<Tenso
 pub fn redundancy_reduction(c: &Tensor, lambda: f64) -> Result<Tensor> {
     let d = c.dim(0)?;
     if c.dims() != [d, d] {
-        candle_core::bail!("redundancy_reduction: expected a square matrix, got {:?}", c.dims());
+        return fail(ModelError::NotSquare { shape: c.dims().to_vec() });
     }
     let eye = Tensor::eye(d, DType::F32, c.device())?.to_dtype(c.dtype())?;
     let diag = (c * &eye)?.sum(1)?;
@@ -170,16 +180,13 @@ pub fn global_rows(b: usize, pg: &ProcessGroup) -> Result<usize> {
 /// excluded from LARS, then learn W times too slowly.
 pub fn cross_correlation(z1: &Tensor, z2: &Tensor, lambda: f64, pg: &ProcessGroup) -> Result<Tensor> {
     if z1.dims() != z2.dims() || z1.rank() != 2 {
-        candle_core::bail!(
-            "cross_correlation: the two views must be [b, d] of the same shape, got {:?} and {:?}",
-            z1.dims(),
-            z2.dims()
-        );
+        return fail(ModelError::ViewShapes { loss: "cross_correlation", z1: z1.dims().to_vec(), z2: z2.dims().to_vec() });
     }
-    let n = global_rows(z1.dim(0)?, pg)? as f64;
-    if n < 2.0 {
-        candle_core::bail!("cross_correlation: the global batch needs at least 2 samples, got {n}");
+    let rows = global_rows(z1.dim(0)?, pg)?;
+    if rows < 2 {
+        return fail(ModelError::GlobalBatchTooSmall { rows });
     }
+    let n = rows as f64;
     let z1n = standardise_global(z1, n, pg)?;
     let z2n = standardise_global(z2, n, pg)?;
     let c = (all_reduce(&z1n.t()?.matmul(&z2n)?, ReduceOp::Sum, pg)? / n)?; // [d, d]

@@ -3,12 +3,14 @@
 //! batch norm that is synchronised across ranks when asked. Convolutions and pooling use
 //! allgrad-nn's kernels (fast on CPU, with a backward for every stride).
 
-use allgrad_nn::{adaptive_avg_pool2d, conv2d, max_pool2d, ConvParams};
+use allgrad_nn::{adaptive_avg_pool2d, max_pool2d, Conv2d, ConvParams};
 use candle_core::{Result, Tensor};
-use candle_nn::VarBuilder;
+use candle_nn::{Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::batch_norm::{BatchNorm, Mode};
+use crate::error::fail;
+use crate::ModelError;
 
 /// The `model` section for a ResNet encoder.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -42,20 +44,20 @@ impl Default for ResNetConfig {
     }
 }
 
+/// A bias-free `k x k` convolution (`<name>.weight`) followed by a batch norm (`<bn>.*`).
 struct ConvBn {
-    w: Tensor,
-    params: ConvParams,
+    conv: Conv2d,
     bn: BatchNorm,
 }
 
 impl ConvBn {
-    fn new(cin: usize, cout: usize, k: usize, stride: usize, sync: bool, vb: VarBuilder, name: &str, bn: &str) -> Result<Self> {
-        let w = vb.get_with_hints((cout, cin, k, k), &format!("{name}.weight"), candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    fn new(cin: usize, cout: usize, k: usize, stride: usize, sync: bool, vb: VarBuilder, [name, bn]: [&str; 2]) -> Result<Self> {
         let params = ConvParams { stride, padding: k / 2, ..Default::default() };
-        Ok(ConvBn { w, params, bn: BatchNorm::new(cout, sync, vb.pp(bn))? })
+        let conv = Conv2d::from_vb(cin, cout, k, params, false, vb.pp(name))?;
+        Ok(ConvBn { conv, bn: BatchNorm::new(cout, sync, vb.pp(bn))? })
     }
     fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
-        self.bn.forward(&conv2d(x, &self.w, self.params)?, mode)
+        self.bn.forward(&self.conv.forward(x)?, mode)
     }
 }
 
@@ -95,21 +97,17 @@ impl ResNet {
             18 => ([2, 2, 2, 2], false),
             34 => ([3, 4, 6, 3], false),
             50 => ([3, 4, 6, 3], true),
-            d => candle_core::bail!("model.depth must be 18, 34 or 50, got {d}"),
+            d => return fail(ModelError::ResNetDepth(d)),
         };
         if cfg.width == 0 || !(cfg.in_channels == 1 || cfg.in_channels == 3) {
-            candle_core::bail!(
-                "model.width must be positive and model.in_channels 1 or 3 (got {} and {})",
-                cfg.width,
-                cfg.in_channels
-            );
+            return fail(ModelError::ResNetShape { width: cfg.width, in_channels: cfg.in_channels });
         }
         let s = cfg.sync_bn;
         let (k, stride) = match cfg.stem {
             Stem::Cifar => (3, 1),
             Stem::Imagenet => (7, 2),
         };
-        let stem = ConvBn::new(cfg.in_channels, cfg.width, k, stride, s, vb.clone(), "conv1", "bn1")?;
+        let stem = ConvBn::new(cfg.in_channels, cfg.width, k, stride, s, vb.clone(), ["conv1", "bn1"])?;
         let expansion = if bottleneck { 4 } else { 1 };
         let mut cin = cfg.width;
         let mut blocks = Vec::new();
@@ -120,21 +118,21 @@ impl ResNet {
                 let stride = if stage > 0 && i == 0 { 2 } else { 1 };
                 let cout = planes * expansion;
                 let down = if stride != 1 || cin != cout {
-                    Some(ConvBn::new(cin, cout, 1, stride, s, vbb.pp("downsample"), "0", "1")?)
+                    Some(ConvBn::new(cin, cout, 1, stride, s, vbb.pp("downsample"), ["0", "1"])?)
                 } else {
                     None
                 };
                 blocks.push(if bottleneck {
                     Block::Bottleneck {
-                        a: ConvBn::new(cin, planes, 1, 1, s, vbb.clone(), "conv1", "bn1")?,
-                        b: ConvBn::new(planes, planes, 3, stride, s, vbb.clone(), "conv2", "bn2")?,
-                        c: ConvBn::new(planes, cout, 1, 1, s, vbb.clone(), "conv3", "bn3")?,
+                        a: ConvBn::new(cin, planes, 1, 1, s, vbb.clone(), ["conv1", "bn1"])?,
+                        b: ConvBn::new(planes, planes, 3, stride, s, vbb.clone(), ["conv2", "bn2"])?,
+                        c: ConvBn::new(planes, cout, 1, 1, s, vbb.clone(), ["conv3", "bn3"])?,
                         down,
                     }
                 } else {
                     Block::Basic {
-                        a: ConvBn::new(cin, planes, 3, stride, s, vbb.clone(), "conv1", "bn1")?,
-                        b: ConvBn::new(planes, planes, 3, 1, s, vbb.clone(), "conv2", "bn2")?,
+                        a: ConvBn::new(cin, planes, 3, stride, s, vbb.clone(), ["conv1", "bn1"])?,
+                        b: ConvBn::new(planes, planes, 3, 1, s, vbb.clone(), ["conv2", "bn2"])?,
                         down,
                     }
                 });

@@ -10,9 +10,10 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use crate::error::fail;
 use crate::losses::LossConfig;
 use crate::rng::{normals, stream};
-use crate::{Batch, Objective};
+use crate::{Batch, ModelError, Objective};
 
 /// The synthetic data set.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -65,9 +66,7 @@ impl VectorContrastive {
     /// A new objective; `seed` fixes the data set.
     pub fn new(data: VectorData, model: VectorModel, loss: LossConfig, seed: u64, device: Device, dtype: DType) -> Result<Self> {
         if data.samples == 0 || data.dim == 0 || data.clusters == 0 || model.hidden == 0 || model.out == 0 {
-            candle_core::bail!(
-                "vectors objective: samples, dim, clusters, hidden and out must all be positive ({data:?}, {model:?})"
-            );
+            return fail(ModelError::VectorSizes { data, model });
         }
         let centres = normals(&mut stream(&[seed, 0xC3A7]), data.clusters * data.dim).into_iter().map(|v| 2.0 * v).collect();
         Ok(VectorContrastive { data, model, loss, centres, layers: None, device, dtype })
@@ -88,8 +87,7 @@ impl VectorContrastive {
     }
 
     fn encode(&self, x: &Tensor) -> Result<Tensor> {
-        let (l1, l2) =
-            self.layers.as_ref().ok_or_else(|| candle_core::Error::Msg("vectors objective used before build".into()))?;
+        let (l1, l2) = self.layers.as_ref().ok_or(ModelError::NotBuilt { objective: "vectors" })?;
         l2.forward(&l1.forward(x)?.relu()?)
     }
 }

@@ -13,43 +13,19 @@
 //! differentiate with ordinary Candle ops. On devices other than the CPU and for dtypes other
 //! than f32/f64 both ops fall back to compositions of differentiable Candle ops.
 
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::cpu::{contiguous, float_kernel, Float};
+use crate::error::{fail, NnError};
+
 /// `(n, c, inner)` of an `[N, C, ...]` shape.
-fn geometry(dims: &[usize], what: &str) -> Result<(usize, usize, usize)> {
+fn geometry(dims: &[usize], what: &'static str) -> Result<(usize, usize, usize)> {
     if dims.len() < 2 {
-        bail!("{what}: expected an [N, C, ...] tensor, got shape {dims:?}");
+        return fail(NnError::InputRank { op: what, expected: "an [N, C, ...] tensor", shape: Shape::from(dims) });
     }
     Ok((dims[0], dims[1], dims[2..].iter().product()))
-}
-
-fn contiguous<'a, T>(v: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => bail!("{what}: input is not contiguous"),
-    }
-}
-
-trait Float: Copy + Send + Sync + 'static {
-    fn to64(self) -> f64;
-    fn from64(v: f64) -> Self;
-}
-impl Float for f32 {
-    fn to64(self) -> f64 {
-        self as f64
-    }
-    fn from64(v: f64) -> Self {
-        v as f32
-    }
-}
-impl Float for f64 {
-    fn to64(self) -> f64 {
-        self
-    }
-    fn from64(v: f64) -> Self {
-        v
-    }
 }
 
 /// Per channel, `(Σ x, Σ x·y)` over all `n` images (`y = x` for moments); each channel is summed
@@ -65,15 +41,15 @@ fn per_channel<T: Float>(x: &[T], y: Option<&[T]>, n: usize, c: usize, inner: us
                 match y {
                     None => {
                         for v in xs {
-                            let v = v.to64();
+                            let v = v.to_f64();
                             s1 += v;
                             s2 += v * v;
                         }
                     }
                     Some(y) => {
                         for (v, w) in xs.iter().zip(&y[off..off + inner]) {
-                            s1 += v.to64();
-                            s2 += v.to64() * w.to64();
+                            s1 += v.to_f64();
+                            s2 += v.to_f64() * w.to_f64();
                         }
                     }
                 }
@@ -96,10 +72,11 @@ impl CustomOp1 for Moments {
             let sums = per_channel(x, None, n, c, inner);
             sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect()
         }
+        // The sums are f64 whatever the input's dtype (see `channel_moments`).
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F64(run(contiguous(v, l, "channel_moments")?, n, c, inner)),
-            CpuStorage::F64(v) => CpuStorage::F64(run(contiguous(v, l, "channel_moments")?, n, c, inner)),
-            _ => bail!("channel_moments: f32 or f64 only on the fast path"),
+            CpuStorage::F32(v) => CpuStorage::F64(run(&contiguous(v, l), n, c, inner)),
+            CpuStorage::F64(v) => CpuStorage::F64(run(&contiguous(v, l), n, c, inner)),
+            _ => return fail(NnError::UnsupportedDType { op: "channel_moments", dtype: s.dtype() }),
         };
         Ok((out, Shape::from((2, c))))
     }
@@ -143,14 +120,8 @@ impl CustomOp3 for Affine {
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (_, c, inner) = geometry(lx.dims(), "channel_affine")?;
-        fn run<T: Float + std::ops::Mul<Output = T> + std::ops::Add<Output = T>>(
-            x: &[T],
-            a: &[T],
-            b: &[T],
-            c: usize,
-            inner: usize,
-        ) -> Vec<T> {
-            let mut out = vec![T::from64(0.0); x.len()];
+        fn run<T: Float>(x: &[T], a: &[T], b: &[T], c: usize, inner: usize) -> Vec<T> {
+            let mut out = vec![T::from_f64(0.0); x.len()];
             out.par_chunks_mut(inner.max(1)).zip(x.par_chunks(inner.max(1))).enumerate().for_each(|(row, (o, xs))| {
                 let ch = row % c;
                 let (s, t) = (a[ch], b[ch]);
@@ -160,23 +131,8 @@ impl CustomOp3 for Affine {
             });
             out
         }
-        let out = match (sx, sa, sb) {
-            (CpuStorage::F32(x), CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(run(
-                contiguous(x, lx, "channel_affine")?,
-                contiguous(a, la, "channel_affine")?,
-                contiguous(b, lb, "channel_affine")?,
-                c,
-                inner,
-            )),
-            (CpuStorage::F64(x), CpuStorage::F64(a), CpuStorage::F64(b)) => CpuStorage::F64(run(
-                contiguous(x, lx, "channel_affine")?,
-                contiguous(a, la, "channel_affine")?,
-                contiguous(b, lb, "channel_affine")?,
-                c,
-                inner,
-            )),
-            _ => bail!("channel_affine: x, a and b must all be f32 or all f64"),
-        };
+        let out = float_kernel!("channel_affine", sx => x, sa => a, sb => b;
+            run(&contiguous(x, lx), &contiguous(a, la), &contiguous(b, lb), c, inner));
         Ok((out, lx.shape().clone()))
     }
 
@@ -206,7 +162,12 @@ impl CustomOp3 for Affine {
 pub fn channel_affine(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (_, c, _) = geometry(x.dims(), "channel_affine")?;
     if a.dims() != [c] || b.dims() != [c] {
-        bail!("channel_affine: x has {c} channels, but a and b have shapes {:?} and {:?}", a.dims(), b.dims());
+        return fail(NnError::ParamShape {
+            op: "channel_affine",
+            what: "a and b",
+            shape: vec![a.shape().clone(), b.shape().clone()],
+            expected: format!("x has {c} channels"),
+        });
     }
     if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && a.dtype() == x.dtype() && b.dtype() == x.dtype() {
         return x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, Affine);

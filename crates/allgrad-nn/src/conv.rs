@@ -6,11 +6,11 @@
 //! each one GEMM per image and group over the image's column matrix, and the two gradients
 //! share one pass over the batch.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, matmul, BatchPlan, Float, MatRef, Strides4};
+use crate::cpu::{contiguous, float_kernel, matmul, BatchPlan, Float, MatRef, Strides4};
+use crate::error::{fail, NnError};
 use crate::im2col::{col2im, im2col, ConvGeom};
 
 /// Stride, padding, dilation and groups of a 2-D convolution (the same on both spatial axes).
@@ -45,37 +45,41 @@ impl From<candle_nn::Conv2dConfig> for ConvParams {
 fn geometry(x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<ConvGeom> {
     let (n, c, h, wd) = match *x.dims() {
         [n, c, h, wd] => (n, c, h, wd),
-        _ => bail!("conv2d: input must be (batch, channels, height, width), got shape {:?}", x.shape()),
+        _ => {
+            return fail(NnError::InputRank {
+                op: "conv2d",
+                expected: "(batch, channels, height, width)",
+                shape: x.shape().clone(),
+            })
+        }
     };
     let (o, wc, kh, kw) = match *w.dims() {
         [o, wc, kh, kw] => (o, wc, kh, kw),
-        _ => bail!("conv2d: weight must be (out_channels, in_channels / groups, kernel_h, kernel_w), got shape {:?}", w.shape()),
+        _ => return fail(NnError::WeightRank { op: "conv2d", shape: w.shape().clone() }),
     };
     let ConvParams { stride, padding, dilation, groups } = *p;
     if stride == 0 || dilation == 0 || groups == 0 {
-        bail!("conv2d: stride ({stride}), dilation ({dilation}) and groups ({groups}) must all be at least 1")
+        return fail(NnError::ConvParams { stride, dilation, groups });
     }
     if c != wc * groups {
-        bail!("conv2d: input has {c} channels but the weight expects {wc} x groups {groups}")
+        return fail(NnError::ConvChannels { channels: c, per_group: wc, groups });
     }
     if o % groups != 0 {
-        bail!("conv2d: weight has {o} output channels, which groups {groups} does not divide")
+        return fail(NnError::ConvGroups { out: o, groups });
     }
     if kh == 0 || kw == 0 || wc == 0 {
-        bail!("conv2d: weight shape {:?} has an empty dimension", w.shape())
+        return fail(NnError::EmptyWeight { shape: w.shape().clone() });
     }
     let (ekh, ekw) = (dilation * (kh - 1) + 1, dilation * (kw - 1) + 1);
     let (ph, pw) = (h + 2 * padding, wd + 2 * padding);
     if ekh > ph || ekw > pw {
-        bail!(
-            "conv2d: the kernel {kh}x{kw} with dilation {dilation} spans {ekh}x{ekw}, larger than the input {h}x{wd} padded by {padding} ({ph}x{pw})"
-        )
+        return fail(NnError::ConvKernelTooLarge { kh, kw, dilation, span_h: ekh, span_w: ekw, h, w: wd, padding });
     }
     if x.dtype() != w.dtype() {
-        bail!("conv2d: input is {:?} but weight is {:?}", x.dtype(), w.dtype())
+        return fail(NnError::DTypeMismatch { op: "conv2d", what: "input and weight", dtypes: vec![x.dtype(), w.dtype()] });
     }
     if !x.device().same_device(w.device()) {
-        bail!("conv2d: input and weight are on different devices")
+        return fail(NnError::DeviceMismatch { op: "conv2d" });
     }
     Ok(ConvGeom {
         n,
@@ -147,7 +151,7 @@ pub fn conv2d_backward(
     let g = geometry(x, w, &params)?;
     let expect = [g.n, g.o, g.oh, g.ow];
     if grad.dims() != expect {
-        bail!("conv2d backward: output gradient has shape {:?}, expected {expect:?}", grad.shape())
+        return fail(NnError::GradShape { op: "conv2d", got: grad.shape().clone(), expected: expect.to_vec() });
     }
     if !fast_path(x) {
         return candle_backward(x, w, grad, &params, want_input, want_weight);
@@ -211,11 +215,8 @@ impl CustomOp2 for Conv2dOp {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = &self.g;
         let shape = Shape::from((g.n, g.o, g.oh, g.ow));
-        match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => Ok((CpuStorage::F32(conv_fwd(x, l1, &contiguous(w, l2), g)), shape)),
-            (CpuStorage::F64(x), CpuStorage::F64(w)) => Ok((CpuStorage::F64(conv_fwd(x, l1, &contiguous(w, l2), g)), shape)),
-            _ => bail!("conv2d: unsupported dtypes {:?} (input) and {:?} (weight)", s1.dtype(), s2.dtype()),
-        }
+        let out = float_kernel!("conv2d", s1 => x, s2 => w; conv_fwd(x, l1, &contiguous(w, l2), g));
+        Ok((out, shape))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -241,20 +242,7 @@ impl CustomOp3 for Conv2dBackward {
     ) -> Result<(CpuStorage, Shape)> {
         let (g, wi, ww) = (&self.g, self.want_input, self.want_weight);
         let len = if wi { g.n * g.in_img() } else { 0 } + if ww { g.weight_len() } else { 0 };
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(gy)) => {
-                CpuStorage::F32(conv_bwd(x, l1, &contiguous(w, l2), &contiguous(gy, l3), g, wi, ww))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(gy)) => {
-                CpuStorage::F64(conv_bwd(x, l1, &contiguous(w, l2), &contiguous(gy, l3), g, wi, ww))
-            }
-            _ => bail!(
-                "conv2d backward: unsupported dtypes {:?} (input), {:?} (weight), {:?} (gradient)",
-                s1.dtype(),
-                s2.dtype(),
-                s3.dtype()
-            ),
-        };
+        let out = float_kernel!("conv2d backward", s1 => x, s2 => w, s3 => gy; conv_bwd(x, l1, &contiguous(w, l2), &contiguous(gy, l3), g, wi, ww));
         Ok((out, Shape::from(len)))
     }
 }
@@ -384,14 +372,52 @@ impl Conv2d {
     pub fn new(weight: Tensor, bias: Option<Tensor>, params: ConvParams) -> Result<Self> {
         let o = match *weight.dims() {
             [o, _, _, _] => o,
-            _ => bail!("Conv2d: weight must be (out_channels, in_channels / groups, kh, kw), got {:?}", weight.shape()),
+            _ => return fail(NnError::WeightRank { op: "Conv2d", shape: weight.shape().clone() }),
         };
         if let Some(b) = &bias {
             if b.dims() != [o] {
-                bail!("Conv2d: bias has shape {:?} but the weight has {o} output channels", b.shape())
+                return fail(NnError::ParamShape {
+                    op: "Conv2d",
+                    what: "bias",
+                    shape: vec![b.shape().clone()],
+                    expected: format!("the weight has {o} output channels"),
+                });
             }
         }
         Ok(Self { weight, bias, params })
+    }
+
+    /// A `kernel x kernel` layer with its parameters created through `vb` (as
+    /// `candle_nn::conv2d`): `weight` `(out_channels, in_channels / groups, kernel, kernel)`
+    /// with Kaiming-normal initialisation, and with `bias` a `bias` `(out_channels,)`
+    /// uniform in `±1/sqrt(in_channels)`.
+    ///
+    /// # Errors
+    /// When `params.groups` is 0 or does not divide `in_channels`, or `vb` fails.
+    pub fn from_vb(
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        params: ConvParams,
+        bias: bool,
+        vb: candle_nn::VarBuilder,
+    ) -> Result<Self> {
+        if params.groups == 0 || !in_channels.is_multiple_of(params.groups) {
+            return fail(NnError::ConvChannels {
+                channels: in_channels,
+                per_group: in_channels / params.groups.max(1),
+                groups: params.groups,
+            });
+        }
+        let shape = (out_channels, in_channels / params.groups, kernel, kernel);
+        let weight = vb.get_with_hints(shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+        let bias = if bias {
+            let bound = 1.0 / (in_channels as f64).sqrt();
+            Some(vb.get_with_hints(out_channels, "bias", candle_nn::Init::Uniform { lo: -bound, up: bound })?)
+        } else {
+            None
+        };
+        Self::new(weight, bias, params)
     }
 
     /// The weight, `(out, in / groups, kh, kw)`.

@@ -46,6 +46,24 @@ macro_rules! impl_float {
 impl_float!(f32);
 impl_float!(f64);
 
+/// Runs a kernel on CPU storages that all hold f32 or all f64: binds each `storage => slice`,
+/// evaluates `body` (a `Vec` of the same float type) and wraps it in the matching
+/// `CpuStorage`; any other combination returns [`crate::NnError::UnsupportedDType`] for `op`
+/// from the enclosing function. The one float dispatch of the CPU kernels.
+macro_rules! float_kernel {
+    ($op:expr, $first:ident => $fv:ident $(, $s:ident => $v:ident)* ; $body:expr) => {
+        match ($first, $($s,)*) {
+            (candle_core::CpuStorage::F32($fv), $(candle_core::CpuStorage::F32($v),)*) => candle_core::CpuStorage::F32($body),
+            (candle_core::CpuStorage::F64($fv), $(candle_core::CpuStorage::F64($v),)*) => candle_core::CpuStorage::F64($body),
+            _ => {
+                let dtype = candle_core::backend::BackendStorage::dtype($first);
+                return $crate::error::fail($crate::error::NnError::UnsupportedDType { op: $op, dtype });
+            }
+        }
+    };
+}
+pub(crate) use float_kernel;
+
 /// The elements of `data` seen through `layout`, in row-major order: borrowed when the layout is
 /// already contiguous, copied otherwise.
 pub(crate) fn contiguous<'a, T: Copy>(data: &'a [T], layout: &Layout) -> Cow<'a, [T]> {

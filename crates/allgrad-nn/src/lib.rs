@@ -21,6 +21,9 @@
 //! On devices other than the CPU, and for dtypes other than f32/f64, each op falls back to the
 //! equivalent Candle op or a composition of differentiable Candle ops, so models run anywhere.
 //!
+//! Misuse (shapes, parameters, dtypes) fails with an [`NnError`] naming the numbers, wrapped in
+//! `candle_core::Error` as the ops return `candle_core::Result`.
+//!
 //! All ops are local to a rank: their backward returns the gradient of whatever scalar the
 //! caller differentiates, with no cross-rank scaling (the trainer applies the 1/W rule). The
 //! backward results are not themselves tracked (no second-order gradients), as in Candle.
@@ -47,6 +50,7 @@
 mod channel;
 mod conv;
 mod cpu;
+mod error;
 mod im2col;
 mod loss;
 mod norm;
@@ -55,7 +59,8 @@ mod softmax;
 
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
+pub use error::NnError;
 pub use loss::{cross_entropy, per_row_cross_entropy};
-pub use norm::{layer_norm, layer_norm_composed, LayerNorm};
+pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};

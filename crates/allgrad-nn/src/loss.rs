@@ -1,10 +1,11 @@
 //! Cross-entropy from logits, fused and numerically stable (log-sum-exp), with backward.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, Float};
+use crate::cpu::{contiguous, float_kernel, Float};
+use crate::error::{fail, NnError};
 use crate::softmax::{max_and_sum_exp, rows_per_task};
 
 /// Mean cross-entropy of `logits (n, classes)` against integer class `targets (n,)` (u8, u32
@@ -33,16 +34,22 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 pub fn per_row_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (n, k) = match *logits.dims() {
         [n, k] => (n, k),
-        _ => bail!("cross_entropy: logits must be (batch, classes), got shape {:?}", logits.shape()),
+        _ => {
+            return fail(NnError::InputRank {
+                op: "cross_entropy",
+                expected: "(batch, classes) logits",
+                shape: logits.shape().clone(),
+            })
+        }
     };
     if targets.dims() != [n] {
-        bail!("cross_entropy: targets must be ({n},) to match logits {:?}, got shape {:?}", logits.shape(), targets.shape())
+        return fail(NnError::TargetsShape { rows: n, logits: logits.shape().clone(), targets: targets.shape().clone() });
     }
     if !matches!(targets.dtype(), DType::U8 | DType::U32 | DType::I64) {
-        bail!("cross_entropy: targets must be class indices (u8, u32 or i64), got {:?}", targets.dtype())
+        return fail(NnError::TargetsDType { dtype: targets.dtype() });
     }
     if k == 0 && n > 0 {
-        bail!("cross_entropy: logits {:?} have no classes", logits.shape())
+        return fail(NnError::NoClasses { shape: logits.shape().clone() });
     }
     if logits.device().is_cpu() && matches!(logits.dtype(), DType::F32 | DType::F64) {
         return logits.apply_op2(targets, CrossEntropyOp);
@@ -59,7 +66,7 @@ pub fn per_row_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor
 
 fn check_target(row: usize, c: i64, classes: usize) -> Result<usize> {
     if c < 0 || c as u64 >= classes as u64 {
-        bail!("cross_entropy: target {c} of row {row} is outside 0..{classes}")
+        return fail(NnError::TargetOutOfRange { row, target: c, classes });
     }
     Ok(c as usize)
 }
@@ -70,7 +77,7 @@ fn targets_of(s: &CpuStorage, l: &Layout, classes: usize) -> Result<Vec<usize>> 
         CpuStorage::U8(t) => contiguous(t, l).iter().map(|&v| v as i64).collect(),
         CpuStorage::U32(t) => contiguous(t, l).iter().map(|&v| v as i64).collect(),
         CpuStorage::I64(t) => contiguous(t, l).into_owned(),
-        _ => bail!("cross_entropy: targets must be u8, u32 or i64, got {:?}", s.dtype()),
+        _ => return fail(NnError::TargetsDType { dtype: s.dtype() }),
     };
     raw.iter().enumerate().map(|(i, &c)| check_target(i, c, classes)).collect()
 }
@@ -88,11 +95,7 @@ impl CustomOp2 for CrossEntropyOp {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, k) = (l1.dims()[0], l1.dims()[1]);
         let t = targets_of(s2, l2, k)?;
-        let out = match s1 {
-            CpuStorage::F32(x) => CpuStorage::F32(ce_fwd(&contiguous(x, l1), &t, k)),
-            CpuStorage::F64(x) => CpuStorage::F64(ce_fwd(&contiguous(x, l1), &t, k)),
-            _ => bail!("cross_entropy: unsupported logits dtype {:?}", s1.dtype()),
-        };
+        let out = float_kernel!("cross_entropy", s1 => x; ce_fwd(&contiguous(x, l1), &t, k));
         Ok((out, Shape::from(n)))
     }
 
@@ -118,11 +121,8 @@ impl CustomOp3 for CrossEntropyBackward {
     ) -> Result<(CpuStorage, Shape)> {
         let k = l1.dims()[1];
         let t = targets_of(s2, l2, k)?;
-        let out = match (s1, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(ce_bwd(&contiguous(x, l1), &t, &contiguous(g, l3), k)),
-            (CpuStorage::F64(x), CpuStorage::F64(g)) => CpuStorage::F64(ce_bwd(&contiguous(x, l1), &t, &contiguous(g, l3), k)),
-            _ => bail!("cross_entropy backward: unsupported dtypes {:?} and {:?}", s1.dtype(), s3.dtype()),
-        };
+        let out =
+            float_kernel!("cross_entropy backward", s1 => x, s3 => g; ce_bwd(&contiguous(x, l1), &t, &contiguous(g, l3), k));
         Ok((out, l1.shape().clone()))
     }
 }

@@ -2,11 +2,11 @@
 //! shift. (`candle_nn::LayerNorm` on a contiguous input uses a custom op without backward, so
 //! gradients silently stop there.)
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, Float};
+use crate::cpu::{contiguous, float_kernel, Float};
+use crate::error::{fail, NnError};
 
 /// `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension of `x`, with the
 /// biased variance (as PyTorch's `layer_norm`). `gamma` and `beta` have shape `(d,)` where `d`
@@ -21,21 +21,31 @@ use crate::cpu::{contiguous, Float};
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
     let d = match x.dims().last() {
         Some(&d) => d,
-        None => bail!("layer_norm: input must have at least one dimension, got a scalar"),
+        None => {
+            return fail(NnError::InputRank {
+                op: "layer_norm",
+                expected: "a tensor of rank 1 or more, not a scalar",
+                shape: x.shape().clone(),
+            })
+        }
     };
     if gamma.dims() != [d] || beta.dims() != [d] {
-        bail!(
-            "layer_norm: gamma {:?} and beta {:?} must both be ({d},), the last dimension of the input {:?}",
-            gamma.shape(),
-            beta.shape(),
-            x.shape()
-        )
+        return fail(NnError::ParamShape {
+            op: "layer_norm",
+            what: "gamma and beta",
+            shape: vec![gamma.shape().clone(), beta.shape().clone()],
+            expected: format!("both must be ({d},), the last dimension of the input {:?}", x.shape()),
+        });
     }
     if gamma.dtype() != x.dtype() || beta.dtype() != x.dtype() {
-        bail!("layer_norm: input {:?}, gamma {:?} and beta {:?} must share a dtype", x.dtype(), gamma.dtype(), beta.dtype())
+        return fail(NnError::DTypeMismatch {
+            op: "layer_norm",
+            what: "input, gamma and beta",
+            dtypes: vec![x.dtype(), gamma.dtype(), beta.dtype()],
+        });
     }
     if eps.is_nan() || eps < 0.0 {
-        bail!("layer_norm: eps must be non-negative, got {eps}")
+        return fail(NnError::NegativeEps { eps });
     }
     if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
         x.apply_op3(gamma, beta, LayerNormOp { eps })
@@ -62,6 +72,19 @@ pub fn layer_norm_composed(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) 
     xhat.to_dtype(dtype)?.broadcast_mul(gamma)?.broadcast_add(beta)
 }
 
+/// The configuration of a [`LayerNorm`] built with [`LayerNorm::from_vb`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerNormConfig {
+    /// Added to the variance before the square root (non-negative).
+    pub eps: f64,
+}
+
+impl Default for LayerNormConfig {
+    fn default() -> Self {
+        Self { eps: 1e-5 }
+    }
+}
+
 /// A layer-norm layer over the last dimension: scale, shift and epsilon, applied with
 /// [`layer_norm`].
 #[derive(Clone, Debug)]
@@ -78,9 +101,28 @@ impl LayerNorm {
     /// When `gamma` and `beta` are not both `(d,)` for the same `d`.
     pub fn new(gamma: Tensor, beta: Tensor, eps: f64) -> Result<Self> {
         if gamma.rank() != 1 || gamma.dims() != beta.dims() {
-            bail!("LayerNorm: gamma {:?} and beta {:?} must both be (d,)", gamma.shape(), beta.shape())
+            return fail(NnError::ParamShape {
+                op: "LayerNorm",
+                what: "gamma and beta",
+                shape: vec![gamma.shape().clone(), beta.shape().clone()],
+                expected: "both must be (d,)".into(),
+            });
         }
         Ok(Self { gamma, beta, eps })
+    }
+
+    /// A layer over `d` features with its parameters created through `vb` (as
+    /// `candle_nn::layer_norm`): `weight` (the scale) starting at 1 and `bias` (the shift) at 0.
+    ///
+    /// # Errors
+    /// When `cfg.eps` is negative or NaN, or `vb` fails.
+    pub fn from_vb(d: usize, cfg: LayerNormConfig, vb: candle_nn::VarBuilder) -> Result<Self> {
+        if cfg.eps.is_nan() || cfg.eps < 0.0 {
+            return fail(NnError::NegativeEps { eps: cfg.eps });
+        }
+        let gamma = vb.get_with_hints(d, "weight", candle_nn::Init::Const(1.0))?;
+        let beta = vb.get_with_hints(d, "bias", candle_nn::Init::Const(0.0))?;
+        Self::new(gamma, beta, cfg.eps)
     }
 
     /// The scale, `(d,)`.
@@ -129,15 +171,8 @@ impl CustomOp3 for LayerNormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(b)) => {
-                CpuStorage::F32(ln_fwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(b, l3), self.eps))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(g), CpuStorage::F64(b)) => {
-                CpuStorage::F64(ln_fwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(b, l3), self.eps))
-            }
-            _ => bail!("layer_norm: unsupported dtype {:?}", s1.dtype()),
-        };
+        let out = float_kernel!("layer_norm", s1 => x, s2 => g, s3 => b;
+            ln_fwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(b, l3), self.eps));
         Ok((out, l1.shape().clone()))
     }
 
@@ -175,15 +210,8 @@ impl CustomOp3 for LayerNormBackward {
     ) -> Result<(CpuStorage, Shape)> {
         let d = l2.shape().elem_count();
         let len = l1.shape().elem_count() + 2 * d;
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(gy)) => {
-                CpuStorage::F32(ln_bwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(gy, l3), self.eps))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(g), CpuStorage::F64(gy)) => {
-                CpuStorage::F64(ln_bwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(gy, l3), self.eps))
-            }
-            _ => bail!("layer_norm backward: unsupported dtype {:?}", s1.dtype()),
-        };
+        let out = float_kernel!("layer_norm backward", s1 => x, s2 => g, s3 => gy;
+            ln_bwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(gy, l3), self.eps));
         Ok((out, Shape::from(len)))
     }
 }

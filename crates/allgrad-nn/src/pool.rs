@@ -6,11 +6,11 @@
 //! gradients when the kernel does not divide the input, and divides max-pool gradients by the
 //! kernel area.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, ToUsize2};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, ToUsize2};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, Float, Strides4};
+use crate::cpu::{contiguous, float_kernel, Float, Strides4};
+use crate::error::{fail, NnError};
 
 /// How output positions map to input windows along one axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,28 +68,35 @@ impl PoolGeom {
     }
 }
 
-fn dims4(op: &str, x: &Tensor) -> Result<(usize, usize, usize, usize)> {
+fn dims4(op: &'static str, x: &Tensor) -> Result<(usize, usize, usize, usize)> {
     match *x.dims() {
         [n, c, h, w] => Ok((n, c, h, w)),
-        _ => bail!("{op}: input must be (batch, channels, height, width), got shape {:?}", x.shape()),
+        _ => fail(NnError::InputRank { op, expected: "(batch, channels, height, width)", shape: x.shape().clone() }),
     }
 }
 
 /// Resolves fixed-window pooling; `padding <= kernel / 2` as in PyTorch, so every window holds
 /// at least one input element.
-fn fixed_geometry(op: &str, kind: Kind, x: &Tensor, k: (usize, usize), s: (usize, usize), p: (usize, usize)) -> Result<PoolGeom> {
+fn fixed_geometry(
+    op: &'static str,
+    kind: Kind,
+    x: &Tensor,
+    k: (usize, usize),
+    s: (usize, usize),
+    p: (usize, usize),
+) -> Result<PoolGeom> {
     let (n, c, h, w) = dims4(op, x)?;
     if h == 0 || w == 0 {
-        bail!("{op}: input {:?} has an empty spatial dimension", x.shape())
+        return fail(NnError::EmptyInput { op, shape: x.shape().clone() });
     }
     if k.0 == 0 || k.1 == 0 || s.0 == 0 || s.1 == 0 {
-        bail!("{op}: kernel {k:?} and stride {s:?} must be at least 1")
+        return fail(NnError::PoolKernelStride { op, kernel: k, stride: s });
     }
     if 2 * p.0 > k.0 || 2 * p.1 > k.1 {
-        bail!("{op}: padding {p:?} must be at most half the kernel {k:?}")
+        return fail(NnError::PoolPadding { op, padding: p, kernel: k });
     }
     if k.0 > h + 2 * p.0 || k.1 > w + 2 * p.1 {
-        bail!("{op}: kernel {k:?} is larger than the input {h}x{w} padded by {p:?}")
+        return fail(NnError::PoolKernelTooLarge { op, kernel: k, h, w, padding: p });
     }
     Ok(PoolGeom {
         kind,
@@ -168,15 +175,11 @@ pub fn adaptive_avg_pool2d(x: &Tensor, output: impl ToUsize2) -> Result<Tensor> 
     let (oh, ow) = output.to_usize2();
     let (n, c, h, w) = dims4("adaptive_avg_pool2d", x)?;
     if oh == 0 || ow == 0 || oh > h || ow > w {
-        bail!("adaptive_avg_pool2d: output size {oh}x{ow} must be between 1x1 and the input size {h}x{w}")
+        return fail(NnError::AdaptiveOutput { oh, ow, h, w });
     }
     if !fast_path(x) {
         if (oh, ow) != (1, 1) {
-            bail!(
-                "adaptive_avg_pool2d: output size {oh}x{ow} is only implemented on the CPU for f32/f64 (got {:?} on {:?}); use (1, 1)",
-                x.dtype(),
-                x.device().location()
-            )
+            return fail(NnError::AdaptiveOffCpu { oh, ow, dtype: x.dtype(), device: format!("{:?}", x.device().location()) });
         }
         return x.mean_keepdim(3)?.mean_keepdim(2);
     }
@@ -202,7 +205,7 @@ fn pool_composed(x: &Tensor, g: &PoolGeom) -> Result<Tensor> {
     let (Windows::Fixed { kernel: kh, stride: sh, padding: ph }, Windows::Fixed { kernel: kw, stride: sw, padding: pw }) =
         (g.wy, g.wx)
     else {
-        bail!("pool2d: adaptive windows have no composed form")
+        return fail(NnError::InputRank { op: "pool2d (composed)", expected: "fixed windows", shape: Shape::from((g.oh, g.ow)) });
     };
     let fill = match g.kind {
         Kind::Max => f64::NEG_INFINITY,
@@ -291,11 +294,7 @@ impl CustomOp1 for Pool2d {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = &self.g;
         let shape = Shape::from((g.n, g.c, g.oh, g.ow));
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(pool_fwd(x, l, g)),
-            CpuStorage::F64(x) => CpuStorage::F64(pool_fwd(x, l, g)),
-            _ => bail!("{}: unsupported dtype {:?}", self.name(), s.dtype()),
-        };
+        let out = float_kernel!(self.name(), s => x; pool_fwd(x, l, g));
         Ok((out, shape))
     }
 
@@ -313,11 +312,7 @@ impl CustomOp2 for Pool2dBackward {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = &self.g;
         let shape = Shape::from((g.n, g.c, g.h, g.w));
-        let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(gy)) => CpuStorage::F32(pool_bwd(x, l1, &contiguous(gy, l2), g)),
-            (CpuStorage::F64(x), CpuStorage::F64(gy)) => CpuStorage::F64(pool_bwd(x, l1, &contiguous(gy, l2), g)),
-            _ => bail!("pool2d backward: unsupported dtypes {:?} and {:?}", s1.dtype(), s2.dtype()),
-        };
+        let out = float_kernel!("pool2d backward", s1 => x, s2 => gy; pool_bwd(x, l1, &contiguous(gy, l2), g));
         Ok((out, shape))
     }
 }

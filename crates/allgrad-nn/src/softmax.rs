@@ -2,11 +2,11 @@
 //! `candle_nn::ops::softmax_last_dim` is a custom op without backward, so gradients silently
 //! stop there.)
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, Float};
+use crate::cpu::{contiguous, float_kernel, Float};
+use crate::error::{fail, NnError};
 
 /// `softmax(x)_i = exp(x_i - max x) / Σ_j exp(x_j - max x)` over the last dimension.
 ///
@@ -41,7 +41,11 @@ enum Kind {
 
 fn apply(x: &Tensor, kind: Kind) -> Result<Tensor> {
     if x.rank() == 0 {
-        bail!("{}: input must have at least one dimension, got a scalar", kind.name())
+        return fail(NnError::InputRank {
+            op: kind.name(),
+            expected: "a tensor of rank 1 or more, not a scalar",
+            shape: x.shape().clone(),
+        });
     }
     if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
         return x.apply_op1(SoftmaxOp { kind });
@@ -85,11 +89,7 @@ impl CustomOp1 for SoftmaxOp {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = l.dims().last().copied().unwrap_or(1);
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(softmax_fwd(&contiguous(x, l), d, self.kind)),
-            CpuStorage::F64(x) => CpuStorage::F64(softmax_fwd(&contiguous(x, l), d, self.kind)),
-            _ => bail!("{}: unsupported dtype {:?}", self.kind.name(), s.dtype()),
-        };
+        let out = float_kernel!(self.kind.name(), s => x; softmax_fwd(&contiguous(x, l), d, self.kind));
         Ok((out, l.shape().clone()))
     }
 
@@ -105,15 +105,7 @@ impl CustomOp2 for SoftmaxBackward {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = l1.dims().last().copied().unwrap_or(1);
-        let out = match (s1, s2) {
-            (CpuStorage::F32(y), CpuStorage::F32(g)) => {
-                CpuStorage::F32(softmax_bwd(&contiguous(y, l1), &contiguous(g, l2), d, self.kind))
-            }
-            (CpuStorage::F64(y), CpuStorage::F64(g)) => {
-                CpuStorage::F64(softmax_bwd(&contiguous(y, l1), &contiguous(g, l2), d, self.kind))
-            }
-            _ => bail!("{} backward: unsupported dtype {:?}", self.kind.name(), s1.dtype()),
-        };
+        let out = float_kernel!("softmax backward", s1 => y, s2 => g; softmax_bwd(&contiguous(y, l1), &contiguous(g, l2), d, self.kind));
         Ok((out, l1.shape().clone()))
     }
 }

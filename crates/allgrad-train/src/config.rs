@@ -2,6 +2,7 @@
 //!
 //! ```yaml
 //! seed: 0
+//! method: vectors
 //! data: { kind: vectors, samples: 1024 }
 //! model: { kind: mlp, hidden: 64, out: 16 }
 //! loss: { kind: nt_xent, temperature: 0.2 }
@@ -12,25 +13,33 @@
 //! log: { every: 10 }
 //! ```
 //!
+//! The trainer owns `seed`, `device`, `dtype`, `method`, `optim`, `schedule`, `train`,
+//! `checkpoint` and `log`; every other top-level section (`data`, `model`, `loss`, ...)
+//! belongs to the method that `method:` names, which reads it (see [`crate::method`]).
+//! [`RunConfig::load`], [`RunConfig::parse`] and [`RunConfig::validate`] know the built-in
+//! methods; with your own, call the [`Registry`](crate::method::Registry) methods of the same
+//! names.
+//!
 //! Unknown keys, wrong types and values that do not fit the world size fail at start, with
 //! the file, the key path and what was expected.
 
 use std::path::{Path, PathBuf};
 
-use allgrad_models::image_ssl::{ImageData, ImageModel};
-use allgrad_models::losses::LossConfig;
-use allgrad_models::vectors::{VectorData, VectorModel};
+use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::CheckpointConfig;
+use crate::method::Registry;
 use crate::metrics::LogConfig;
 use crate::optim::OptimConfig;
 use crate::schedule::ScheduleConfig;
 use crate::trainer::TrainSection;
 
-/// A whole run.
+/// The top-level keys the trainer owns; every other one belongs to the method.
+pub const TRAINER_KEYS: [&str; 9] = ["seed", "device", "dtype", "method", "optim", "schedule", "train", "checkpoint", "log"];
+
+/// A whole run: the trainer's sections, typed, and the method's, raw.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct RunConfig {
     /// Seed of every random stream (initialisation, data order, views).
     #[serde(default)]
@@ -41,13 +50,8 @@ pub struct RunConfig {
     /// Precision of parameters and compute.
     #[serde(default)]
     pub dtype: Precision,
-    /// The training data.
-    pub data: DataConfig,
-    /// The model.
-    pub model: ModelConfig,
-    /// The loss.
-    #[serde(default)]
-    pub loss: LossConfig,
+    /// The method: a name in the [`Registry`] (built in: `simclr`, `barlowtwins`, `vectors`).
+    pub method: String,
     /// The optimizer.
     #[serde(default)]
     pub optim: OptimConfig,
@@ -62,6 +66,10 @@ pub struct RunConfig {
     /// Metrics, progress and plots.
     #[serde(default)]
     pub log: LogConfig,
+    /// The method's own sections (every top-level key not listed above), as YAML: the method
+    /// deserialises them into its typed sections ([`crate::method::Method::Sections`]).
+    #[serde(flatten)]
+    pub sections: serde_yaml::Mapping,
 }
 
 /// The device to train on.
@@ -88,27 +96,6 @@ pub enum Precision {
     F32,
     /// 64-bit (for exactness checks).
     F64,
-}
-
-/// The `data` section.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-#[allow(clippy::large_enum_variant)] // one per run, parsed once: the size does not matter
-pub enum DataConfig {
-    /// Seeded synthetic vectors around random cluster centres.
-    Vectors(VectorData),
-    /// An image data set on disk, with the augmentations that make two views.
-    Images(ImageData),
-}
-
-/// The `model` section.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum ModelConfig {
-    /// A two-layer perceptron encoder (for vector data).
-    Mlp(VectorModel),
-    /// A ResNet encoder and a projection MLP (SimCLR or BarlowTwins, for images).
-    Resnet(ImageModel),
 }
 
 /// A configuration that could not be used.
@@ -148,6 +135,28 @@ pub enum ConfigError {
         /// What is wrong.
         msg: String,
     },
+    /// The `method:` is not in the registry.
+    #[error("{path}: at `method`: unknown method `{name}`; the methods are: {known}")]
+    UnknownMethod {
+        /// The file.
+        path: PathBuf,
+        /// The name asked for.
+        name: String,
+        /// The registered names, comma-separated.
+        known: String,
+    },
+    /// The method rejects its sections.
+    #[error("{path}: at `{key}`: {msg}")]
+    Method {
+        /// The file.
+        path: PathBuf,
+        /// The method.
+        method: String,
+        /// Dotted key path.
+        key: String,
+        /// What is wrong, with the numbers.
+        msg: String,
+    },
     /// The values do not work together (or with the world size).
     #[error("{path}: {msg}")]
     Invalid {
@@ -160,14 +169,24 @@ pub enum ConfigError {
 
 impl RunConfig {
     /// Reads `path`, applies `overrides` (`dotted.key=value`, the value parsed as YAML), and
-    /// deserialises.
+    /// deserialises, for a built-in method ([`Registry::load`] for others).
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        Self::parse(&text, path, overrides)
+        Registry::builtin().load(path, overrides)
     }
 
     /// As [`RunConfig::load`], from text; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        Registry::builtin().parse(text, path, overrides)
+    }
+
+    /// Checks the values against each other and the world size, for a built-in method
+    /// ([`Registry::validate`] for others).
+    pub fn validate(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
+        Registry::builtin().validate(self, world_size, path)
+    }
+
+    /// The trainer's sections typed, the method's kept raw (not checked against a method).
+    pub(crate) fn parse_sections(text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
         let mut value: serde_yaml::Value =
             serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml { path: path.into(), msg: e.to_string() })?;
         for arg in overrides {
@@ -179,8 +198,16 @@ impl RunConfig {
         })
     }
 
-    /// Checks the values against each other and the world size.
-    pub fn validate(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
+    /// The Candle dtype of `dtype`.
+    pub fn candle_dtype(&self) -> DType {
+        match self.dtype {
+            Precision::F32 => DType::F32,
+            Precision::F64 => DType::F64,
+        }
+    }
+
+    /// Checks the trainer's values against each other and the world size.
+    pub(crate) fn validate_trainer(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
         let bad = |msg: String| ConfigError::Invalid { path: path.into(), msg };
         let t = &self.train;
         if t.global_batch == 0 || t.accumulate == 0 {
@@ -197,19 +224,6 @@ impl RunConfig {
                 t.global_batch, t.accumulate
             )));
         }
-        match (&self.data, &self.model) {
-            (DataConfig::Vectors(d), ModelConfig::Mlp(_)) => {
-                if d.samples < t.global_batch {
-                    return Err(bad(format!(
-                        "data.samples = {} is smaller than train.global_batch = {}",
-                        d.samples, t.global_batch
-                    )));
-                }
-            }
-            (DataConfig::Images(_), ModelConfig::Resnet(_)) => {}
-            (DataConfig::Vectors(_), _) => return Err(bad("data.kind: vectors needs model.kind: mlp".into())),
-            (DataConfig::Images(_), _) => return Err(bad("data.kind: images needs model.kind: resnet".into())),
-        }
         if t.epochs == 0 && t.max_steps.is_none() {
             return Err(bad("train.epochs is 0 and train.max_steps is not set: nothing to train".into()));
         }
@@ -225,7 +239,6 @@ impl RunConfig {
             return Err(bad("log.every must be at least 1".into()));
         }
         self.optim.validate().map_err(bad)?;
-        self.loss.validate().map_err(bad)?;
         if self.device == DeviceKind::Cuda {
             return Err(bad(NO_GPU.into()));
         }
@@ -266,7 +279,7 @@ fn apply_override(root: &mut serde_yaml::Value, arg: &str) -> Result<(), ConfigE
 mod tests {
     use super::*;
 
-    const BASE: &str = "data: {kind: vectors}\nmodel: {kind: mlp}\ntrain: {global_batch: 12}\n";
+    const BASE: &str = "method: vectors\ndata: {kind: vectors}\nmodel: {kind: mlp}\ntrain: {global_batch: 12}\n";
 
     fn parse(text: &str, sets: &[&str]) -> Result<RunConfig, ConfigError> {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -292,7 +305,9 @@ mod tests {
 
     #[test]
     fn wrong_type_names_the_key() {
-        let e = parse("data: {kind: vectors}\nmodel: {kind: mlp}\ntrain: {global_batch: many}\n", &[]).unwrap_err().to_string();
+        let e = parse("method: vectors\ndata: {kind: vectors}\nmodel: {kind: mlp}\ntrain: {global_batch: many}\n", &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("at `train.global_batch`") && e.contains("invalid type"), "{e}");
     }
 

@@ -3,7 +3,8 @@
 //! The trainer as a library: a [`RunConfig`] (YAML), a [`Trainer`] that runs any
 //! [`allgrad_models::Objective`] data-parallel with exact gradient semantics, optimizers
 //! (SGD, LARS, AdamW), warmup + cosine schedules, atomic checkpoints with bitwise resume,
-//! `metrics.jsonl`, a progress bar and `loss.png`.
+//! `metrics.jsonl`, a progress bar and `loss.png`. The `method:` of a config names an entry of
+//! a [`Registry`] ([`method`]); [`cli::main_with`] is the `train` binary for any registry.
 //!
 //! Errors are [`TrainError`]s; the environment variables it reads are in [`settings`]. A
 //! run directory ([`run_dir`]) holds `config.yaml`, `metrics.jsonl`, `checkpoints/step_<N>/`
@@ -14,9 +15,11 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint;
+pub mod cli;
 pub mod config;
 pub mod ddp;
 pub mod error;
+pub mod method;
 pub mod metrics;
 pub mod optim;
 pub mod params;
@@ -29,4 +32,5 @@ pub mod trainer;
 pub use config::RunConfig;
 pub use error::{TrainError, TrainResult};
 pub use settings::Settings;
+pub use method::{Method, Registry};
 pub use trainer::{Summary, Trainer, TrainerConfig};

@@ -3,15 +3,12 @@
 use std::path::PathBuf;
 
 use allgrad_dist::ProcessGroup;
-use allgrad_models::barlow_twins::BarlowTwins;
-use allgrad_models::losses::LossConfig;
-use allgrad_models::simclr::SimClr;
-use allgrad_models::vectors::VectorContrastive;
 use allgrad_models::Objective;
-use candle_core::{DType, Device};
+use candle_core::Device;
 
-use crate::config::{DataConfig, DeviceKind, ModelConfig, Precision, RunConfig};
+use crate::config::{DeviceKind, RunConfig};
 use crate::error::{TrainError, TrainResult};
+use crate::method::Registry;
 use crate::settings::Settings;
 use crate::trainer::{Trainer, TrainerConfig};
 
@@ -24,35 +21,16 @@ pub fn device(cfg: &RunConfig, _pg: &ProcessGroup) -> TrainResult<Device> {
     }
 }
 
-/// The built-in objective a config names.
+/// The objective of a config whose method is built in ([`Registry::objective`] for others).
 pub fn objective(cfg: &RunConfig, device: &Device) -> TrainResult<Box<dyn Objective>> {
-    let dtype = dtype(cfg);
-    match (&cfg.data, &cfg.model) {
-        (DataConfig::Vectors(d), ModelConfig::Mlp(m)) => {
-            Ok(Box::new(VectorContrastive::new(d.clone(), m.clone(), cfg.loss.clone(), cfg.seed, device.clone(), dtype)?))
-        }
-        (DataConfig::Images(d), ModelConfig::Resnet(m)) => match cfg.loss {
-            LossConfig::NtXent { temperature } => Ok(Box::new(SimClr::new(d, m.clone(), temperature, device.clone(), dtype)?)),
-            LossConfig::CrossCorrelation { lambda, scale } => {
-                Ok(Box::new(BarlowTwins::new(d, m.clone(), lambda, scale, device.clone(), dtype)?))
-            }
-        },
-        (d, m) => Err(TrainError::Setup(format!("data {d:?} cannot feed model {m:?}"))),
-    }
-}
-
-fn dtype(cfg: &RunConfig) -> DType {
-    match cfg.dtype {
-        Precision::F32 => DType::F32,
-        Precision::F64 => DType::F64,
-    }
+    Ok(Registry::builtin().objective(cfg, device)?)
 }
 
 /// The trainer's part of a run config, with `settings` from the environment.
 pub fn trainer_config(cfg: &RunConfig, device: Device, settings: Settings) -> TrainerConfig {
     TrainerConfig {
         seed: cfg.seed,
-        dtype: dtype(cfg),
+        dtype: cfg.candle_dtype(),
         device,
         train: cfg.train.clone(),
         optim: cfg.optim.clone(),
@@ -63,15 +41,17 @@ pub fn trainer_config(cfg: &RunConfig, device: Device, settings: Settings) -> Tr
     }
 }
 
-/// Builds the trainer for a (validated) config with no environment settings (no font for
-/// the plot's labels but the system's, no fault hook); rank 0 writes `config.yaml` to
-/// `out_dir`. See [`build_with`].
+/// Builds the trainer for a (validated) config of a built-in method, with no environment
+/// settings (no font for the plot's labels but the system's, no fault hook); rank 0 writes
+/// `config.yaml` to `out_dir`. See [`build_with`].
 pub fn build(cfg: &RunConfig, pg: ProcessGroup, out_dir: Option<PathBuf>, resume: bool) -> TrainResult<Trainer> {
-    build_with(cfg, pg, out_dir, resume, Settings::default())
+    build_with(&Registry::builtin(), cfg, pg, out_dir, resume, Settings::default())
 }
 
-/// [`build`] with the settings the binary read from the environment at start-up.
+/// As [`build`], with the method taken from `registry` and the settings the binary read from
+/// the environment at start-up.
 pub fn build_with(
+    registry: &Registry,
     cfg: &RunConfig,
     pg: ProcessGroup,
     out_dir: Option<PathBuf>,
@@ -85,6 +65,6 @@ pub fn build_with(
         let path = dir.join("config.yaml");
         std::fs::write(&path, cfg.to_yaml()).map_err(io("writing", path.clone()))?;
     }
-    let objective = objective(cfg, &device)?;
+    let objective = registry.objective(cfg, &device)?;
     Trainer::new(trainer_config(cfg, device, settings), objective, pg, out_dir, resume)
 }

@@ -16,7 +16,7 @@ const BARLOW: &str = "{kind: cross_correlation, lambda: 0.02, scale: 0.5}";
 fn config(sets: &[&str]) -> allgrad_train::RunConfig {
     let mut all = vec!["model.projector={out: 32, layers: 3}"];
     all.extend_from_slice(sets);
-    image_config(BARLOW, true, 24, &all)
+    image_config("barlowtwins", BARLOW, true, 24, &all)
 }
 
 #[test]

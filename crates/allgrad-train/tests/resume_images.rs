@@ -62,7 +62,7 @@ fn config() -> RunConfig {
         "checkpoint.every=2",
         "data.knn={k: 10, temperature: 0.1, bank: 160, queries: 80, linear_probe_steps: 10}",
     ];
-    image_config("{kind: nt_xent, temperature: 0.5}", true, 32, &sets)
+    image_config("simclr", "{kind: nt_xent, temperature: 0.5}", true, 32, &sets)
 }
 
 type Named = BTreeMap<String, Vec<u64>>;

@@ -27,7 +27,7 @@ use common::{image_config, max_rel_diff, max_rel_diff_floor, params};
 const NT_XENT: &str = "{kind: nt_xent, temperature: 0.5}";
 
 fn config_with(sync_bn: bool, sets: &[&str]) -> allgrad_train::RunConfig {
-    image_config(NT_XENT, sync_bn, 32, sets)
+    image_config("simclr", NT_XENT, sync_bn, 32, sets)
 }
 
 #[test]

@@ -12,6 +12,7 @@ use allgrad_train::{run, RunConfig};
 
 fn config(extra: &[&str]) -> RunConfig {
     let base = "seed: 3\n\
+                method: vectors\n\
                 data: {kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}\n\
                 model: {kind: mlp, hidden: 16, out: 8}\n\
                 train: {global_batch: 24, epochs: 2, max_steps: 5}\n\

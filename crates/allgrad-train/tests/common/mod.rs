@@ -9,12 +9,13 @@ use std::path::Path;
 use allgrad_dist::run_threads;
 use allgrad_train::{run, RunConfig};
 
-/// A ResNet-18 of width 4 on 12x12 crops, augmentations on, a 3-layer projector; `loss` is
-/// the YAML of the loss section, `sets` are `--set` overrides.
-pub fn image_config(loss: &str, sync_bn: bool, global_batch: usize, sets: &[&str]) -> RunConfig {
+/// A ResNet-18 of width 4 on 12x12 crops, augmentations on, a 3-layer projector; `method`
+/// names the method, `loss` is the YAML of its loss section, `sets` are `--set` overrides.
+pub fn image_config(method: &str, loss: &str, sync_bn: bool, global_batch: usize, sets: &[&str]) -> RunConfig {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/fashion-mnist");
     let text = format!(
         "seed: 11\n\
+         method: {method}\n\
          data:\n  kind: images\n  dir: {}\n  format: idx\n  augment:\n    crop: {{size: 12, scale: [0.3, 1.0], ratio: [0.75, 1.3333]}}\n    \
          color_jitter: {{brightness: 0.4, contrast: 0.4, saturation: 0.0, hue: 0.0, p: 0.8}}\n    normalize: {{mean: [0.286], std: [0.353]}}\n\
          model: {{kind: resnet, encoder: {{depth: 18, width: 4, in_channels: 1, stem: cifar, sync_bn: {sync_bn}}}, projector: {{out: 8, layers: 3}}}}\n\

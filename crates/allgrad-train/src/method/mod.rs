@@ -1,0 +1,202 @@
+//! Methods by name: the `method:` key of a run config picks an entry of a [`Registry`], which
+//! reads the method's own sections of the config, checks them and builds its
+//! [`Objective`].
+//!
+//! # Design
+//!
+//! A run config has two kinds of top-level sections:
+//!
+//! - the trainer's, typed in [`RunConfig`]: `seed`, `device`, `dtype`, `method`, `optim`,
+//!   `schedule`, `train`, `checkpoint`, `log`;
+//! - the method's: every other top-level key (`data`, `model`, `loss` for the built-in
+//!   methods; a face head may add `head`, a text method its tokenizer). The trainer keeps them
+//!   as raw YAML ([`RunConfig::sections`]) and never interprets them.
+//!
+//! A method is a [`Method`]: its associated type [`Method::Sections`] is a serde type whose
+//! fields ARE the top-level keys it owns (with `#[serde(deny_unknown_fields)]`, so a typo at
+//! the top level or a section another method owns is an error that lists the valid keys).
+//! The registry deserialises the raw sections into that type (errors carry the file and the
+//! key path, e.g. `data.augment.crop.size`), then calls [`Method::validate`] with the typed
+//! sections, the whole [`RunConfig`] and the world size (errors carry the key path), and
+//! [`Method::objective`] to build. Each method therefore owns its config vocabulary: SimCSE
+//! brings `data: {kind: text, ...}` and `model: {kind: bert, ...}` as its own types, without
+//! touching the trainer or the other methods; sections shared by several methods (the image
+//! `data` section, [`allgrad_models::losses::LossConfig`]) are ordinary types they reuse.
+//!
+//! The built-in methods are in [`Registry::builtin`]: `simclr`, `barlowtwins` (one two-view
+//! image method with different losses, [`allgrad_models::image_ssl::TwoViewMethod`]) and
+//! `vectors`. A user's own method plugs in from their own binary:
+//!
+//! ```no_run
+//! # use allgrad_train::method::{Method, Registry, SectionError};
+//! # use allgrad_train::RunConfig;
+//! # struct Mine;
+//! # impl Method for Mine {
+//! #     type Sections = serde_yaml::Value;
+//! #     fn validate(&self, _: &Self::Sections, _: &RunConfig, _: usize) -> Result<(), SectionError> { Ok(()) }
+//! #     fn objective(&self, _: Self::Sections, _: &RunConfig, _: &candle_core::Device)
+//! #         -> candle_core::Result<Box<dyn allgrad_models::Objective>> { unimplemented!() }
+//! # }
+//! fn main() {
+//!     let mut methods = Registry::builtin();
+//!     methods.register("mine", Mine);
+//!     std::process::exit(allgrad_train::cli::main_with(methods));
+//! }
+//! ```
+//!
+//! and `mine --config run.yaml` (with `method: mine`) trains it exactly as `train` trains the
+//! built-in ones, under `launch` too (`examples/custom_loss.rs`).
+
+pub mod builtin;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use allgrad_models::Objective;
+use candle_core::Device;
+use serde::de::DeserializeOwned;
+
+use crate::config::{ConfigError, RunConfig, TRAINER_KEYS};
+
+/// A training method: the typed sections it reads from a run config, their checks, and the
+/// [`Objective`] it builds. See the module docs.
+pub trait Method: Send + Sync + 'static {
+    /// The method's own top-level sections of a run config, as one serde type whose fields
+    /// are the keys (use `#[serde(deny_unknown_fields)]`).
+    type Sections: DeserializeOwned;
+
+    /// Checks the sections against each other, the trainer's sections and the world size.
+    /// The error names the key path and the numbers.
+    fn validate(&self, sections: &Self::Sections, run: &RunConfig, world_size: usize) -> Result<(), SectionError>;
+
+    /// Builds the objective of a validated config on `device`, in `run`'s dtype.
+    fn objective(&self, sections: Self::Sections, run: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>>;
+}
+
+/// Why a method rejects its sections: the key path and what is wrong.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("at `{key}`: {msg}")]
+pub struct SectionError {
+    /// Dotted key path (`loss.kind`, `data.samples`).
+    pub key: String,
+    /// What is wrong, with the numbers and what was expected.
+    pub msg: String,
+}
+
+impl SectionError {
+    /// An error at `key`.
+    pub fn new(key: impl Into<String>, msg: impl Into<String>) -> Self {
+        SectionError { key: key.into(), msg: msg.into() }
+    }
+}
+
+/// The object-safe face of a [`Method`], as the registry stores it.
+trait AnyMethod: Send + Sync {
+    fn check(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError>;
+    fn validate(&self, name: &str, cfg: &RunConfig, world_size: usize, path: &Path) -> Result<(), ConfigError>;
+    fn objective(&self, name: &str, cfg: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>>;
+}
+
+impl<M: Method> AnyMethod for M {
+    fn check(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError> {
+        sections::<M>(name, cfg, path).map(|_| ())
+    }
+
+    fn validate(&self, name: &str, cfg: &RunConfig, world_size: usize, path: &Path) -> Result<(), ConfigError> {
+        let sections = sections::<M>(name, cfg, path)?;
+        Method::validate(self, &sections, cfg, world_size).map_err(|e| ConfigError::Method {
+            path: path.into(),
+            method: name.into(),
+            key: e.key,
+            msg: e.msg,
+        })
+    }
+
+    fn objective(&self, name: &str, cfg: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>> {
+        let sections = sections::<M>(name, cfg, Path::new("config")).map_err(candle_core::Error::wrap)?;
+        Method::objective(self, sections, cfg, device)
+    }
+}
+
+/// The method's typed sections; an unknown top-level key also lists the trainer's keys.
+fn sections<M: Method>(name: &str, cfg: &RunConfig, path: &Path) -> Result<M::Sections, ConfigError> {
+    let raw = serde_yaml::Value::Mapping(cfg.sections.clone());
+    serde_path_to_error::deserialize(raw).map_err(|e| {
+        let key = e.path().to_string();
+        let mut msg = e.into_inner().to_string();
+        // A top-level key that neither the method nor the trainer owns (a typo, or another
+        // method's section): say whose keys the valid ones are.
+        if !key.contains('.') && msg.starts_with("unknown field") {
+            msg = format!("{msg} (method `{name}`), or one of the trainer's keys {}", TRAINER_KEYS.join(", "));
+        }
+        ConfigError::Field { path: path.into(), key, msg }
+    })
+}
+
+/// Methods by name; see the module docs.
+#[derive(Default)]
+pub struct Registry {
+    methods: BTreeMap<String, Box<dyn AnyMethod>>,
+}
+
+impl Registry {
+    /// A registry without methods.
+    pub fn empty() -> Registry {
+        Registry::default()
+    }
+
+    /// The built-in methods: `simclr`, `barlowtwins` and `vectors`.
+    pub fn builtin() -> Registry {
+        let mut r = Registry::empty();
+        r.register("simclr", builtin::ImageMethod::SIMCLR);
+        r.register("barlowtwins", builtin::ImageMethod::BARLOW_TWINS);
+        r.register("vectors", builtin::Vectors);
+        r
+    }
+
+    /// Adds `method` under `name` (replacing a method of that name).
+    pub fn register<M: Method>(&mut self, name: impl Into<String>, method: M) -> &mut Registry {
+        self.methods.insert(name.into(), Box::new(method));
+        self
+    }
+
+    /// The names of the methods, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.methods.keys().map(String::as_str).collect()
+    }
+
+    fn get(&self, cfg: &RunConfig, path: &Path) -> Result<&dyn AnyMethod, ConfigError> {
+        self.methods.get(&cfg.method).map(|m| m.as_ref()).ok_or_else(|| ConfigError::UnknownMethod {
+            path: path.into(),
+            name: cfg.method.clone(),
+            known: self.names().join(", "),
+        })
+    }
+
+    /// Reads `path`, applies `overrides` (`dotted.key=value`, the value parsed as YAML), and
+    /// deserialises the trainer's sections and the method's (which must be registered).
+    pub fn load(&self, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        self.parse(&text, path, overrides)
+    }
+
+    /// As [`Registry::load`], from text; `path` is only used in messages.
+    pub fn parse(&self, text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        let cfg = RunConfig::parse_sections(text, path, overrides)?;
+        self.get(&cfg, path)?.check(&cfg.method, &cfg, path)?;
+        Ok(cfg)
+    }
+
+    /// Checks the trainer's values against each other and the world size, then the method's
+    /// sections ([`Method::validate`]).
+    pub fn validate(&self, cfg: &RunConfig, world_size: usize, path: &Path) -> Result<(), ConfigError> {
+        cfg.validate_trainer(world_size, path)?;
+        self.get(cfg, path)?.validate(&cfg.method, cfg, world_size, path)
+    }
+
+    /// The objective of a (validated) config, on `device`.
+    pub fn objective(&self, cfg: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>> {
+        let method = self.get(cfg, Path::new("config")).map_err(candle_core::Error::wrap)?;
+        method.objective(&cfg.method, cfg, device)
+    }
+}
