@@ -19,6 +19,7 @@
 
 pub mod barlow_twins;
 pub mod batch_norm;
+pub mod bert;
 pub mod image_ssl;
 pub mod losses;
 mod objective;
