@@ -25,6 +25,7 @@ pub mod losses;
 mod objective;
 pub mod resnet;
 pub mod rng;
+pub mod simcse;
 pub mod simclr;
 pub mod vectors;
 
