@@ -25,8 +25,8 @@ pub mod losses;
 mod objective;
 pub mod resnet;
 pub mod rng;
-pub mod simcse;
 pub mod simclr;
+pub mod simcse;
 pub mod vectors;
 
 pub use objective::{Batch, Objective};

@@ -117,7 +117,7 @@ impl BertConfig {
         if let Some((k, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{k} must be positive"));
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(format!(
                 "hidden_size {} is not divisible by num_attention_heads {}",
                 self.hidden_size, self.num_attention_heads
@@ -140,7 +140,7 @@ impl BertConfig {
                 return Err(format!("{k} must be in [0, 1), got {p}"));
             }
         }
-        if !(self.layer_norm_eps >= 0.0) {
+        if self.layer_norm_eps.is_nan() || self.layer_norm_eps < 0.0 {
             return Err(format!("layer_norm_eps must be non-negative, got {}", self.layer_norm_eps));
         }
         Ok(())
