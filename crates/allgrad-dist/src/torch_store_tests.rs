@@ -129,6 +129,8 @@ fn keys_are_written_in_pytorchs_prefix_store_format() {
     let store = TorchStore::connect(&fake.addr, T).unwrap().with_prefix("/worker/attempt_3");
     store.ping(77).unwrap();
     store.set("a", b"1").unwrap();
+    // SET has no reply: a round trip on the same connection makes sure the server applied it.
+    store.ping(78).unwrap();
     let keys: Vec<String> = fake.map.lock().unwrap().keys().cloned().collect();
     assert_eq!(keys, ["//worker/attempt_3/a"]);
     let bare = TorchStore::connect(&fake.addr, T).unwrap();

@@ -12,16 +12,20 @@
 //!   loader threads, NT-Xent over global negatives or the cross-correlation over the global
 //!   batch, SyncBatchNorm, kNN monitor and linear probe).
 //! - [`losses`]: the distributed losses themselves; [`batch_norm`]: (Sync)BatchNorm.
+//! - [`bert`]: a BERT encoder (Hugging Face checkpoints and tokenizers, keyed dropout) and
+//!   [`simcse`]: SimCSE's InfoNCE losses and objective (not yet a registered method).
 
 #![warn(missing_docs)]
 
 pub mod batch_norm;
+pub mod bert;
 mod error;
 pub mod image_ssl;
 pub mod losses;
 mod objective;
 pub mod resnet;
 pub mod rng;
+pub mod simcse;
 pub mod vectors;
 
 pub use error::ModelError;

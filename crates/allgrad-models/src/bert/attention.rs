@@ -1,0 +1,71 @@
+//! Multi-head self-attention with a padding mask (BERT's `attention.self` and
+//! `attention.output`).
+
+use candle_core::{Result, Tensor};
+use candle_nn::VarBuilder;
+
+use super::config::BertConfig;
+use super::dropout::{DropoutKey, Site};
+use super::layers::{Dense, Norm};
+
+/// Added to the scores of padded keys: their probability is exactly 0 in f32 and f64.
+const MASKED: f64 = -1e30;
+
+/// Self-attention followed by the output projection, dropout, residual and LayerNorm.
+#[derive(Clone, Debug)]
+pub struct SelfAttention {
+    query: Dense,
+    key: Dense,
+    value: Dense,
+    output: Dense,
+    norm: Norm,
+    heads: usize,
+    hidden_dropout: f64,
+    attention_dropout: f64,
+}
+
+/// The additive score bias `[b, 1, 1, len]` of a `[b, len]` mask (1 = token, 0 = padding).
+pub fn mask_bias(mask: &Tensor) -> Result<Tensor> {
+    let (b, len) = mask.dims2()?;
+    mask.affine(-MASKED, MASKED)?.reshape((b, 1, 1, len))
+}
+
+impl SelfAttention {
+    /// Creates (or loads) `self.{query,key,value}` and `output.{dense,LayerNorm}` under `vb`
+    /// (the layer's `attention` prefix).
+    pub fn new(vb: VarBuilder, cfg: &BertConfig) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let std = cfg.initializer_range;
+        Ok(SelfAttention {
+            query: Dense::new(vb.pp("self.query"), h, h, std)?,
+            key: Dense::new(vb.pp("self.key"), h, h, std)?,
+            value: Dense::new(vb.pp("self.value"), h, h, std)?,
+            output: Dense::new(vb.pp("output.dense"), h, h, std)?,
+            norm: Norm::new(vb.pp("output.LayerNorm"), h, cfg.layer_norm_eps)?,
+            heads: cfg.num_attention_heads,
+            hidden_dropout: cfg.hidden_dropout_prob,
+            attention_dropout: cfg.attention_probs_dropout_prob,
+        })
+    }
+
+    /// `x`: `[b, len, hidden]`; `bias`: [`mask_bias`] of the batch; `layer` keys dropout.
+    pub fn forward(&self, x: &Tensor, bias: &Tensor, layer: usize, dropout: Option<&DropoutKey>) -> Result<Tensor> {
+        let (b, len, h) = x.dims3()?;
+        let hd = h / self.heads;
+        let split = |t: Tensor| t.reshape((b, len, self.heads, hd))?.transpose(1, 2)?.contiguous();
+        let q = split(self.query.forward(x)?)?;
+        let k = split(self.key.forward(x)?)?;
+        let v = split(self.value.forward(x)?)?;
+        let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(bias)?;
+        let mut probs = allgrad_nn::softmax_last_dim(&scores)?;
+        if let Some(key) = dropout {
+            probs = key.apply_attention(&probs, self.attention_dropout, layer)?;
+        }
+        let ctx = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, len, h))?;
+        let mut out = self.output.forward(&ctx)?;
+        if let Some(key) = dropout {
+            out = key.apply(&out, self.hidden_dropout, layer, Site::AttentionOutput)?;
+        }
+        self.norm.forward(&(out + x)?)
+    }
+}

@@ -1,0 +1,16 @@
+//! SimCSE: contrastive sentence embeddings from a BERT encoder, unsupervised (dropout as
+//! the augmentation) and supervised (triplets with hard negatives), with the loss over the
+//! global batch ([`info_nce`], [`info_nce_hard_negatives`]); readers of SimCSE's files
+//! ([`read_sentences`], [`read_nli_triplets`]) and [`spearman`] for similarity benchmarks.
+
+mod config;
+mod data;
+mod info_nce;
+mod objective;
+mod spearman;
+
+pub use config::{SimCseData, SimCseLoss, SimCseModel};
+pub use data::{read_nli_triplets, read_sentences};
+pub use info_nce::{info_nce, info_nce_hard_negatives};
+pub use objective::SimCse;
+pub use spearman::{ranks, spearman};

@@ -1,0 +1,146 @@
+//! The SimCSE objective: a BERT encoder trained with InfoNCE over the global batch.
+
+use allgrad_dist::ProcessGroup;
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use super::config::{SimCseData, SimCseLoss, SimCseModel};
+use super::info_nce::{info_nce, info_nce_hard_negatives};
+use crate::bert::{BertConfig, BertFolder, BertModel, BertTokenizer, Checkpoint, Dense, DropoutKey, Pooling, TokenBatch};
+use crate::{Batch, Objective};
+
+/// SimCSE (Gao et al., 2021). Unsupervised data: every sentence is encoded twice in one
+/// batch (views 0 and 1, different dropout masks) and anchors (view 0) are scored against the
+/// second views of the whole global batch. Supervised data: anchor, positive and hard negative
+/// (views 0, 1, 2), the candidates being the positives and hard negatives of every rank.
+///
+/// Dropout masks are keyed by (seed, step, global sample index, view, layer, site, position):
+/// W ranks train exactly like one process at the same global batch, dropout on.
+/// Parameters: `bert.*` (Hugging Face names under a `bert.` prefix) and, with the MLP head,
+/// `head.dense.*`.
+pub struct SimCse {
+    model_cfg: SimCseModel,
+    loss_cfg: SimCseLoss,
+    bert_cfg: BertConfig,
+    checkpoint: Option<Checkpoint>,
+    /// Token ids of every sample's sentences (one, or three for triplets).
+    tokens: Vec<Vec<Vec<u32>>>,
+    pad_id: u32,
+    supervised: bool,
+    net: Option<(BertModel, Option<Dense>)>,
+    device: Device,
+}
+
+impl SimCse {
+    /// Reads the model folder and tokenizes the data (parameters come with `build`).
+    pub fn new(model: SimCseModel, loss: SimCseLoss, data: SimCseData, device: Device, dtype: DType) -> Result<Self> {
+        if !(loss.temperature > 0.0 && loss.temperature.is_finite()) {
+            candle_core::bail!("simcse: loss.temperature must be positive, got {}", loss.temperature);
+        }
+        if !loss.hard_negative_weight.is_finite() {
+            candle_core::bail!("simcse: loss.hard_negative_weight must be finite, got {}", loss.hard_negative_weight);
+        }
+        if data.is_empty() {
+            candle_core::bail!("simcse: the training data is empty");
+        }
+        let _ = dtype; // parameters take the trainer's dtype through the VarBuilder
+        let bert_cfg = BertConfig::from_file(&model.dir.join("config.json"))?;
+        let checkpoint = if model.pretrained { Some(BertFolder::open(&model.dir)?.checkpoint) } else { None };
+        if model.max_len > bert_cfg.max_position_embeddings {
+            candle_core::bail!(
+                "simcse: model.max_len {} exceeds max_position_embeddings {} of {}",
+                model.max_len,
+                bert_cfg.max_position_embeddings,
+                model.dir.display()
+            );
+        }
+        let tokenizer = BertTokenizer::from_file(&model.dir.join("tokenizer.json"), model.max_len)?;
+        let encode = |s: &str| tokenizer.encode(s);
+        let (tokens, supervised) = match &data {
+            SimCseData::Sentences(s) => (s.iter().map(|t| Ok(vec![encode(t)?])).collect::<Result<Vec<_>>>()?, false),
+            SimCseData::Triplets(t) => {
+                (t.iter().map(|[a, p, n]| Ok(vec![encode(a)?, encode(p)?, encode(n)?])).collect::<Result<Vec<_>>>()?, true)
+            }
+        };
+        Ok(SimCse {
+            model_cfg: model,
+            loss_cfg: loss,
+            bert_cfg,
+            checkpoint,
+            tokens,
+            pad_id: tokenizer.pad_id(),
+            supervised,
+            net: None,
+            device,
+        })
+    }
+
+    /// The encoder (after `build`).
+    pub fn encoder(&self) -> Result<&BertModel> {
+        self.net.as_ref().map(|(m, _)| m).ok_or_else(|| candle_core::Error::Msg("simcse used before build".into()))
+    }
+
+    /// Training embeddings `[rows, hidden]` (pooling, then the MLP head when configured) of
+    /// `batch` with dropout keyed by `key`.
+    fn train_embeddings(&self, batch: &TokenBatch, key: &DropoutKey) -> Result<Tensor> {
+        let (model, head) = self.net.as_ref().ok_or_else(|| candle_core::Error::Msg("simcse used before build".into()))?;
+        let z = model.embed(batch, self.model_cfg.pooling, Some(key))?;
+        match head {
+            Some(h) => h.forward(&z)?.tanh(),
+            None => Ok(z),
+        }
+    }
+}
+
+impl Objective for SimCse {
+    fn build(&mut self, vb: VarBuilder) -> Result<()> {
+        let with_pooler = self.model_cfg.pooling == Pooling::Cls;
+        let model = match &self.checkpoint {
+            Some(ck) => {
+                if with_pooler && !ck.has_pooler() {
+                    candle_core::bail!("simcse: pooling cls needs the pooler, absent from {}", self.model_cfg.dir.display());
+                }
+                ck.init_model(&self.bert_cfg, vb.pp("bert"), with_pooler)?
+            }
+            None => BertModel::new(vb.pp("bert"), &self.bert_cfg, with_pooler)?,
+        };
+        let h = self.bert_cfg.hidden_size;
+        let head = if self.model_cfg.mlp_head {
+            Some(Dense::new(vb.pp("head.dense"), h, h, self.bert_cfg.initializer_range)?)
+        } else {
+            None
+        };
+        self.net = Some((model, head));
+        Ok(())
+    }
+
+    fn num_samples(&self) -> usize {
+        self.tokens.len()
+    }
+
+    fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        let b = batch.indices.len();
+        let views = if self.supervised { 3 } else { 2 };
+        let mut rows = Vec::with_capacity(views * b);
+        let mut keys = Vec::with_capacity(views * b);
+        for v in 0..views {
+            for &i in batch.indices {
+                let sample = self.tokens.get(i).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("simcse: sample {i} out of range ({} samples)", self.tokens.len()))
+                })?;
+                rows.push(sample[if self.supervised { v } else { 0 }].clone());
+                keys.push((i as u64, v as u64));
+            }
+        }
+        let tokens = TokenBatch::from_ids(rows, self.pad_id, &self.device)?;
+        let key = DropoutKey { seed: batch.seed, step: batch.step as u64, rows: keys };
+        let z = self.train_embeddings(&tokens, &key)?;
+        let (a, p) = (z.narrow(0, 0, b)?, z.narrow(0, b, b)?);
+        if self.supervised {
+            let n = z.narrow(0, 2 * b, b)?;
+            info_nce_hard_negatives(&a, &p, &n, self.loss_cfg.temperature, self.loss_cfg.hard_negative_weight, pg)
+        } else {
+            info_nce(&a, &p, self.loss_cfg.temperature, pg)
+        }
+    }
+}
