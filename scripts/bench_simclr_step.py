@@ -1,13 +1,42 @@
 #!/usr/bin/env python3
-"""Times one SimCLR training step in PyTorch on the CPU: ResNet-18 (CIFAR stem, width 64) on 2B
-random 3x32x32 views, projector 512-2048-128, NT-Xent, SGD update — the same step as allgrad's
-`examples/bench_simclr_step.rs`. PyTorch installs with `pip install torch` (kept out of CI).
+"""PyTorch side of the SimCLR step benchmark: ResNet-18 (CIFAR stem, width 64) on 2B random
+3x32x32 views, projector 512-2048-128, NT-Xent (temperature 0.5), SGD update -- the same step
+as allgrad's `examples/bench_simclr_step/`, which drives this script as a worker so that the
+two implementations alternate step by step in one invocation (`scripts/bench_simclr_step.sh`).
 
-    python3 scripts/bench_simclr_step.py 64 256
+    python3 scripts/bench_simclr_step.py --batch 64 --steps 3      # a quick look, alone
+    python3 scripts/bench_simclr_step.py --batch 64 --worker       # serve the driver
+
+Worker protocol: one command per line on stdin (`step`, `layers`, `quit`), one answer line on
+stdout per command: `STEP wall= user= sys= minflt= fwd= bwd= opt=` (seconds, faults; user, sys
+and minor faults from getrusage(RUSAGE_SELF), i.e. all threads of this process), or one
+`LAYER kind= count= fwd= bwd=` line per layer type followed by `DONE`. The first line is
+`READY torch=<version> threads=<n>`.
+
+The thread count (`--threads`, default 2) goes to torch.set_num_threads and, before torch is
+imported, to OMP_NUM_THREADS and MKL_NUM_THREADS. PyTorch installs with `pip install torch`
+(kept out of CI); without it this exits with status 2.
 """
+import argparse
+import os
+import resource
 import sys
 import time
 
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64, help="samples per step (2B views)")
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads")
+    ap.add_argument("--width", type=int, default=64, help="channels of the first ResNet stage")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps when run alone")
+    ap.add_argument("--worker", action="store_true", help="serve step/layers/quit commands on stdin")
+    return ap.parse_args()
+
+
+ARGS = parse_args()
+for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(ARGS.threads)
 try:
     import torch
     import torch.nn as nn
@@ -34,7 +63,7 @@ class Block(nn.Module):
 
 
 class ResNet18(nn.Module):
-    def __init__(self, width=64):
+    def __init__(self, width):
         super().__init__()
         self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
@@ -60,27 +89,145 @@ def nt_xent(z1, z2, t):
     return F.cross_entropy(logits, target)
 
 
-def main():
-    torch.set_num_threads(2)
-    batches = [int(a) for a in sys.argv[1:]] or [64, 256]
-    for b in batches:
+def usage():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt
+
+
+class Step:
+    """The model, optimizer and input of one batch size; `run` times one training step."""
+
+    def __init__(self, batch, width):
         torch.manual_seed(0)
-        enc = ResNet18()
-        proj = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 128))
-        opt = torch.optim.SGD(list(enc.parameters()) + list(proj.parameters()), lr=0.1)
-        x = torch.randn(2 * b, 3, 32, 32)
-        times = []
-        for step in range(4):
-            t = time.perf_counter()
-            z = proj(enc(x))
-            loss = nt_xent(z[:b], z[b:], 0.5)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if step > 0:
-                times.append(time.perf_counter() - t)
-        times.sort()
-        print(f"pytorch batch {b} ({2 * b} views): {times[len(times) // 2]:.3f} s per step (median of {len(times)})")
+        self.b = batch
+        self.enc = ResNet18(width)
+        self.proj = nn.Sequential(nn.Linear(8 * width, 2048), nn.ReLU(), nn.Linear(2048, 128))
+        self.opt = torch.optim.SGD(list(self.enc.parameters()) + list(self.proj.parameters()), lr=0.1)
+        self.x = torch.randn(2 * batch, 3, 32, 32)
+
+    def run(self):
+        start = usage()
+        z = self.proj(self.enc(self.x))
+        loss = nt_xent(z[: self.b], z[self.b :], 0.5)
+        t_fwd = time.perf_counter()
+        self.opt.zero_grad()
+        loss.backward()
+        t_bwd = time.perf_counter()
+        self.opt.step()
+        t_opt = time.perf_counter()
+        del z, loss
+        end = usage()
+        wall, user, sys_, flt = (e - s for e, s in zip(end, start))
+        return (f"STEP wall={wall:.6f} user={user:.6f} sys={sys_:.6f} minflt={flt} "
+                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f}")
+
+
+def resnet18_layers(width):
+    """The layers of ResNet-18 with the CIFAR stem, by type, with their shapes (views omitted):
+    conv (cin, cout, k, stride, h_in), bn (c, h), relu (c, h), add (c, h), pool (c, h),
+    linear (in, out), loss (dim). Mirrors `layers.rs` of the Rust benchmark."""
+    out = {k: [] for k in ("conv", "bn", "relu", "add", "pool", "linear", "loss")}
+
+    def conv_bn(cin, cout, k, stride, h):
+        out["conv"].append((cin, cout, k, stride, h))
+        out["bn"].append((cout, h // stride))
+
+    conv_bn(3, width, 3, 1, 32)
+    out["relu"].append((width, 32))
+    cin, h = width, 32
+    for stage in range(4):
+        planes = width << stage
+        for i in range(2):
+            stride = 2 if stage > 0 and i == 0 else 1
+            conv_bn(cin, planes, 3, stride, h)
+            out["relu"].append((planes, h // stride))
+            conv_bn(planes, planes, 3, 1, h // stride)
+            if stride != 1 or cin != planes:
+                conv_bn(cin, planes, 1, stride, h)
+            out["add"].append((planes, h // stride))
+            out["relu"].append((planes, h // stride))
+            cin, h = planes, h // stride
+    out["pool"].append((cin, h))
+    out["linear"] += [(cin, 2048), (2048, 128)]
+    out["relu"].append((2048, 0))  # the projector's ReLU on [views, 2048]
+    out["loss"].append((128,))
+    return out
+
+
+def layer_instance(kind, shape, n):
+    """(inputs that need gradients, forward closure) for one layer at n views."""
+    r = lambda *s: torch.randn(*s, requires_grad=True)
+    if kind == "conv":
+        cin, cout, k, stride, h = shape
+        x, w = r(n, cin, h, h), r(cout, cin, k, k)
+        return lambda: F.conv2d(x, w, None, stride, k // 2)
+    if kind == "bn":
+        c, h = shape
+        bn = nn.BatchNorm2d(c)
+        x = r(n, c, h, h)
+        return lambda: bn(x)
+    if kind == "relu":
+        c, h = shape
+        x = r(n, c, h, h) if h else r(n, c)
+        return lambda: F.relu(x)
+    if kind == "add":
+        c, h = shape
+        a, b = r(n, c, h, h), r(n, c, h, h)
+        return lambda: a + b
+    if kind == "pool":
+        c, h = shape
+        x = r(n, c, h, h)
+        return lambda: F.adaptive_avg_pool2d(x, 1).flatten(1)
+    if kind == "linear":
+        lin = nn.Linear(*shape)
+        x = r(n, shape[0])
+        return lambda: lin(x)
+    if kind == "loss":
+        z = r(n, shape[0])
+        return lambda: nt_xent(z[: n // 2], z[n // 2 :], 0.5)
+    raise ValueError(kind)
+
+
+def layer_times(batch, width):
+    """Forward and backward seconds of every layer type, each layer timed alone: the forward,
+    then `y.backward(g)` with a random upstream gradient `g` (the op's backward alone)."""
+    lines = []
+    for kind, shapes in resnet18_layers(width).items():
+        fwd = bwd = 0.0
+        for shape in shapes:
+            forward = layer_instance(kind, shape, 2 * batch)
+            t0 = time.perf_counter()
+            y = forward()
+            t1 = time.perf_counter()
+            g = torch.randn_like(y)
+            t2 = time.perf_counter()
+            y.backward(g)
+            t3 = time.perf_counter()
+            fwd, bwd = fwd + t1 - t0, bwd + t3 - t2
+            del y, g, forward
+        lines.append(f"LAYER kind={kind} count={len(shapes)} fwd={fwd:.6f} bwd={bwd:.6f}")
+    return lines
+
+
+def main():
+    torch.set_num_threads(ARGS.threads)
+    step = Step(ARGS.batch, ARGS.width)
+    if not ARGS.worker:
+        for _ in range(ARGS.steps + 1):  # the first step warms up
+            print(step.run(), flush=True)
+        print("\n".join(layer_times(ARGS.batch, ARGS.width)))
+        return
+    print(f"READY torch={torch.__version__} threads={torch.get_num_threads()}", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "step":
+            print(step.run(), flush=True)
+        elif cmd == "layers":
+            print("\n".join(layer_times(ARGS.batch, ARGS.width) + ["DONE"]), flush=True)
+        elif cmd == "quit":
+            break
+        else:
+            print(f"ERROR unknown command {cmd!r}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One SimCLR ResNet-18 training step (CIFAR stem, projector 512-2048-128, NT-Xent, SGD) on the
-# CPU, allgrad then PyTorch (if installed), at the given batch sizes, with the ratio.
-#   scripts/bench_simclr_step.sh [BATCH ...]      (default: 64 256)
+# CPU: allgrad (examples/bench_simclr_step/) and PyTorch (scripts/bench_simclr_step.py, as a
+# worker process) alternating step by step in ONE invocation, same thread count, with
+# min / median / max, the ratio of medians, CPU time and page faults per step, the
+# forward / backward / optimizer phases and a per-layer-type breakdown.
+#
+#   scripts/bench_simclr_step.sh [--rounds 5] [--threads 2] [--breakdown-rounds 2] [BATCH ...]
+#                                                       (default batches: 64 256)
+#   scripts/bench_simclr_step.sh --rounds 1 --breakdown-rounds 1 8     # a quick check
+#
+# PYTHON picks the interpreter with torch (default python3); without torch only allgrad runs.
+# Run it on an idle machine: it prints the load average before and after, warns when the
+# machine is busy, and reports the CPU time other processes took during each side's steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-batches=("${@:-64}")
-[ $# -eq 0 ] && batches=(64 256)
-cargo build --release --example bench_simclr_step >&2
-ours=$(target/release/examples/bench_simclr_step "${batches[@]}")
-echo "$ours"
-if theirs=$(python3 scripts/bench_simclr_step.py "${batches[@]}" 2>/dev/null); then
-    echo "$theirs"
-    paste <(echo "$ours" | awk '{print $3, $6}') <(echo "$theirs" | awk '{print $6}') |
-        awk '{printf "batch %s: allgrad / pytorch step time = %.2f\n", $1, $2 / $3}'
-else
-    echo "(PyTorch not installed: pip install torch)"
-fi
+export PYTHON="${PYTHON:-python3}"
+cargo build --release -q --example bench_simclr_step >&2
+exec target/release/examples/bench_simclr_step "$@"

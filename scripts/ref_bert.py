@@ -10,7 +10,7 @@
    token ids, a few hidden-state values, per-sentence sum and sum of squares of the last
    hidden states over real tokens, and the three poolings.
 
-    /work/venv/bin/python scripts/ref_bert.py
+    python3 scripts/ref_bert.py        (a Python with torch and transformers)
 """
 import json
 import os

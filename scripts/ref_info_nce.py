@@ -5,7 +5,7 @@ similarity / temperature, cross-entropy with the positive on the diagonal; super
 hard negatives appended as extra columns, `w` added to each anchor's own hard negative).
 Inputs are a formula the test repeats: x[i, k] = sin(0.7 * (i * d + k) + phase) + 0.1 * k.
 
-    /work/venv/bin/python scripts/ref_info_nce.py
+    python3 scripts/ref_info_nce.py    (a Python with torch)
 """
 import torch
 

@@ -2,7 +2,7 @@
 # allgrad's ranks under the real torchrun, by hand: the same checks as tests/torchrun.rs,
 # with every command shown.
 #
-#   scripts/torchrun_local.sh [path/to/torchrun]     (default: /work/venv/bin/torchrun, else PATH)
+#   scripts/torchrun_local.sh [path/to/torchrun]     (default: torchrun on PATH)
 #
 # 1. `launch` and `torchrun --nproc-per-node 2 --no-python train` train the vectors config;
 #    their last losses are printed side by side (torchrun's agent serves a TCPStore on
@@ -16,7 +16,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 TORCHRUN="${1:-}"
 if [ -z "$TORCHRUN" ]; then
-    if [ -x /work/venv/bin/torchrun ]; then TORCHRUN=/work/venv/bin/torchrun; else TORCHRUN="$(command -v torchrun || true)"; fi
+    TORCHRUN="$(command -v torchrun || true)"
 fi
 if [ -z "$TORCHRUN" ] || ! "$TORCHRUN" --help >/dev/null 2>&1; then
     echo "torchrun not found or not working (pip install torch; or pass its path)" >&2

@@ -1,0 +1,78 @@
+//! What the machine is doing: load average, CPU time used by every process (from
+//! `/proc/stat`, Linux only) and this process's resource usage (getrusage).
+
+use std::time::Instant;
+
+/// The 1-, 5- and 15-minute load averages and the running/total task count, as the kernel
+/// prints them (`None` where `/proc/loadavg` is absent).
+pub fn load_average() -> Option<(f64, String)> {
+    let s = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let first = s.split_whitespace().next()?.parse().ok()?;
+    Some((first, s.split_whitespace().take(4).collect::<Vec<_>>().join(" ")))
+}
+
+/// Prints the load average; with `busy`, warns when the 1-minute figure is above it (an idle
+/// machine shows a few hundredths; a compile or another benchmark shows about one per busy
+/// core). After a run the figure includes the benchmark's own threads: pass `None` then.
+pub fn report_load(when: &str, busy: Option<f64>) {
+    match load_average() {
+        Some((one, all)) => {
+            println!("load average {when}: {all} (1, 5, 15 min, running/total tasks) on {} CPUs", cpus());
+            if let Some(busy) = busy.filter(|&b| one > b) {
+                println!(
+                    "WARNING: the machine is busy (1-minute load {one:.2} > {busy}): timings taken now are not \
+                     figures; only same-process ratios mean anything. (After a build, wait a minute.)"
+                );
+            }
+        }
+        None => println!("load average {when}: unknown (no /proc/loadavg)"),
+    }
+}
+
+/// Online CPUs.
+pub fn cpus() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// Seconds of CPU time all processes spent busy (not idle, not waiting for I/O) since boot,
+/// summed over CPUs; `None` without `/proc/stat`.
+pub fn busy_cpu_seconds() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<f64> = s.lines().next()?.split_whitespace().skip(1).map(|v| v.parse().unwrap_or(0.0)).collect();
+    // user nice system idle iowait irq softirq steal [guest guest_nice: already in user/nice]
+    let busy: f64 = fields.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, v)| v).sum();
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Some(busy / ticks)
+}
+
+/// This process's user and system CPU seconds (all threads) and minor page faults so far.
+#[derive(Clone, Copy)]
+pub struct Usage {
+    pub at: Instant,
+    pub user: f64,
+    pub sys: f64,
+    pub minflt: f64,
+}
+
+impl Usage {
+    pub fn now() -> Usage {
+        // SAFETY: getrusage writes one rusage struct, which we own, zero-initialised.
+        let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut r) };
+        let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+        Usage { at: Instant::now(), user: secs(r.ru_utime), sys: secs(r.ru_stime), minflt: r.ru_minflt as f64 }
+    }
+}
+
+/// min, median and max (the median of an even count is the mean of the middle two).
+pub fn summary(values: &[f64]) -> Option<(f64, f64, f64)> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let med = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+    Some((v[0], med, v[n - 1]))
+}

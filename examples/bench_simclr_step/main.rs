@@ -1,0 +1,253 @@
+//! One SimCLR training step on the CPU, allgrad against PyTorch in ONE invocation: ResNet-18
+//! (CIFAR stem, width 64) on 2B random 3x32x32 views, projector 512-2048-128, NT-Xent, SGD.
+//! PyTorch runs as a child process (`scripts/bench_simclr_step.py --worker`, interpreter from
+//! `PYTHON`, default `python3`); the two alternate step by step (A B A B ...) so that both see
+//! the same machine, each pinned to `--threads` threads (rayon's and Candle's pools here,
+//! torch.set_num_threads and OMP/MKL there). For each batch size it prints min / median / max
+//! of the step time, user and system CPU seconds and minor page faults per step (getrusage),
+//! the forward / backward / optimizer phases, the CPU time other processes used meanwhile, the
+//! ratio of medians, and a per-layer-type breakdown (each layer of the model timed alone).
+//! The load average is printed before and after; a busy machine gets a warning.
+//!
+//! ```text
+//! scripts/bench_simclr_step.sh                      # batches 64 and 256, 5 rounds
+//! cargo run --release --example bench_simclr_step -- --rounds 3 --threads 2 64
+//! ```
+
+mod layers;
+mod machine;
+mod peer;
+mod step;
+
+use std::collections::BTreeMap;
+
+use clap::Parser;
+
+use machine::{busy_cpu_seconds, report_load, summary};
+use peer::Peer;
+use step::{AllgradStep, Sample};
+
+/// Alternating allgrad / PyTorch SimCLR step benchmark.
+#[derive(Parser)]
+struct Args {
+    /// Batch sizes (samples; a step sees two views of each).
+    #[arg(default_values_t = [64, 256])]
+    batches: Vec<usize>,
+    /// Timed steps of each implementation, alternating (after one warm-up step each).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Threads of each implementation.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Layer breakdowns of each implementation, alternating, after one warm-up (0: none).
+    #[arg(long, default_value_t = 2)]
+    breakdown_rounds: usize,
+    /// Channels of the first ResNet stage.
+    #[arg(long, default_value_t = 64)]
+    width: usize,
+    /// allgrad only.
+    #[arg(long)]
+    no_torch: bool,
+    /// 1-minute load average above which the machine counts as busy.
+    #[arg(long, default_value_t = 0.5)]
+    busy_load: f64,
+}
+
+/// `f`'s sample with `others`: CPU seconds that other processes used while it ran.
+fn measured(f: impl FnOnce() -> anyhow::Result<Sample>) -> anyhow::Result<Sample> {
+    let before = busy_cpu_seconds();
+    let mut s = f()?;
+    if let (Some(a), Some(b)) = (before, busy_cpu_seconds()) {
+        let own = s.get("user").unwrap_or(&0.0) + s.get("sys").unwrap_or(&0.0);
+        s.insert("others".into(), (b - a - own).max(0.0));
+    }
+    Ok(s)
+}
+
+fn main() -> anyhow::Result<()> {
+    // As the train binary does (ALLGRAD_MALLOC_TUNE=0 measures without it).
+    allgrad::tune_allocator();
+    let args = Args::parse();
+    anyhow::ensure!(args.threads > 0 && args.rounds > 0 && args.width > 0, "--threads, --rounds and --width must be positive");
+    // Before any pool starts: rayon's global pool and Candle's read these once.
+    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
+        std::env::set_var(var, args.threads.to_string());
+    }
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let started = std::time::Instant::now();
+    report_load("before", Some(args.busy_load));
+    println!(
+        "threads: allgrad {} (rayon {}, candle {}); steps alternate allgrad, PyTorch, allgrad, ...",
+        args.threads,
+        rayon::current_num_threads(),
+        candle_core::utils::get_num_threads()
+    );
+    for &batch in &args.batches {
+        run_batch(&args, batch, &python)?;
+    }
+    report_load("after (includes this benchmark's own threads)", None);
+    println!("total {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
+    println!("\n== batch {batch} ({} views), width {}, {} rounds", 2 * batch, args.width, args.rounds);
+    let mut ours = AllgradStep::new(batch, args.width)?;
+    let mut peer = if args.no_torch { None } else { Peer::spawn(python, batch, args.width, args.threads)? };
+    if let Some(p) = &peer {
+        println!("PyTorch worker: {} ({python})", p.banner);
+    }
+    // Warm-up: the first step allocates and faults in everything.
+    ours.run()?;
+    if let Some(p) = peer.as_mut() {
+        p.step()?;
+    }
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..args.rounds {
+        a.push(measured(|| ours.run())?);
+        if let Some(p) = peer.as_mut() {
+            b.push(measured(|| p.step())?);
+        }
+    }
+    print_steps(&a, &b);
+    if args.breakdown_rounds > 0 {
+        let (mut la, mut lb) = (Vec::new(), Vec::new());
+        for r in 0..=args.breakdown_rounds {
+            let x = layers::layer_times(batch, args.width)?;
+            let y = match peer.as_mut() {
+                Some(p) => p.layers()?,
+                None => Vec::new(),
+            };
+            if r > 0 {
+                la.push(x);
+                lb.push(y);
+            }
+        }
+        print_layers(&la, &lb, &a, &b);
+    }
+    Ok(())
+}
+
+fn stat(samples: &[Sample], key: &str) -> Option<(f64, f64, f64)> {
+    summary(&samples.iter().filter_map(|s| s.get(key).copied()).collect::<Vec<_>>())
+}
+
+fn print_steps(a: &[Sample], b: &[Sample]) {
+    let cell = |s: Option<(f64, f64, f64)>, scale: f64| match s {
+        Some((lo, med, hi)) => format!("{:>9.3} {:>9.3} {:>9.3}", lo * scale, med * scale, hi * scale),
+        None => format!("{:>29}", "-"),
+    };
+    println!("{:<28} {:>29}   {:>29}   {:>7}", "per step", "allgrad min / median / max", "PyTorch min / median / max", "ratio");
+    let rows = [
+        ("wall s", "wall", 1.0),
+        ("  forward s", "fwd", 1.0),
+        ("  backward s", "bwd", 1.0),
+        ("  optimizer s", "opt", 1.0),
+        ("user CPU s", "user", 1.0),
+        ("system CPU s", "sys", 1.0),
+        ("minor page faults (x1000)", "minflt", 1e-3),
+        ("others' CPU s meanwhile", "others", 1.0),
+    ];
+    for (label, key, scale) in rows {
+        let (sa, sb) = (stat(a, key), stat(b, key));
+        let ratio = match (sa, sb) {
+            (Some((_, x, _)), Some((_, y, _))) if y > 0.0 => format!("{:.2}x", x / y),
+            _ => "-".into(),
+        };
+        println!("{label:<28} {}   {}   {ratio:>7}", cell(sa, scale), cell(sb, scale));
+    }
+    println!(
+        "(ratio: allgrad median / PyTorch median; others' CPU: busy CPU seconds of the machine minus the stepping process's own)"
+    );
+    let others: f64 = [a, b].iter().filter_map(|s| Some(stat(s, "others")?.1 / stat(s, "wall")?.1)).fold(0.0, f64::max);
+    if others > OTHERS_BUSY {
+        println!(
+            "WARNING: other processes used {:.0}% of a CPU during the steps (median): these timings are not figures",
+            100.0 * others
+        );
+    }
+}
+
+/// Share of one CPU that other processes may take during the steps before the run counts as
+/// disturbed.
+const OTHERS_BUSY: f64 = 0.05;
+
+type LayerTable = Vec<(String, usize, f64, f64)>;
+
+fn print_layers(a: &[LayerTable], b: &[LayerTable], sa: &[Sample], sb: &[Sample]) {
+    // kind -> (count, forward seconds per round, backward seconds per round), per side.
+    let collect = |rounds: &[LayerTable]| {
+        let mut m: BTreeMap<String, (usize, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+        for round in rounds {
+            for (kind, count, f, b) in round {
+                let e = m.entry(kind.clone()).or_default();
+                e.0 = *count;
+                e.1.push(*f);
+                e.2.push(*b);
+            }
+        }
+        m
+    };
+    let (ma, mb) = (collect(a), collect(b));
+    let med = |v: &[f64]| summary(v).map(|s| s.1);
+    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+    let ratio = |x: Option<f64>, y: Option<f64>| match (x, y) {
+        (Some(x), Some(y)) if y > 0.0 => format!("{:.2}x", x / y),
+        _ => "-".into(),
+    };
+    println!(
+        "\nlayer type, each layer timed alone (median over {} round(s), seconds summed over the layers of the type)",
+        a.len()
+    );
+    println!(
+        "{:<8} {:>5}   {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
+        "type", "count", "fwd ours", "fwd torch", "ratio", "bwd ours", "bwd torch", "ratio"
+    );
+    let (mut tot_a, mut tot_b) = ([0.0; 2], [0.0; 2]);
+    for kind in layers::KINDS {
+        let Some((count, fa, ba)) = ma.get(kind) else { continue };
+        let (fa, ba) = (med(fa), med(ba));
+        let (fb, bb) = mb.get(kind).map_or((None, None), |(_, f, b)| (med(f), med(b)));
+        tot_a[0] += fa.unwrap_or(0.0);
+        tot_a[1] += ba.unwrap_or(0.0);
+        tot_b[0] += fb.unwrap_or(0.0);
+        tot_b[1] += bb.unwrap_or(0.0);
+        println!(
+            "{kind:<8} {count:>5}   {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
+            fmt(fa),
+            fmt(fb),
+            ratio(fa, fb),
+            fmt(ba),
+            fmt(bb),
+            ratio(ba, bb)
+        );
+    }
+    let some = |v: f64, side: &[LayerTable]| (!side.is_empty() && !side[0].is_empty()).then_some(v);
+    let (ta, tb) = ([some(tot_a[0], a), some(tot_a[1], a)], [some(tot_b[0], b), some(tot_b[1], b)]);
+    println!(
+        "{:<8} {:>5}   {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
+        "sum",
+        "",
+        fmt(ta[0]),
+        fmt(tb[0]),
+        ratio(ta[0], tb[0]),
+        fmt(ta[1]),
+        fmt(tb[1]),
+        ratio(ta[1], tb[1])
+    );
+    let phase = |s: &[Sample], k| stat(s, k).map(|x| x.1);
+    println!(
+        "{:<8} {:>5}   {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
+        "in step",
+        "",
+        fmt(phase(sa, "fwd")),
+        fmt(phase(sb, "fwd")),
+        ratio(phase(sa, "fwd"), phase(sb, "fwd")),
+        fmt(phase(sa, "bwd")),
+        fmt(phase(sb, "bwd")),
+        ratio(phase(sa, "bwd"), phase(sb, "bwd"))
+    );
+    println!("(\"in step\": the medians of the step's phases above; the gap to \"sum\" is what isolated layers miss:");
+    println!(" graph bookkeeping, gradient accumulation, copies between layers, cache effects. allgrad's backward per");
+    println!(" layer is a difference of two timings, see examples/bench_simclr_step/layers.rs)");
+}

@@ -1,0 +1,79 @@
+//! One SimCLR training step in allgrad, timed by phase, and what a step measurement holds.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use allgrad::dist::ProcessGroup;
+use allgrad::models::batch_norm::Mode;
+use allgrad::models::losses::nt_xent;
+use allgrad::models::resnet::{ResNet, ResNetConfig, Stem};
+use allgrad::train::params::ParamStore;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Linear, Module, Optimizer, SGD};
+
+use crate::machine::Usage;
+
+/// The figures of one measured step, by name: `wall`, `user`, `sys` (seconds), `minflt`
+/// (minor page faults), `fwd`, `bwd`, `opt` (seconds of the phases), `others` (CPU seconds
+/// other processes used meanwhile, added by the driver).
+pub type Sample = BTreeMap<String, f64>;
+
+/// The sample of a step that ran between `start` and `end`, with its phase times.
+pub fn sample(start: Usage, end: Usage, phases: [(&str, f64); 3]) -> Sample {
+    let mut s = Sample::new();
+    s.insert("wall".into(), end.at.duration_since(start.at).as_secs_f64());
+    s.insert("user".into(), end.user - start.user);
+    s.insert("sys".into(), end.sys - start.sys);
+    s.insert("minflt".into(), end.minflt - start.minflt);
+    for (k, v) in phases {
+        s.insert(k.into(), v);
+    }
+    s
+}
+
+/// ResNet-18 (CIFAR stem) + projector 512-2048-128, NT-Xent (temperature 0.5), SGD (lr 0.1)
+/// on `2 * batch` fixed random views: the step `scripts/bench_simclr_step.py` runs in PyTorch.
+pub struct AllgradStep {
+    batch: usize,
+    pg: ProcessGroup,
+    enc: ResNet,
+    p1: Linear,
+    p2: Linear,
+    sgd: SGD,
+    x: Tensor,
+}
+
+impl AllgradStep {
+    pub fn new(batch: usize, width: usize) -> anyhow::Result<Self> {
+        let dev = Device::Cpu;
+        let store = ParamStore::new(0);
+        let vb = store.var_builder(DType::F32, &dev);
+        let cfg = ResNetConfig { depth: 18, width, in_channels: 3, stem: Stem::Cifar, sync_bn: false };
+        let enc = ResNet::new(&cfg, vb.pp("encoder"))?;
+        let p1 = candle_nn::linear(enc.feature_dim(), 2048, vb.pp("proj.0"))?;
+        let p2 = candle_nn::linear(2048, 128, vb.pp("proj.1"))?;
+        let vars = store.vars().into_iter().map(|(_, v)| v).collect();
+        let sgd = SGD::new(vars, 0.1)?;
+        let x = Tensor::randn(0f32, 1.0, (2 * batch, 3, 32, 32), &dev)?;
+        Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, sgd, x })
+    }
+
+    /// One step: forward (encoder, projector, loss), backward, SGD update; the wall time
+    /// also covers freeing the graph and the gradients.
+    pub fn run(&mut self) -> anyhow::Result<Sample> {
+        let start = Usage::now();
+        let b = self.batch;
+        let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
+        let z = self.p2.forward(&self.p1.forward(&h)?.relu()?)?;
+        let loss = nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, 0.5, &self.pg)?;
+        let t_fwd = Instant::now();
+        let grads = loss.backward()?;
+        let t_bwd = Instant::now();
+        self.sgd.step(&grads)?;
+        let t_opt = Instant::now();
+        drop((grads, loss, z, h));
+        let end = Usage::now();
+        let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
+        Ok(sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]))
+    }
+}
