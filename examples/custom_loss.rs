@@ -118,7 +118,7 @@ impl Method for AlignUniform {
 
 fn check_invariance(rank0: bool) -> Result<()> {
     let x = Tensor::randn(0f64, 1.0, (24, 3), &Device::Cpu)?;
-    for report in check_world_size_invariance(&x, &[2, 3, 4], |z, pg| uniformity(z, pg))? {
+    for report in check_world_size_invariance(&x, &[2, 3, 4], uniformity)? {
         report.assert_close(1e-10)?;
         if rank0 {
             println!(

@@ -5,6 +5,9 @@
 //!
 //! - [`dist`]: process groups, rendezvous, the CPU/TCP collectives backend and the
 //!   differentiable collectives (`allgrad::dist::all_gather`, `all_reduce`, ...).
+//! - [`nn`]: CPU kernels with backward (conv2d, pooling, norms, softmax, cross-entropy).
+//! - [`data`]: readers, keyed augmentations, the distributed sampler, the threaded loader.
+//! - [`rng`]: the keyed random streams every random choice goes through.
 //! - [`models`]: the `Objective` trait (a method = parameters + the loss of a local batch),
 //!   distributed losses and built-in methods.
 //! - [`train`]: the trainer (config, DDP sync, optimizers, checkpoints, metrics).
@@ -15,8 +18,11 @@
 
 #![warn(missing_docs)]
 
+pub use allgrad_data as data;
 pub use allgrad_dist as dist;
 pub use allgrad_models as models;
+pub use allgrad_nn as nn;
+pub use allgrad_rng as rng;
 pub use allgrad_train as train;
 
 mod alloc;

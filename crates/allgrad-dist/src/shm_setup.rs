@@ -26,7 +26,6 @@ use crate::wire::{Header, KIND_DATA};
 pub(crate) const DEFAULT_SLOT_BYTES: usize = 1 << 20;
 /// Largest segment a group maps (two sets of W + 1 slots); slots shrink to fit.
 pub(crate) const MAX_SEGMENT_BYTES: usize = 256 << 20;
-/// Directory of the segment files.
 
 /// Whether and how a process's groups use shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

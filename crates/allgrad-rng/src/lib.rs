@@ -12,7 +12,7 @@
 //!   pinned to an exact version in the workspace; its output is specified by the ChaCha
 //!   algorithm and does not change between versions, unlike `rand::rngs::StdRng`, which is
 //!   documented as free to change).
-//! - The samplers ([`unit`], [`uniform`], [`below`], [`bernoulli`], [`shuffle`], [`normals`])
+//! - The samplers ([`unit()`], [`uniform`], [`below`], [`bernoulli`], [`shuffle`], [`normals`])
 //!   are written here rather than taken from `rand`'s distributions, whose algorithms may
 //!   change in a minor release: the numbers a key yields are fixed by this crate's code and
 //!   the pinned generator alone. `tests::pinned_values` holds them to stored values.

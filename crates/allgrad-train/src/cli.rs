@@ -40,8 +40,9 @@ pub struct TrainArgs {
     /// Override a config value: `--set optim.lr=0.1` (repeatable; the value is parsed as YAML).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
-    /// Run directory (default: a new runs/<config name>/<UTC time>; with --resume, the newest
-    /// run of that config).
+    /// Run directory (default: a new runs/CONFIG/TIME, CONFIG the config file's name and TIME
+    /// the UTC time; with --resume, the newest run of that config; under torchrun,
+    /// runs/CONFIG/torchrun-RUN_ID).
     #[arg(long)]
     pub output_dir: Option<PathBuf>,
     /// Continue from the newest checkpoint in the run directory.

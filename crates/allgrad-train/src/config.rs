@@ -17,7 +17,7 @@
 //! `checkpoint` and `log`; every other top-level section (`data`, `model`, `loss`, ...)
 //! belongs to the method that `method:` names, which reads it (see [`crate::method`]).
 //! [`RunConfig::load`], [`RunConfig::parse`] and [`RunConfig::validate`] know the built-in
-//! methods; with your own, call the [`Registry`](crate::method::Registry) methods of the same
+//! methods; with your own, call the [`crate::method::Registry`] methods of the same
 //! names.
 //!
 //! Unknown keys, wrong types and values that do not fit the world size fail at start, with

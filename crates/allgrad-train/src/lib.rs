@@ -31,6 +31,6 @@ pub mod trainer;
 
 pub use config::RunConfig;
 pub use error::{TrainError, TrainResult};
-pub use settings::Settings;
 pub use method::{Method, Registry};
+pub use settings::Settings;
 pub use trainer::{Summary, Trainer, TrainerConfig};
