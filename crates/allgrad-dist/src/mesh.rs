@@ -7,7 +7,11 @@
 //!
 //! Failure model: the first error on a group poisons it. This rank then sends an ABORT frame
 //! with its reason to every peer and shuts its sockets, so peers blocked on it (or on anyone
-//! downstream) fail within milliseconds with a message naming the rank that failed.
+//! downstream) fail promptly with a message naming the rank that failed.
+//!
+//! Longer than the project's ~500-line aim on purpose: the engine's state machine (frames in
+//! flight, reduction while receiving, deadlines, ABORT handling) is one piece of logic whose
+//! invariants span all of it.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};

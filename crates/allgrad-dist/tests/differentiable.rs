@@ -6,6 +6,8 @@
 //!   and without ties;
 //! - the classic wrong variant (local slice of the gradient only) giving 1/W of the truth;
 //! - the world-size-invariance helper accepting a right loss and rejecting a wrong one.
+//!
+//! One file for all ops (a little over 500 lines): they share the simulation harness.
 
 // The references are formulas of (rank, index): the loops index by both on purpose.
 #![allow(clippy::needless_range_loop)]

@@ -19,8 +19,10 @@ use allgrad_dist::{ProcessGroup, ReduceOp};
 
 const N: usize = 1 << 20;
 
+/// A 64-bit digest of `bytes` (the workspace's one hash).
 fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
+    let h = allgrad_rng::hash128(&[bytes]);
+    u64::from_le_bytes(h[..8].try_into().unwrap())
 }
 
 /// Rank r's input: small integers (every sum exact in f32), different on every rank.
