@@ -186,12 +186,13 @@ fn handle(shared: &Shared, cmd: u8, key: String, val: Vec<u8>, arg: u64) -> (u8,
             (ST_OK, Vec::new())
         }
         CMD_GET => {
-            let deadline = Instant::now() + Duration::from_millis(arg);
+            // A wait too long to represent (a hostile u64::MAX) waits until the server stops.
+            let deadline = Instant::now().checked_add(Duration::from_millis(arg));
             loop {
                 if let Some(v) = t.map.get(&key) {
                     return (ST_OK, v.clone());
                 }
-                let left = deadline.saturating_duration_since(Instant::now());
+                let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
                 if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
                     return (ST_MISSING, Vec::new());
                 }
@@ -364,6 +365,10 @@ impl StoreClient {
         self.timeout
     }
 }
+
+#[cfg(test)]
+#[path = "store_fuzz_tests.rs"]
+mod fuzz_tests;
 
 #[cfg(test)]
 mod tests {
