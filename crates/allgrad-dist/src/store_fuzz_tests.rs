@@ -18,19 +18,16 @@ const CASE_LIMIT: Duration = Duration::from_secs(10);
 
 static STORE_THREAD_PANICS: AtomicUsize = AtomicUsize::new(0);
 
-struct Rng(u64);
+/// The cases' random choices, from the workspace's keyed streams (seeded: a failing case
+/// replays).
+struct Rng(allgrad_rng::KeyedRng);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        // splitmix64: a test-local stream, independent of the code under test.
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        rand::RngCore::next_u64(&mut self.0)
     }
     fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        allgrad_rng::below(&mut self.0, n as usize) as u64
     }
     fn bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n).map(|_| self.next() as u8).collect()
@@ -177,7 +174,7 @@ fn hostile_clients_get_prompt_well_formed_answers_and_the_store_keeps_serving() 
     }));
     let server = StoreServer::start("127.0.0.1:0", "tok").unwrap();
     let addr = server.addr().to_string();
-    let mut r = Rng(0xA11_6AAD);
+    let mut r = Rng(allgrad_rng::stream(&[0xA11_6AAD]));
     let (mut replies, mut cases) = (0, 0);
     for case in 0..CASES {
         let (bytes, expect) = hostile_bytes(&mut r);
