@@ -39,6 +39,11 @@ pub fn choose(explicit: Option<&Path>, root: &Path, config: &Path, resume: bool,
         Some(d) => d.to_path_buf(),
         None => default_run_dir(root, config, resume, now_secs)?,
     };
+    unoccupied(dir, resume)
+}
+
+/// `dir`, unless a new run (`resume` false) would overwrite the checkpoints it holds.
+fn unoccupied(dir: PathBuf, resume: bool) -> Result<PathBuf, RunDirError> {
     if !resume && has_checkpoint(&dir) {
         return Err(RunDirError::Occupied(dir));
     }
@@ -57,10 +62,10 @@ pub fn torchrun_run_dir(root: &Path, config: &Path, run_id: &str, resume: bool, 
         } else {
             default_run_dir(root, config, false, now_secs)?
         };
-        return Ok(dir);
+        return unoccupied(dir, resume);
     }
     let id: String = run_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
-    Ok(root.join(config_stem(config)).join(format!("torchrun-{id}")))
+    unoccupied(root.join(config_stem(config)).join(format!("torchrun-{id}")), resume)
 }
 
 fn config_stem(config: &Path) -> String {
@@ -160,6 +165,12 @@ mod tests {
         let first = torchrun_run_dir(root.path(), cfg, "job/7", false, 0).unwrap();
         assert_eq!(first, root.path().join("vectors/torchrun-job_7"));
         assert_eq!(torchrun_run_dir(root.path(), cfg, "job/7", true, 99).unwrap(), first);
+        // A fresh job that reuses the id must not overwrite the checkpoints of the earlier one.
+        let other = Path::new("configs/other.yaml");
+        let used = torchrun_run_dir(root.path(), other, "job/7", false, 0).unwrap();
+        std::fs::create_dir_all(used.join("checkpoints/latest")).unwrap();
+        assert!(matches!(torchrun_run_dir(root.path(), other, "job/7", false, 0), Err(RunDirError::Occupied(_))));
+        assert_eq!(torchrun_run_dir(root.path(), other, "job/7", true, 0).unwrap(), used);
         // The default id names no job: a new stamp, and on restart the newest run with checkpoints.
         assert_eq!(torchrun_run_dir(root.path(), cfg, "none", false, 0).unwrap(), root.path().join("vectors/19700101-000000"));
         let old = root.path().join("vectors/19700101-000000");
