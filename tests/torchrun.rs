@@ -26,6 +26,7 @@ const LIMIT: Duration = Duration::from_secs(240);
 fn config(epochs: usize, every: usize) -> String {
     format!(
         "seed: 11\n\
+         method: vectors\n\
          data: {{kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}}\n\
          model: {{kind: mlp, hidden: 16, out: 8}}\n\
          loss: {{kind: nt_xent, temperature: 0.3}}\n\
