@@ -183,15 +183,9 @@ fn launch(args: &CollArgs) -> Result<i32> {
     let mut program = vec![exe.to_string_lossy().into_owned()];
     program.extend(std::env::args().skip(1));
     let cfg = allgrad::launch::LaunchConfig {
-        nproc_per_node: args.nproc,
-        nnodes: 1,
-        node_rank: 0,
-        master_addr: "127.0.0.1".into(),
-        master_port: 0,
-        ranks_filter: None,
         prefix: false,
         grace: Duration::from_secs(2),
-        program,
+        ..allgrad::launch::LaunchConfig::new(args.nproc, program)
     };
     Ok(allgrad::launch::launch(&cfg)?.exit_code())
 }

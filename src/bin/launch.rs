@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! launch --nproc-per-node 2 target/release/train --config configs/simclr.yaml
+//! launch --nproc-per-node 2 --max-restarts 3 target/release/train --config configs/simclr.yaml
 //! launch --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 --nproc-per-node 8 PROGRAM ...
 //! ```
 //!
@@ -43,6 +44,15 @@ struct Args {
     /// Seconds between SIGTERM and SIGKILL when stopping ranks.
     #[arg(long, default_value_t = 5.0)]
     grace_s: f64,
+    /// Start every rank again, up to this many times, when one fails; the ranks get
+    /// torchrun's TORCHELASTIC_RUN_ID / _RESTART_COUNT / _MAX_RESTARTS, so `train` resumes
+    /// from its newest checkpoint.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: usize,
+    /// The job's run id (TORCHELASTIC_RUN_ID; default with --max-restarts: the UTC time).
+    /// `train` without --output-dir then writes to runs/CONFIG/RUN_ID.
+    #[arg(long)]
+    run_id: Option<String>,
     /// The program to run, and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     program: Vec<String>,
@@ -59,6 +69,8 @@ fn main() {
         ranks_filter: a.ranks_filter,
         prefix: !a.no_prefix,
         grace: Duration::from_secs_f64(a.grace_s.max(0.0)),
+        max_restarts: a.max_restarts,
+        run_id: a.run_id,
         program: a.program,
     };
     match launch(&cfg) {

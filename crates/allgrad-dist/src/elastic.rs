@@ -20,7 +20,9 @@ use crate::torch_store::TorchStore;
 /// The key (under the round's prefix) where rank 0 publishes allgrad's store address.
 pub const STORE_ADDR_KEY: &str = "allgrad/store_addr";
 
-/// What torchrun's elastic agent tells its workers (`TORCHELASTIC_*`).
+/// What torchrun's elastic agent tells its workers (`TORCHELASTIC_*`). allgrad's
+/// `launch --max-restarts N` sets the same variables (without an agent store), so a restarted
+/// rank behaves alike under both.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Elastic {
     /// `TORCHELASTIC_RUN_ID`: the same for every worker of a torchrun job and every restart
@@ -32,6 +34,9 @@ pub struct Elastic {
     pub max_restarts: usize,
     /// `TORCHELASTIC_USE_AGENT_STORE=True`: the agent serves a TCPStore at MASTER_ADDR:MASTER_PORT.
     pub agent_store: bool,
+    /// `ALLGRAD_LAUNCHED=1`: the restarts are `launch`'s, not torchrun's (the trainer then
+    /// names the run directory after the run id alone).
+    pub by_launch: bool,
 }
 
 impl Elastic {
@@ -53,6 +58,7 @@ impl Elastic {
             restart_count: num("TORCHELASTIC_RESTART_COUNT")?,
             max_restarts: num("TORCHELASTIC_MAX_RESTARTS")?,
             agent_store: get("TORCHELASTIC_USE_AGENT_STORE") == Some("True"),
+            by_launch: get("ALLGRAD_LAUNCHED") == Some("1"),
         }))
     }
 
@@ -122,7 +128,7 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!(e, Elastic { run_id: "job7".into(), restart_count: 2, max_restarts: 3, agent_store: true });
+        assert_eq!(e, Elastic { run_id: "job7".into(), restart_count: 2, max_restarts: 3, agent_store: true, by_launch: false });
         assert!(e.is_restart());
         assert_eq!(e.round_prefix(), "/worker/attempt_2");
     }
@@ -133,7 +139,9 @@ mod tests {
         let e = Elastic::from_vars(&vars(&[("TORCHELASTIC_RUN_ID", "r"), ("TORCHELASTIC_USE_AGENT_STORE", "False")]))
             .unwrap()
             .unwrap();
-        assert!(!e.agent_store && !e.is_restart());
+        assert!(!e.agent_store && !e.is_restart() && !e.by_launch);
+        let e = Elastic::from_vars(&vars(&[("TORCHELASTIC_RESTART_COUNT", "1"), ("ALLGRAD_LAUNCHED", "1")])).unwrap().unwrap();
+        assert!(e.by_launch && e.is_restart() && e.run_id == "none");
     }
 
     #[test]

@@ -36,6 +36,7 @@
 
 #![warn(missing_docs)]
 
+pub mod clock;
 mod collectives;
 mod dispatch;
 pub mod elastic;

@@ -237,7 +237,13 @@ fn ranks_rendezvous_through_an_agent_store() {
                 master_port: port,
                 token: "tok".into(),
                 timeout: T,
-                elastic: Some(Elastic { run_id: "r".into(), restart_count: 1, max_restarts: 1, agent_store: true }),
+                elastic: Some(Elastic {
+                    run_id: "r".into(),
+                    restart_count: 1,
+                    max_restarts: 1,
+                    agent_store: true,
+                    by_launch: false,
+                }),
             };
             let out = ProcessGroup::init(&info).and_then(|pg| {
                 let mut v = vec![(rank + 1) as f64];

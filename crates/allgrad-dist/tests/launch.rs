@@ -14,15 +14,8 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn cfg(nproc_per_node: usize, program: &[&str]) -> LaunchConfig {
     LaunchConfig {
-        nproc_per_node,
-        nnodes: 1,
-        node_rank: 0,
-        master_addr: "127.0.0.1".into(),
-        master_port: 0,
-        ranks_filter: None,
-        prefix: true,
         grace: Duration::from_secs(1),
-        program: program.iter().map(|s| s.to_string()).collect(),
+        ..LaunchConfig::new(nproc_per_node, program.iter().map(|s| s.to_string()).collect())
     }
 }
 

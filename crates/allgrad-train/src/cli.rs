@@ -15,7 +15,7 @@
 //! Without launcher variables it is a world of one rank; under `launch`, torchrun or srun it
 //! joins the job they describe. The run-directory policy is [`crate::run_dir`]; the
 //! environment variables are read once, at start, into [`Settings`]. A worker that
-//! `torchrun --max-restarts N` restarted resumes from the newest checkpoint of its run
+//! `torchrun --max-restarts N` or `launch --max-restarts N` restarted resumes from the newest checkpoint of its run
 //! directory ([`run_dir::torchrun_run_dir`]).
 
 use std::path::{Path, PathBuf};
@@ -42,7 +42,7 @@ pub struct TrainArgs {
     pub set: Vec<String>,
     /// Run directory (default: a new runs/CONFIG/TIME, CONFIG the config file's name and TIME
     /// the UTC time; with --resume, the newest run of that config; under torchrun,
-    /// runs/CONFIG/torchrun-RUN_ID).
+    /// runs/CONFIG/torchrun-RUN_ID; under `launch --max-restarts`, runs/CONFIG/RUN_ID).
     #[arg(long)]
     pub output_dir: Option<PathBuf>,
     /// Continue from the newest checkpoint in the run directory.
@@ -160,6 +160,7 @@ pub fn run_with(registry: &Registry, args: &TrainArgs) -> Result<Outcome, CliErr
     let resume = args.resume || elastic.as_ref().is_some_and(|e| e.is_restart());
     let root = Path::new("runs");
     let out_dir = match (&args.output_dir, &elastic) {
+        (None, Some(e)) if e.by_launch => run_dir::launch_run_dir(root, &args.config, &e.run_id, resume, run_dir::now_secs())?,
         (None, Some(e)) => run_dir::torchrun_run_dir(root, &args.config, &e.run_id, resume, run_dir::now_secs())?,
         (explicit, _) => run_dir::choose(explicit.as_deref(), root, &args.config, resume, run_dir::now_secs())?,
     };

@@ -75,23 +75,30 @@ pub struct MetricsLog {
 impl MetricsLog {
     /// Opens `dir/metrics.jsonl`. On resume, keeps the lines up to `resume_step` (a crash may
     /// have left lines past the checkpoint) and appends after them; otherwise starts afresh.
+    ///
+    /// Kept lines are written back as they were, byte for byte (re-serialising parsed numbers
+    /// could change their last digit), into a temporary file that then replaces the old one,
+    /// so a crash while resuming never loses the history.
     pub fn open(dir: &Path, resume_step: Option<usize>) -> std::io::Result<MetricsLog> {
         let path = dir.join("metrics.jsonl");
         let mut history = Vec::new();
+        let mut kept = String::new();
         if let (Some(limit), Ok(f)) = (resume_step, File::open(&path)) {
             for line in BufReader::new(f).lines() {
-                if let Ok(r) = serde_json::from_str::<Record>(&line?) {
+                let line = line?;
+                if let Ok(r) = serde_json::from_str::<Record>(&line) {
                     if r.step <= limit {
                         history.push(r);
+                        kept.push_str(&line);
+                        kept.push('\n');
                     }
                 }
             }
         }
-        let mut file = OpenOptions::new().create(true).write(true).truncate(true).open(&path)?;
-        for r in &history {
-            writeln!(file, "{}", serde_json::to_string(r).expect("records serialise"))?;
-        }
-        file.flush()?;
+        let tmp = dir.join("metrics.jsonl.tmp");
+        std::fs::write(&tmp, kept.as_bytes())?;
+        std::fs::rename(&tmp, &path)?;
+        let file = OpenOptions::new().append(true).open(&path)?;
         Ok(MetricsLog { path, file, history })
     }
 
@@ -247,6 +254,31 @@ mod tests {
             grad_norm: None,
             eval: eval.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         }
+    }
+
+    #[test]
+    fn a_resume_keeps_the_lines_up_to_its_step_byte_for_byte_and_drops_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        // 23/96 is a number whose parse-and-print round trip through serde_json's default
+        // float parser changes the last digit (to ...337): the kept lines must not go through it.
+        let lines = [
+            r#"{"step":0,"epoch":0,"retrieval_top1":0.23958333333333334}"#,
+            r#"{"step":1,"epoch":0,"loss":2.7111597061157227,"lr":0.2,"samples_per_s":6855.2625565559165,"grad_norm":1.0372818520518763}"#,
+            r#"{"step":2,"epoch":0,"loss":2.6994853019714355,"lr":0.4,"grad_norm":1.1448522645529682}"#,
+        ];
+        std::fs::write(dir.path().join("metrics.jsonl"), lines.join("\n") + "\n{\"step\":3,\"ep").unwrap();
+        let mut log = MetricsLog::open(dir.path(), Some(1)).unwrap();
+        assert_eq!(log.history.len(), 2);
+        log.write(record(2, Some(1.5), &[])).unwrap();
+        let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        let got: Vec<&str> = text.lines().collect();
+        assert_eq!(got[..2], lines[..2]);
+        assert_eq!(got.len(), 3, "{text}");
+        assert!(got[2].starts_with(r#"{"step":2,"epoch":0,"loss":1.5"#), "{text}");
+        assert!(!dir.path().join("metrics.jsonl.tmp").exists());
+        // A fresh run starts afresh.
+        MetricsLog::open(dir.path(), None).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap(), "");
     }
 
     #[test]

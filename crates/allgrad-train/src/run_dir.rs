@@ -6,6 +6,9 @@
 //! read the clock in different seconds do no harm. A new run never overwrites a directory
 //! that holds checkpoints.
 //!
+//! Under `launch --max-restarts` ([`launch_run_dir`]) it is `runs/<config name>/<run id>`,
+//! the run id being the launch's UTC time unless `--run-id` names it.
+//!
 //! Under torchrun ([`torchrun_run_dir`]) the directory is the same across the job's restarts:
 //! `runs/<config name>/torchrun-<TORCHELASTIC_RUN_ID>`, so a restarted worker finds the
 //! checkpoints its previous incarnation wrote.
@@ -56,6 +59,25 @@ fn unoccupied(dir: PathBuf, resume: bool) -> Result<PathBuf, RunDirError> {
 /// job: then a first start gets a new directory as [`choose`] would, and a restart the newest
 /// one with checkpoints (pass `--rdzv-id`, `--standalone` or `--output-dir` to be exact).
 pub fn torchrun_run_dir(root: &Path, config: &Path, run_id: &str, resume: bool, now_secs: u64) -> Result<PathBuf, RunDirError> {
+    elastic_run_dir(root, config, "torchrun-", run_id, resume, now_secs)
+}
+
+/// The run directory of a job restarted by `launch --max-restarts` (or given `--run-id`):
+/// `root/<config name>/<run id>`, the same across restarts. `launch`'s default run id is its
+/// UTC start time, so the directory looks like a plain run's; otherwise as
+/// [`torchrun_run_dir`].
+pub fn launch_run_dir(root: &Path, config: &Path, run_id: &str, resume: bool, now_secs: u64) -> Result<PathBuf, RunDirError> {
+    elastic_run_dir(root, config, "", run_id, resume, now_secs)
+}
+
+fn elastic_run_dir(
+    root: &Path,
+    config: &Path,
+    prefix: &str,
+    run_id: &str,
+    resume: bool,
+    now_secs: u64,
+) -> Result<PathBuf, RunDirError> {
     if run_id == "none" {
         let dir = if resume {
             default_run_dir(root, config, true, now_secs).or_else(|_| default_run_dir(root, config, false, now_secs))?
@@ -65,7 +87,7 @@ pub fn torchrun_run_dir(root: &Path, config: &Path, run_id: &str, resume: bool, 
         return unoccupied(dir, resume);
     }
     let id: String = run_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
-    unoccupied(root.join(config_stem(config)).join(format!("torchrun-{id}")), resume)
+    unoccupied(root.join(config_stem(config)).join(format!("{prefix}{id}")), resume)
 }
 
 fn config_stem(config: &Path) -> String {
@@ -89,42 +111,11 @@ fn default_run_dir(root: &Path, config: &Path, resume: bool, now_secs: u64) -> R
     Ok(parent.join(utc_stamp(now_secs)))
 }
 
-/// Seconds since the UNIX epoch now (0 if the clock is before it).
-pub fn now_secs() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
-/// `YYYYmmdd-HHMMSS` in UTC (days to civil date after Howard Hinnant's algorithm); the
-/// names sort in time order.
-pub fn utc_stamp(secs: u64) -> String {
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
-}
+pub use allgrad_dist::clock::{now_secs, utc_stamp};
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn utc_stamps_match_the_calendar() {
-        assert_eq!(utc_stamp(0), "19700101-000000");
-        // 2000-02-29 01:02:03: a leap day of a century divisible by 400.
-        assert_eq!(utc_stamp(951_782_400 + 3_723), "20000229-010203");
-        // 2100 is not a leap year: the day after 2100-02-28 is 2100-03-01.
-        assert_eq!(utc_stamp(4_107_456_000), "21000228-000000");
-        assert_eq!(utc_stamp(4_107_456_000 + 86_400), "21000301-000000");
-        assert_eq!(utc_stamp(1_767_225_599), "20251231-235959");
-        assert_eq!(utc_stamp(1_767_225_600), "20260101-000000");
-    }
 
     fn checkpointed(dir: &Path) {
         std::fs::create_dir_all(dir.join("checkpoints")).unwrap();
@@ -176,5 +167,16 @@ mod tests {
         let old = root.path().join("vectors/19700101-000000");
         std::fs::create_dir_all(old.join("checkpoints/latest")).unwrap();
         assert_eq!(torchrun_run_dir(root.path(), cfg, "none", true, 5_000).unwrap(), old);
+    }
+
+    #[test]
+    fn launch_restarts_keep_the_directory_named_by_the_run_id() {
+        let root = tempfile::tempdir().unwrap();
+        let cfg = Path::new("configs/vectors.yaml");
+        let first = launch_run_dir(root.path(), cfg, "20261122-180000", false, 0).unwrap();
+        assert_eq!(first, root.path().join("vectors/20261122-180000"));
+        checkpointed(&first);
+        assert_eq!(launch_run_dir(root.path(), cfg, "20261122-180000", true, 99).unwrap(), first);
+        assert!(matches!(launch_run_dir(root.path(), cfg, "20261122-180000", false, 0), Err(RunDirError::Occupied(_))));
     }
 }

@@ -185,6 +185,7 @@ impl Trainer {
                 None => tracing::warn!("--resume: no checkpoint in {}; starting from step 0", dir.display()),
                 Some(ck) => {
                     let path = ck.path.clone();
+                    let written_by = ck.state.world_size;
                     let to = RestoreTarget {
                         params: &params,
                         sharded: &sharded,
@@ -197,6 +198,12 @@ impl Trainer {
                     step = checkpoint::restore(ck, to)?;
                     if pg.rank() == 0 {
                         tracing::info!("resumed from {} at step {step}", path.display());
+                        if written_by != w {
+                            tracing::info!(
+                                "the checkpoint was written by {written_by} rank(s), this run has {w}: parameters, optimizer \
+                                 state and buffers carry over exactly; each rank now takes 1/{w} of the same global batch"
+                            );
+                        }
                     }
                 }
             }

@@ -24,11 +24,37 @@ pub struct LaunchConfig {
     pub prefix: bool,
     /// Time between SIGTERM and SIGKILL when stopping ranks.
     pub grace: Duration,
+    /// Times to start every rank again after one fails (0: never; torchrun's
+    /// `--max-restarts`). See [`super::launch`].
+    pub max_restarts: usize,
+    /// The job's run id (torchrun's `--rdzv-id`), handed to the ranks as `TORCHELASTIC_RUN_ID`
+    /// when given or when `max_restarts > 0` (then it defaults to the launch's UTC time,
+    /// `YYYYmmdd-HHMMSS`).
+    pub run_id: Option<String>,
     /// The program and its arguments.
     pub program: Vec<String>,
 }
 
 impl LaunchConfig {
+    /// `nproc_per_node` ranks of `program` on one node, with the `launch` binary's defaults:
+    /// rank 0 on 127.0.0.1 at a free port, every rank's output shown and prefixed, 5 s of
+    /// grace, no restarts.
+    pub fn new(nproc_per_node: usize, program: Vec<String>) -> LaunchConfig {
+        LaunchConfig {
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            ranks_filter: None,
+            prefix: true,
+            grace: Duration::from_secs(5),
+            max_restarts: 0,
+            run_id: None,
+            program,
+        }
+    }
+
     /// Ranks in the whole job.
     pub fn world_size(&self) -> usize {
         self.nproc_per_node * self.nnodes
@@ -54,6 +80,15 @@ impl LaunchConfig {
         }
         let (prog, args) = self.program.split_first().ok_or(LaunchError::NoProgram)?;
         Ok((prog.as_str(), args))
+    }
+
+    /// The run id handed to the ranks, if any (see [`LaunchConfig::run_id`]).
+    pub(crate) fn elastic_run_id(&self, now_secs: u64) -> Option<String> {
+        match &self.run_id {
+            Some(id) => Some(id.clone()),
+            None if self.max_restarts > 0 => Some(crate::clock::utc_stamp(now_secs)),
+            None => None,
+        }
     }
 
     /// The port of rank 0's store: the configured one, else a free one on a single node.
@@ -123,17 +158,7 @@ mod tests {
     use super::*;
 
     fn cfg(nproc_per_node: usize, nnodes: usize, node_rank: usize, program: &[&str]) -> LaunchConfig {
-        LaunchConfig {
-            nproc_per_node,
-            nnodes,
-            node_rank,
-            master_addr: "127.0.0.1".into(),
-            master_port: 0,
-            ranks_filter: None,
-            prefix: true,
-            grace: Duration::from_secs(1),
-            program: program.iter().map(|s| s.to_string()).collect(),
-        }
+        LaunchConfig { nnodes, node_rank, ..LaunchConfig::new(nproc_per_node, program.iter().map(|s| s.to_string()).collect()) }
     }
 
     #[test]
@@ -156,6 +181,16 @@ mod tests {
         assert_eq!((c.world_size(), c.global_rank(0), c.global_rank(3)), (12, 8, 11));
         c.ranks_filter = Some(vec![1]);
         assert!(c.shows(1) && !c.shows(0));
+    }
+
+    #[test]
+    fn a_run_id_is_handed_out_when_given_or_when_restarts_are_allowed() {
+        let mut c = cfg(2, 1, 0, &["true"]);
+        assert_eq!(c.elastic_run_id(0), None);
+        c.max_restarts = 2;
+        assert_eq!(c.elastic_run_id(1_767_225_600).as_deref(), Some("20260101-000000"));
+        c.run_id = Some("job-7".into());
+        assert_eq!(c.elastic_run_id(0).as_deref(), Some("job-7"));
     }
 
     #[test]

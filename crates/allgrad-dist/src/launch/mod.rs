@@ -12,6 +12,9 @@
 //! job that a rank dying during a group's setup left under `/dev/shm` are removed
 //! ([`remove_job_segments`](crate::remove_job_segments)).
 //!
+//! `max_restarts` starts every rank again after a failure, as torchrun's `--max-restarts`
+//! does ([`launch`]).
+//!
 //! Errors before or while starting ranks are [`LaunchError`]s; a failing rank is an
 //! [`Outcome`].
 
@@ -31,13 +34,45 @@ use output::Stream;
 use spawn::Job;
 
 /// Starts the ranks and supervises them until they all end; see the module docs.
+///
+/// With `max_restarts > 0`, a failed job (a rank that exits non-zero or is killed; not a
+/// signal to the launcher) is started again, every rank, up to `max_restarts` times: the
+/// others are stopped first, the reason is printed, and the ranks get torchrun's elastic
+/// variables (`TORCHELASTIC_RUN_ID`, `TORCHELASTIC_RESTART_COUNT`,
+/// `TORCHELASTIC_MAX_RESTARTS`), so `train` resumes from the newest checkpoint of the same
+/// run directory without being told. On a single node without `master_port`, each start gets
+/// a fresh free port.
 pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     let (program, args) = cfg.validate()?;
-    let port = cfg.port()?;
     let token = config::job_token(std::env::var("ALLGRAD_JOB_TOKEN").ok(), cfg.nnodes);
+    let run_id = cfg.elastic_run_id(crate::clock::now_secs());
     let signals = signals::SignalGuard::install()?;
-    let job = Job { cfg, program, args, port, token: token.as_deref() };
+    let mut restart = 0;
+    loop {
+        let port = cfg.port()?;
+        let job = Job { cfg, program, args, port, token: token.as_deref(), run_id: run_id.as_deref(), restart };
+        let outcome = run_once(&job, &signals)?;
+        match outcome {
+            Outcome::RankFailed { rank, code } if restart < cfg.max_restarts => {
+                eprintln!(
+                    "launch: rank {rank} exited with code {code}; restart {} of {}: starting all {} ranks again \
+                     (run id {}; they resume from their newest checkpoint)",
+                    restart + 1,
+                    cfg.max_restarts,
+                    cfg.nproc_per_node,
+                    run_id.as_deref().unwrap_or("?"),
+                );
+                restart += 1;
+            }
+            outcome => return Ok(outcome),
+        }
+    }
+}
 
+/// One start of every rank of this node, supervised until they all end (or one fails, or a
+/// signal arrives); the job's shared-memory files are removed before returning.
+fn run_once(job: &Job, signals: &signals::SignalGuard) -> Result<Outcome, LaunchError> {
+    let cfg = job.cfg;
     let out_lock = Arc::new(Mutex::new(()));
     let mut children = Vec::with_capacity(cfg.nproc_per_node);
     let mut pumps = Vec::new();
@@ -46,7 +81,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
         let rank = cfg.global_rank(local);
         let show = cfg.shows(local);
         let stderr = output::stderr_for(rank, show, terminal);
-        let mut child = match spawn::spawn_rank(&job, local, stderr) {
+        let mut child = match spawn::spawn_rank(job, local, stderr) {
             Ok(c) => c,
             Err(e) => {
                 supervise::stop_all(&mut children, cfg.grace);
@@ -64,7 +99,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
         children.push((rank, child));
     }
 
-    let outcome = supervise::supervise(&mut children, &signals, cfg.grace);
+    let outcome = supervise::supervise(&mut children, signals, cfg.grace);
     for p in pumps {
         let _ = p.join();
     }

@@ -31,6 +31,11 @@ pub(crate) struct Job<'a> {
     pub args: &'a [String],
     pub port: u16,
     pub token: Option<&'a str>,
+    /// The run id, when the ranks get torchrun's elastic variables (see
+    /// [`LaunchConfig::run_id`]).
+    pub run_id: Option<&'a str>,
+    /// How many times the ranks were started again before this start.
+    pub restart: usize,
 }
 
 /// Starts local rank `local`; stdout is always piped, stderr as `stderr` says.
@@ -55,6 +60,13 @@ pub(crate) fn spawn_rank(job: &Job, local: usize, stderr: Stderr) -> Result<Chil
         });
     if let Some(t) = job.token {
         cmd.env("ALLGRAD_JOB_TOKEN", t);
+    }
+    if let Some(id) = job.run_id {
+        // What torchrun's agent tells its workers, minus its store (rank 0 serves allgrad's).
+        cmd.env("TORCHELASTIC_RUN_ID", id)
+            .env("TORCHELASTIC_RESTART_COUNT", job.restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE");
     }
     let launcher = std::process::id() as libc::pid_t;
     // SAFETY: only async-signal-safe calls (setpgid, prctl, getppid, _exit) between fork and
