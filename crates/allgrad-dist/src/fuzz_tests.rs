@@ -2,28 +2,31 @@
 //! peer sends in answer to rank 0's all_reduce (magic, kind, op, dtype, reduce op, call
 //! number (a reordered frame), step, length (oversized or short), shape digest), each with a
 //! random body. Every case must end in a clean error naming the peer, promptly (not at the
-//! timeout), with an ABORT frame sent to the peer, and no panic; the checks are those of
-//! `hostile_tests::rank0_error_after_hostile_frame`. The number of cases is printed.
+//! timeout), with an ABORT frame sent to the peer, no panic, and the group left poisoned (its
+//! next call fails at once); the checks are those of
+//! `hostile_tests::rank0_error_after_hostile_frame`. Truncated frames on a connection the peer
+//! keeps open (a valid prefix: part of the header, or the header and part of the body) end in
+//! a timeout error at the group's deadline, with the same checks. The numbers of cases are
+//! printed.
 
 use std::time::{Duration, Instant};
 
-use crate::hostile_tests::rank0_error_after_hostile_frame;
-use crate::wire::{Header, KIND_ABORT, KIND_DATA};
+use crate::hostile_tests::{rank0_error_after_hostile_bytes, rank0_error_after_hostile_frame, Ends};
+use crate::wire::{Header, HEADER_LEN, KIND_ABORT, KIND_DATA};
 
 /// Cases per run, and a bound on the whole run well under a minute.
 const CASES: u64 = 200;
 const BUDGET: Duration = Duration::from_secs(50);
 
-/// splitmix64: a fixed, documented generator, so a failing case can be replayed by seed.
-struct Rng(u64);
+/// The case generator: the project's one keyed stream, so a failing case replays by seed.
+struct Rng(allgrad_rng::KeyedRng);
 
 impl Rng {
+    fn new(seed: u64, what: &str) -> Rng {
+        Rng(allgrad_rng::stream(&[allgrad_rng::name_key(what), seed]))
+    }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        rand::RngCore::next_u64(&mut self.0)
     }
     /// A value different from `not`.
     fn other_u64(&mut self, not: u64) -> u64 {
@@ -39,7 +42,7 @@ impl Rng {
 /// The hostile frame of case `seed`, from the header rank 0 sent (which the fake peer's
 /// answer must equal to be accepted); returns a description and the bytes.
 fn hostile_frame(seed: u64, h: &Header) -> (String, Vec<u8>) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed, "data-plane fuzz");
     let mut m = *h;
     let what = match rng.next() % 9 {
         0 => "magic",
@@ -120,4 +123,32 @@ fn random_malformed_frames_each_end_in_a_prompt_clean_error() {
     }
     println!("{cases} hostile frames at the data plane, each refused cleanly in {:?}", start.elapsed());
     assert!(cases >= 10, "only {cases} cases ran within {BUDGET:?}");
+}
+
+/// Cases of truncated frames, each waiting for a short group timeout.
+const TRUNCATED_CASES: u64 = 8;
+const SHORT_TIMEOUT: Duration = Duration::from_millis(1500);
+
+#[test]
+fn truncated_frames_on_an_open_connection_end_at_the_timeout_and_poison_the_group() {
+    let start = Instant::now();
+    for seed in 0..TRUNCATED_CASES {
+        let mut rng = Rng::new(seed, "truncated frames");
+        let mut case = String::new();
+        let err = rank0_error_after_hostile_bytes(&format!("truncated seed {seed}"), SHORT_TIMEOUT, Ends::AtTheTimeout, |h| {
+            // The answer rank 0 expects: its own header and 16 body bytes.
+            let mut full = h.encode().to_vec();
+            full.extend((0..h.len).map(|_| rng.next() as u8));
+            let cut = if rng.next().is_multiple_of(2) {
+                1 + (rng.next() % (HEADER_LEN as u64 - 1)) as usize // inside the header
+            } else {
+                HEADER_LEN + (rng.next() % h.len) as usize // inside the body
+            };
+            case = format!("seed {seed}: {cut} of {} bytes", full.len());
+            full.truncate(cut);
+            full
+        });
+        assert!(err.contains("waiting for rank(s) [1]"), "{case}: the error does not name the peer: {err}");
+    }
+    println!("{TRUNCATED_CASES} truncated frames on open connections, each ended at the timeout in {:?}", start.elapsed());
 }

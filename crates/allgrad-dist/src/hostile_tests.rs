@@ -22,6 +22,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::env::WorldInfo;
+use crate::error::DistError;
 use crate::group::ProcessGroup;
 use crate::mesh::OpCode;
 use crate::reduce::ReduceOp;
@@ -40,6 +41,10 @@ fn free_port() -> u16 {
 }
 
 fn world_info(rank: usize, port: u16, token: &str) -> WorldInfo {
+    world_info_with_timeout(rank, port, token, TIMEOUT)
+}
+
+fn world_info_with_timeout(rank: usize, port: u16, token: &str, timeout: Duration) -> WorldInfo {
     WorldInfo {
         rank,
         world_size: 2,
@@ -48,7 +53,7 @@ fn world_info(rank: usize, port: u16, token: &str) -> WorldInfo {
         master_addr: "127.0.0.1".into(),
         master_port: port,
         token: token.into(),
-        timeout: TIMEOUT,
+        timeout,
         elastic: None,
     }
 }
@@ -202,19 +207,48 @@ fn intruders_are_dropped_and_the_real_ranks_still_connect_and_all_reduce() {
     drop(silent);
 }
 
+/// How rank 0's collective must end after the hostile bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ends {
+    /// With an error well before the timeout: the bytes themselves are wrong.
+    Promptly,
+    /// With a timeout error: the bytes are a valid prefix (a truncated frame on a connection
+    /// left open), indistinguishable from a slow peer until the deadline.
+    AtTheTimeout,
+}
+
 /// Rank 0 of a 2-rank world runs an all_reduce of 4 f32 against a fake rank 1 that completes
 /// the handshake, reads rank 0's frame, and answers with `hostile(&rank0_header)`. Returns
-/// rank 0's error, after checking it came promptly and that rank 0 sent an ABORT frame.
+/// rank 0's error, after checking it came promptly, that rank 0 sent an ABORT frame, and that
+/// the group stays poisoned (its next collective fails at once instead of half-working).
 pub(crate) fn rank0_error_after_hostile_frame(case: &str, hostile: impl FnOnce(&Header) -> Vec<u8>) -> String {
+    rank0_error_after_hostile_bytes(case, TIMEOUT, Ends::Promptly, hostile)
+}
+
+/// As [`rank0_error_after_hostile_frame`], with the group's `timeout` and how the call must end.
+pub(crate) fn rank0_error_after_hostile_bytes(
+    case: &str,
+    timeout: Duration,
+    ends: Ends,
+    hostile: impl FnOnce(&Header) -> Vec<u8>,
+) -> String {
     let port = free_port();
     let token = "hostile-test-token-frames";
-    let rank0 = spawn_guarded(&format!("rank 0 ({case})"), move || -> Result<Duration, (String, Duration)> {
-        let pg = ProcessGroup::init(&world_info(0, port, token)).map_err(|e| (format!("init: {e}"), Duration::ZERO))?;
+    type Failure = (String, Duration, Result<(), String>, Duration);
+    let rank0 = spawn_guarded(&format!("rank 0 ({case})"), move || -> Result<Duration, Failure> {
+        let init = |e: DistError| (format!("init: {e}"), Duration::ZERO, Ok(()), Duration::ZERO);
+        let pg = ProcessGroup::init(&world_info_with_timeout(0, port, token, timeout)).map_err(init)?;
         let t = Instant::now();
         let mut x = [1.0f32, 2.0, 3.0, 4.0];
         match pg.all_reduce_slice(&mut x, ReduceOp::Sum) {
             Ok(()) => Ok(t.elapsed()),
-            Err(e) => Err((e.to_string(), t.elapsed())),
+            Err(e) => {
+                let first = t.elapsed();
+                // The group must stay poisoned: the next call fails without touching the peer.
+                let t = Instant::now();
+                let again = pg.all_reduce_slice(&mut x, ReduceOp::Sum).map_err(|e| e.to_string());
+                Err((e.to_string(), first, again, t.elapsed()))
+            }
         }
     });
     let addr = rank0_data_addr(port, token);
@@ -236,15 +270,32 @@ pub(crate) fn rank0_error_after_hostile_frame(case: &str, hostile: impl FnOnce(&
 
     // The hostile answer; the connection stays open, so only the frame can end the call.
     let _ = s.write_all(&hostile(&h));
-    let err = match rank0.join(TIMEOUT + Duration::from_secs(10)) {
+    let err = match rank0.join(timeout + Duration::from_secs(10)) {
         Ok(t) => panic!("{case}: rank 0's all_reduce succeeded after {t:?}"),
-        Err((e, t)) => {
-            assert!(t < PROMPT, "{case}: rank 0 took {t:?} to fail: {e}");
+        Err((e, t, again, t_again)) => {
+            match ends {
+                Ends::Promptly => {
+                    assert!(t < PROMPT, "{case}: rank 0 took {t:?} to fail: {e}");
+                    assert!(
+                        !e.contains("timed out"),
+                        "{case}: rank 0 waited for the timeout instead of rejecting the frame: {e}"
+                    );
+                }
+                Ends::AtTheTimeout => {
+                    assert!(e.contains("timed out"), "{case}: expected a timeout error: {e}");
+                    assert!(
+                        t >= timeout.mul_f64(0.9) && t < timeout + PROMPT,
+                        "{case}: the timeout of {timeout:?} fired after {t:?}"
+                    );
+                }
+            }
+            match again {
+                Ok(()) => panic!("{case}: the group worked again after failing with: {e}"),
+                Err(e2) => assert!(t_again < PROMPT, "{case}: the poisoned group's next call took {t_again:?} to fail: {e2}"),
+            }
             e
         }
     };
-    assert!(!err.contains("timed out"), "{case}: rank 0 waited for the timeout instead of rejecting the frame: {err}");
-
     // Rank 0 tells the peer why it gave up: an ABORT frame with a bounded reason.
     let mut hdr = [0u8; HEADER_LEN];
     read_exact_within(&mut s, &mut hdr, PROMPT).unwrap_or_else(|e| panic!("{case}: no ABORT frame from rank 0: {e}"));
@@ -254,7 +305,9 @@ pub(crate) fn rank0_error_after_hostile_frame(case: &str, hostile: impl FnOnce(&
     let mut reason = vec![0u8; h.len as usize];
     read_exact_within(&mut s, &mut reason, PROMPT).unwrap();
     let reason = String::from_utf8_lossy(&reason);
-    assert!(reason.contains("rank 0 failed") && reason.contains("rank 1"), "{case}: abort reason {reason:?}");
+    // A refused frame names its sender; a timeout names the ranks it was waiting for.
+    let peer = if ends == Ends::Promptly { "rank 1" } else { "rank(s) [1]" };
+    assert!(reason.contains("rank 0 failed") && reason.contains(peer), "{case}: abort reason {reason:?}");
     err
 }
 
