@@ -7,11 +7,11 @@
 //! share one pass over the batch.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
-use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, matmul, BatchPlan, Float, MatRef, Strides4};
+use crate::conv_cpu::{conv_bwd, conv_fwd};
+use crate::cpu::{contiguous, float_kernel};
 use crate::error::{fail, NnError};
-use crate::im2col::{col2im, im2col, ConvGeom};
+use crate::im2col::ConvGeom;
 
 /// Stride, padding, dilation and groups of a 2-D convolution (the same on both spatial axes).
 ///
@@ -245,114 +245,6 @@ impl CustomOp3 for Conv2dBackward {
         let out = float_kernel!("conv2d backward", s1 => x, s2 => w, s3 => gy; conv_bwd(x, l1, &contiguous(w, l2), &contiguous(gy, l3), g, wi, ww));
         Ok((out, Shape::from(len)))
     }
-}
-
-/// Forward: per image and group, `y[n, g] = W_g · im2col(x[n, g])`.
-fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
-    let st = Strides4::of(xl);
-    let (p, kdim, og, cg) = (g.p(), g.kdim(), g.og(), g.cg());
-    let pointwise = g.is_pointwise(&st);
-    let plan = BatchPlan::new(g.n, 1);
-    let mut out = vec![T::from_f64(0.0); g.n * g.out_img()];
-    if out.is_empty() {
-        return out;
-    }
-    let col_len = if pointwise { 0 } else { kdim * p };
-    out.par_chunks_mut(g.out_img()).enumerate().for_each_init(
-        || vec![T::from_f64(0.0); col_len],
-        |col, (n, y)| {
-            let base = st.offset + n * st.n;
-            for grp in 0..g.groups {
-                let rhs = if pointwise {
-                    MatRef::new(&x[base + grp * cg * st.c..], st.c, 1)
-                } else {
-                    im2col(x, base, &st, g, grp * cg, col);
-                    MatRef::new(&col[..], p, 1)
-                };
-                let lhs = MatRef::new(&w[grp * og * kdim..], kdim, 1);
-                matmul(&mut y[grp * og * p..], p, false, lhs, rhs, (og, p, kdim), plan.gemm);
-            }
-        },
-    );
-    out
-}
-
-/// Backward: per image and group, `∂W_g += ∂y[n, g] · im2col(x[n, g])ᵀ` and
-/// `∂x[n, g] = col2im(W_gᵀ · ∂y[n, g])`. Images are cut into a fixed number of chunks; each
-/// chunk accumulates its own weight gradient and the chunks are summed in order, so the result
-/// does not depend on scheduling.
-fn conv_bwd<T: Float>(x: &[T], xl: &Layout, w: &[T], gy: &[T], g: &ConvGeom, want_input: bool, want_weight: bool) -> Vec<T> {
-    let zero = T::from_f64(0.0);
-    let st = Strides4::of(xl);
-    let (p, kdim, og, cg) = (g.p(), g.kdim(), g.og(), g.cg());
-    let pointwise = g.is_pointwise(&st);
-    let plan = BatchPlan::new(g.n, 2);
-    let in_img = g.in_img();
-    let mut dx = vec![zero; if want_input { g.n * in_img } else { 0 }];
-    // One task per chunk of images; each task owns its slice of ∂x.
-    let mut dx_chunks: Vec<&mut [T]> = if want_input && !dx.is_empty() {
-        dx.chunks_mut(plan.per_chunk * in_img).collect()
-    } else {
-        (0..plan.chunks).map(|_| &mut [][..]).collect()
-    };
-    let dw_parts: Vec<Vec<T>> = dx_chunks
-        .par_iter_mut()
-        .enumerate()
-        .map(|(chunk, dxc)| {
-            let mut dw = vec![zero; if want_weight { g.weight_len() } else { 0 }];
-            let need_col = want_weight && !pointwise;
-            let mut col = vec![zero; if need_col { kdim * p } else { 0 }];
-            let mut dcol = vec![zero; if want_input && !pointwise { kdim * p } else { 0 }];
-            let first = chunk * plan.per_chunk;
-            let last = (first + plan.per_chunk).min(g.n);
-            // Write the fresh (calloc'd, not yet mapped) ∂x pages before col2im reads them:
-            // a first touch by a read maps the shared zero page, and the write after it costs a
-            // copy-on-write fault with a TLB shootdown on every core.
-            dxc.fill(zero);
-            for n in first..last {
-                let base = st.offset + n * st.n;
-                for grp in 0..g.groups {
-                    let gyg = MatRef::new(&gy[n * g.out_img() + grp * og * p..], p, 1);
-                    if want_weight {
-                        // ∂W_g (og x kdim) += ∂y_g (og x p) · colᵀ (p x kdim)
-                        let colt = if pointwise {
-                            MatRef::new(&x[base + grp * cg * st.c..], 1, st.c)
-                        } else {
-                            im2col(x, base, &st, g, grp * cg, &mut col);
-                            MatRef::new(&col[..], 1, p)
-                        };
-                        let dwg = &mut dw[grp * og * kdim..(grp + 1) * og * kdim];
-                        matmul(dwg, kdim, n > first, gyg, colt, (og, kdim, p), plan.gemm);
-                    }
-                    if want_input {
-                        // ∂col (kdim x p) = W_gᵀ (kdim x og) · ∂y_g (og x p)
-                        let wt = MatRef::new(&w[grp * og * kdim..], 1, kdim);
-                        let img = &mut dxc[(n - first) * in_img..(n - first + 1) * in_img];
-                        let dxg = &mut img[grp * cg * g.h * g.w..(grp + 1) * cg * g.h * g.w];
-                        if pointwise {
-                            matmul(dxg, p, false, wt, gyg, (kdim, p, og), plan.gemm);
-                        } else {
-                            matmul(&mut dcol, p, false, wt, gyg, (kdim, p, og), plan.gemm);
-                            col2im(&dcol, g, dxg);
-                        }
-                    }
-                }
-            }
-            dw
-        })
-        .collect();
-    let mut out = dx;
-    if want_weight {
-        let mut parts = dw_parts.into_iter();
-        let mut dw = parts.next().unwrap_or_else(|| vec![zero; g.weight_len()]);
-        for part in parts {
-            for (a, b) in dw.iter_mut().zip(&part) {
-                *a += *b;
-            }
-        }
-        out.extend_from_slice(&dw);
-    }
-    out
 }
 
 /// A 2-D convolution layer: a weight, an optional bias and its [`ConvParams`], applied with

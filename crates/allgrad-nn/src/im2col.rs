@@ -81,9 +81,11 @@ impl ConvGeom {
     }
 }
 
-/// Writes the column matrix (`kdim x p`, row-major) of the channels `c0..c0 + cg` of the image
-/// starting at `x[base]` (channel stride `st.c`, row stride `st.h`, column stride `st.w`).
-pub(crate) fn im2col<T: Float>(x: &[T], base: usize, st: &Strides4, g: &ConvGeom, c0: usize, col: &mut [T]) {
+/// Writes the column matrix (`kdim x p`, row-major with row stride `ld >= p`) of the channels
+/// `c0..c0 + cg` of the image starting at `x[base]` (channel stride `st.c`, row stride `st.h`,
+/// column stride `st.w`). With `ld > p` several images' matrices sit side by side in one
+/// buffer, each starting `p` columns after the previous.
+pub(crate) fn im2col<T: Float>(x: &[T], base: usize, st: &Strides4, g: &ConvGeom, c0: usize, col: &mut [T], ld: usize) {
     let zero = T::from_f64(0.0);
     let (p, s) = (g.p(), g.stride);
     for ci in 0..g.cg() {
@@ -91,7 +93,7 @@ pub(crate) fn im2col<T: Float>(x: &[T], base: usize, st: &Strides4, g: &ConvGeom
         for ki in 0..g.kh {
             let (ylo, yhi) = g.valid(ki * g.dil, g.h, g.oh);
             for kj in 0..g.kw {
-                let row = ((ci * g.kh + ki) * g.kw + kj) * p;
+                let row = ((ci * g.kh + ki) * g.kw + kj) * ld;
                 let row = &mut col[row..row + p];
                 let (xlo, xhi) = g.valid(kj * g.dil, g.w, g.ow);
                 row[..ylo * g.ow].fill(zero);
@@ -121,16 +123,17 @@ pub(crate) fn im2col<T: Float>(x: &[T], base: usize, st: &Strides4, g: &ConvGeom
     }
 }
 
-/// Adds the column matrix `col` (`kdim x p`) back into the contiguous `cg x h x w` block `dx`
-/// of one image: every column entry goes to the input element it was read from.
-pub(crate) fn col2im<T: Float>(col: &[T], g: &ConvGeom, dx: &mut [T]) {
+/// Adds the column matrix `col` (`kdim x p`, row stride `ld >= p`) back into the contiguous
+/// `cg x h x w` block `dx` of one image: every column entry goes to the input element it was
+/// read from.
+pub(crate) fn col2im<T: Float>(col: &[T], g: &ConvGeom, dx: &mut [T], ld: usize) {
     let (p, s) = (g.p(), g.stride);
     for ci in 0..g.cg() {
         let plane = &mut dx[ci * g.h * g.w..(ci + 1) * g.h * g.w];
         for ki in 0..g.kh {
             let (ylo, yhi) = g.valid(ki * g.dil, g.h, g.oh);
             for kj in 0..g.kw {
-                let row = ((ci * g.kh + ki) * g.kw + kj) * p;
+                let row = ((ci * g.kh + ki) * g.kw + kj) * ld;
                 let row = &col[row..row + p];
                 let (xlo, xhi) = g.valid(kj * g.dil, g.w, g.ow);
                 if xlo == xhi {

@@ -49,6 +49,7 @@
 
 mod channel;
 mod conv;
+mod conv_cpu;
 mod cpu;
 mod error;
 mod im2col;
