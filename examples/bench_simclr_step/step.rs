@@ -64,7 +64,7 @@ impl AllgradStep {
         let start = Usage::now();
         let b = self.batch;
         let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
-        let z = self.p2.forward(&self.p1.forward(&h)?.relu()?)?;
+        let z = self.p2.forward(&allgrad_nn::relu(&self.p1.forward(&h)?)?)?;
         let loss = nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, 0.5, &self.pg)?;
         let t_fwd = Instant::now();
         let grads = loss.backward()?;

@@ -3,7 +3,7 @@
 //! batch norm that is synchronised across ranks when asked. Convolutions and pooling use
 //! allgrad-nn's kernels (fast on CPU, with a backward for every stride).
 
-use allgrad_nn::{adaptive_avg_pool2d, max_pool2d, Conv2d, ConvParams};
+use allgrad_nn::{adaptive_avg_pool2d, add_relu, max_pool2d, relu, Conv2d, ConvParams};
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 use serde::{Deserialize, Serialize};
@@ -69,16 +69,16 @@ enum Block {
 impl Block {
     fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let (out, down) = match self {
-            Block::Basic { a, b, down } => (b.forward(&a.forward(x, mode)?.relu()?, mode)?, down),
+            Block::Basic { a, b, down } => (b.forward(&relu(&a.forward(x, mode)?)?, mode)?, down),
             Block::Bottleneck { a, b, c, down } => {
-                (c.forward(&b.forward(&a.forward(x, mode)?.relu()?, mode)?.relu()?, mode)?, down)
+                (c.forward(&relu(&b.forward(&relu(&a.forward(x, mode)?)?, mode)?)?, mode)?, down)
             }
         };
         let skip = match down {
             Some(d) => d.forward(x, mode)?,
             None => x.clone(),
         };
-        (out + skip)?.relu()
+        add_relu(&out, &skip)
     }
 }
 
@@ -162,7 +162,7 @@ impl ResNet {
 
     /// Features of a batch of images.
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
-        let mut h = self.stem.forward(x, mode)?.relu()?;
+        let mut h = relu(&self.stem.forward(x, mode)?)?;
         if self.pool {
             h = max_pool2d(&h, 3, 2, 1)?;
         }

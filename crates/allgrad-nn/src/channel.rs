@@ -14,7 +14,7 @@
 //! than f32/f64 both ops fall back to compositions of differentiable Candle ops.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu::{contiguous, float_kernel, Float};
@@ -144,16 +144,37 @@ impl CustomOp3 for Affine {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (n, c, inner) = geometry(x.dims(), "channel_affine")?;
         let g = g.contiguous()?;
         let dx = channel_affine(&g, a, &a.zeros_like()?)?.detach();
-        // da[c] = Σ g·x, db[c] = Σ g: one pass, accumulated in f64.
-        let gv = g.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-        let xv = x.contiguous()?.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-        let sums = per_channel(&gv, Some(&xv), n, c, inner);
-        let da = Tensor::new(sums.iter().map(|s| s.1).collect::<Vec<f64>>(), x.device())?.to_dtype(x.dtype())?;
-        let db = Tensor::new(sums.iter().map(|s| s.0).collect::<Vec<f64>>(), x.device())?.to_dtype(x.dtype())?;
+        // db[c] = Σ g, da[c] = Σ g·x: one parallel pass over the native slices, summed in f64.
+        let sums = g.apply_op2_no_bwd(&x.detach().contiguous()?, &GradDots)?;
+        let db = sums.get(0)?.to_dtype(x.dtype())?;
+        let da = sums.get(1)?.to_dtype(x.dtype())?;
         Ok((Some(dx), Some(da), Some(db)))
+    }
+}
+
+/// Per channel `[Σ g, Σ g·x]` of two `[N, C, ...]` tensors as a `[2, C]` f64 tensor: the
+/// parameter gradients of [`channel_affine`].
+struct GradDots;
+
+impl CustomOp2 for GradDots {
+    fn name(&self) -> &'static str {
+        "allgrad-channel-grad-dots"
+    }
+
+    fn cpu_fwd(&self, sg: &CpuStorage, lg: &Layout, sx: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, c, inner) = geometry(lg.dims(), "channel_affine backward")?;
+        fn run<T: Float>(g: &[T], x: &[T], n: usize, c: usize, inner: usize) -> Vec<f64> {
+            let sums = per_channel(g, Some(x), n, c, inner);
+            sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect()
+        }
+        let out = match (sg, sx) {
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => run(&contiguous(g, lg), &contiguous(x, lx), n, c, inner),
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => run(&contiguous(g, lg), &contiguous(x, lx), n, c, inner),
+            _ => return fail(NnError::UnsupportedDType { op: "channel_affine backward", dtype: sg.dtype() }),
+        };
+        Ok((CpuStorage::F64(out), Shape::from((2, c))))
     }
 }
 

@@ -83,6 +83,14 @@ pub enum NnError {
         /// Padding.
         padding: usize,
     },
+    /// Tensors that must share a shape do not.
+    #[error("{op}: the inputs must have one shape, got {shapes:?}")]
+    ShapeMismatch {
+        /// The op.
+        op: &'static str,
+        /// Their shapes, in order.
+        shapes: Vec<Shape>,
+    },
     /// Tensors that must share a dtype do not.
     #[error("{op}: {what} must share a dtype, got {dtypes:?}")]
     DTypeMismatch {

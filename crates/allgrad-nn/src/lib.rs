@@ -15,6 +15,8 @@
 //! - [`softmax_last_dim`], [`log_softmax_last_dim`]: fused, with backward (Candle's
 //!   `softmax_last_dim` has none).
 //! - [`cross_entropy`]: fused, stable log-sum-exp cross-entropy from logits.
+//! - [`relu`], [`add_relu`]: ReLU and the residual `relu(a + b)` in one parallel pass, with a
+//!   one-pass backward (Candle's takes five single-threaded passes).
 //! - [`channel_moments`], [`channel_affine`]: the two passes of batch normalisation over
 //!   `[N, C, ...]` tensors, fused, with backward (sums in f64).
 //!
@@ -47,6 +49,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod activation;
 mod channel;
 mod conv;
 mod conv_cpu;
@@ -58,6 +61,7 @@ mod norm;
 mod pool;
 mod softmax;
 
+pub use activation::{add_relu, relu};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use error::NnError;

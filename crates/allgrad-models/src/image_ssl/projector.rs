@@ -96,7 +96,7 @@ impl Projector {
                 h = bn.forward(&h, mode)?;
             }
             if i + 1 < n {
-                h = h.relu()?;
+                h = allgrad_nn::relu(&h)?;
             }
         }
         Ok(h)
