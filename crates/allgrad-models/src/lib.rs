@@ -29,4 +29,4 @@ pub mod simcse;
 pub mod vectors;
 
 pub use error::ModelError;
-pub use objective::{Batch, Objective};
+pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective};
