@@ -18,7 +18,7 @@ use allgrad_dist::run_threads;
 use allgrad_models::{Batch, EmbeddingObjective, Objective};
 use allgrad_train::optim::OptimConfig;
 use allgrad_train::params::ParamStore;
-use allgrad_train::{run, RunConfig, Trainer};
+use allgrad_train::{grad_cache, run, RunConfig, Trainer};
 use cache_support::{assert_same_steps, largest_update, section, train, trainer_config, Outcome};
 use candle_core::{DType, Device};
 use mlp::{LossOnly, Middle, TwoViewMlp};
@@ -192,4 +192,45 @@ fn cache_chunk_on_an_objective_without_embeddings_is_refused_naming_the_key() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("train.cache_chunk = 0"), "{err}");
+}
+
+#[test]
+fn cached_gradients_equal_central_finite_differences_of_the_loss() {
+    // An independent reference: the derivative of the plain loss (keyed dropout makes it a
+    // deterministic function of the parameters) by central differences, entry by entry.
+    run_threads(1, |pg| {
+        let store = ParamStore::new(4);
+        let mut o = TwoViewMlp::new(Middle::KeyedDropout);
+        o.build(store.var_builder(DType::F64, &Device::Cpu))?;
+        let params = store.vars();
+        let idx: Vec<usize> = (10..21).collect();
+        let batch = Batch { indices: &idx, epoch: 0, step: 2, seed: 8 };
+        let mut grads: Vec<_> = params.iter().map(|(_, v)| v.as_tensor().zeros_like()).collect::<candle_core::Result<_>>()?;
+        grad_cache::cached_gradients(&mut o, &batch, &pg, 3, 1.0, &params, &mut grads)?;
+        let h = 1e-6;
+        let mut checked = 0;
+        for ((name, var), g) in params.iter().zip(&grads) {
+            let base = var.as_tensor().flatten_all()?.to_vec1::<f64>()?;
+            let g = g.flatten_all()?.to_vec1::<f64>()?;
+            for k in (0..base.len()).step_by(7) {
+                let mut at = |delta: f64| -> candle_core::Result<f64> {
+                    let mut p = base.clone();
+                    p[k] += delta;
+                    var.set(&candle_core::Tensor::from_vec(p, var.shape(), &Device::Cpu)?)?;
+                    o.loss(&batch, &pg)?.to_scalar::<f64>()
+                };
+                let fd = (at(h)? - at(-h)?) / (2.0 * h);
+                var.set(&candle_core::Tensor::from_vec(base.clone(), var.shape(), &Device::Cpu)?)?;
+                assert!(
+                    (fd - g[k]).abs() <= 1e-6 * g[k].abs().max(1e-2),
+                    "{name}[{k}]: cached {} vs finite difference {fd}",
+                    g[k]
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 20);
+        Ok(())
+    })
+    .unwrap();
 }
