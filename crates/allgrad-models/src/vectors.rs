@@ -6,7 +6,7 @@
 //! W-ranks-equal-1-rank tests.
 
 use allgrad_dist::ProcessGroup;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -102,7 +102,7 @@ impl EmbeddingObjective for VectorContrastive {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        self.loss.compute(&z.narrow(1, 0, 1)?.squeeze(1)?, &z.narrow(1, 1, 1)?.squeeze(1)?, pg)
+        self.loss.compute(&z.i((.., 0))?, &z.i((.., 1))?, pg)
     }
 }
 

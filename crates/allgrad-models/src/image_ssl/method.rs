@@ -19,7 +19,7 @@
 //! (tested in allgrad-train).
 
 use allgrad_dist::ProcessGroup;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::data::ImageData;
@@ -120,7 +120,7 @@ impl EmbeddingObjective for TwoViewMethod {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        self.loss.compute(&z.narrow(1, 0, 1)?.squeeze(1)?, &z.narrow(1, 1, 1)?.squeeze(1)?, pg)
+        self.loss.compute(&z.i((.., 0))?, &z.i((.., 1))?, pg)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The SimCSE objective: a BERT encoder trained with InfoNCE over the global batch.
 
 use allgrad_dist::ProcessGroup;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::config::{SimCseData, SimCseLoss, SimCseModel};
@@ -154,7 +154,7 @@ impl EmbeddingObjective for SimCse {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        let view = |v: usize| z.narrow(1, v, 1)?.squeeze(1);
+        let view = |v: usize| z.i((.., v));
         let (a, p) = (view(0)?, view(1)?);
         if self.supervised {
             let n = view(2)?;

@@ -9,7 +9,7 @@ use allgrad_models::batch_norm::{load_running_buffers, running_buffers, BatchNor
 use allgrad_models::losses::nt_xent;
 use allgrad_models::rng::{normals, stream, uniform};
 use allgrad_models::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective};
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Device, IndexOp, Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 
 const DIM: usize = 6;
@@ -92,7 +92,7 @@ impl EmbeddingObjective for TwoViewMlp {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        nt_xent(&z.narrow(1, 0, 1)?.squeeze(1)?, &z.narrow(1, 1, 1)?.squeeze(1)?, 0.3, pg)
+        nt_xent(&z.i((.., 0))?, &z.i((.., 1))?, 0.3, pg)
     }
 }
 
