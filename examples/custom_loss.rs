@@ -13,14 +13,19 @@
 //! world-size invariant (1 rank with the whole batch vs 2, 3 and 4 thread-ranks with it split;
 //! rank 0 prints it), then the command trains it exactly as `train` trains a built-in method:
 //! same arguments (`--set`, `--output-dir`, `--resume`), checkpoints and metrics.
+//!
+//! The objective is written as "embed a chunk of samples" plus "loss of all local
+//! embeddings" ([`EmbeddingObjective`]), which is all the trainer needs for gradient
+//! caching: add `--set train.cache_chunk=8` and each rank embeds its samples 8 at a time
+//! without keeping activations, with the gradient of the plain step.
 
 use allgrad::dist::{all_gather, ProcessGroup, WorldInfo};
 use allgrad::models::rng::{normals, stream};
-use allgrad::models::{Batch, Objective};
+use allgrad::models::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective};
 use allgrad::testing::check_world_size_invariance;
 use allgrad::train::method::{Method, SectionError};
 use allgrad::train::{cli, Registry, RunConfig};
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
 use candle_nn::{Linear, Module, VarBuilder};
 use serde::Deserialize;
 
@@ -73,6 +78,18 @@ impl PointsObjective {
     }
 }
 
+impl EmbeddingObjective for PointsObjective {
+    /// Both views of samples `rows` of the batch, `[n, 2, 3]`.
+    fn embed(&mut self, batch: &Batch, rows: std::ops::Range<usize>, _pg: &ProcessGroup) -> Result<Tensor> {
+        let Some(layer) = self.layer.as_ref() else { candle_core::bail!("align_uniform used before build") };
+        let part = batch.part(rows);
+        Tensor::stack(&[layer.forward(&self.views(&part, 1)?)?, layer.forward(&self.views(&part, 2)?)?], 1)
+    }
+    fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        align_uniform(&z.i((.., 0))?, &z.i((.., 1))?, pg)
+    }
+}
+
 impl Objective for PointsObjective {
     fn build(&mut self, vb: VarBuilder) -> Result<()> {
         self.layer = Some(candle_nn::linear(2, 3, vb.pp("embed"))?);
@@ -82,10 +99,10 @@ impl Objective for PointsObjective {
         self.samples
     }
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        let Some(layer) = self.layer.as_ref() else { candle_core::bail!("align_uniform used before build") };
-        let z1 = layer.forward(&self.views(batch, 1)?)?;
-        let z2 = layer.forward(&self.views(batch, 2)?)?;
-        align_uniform(&z1, &z2, pg)
+        loss_of_embedded_batch(self, batch, pg)
+    }
+    fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
+        Some(self)
     }
 }
 

@@ -1,7 +1,9 @@
 //! # allgrad-models
 //!
 //! Training objectives: each method (a model plus its distributed loss) implements
-//! [`Objective`], the one trait the trainer needs.
+//! [`Objective`], the one trait the trainer needs; methods whose loss is a function of
+//! per-sample embeddings also implement [`EmbeddingObjective`], which lets the trainer cache
+//! gradients (`train.cache_chunk`).
 //!
 //! - [`vectors::VectorContrastive`]: an MLP on seeded synthetic vector data with a local
 //!   NT-Xent loss (global negatives through the differentiable all_gather) or a replicated
@@ -29,4 +31,4 @@ pub mod simcse;
 pub mod vectors;
 
 pub use error::ModelError;
-pub use objective::{Batch, Objective};
+pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective};

@@ -2,6 +2,7 @@
 
 use allgrad_dist::ProcessGroup;
 use std::collections::HashMap;
+use std::ops::Range;
 
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
@@ -20,6 +21,14 @@ pub struct Batch<'a> {
     pub step: usize,
     /// The run's seed.
     pub seed: u64,
+}
+
+impl<'a> Batch<'a> {
+    /// The samples `rows` of this batch (positions in [`Batch::indices`]), same epoch, step
+    /// and seed: a chunk of it. Panics if `rows` is out of range, like slice indexing.
+    pub fn part(&self, rows: Range<usize>) -> Batch<'a> {
+        Batch { indices: &self.indices[rows], ..*self }
+    }
 }
 
 /// A method: parameters plus the loss of a local batch.
@@ -46,6 +55,13 @@ pub trait Objective: Send {
 
     /// This rank's loss (a scalar) on its part of the global batch.
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor>;
+
+    /// The objective as a function of per-sample embeddings, when it is one (see
+    /// [`EmbeddingObjective`]): the trainer needs it for gradient caching
+    /// (`train.cache_chunk`). Default: `None`, and a run with `train.cache_chunk` is refused.
+    fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
+        None
+    }
 
     /// Whether a parameter is sharded across ranks (each rank holds a different part, as in a
     /// class-sharded classification head). Sharded parameters are not all-reduced.
@@ -74,4 +90,84 @@ pub trait Objective: Send {
         }
         Ok(())
     }
+}
+
+/// An objective whose loss is a function of per-sample embeddings: `loss(batch) =
+/// loss_of_embeddings(embed(batch))`, where row i of the embeddings depends only on sample i
+/// (and on the parameters). SimCLR, SimCSE, BarlowTwins and classification heads on
+/// embeddings are of this form.
+///
+/// It lets the trainer cache gradients (GradCache; `train.cache_chunk: N` in the run
+/// config): it embeds the local batch in chunks of N samples without keeping activations,
+/// computes the loss of all local embeddings (whose collectives reach the global batch) and
+/// its gradient with respect to the embeddings, then embeds each chunk again with the graph
+/// and backpropagates the cached gradient of its rows. Activation memory is that of one
+/// chunk; the gradient is that of the plain step (see `allgrad_train::grad_cache`).
+///
+/// Two rules make the second embedding of a chunk equal the first:
+/// - every random choice (dropout, augmentation) is keyed by the global sample index (and
+///   seed, epoch or step, view), never by the call or the chunk, as [`Objective`] already
+///   asks;
+/// - batch statistics: a network with batch norm normalises each chunk with the chunk's
+///   statistics (over every rank's chunk with SyncBatchNorm), the same in both passes, but
+///   not those of the whole batch. A cached step then equals a plain step only for networks
+///   without batch statistics, or against a plain step that also normalises per chunk.
+///
+/// A method gets gradient caching with a few lines:
+///
+/// ```
+/// use std::ops::Range;
+/// use allgrad_dist::ProcessGroup;
+/// use allgrad_models::{Batch, EmbeddingObjective, Objective};
+/// use candle_core::{Device, Result, Tensor};
+/// use candle_nn::{Linear, Module, VarBuilder};
+///
+/// struct Mine { layer: Option<Linear> }
+///
+/// impl EmbeddingObjective for Mine {
+///     fn embed(&mut self, batch: &Batch, rows: Range<usize>, _pg: &ProcessGroup) -> Result<Tensor> {
+///         // Inputs of the chunk's samples, keyed by their global index.
+///         let x: Vec<f32> = batch.indices[rows.clone()].iter().map(|&i| i as f32).collect();
+///         let x = Tensor::from_vec(x, (rows.len(), 1), &Device::Cpu)?;
+///         let Some(layer) = &self.layer else { candle_core::bail!("used before build") };
+///         layer.forward(&x) // [chunk, d]
+///     }
+///     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, _pg: &ProcessGroup) -> Result<Tensor> {
+///         z.sqr()?.mean_all() // with collectives (all_gather, ...) for a global loss
+///     }
+/// }
+///
+/// impl Objective for Mine {
+///     fn build(&mut self, vb: VarBuilder) -> Result<()> {
+///         self.layer = Some(candle_nn::linear(1, 4, vb.pp("embed"))?);
+///         Ok(())
+///     }
+///     fn num_samples(&self) -> usize { 64 }
+///     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+///         allgrad_models::loss_of_embedded_batch(self, batch, pg)
+///     }
+///     fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
+///         Some(self)
+///     }
+/// }
+/// ```
+pub trait EmbeddingObjective {
+    /// The embeddings of samples `rows` of `batch` (positions in `batch.indices`; the trainer
+    /// passes the whole batch, then chunks of it): a tensor whose dim 0 has one entry per
+    /// sample of `rows`, in order (further dims are free, e.g. `[n, views, d]`). Training
+    /// mode (dropout on, batch statistics). Called twice per chunk in a cached step, with
+    /// the same arguments; both calls must return the same values.
+    fn embed(&mut self, batch: &Batch, rows: Range<usize>, pg: &ProcessGroup) -> Result<Tensor>;
+
+    /// This rank's loss (a scalar, as [`Objective::loss`]) from the embeddings of all its
+    /// samples (`embed`'s chunks concatenated along dim 0, one entry per sample of
+    /// `batch.indices`).
+    fn loss_of_embeddings(&mut self, embeddings: &Tensor, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor>;
+}
+
+/// The plain loss of an [`EmbeddingObjective`]: the embeddings of the whole batch, then their
+/// loss. What [`Objective::loss`] of such an objective returns.
+pub fn loss_of_embedded_batch(objective: &mut dyn EmbeddingObjective, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+    let z = objective.embed(batch, 0..batch.indices.len(), pg)?;
+    objective.loss_of_embeddings(&z, batch, pg)
 }

@@ -6,14 +6,14 @@
 //! W-ranks-equal-1-rank tests.
 
 use allgrad_dist::ProcessGroup;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::fail;
 use crate::losses::LossConfig;
 use crate::rng::{normals, stream};
-use crate::{Batch, ModelError, Objective};
+use crate::{Batch, EmbeddingObjective, ModelError, Objective};
 
 /// The synthetic data set.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -92,6 +92,20 @@ impl VectorContrastive {
     }
 }
 
+/// Embeddings `[n, 2, out]`: both views of each sample.
+impl EmbeddingObjective for VectorContrastive {
+    fn embed(&mut self, batch: &Batch, rows: std::ops::Range<usize>, _pg: &ProcessGroup) -> Result<Tensor> {
+        let part = batch.part(rows);
+        let z1 = self.encode(&self.views(&part, 1)?)?;
+        let z2 = self.encode(&self.views(&part, 2)?)?;
+        Tensor::stack(&[z1, z2], 1)
+    }
+
+    fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        self.loss.compute(&z.i((.., 0))?, &z.i((.., 1))?, pg)
+    }
+}
+
 impl Objective for VectorContrastive {
     fn build(&mut self, vb: VarBuilder) -> Result<()> {
         let l1 = candle_nn::linear(self.data.dim, self.model.hidden, vb.pp("encoder.0"))?;
@@ -105,9 +119,11 @@ impl Objective for VectorContrastive {
     }
 
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        let z1 = self.encode(&self.views(batch, 1)?)?;
-        let z2 = self.encode(&self.views(batch, 2)?)?;
-        self.loss.compute(&z1, &z2, pg)
+        crate::loss_of_embedded_batch(self, batch, pg)
+    }
+
+    fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
+        Some(self)
     }
 
     fn evaluate(&mut self, _pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

@@ -224,6 +224,7 @@ impl RunConfig {
                 t.global_batch, t.accumulate
             )));
         }
+        crate::grad_cache::check_config(t, world_size).map_err(bad)?;
         if t.epochs == 0 && t.max_steps.is_none() {
             return Err(bad("train.epochs is 0 and train.max_steps is not set: nothing to train".into()));
         }

@@ -69,6 +69,28 @@ pub enum TrainError {
         parameter: String,
     },
 
+    /// Gradient caching (`train.cache_chunk`): a chunk embedded the second time differs from
+    /// its first embedding, so the cached gradient would be wrong (see
+    /// [`crate::grad_cache`]).
+    #[error(
+        "train.cache_chunk: at step {step}, chunk {chunk} (samples {rows:?} of the rank's micro-batch) embedded again \
+         differs from its first embedding by {diff:.3e} (largest value {scale:.3e}): the objective's randomness is not \
+         replayed; key dropout and augmentations by (seed, step or epoch, global sample index, view), or remove \
+         train.cache_chunk"
+    )]
+    CacheReplay {
+        /// The step (from 1).
+        step: usize,
+        /// The chunk's number in the micro-batch, from 0.
+        chunk: usize,
+        /// Its samples (positions in the rank's micro-batch).
+        rows: std::ops::Range<usize>,
+        /// Largest absolute difference between the two embeddings.
+        diff: f64,
+        /// Largest absolute value of the first embedding.
+        scale: f64,
+    },
+
     /// A file of the run directory (metrics, config copy, plot) could not be written.
     #[error("{action} {path}: {source}")]
     Io {

@@ -19,6 +19,7 @@ pub mod cli;
 pub mod config;
 pub mod ddp;
 pub mod error;
+pub mod grad_cache;
 pub mod method;
 pub mod metrics;
 pub mod optim;

@@ -52,6 +52,12 @@ pub struct TrainSection {
     /// Evaluate at the end of every epoch and of the run.
     #[serde(default = "yes")]
     pub eval: bool,
+    /// Gradient caching: embed each rank's micro-batch in chunks of this many samples and
+    /// backpropagate the cached gradient of the embeddings chunk by chunk, so activation
+    /// memory is that of one chunk (see [`crate::grad_cache`]; the method must implement
+    /// `allgrad_models::EmbeddingObjective`). Absent: the plain step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_chunk: Option<usize>,
 }
 
 fn one() -> usize {
@@ -157,6 +163,7 @@ impl Trainer {
                 t.global_batch, t.accumulate
             )));
         }
+        crate::grad_cache::check_setup(t, w, objective.as_mut())?;
         let sampler = DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle);
         let per_epoch = sampler.steps_per_epoch();
         if per_epoch == 0 {
@@ -376,6 +383,11 @@ impl Trainer {
         let mut loss_sum = 0f64;
         for m in 0..acc {
             let batch = Batch { indices: &local[m * micro..(m + 1) * micro], epoch, step: self.step, seed: self.cfg.seed };
+            if let Some(chunk) = self.cfg.train.cache_chunk {
+                let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);
+                loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
+                continue;
+            }
             let loss = self.objective.loss(&batch, &self.pg)?;
             if loss.rank() != 0 {
                 return Err(TrainError::Setup(format!("the objective's loss must be a scalar, got shape {:?}", loss.dims())));

@@ -78,6 +78,7 @@ fn train(w: usize, dtype: DType, supervised: bool, steps: usize) -> Run {
             on_nonfinite: Default::default(),
             shuffle: true,
             eval: false,
+            cache_chunk: None,
         },
         optim: OptimConfig::Adamw { lr: 3e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
         schedule: ScheduleConfig { warmup_steps: 2, ..Default::default() },

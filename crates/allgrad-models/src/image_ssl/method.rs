@@ -19,7 +19,7 @@
 //! (tested in allgrad-train).
 
 use allgrad_dist::ProcessGroup;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::data::ImageData;
@@ -27,7 +27,7 @@ use super::projector::ImageModel;
 use super::two_view::TwoViewImages;
 use crate::batch_norm::Mode;
 use crate::losses::LossConfig;
-use crate::{Batch, Objective};
+use crate::{Batch, EmbeddingObjective, Objective};
 
 /// How the two views of a batch pass through the network.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +44,9 @@ pub struct TwoViewMethod {
     images: TwoViewImages,
     loss: LossConfig,
     batch: ViewBatch,
+    /// The views of the batch being embedded (its indices, epoch and seed, then the views),
+    /// kept between the chunks of a cached step.
+    views: Option<(Vec<usize>, usize, u64, Tensor, Tensor)>,
 }
 
 impl TwoViewMethod {
@@ -58,7 +61,7 @@ impl TwoViewMethod {
         dtype: DType,
     ) -> Result<Self> {
         loss.validate()?;
-        Ok(TwoViewMethod { images: TwoViewImages::new(data, model, device, dtype)?, loss, batch })
+        Ok(TwoViewMethod { images: TwoViewImages::new(data, model, device, dtype)?, loss, batch, views: None })
     }
 
     /// SimCLR: NT-Xent at `temperature`, both views in one batch.
@@ -85,6 +88,42 @@ impl TwoViewMethod {
     }
 }
 
+/// Embeddings `[n, 2, d]`: the projections of both views of each sample. Under gradient
+/// caching the network sees one chunk at a time, so batch norm normalises with the chunk's
+/// statistics (SimCLR: both views of the chunk together; BarlowTwins: each view of the chunk
+/// on its own), in both passes alike: a cached step differs from a plain one by exactly
+/// that (see `allgrad_train::grad_cache`). The views of the whole batch are built once (on
+/// the loader's threads when planned) and kept for its chunks.
+impl EmbeddingObjective for TwoViewMethod {
+    fn embed(&mut self, batch: &Batch, chunk: std::ops::Range<usize>, pg: &ProcessGroup) -> Result<Tensor> {
+        let same = |v: &(Vec<usize>, usize, u64, Tensor, Tensor)| v.0 == batch.indices && v.1 == batch.epoch && v.2 == batch.seed;
+        let views = match self.views.take() {
+            Some(v) if same(&v) => v,
+            old => {
+                drop(old); // free the old views first
+                let (v1, v2) = self.images.views(batch)?;
+                (batch.indices.to_vec(), batch.epoch, batch.seed, v1, v2)
+            }
+        };
+        let (v1, v2) = (views.3.narrow(0, chunk.start, chunk.len())?, views.4.narrow(0, chunk.start, chunk.len())?);
+        self.views = Some(views);
+        let mode = Mode { train: true, pg };
+        let (z1, z2) = match self.batch {
+            ViewBatch::Joint => {
+                let b = chunk.len();
+                let z = self.images.embed(&Tensor::cat(&[&v1, &v2], 0)?, mode)?;
+                (z.narrow(0, 0, b)?, z.narrow(0, b, b)?)
+            }
+            ViewBatch::PerView => (self.images.embed(&v1, mode)?, self.images.embed(&v2, mode)?),
+        };
+        Tensor::stack(&[z1, z2], 1)
+    }
+
+    fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        self.loss.compute(&z.i((.., 0))?, &z.i((.., 1))?, pg)
+    }
+}
+
 impl Objective for TwoViewMethod {
     fn build(&mut self, vb: VarBuilder) -> Result<()> {
         self.images.build(vb)
@@ -99,17 +138,13 @@ impl Objective for TwoViewMethod {
     }
 
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        let (v1, v2) = self.images.views(batch)?;
-        let mode = Mode { train: true, pg };
-        let (z1, z2) = match self.batch {
-            ViewBatch::Joint => {
-                let b = batch.indices.len();
-                let z = self.images.embed(&Tensor::cat(&[&v1, &v2], 0)?, mode)?;
-                (z.narrow(0, 0, b)?, z.narrow(0, b, b)?)
-            }
-            ViewBatch::PerView => (self.images.embed(&v1, mode)?, self.images.embed(&v2, mode)?),
-        };
-        self.loss.compute(&z1, &z2, pg)
+        let loss = crate::loss_of_embedded_batch(self, batch, pg);
+        self.views = None;
+        loss
+    }
+
+    fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
+        Some(self)
     }
 
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

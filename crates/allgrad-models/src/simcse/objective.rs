@@ -1,13 +1,13 @@
 //! The SimCSE objective: a BERT encoder trained with InfoNCE over the global batch.
 
 use allgrad_dist::ProcessGroup;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::config::{SimCseData, SimCseLoss, SimCseModel};
 use super::info_nce::{info_nce, info_nce_hard_negatives};
 use crate::bert::{BertConfig, BertFolder, BertModel, BertTokenizer, Checkpoint, Dense, DropoutKey, Pooling, TokenBatch};
-use crate::{Batch, Objective};
+use crate::{Batch, EmbeddingObjective, Objective};
 
 /// SimCSE (Gao et al., 2021). Unsupervised data: every sentence is encoded twice in one
 /// batch (views 0 and 1, different dropout masks) and anchors (view 0) are scored against the
@@ -119,12 +119,27 @@ impl Objective for SimCse {
     }
 
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        let b = batch.indices.len();
+        crate::loss_of_embedded_batch(self, batch, pg)
+    }
+
+    fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
+        Some(self)
+    }
+}
+
+/// Embeddings `[n, views, d]`: each sample's sentences (unsupervised: the sentence twice,
+/// views 0 and 1; supervised: anchor, positive and hard negative), their dropout masks keyed
+/// by the global sample index, so a chunk embedded twice gets the same masks. (Gradient
+/// caching: each chunk is padded to its own longest sentence; padded keys are masked out.)
+impl EmbeddingObjective for SimCse {
+    fn embed(&mut self, batch: &Batch, chunk: std::ops::Range<usize>, _pg: &ProcessGroup) -> Result<Tensor> {
+        let part = batch.part(chunk);
+        let b = part.indices.len();
         let views = if self.supervised { 3 } else { 2 };
         let mut rows = Vec::with_capacity(views * b);
         let mut keys = Vec::with_capacity(views * b);
         for v in 0..views {
-            for &i in batch.indices {
+            for &i in part.indices {
                 let sample = self.tokens.get(i).ok_or_else(|| {
                     candle_core::Error::Msg(format!("simcse: sample {i} out of range ({} samples)", self.tokens.len()))
                 })?;
@@ -133,11 +148,16 @@ impl Objective for SimCse {
             }
         }
         let tokens = TokenBatch::from_ids(rows, self.pad_id, &self.device)?;
-        let key = DropoutKey { seed: batch.seed, step: batch.step as u64, rows: keys };
-        let z = self.train_embeddings(&tokens, &key)?;
-        let (a, p) = (z.narrow(0, 0, b)?, z.narrow(0, b, b)?);
+        let key = DropoutKey { seed: part.seed, step: part.step as u64, rows: keys };
+        let z = self.train_embeddings(&tokens, &key)?; // [views * b, d], view-major
+        z.reshape((views, b, ()))?.transpose(0, 1)?.contiguous()
+    }
+
+    fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        let view = |v: usize| z.i((.., v));
+        let (a, p) = (view(0)?, view(1)?);
         if self.supervised {
-            let n = z.narrow(0, 2 * b, b)?;
+            let n = view(2)?;
             info_nce_hard_negatives(&a, &p, &n, self.loss_cfg.temperature, self.loss_cfg.hard_negative_weight, pg)
         } else {
             info_nce(&a, &p, self.loss_cfg.temperature, pg)
