@@ -11,6 +11,9 @@
 # reason is printed. A failing `cargo check` always fails. ALLGRAD_REQUIRE_CUDA_CHECK=1 makes
 # a skip a failure too.
 #
+# The wheel versions are pinned (ALLGRAD_CUDA_WHEELS overrides the list), so that a new CUDA
+# release on PyPI cannot fail the check for a reason other than allgrad's code.
+#
 # Variables: ALLGRAD_CUDA_VENV (default: $TMPDIR/allgrad-cuda-venv, reused when present),
 # CARGO_TARGET_DIR (default: target/cuda-check under the repository, kept apart from the
 # CPU build's artefacts because the features change every candle crate),
@@ -33,13 +36,15 @@ case "$(realpath -m "$venv")/" in
 "$(pwd -P)"/*) skip "ALLGRAD_CUDA_VENV=$venv lies inside the repository; choose a directory outside it" ;;
 esac
 
+wheels="${ALLGRAD_CUDA_WHEELS:-nvidia-cuda-nvcc==13.5.37 nvidia-cuda-runtime==13.5.37 nvidia-cuda-cccl==13.3.5.0.6}"
 command -v python3 >/dev/null 2>&1 || skip "no python3 on PATH to install nvcc from PyPI"
+command -v g++ >/dev/null 2>&1 || skip "no g++ on PATH: nvcc needs it for the host side of candle's kernels"
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv" >/dev/null 2>&1 || skip "python3 -m venv $venv failed (python3-venv missing?)"
 fi
 start=$(date +%s)
-if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-cccl >"$venv/pip.log" 2>&1; then
+# shellcheck disable=SC2086 # the list is split on purpose
+if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $wheels >"$venv/pip.log" 2>&1; then
     tail -n 5 "$venv/pip.log" >&2 || true
     skip "pip could not install the CUDA wheels from PyPI (log: $venv/pip.log)"
 fi

@@ -315,7 +315,7 @@ where
                 let elem = std::mem::size_of::<T>() as u64;
                 gc.run(names, |c, st| {
                     result::group_start()?;
-                    for j in (0..w).filter(|j| *j != me) {
+                    let launched = (0..w).filter(|j| *j != me).try_for_each(|j| {
                         let (sn, rn) = (send_rows[j] * row, recv_rows[j] * row);
                         // SAFETY: the pointers address blocks inside the input and output,
                         // whose lengths the row counts (exchanged over TCP) bound.
@@ -327,8 +327,11 @@ where
                                 result::recv((op_ + roff[j] as u64 * elem) as _, rn, T::as_nccl_type(), j as i32, c, st)?;
                             }
                         }
-                    }
-                    result::group_end().map(|_| ())
+                        Ok(())
+                    });
+                    // The group is closed even when a send or receive failed to enqueue.
+                    let ended = result::group_end();
+                    launched.and(ended.map(|_| ()))
                 })
             })?;
             Ok(wrap(out, shape_of(total, &rest), Some(recv_rows)))
