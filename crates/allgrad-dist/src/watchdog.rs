@@ -96,6 +96,7 @@ impl Watchdog {
     }
 
     /// The call that timed out and made the watchdog abort the communicator, if any.
+    #[cfg(test)]
     pub(crate) fn aborted(&self) -> Option<String> {
         match &self.shared.lock().phase {
             Phase::Aborted { what } => Some(what.clone()),

@@ -209,7 +209,7 @@ where
             }
             let mut padded_out = if even { None } else { Some(alloc(w * max * row)?) };
             let what = || format!("all_gather of {dtype:?} rows {sizes:?} x {rest:?} on CUDA");
-            pg.call_checked::<T, _>(OpCode::AllGather, None, &words(rest), what, |mut p| {
+            pg.call_checked::<T, _>(OpCode::AllGather, None, &words(&rest), what, |mut p| {
                 let names = p.names();
                 let gc = comm_for(&mut p, &dev)?;
                 let (sp, _rs) = match &padded_in {
@@ -339,7 +339,7 @@ where
     }
 }
 
-fn split<'a>(dims: &'a [usize], what: &str) -> DistResult<(usize, Vec<usize>)> {
+fn split(dims: &[usize], what: &str) -> DistResult<(usize, Vec<usize>)> {
     match dims.split_first() {
         Some((d0, rest)) => Ok((*d0, rest.to_vec())),
         None => Err(DistError::Invalid(format!("{what} needs a tensor with at least one dimension, got a scalar"))),
