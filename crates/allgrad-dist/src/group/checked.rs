@@ -104,7 +104,7 @@ mod tests {
             Ok(r.map_err(|e| {
                 let msg = e.to_string();
                 assert!(
-                    matches!(e, DistError::Mismatch { .. } | DistError::Poisoned { .. } | DistError::PeerAborted { .. }),
+                    matches!(e, DistError::Mismatch { .. } | DistError::Poisoned { .. } | DistError::PeerAborted { .. } | DistError::PeerClosed { .. }),
                     "{msg}"
                 );
                 msg
