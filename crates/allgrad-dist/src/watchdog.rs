@@ -8,6 +8,8 @@
 //! caller fails with [`DistError::Timeout`] naming the call, and every later call on the
 //! communicator fails at once, naming the call that timed out. The watchdog never aborts
 //! between calls, and never before a call's own deadline: each call gets the full timeout.
+//! A call whose wait reports an error (the communicator's own, or a peer's failure seen on
+//! the TCP mesh) also aborts the communicator, since the collective can no longer complete.
 //!
 //! It is generic over [`Abort`] so that its state machine is tested on any build, against a
 //! fake communicator that hangs (the tests below); the NCCL backend implements [`Abort`] for
@@ -33,7 +35,7 @@ pub(crate) trait Abort: Send + Sync + 'static {
 enum Phase {
     Idle,
     Armed { what: String, deadline: Instant },
-    Aborted { what: String },
+    Aborted { what: String, why: String },
 }
 
 struct State {
@@ -57,6 +59,7 @@ pub(crate) struct Watchdog {
     shared: Arc<Shared>,
     group: String,
     timeout: Duration,
+    comm: Arc<dyn Abort>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -69,11 +72,12 @@ impl Watchdog {
         let shared = Arc::new(Shared { state: Mutex::new(State { phase: Phase::Idle, stop: false }), wake: Condvar::new() });
         let s = shared.clone();
         let name = group.to_string();
+        let watched = comm.clone();
         let thread = std::thread::Builder::new()
             .name("allgrad-watchdog".into())
-            .spawn(move || watch(&s, comm.as_ref(), &name))
+            .spawn(move || watch(&s, watched.as_ref(), &name, timeout))
             .map_err(|e| DistError::io(format!("starting the watchdog of group {group}"), e))?;
-        Ok(Watchdog { shared, group: group.to_string(), timeout, thread: Some(thread) })
+        Ok(Watchdog { shared, group: group.to_string(), timeout, comm, thread: Some(thread) })
     }
 
     /// Arms the watchdog for the call described by `what`, which is about to be launched.
@@ -81,7 +85,7 @@ impl Watchdog {
     pub(crate) fn arm(&self, what: &str) -> DistResult<Armed<'_>> {
         let mut st = self.shared.lock();
         match &st.phase {
-            Phase::Aborted { what: first } => return Err(self.poisoned(first)),
+            Phase::Aborted { what: first, why } => return Err(self.poisoned(first, why)),
             Phase::Armed { what: other, .. } => {
                 return Err(DistError::Invalid(format!(
                     "{what} on group {}: the communicator is still running {other} (one call at a time)",
@@ -99,16 +103,13 @@ impl Watchdog {
     #[cfg(test)]
     pub(crate) fn aborted(&self) -> Option<String> {
         match &self.shared.lock().phase {
-            Phase::Aborted { what } => Some(what.clone()),
+            Phase::Aborted { what, .. } => Some(what.clone()),
             _ => None,
         }
     }
 
-    fn poisoned(&self, first: &str) -> DistError {
-        DistError::Poisoned {
-            group: self.group.clone(),
-            first: format!("{first} timed out after {:?} and the watchdog aborted the communicator", self.timeout),
-        }
+    fn poisoned(&self, first: &str, why: &str) -> DistError {
+        DistError::Poisoned { group: self.group.clone(), first: format!("{first} {why}, and its NCCL communicator was aborted") }
     }
 
     fn timed_out(&self, what: &str) -> DistError {
@@ -135,19 +136,32 @@ pub(crate) struct Armed<'a> {
 }
 
 impl Armed<'_> {
-    /// Polls `done` (is the call complete? it may also report the communicator's own errors)
-    /// until it says yes, or until the watchdog aborted the communicator: then the error is a
-    /// [`DistError::Timeout`] naming the call. `done` runs under the watchdog's lock, so the
-    /// communicator cannot be aborted while `done` is using it.
+    /// Polls `done` (is the call complete? it may also report the communicator's errors or a
+    /// peer's failure) until it says yes, or until the watchdog aborted the communicator:
+    /// then the error is a [`DistError::Timeout`] naming the call. When `done` reports an
+    /// error, the communicator is aborted and the error returned. `done` runs under the
+    /// watchdog's lock, so the communicator cannot be aborted while `done` is using it.
     pub(crate) fn wait(self, mut done: impl FnMut() -> DistResult<bool>) -> DistResult<()> {
         loop {
             {
-                let st = self.dog.shared.lock();
-                if let Phase::Aborted { what } = &st.phase {
-                    return Err(self.dog.timed_out(what));
-                }
-                if done()? {
-                    return Ok(());
+                let mut st = self.dog.shared.lock();
+                let what = match &st.phase {
+                    Phase::Aborted { what, .. } => return Err(self.dog.timed_out(what)),
+                    Phase::Armed { what, .. } => what.clone(),
+                    Phase::Idle => String::new(),
+                };
+                match done() {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
+                    Err(e) => {
+                        // Marked first, under the lock: no caller touches the communicator after.
+                        st.phase = Phase::Aborted { what, why: format!("failed ({e})") };
+                        drop(st);
+                        if let Err(a) = self.dog.comm.abort() {
+                            tracing::error!("group {}: aborting the communicator failed: {a}", self.dog.group);
+                        }
+                        return Err(e);
+                    }
                 }
             }
             std::thread::sleep(POLL_INTERVAL);
@@ -165,7 +179,7 @@ impl Drop for Armed<'_> {
 }
 
 /// The watchdog thread: sleeps until the armed call's deadline, then aborts.
-fn watch<C: Abort + ?Sized>(shared: &Shared, comm: &C, group: &str) {
+fn watch<C: Abort + ?Sized>(shared: &Shared, comm: &C, group: &str, timeout: Duration) {
     let mut st = shared.lock();
     loop {
         if st.stop {
@@ -177,7 +191,7 @@ fn watch<C: Abort + ?Sized>(shared: &Shared, comm: &C, group: &str) {
                 if now >= *deadline {
                     let what = what.clone();
                     // Marked first, under the lock: no caller touches the communicator after.
-                    st.phase = Phase::Aborted { what: what.clone() };
+                    st.phase = Phase::Aborted { what: what.clone(), why: format!("timed out after {timeout:?}") };
                     drop(st);
                     tracing::error!("group {group}: {what} passed its deadline; aborting the communicator");
                     if let Err(e) = comm.abort() {
@@ -235,7 +249,7 @@ mod tests {
         assert!(dog.arm(CALL).unwrap().wait(|| Ok(false)).is_err());
         let e = dog.arm("broadcast(src 0) of F32 [2]").err().expect("an aborted communicator takes no call");
         assert!(matches!(e, DistError::Poisoned { .. }), "{e:?}");
-        assert!(e.to_string().contains(CALL) && e.to_string().contains("world/1"), "{e}");
+        assert!(e.to_string().contains(CALL) && e.to_string().contains("world/1") && e.to_string().contains("timed out"), "{e}");
         // The communicator is aborted once, not once per call.
         std::thread::sleep(Duration::from_millis(100));
         assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
@@ -261,13 +275,31 @@ mod tests {
     }
 
     #[test]
-    fn an_error_reported_while_waiting_is_returned_and_disarms() {
+    fn an_error_seen_while_waiting_aborts_at_once_and_poisons_later_calls() {
         let comm = Arc::new(Hanging::default());
-        let dog = Watchdog::start(comm.clone(), "world", Duration::from_millis(100)).unwrap();
-        let e = dog.arm(CALL).unwrap().wait(|| Err(DistError::Invalid("remote error".into()))).unwrap_err();
-        assert_eq!(e.to_string(), "remote error");
-        std::thread::sleep(Duration::from_millis(200));
-        assert_eq!(comm.aborts.load(Ordering::SeqCst), 0, "a call that ended with an error must be disarmed");
+        let dog = Watchdog::start(comm.clone(), "world", Duration::from_secs(3600)).unwrap();
+        let t0 = Instant::now();
+        let mut polls = 0;
+        let e = dog
+            .arm(CALL)
+            .unwrap()
+            .wait(|| {
+                polls += 1;
+                if polls < 20 {
+                    Ok(false)
+                } else {
+                    Err(DistError::PeerAborted { peer: 1, group: "world".into(), reason: "rank 1 failed: out of memory".into() })
+                }
+            })
+            .unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(60), "the error must not wait for the deadline");
+        assert!(e.to_string().contains("out of memory"), "{e}");
+        // The hung collective cannot complete: the communicator is aborted, once.
+        assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
+        let later = dog.arm("barrier").err().expect("an aborted communicator takes no call").to_string();
+        assert!(later.contains(CALL) && later.contains("out of memory"), "{later}");
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
     }
 
     #[test]
@@ -285,7 +317,8 @@ mod tests {
         let comm = Arc::new(Hanging::default());
         let dog = Watchdog::start(comm.clone(), "world", Duration::from_secs(3600)).unwrap();
         dog.arm(CALL).unwrap().wait(|| Ok(true)).unwrap();
-        assert_eq!(Arc::strong_count(&comm), 2);
+        // This test's, the watchdog's and its thread's.
+        assert_eq!(Arc::strong_count(&comm), 3);
         drop(dog);
         assert_eq!(Arc::strong_count(&comm), 1);
         assert_eq!(comm.aborts.load(Ordering::SeqCst), 0);

@@ -14,7 +14,7 @@ use crate::collectives::Call;
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::error::DistError;
 use crate::error::DistResult;
-use crate::mesh::{OpCode, NCCL_STEP};
+use crate::mesh::{Mesh, OpCode, NCCL_STEP};
 use crate::reduce::{Elem, ReduceOp};
 use crate::store::StoreClient;
 use crate::wire::digest;
@@ -35,6 +35,8 @@ pub(crate) struct Elsewhere<'a> {
     pub store: Option<&'a StoreClient>,
     /// The group's timeout.
     pub timeout: Duration,
+    /// The group's TCP mesh, to notice peers that fail while the data moves elsewhere.
+    pub mesh: &'a Mesh,
     /// The group's NCCL communicator, once made.
     #[cfg(feature = "nccl")]
     pub nccl: &'a mut Option<crate::nccl::GroupComm>,
@@ -82,6 +84,7 @@ impl ProcessGroup {
             world_size: self.world_size(),
             store: self.inner.ctx.store.as_ref(),
             timeout: self.timeout(),
+            mesh: &st.mesh,
             #[cfg(feature = "nccl")]
             nccl: &mut st.nccl,
         };
@@ -104,7 +107,13 @@ mod tests {
             Ok(r.map_err(|e| {
                 let msg = e.to_string();
                 assert!(
-                    matches!(e, DistError::Mismatch { .. } | DistError::Poisoned { .. } | DistError::PeerAborted { .. } | DistError::PeerClosed { .. }),
+                    matches!(
+                        e,
+                        DistError::Mismatch { .. }
+                            | DistError::Poisoned { .. }
+                            | DistError::PeerAborted { .. }
+                            | DistError::PeerClosed { .. }
+                    ),
                     "{msg}"
                 );
                 msg

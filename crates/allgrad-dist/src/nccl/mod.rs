@@ -30,6 +30,7 @@ use cudarc::nccl::{result, sys};
 
 use crate::error::{DistError, DistResult};
 use crate::group::{Elsewhere, Names};
+use crate::mesh::Mesh;
 use crate::reduce::ReduceOp;
 use crate::unique_id::{share_unique_id, UNIQUE_ID_BYTES};
 use crate::watchdog::{Abort, Watchdog};
@@ -128,10 +129,13 @@ fn comm_for<'p>(place: &'p mut Elsewhere<'_>, device: &CudaDevice) -> DistResult
 
 impl GroupComm {
     /// Launches one NCCL operation (or group of operations) through `launch`, which receives
-    /// the communicator and the stream, and waits for it under the watchdog.
+    /// the communicator and the stream, and waits for it under the watchdog. While waiting it
+    /// also looks at the group's TCP mesh: a peer that failed (and said so, or closed its
+    /// connections) makes this rank abort the communicator and fail at once, naming it.
     fn run(
         &self,
         names: Names<'_>,
+        mesh: &Mesh,
         launch: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<(), result::NcclError>,
     ) -> DistResult<()> {
         let armed = self.watchdog.arm(names.what)?;
@@ -141,6 +145,9 @@ impl GroupComm {
         armed.wait(|| {
             if done.try_is_complete().map_err(|e| nccl_error(names, "waiting", format!("{e:?}")))? {
                 return Ok(true);
+            }
+            if let Some(e) = mesh.peer_failure(names.what) {
+                return Err(e);
             }
             let mut state = sys::ncclResult_t::ncclSuccess;
             // SAFETY: runs under the watchdog's lock while the communicator is not aborted.

@@ -154,12 +154,12 @@ where
             let mut out = alloc(n)?;
             let what = || format!("all_reduce({op:?}) of {dtype:?} {dims:?} on CUDA");
             pg.call_checked::<T, _>(OpCode::AllReduce, Some(*op), &words(dims), what, |mut p| {
-                let names = p.names();
+                let (names, mesh) = (p.names(), p.mesh);
                 let gc = comm_for(&mut p, &dev)?;
                 let (sp, _rs) = src.device_ptr(&stream);
                 let (op_, _ro) = out.device_ptr_mut(&stream);
                 // SAFETY: both buffers hold `n` elements of T on the communicator's device.
-                gc.run(names, |c, st| {
+                gc.run(names, mesh, |c, st| {
                     unsafe { result::all_reduce(sp as _, op_ as _, n, T::as_nccl_type(), nccl_op(*op), c, st) }.map(|_| ())
                 })
             })?;
@@ -177,14 +177,14 @@ where
             meta.push(*root as u64);
             let what = || format!("{kind:?} of {dtype:?} {dims:?} on CUDA");
             pg.call_checked::<T, _>(code, redop, &meta, what, |mut p| {
-                let names = p.names();
+                let (names, mesh) = (p.names(), p.mesh);
                 let gc = comm_for(&mut p, &dev)?;
                 let (sp, _rs) = src.device_ptr(&stream);
                 let (op_, _ro) = out.device_ptr_mut(&stream);
                 let r = *root as i32;
                 // SAFETY: both buffers hold `n` elements of T; on non-roots a reduce leaves
                 // `out` (a copy of the input) alone.
-                gc.run(names, |c, st| match redop {
+                gc.run(names, mesh, |c, st| match redop {
                     Some(op) => {
                         unsafe { result::reduce(sp as _, op_ as _, n, T::as_nccl_type(), nccl_op(op), r, c, st) }.map(|_| ())
                     }
@@ -210,7 +210,7 @@ where
             let mut padded_out = if even { None } else { Some(alloc(w * max * row)?) };
             let what = || format!("all_gather of {dtype:?} rows {sizes:?} x {rest:?} on CUDA");
             pg.call_checked::<T, _>(OpCode::AllGather, None, &words(&rest), what, |mut p| {
-                let names = p.names();
+                let (names, mesh) = (p.names(), p.mesh);
                 let gc = comm_for(&mut p, &dev)?;
                 let (sp, _rs) = match &padded_in {
                     Some(b) => b.device_ptr(&stream),
@@ -222,7 +222,7 @@ where
                 };
                 let count = max * row;
                 // SAFETY: the input holds `count` elements, the output W x `count`.
-                gc.run(names, |c, st| {
+                gc.run(names, mesh, |c, st| {
                     unsafe { result::all_gather(sp as _, op_ as _, count, T::as_nccl_type(), c, st) }.map(|_| ())
                 })
             })?;
@@ -254,7 +254,7 @@ where
             meta.extend(blocks.iter().map(|b| *b as u64));
             let what = || format!("reduce_scatter({op:?}) of {dtype:?} {dims:?} into {blocks:?} on CUDA");
             pg.call_checked::<T, _>(OpCode::ReduceScatter, Some(*op), &meta, what, |mut p| {
-                let names = p.names();
+                let (names, mesh) = (p.names(), p.mesh);
                 let gc = comm_for(&mut p, &dev)?;
                 let (sp, _rs) = src.device_ptr(&stream);
                 let nop = nccl_op(*op);
@@ -262,14 +262,14 @@ where
                     // SAFETY: the input holds W x `me` elements, the output `me`.
                     None => {
                         let (op_, _ro) = out.device_ptr_mut(&stream);
-                        gc.run(names, |c, st| {
+                        gc.run(names, mesh, |c, st| {
                             unsafe { result::reduce_scatter(sp as _, op_ as _, me, T::as_nccl_type(), nop, c, st) }.map(|_| ())
                         })
                     }
                     // SAFETY: both buffers hold `n` elements.
                     Some(f) => {
                         let (fp, _rf) = f.device_ptr_mut(&stream);
-                        gc.run(names, |c, st| {
+                        gc.run(names, mesh, |c, st| {
                             unsafe { result::all_reduce(sp as _, fp as _, n, T::as_nccl_type(), nop, c, st) }.map(|_| ())
                         })
                     }
@@ -308,12 +308,12 @@ where
             )?;
             let what = || format!("all_to_all of {dtype:?} rows {send_rows:?} x {rest:?} on CUDA");
             pg.call_checked::<T, _>(OpCode::AllToAll, None, &words(&rest), what, |mut p| {
-                let names = p.names();
+                let (names, mesh) = (p.names(), p.mesh);
                 let gc = comm_for(&mut p, &dev)?;
                 let (sp, _rs) = src.device_ptr(&stream);
                 let (op_, _ro) = out.device_ptr_mut(&stream);
                 let elem = std::mem::size_of::<T>() as u64;
-                gc.run(names, |c, st| {
+                gc.run(names, mesh, |c, st| {
                     result::group_start()?;
                     let launched = (0..w).filter(|j| *j != me).try_for_each(|j| {
                         let (sn, rn) = (send_rows[j] * row, recv_rows[j] * row);
