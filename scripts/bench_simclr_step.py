@@ -29,6 +29,8 @@ def parse_args():
     ap.add_argument("--batch", type=int, default=64, help="samples per step (2B views)")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads")
     ap.add_argument("--width", type=int, default=64, help="channels of the first ResNet stage")
+    ap.add_argument("--depth", type=int, default=18, choices=(18, 50), help="ResNet depth")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the step runs (the layer breakdown: CPU only)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps when run alone")
     ap.add_argument("--worker", action="store_true", help="serve step/layers/quit commands on stdin")
     return ap.parse_args()
@@ -62,18 +64,41 @@ class Block(nn.Module):
         return F.relu(out + (x if self.down is None else self.down(x)))
 
 
+class Bottleneck(nn.Module):
+    def __init__(self, cin, mid, stride):
+        super().__init__()
+        cout = 4 * mid
+        self.convs = nn.ModuleList([nn.Conv2d(cin, mid, 1, bias=False), nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.Conv2d(mid, cout, 1, bias=False)])
+        self.bns = nn.ModuleList([nn.BatchNorm2d(mid), nn.BatchNorm2d(mid), nn.BatchNorm2d(cout)])
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = x
+        for i, (conv, bn) in enumerate(zip(self.convs, self.bns)):
+            out = bn(conv(out))
+            out = F.relu(out) if i < 2 else out
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
 class ResNet18(nn.Module):
-    def __init__(self, width):
+    """ResNet-18 (depth 18: basic blocks) or ResNet-50 (depth 50: bottlenecks), CIFAR stem."""
+
+    def __init__(self, width, depth=18):
         super().__init__()
         self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
+        counts = (2, 2, 2, 2) if depth == 18 else (3, 4, 6, 3)
         layers, cin = [], width
         for stage in range(4):
             cout = width << stage
-            for i in range(2):
-                layers.append(Block(cin, cout, 2 if stage > 0 and i == 0 else 1))
-                cin = cout
+            for i in range(counts[stage]):
+                stride = 2 if stage > 0 and i == 0 else 1
+                layers.append(Block(cin, cout, stride) if depth == 18 else Bottleneck(cin, cout, stride))
+                cin = cout if depth == 18 else 4 * cout
         self.layers = nn.Sequential(*layers)
+        self.feature_dim = cin
 
     def forward(self, x):
         h = self.layers(F.relu(self.bn1(self.conv1(x))))
@@ -85,7 +110,7 @@ def nt_xent(z1, z2, t):
     n = z1.shape[0]
     logits = z @ z.t() / t
     logits.fill_diagonal_(float("-inf"))
-    target = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)])
+    target = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]).to(z.device)
     return F.cross_entropy(logits, target)
 
 
@@ -97,23 +122,28 @@ def usage():
 class Step:
     """The model, optimizer and input of one batch size; `run` times one training step."""
 
-    def __init__(self, batch, width):
+    def __init__(self, batch, width, depth=18, device="cpu"):
         torch.manual_seed(0)
         self.b = batch
-        self.enc = ResNet18(width)
-        self.proj = nn.Sequential(nn.Linear(8 * width, 2048), nn.ReLU(), nn.Linear(2048, 128))
+        self.enc = ResNet18(width, depth).to(device)
+        self.proj = nn.Sequential(nn.Linear(self.enc.feature_dim, 2048), nn.ReLU(), nn.Linear(2048, 128)).to(device)
         self.opt = torch.optim.SGD(list(self.enc.parameters()) + list(self.proj.parameters()), lr=0.1)
-        self.x = torch.randn(2 * batch, 3, 32, 32)
+        self.x = torch.randn(2 * batch, 3, 32, 32, device=device)
+        # On a GPU, phase boundaries wait for the device (as allgrad's side does).
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run(self):
         start = usage()
         z = self.proj(self.enc(self.x))
         loss = nt_xent(z[: self.b], z[self.b :], 0.5)
+        self.sync()
         t_fwd = time.perf_counter()
         self.opt.zero_grad()
         loss.backward()
+        self.sync()
         t_bwd = time.perf_counter()
         self.opt.step()
+        self.sync()
         t_opt = time.perf_counter()
         del z, loss
         end = usage()
@@ -211,7 +241,7 @@ def layer_times(batch, width):
 
 def main():
     torch.set_num_threads(ARGS.threads)
-    step = Step(ARGS.batch, ARGS.width)
+    step = Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device)
     if not ARGS.worker:
         for _ in range(ARGS.steps + 1):  # the first step warms up
             print(step.run(), flush=True)

@@ -48,6 +48,13 @@ struct Args {
     /// allgrad only.
     #[arg(long)]
     no_torch: bool,
+    /// Where both implementations run: `cpu`, or `cuda` (GPU 0; allgrad built with
+    /// `--features cuda`, PyTorch with CUDA). The layer breakdown is CPU only.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// ResNet depth: 18 or 50.
+    #[arg(long, default_value_t = 18)]
+    depth: usize,
     /// 1-minute load average above which the machine counts as busy.
     #[arg(long, default_value_t = 0.5)]
     busy_load: f64,
@@ -69,6 +76,12 @@ fn main() -> anyhow::Result<()> {
     allgrad::tune_allocator();
     let args = Args::parse();
     anyhow::ensure!(args.threads > 0 && args.rounds > 0 && args.width > 0, "--threads, --rounds and --width must be positive");
+    anyhow::ensure!(matches!(args.device.as_str(), "cpu" | "cuda"), "--device must be cpu or cuda, not {:?}", args.device);
+    anyhow::ensure!(matches!(args.depth, 18 | 50), "--depth must be 18 or 50, not {}", args.depth);
+    anyhow::ensure!(
+        args.device == "cpu" || args.breakdown_rounds == 0,
+        "the layer breakdown runs on the CPU only: pass --breakdown-rounds 0"
+    );
     // Before any pool starts: rayon's global pool and Candle's read these once.
     for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
         std::env::set_var(var, args.threads.to_string());
@@ -91,9 +104,30 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
-    println!("\n== batch {batch} ({} views), width {}, {} rounds", 2 * batch, args.width, args.rounds);
-    let mut ours = AllgradStep::new(batch, args.width)?;
-    let mut peer = if args.no_torch { None } else { Peer::spawn(python, batch, args.width, args.threads)? };
+    println!(
+        "\n== batch {batch} ({} views), ResNet-{}, width {}, {} rounds, on {}",
+        2 * batch,
+        args.depth,
+        args.width,
+        args.rounds,
+        args.device
+    );
+    let device = if args.device == "cuda" { candle_core::Device::new_cuda(0)? } else { candle_core::Device::Cpu };
+    let mut ours = AllgradStep::new(batch, args.width, args.depth, &device)?;
+    let mut peer = if args.no_torch {
+        None
+    } else {
+        Peer::spawn(
+            python,
+            batch,
+            &[
+                ("width", args.width.to_string()),
+                ("depth", args.depth.to_string()),
+                ("threads", args.threads.to_string()),
+                ("device", args.device.clone()),
+            ],
+        )?
+    };
     if let Some(p) = &peer {
         println!("PyTorch worker: {} ({python})", p.banner);
     }

@@ -32,11 +32,14 @@ fn fields(line: &str, tag: &str) -> anyhow::Result<Sample> {
 }
 
 impl Peer {
-    /// Starts the worker for `batch` with `python`; `Ok(None)` when PyTorch is not installed
-    /// (the worker exits with status 2).
-    pub fn spawn(python: &str, batch: usize, width: usize, threads: usize) -> anyhow::Result<Option<Peer>> {
+    /// Starts the worker for `batch` with `python` and the options `--NAME VALUE` of
+    /// `options`; `Ok(None)` when PyTorch is not installed (the worker exits with status 2).
+    pub fn spawn(python: &str, batch: usize, options: &[(&str, String)]) -> anyhow::Result<Option<Peer>> {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_simclr_step.py");
-        let args = ["--worker", "--batch", &batch.to_string(), "--width", &width.to_string(), "--threads", &threads.to_string()];
+        let mut args = vec!["--worker".to_string(), "--batch".to_string(), batch.to_string()];
+        for (name, value) in options {
+            args.extend([format!("--{name}"), value.clone()]);
+        }
         let mut child = match Command::new(python).arg(script).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn() {
             Ok(c) => c,
             Err(e) => {

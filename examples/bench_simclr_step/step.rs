@@ -31,8 +31,10 @@ pub fn sample(start: Usage, end: Usage, phases: [(&str, f64); 3]) -> Sample {
     s
 }
 
-/// ResNet-18 (CIFAR stem) + projector 512-2048-128, NT-Xent (temperature 0.5), SGD (lr 0.1)
-/// on `2 * batch` fixed random views: the step `scripts/bench_simclr_step.py` runs in PyTorch.
+/// ResNet-18 or -50 (CIFAR stem) + projector (features)-2048-128, NT-Xent (temperature 0.5),
+/// SGD (lr 0.1) on `2 * batch` fixed random views, on the CPU or a GPU: the step
+/// `scripts/bench_simclr_step.py` runs in PyTorch. On a GPU every phase boundary waits for
+/// the device, so the phases time the work rather than its queueing.
 pub struct AllgradStep {
     batch: usize,
     pg: ProcessGroup,
@@ -44,17 +46,16 @@ pub struct AllgradStep {
 }
 
 impl AllgradStep {
-    pub fn new(batch: usize, width: usize) -> anyhow::Result<Self> {
-        let dev = Device::Cpu;
+    pub fn new(batch: usize, width: usize, depth: usize, dev: &Device) -> anyhow::Result<Self> {
         let store = ParamStore::new(0);
-        let vb = store.var_builder(DType::F32, &dev);
-        let cfg = ResNetConfig { depth: 18, width, in_channels: 3, stem: Stem::Cifar, sync_bn: false };
+        let vb = store.var_builder(DType::F32, dev);
+        let cfg = ResNetConfig { depth, width, in_channels: 3, stem: Stem::Cifar, sync_bn: false };
         let enc = ResNet::new(&cfg, vb.pp("encoder"))?;
         let p1 = candle_nn::linear(enc.feature_dim(), 2048, vb.pp("proj.0"))?;
         let p2 = candle_nn::linear(2048, 128, vb.pp("proj.1"))?;
         let vars = store.vars().into_iter().map(|(_, v)| v).collect();
         let sgd = SGD::new(vars, 0.1)?;
-        let x = Tensor::randn(0f32, 1.0, (2 * batch, 3, 32, 32), &dev)?;
+        let x = Tensor::randn(0f32, 1.0, (2 * batch, 3, 32, 32), dev)?;
         Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, sgd, x })
     }
 
@@ -66,10 +67,14 @@ impl AllgradStep {
         let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
         let z = self.p2.forward(&allgrad_nn::relu(&self.p1.forward(&h)?)?)?;
         let loss = nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, 0.5, &self.pg)?;
+        let dev = self.x.device();
+        dev.synchronize()?;
         let t_fwd = Instant::now();
         let grads = loss.backward()?;
+        dev.synchronize()?;
         let t_bwd = Instant::now();
         self.sgd.step(&grads)?;
+        dev.synchronize()?;
         let t_opt = Instant::now();
         drop((grads, loss, z, h));
         let end = Usage::now();

@@ -105,6 +105,17 @@ pub enum DistError {
     #[error("{0}")]
     Invalid(String),
 
+    /// NCCL (or the CUDA driver under it) failed in a collective on CUDA tensors.
+    #[error("NCCL failed in {call} on group {group}: {detail}")]
+    Nccl {
+        /// Group name.
+        group: String,
+        /// The call and the step of it that failed.
+        call: String,
+        /// NCCL's or CUDA's own words.
+        detail: String,
+    },
+
     /// The rendezvous store answered with an error.
     #[error("store: {0}")]
     Store(String),

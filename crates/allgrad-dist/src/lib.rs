@@ -45,6 +45,8 @@ mod error;
 mod group;
 pub mod launch;
 mod mesh;
+#[cfg(feature = "nccl")]
+mod nccl;
 pub mod ops;
 mod reduce;
 pub mod settings;
@@ -57,6 +59,8 @@ pub mod store;
 pub mod testing;
 mod threads;
 pub mod torch_store;
+mod unique_id;
+mod watchdog;
 mod wire;
 
 #[doc(hidden)]

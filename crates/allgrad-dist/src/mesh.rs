@@ -72,6 +72,10 @@ fn redop_name(code: u8) -> &'static str {
 /// memory (see `shm_ops`): a header without payload, checked like any other.
 pub(crate) const SHM_STEP: u32 = u32::MAX;
 
+/// The step number of the frame that announces a collective whose data goes through NCCL
+/// (the `nccl` backend): a header without payload, checked like any other.
+pub(crate) const NCCL_STEP: u32 = u32::MAX - 1;
+
 /// How a header reads to a person.
 pub(crate) fn describe(h: &Header) -> String {
     let red = redop_name(h.redop);
@@ -80,6 +84,9 @@ pub(crate) fn describe(h: &Header) -> String {
     let of = if h.dtype == 0 { String::new() } else { format!(" of {}", dtype_name(h.dtype)) };
     if h.step == SHM_STEP {
         return format!("{}{red}{of} (call #{}, through shared memory, shape digest {:016x})", op_name(h.op), h.seq, h.meta);
+    }
+    if h.step == NCCL_STEP {
+        return format!("{}{red}{of} (call #{}, through NCCL, shape digest {:016x})", op_name(h.op), h.seq, h.meta);
     }
     format!("{}{red}{of} (call #{}, step {}, {} bytes, shape digest {:016x})", op_name(h.op), h.seq, h.step, h.len, h.meta)
 }
@@ -259,6 +266,18 @@ impl Mesh {
             return None;
         }
         Some(self.aborted(peer, &buf[HEADER_LEN..]))
+    }
+
+    /// Sends header `h` (without payload) to every peer and checks theirs against it: ranks
+    /// whose calls differ all fail with [`DistError::Mismatch`] naming both calls. Used where
+    /// the data itself moves elsewhere (shared memory, NCCL), so that those paths keep the
+    /// TCP path's checks. Also a barrier: no rank returns before every peer has sent.
+    pub fn exchange_header(&mut self, h: Header, what: &str) -> DistResult<()> {
+        let (w, r) = (self.size(), self.rank);
+        let mut sends: Vec<SendOp> = (0..w).filter(|p| *p != r).map(|p| SendOp { peer: p, header: h, data: &[] }).collect();
+        let mut recvs: Vec<RecvOp> =
+            (0..w).filter(|p| *p != r).map(|p| RecvOp { peer: p, expect: h, data: &mut [], acc: None }).collect();
+        self.exchange(&mut sends, &mut recvs, what)
     }
 
     /// Runs `sends` and `recvs` to completion, concurrently, before the group's deadline.

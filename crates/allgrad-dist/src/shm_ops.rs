@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use crate::collectives::{split_even, Call};
 use crate::error::{DistError, DistResult};
-use crate::mesh::{Mesh, RecvOp, SendOp, SHM_STEP};
+use crate::mesh::{Mesh, SHM_STEP};
 use crate::reduce::{Elem, ReduceOp};
 use crate::shm::{Region, Segment};
 
@@ -76,16 +76,12 @@ impl Mesh {
     /// the segment. As every rank sends its header only once it has written its first piece,
     /// the exchange is also the first barrier of the collective.
     fn shm_enter<T: Elem>(&mut self, c: &Call) -> DistResult<()> {
-        let (w, r) = (self.size(), self.rank);
         let h = c.header::<T>(SHM_STEP, 0);
-        let mut sends: Vec<SendOp> = (0..w).filter(|p| *p != r).map(|p| SendOp { peer: p, header: h, data: &[] }).collect();
-        let mut recvs: Vec<RecvOp> =
-            (0..w).filter(|p| *p != r).map(|p| RecvOp { peer: p, expect: h, data: &mut [], acc: None }).collect();
         // The segment writes before the send happen before the peers' reads after their
         // receive (the kernel orders the two; the fences keep the compiler and CPU from
         // moving the accesses across the calls).
         fence(Ordering::SeqCst);
-        self.exchange(&mut sends, &mut recvs, c.what)?;
+        self.exchange_header(h, c.what)?;
         fence(Ordering::SeqCst);
         self.seg_mut().passed_elsewhere();
         Ok(())

@@ -79,13 +79,16 @@ pub enum DeviceKind {
     /// The CPU.
     #[default]
     Cpu,
-    /// A GPU: rejected by [`RunConfig::validate`] until the GPU backend lands (see [`NO_GPU`]).
+    /// A GPU: rank r uses CUDA device LOCAL_RANK of its host; collectives of CUDA tensors go
+    /// through NCCL. Needs a binary built with the `cuda` feature (and `nccl` for more than
+    /// one rank, else collectives are staged through host memory); otherwise
+    /// [`RunConfig::validate`] rejects it (see [`NO_GPU`]).
     Cuda,
 }
 
 /// Why `device: cuda` is refused.
-pub const NO_GPU: &str = "device: cuda, but this build of allgrad has no GPU support (the GPU backend has not landed yet): \
-     use device: cpu";
+pub const NO_GPU: &str = "device: cuda, but this binary was built without GPU support (the `cuda` feature): \
+     build it with `--features cuda,nccl` (needs nvcc and CUDA), or use device: cpu";
 
 /// Floating-point precision.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -240,7 +243,7 @@ impl RunConfig {
             return Err(bad("log.every must be at least 1".into()));
         }
         self.optim.validate().map_err(bad)?;
-        if self.device == DeviceKind::Cuda {
+        if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             return Err(bad(NO_GPU.into()));
         }
         Ok(())
@@ -320,10 +323,32 @@ mod tests {
     }
 
     #[test]
-    fn device_cuda_is_rejected_saying_the_build_has_no_gpu_support() {
+    #[cfg(not(feature = "cuda"))]
+    fn device_cuda_is_rejected_saying_the_build_lacks_the_cuda_feature() {
         let c = parse(BASE, &["device=cuda"]).unwrap();
+        assert_eq!(c.device, DeviceKind::Cuda);
         let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
-        assert!(e.starts_with("run.yaml: device: cuda") && e.contains("no GPU support") && e.contains("device: cpu"), "{e}");
+        assert!(
+            e.starts_with("run.yaml: device: cuda")
+                && e.contains("without GPU support")
+                && e.contains("--features cuda,nccl")
+                && e.contains("device: cpu"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    #[cfg(feature = "cuda")]
+    fn device_cuda_is_accepted_by_a_cuda_build() {
+        let c = parse(BASE, &["device=cuda"]).unwrap();
+        assert_eq!(c.device, DeviceKind::Cuda);
+        c.validate(2, Path::new("run.yaml")).unwrap();
+    }
+
+    #[test]
+    fn an_unknown_device_is_an_error_naming_the_key_and_the_choices() {
+        let e = parse(BASE, &["device=gpu"]).unwrap_err().to_string();
+        assert!(e.contains("device") && e.contains("gpu") && e.contains("cpu") && e.contains("cuda"), "{e}");
     }
 
     #[test]

@@ -12,12 +12,24 @@ use crate::method::Registry;
 use crate::settings::Settings;
 use crate::trainer::{Trainer, TrainerConfig};
 
-/// The device of this rank. Only the CPU exists in this build: `device: cuda` is rejected
-/// (by [`RunConfig::validate`] too) until the GPU backend lands.
-pub fn device(cfg: &RunConfig, _pg: &ProcessGroup) -> TrainResult<Device> {
+/// The device of this rank: the CPU, or (`device: cuda`, in a build with the `cuda` feature)
+/// CUDA device LOCAL_RANK of this host. A build without the feature rejects `device: cuda`
+/// (as [`RunConfig::validate`] does).
+pub fn device(cfg: &RunConfig, pg: &ProcessGroup) -> TrainResult<Device> {
     match cfg.device {
         DeviceKind::Cpu => Ok(Device::Cpu),
-        DeviceKind::Cuda => Err(TrainError::Setup(crate::config::NO_GPU.into())),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => {
+            let ordinal = pg.world_info().local_rank;
+            Device::new_cuda(ordinal).map_err(|e| {
+                TrainError::Setup(format!("device: cuda: cannot open CUDA device {ordinal} (this rank's LOCAL_RANK): {e}"))
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => {
+            let _ = pg;
+            Err(TrainError::Setup(crate::config::NO_GPU.into()))
+        }
     }
 }
 

@@ -10,6 +10,7 @@
 //! Every rank of a group must issue the same collectives, in the same order, from one thread
 //! at a time. A rank that does otherwise gets a [`DistError::Mismatch`] naming both calls.
 
+mod checked;
 mod connect;
 mod slices;
 mod tensors;
@@ -28,6 +29,8 @@ use crate::reduce::{Elem, SUPPORTED_DTYPES};
 use crate::settings::{host_memory, message_cap, Settings};
 use crate::store::{StoreClient, StoreServer};
 use crate::wire::digest;
+#[cfg(feature = "nccl")]
+pub(crate) use checked::{Elsewhere, Names};
 use connect::{bind_ip_toward, connect_mesh, resolve};
 
 /// Largest total a rank agrees to receive in one all_gather or all_to_all whose sizes come
@@ -54,6 +57,9 @@ struct State {
     p2p_sent: Vec<u64>,
     p2p_recvd: Vec<u64>,
     subgroups: u64,
+    /// The group's NCCL communicator, made by its first collective on a CUDA tensor.
+    #[cfg(feature = "nccl")]
+    nccl: Option<crate::nccl::GroupComm>,
 }
 
 struct Inner {
@@ -143,7 +149,15 @@ impl ProcessGroup {
 
     fn from_mesh(name: String, rank: usize, members: Vec<usize>, mesh: Mesh, ctx: Arc<Context>) -> ProcessGroup {
         let n = members.len();
-        let state = State { mesh, seq: 0, p2p_sent: vec![0; n], p2p_recvd: vec![0; n], subgroups: 0 };
+        let state = State {
+            mesh,
+            seq: 0,
+            p2p_sent: vec![0; n],
+            p2p_recvd: vec![0; n],
+            subgroups: 0,
+            #[cfg(feature = "nccl")]
+            nccl: None,
+        };
         ProcessGroup { inner: Arc::new(Inner { name, rank, members, state: Mutex::new(state), ctx }) }
     }
 
@@ -263,7 +277,7 @@ impl ProcessGroup {
         Ok(Some(Self::from_mesh(name, me, members, mesh, ctx)))
     }
 
-    fn check_rank(&self, what: &str, r: usize) -> DistResult<()> {
+    pub(crate) fn check_rank(&self, what: &str, r: usize) -> DistResult<()> {
         if r >= self.world_size() {
             return Err(DistError::Invalid(format!("{what} {r} is not a rank of {} (size {})", self.name(), self.world_size())));
         }

@@ -43,6 +43,11 @@ impl CustomOp1 for AllGather {
         })
     }
 
+    #[cfg(feature = "nccl")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::nccl_fwd(&self.pg, crate::nccl::Kind::AllGather, s, l, Some(&self.sizes))
+    }
+
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let sizes = self.sizes.get().ok_or_else(|| candle_core::Error::Msg("all_gather backward before forward".into()))?;
         Ok(Some(self.pg.reduce_scatter_sizes(&grad.contiguous()?, ReduceOp::Sum, sizes)?))

@@ -36,6 +36,11 @@ impl CustomOp1 for AllReduce {
         })
     }
 
+    #[cfg(feature = "nccl")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::nccl_fwd(&self.pg, crate::nccl::Kind::AllReduce(self.op), s, l, None)
+    }
+
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let g_sum = self.pg.all_reduce(&grad.contiguous()?, ReduceOp::Sum)?;
         Ok(Some(reduction_grad(&self.pg, self.op, arg, res, &g_sum)?))

@@ -62,6 +62,11 @@ impl CustomOp1 for AllToAll {
         })
     }
 
+    #[cfg(feature = "nccl")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::nccl_fwd(&self.pg, crate::nccl::Kind::AllToAll(self.send_sizes.clone()), s, l, Some(&self.recv_sizes))
+    }
+
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let recv = self.recv_sizes.get().ok_or_else(|| candle_core::Error::Msg("all_to_all backward before forward".into()))?;
         Ok(Some(self.pg.all_to_all_sizes(&grad.contiguous()?, recv)?.0))

@@ -36,6 +36,11 @@ impl CustomOp1 for Broadcast {
         })
     }
 
+    #[cfg(feature = "nccl")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::nccl_fwd(&self.pg, crate::nccl::Kind::Broadcast(self.src), s, l, None)
+    }
+
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let summed = self.pg.reduce(&grad.contiguous()?, self.src, ReduceOp::Sum)?;
         if self.pg.rank() == self.src {

@@ -51,8 +51,10 @@
 //! one rank is skipped by that rank's backward while the others wait for it (they fail at
 //! the timeout, naming the call).
 //!
-//! Inputs may be non-contiguous, of any float dtype, on any device (non-CPU tensors are
-//! staged through host memory by the CPU backend). When the input does not track gradients
+//! Inputs may be non-contiguous, of any float dtype, on any device: CUDA tensors go through
+//! NCCL on their device when allgrad is built with the `nccl` feature (same backward rules;
+//! the backward's collectives run on the gradients' device), other non-CPU tensors are
+//! staged through host memory by the CPU backend. When the input does not track gradients
 //! the op is a plain collective.
 
 mod all_gather;
@@ -86,16 +88,35 @@ macro_rules! on_cpu_slice {
 }
 pub(crate) use on_cpu_slice;
 
-/// Applies a CPU custom op to `x`, staging tensors of other devices through host memory
-/// (the copies are differentiable, so gradients flow back to the original device).
+/// Applies a collective's custom op to `x`: directly on the CPU and, with the `nccl`
+/// feature, on CUDA (the op's `cuda_fwd` runs NCCL); tensors of other devices are staged
+/// through host memory (the copies are differentiable, so gradients flow back to the original
+/// device).
 pub(crate) fn on_host(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let x = x.contiguous()?;
-    if x.device().is_cpu() {
+    if x.device().is_cpu() || (cfg!(feature = "nccl") && x.device().is_cuda()) {
         f(&x)
     } else {
         let dev = x.device().clone();
         f(&x.to_device(&Device::Cpu)?)?.to_device(&dev)
     }
+}
+
+/// The `cuda_fwd` of the differentiable ops: runs `kind` through NCCL and records the rows
+/// per rank it learned (all_gather, all_to_all) in `sizes`.
+#[cfg(feature = "nccl")]
+pub(crate) fn nccl_fwd(
+    pg: &ProcessGroup,
+    kind: crate::nccl::Kind,
+    s: &candle_core::CudaStorage,
+    l: &candle_core::Layout,
+    sizes: Option<&std::sync::OnceLock<Vec<usize>>>,
+) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+    let (out, shape, learned) = crate::nccl::forward(pg, &kind, s, l)?;
+    if let (Some(cell), Some(v)) = (sizes, learned) {
+        let _ = cell.set(v);
+    }
+    Ok((out, shape))
 }
 
 /// The gradient of an element-wise reduction `out = op_j x_j` with respect to this rank's

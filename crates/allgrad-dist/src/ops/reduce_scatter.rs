@@ -50,6 +50,17 @@ impl CustomOp1 for ReduceScatter {
         })
     }
 
+    #[cfg(feature = "nccl")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::nccl_fwd(
+            &self.pg,
+            crate::nccl::Kind::ReduceScatter(self.op, vec![l.dims()[0] / self.pg.world_size(); self.pg.world_size()]),
+            s,
+            l,
+            None,
+        )
+    }
+
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         // reduce_scatter(x) is this rank's block of all_reduce(x): the all-reduced output
         // gradient is every rank's block gradient in rank order, i.e. their all_gather.
