@@ -32,4 +32,5 @@ pub mod simcse;
 pub mod vectors;
 
 pub use error::ModelError;
+pub use face::RowRange;
 pub use objective::{Batch, Objective};

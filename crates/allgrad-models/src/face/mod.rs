@@ -23,12 +23,19 @@
 //! its gather's backward multiplies by W, and DDP averages. Both are tested equal in
 //! `tests/face_head.rs`, as is the 1/W error without the factor.
 
+pub mod backbone;
+pub mod data;
 pub mod head;
 pub mod margin;
+pub mod objective;
 pub mod sampling;
 pub mod shard;
 pub mod softmax;
+pub mod verification;
 
+pub use backbone::FaceModel;
+pub use data::{FaceData, SyntheticFaces};
 pub use head::{FaceHead, HeadConfig};
 pub use margin::{Margin, MarginConfig};
+pub use objective::{FaceObjective, VerifyConfig, CENTRES_PARAM};
 pub use shard::RowRange;
