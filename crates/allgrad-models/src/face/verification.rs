@@ -64,7 +64,8 @@ pub fn tpr_at_far(pos: &[f32], neg: &[f32], far: f64) -> f64 {
     pos.iter().filter(|s| **s > threshold).count() as f64 / pos.len() as f64
 }
 
-/// The threshold with the highest accuracy on `pairs` (accept when score > threshold).
+/// The threshold with the highest accuracy on `pairs` (accept when score > threshold), midway
+/// between the two scores where the accuracy is reached.
 pub fn best_threshold(pairs: &[(f32, bool)]) -> f32 {
     let mut sorted = pairs.to_vec();
     sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -77,7 +78,11 @@ pub fn best_threshold(pairs: &[(f32, bool)]) -> f32 {
         let ties = k + 1 < sorted.len() && sorted[k + 1].0 == sorted[k].0;
         if !ties && correct > best {
             best = correct;
-            best_t = sorted[k].0;
+            // Midway to the next score: the held-out fold's pairs fall on either side alike.
+            best_t = match sorted.get(k + 1) {
+                Some(next) => (sorted[k].0 + next.0) / 2.0,
+                None => sorted[k].0,
+            };
         }
     }
     best_t
