@@ -20,7 +20,7 @@ use std::path::Path;
 
 use allgrad_dist::ProcessGroup;
 use allgrad_models::RowRange;
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{fsync, io_err, save_tensors, Checkpoint, Contents, Staged};
@@ -44,6 +44,30 @@ pub struct Shard<'a> {
     pub tensors: &'a HashMap<String, Tensor>,
     /// The metadata.
     pub meta: &'a ShardMeta,
+}
+
+/// Parameters and optimizer slots (`<param>/<slot>`), split by owner: the replicated
+/// parameters and their slots (rank 0's `model` and `optimizer` files) and the sharded ones
+/// with their slots (this rank's shard file).
+pub type Split = (HashMap<String, Tensor>, BTreeMap<String, Tensor>, HashMap<String, Tensor>);
+
+/// See [`Split`]; `sharded[i]` marks `params[i]`.
+pub fn split(params: &[(String, Var)], sharded: &[bool], optimizer: &BTreeMap<String, Tensor>) -> Split {
+    let (mut model, mut replicated_slots, mut shard) = (HashMap::new(), BTreeMap::new(), HashMap::new());
+    let mut owner_sharded = HashMap::new();
+    for ((n, v), sh) in params.iter().zip(sharded) {
+        owner_sharded.insert(n.as_str(), *sh);
+        if *sh { &mut shard } else { &mut model }.insert(n.clone(), v.as_tensor().clone());
+    }
+    for (k, t) in optimizer {
+        let param = k.rsplit_once('/').map_or(k.as_str(), |(p, _)| p);
+        if owner_sharded.get(param).copied().unwrap_or(false) {
+            shard.insert(k.clone(), t.clone());
+        } else {
+            replicated_slots.insert(k.clone(), t.clone());
+        }
+    }
+    (model, replicated_slots, shard)
 }
 
 /// Writes one step's checkpoint from every rank (see the module docs); `replicated` is what

@@ -6,7 +6,6 @@
 //! With the sum-rule collectives inside the loss, this makes a run on W ranks equal a run
 //! on one rank at the same global batch (DESIGN §2, §3).
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -447,13 +446,7 @@ impl Trainer {
         if self.pg.rank() != 0 && !any_sharded {
             return Ok(());
         }
-        let model: HashMap<String, Tensor> = self
-            .params
-            .iter()
-            .zip(&self.sharded)
-            .filter(|(_, sh)| !**sh)
-            .map(|((n, v), _)| (n.clone(), v.as_tensor().clone()))
-            .collect();
+        let (model, optimizer, shard) = crate::shards::split(&self.params, &self.sharded, self.optimizer.state());
         let per_epoch = self.sampler.steps_per_epoch();
         let state = TrainState {
             step: self.step,
@@ -465,33 +458,17 @@ impl Trainer {
         };
         let buffers = self.objective.buffers()?;
         let (keep, fault) = (self.cfg.checkpoint.keep_last, self.cfg.settings.fault);
+        let contents = Contents { model: &model, optimizer: &optimizer, buffers: &buffers, state: &state };
         if !any_sharded {
-            let contents = Contents { model: &model, optimizer: self.optimizer.state(), buffers: &buffers, state: &state };
             checkpoint::save(&dir, &contents, keep, fault)?;
             return Ok(());
         }
-        // Sharded: parameters and optimizer slots split by owner (a slot `<param>/<slot>`).
-        let sharded_names: Vec<&String> =
-            self.params.iter().zip(&self.sharded).filter(|(_, sh)| **sh).map(|((n, _), _)| n).collect();
-        let owner_sharded =
-            |key: &str| sharded_names.iter().any(|n| key.strip_prefix(n.as_str()).is_some_and(|r| r.starts_with('/')));
-        let mut optimizer = BTreeMap::new();
-        let mut tensors: HashMap<String, Tensor> = HashMap::new();
-        for (k, t) in self.optimizer.state() {
-            if owner_sharded(k) {
-                tensors.insert(k.clone(), t.clone());
-            } else {
-                optimizer.insert(k.clone(), t.clone());
-            }
-        }
-        let mut meta =
-            crate::shards::ShardMeta { rank: self.pg.rank(), world_size: self.pg.world_size(), params: Default::default() };
-        for ((n, v), _) in self.params.iter().zip(&self.sharded).filter(|(_, sh)| **sh) {
-            tensors.insert(n.clone(), v.as_tensor().clone());
+        let (rank, world_size) = (self.pg.rank(), self.pg.world_size());
+        let mut meta = crate::shards::ShardMeta { rank, world_size, params: Default::default() };
+        for ((n, _), _) in self.params.iter().zip(&self.sharded).filter(|(_, sh)| **sh) {
             meta.params.insert(n.clone(), self.objective.shard_rows(n));
         }
-        let contents = Contents { model: &model, optimizer: &optimizer, buffers: &buffers, state: &state };
-        let shard = crate::shards::Shard { tensors: &tensors, meta: &meta };
+        let shard = crate::shards::Shard { tensors: &shard, meta: &meta };
         crate::shards::save(&self.pg, &dir, &contents, &shard, keep, fault)
     }
 
