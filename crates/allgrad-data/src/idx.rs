@@ -1,6 +1,8 @@
 //! The IDX format of MNIST and Fashion-MNIST: an images file (magic 0x00000803, dimensions
-//! count x rows x cols, unsigned bytes) and a labels file (magic 0x00000801, dimension count),
-//! big-endian, each plain or gzipped (detected from the content, not the name).
+//! count x rows x cols, unsigned bytes) and a labels file (magic 0x00000801, dimension count,
+//! unsigned bytes; or magic 0x00000C01, big-endian 32-bit integers, for more than 256 classes
+//! such as the glyph identities of `data/glyphs`), big-endian, each plain or gzipped
+//! (detected from the content, not the name).
 
 use std::path::{Path, PathBuf};
 
@@ -11,6 +13,7 @@ use crate::read::Source;
 
 const IMAGES_MAGIC: u32 = 0x0000_0803;
 const LABELS_MAGIC: u32 = 0x0000_0801;
+const LABELS_I32_MAGIC: u32 = 0x0000_0C01;
 
 /// An MNIST-style dataset held in memory: 8-bit grayscale images with their labels.
 #[derive(Clone, Debug)]
@@ -18,7 +21,7 @@ pub struct IdxDataset {
     rows: usize,
     cols: usize,
     pixels: Vec<u8>,
-    labels: Vec<u8>,
+    labels: Vec<u32>,
     num_classes: usize,
 }
 
@@ -34,7 +37,7 @@ impl IdxDataset {
         if dims[1] == 0 || dims[2] == 0 {
             return Err(DataError::IdxDims { path: images.into(), dims, reason: "rows and cols must be positive" });
         }
-        let (ldims, labels_data) = read_idx(labels, LABELS_MAGIC, "unsigned bytes, 1 dimension: count")?;
+        let (ldims, labels_data) = read_labels(labels)?;
         let (n_images, n_labels) = (dims[0] as usize, ldims[0] as usize);
         if n_images != n_labels {
             return Err(DataError::CountMismatch { images: images.into(), n_images, labels: labels.into(), n_labels });
@@ -110,7 +113,27 @@ impl Dataset for IdxDataset {
 
 /// Reads one IDX file of unsigned bytes with the given magic; returns its dimensions and data.
 fn read_idx(path: &Path, magic: u32, what: &'static str) -> DataResult<(Vec<u32>, Vec<u8>)> {
-    let ndims = (magic & 0xff) as usize;
+    read_idx_of(path, &[magic], what).map(|(dims, _, data)| (dims, data))
+}
+
+/// Reads a labels file of unsigned bytes or of 32-bit integers (negative labels are refused).
+fn read_labels(path: &Path) -> DataResult<(Vec<u32>, Vec<u32>)> {
+    let what = "1 dimension: count; unsigned bytes (0x0801) or 32-bit integers (0x0C01)";
+    let (dims, magic, data) = read_idx_of(path, &[LABELS_MAGIC, LABELS_I32_MAGIC], what)?;
+    if magic == LABELS_MAGIC {
+        return Ok((dims, data.into_iter().map(u32::from).collect()));
+    }
+    let labels: Vec<i32> = data.chunks_exact(4).map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]])).collect();
+    if labels.iter().any(|l| *l < 0) {
+        return Err(DataError::IdxDims { path: path.into(), dims, reason: "labels must not be negative" });
+    }
+    Ok((dims, labels.into_iter().map(|l| l as u32).collect()))
+}
+
+/// Reads one IDX file whose magic is one of `magics` (the element size from its type byte:
+/// 0x08 unsigned byte, 0x0C 32-bit integer); returns its dimensions, magic and raw data.
+fn read_idx_of(path: &Path, magics: &[u32], what: &'static str) -> DataResult<(Vec<u32>, u32, Vec<u8>)> {
+    let ndims = (magics[0] & 0xff) as usize;
     let header_len = 4 + 4 * ndims;
     let mut src = Source::open(path)?;
     let header = src.read_up_to(header_len as u64)?;
@@ -118,14 +141,15 @@ fn read_idx(path: &Path, magic: u32, what: &'static str) -> DataResult<(Vec<u32>
         return Err(DataError::Truncated { path: path.into(), expected: header_len as u64, found: header.len() as u64 });
     }
     let found = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
-    if found != magic {
-        return Err(DataError::IdxMagic { path: path.into(), found, expected: magic, what });
+    if !magics.contains(&found) {
+        return Err(DataError::IdxMagic { path: path.into(), found, expected: magics[0], what });
     }
+    let elem = if (found >> 8) & 0xff == 0x0C { 4u64 } else { 1u64 };
     if header.len() < header_len {
         return Err(DataError::Truncated { path: path.into(), expected: header_len as u64, found: header.len() as u64 });
     }
     let dims: Vec<u32> = header[4..].chunks_exact(4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]])).collect();
-    let payload = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+    let payload = dims.iter().try_fold(elem, |acc, &d| acc.checked_mul(d as u64));
     let payload = match payload {
         Some(p) if usize::try_from(p).is_ok() => p,
         _ => return Err(DataError::IdxDims { path: path.into(), dims, reason: "their product overflows" }),
@@ -144,7 +168,7 @@ fn read_idx(path: &Path, magic: u32, what: &'static str) -> DataResult<(Vec<u32>
             found: total(data.len() as u64),
         });
     }
-    Ok((dims, data))
+    Ok((dims, found, data))
 }
 
 #[cfg(test)]
@@ -180,6 +204,22 @@ mod tests {
         std::fs::write(&ip, if gz { gzip(&img) } else { img }).unwrap();
         std::fs::write(&lp, if gz { gzip(&lab) } else { lab }).unwrap();
         (ip, lp)
+    }
+
+    #[test]
+    fn reads_32_bit_labels_above_255_and_refuses_negative_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ip, lp) = (dir.path().join("i"), dir.path().join("l"));
+        std::fs::write(&ip, gzip(&idx_bytes(IMAGES_MAGIC, &[2, 1, 1], &[7, 9]))).unwrap();
+        let labels = |a: i32, b: i32| [a.to_be_bytes(), b.to_be_bytes()].concat();
+        std::fs::write(&lp, gzip(&idx_bytes(LABELS_I32_MAGIC, &[2], &labels(2999, 4)))).unwrap();
+        let ds = IdxDataset::open(&ip, &lp).unwrap();
+        assert_eq!((ds.label(0).unwrap(), ds.label(1).unwrap(), ds.num_classes()), (2999, 4, 3000));
+        std::fs::write(&lp, idx_bytes(LABELS_I32_MAGIC, &[2], &labels(1, -3))).unwrap();
+        assert!(matches!(IdxDataset::open(&ip, &lp), Err(DataError::IdxDims { .. })));
+        // Three bytes short of two 32-bit labels: truncated.
+        std::fs::write(&lp, idx_bytes(LABELS_I32_MAGIC, &[2], &[0, 0, 0, 1, 0])).unwrap();
+        assert!(matches!(IdxDataset::open(&ip, &lp), Err(DataError::Truncated { .. })));
     }
 
     #[test]

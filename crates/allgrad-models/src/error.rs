@@ -106,6 +106,19 @@ pub enum ModelError {
         /// The model section.
         model: VectorModel,
     },
+    /// A value of the face head's section out of its range.
+    #[error("head.{key} must be {expected}, got {value}")]
+    HeadValue {
+        /// The key in the `head` section.
+        key: &'static str,
+        /// The value given.
+        value: f64,
+        /// The range, in words.
+        expected: &'static str,
+    },
+    /// A face-head input that does not fit the head (shapes, labels, world size).
+    #[error("face head: {0}")]
+    HeadInput(String),
 }
 
 impl From<ModelError> for candle_core::Error {

@@ -13,6 +13,8 @@
 //!   parameterised by its loss (ResNet + projection MLP, two augmented views built ahead on
 //!   loader threads, NT-Xent over global negatives or the cross-correlation over the global
 //!   batch, SyncBatchNorm, kNN monitor and linear probe).
+//! - [`face`]: the class-sharded face-recognition head (ArcFace / CosFace margins, parallel
+//!   softmax, Partial FC).
 //! - [`losses`]: the distributed losses themselves; [`batch_norm`]: (Sync)BatchNorm.
 //! - [`bert`]: a BERT encoder (Hugging Face checkpoints and tokenizers, keyed dropout) and
 //!   [`simcse`]: SimCSE's InfoNCE losses and objective (not yet a registered method).
@@ -22,6 +24,7 @@
 pub mod batch_norm;
 pub mod bert;
 mod error;
+pub mod face;
 pub mod image_ssl;
 pub mod losses;
 mod objective;
@@ -31,4 +34,5 @@ pub mod simcse;
 pub mod vectors;
 
 pub use error::ModelError;
+pub use face::RowRange;
 pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective};

@@ -7,6 +7,8 @@ use std::ops::Range;
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::face::RowRange;
+
 /// Where a step's local batch comes from. Every random choice an objective makes (views,
 /// augmentations, dropout) must be keyed by `(seed, epoch, global sample index, ...)` or
 /// `(seed, step, ...)`, never by the rank or a sample's local position, so that a run on W
@@ -67,6 +69,29 @@ pub trait Objective: Send {
     /// class-sharded classification head). Sharded parameters are not all-reduced.
     fn is_sharded(&self, _name: &str) -> bool {
         false
+    }
+
+    /// Called by the trainer before [`Objective::build`] with the group the run trains on: an
+    /// objective with sharded parameters sizes its shard from the rank and the world size.
+    /// Default: nothing.
+    fn bind(&mut self, _pg: &ProcessGroup) -> Result<()> {
+        Ok(())
+    }
+
+    /// The global rows (dim 0) that a sharded parameter holds on this rank, a contiguous
+    /// range: with it, a checkpoint can be resumed on a different world size (the rows are
+    /// re-sharded on load). Default: none (the parameter resumes only at the same W).
+    fn shard_rows(&self, _name: &str) -> Option<RowRange> {
+        None
+    }
+
+    /// The rows (dim 0) of parameter `name` that the optimizer may change at `step`, asked
+    /// after the step's last loss: `None` (the default) for all. Rows marked false keep their
+    /// value and their optimizer state (momentum, Adam moments) bit for bit, as if they were
+    /// not part of the model this step: neither weight decay nor momentum moves them
+    /// (Partial FC's unsampled class centres).
+    fn updated_rows(&self, _name: &str, _step: usize) -> Option<Vec<bool>> {
+        None
     }
 
     /// Evaluation metrics (name, value), logged at the end of every epoch and of the run.

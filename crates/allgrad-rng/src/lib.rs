@@ -31,15 +31,28 @@ pub type KeyedRng = rand_chacha::ChaCha12Rng;
 pub fn stream(key: &[u64]) -> KeyedRng {
     // SplitMix64 over the key words into a 256-bit ChaCha seed: well mixed, so nearby keys
     // give unrelated streams.
-    let mut h: u64 = 0x243F_6A88_85A3_08D3 ^ key.len() as u64;
-    for k in key {
-        h = splitmix(h ^ splitmix(*k));
-    }
+    let h = chain(key);
     let mut seed = [0u8; 32];
     for (i, chunk) in seed.chunks_exact_mut(8).enumerate() {
         chunk.copy_from_slice(&splitmix(h.wrapping_add(i as u64)).to_le_bytes());
     }
     KeyedRng::from_seed(seed)
+}
+
+/// A uniform 64-bit hash of `key`, without building a generator: the same SplitMix64 chain
+/// that seeds [`stream`], for choices made per item in bulk (a Partial-FC class sampled at a
+/// step) where seeding one ChaCha stream per item would cost more than the choice itself.
+pub fn key_hash(key: &[u64]) -> u64 {
+    splitmix(chain(key))
+}
+
+/// SplitMix64 over the key words (and their count): well mixed, so nearby keys differ.
+fn chain(key: &[u64]) -> u64 {
+    let mut h: u64 = 0x243F_6A88_85A3_08D3 ^ key.len() as u64;
+    for k in key {
+        h = splitmix(h ^ splitmix(*k));
+    }
+    h
 }
 
 fn splitmix(mut z: u64) -> u64 {

@@ -9,6 +9,11 @@
 //! per-rank BatchNorm they are rank 0's own (statistics of its slices of the batches), which
 //! every rank loads on resume; evaluation runs on rank 0, so its figures resume exactly.
 //!
+//! With sharded parameters (a class-sharded head), every rank also writes its shard into the
+//! same step directory ([`crate::shards`]: `shard_<r>.safetensors` with the parameters'
+//! rows and their optimizer slots, `shard_<r>.json` with the global row ranges), and
+//! `model.safetensors` / `optimizer.safetensors` hold the replicated parameters only.
+//!
 //! Writes are atomic: everything goes to a temporary directory, each file and the directory
 //! are fsynced, the directory is renamed into place, and only then is `latest` replaced (by
 //! writing a temporary file and renaming it). A process killed at any point leaves `latest`
@@ -83,16 +88,20 @@ fn fault(armed: Option<FaultStage>, stage: FaultStage) {
     }
 }
 
-fn io_err<'a>(path: &'a Path, action: &str) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
+pub(crate) fn io_err<'a>(path: &'a Path, action: &str) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
     let action = action.to_string();
     move |e| TrainError::checkpoint(path, action, e)
 }
 
-fn fsync(p: &Path) -> TrainResult<()> {
+pub(crate) fn fsync(p: &Path) -> TrainResult<()> {
     File::open(p).and_then(|f| f.sync_all()).map_err(io_err(p, "fsync"))
 }
 
-fn save_tensors<'a>(dir: &Path, file: &str, tensors: impl Iterator<Item = (&'a String, &'a Tensor)>) -> TrainResult<()> {
+pub(crate) fn save_tensors<'a>(
+    dir: &Path,
+    file: &str,
+    tensors: impl Iterator<Item = (&'a String, &'a Tensor)>,
+) -> TrainResult<()> {
     let path = dir.join(file);
     let map: HashMap<String, Tensor> = tensors.map(|(k, v)| (k.clone(), v.clone())).collect();
     candle_core::safetensors::save(&map, &path).map_err(|e| TrainError::checkpoint(&path, format!("writing {file}"), e))?;
@@ -114,43 +123,76 @@ pub struct Contents<'a> {
 /// Writes a checkpoint of `state.step` under `run_dir/checkpoints` and prunes old ones;
 /// `fault` is the test hook of [`crate::settings::Settings`].
 pub fn save(run_dir: &Path, c: &Contents, keep_last: usize, fault_at: Option<FaultStage>) -> TrainResult<PathBuf> {
-    let root = run_dir.join("checkpoints");
-    fs::create_dir_all(&root).map_err(io_err(&root, "creating the directory"))?;
-    let name = format!("step_{}", c.state.step);
-    let tmp = root.join(format!(".{name}.tmp-{}", std::process::id()));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(io_err(&tmp, "removing a leftover"))?;
-    }
-    fs::create_dir(&tmp).map_err(io_err(&tmp, "creating the directory"))?;
+    let staged = Staged::begin(run_dir, c.state.step, &format!("tmp-{}", std::process::id()))?;
+    staged.write(c, fault_at)?;
+    staged.commit(keep_last)
+}
 
-    save_tensors(&tmp, "model.safetensors", c.model.iter())?;
-    fault(fault_at, FaultStage::Model);
-    save_tensors(&tmp, "optimizer.safetensors", c.optimizer.iter())?;
-    fault(fault_at, FaultStage::Optimizer);
-    if !c.buffers.is_empty() {
-        save_tensors(&tmp, "buffers.safetensors", c.buffers.iter().map(|(k, v)| (k, v)))?;
-    }
-    fault(fault_at, FaultStage::Buffers);
-    let state_path = tmp.join("state.json");
-    let json = serde_json::to_vec_pretty(c.state).map_err(|e| TrainError::checkpoint(&state_path, "encoding", e))?;
-    fs::write(&state_path, json).map_err(io_err(&state_path, "writing"))?;
-    fsync(&state_path)?;
-    fsync(&tmp)?;
-    fault(fault_at, FaultStage::Rename);
+/// A checkpoint being written: `root/.step_<N>.<suffix>`, renamed to `root/step_<N>` by
+/// [`Staged::commit`].
+pub(crate) struct Staged {
+    pub(crate) root: PathBuf,
+    pub(crate) name: String,
+    pub(crate) tmp: PathBuf,
+}
 
-    let dest = root.join(&name);
-    if dest.exists() {
-        fs::remove_dir_all(&dest).map_err(io_err(&dest, "replacing"))?;
+impl Staged {
+    /// The paths of step `step`'s temporary directory (nothing is created).
+    pub(crate) fn paths(run_dir: &Path, step: usize, suffix: &str) -> Staged {
+        let root = run_dir.join("checkpoints");
+        let name = format!("step_{step}");
+        let tmp = root.join(format!(".{name}.{suffix}"));
+        Staged { root, name, tmp }
     }
-    fs::rename(&tmp, &dest).map_err(io_err(&dest, "renaming the temporary directory"))?;
-    fsync(&root)?;
-    let latest_tmp = root.join(format!(".latest.tmp-{}", std::process::id()));
-    fs::write(&latest_tmp, format!("{name}\n")).map_err(io_err(&latest_tmp, "writing"))?;
-    fsync(&latest_tmp)?;
-    fs::rename(&latest_tmp, root.join("latest")).map_err(io_err(&root, "updating latest"))?;
-    fsync(&root)?;
-    prune(&root, keep_last.max(1), &name);
-    Ok(dest)
+
+    /// Creates the (empty) temporary directory, removing a leftover of an interrupted save.
+    pub(crate) fn begin(run_dir: &Path, step: usize, suffix: &str) -> TrainResult<Staged> {
+        let s = Staged::paths(run_dir, step, suffix);
+        fs::create_dir_all(&s.root).map_err(io_err(&s.root, "creating the directory"))?;
+        if s.tmp.exists() {
+            fs::remove_dir_all(&s.tmp).map_err(io_err(&s.tmp, "removing a leftover"))?;
+        }
+        fs::create_dir(&s.tmp).map_err(io_err(&s.tmp, "creating the directory"))?;
+        Ok(s)
+    }
+
+    /// Writes the model, optimizer state, buffers and `state.json`.
+    pub(crate) fn write(&self, c: &Contents, fault_at: Option<FaultStage>) -> TrainResult<()> {
+        let tmp = &self.tmp;
+        save_tensors(tmp, "model.safetensors", c.model.iter())?;
+        fault(fault_at, FaultStage::Model);
+        save_tensors(tmp, "optimizer.safetensors", c.optimizer.iter())?;
+        fault(fault_at, FaultStage::Optimizer);
+        if !c.buffers.is_empty() {
+            save_tensors(tmp, "buffers.safetensors", c.buffers.iter().map(|(k, v)| (k, v)))?;
+        }
+        fault(fault_at, FaultStage::Buffers);
+        let state_path = tmp.join("state.json");
+        let json = serde_json::to_vec_pretty(c.state).map_err(|e| TrainError::checkpoint(&state_path, "encoding", e))?;
+        fs::write(&state_path, json).map_err(io_err(&state_path, "writing"))?;
+        fsync(&state_path)?;
+        fsync(tmp)?;
+        fault(fault_at, FaultStage::Rename);
+        Ok(())
+    }
+
+    /// Renames the directory into place, points `latest` at it and prunes old checkpoints.
+    pub(crate) fn commit(&self, keep_last: usize) -> TrainResult<PathBuf> {
+        let (root, name) = (&self.root, &self.name);
+        let dest = root.join(name);
+        if dest.exists() {
+            fs::remove_dir_all(&dest).map_err(io_err(&dest, "replacing"))?;
+        }
+        fs::rename(&self.tmp, &dest).map_err(io_err(&dest, "renaming the temporary directory"))?;
+        fsync(root)?;
+        let latest_tmp = root.join(format!(".latest.tmp-{}", std::process::id()));
+        fs::write(&latest_tmp, format!("{name}\n")).map_err(io_err(&latest_tmp, "writing"))?;
+        fsync(&latest_tmp)?;
+        fs::rename(&latest_tmp, root.join("latest")).map_err(io_err(root, "updating latest"))?;
+        fsync(root)?;
+        prune(root, keep_last.max(1), name);
+        Ok(dest)
+    }
 }
 
 /// Removes all but the newest `keep` checkpoints (never `current`), and leftovers of
@@ -225,16 +267,12 @@ pub struct RestoreTarget<'a> {
 }
 
 /// Puts `ck` back into `to` and returns the step to continue from. Every parameter must be in
-/// the checkpoint with its shape; the seed must match (it is the run's whole random state);
-/// sharded parameters need the same world size.
+/// the checkpoint with its shape; the seed must match (it is the run's whole random state).
 pub fn restore(ck: Checkpoint, to: RestoreTarget) -> TrainResult<usize> {
     let mismatch = |reason: String| TrainError::CheckpointMismatch { path: ck.path.clone(), reason };
-    if ck.state.world_size != to.world_size && to.sharded.iter().any(|s| *s) {
-        return Err(mismatch(format!(
-            "it was written by {} ranks; its sharded parameters cannot be resumed on {} (resume on {} ranks)",
-            ck.state.world_size, to.world_size, ck.state.world_size
-        )));
-    }
+    // Sharded parameters were put into `ck.model` for this rank's rows by
+    // `crate::shards::load_into` (which refuses a world-size change it cannot re-shard);
+    // their shapes are checked below like every other parameter's.
     if ck.state.seed != to.seed {
         return Err(mismatch(format!(
             "it was written with seed {}, the config says {} (set seed: {} to resume it)",

@@ -28,6 +28,7 @@ pub mod run;
 pub mod run_dir;
 pub mod schedule;
 pub mod settings;
+pub mod shards;
 pub mod trainer;
 
 pub use config::RunConfig;

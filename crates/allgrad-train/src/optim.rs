@@ -188,11 +188,39 @@ impl Optimizer {
         lr: f64,
         pg: &ProcessGroup,
     ) -> Result<()> {
+        self.step_rows(params, grads, sharded, &[], lr, pg)
+    }
+
+    /// As [`Optimizer::step`], changing only some rows (dim 0) of some parameters: where
+    /// `rows[i]` is `Some(mask)`, the rows of parameter i marked false keep their value and
+    /// their state slots (momentum, Adam moments) bit for bit: the update and the new slots are
+    /// computed for the whole tensor as usual, then the old rows are selected back
+    /// (`where_cond`), so neither weight decay nor momentum moves them. Missing entries (a
+    /// shorter `rows`) and `None` change every row. LARS's trust ratio still uses the whole
+    /// tensor's norms.
+    pub fn step_rows(
+        &mut self,
+        params: &[(String, Var)],
+        grads: &[Tensor],
+        sharded: &[bool],
+        rows: &[Option<Vec<bool>>],
+        lr: f64,
+        pg: &ProcessGroup,
+    ) -> Result<()> {
         self.steps += 1;
         let t = self.steps as i32;
         let cfg = self.cfg.clone();
         for (i, ((name, p), g)) in params.iter().zip(grads).enumerate() {
             let w = p.as_tensor();
+            let mask = match rows.get(i) {
+                Some(Some(m)) => Some(row_mask(m, w)?),
+                _ => None,
+            };
+            let prefix = format!("{name}/");
+            let before: Vec<(String, Option<Tensor>)> = match mask {
+                Some(_) => self.slot_keys(&prefix, &cfg).into_iter().map(|k| (k.clone(), self.state.get(&k).cloned())).collect(),
+                None => Vec::new(),
+            };
             let update = match cfg {
                 OptimConfig::Sgd { momentum, nesterov, weight_decay, .. } => {
                     let mut d = if weight_decay > 0.0 { (g + (w * weight_decay)?)? } else { g.clone() };
@@ -232,8 +260,97 @@ impl Optimizer {
                     ((step + (w * weight_decay)?)? * lr)?
                 }
             };
-            p.set(&(w - update)?)?;
+            let updated = (w - update)?;
+            match &mask {
+                None => p.set(&updated)?,
+                Some(m) => {
+                    p.set(&m.where_cond(&updated, w)?)?;
+                    for (key, old) in before {
+                        if let Some(new) = self.state.get(&key) {
+                            let old = match old {
+                                Some(o) => o,
+                                None => new.zeros_like()?,
+                            };
+                            let kept = m.where_cond(new, &old)?;
+                            self.state.insert(key, kept);
+                        }
+                    }
+                }
+            }
         }
         Ok(())
+    }
+
+    /// The state keys an update of a parameter (`prefix` = `<name>/`) may write.
+    fn slot_keys(&self, prefix: &str, cfg: &OptimConfig) -> Vec<String> {
+        let slots: &[&str] = match cfg {
+            OptimConfig::Sgd { .. } | OptimConfig::Lars { .. } => &["momentum"],
+            OptimConfig::Adamw { .. } => &["exp_avg", "exp_avg_sq"],
+        };
+        slots.iter().map(|s| format!("{prefix}{s}")).collect()
+    }
+}
+
+/// A u8 mask of `like`'s shape: 1 in the rows (dim 0) marked true.
+fn row_mask(rows: &[bool], like: &Tensor) -> Result<Tensor> {
+    let n = like.dims().first().copied().unwrap_or(0);
+    if rows.len() != n {
+        candle_core::bail!("a row mask of {} rows for a parameter of shape {:?}", rows.len(), like.dims());
+    }
+    let per_row: usize = like.dims().iter().skip(1).product();
+    let mask: Vec<u8> = rows.iter().flat_map(|r| std::iter::repeat_n(u8::from(*r), per_row)).collect();
+    Tensor::from_vec(mask, like.shape(), like.device())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn bits(t: &Tensor) -> Vec<u64> {
+        t.flatten_all().unwrap().to_vec1::<f64>().unwrap().into_iter().map(f64::to_bits).collect()
+    }
+
+    /// Three steps on a [4, 3] parameter with rows 1 and 3 masked out at the last two steps
+    /// (row 1 was updated at the first, so it has momentum): masked rows keep value and state
+    /// bit for bit although their gradient is non-zero and weight decay and momentum apply;
+    /// the other rows move exactly as without a mask.
+    #[test]
+    fn rows_masked_out_keep_value_and_state_bitwise_under_momentum_and_weight_decay() {
+        for cfg in [
+            OptimConfig::Sgd { lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.05 },
+            OptimConfig::Adamw { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 },
+        ] {
+            let pg = ProcessGroup::single();
+            let make = || Var::from_vec((0..12).map(|k| k as f64 * 0.3 - 1.0).collect::<Vec<_>>(), (4, 3), &Device::Cpu).unwrap();
+            let grad =
+                Tensor::from_vec((0..12).map(|k| 0.5 - k as f64 * 0.07).collect::<Vec<_>>(), (4, 3), &Device::Cpu).unwrap();
+            let (masked, free) = (make(), make());
+            let (mut om, mut of) = (Optimizer::new(cfg.clone()), Optimizer::new(cfg.clone()));
+            let mask = vec![true, false, true, false];
+            let pm = [("w".to_string(), masked.clone())];
+            let pf = [("w".to_string(), free.clone())];
+            om.step(&pm, std::slice::from_ref(&grad), &[true], 1.0, &pg).unwrap();
+            of.step(&pf, std::slice::from_ref(&grad), &[true], 1.0, &pg).unwrap();
+            let value_before = bits(masked.as_tensor());
+            let state_before: Vec<Vec<u64>> = om.state().values().map(bits).collect();
+            for _ in 0..2 {
+                om.step_rows(&pm, std::slice::from_ref(&grad), &[true], &[Some(mask.clone())], 1.0, &pg).unwrap();
+                of.step(&pf, std::slice::from_ref(&grad), &[true], 1.0, &pg).unwrap();
+            }
+            let (vm, vf) = (bits(masked.as_tensor()), bits(free.as_tensor()));
+            for (r, keep) in mask.iter().enumerate() {
+                let row = r * 3..r * 3 + 3;
+                if *keep {
+                    assert_eq!(vm[row.clone()], vf[row.clone()], "{cfg:?}: updated row {r} differs from an unmasked run");
+                    assert_ne!(vm[row.clone()], value_before[row.clone()], "{cfg:?}: row {r} did not move");
+                } else {
+                    assert_eq!(vm[row.clone()], value_before[row.clone()], "{cfg:?}: masked row {r} changed");
+                    for (k, (now, then)) in om.state().values().map(bits).zip(&state_before).enumerate() {
+                        assert_eq!(now[row.clone()], then[row.clone()], "{cfg:?}: state slot {k} of masked row {r} changed");
+                    }
+                }
+            }
+        }
     }
 }

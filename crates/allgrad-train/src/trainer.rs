@@ -6,7 +6,6 @@
 //! With the sum-rule collectives inside the loss, this makes a run on W ranks equal a run
 //! on one rank at the same global batch (DESIGN §2, §3).
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -143,6 +142,7 @@ impl Trainer {
         resume: bool,
     ) -> TrainResult<Self> {
         let store = ParamStore::new(cfg.seed);
+        objective.bind(&pg)?;
         objective.build(store.var_builder(cfg.dtype, &cfg.device))?;
         let params = store.vars();
         if params.is_empty() {
@@ -178,19 +178,20 @@ impl Trainer {
             Some(m) => m.min(t.epochs * per_epoch),
             None => t.epochs * per_epoch,
         };
-        if out_dir.is_some() && sharded.iter().any(|s| *s) {
-            return Err(TrainError::Setup(
-                "checkpoints of sharded parameters are not supported yet: run without an output directory".into(),
-            ));
-        }
-
         let mut optimizer = Optimizer::new(cfg.optim.clone());
         let mut step = 0;
         if resume {
             let dir = out_dir.as_ref().ok_or_else(|| TrainError::Setup("resuming needs an output directory".into()))?;
             match checkpoint::load_latest(dir, &cfg.device)? {
                 None => tracing::warn!("--resume: no checkpoint in {}; starting from step 0", dir.display()),
-                Some(ck) => {
+                Some(mut ck) => {
+                    let wants: Vec<(String, Option<allgrad_models::RowRange>)> = params
+                        .iter()
+                        .zip(&sharded)
+                        .filter(|(_, sh)| **sh)
+                        .map(|((n, _), _)| (n.clone(), objective.shard_rows(n)))
+                        .collect();
+                    crate::shards::load_into(&mut ck, &wants, pg.rank(), w, &cfg.device)?;
                     let path = ck.path.clone();
                     let written_by = ck.state.world_size;
                     let to = RestoreTarget {
@@ -430,7 +431,9 @@ impl Trainer {
                 }
             }
         }
-        self.optimizer.step(&self.params, &grads, &self.sharded, lr, &self.pg)?;
+        // Rows the objective did not use this step (Partial FC) keep value and state.
+        let rows: Vec<Option<Vec<bool>>> = self.params.iter().map(|(n, _)| self.objective.updated_rows(n, self.step)).collect();
+        self.optimizer.step_rows(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
         Ok(StepOutcome::Applied { loss, grad_norm })
     }
 
@@ -458,10 +461,11 @@ impl Trainer {
                 return Err(TrainError::NonFiniteParameter { step: self.step, parameter: name.clone() });
             }
         }
-        if self.pg.rank() != 0 {
+        let any_sharded = self.sharded.iter().any(|s| *s);
+        if self.pg.rank() != 0 && !any_sharded {
             return Ok(());
         }
-        let model: HashMap<String, Tensor> = self.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        let (model, optimizer, shard) = crate::shards::split(&self.params, &self.sharded, self.optimizer.state());
         let per_epoch = self.sampler.steps_per_epoch();
         let state = TrainState {
             step: self.step,
@@ -471,11 +475,20 @@ impl Trainer {
             seed: self.cfg.seed,
             world_size: self.pg.world_size(),
         };
-        let optimizer: &BTreeMap<String, Tensor> = self.optimizer.state();
         let buffers = self.objective.buffers()?;
-        let contents = Contents { model: &model, optimizer, buffers: &buffers, state: &state };
-        checkpoint::save(&dir, &contents, self.cfg.checkpoint.keep_last, self.cfg.settings.fault)?;
-        Ok(())
+        let (keep, fault) = (self.cfg.checkpoint.keep_last, self.cfg.settings.fault);
+        let contents = Contents { model: &model, optimizer: &optimizer, buffers: &buffers, state: &state };
+        if !any_sharded {
+            checkpoint::save(&dir, &contents, keep, fault)?;
+            return Ok(());
+        }
+        let (rank, world_size) = (self.pg.rank(), self.pg.world_size());
+        let mut meta = crate::shards::ShardMeta { rank, world_size, params: Default::default() };
+        for ((n, _), _) in self.params.iter().zip(&self.sharded).filter(|(_, sh)| **sh) {
+            meta.params.insert(n.clone(), self.objective.shard_rows(n));
+        }
+        let shard = crate::shards::Shard { tensors: &shard, meta: &meta };
+        crate::shards::save(&self.pg, &dir, &contents, &shard, keep, fault)
     }
 
     /// The run directory, if any.

@@ -48,6 +48,7 @@
 //! built-in ones, under `launch` too (`examples/custom_loss.rs`).
 
 pub mod builtin;
+pub mod face;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -145,12 +146,13 @@ impl Registry {
         Registry::default()
     }
 
-    /// The built-in methods: `simclr`, `barlowtwins` and `vectors`.
+    /// The built-in methods: `simclr`, `barlowtwins`, `vectors` and `face`.
     pub fn builtin() -> Registry {
         let mut r = Registry::empty();
         r.register("simclr", builtin::ImageMethod::SIMCLR);
         r.register("barlowtwins", builtin::ImageMethod::BARLOW_TWINS);
         r.register("vectors", builtin::Vectors);
+        r.register("face", face::Face);
         r
     }
 

@@ -1,0 +1,150 @@
+//! The networks that turn a sample into an embedding: a linear map (synthetic vectors; tests
+//! and smoke runs) or the image methods' ResNet with arcface_torch's embedding layer
+//! (BatchNorm → Dropout → FC → BatchNorm).
+
+use allgrad_rng::{bernoulli, stream};
+use candle_core::{Result, Tensor};
+use candle_nn::{Linear, Module, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::batch_norm::{BatchNorm, Mode};
+use crate::resnet::{ResNet, ResNetConfig};
+use crate::ModelError;
+
+/// Key word of the dropout masks.
+const DROPOUT_KEY: u64 = 0xD409_0C7F_0000_0004;
+
+/// The `model` section of the face method.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum FaceModel {
+    /// One linear layer from the input vectors to the embedding.
+    Linear {
+        /// Embedding width D.
+        embedding: usize,
+    },
+    /// A ResNet encoder, then BN-Dropout-FC-BN to the embedding.
+    Resnet {
+        /// The encoder.
+        #[serde(default)]
+        encoder: ResNetConfig,
+        /// Embedding width D (128 to 512 in face recognition).
+        embedding: usize,
+        /// Dropout before the FC layer (masks keyed by seed, step and global sample index).
+        #[serde(default)]
+        dropout: f64,
+    },
+}
+
+impl FaceModel {
+    /// The embedding width.
+    pub fn embedding(&self) -> usize {
+        match self {
+            FaceModel::Linear { embedding } | FaceModel::Resnet { embedding, .. } => *embedding,
+        }
+    }
+
+    /// Checks the values.
+    pub fn validate(&self) -> std::result::Result<(), ModelError> {
+        if self.embedding() == 0 {
+            return Err(ModelError::HeadInput("model.embedding must be positive".into()));
+        }
+        if let FaceModel::Resnet { dropout, .. } = self {
+            if !(0.0..1.0).contains(dropout) {
+                return Err(ModelError::HeadInput(format!("model.dropout must be in [0, 1), got {dropout}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where a forward pass is: the mode, and the keys of its dropout masks.
+#[derive(Clone, Copy)]
+pub struct Pass<'a> {
+    /// Training or evaluation, and the group of SyncBatchNorm.
+    pub mode: Mode<'a>,
+    /// The run's seed.
+    pub seed: u64,
+    /// The optimizer step.
+    pub step: usize,
+    /// Global indices of the samples.
+    pub indices: &'a [usize],
+}
+
+/// A built backbone (built once per run: the size difference of the variants does not matter).
+#[allow(clippy::large_enum_variant)]
+pub enum Backbone {
+    /// See [`FaceModel::Linear`].
+    Linear(Linear),
+    /// See [`FaceModel::Resnet`].
+    Resnet {
+        /// The encoder.
+        encoder: ResNet,
+        /// BatchNorm on the encoder's features.
+        bn1: BatchNorm,
+        /// Dropout rate.
+        dropout: f64,
+        /// The FC layer.
+        fc: Linear,
+        /// BatchNorm on the embedding.
+        bn2: BatchNorm,
+    },
+}
+
+impl Backbone {
+    /// Creates the parameters (`linear.*`, or `encoder.*` and `embedding.{bn1,fc,bn2}.*`);
+    /// `in_dim` is the input width of the linear backbone.
+    pub fn new(model: &FaceModel, in_dim: usize, vb: VarBuilder) -> Result<Self> {
+        model.validate()?;
+        Ok(match model {
+            FaceModel::Linear { embedding } => Backbone::Linear(candle_nn::linear(in_dim, *embedding, vb.pp("linear"))?),
+            FaceModel::Resnet { encoder, embedding, dropout } => {
+                let enc = ResNet::new(encoder, vb.pp("encoder"))?;
+                let f = enc.feature_dim();
+                let e = vb.pp("embedding");
+                Backbone::Resnet {
+                    bn1: BatchNorm::new(f, encoder.sync_bn, e.pp("bn1"))?,
+                    fc: candle_nn::linear(f, *embedding, e.pp("fc"))?,
+                    bn2: BatchNorm::new(*embedding, encoder.sync_bn, e.pp("bn2"))?,
+                    encoder: enc,
+                    dropout: *dropout,
+                }
+            }
+        })
+    }
+
+    /// Embeddings `[b, D]` of inputs `x` (`[b, in]` vectors or `[b, C, H, W]` images).
+    pub fn forward(&self, x: &Tensor, pass: Pass) -> Result<Tensor> {
+        match self {
+            Backbone::Linear(l) => l.forward(x),
+            Backbone::Resnet { encoder, bn1, dropout, fc, bn2 } => {
+                let mut h = bn1.forward(&encoder.forward(x, pass.mode)?, pass.mode)?;
+                if pass.mode.train && *dropout > 0.0 {
+                    let mask = dropout_mask(h.dims2()?.1, *dropout, pass, h.device())?.to_dtype(h.dtype())?;
+                    h = (h * mask)?;
+                }
+                bn2.forward(&fc.forward(&h)?, pass.mode)
+            }
+        }
+    }
+
+    /// Every batch norm (for the checkpointed running statistics).
+    pub fn batch_norms(&self) -> Vec<&BatchNorm> {
+        match self {
+            Backbone::Linear(_) => Vec::new(),
+            Backbone::Resnet { encoder, bn1, bn2, .. } => encoder.batch_norms().into_iter().chain([bn1, bn2]).collect(),
+        }
+    }
+}
+
+/// Inverted-dropout multipliers `[b, width]`: 0 or `1/(1-p)`, each row from the stream
+/// `[seed, DROPOUT_KEY, step, global index]`, so they do not depend on W.
+fn dropout_mask(width: usize, p: f64, pass: Pass, device: &candle_core::Device) -> Result<Tensor> {
+    let keep = 1.0 / (1.0 - p);
+    let mut v = Vec::with_capacity(pass.indices.len() * width);
+    for &i in pass.indices {
+        let mut rng = stream(&[pass.seed, DROPOUT_KEY, pass.step as u64, i as u64]);
+        v.extend((0..width).map(|_| if bernoulli(&mut rng, p) { 0.0 } else { keep }));
+    }
+    Tensor::from_vec(v, (pass.indices.len(), width), device)
+}

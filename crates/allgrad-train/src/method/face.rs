@@ -1,0 +1,64 @@
+//! `face`: the class-sharded face-recognition method ([`FaceObjective`]): a backbone, the
+//! ArcFace / CosFace head whose centres are split across ranks, Partial FC, open-set
+//! verification. Sections: `data` (`synthetic` or `images`), `model` (`linear` or `resnet`),
+//! `head`, and optionally `verify`.
+
+use allgrad_models::face::{FaceData, FaceModel, FaceObjective, HeadConfig, VerifyConfig};
+use allgrad_models::{ModelError, Objective};
+use candle_core::Device;
+use serde::{Deserialize, Serialize};
+
+use super::{Method, SectionError};
+use crate::config::RunConfig;
+
+/// The sections of `face`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FaceSections {
+    /// The training (and held-out) data.
+    pub data: FaceData,
+    /// The backbone.
+    pub model: FaceModel,
+    /// The head.
+    pub head: HeadConfig,
+    /// Open-set verification.
+    #[serde(default)]
+    pub verify: VerifyConfig,
+}
+
+/// `face`: see the module docs.
+pub struct Face;
+
+fn key_of(e: ModelError) -> SectionError {
+    match e {
+        ModelError::HeadValue { key, .. } => SectionError::new(format!("head.{key}"), e.to_string()),
+        e => SectionError::new("model", e.to_string()),
+    }
+}
+
+impl Method for Face {
+    type Sections = FaceSections;
+
+    fn validate(&self, s: &FaceSections, _run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
+        s.head.validate().map_err(key_of)?;
+        s.model.validate().map_err(key_of)?;
+        if s.head.num_classes < world_size {
+            return Err(SectionError::new(
+                "head.num_classes",
+                format!("{} classes cannot be split over {world_size} ranks (each needs one)", s.head.num_classes),
+            ));
+        }
+        let kinds = (matches!(s.data, FaceData::Synthetic(_)), matches!(s.model, FaceModel::Linear { .. }));
+        if kinds.0 != kinds.1 {
+            return Err(SectionError::new(
+                "model.kind",
+                "data.kind `synthetic` takes model.kind `linear`, `images` takes `resnet`",
+            ));
+        }
+        Ok(())
+    }
+
+    fn objective(&self, s: FaceSections, run: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>> {
+        Ok(Box::new(FaceObjective::new(&s.data, s.model, s.head, s.verify, run.seed, device.clone(), run.candle_dtype())?))
+    }
+}
