@@ -180,7 +180,12 @@ fn embed_lines_prints_text_ids_and_the_embedding_per_line() {
 #[test]
 fn an_exported_folder_reads_back_with_the_trained_weights_and_the_source_pooler() {
     let src = tiny_dir();
-    let weights = candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    // The tiny model is stored in f16; the export writes f32.
+    let weights: HashMap<String, Tensor> = candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, v.to_dtype(DType::F32).unwrap()))
+        .collect();
     // "Trained" parameters under the trainer's names: the encoder shifted by 0.01, no pooler,
     // plus a training head that must not be exported.
     let mut params: HashMap<String, Tensor> = weights

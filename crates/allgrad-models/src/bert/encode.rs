@@ -42,7 +42,7 @@ pub fn embed_ids(model: &BertModel, pad_id: u32, pooling: Pooling, ids: &[Vec<u3
         let tokens = TokenBatch::from_ids(rows, pad_id, &device)?;
         parts.push(model.embed(&tokens, pooling, None)?.detach());
     }
-    let sorted = Tensor::cat(&parts, 0)?;
+    let sorted = Tensor::cat(&parts, 0)?.contiguous()?;
     // Row k of `sorted` is text order[k]: invert the permutation.
     let mut back = vec![0u32; ids.len()];
     for (k, &i) in order.iter().enumerate() {
