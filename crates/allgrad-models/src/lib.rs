@@ -17,7 +17,7 @@
 //!   softmax, Partial FC).
 //! - [`losses`]: the distributed losses themselves; [`batch_norm`]: (Sync)BatchNorm.
 //! - [`bert`]: a BERT encoder (Hugging Face checkpoints and tokenizers, keyed dropout) and
-//!   [`simcse`]: SimCSE's InfoNCE losses and objective (not yet a registered method).
+//!   [`simcse`]: SimCSE (InfoNCE losses, the objective, evaluation; `method: simcse` in allgrad-train).
 
 #![warn(missing_docs)]
 

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The `schedule` section: linear warmup, then cosine decay (or constant).
+/// The `schedule` section: linear warmup, then cosine or linear decay (or constant).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ScheduleConfig {
@@ -22,6 +22,8 @@ pub struct ScheduleConfig {
 pub enum Decay {
     /// Half a cosine from the peak to `final_fraction` of it.
     Cosine,
+    /// A straight line from the peak to `final_fraction` of it (BERT's and SimCSE's).
+    Linear,
     /// Keep the peak.
     Constant,
 }
@@ -40,14 +42,13 @@ impl ScheduleConfig {
         if step < self.warmup_steps {
             return peak * (step + 1) as f64 / self.warmup_steps as f64;
         }
+        let span = total.saturating_sub(self.warmup_steps).max(1);
+        let t = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
+        let low = peak * self.final_fraction;
         match self.decay {
             Decay::Constant => peak,
-            Decay::Cosine => {
-                let span = total.saturating_sub(self.warmup_steps).max(1);
-                let t = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
-                let low = peak * self.final_fraction;
-                low + (peak - low) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
-            }
+            Decay::Cosine => low + (peak - low) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos()),
+            Decay::Linear => peak - (peak - low) * t,
         }
     }
 }
@@ -64,5 +65,16 @@ mod tests {
         assert!((s.lr(1.0, 4, 14, 512) - 2.0).abs() < 1e-12);
         assert!((s.lr(1.0, 9, 14, 512) - (0.2 + 1.8 * 0.5)).abs() < 1e-12);
         assert!((s.lr(1.0, 14, 14, 512) - 0.2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn warmup_then_linear() {
+        // Peak 2 after 2 warmup steps; 10 steps of decay to 0: steps 2, 7, 12 give 2, 1, 0.
+        let s = ScheduleConfig { warmup_steps: 2, decay: Decay::Linear, final_fraction: 0.0, scale_by_batch: false };
+        assert_eq!(s.lr(2.0, 0, 12, 64), 1.0);
+        assert_eq!(s.lr(2.0, 2, 12, 64), 2.0);
+        assert!((s.lr(2.0, 7, 12, 64) - 1.0).abs() < 1e-12);
+        assert!((s.lr(2.0, 9, 12, 64) - 0.6).abs() < 1e-12);
+        assert!(s.lr(2.0, 12, 12, 64).abs() < 1e-12);
     }
 }

@@ -66,4 +66,9 @@ impl Embeddings {
     pub fn dtype(&self) -> candle_core::DType {
         self.word.dtype()
     }
+
+    /// The device of the parameters.
+    pub fn device(&self) -> &candle_core::Device {
+        self.word.device()
+    }
 }

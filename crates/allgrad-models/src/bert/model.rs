@@ -75,6 +75,16 @@ impl BertModel {
         self.embeddings.dtype()
     }
 
+    /// The dtype of the parameters.
+    pub fn dtype(&self) -> candle_core::DType {
+        self.embeddings.dtype()
+    }
+
+    /// The device of the parameters.
+    pub fn device(&self) -> &candle_core::Device {
+        self.embeddings.device()
+    }
+
     /// The `[CLS]` state `[b, hidden]` of `hidden` (`[b, len, hidden]`).
     pub fn cls(hidden: &Tensor) -> Result<Tensor> {
         hidden.narrow(1, 0, 1)?.squeeze(1)

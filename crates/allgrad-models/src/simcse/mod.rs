@@ -5,12 +5,16 @@
 
 mod config;
 mod data;
+mod eval_data;
+mod evaluation;
 mod info_nce;
 mod objective;
 mod spearman;
 
 pub use config::{SimCseData, SimCseLoss, SimCseModel};
 pub use data::{read_nli_triplets, read_sentences};
+pub use eval_data::{read_lee, read_retrieval, read_sts_tsv, read_word_pairs, RatedPairs, Retrieval};
+pub use evaluation::{rated_spearman, retrieval_scores, Evaluator, SimCseEval};
 pub use info_nce::{info_nce, info_nce_hard_negatives};
 pub use objective::SimCse;
 pub use spearman::{ranks, spearman};

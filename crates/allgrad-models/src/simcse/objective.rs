@@ -5,6 +5,7 @@ use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::config::{SimCseData, SimCseLoss, SimCseModel};
+use super::evaluation::{Evaluator, SimCseEval};
 use super::info_nce::{info_nce, info_nce_hard_negatives};
 use crate::bert::{BertConfig, BertFolder, BertModel, BertTokenizer, Checkpoint, Dense, DropoutKey, Pooling, TokenBatch};
 use crate::{Batch, EmbeddingObjective, Objective};
@@ -29,6 +30,8 @@ pub struct SimCse {
     supervised: bool,
     net: Option<(BertModel, Option<Dense>)>,
     device: Device,
+    /// The benchmarks and the evaluation tokenizer (its own `max_len`), when configured.
+    eval: Option<(Evaluator, BertTokenizer)>,
 }
 
 impl SimCse {
@@ -72,7 +75,18 @@ impl SimCse {
             supervised,
             net: None,
             device,
+            eval: None,
         })
+    }
+
+    /// Evaluates with `cfg`'s benchmarks (before training and after every epoch), on the
+    /// pooled embeddings without the MLP head, dropout off, sequences up to `cfg.max_len`.
+    pub fn with_evaluation(mut self, cfg: &SimCseEval) -> Result<Self> {
+        let evaluator = Evaluator::load(cfg)?;
+        let max_len = cfg.max_len.min(self.bert_cfg.max_position_embeddings);
+        let tokenizer = BertTokenizer::from_file(&self.model_cfg.dir.join("tokenizer.json"), max_len)?;
+        self.eval = (!evaluator.is_empty()).then_some((evaluator, tokenizer));
+        Ok(self)
     }
 
     /// The encoder (after `build`).
@@ -124,6 +138,13 @@ impl Objective for SimCse {
 
     fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
         Some(self)
+    }
+
+    fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
+        match &self.eval {
+            Some((evaluator, tokenizer)) => evaluator.evaluate(self.encoder()?, tokenizer, self.model_cfg.pooling, pg),
+            None => Ok(Vec::new()),
+        }
     }
 }
 

@@ -24,8 +24,8 @@
 //! `data` section, [`allgrad_models::losses::LossConfig`]) are ordinary types they reuse.
 //!
 //! The built-in methods are in [`Registry::builtin`]: `simclr`, `barlowtwins` (one two-view
-//! image method with different losses, [`allgrad_models::image_ssl::TwoViewMethod`]) and
-//! `vectors`. A user's own method plugs in from their own binary:
+//! image method with different losses, [`allgrad_models::image_ssl::TwoViewMethod`]),
+//! `simcse` ([`simcse::SimCseMethod`]) and `vectors`. A user's own method plugs in from their own binary:
 //!
 //! ```no_run
 //! # use allgrad_train::method::{Method, Registry, SectionError};
@@ -49,6 +49,8 @@
 
 pub mod builtin;
 pub mod face;
+pub mod simcse;
+pub mod simcse_export;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -146,9 +148,10 @@ impl Registry {
         Registry::default()
     }
 
-    /// The built-in methods: `simclr`, `barlowtwins`, `vectors` and `face`.
+    /// The built-in methods: `simclr`, `barlowtwins`, `simcse`, `vectors` and `face`.
     pub fn builtin() -> Registry {
         let mut r = Registry::empty();
+        r.register("simcse", simcse::SimCseMethod);
         r.register("simclr", builtin::ImageMethod::SIMCLR);
         r.register("barlowtwins", builtin::ImageMethod::BARLOW_TWINS);
         r.register("vectors", builtin::Vectors);

@@ -1,0 +1,30 @@
+//! `export-hf`: the encoder of a SimCSE run (its newest checkpoint) as a Hugging Face folder
+//! that `transformers.AutoModel`, `sentence-transformers` and `embed` load (the logic is
+//! `allgrad_train::method::simcse_export::export_run`).
+//!
+//! ```text
+//! export-hf --run runs/simcse/TIME [--out DIR]      (default DIR: the run's hf/)
+//! ```
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// Export a SimCSE run's encoder as a Hugging Face folder.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// The run directory (config.yaml and checkpoints/).
+    #[arg(long)]
+    run: PathBuf,
+    /// Where to write the folder (default: RUN/hf).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let out = allgrad_train::method::simcse_export::export_run(&args.run, args.out.as_deref())?;
+    println!("{}", out.display());
+    Ok(())
+}
