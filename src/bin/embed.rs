@@ -29,8 +29,8 @@ struct Args {
     /// Folder with config.json, model.safetensors and tokenizer.json.
     #[arg(long)]
     model: PathBuf,
-    /// How the sentence embedding is read: mean of the tokens, the pooler over [CLS] (`cls`),
-    /// or [CLS] as the last layer leaves it.
+    /// How the sentence embedding is read: mean of the tokens, the pooler over `[CLS]` (`cls`),
+    /// or `[CLS]` as the last layer leaves it.
     #[arg(long, value_enum, default_value = "mean")]
     pooling: PoolingArg,
     /// Truncate to this many tokens, special tokens included.
