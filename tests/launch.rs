@@ -4,39 +4,15 @@
 //! cannot start reported as such; no shared-memory file left by a rank killed while its group
 //! was being set up; and, on a terminal, rank 0 drawing there (the trainer's progress bar).
 
-use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+mod common;
+
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{example, run_with_watchdog};
 
 fn launch_bin() -> &'static str {
     env!("CARGO_BIN_EXE_launch")
-}
-
-fn example(name: &str) -> PathBuf {
-    // Examples are built next to the test binaries' directory: target/<profile>/examples.
-    let mut p = std::env::current_exe().unwrap();
-    p.pop();
-    p.pop();
-    p.push("examples");
-    p.push(name);
-    assert!(p.exists(), "{} is not built (cargo test builds examples; run `cargo build --examples`)", p.display());
-    p
-}
-
-/// Runs a command with a watchdog: kills it and fails the test after `limit`.
-fn run_with_watchdog(cmd: &mut Command, limit: Duration) -> (Output, Duration) {
-    let t = Instant::now();
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return (child.wait_with_output().unwrap(), t.elapsed());
-        }
-        if t.elapsed() > limit {
-            let _ = child.kill();
-            panic!("watchdog: {cmd:?} still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn processes_matching(pattern: &str) -> usize {

@@ -1,9 +1,11 @@
-//! `launch --max-restarts N`: a job whose ranks are SIGKILLed at random moments, several
-//! times, is started again each time, resumes from its newest checkpoint in the same run
+//! `launch --max-restarts N`: a job whose ranks are SIGKILLed several times (a random rank, a
+//! random delay after chosen checkpoints) is started again each time, resumes from its newest checkpoint in the same run
 //! directory, and ends bit for bit where an uninterrupted job ends: parameters, optimizer
 //! state, buffers (batch-norm running statistics) and every logged metric. Once on the vectors
 //! method, once on a short SimCLR run with SyncBatchNorm and evaluation. Also: a restart on a
 //! different number of ranks resumes the replicated state and says so.
+
+mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,16 +14,11 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
-const VECTORS: &str = "seed: 5\n\
-method: vectors\n\
-data: {kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}\n\
-model: {kind: mlp, hidden: 16, out: 8}\n\
-loss: {kind: nt_xent, temperature: 0.3}\n\
-optim: {kind: lars, lr: 0.4, weight_decay: 0.0001}\n\
-schedule: {warmup_steps: 2}\n\
-train: {global_batch: 24, epochs: 30}\n\
-checkpoint: {every: 1, keep_last: 2}\n\
-log: {every: 1, progress: lines, plot: false}\n";
+fn vectors() -> String {
+    common::vectors_config(
+        "train: {global_batch: 24, epochs: 30}\ncheckpoint: {every: 1, keep_last: 2}\nlog: {every: 1, progress: lines, plot: false}\n",
+    )
+}
 
 fn image_config() -> String {
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/fashion-mnist");
@@ -52,19 +49,8 @@ fn launched(dir: &Path, n: usize, extra: &[&str], out: &Path) -> Command {
     c
 }
 
-fn wait_with_watchdog(mut child: Child, what: &str, limit: Duration) -> Output {
-    let t = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if t.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("watchdog: {what} still running after {limit:?}; stderr:\n{}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+fn wait_with_watchdog(child: Child, what: &str, limit: Duration) -> Output {
+    common::wait_with_watchdog(child, what, limit).0
 }
 
 fn spawn(cmd: &mut Command) -> Child {
@@ -183,7 +169,7 @@ fn job_dir(config: &str) -> tempfile::TempDir {
 
 #[test]
 fn vectors_job_killed_three_times_ends_bitwise_where_an_uninterrupted_one_does() {
-    let d = job_dir(VECTORS);
+    let d = job_dir(&vectors());
     killed_job_ends_where_an_uninterrupted_one_does(d.path(), &[7, 41, 90], Duration::from_secs(240));
 }
 
@@ -198,7 +184,7 @@ fn image_job_with_batch_norm_killed_twice_ends_bitwise_where_an_uninterrupted_on
 
 #[test]
 fn a_job_resumed_on_another_number_of_ranks_says_so_and_continues() {
-    let d = job_dir(VECTORS);
+    let d = job_dir(&vectors());
     let out: PathBuf = d.path().join("run");
     let limit = Duration::from_secs(120);
     let mut first = launched(d.path(), 2, &[], &out);

@@ -2,37 +2,23 @@
 //! killed while saving a checkpoint leaves `latest` loadable and resumes exactly; config
 //! errors name the file, the key and the numbers.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 
-const CONFIG: &str = "seed: 5\n\
-method: vectors\n\
-data: {kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}\n\
-model: {kind: mlp, hidden: 16, out: 8}\n\
-loss: {kind: nt_xent, temperature: 0.3}\n\
-optim: {kind: lars, lr: 0.4, weight_decay: 0.0001}\n\
-schedule: {warmup_steps: 2}\n\
-train: {global_batch: 24, epochs: 2}\n\
-checkpoint: {every: 2, keep_last: 2}\n\
-log: {every: 1, progress: lines}\n";
+fn config() -> String {
+    common::vectors_config(
+        "train: {global_batch: 24, epochs: 2}\ncheckpoint: {every: 2, keep_last: 2}\nlog: {every: 1, progress: lines}\n",
+    )
+}
 
 fn run(cmd: &mut Command, limit: Duration) -> Output {
-    let t = Instant::now();
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if t.elapsed() > limit {
-            let _ = child.kill();
-            panic!("watchdog: {cmd:?} still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::run_with_watchdog(cmd, limit).0
 }
 
 fn train(dir: &Path, args: &[&str]) -> Command {
@@ -49,7 +35,7 @@ fn launched(dir: &Path, n: usize, args: &[&str]) -> Command {
 
 fn setup() -> tempfile::TempDir {
     let d = tempfile::tempdir().unwrap();
-    std::fs::write(d.path().join("run.yaml"), CONFIG).unwrap();
+    std::fs::write(d.path().join("run.yaml"), config()).unwrap();
     d
 }
 

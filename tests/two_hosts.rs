@@ -10,10 +10,14 @@
 //! - When a rank of one node dies, the other node's ranks fail with an error, promptly, and
 //!   its launcher exits non-zero.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use common::{example, wait_with_watchdog};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
@@ -93,44 +97,18 @@ fn hosts_or_skip(test: &str) -> Option<TwoHosts> {
     }
 }
 
-fn wait(mut child: Child, what: &str, limit: Duration) -> (Output, Duration) {
-    let t = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return (child.wait_with_output().unwrap(), t.elapsed());
-        }
-        if t.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("watchdog: {what} still running after {limit:?}; stderr:\n{}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 /// Runs both nodes of `program` and returns (node 0's output, node 1's output, their times).
 fn both(hosts: &TwoHosts, program: &[&str], limit: Duration) -> [(Output, Duration); 2] {
     let port = allgrad::launch::free_port().unwrap();
     let b = hosts.launch(1, port, program).spawn().unwrap();
     let a = hosts.launch(0, port, program).spawn().unwrap();
-    let a = wait(a, "node 0", limit);
-    let b = wait(b, "node 1", limit);
+    let a = wait_with_watchdog(a, "node 0", limit);
+    let b = wait_with_watchdog(b, "node 1", limit);
     [a, b]
 }
 
 fn text(o: &Output) -> String {
     format!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
-
-fn example(name: &str) -> PathBuf {
-    // Examples are built next to the test binaries' directory: target/<profile>/examples.
-    let mut p = std::env::current_exe().unwrap();
-    p.pop();
-    p.pop();
-    p.push("examples");
-    p.push(name);
-    assert!(p.exists(), "{} is not built (cargo test builds examples; run `cargo build --examples`)", p.display());
-    p
 }
 
 #[test]
@@ -152,16 +130,8 @@ fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
     let Some(hosts) = hosts_or_skip("training_across_two_hosts") else { return };
     let d = tempfile::tempdir().unwrap();
     let config = d.path().join("run.yaml");
-    std::fs::write(
-        &config,
-        "seed: 5\nmethod: vectors\n\
-         data: {kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}\n\
-         model: {kind: mlp, hidden: 16, out: 8}\nloss: {kind: nt_xent, temperature: 0.3}\n\
-         optim: {kind: lars, lr: 0.4, weight_decay: 0.0001}\nschedule: {warmup_steps: 2}\n\
-         train: {global_batch: 24, epochs: 4}\ncheckpoint: {every: 4, keep_last: 1}\n\
-         log: {every: 1, progress: quiet, plot: false}\n",
-    )
-    .unwrap();
+    let run_config = "train: {global_batch: 24, epochs: 4}\ncheckpoint: {every: 4, keep_last: 1}\nlog: {every: 1, progress: quiet, plot: false}\n";
+    std::fs::write(&config, common::vectors_config(run_config)).unwrap();
     let run = |dir: &Path| {
         vec![
             env!("CARGO_BIN_EXE_train").to_string(),
@@ -174,7 +144,7 @@ fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
     let one_host = d.path().join("one-host");
     let mut single = Command::new(env!("CARGO_BIN_EXE_launch"));
     single.args(["--nproc-per-node", "4"]).args(run(&one_host)).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let (o, _) = wait(single.spawn().unwrap(), "the one-host run", Duration::from_secs(120));
+    let (o, _) = wait_with_watchdog(single.spawn().unwrap(), "the one-host run", Duration::from_secs(120));
     assert!(o.status.success(), "{}", text(&o));
 
     let two_hosts = d.path().join("two-hosts");
