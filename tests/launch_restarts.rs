@@ -1,9 +1,10 @@
 //! `launch --max-restarts N`: a job whose ranks are SIGKILLed several times (a random rank, a
 //! random delay after chosen checkpoints) is started again each time, resumes from its newest
-//! checkpoint in the same run directory, and ends bit for bit where an uninterrupted job ends: parameters, optimizer
-//! state, buffers (batch-norm running statistics) and every logged metric. Once on the vectors
-//! method, once on a short SimCLR run with SyncBatchNorm and evaluation. Also: a restart on a
-//! different number of ranks resumes the replicated state and says so.
+//! checkpoint in the same run directory, and ends bit for bit where an uninterrupted job ends:
+//! parameters, optimizer state, buffers (batch-norm running statistics) and every logged
+//! metric. Once on the vectors method, once on a short SimCLR run with SyncBatchNorm and
+//! evaluation. Also: a restart on a different number of ranks resumes the replicated state and
+//! says so.
 
 mod common;
 
