@@ -208,6 +208,45 @@ fn watch<C: Abort + ?Sized>(shared: &Shared, comm: &C, group: &str, timeout: Dur
     }
 }
 
+/// Runs `call`, a blocking call that has no timeout of its own and that no abort can end
+/// (NCCL's `ncclCommInitRank`: it waits for every member of the communicator), on a thread of
+/// its own, and waits for it at most `timeout`, asking `peer_failed` meanwhile whether a peer
+/// has already failed. On time-out or a peer's failure the caller gets the error at once; the
+/// call's thread is left blocked (it holds only what `call` owns), and whatever `call` returns
+/// later is dropped. The caller's group is poisoned by the error, as for any failed call.
+pub(crate) fn bounded<T: Send + 'static>(
+    what: &str,
+    group: &str,
+    timeout: Duration,
+    mut peer_failed: impl FnMut() -> Option<DistError>,
+    call: impl FnOnce() -> DistResult<T> + Send + 'static,
+) -> DistResult<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("allgrad-bounded".into())
+        .spawn(move || {
+            // The receiver is gone when the caller gave up waiting: nothing left to tell.
+            let _ = tx.send(call());
+        })
+        .map_err(|e| DistError::io(format!("starting a thread for {what} on group {group}"), e))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(result) => return result,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(DistError::Invalid(format!("{what} on group {group}: the call's thread ended without a result")))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if let Some(e) = peer_failed() {
+            return Err(e);
+        }
+        if Instant::now() >= deadline {
+            return Err(DistError::Timeout { what: format!("in {what} on group {group} (the call is left blocked)"), timeout });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -322,5 +361,57 @@ mod tests {
         drop(dog);
         assert_eq!(Arc::strong_count(&comm), 1);
         assert_eq!(comm.aborts.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_bounded_call_that_returns_gives_its_result() {
+        let r = bounded("ncclCommInitRank", "g", Duration::from_secs(5), || None, || Ok(7));
+        assert_eq!(r.unwrap(), 7);
+        let e =
+            bounded::<()>("ncclCommInitRank", "g", Duration::from_secs(5), || None, || Err(DistError::Invalid("refused".into())));
+        assert!(e.unwrap_err().to_string().contains("refused"));
+    }
+
+    #[test]
+    fn a_bounded_call_that_never_returns_times_out_naming_it() {
+        let start = Instant::now();
+        let e = bounded::<()>(
+            "ncclCommInitRank",
+            "world",
+            Duration::from_millis(300),
+            || None,
+            || {
+                std::thread::sleep(Duration::from_secs(3600));
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        let waited = start.elapsed();
+        assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(10), "waited {waited:?}");
+        assert!(matches!(e, DistError::Timeout { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains("ncclCommInitRank") && msg.contains("group world") && msg.contains("ALLGRAD_TIMEOUT_S"), "{msg}");
+    }
+
+    #[test]
+    fn a_bounded_call_ends_at_once_when_a_peer_failed() {
+        let start = Instant::now();
+        let mut polls = 0;
+        let e = bounded::<()>(
+            "ncclCommInitRank",
+            "world",
+            Duration::from_secs(3600),
+            || {
+                polls += 1;
+                (polls == 3).then(|| DistError::Invalid("rank 1 failed".into()))
+            },
+            || {
+                std::thread::sleep(Duration::from_secs(3600));
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(10), "waited {:?}", start.elapsed());
+        assert!(e.to_string().contains("rank 1 failed"), "{e}");
     }
 }

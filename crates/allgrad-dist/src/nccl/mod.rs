@@ -10,7 +10,8 @@
 //!   mismatched calls fail on every rank naming both, as on the CPU backend.
 //! - A watchdog thread per communicator (`watchdog`) aborts it (`ncclCommAbort`) when a call
 //!   outlives ALLGRAD_TIMEOUT_S; the call fails naming itself, the group is poisoned and its
-//!   peers are told over TCP.
+//!   peers are told over TCP. Making the communicator (`ncclCommInitRank`, which waits for
+//!   every member) is bounded by the same timeout, and by a peer's failure seen on the mesh.
 //! - The collectives on tensors are in `tensors`; the differentiable ops of [`crate::ops`]
 //!   call them for CUDA inputs (their `cuda_fwd`), with the same backward rules.
 
@@ -33,7 +34,7 @@ use crate::group::{Elsewhere, Names};
 use crate::mesh::Mesh;
 use crate::reduce::ReduceOp;
 use crate::unique_id::{share_unique_id, UNIQUE_ID_BYTES};
-use crate::watchdog::{Abort, Watchdog};
+use crate::watchdog::{bounded, Abort, Watchdog};
 
 /// An NCCL communicator handle, aborted (and so freed) exactly once: by the watchdog or on drop.
 struct RawComm {
@@ -67,6 +68,13 @@ impl Drop for RawComm {
         }
     }
 }
+
+/// A communicator just made on the thread of [`bounded`], on its way to its [`RawComm`].
+struct MadeComm(sys::ncclComm_t);
+
+// SAFETY: as for RawComm: the handle is used by one thread at a time, and this one only
+// carries it from the thread that made it to the caller.
+unsafe impl Send for MadeComm {}
 
 /// A group's communicator with its watchdog and device.
 pub(crate) struct GroupComm {
@@ -105,13 +113,30 @@ fn comm_for<'p>(place: &'p mut Elsewhere<'_>, device: &CudaDevice) -> DistResult
         let stream = device.cuda_stream();
         stream.context().bind_to_thread().map_err(|e| nccl_error(names, "binding the CUDA context", format!("{e:?}")))?;
         let (world, rank) = (place.world_size as i32, place.rank as i32);
-        let mut raw = MaybeUninit::uninit();
-        // SAFETY: `raw` is written by a successful call, which every member makes with the
-        // same id and world size (the call header was checked over TCP first).
-        unsafe { result::comm_init_rank(raw.as_mut_ptr(), world, id, rank) }
-            .map_err(|e| nccl_error(names, "ncclCommInitRank", describe(e.0)))?;
-        // SAFETY: initialised by the successful call above.
-        let comm = Arc::new(RawComm { comm: unsafe { raw.assume_init() }, aborted: AtomicBool::new(false) });
+        let (context, group, what) = (stream.context().clone(), place.group.to_string(), names.what.to_string());
+        let init_error =
+            move |step: &str, detail: String| DistError::Nccl { group: group.clone(), call: format!("{what} ({step})"), detail };
+        let mesh = place.mesh;
+        // ncclCommInitRank waits for every member and has no timeout, and there is no
+        // communicator to abort yet: it runs on a thread of its own, and this rank stops
+        // waiting at the group's timeout or when a peer is seen failing on the TCP mesh.
+        let made = bounded(
+            "ncclCommInitRank",
+            place.group,
+            place.timeout,
+            || mesh.peer_failure(names.what),
+            move || {
+                context.bind_to_thread().map_err(|e| init_error("binding the CUDA context", format!("{e:?}")))?;
+                let mut raw = MaybeUninit::uninit();
+                // SAFETY: `raw` is written by a successful call, which every member makes with the
+                // same id and world size (the call header was checked over TCP first).
+                unsafe { result::comm_init_rank(raw.as_mut_ptr(), world, id, rank) }
+                    .map_err(|e| init_error("ncclCommInitRank", describe(e.0)))?;
+                // SAFETY: initialised by the successful call above.
+                Ok(MadeComm(unsafe { raw.assume_init() }))
+            },
+        )?;
+        let comm = Arc::new(RawComm { comm: made.0, aborted: AtomicBool::new(false) });
         let watchdog = Watchdog::start(comm.clone(), place.group, place.timeout)?;
         tracing::debug!("group {}: NCCL communicator made on {:?}", place.group, device);
         *place.nccl = Some(GroupComm { watchdog, comm, device: device.clone(), stream });
