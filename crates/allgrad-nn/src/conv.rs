@@ -98,8 +98,11 @@ fn geometry(x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<ConvGeom> {
     })
 }
 
+/// Whether `x` takes this module's kernels: f32 or f64 on the CPU, or (feature `cudnn`) on a
+/// CUDA device through cuDNN.
 fn fast_path(x: &Tensor) -> bool {
-    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
+    let device = x.device().is_cpu() || (cfg!(feature = "cudnn") && x.device().is_cuda());
+    device && matches!(x.dtype(), DType::F32 | DType::F64)
 }
 
 /// 2-D convolution of `x` (batch, channels, height, width) with `w`
@@ -108,7 +111,9 @@ fn fast_path(x: &Tensor) -> bool {
 ///
 /// On the CPU with f32 or f64 this is im2col + GEMM, parallel over the batch, and its backward
 /// returns both the input and the weight gradient (each only when the tensor is tracked), again
-/// as GEMMs. Other devices and dtypes fall back to Candle's `conv2d` (and its backward).
+/// as GEMMs. On CUDA with f32 or f64 in a build with the `cudnn` feature, the forward and both
+/// gradients are cuDNN calls (plain f32 math, no TF32). Other devices and dtypes fall back to
+/// Candle's `conv2d` (and its backward).
 ///
 /// Gradient convention: this op is local to the rank; its backward returns ∂L/∂x and ∂L/∂w of
 /// whatever scalar the caller differentiates, with no cross-rank scaling.
@@ -120,6 +125,10 @@ pub fn conv2d(x: &Tensor, w: &Tensor, params: ConvParams) -> Result<Tensor> {
     let g = geometry(x, w, &params)?;
     if !fast_path(x) {
         return x.conv2d(w, params.padding, params.stride, params.dilation, params.groups);
+    }
+    if x.device().is_cuda() {
+        // cuDNN reads contiguous NCHW (the CPU kernel reads any layout of x).
+        return x.contiguous()?.apply_op2(&w.contiguous()?, Conv2dOp { g });
     }
     x.apply_op2(w, Conv2dOp { g })
 }
@@ -156,7 +165,8 @@ pub fn conv2d_backward(
     if !fast_path(x) {
         return candle_backward(x, w, grad, &params, want_input, want_weight);
     }
-    let (x, w, grad) = (x.detach(), w.detach().contiguous()?, grad.detach().contiguous()?);
+    let x = if x.device().is_cuda() { x.detach().contiguous()? } else { x.detach() };
+    let (w, grad) = (w.detach().contiguous()?, grad.detach().contiguous()?);
     let mut grads = ConvGrads { input: None, weight: None };
     if !want_input && !want_weight {
         return Ok(grads);
@@ -219,6 +229,17 @@ impl CustomOp2 for Conv2dOp {
         Ok((out, shape))
     }
 
+    #[cfg(feature = "cudnn")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::conv_cudnn::forward(&self.g, s1, l1, s2, l2)
+    }
+
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let p = ConvParams { stride: self.g.stride, padding: self.g.pad, dilation: self.g.dil, groups: self.g.groups };
         let grads = conv2d_backward(x, w, grad, p, x.track_op(), w.track_op())?;
@@ -244,6 +265,19 @@ impl CustomOp3 for Conv2dBackward {
         let len = if wi { g.n * g.in_img() } else { 0 } + if ww { g.weight_len() } else { 0 };
         let out = float_kernel!("conv2d backward", s1 => x, s2 => w, s3 => gy; conv_bwd(x, l1, &contiguous(w, l2), &contiguous(gy, l3), g, wi, ww));
         Ok((out, Shape::from(len)))
+    }
+
+    #[cfg(feature = "cudnn")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::conv_cudnn::backward(&self.g, (self.want_input, self.want_weight), (s1, l1), (s2, l2), (s3, l3))
     }
 }
 

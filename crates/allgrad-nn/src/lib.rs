@@ -53,6 +53,8 @@ mod activation;
 mod channel;
 mod conv;
 mod conv_cpu;
+#[cfg(feature = "cudnn")]
+mod conv_cudnn;
 mod cpu;
 mod error;
 mod im2col;
