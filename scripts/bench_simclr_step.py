@@ -31,6 +31,11 @@ def parse_args():
     ap.add_argument("--width", type=int, default=64, help="channels of the first ResNet stage")
     ap.add_argument("--depth", type=int, default=18, choices=(18, 50), help="ResNet depth")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the step runs (the layer breakdown: CPU only)")
+    ap.add_argument(
+        "--tf32",
+        action="store_true",
+        help="on CUDA, let cuDNN and cuBLAS use TF32 (PyTorch's default for convolutions); off by default, as allgrad computes in plain f32",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps when run alone")
     ap.add_argument("--worker", action="store_true", help="serve step/layers/quit commands on stdin")
     return ap.parse_args()
@@ -241,13 +246,17 @@ def layer_times(batch, width):
 
 def main():
     torch.set_num_threads(ARGS.threads)
+    if ARGS.device == "cuda":
+        torch.backends.cudnn.allow_tf32 = ARGS.tf32
+        torch.backends.cuda.matmul.allow_tf32 = ARGS.tf32
     step = Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device)
     if not ARGS.worker:
         for _ in range(ARGS.steps + 1):  # the first step warms up
             print(step.run(), flush=True)
         print("\n".join(layer_times(ARGS.batch, ARGS.width)))
         return
-    print(f"READY torch={torch.__version__} threads={torch.get_num_threads()}", flush=True)
+    tf32 = f" tf32={'on' if ARGS.tf32 else 'off'}" if ARGS.device == "cuda" else ""
+    print(f"READY torch={torch.__version__} threads={torch.get_num_threads()}{tf32}", flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "step":

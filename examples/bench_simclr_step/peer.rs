@@ -35,7 +35,10 @@ impl Peer {
     /// Starts the worker for `batch` with `python` and the options `--NAME VALUE` of
     /// `options`; `Ok(None)` when PyTorch is not installed (the worker exits with status 2).
     pub fn spawn(python: &str, batch: usize, options: &[(&str, String)]) -> anyhow::Result<Option<Peer>> {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_simclr_step.py");
+        // The checkout it was built from, else the working directory's (a binary built on one
+        // machine and run from a copy of the repository on another).
+        let built = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_simclr_step.py");
+        let script = if std::path::Path::new(built).exists() { built } else { "scripts/bench_simclr_step.py" };
         let mut args = vec!["--worker".to_string(), "--batch".to_string(), batch.to_string()];
         for (name, value) in options {
             args.extend([format!("--{name}"), value.clone()]);

@@ -5,7 +5,8 @@
 //! Built only with the `nccl` feature; it needs a GPU per rank, so it runs on a GPU machine
 //! (`scripts/gpu_ci.sh`), never in this repository's CPU CI. A world size needing more GPUs
 //! than the machine has is skipped with a message (NCCL refuses two ranks of one
-//! communicator on one GPU); with ALLGRAD_REQUIRE_GPU=1, having no GPU at all is a failure.
+//! communicator on one GPU: `ncclCommInitRank` returns ncclInvalidUsage, seen with NCCL 2.28
+//! on an H100); with ALLGRAD_REQUIRE_GPU=1, having no GPU at all is a failure.
 #![cfg(feature = "nccl")]
 
 use allgrad_dist::{all_gather, all_reduce, all_to_all_sizes, broadcast, reduce_scatter, run_threads, ProcessGroup, ReduceOp};
