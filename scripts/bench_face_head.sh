@@ -28,7 +28,8 @@
 # Memory: every rank runs under `ulimit -v` of --mem-gib / W (default 90% of MemAvailable
 # at the start) plus what it maps without using (1 GiB for allgrad; for PyTorch its address
 # space after `import torch`, measured, plus 1 GiB), so a cell that does not fit fails with
-# an allocation error (reported; the other cells go on) instead of waking the OOM killer.
+# an allocation error (reported; its later rounds are skipped, the other cells go on)
+# instead of waking the OOM killer.
 # PYTHON picks the interpreter with torch (default python3); without torch, or with
 # --no-torch, only allgrad runs. Logs of every run go to $BENCH_OUT (default: a new folder
 # under /tmp). Run it on an idle machine: it prints the load average first and warns above
@@ -51,7 +52,7 @@ while (($#)); do
         --no-check) check=0; shift ;;
         --no-torch) torch=0; shift ;;
         --busy-load) busy=$2; shift 2 ;;
-        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -167,15 +168,22 @@ for c in "${classes[@]}"; do
     for w in "${worlds[@]}"; do
         for r in "${rates[@]}"; do
             cell=$out/run_${c}_${w}_$r
-            logs_a=() logs_t=() notes=""
+            logs_a=() logs_t=() notes="" oom_a=0 oom_t=0
             for ((k = 0; k < rounds; k++)); do
                 echo "  C $c W $w r $r round $((k + 1))/$rounds ..." >&2
-                one_run allgrad "$w" "$c" "$r" "$cell.allgrad.$k.log" --steps "$steps" ||
-                    notes+=" allgrad round $((k + 1)) failed: $(why "$cell.allgrad.$k.log");"
-                logs_a+=("$cell.allgrad.$k.log")
-                if ((torch)); then
-                    one_run torch "$w" "$c" "$r" "$cell.torch.$k.log" --steps "$steps" ||
+                # A run out of memory would be out of memory again: its later rounds are skipped.
+                if ((!oom_a)); then
+                    if ! one_run allgrad "$w" "$c" "$r" "$cell.allgrad.$k.log" --steps "$steps"; then
+                        notes+=" allgrad round $((k + 1)) failed: $(why "$cell.allgrad.$k.log");"
+                        [[ $(why "$cell.allgrad.$k.log") == out* ]] && oom_a=1
+                    fi
+                    logs_a+=("$cell.allgrad.$k.log")
+                fi
+                if ((torch && !oom_t)); then
+                    if ! one_run torch "$w" "$c" "$r" "$cell.torch.$k.log" --steps "$steps"; then
                         notes+=" PyTorch round $((k + 1)) failed: $(why "$cell.torch.$k.log");"
+                        [[ $(why "$cell.torch.$k.log") == out* ]] && oom_t=1
+                    fi
                     logs_t+=("$cell.torch.$k.log")
                 fi
             done
