@@ -197,7 +197,9 @@ impl Optimizer {
     /// computed for the whole tensor as usual, then the old rows are selected back
     /// (`where_cond`), so neither weight decay nor momentum moves them. Missing entries (a
     /// shorter `rows`) and `None` change every row. LARS's trust ratio still uses the whole
-    /// tensor's norms.
+    /// tensor's norms. The update is computed on detached views of the parameters and
+    /// gradients (same storage, no graph), so the stored state carries no computation graph (which would keep every
+    /// earlier step's graph, activations included, alive).
     pub fn step_rows(
         &mut self,
         params: &[(String, Var)],
@@ -211,7 +213,8 @@ impl Optimizer {
         let t = self.steps as i32;
         let cfg = self.cfg.clone();
         for (i, ((name, p), g)) in params.iter().zip(grads).enumerate() {
-            let w = p.as_tensor();
+            // Detached: ops on the variable (or on a gradient with its graph) would be tracked.
+            let (w, g) = (&p.as_tensor().detach(), &g.detach());
             let mask = match rows.get(i) {
                 Some(Some(m)) => Some(row_mask(m, w)?),
                 _ => None,
@@ -349,6 +352,33 @@ mod tests {
                     for (k, (now, then)) in om.state().values().map(bits).zip(&state_before).enumerate() {
                         assert_eq!(now[row.clone()], then[row.clone()], "{cfg:?}: state slot {k} of masked row {r} changed");
                     }
+                }
+            }
+        }
+    }
+    /// The state slots an update stores are plain values: they carry no computation graph,
+    /// although the parameter is a variable and its gradient comes from a backward (and so
+    /// still has a graph). A tracked slot would hold the previous slot, the gradient and its
+    /// whole step's graph, and each step would keep all earlier ones alive.
+    #[test]
+    fn state_slots_carry_no_graph_from_the_variable_or_the_gradient() {
+        let pg = ProcessGroup::single();
+        for cfg in [
+            OptimConfig::Sgd { lr: 0.1, momentum: 0.9, nesterov: true, weight_decay: 0.05 },
+            OptimConfig::Lars { lr: 0.1, momentum: 0.9, weight_decay: 0.05, trust_coefficient: 0.001, exclude_1d: true },
+            OptimConfig::Adamw { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 },
+        ] {
+            let w = Var::from_vec(vec![0.5f64, -1.0, 2.0, 0.25, 1.5, -0.75], (3, 2), &Device::Cpu).unwrap();
+            let params = [("w".to_string(), w.clone())];
+            let mut opt = Optimizer::new(cfg.clone());
+            for step in 0..2 {
+                let grads = w.as_tensor().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+                let g = grads.get(&w).unwrap().clone();
+                assert!(g.track_op(), "the gradient of a backward should carry its graph (else the test proves nothing)");
+                let rows = [(step == 1).then(|| vec![true, false, true])];
+                opt.step_rows(&params, &[g], &[false], &rows, 1.0, &pg).unwrap();
+                for (key, t) in opt.state() {
+                    assert!(!t.track_op(), "{cfg:?} step {step}: state slot {key} carries a computation graph");
                 }
             }
         }

@@ -1,0 +1,253 @@
+//! One rank of the face-head benchmark (`scripts/bench_face_head.sh` starts W of them through
+//! `launch`, alternating with `scripts/bench_face_head.py`, a PyTorch Partial FC v2): the
+//! class-sharded head of `allgrad-models` alone, the code the trainer runs for it. Per step:
+//! the loss of a fixed global batch of random embeddings `[B, D]` (this rank's rows of it,
+//! a gradient flows back to them) against this rank's centres (L2 normalisation, the
+//! differentiable all_gather, cosine logits, the margin, the parallel softmax, Partial FC
+//! sampling at `--rate`), the backward of `loss / W` (the trainer's scaling) and the
+//! optimizer's row-sparse step (`Optimizer::step_rows` with the head's sampled rows: SGD,
+//! momentum, weight decay). The trainer's extras around it (gradient accumulation buffers,
+//! the global gradient norm) are left out, as the PyTorch side leaves out everything but its
+//! head.
+//!
+//! ```text
+//! cargo build --release --bin launch --example bench_face_head
+//! target/release/launch --nproc-per-node 2 target/release/examples/bench_face_head \
+//!     --classes 100000 --rate 0.1 --steps 3
+//! ```
+//!
+//! Before every step the ranks meet at a barrier; a step's time is the slowest rank's.
+//! Rank 0 prints one line per step, `face_head_step impl=allgrad step=I timed=0|1 wall=S
+//! fwd=S bwd=S opt=S loss=L`, and every rank one line at the end, `face_head_mem rank=R
+//! init_mib=X peak_mib=Y`: the resident memory once the head, its inputs and the optimizer
+//! are set up, and the peak resident memory during the steps (`VmHWM` after resetting it
+//! through `/proc/self/clear_refs` at the start of the steps; the whole process's peak where
+//! that reset is refused, marked `peak_from=process`).
+//!
+//! `--dump DIR` instead takes two steps and writes what a reimplementation needs to check its
+//! losses against these (`rank<R>.safetensors`: this rank's embeddings, labels and initial
+//! centres, the global ids of the classes sampled at step 0, its class range, the losses of
+//! steps 0 and 1), and prints `face_head_check impl=allgrad world=W loss=L0 loss2=L1`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use allgrad::dist::{ProcessGroup, ReduceOp};
+use allgrad::models::face::{FaceHead, HeadConfig, MarginConfig, RowRange};
+use allgrad::rng::{below, normals, stream};
+use allgrad::train::optim::{OptimConfig, Optimizer};
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use clap::Parser;
+
+/// Key words of the input streams.
+const EMB_KEY: u64 = 0xFACE_BE4C_0000_0001;
+const LABEL_KEY: u64 = 0xFACE_BE4C_0000_0002;
+
+/// The class-sharded face head alone: forward, backward and optimizer step; one rank.
+#[derive(Parser)]
+struct Args {
+    /// Classes (identities) over all ranks.
+    #[arg(long)]
+    classes: usize,
+    /// Embedding width.
+    #[arg(long, default_value_t = 512)]
+    dim: usize,
+    /// Samples per step over all ranks (split as evenly as possible).
+    #[arg(long, default_value_t = 512)]
+    global_batch: usize,
+    /// Partial FC: the rate at which negative classes are sampled (1: no sampling).
+    #[arg(long, default_value_t = 1.0)]
+    rate: f64,
+    /// Timed steps, after the warm-up steps.
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// `arcface` (m 0.5) or `cosface` (m 0.4), both with s 64.
+    #[arg(long, default_value = "arcface")]
+    margin: String,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    lr: f64,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// SGD weight decay.
+    #[arg(long, default_value_t = 5e-4)]
+    weight_decay: f64,
+    /// Seed of the inputs, the centres and the sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Take two steps, write the check files here and stop.
+    #[arg(long)]
+    dump: Option<PathBuf>,
+}
+
+/// A field of `/proc/self/status` in MiB (`VmRSS`, `VmHWM`); NaN where it is absent.
+fn status_mib(field: &str) -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib =
+        status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.trim().strip_suffix("kB")?.trim().parse().ok());
+    kib.map_or(f64::NAN, |k: f64| k / 1024.0)
+}
+
+/// Resets the peak resident memory (`VmHWM`) to the current one; false where the kernel
+/// refuses (then `VmHWM` stays the whole process's peak).
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// This rank's rows of the global batch: embeddings `[b, D]` (standard normals) and labels
+/// (uniform over the classes), the same whatever W.
+fn inputs(a: &Args, rows: RowRange) -> (Vec<f32>, Vec<usize>) {
+    let all = normals(&mut stream(&[a.seed, EMB_KEY]), a.global_batch * a.dim);
+    let emb = all[rows.start * a.dim..rows.end() * a.dim].iter().map(|v| *v as f32).collect();
+    let mut rng = stream(&[a.seed, LABEL_KEY]);
+    let labels: Vec<usize> = (0..a.global_batch).map(|_| below(&mut rng, a.classes)).collect();
+    (emb, labels[rows.start..rows.end()].to_vec())
+}
+
+fn margin(name: &str) -> Result<MarginConfig> {
+    Ok(match name {
+        "arcface" => MarginConfig::Arcface { m: 0.5, s: 64.0 },
+        "cosface" => MarginConfig::Cosface { m: 0.4, s: 64.0 },
+        _ => anyhow::bail!("--margin must be arcface or cosface, not {name:?}"),
+    })
+}
+
+/// One rank's head, its inputs and its optimizer.
+struct Rank {
+    head: FaceHead,
+    /// The centres, the head's only parameter, as the optimizer takes it.
+    params: Vec<(String, Var)>,
+    emb: Var,
+    labels: Vec<usize>,
+    opt: Optimizer,
+    seed: u64,
+    lr: f64,
+}
+
+impl Rank {
+    fn new(a: &Args, pg: &ProcessGroup) -> Result<Rank> {
+        let (rank, w) = (pg.rank(), pg.world_size());
+        let cfg = HeadConfig { num_classes: a.classes, margin: margin(&a.margin)?, sample_rate: a.rate, init_std: 0.01 };
+        let mut head = FaceHead::new(cfg, a.dim, a.seed, rank, w)?;
+        let varmap = VarMap::new();
+        head.build(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).pp("head"))?;
+        let params: Vec<(String, Var)> =
+            varmap.data().lock().expect("the var map").iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        anyhow::ensure!(params.len() == 1, "the head has {} parameters, expected its centres only", params.len());
+        let rows = RowRange::split(a.global_batch, rank, w);
+        let (emb, labels) = inputs(a, rows);
+        let emb = Var::from_tensor(&Tensor::from_vec(emb, (rows.len, a.dim), &Device::Cpu)?)?;
+        let opt =
+            Optimizer::new(OptimConfig::Sgd { lr: a.lr, momentum: a.momentum, nesterov: false, weight_decay: a.weight_decay });
+        Ok(Rank { head, params, emb, labels, opt, seed: a.seed, lr: a.lr })
+    }
+
+    /// One step: the loss, the backward of `loss / W` and the row-sparse optimizer step.
+    /// Returns the loss and the seconds of the step and of its forward, backward and
+    /// optimizer phases.
+    fn step(&mut self, step: usize, pg: &ProcessGroup) -> Result<(f32, [f64; 4])> {
+        let t0 = Instant::now();
+        let loss = self.head.loss(self.emb.as_tensor(), &self.labels, self.seed, step, pg)?;
+        let t1 = Instant::now();
+        let grads = (&loss / pg.world_size() as f64)?.backward()?;
+        let g = grads.get(&self.params[0].1).context("no gradient for the centres")?;
+        grads.get(&self.emb).context("no gradient for the embeddings")?;
+        let t2 = Instant::now();
+        let rows = [self.head.updated_rows(step)];
+        self.opt.step_rows(&self.params, std::slice::from_ref(g), &[true], &rows, self.lr, pg)?;
+        let t3 = Instant::now();
+        Ok((loss.to_scalar::<f32>()?, [t3 - t0, t1 - t0, t2 - t1, t3 - t2].map(|d| d.as_secs_f64())))
+    }
+
+    /// The check files of `--dump` (see the module docs): the inputs, the initial centres,
+    /// the classes sampled at step 0, and the losses of steps 0 and 1 (one optimizer step
+    /// between).
+    fn dump(&mut self, dir: &std::path::Path, pg: &ProcessGroup) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let initial = self.params[0].1.as_tensor().copy()?;
+        let (first, _) = self.step(0, pg)?;
+        let range = self.head.range();
+        let sampled: Vec<i64> = match self.head.updated_rows(0) {
+            Some(rows) => rows.iter().enumerate().filter(|(_, k)| **k).map(|(r, _)| (range.start + r) as i64).collect(),
+            None => (range.start..range.end()).map(|c| c as i64).collect(),
+        };
+        let (second, _) = self.step(1, pg)?;
+        let dev = &Device::Cpu;
+        let (n, b) = (sampled.len(), self.labels.len());
+        let tensors: HashMap<String, Tensor> = [
+            ("embeddings", self.emb.as_tensor().clone()),
+            ("labels", Tensor::from_vec(self.labels.iter().map(|l| *l as i64).collect::<Vec<_>>(), b, dev)?),
+            ("centres", initial),
+            ("sampled", Tensor::from_vec(sampled, n, dev)?),
+            ("range", Tensor::new(&[range.start as i64, range.len as i64, range.total as i64], dev)?),
+            ("loss", Tensor::new(&[first, second], dev)?),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let file = dir.join(format!("rank{}.safetensors", pg.rank()));
+        candle_core::safetensors::save(&tensors, &file).with_context(|| format!("writing {}", file.display()))?;
+        if pg.rank() == 0 {
+            println!("face_head_check impl=allgrad world={} loss={first:.9} loss2={second:.9}", pg.world_size());
+        }
+        pg.barrier()?;
+        Ok(())
+    }
+}
+
+fn main() -> Result<()> {
+    // As the train binary does.
+    allgrad::tune_allocator();
+    let a = Args::parse();
+    anyhow::ensure!(
+        a.steps + a.warmup > 0 && a.dim > 0 && a.global_batch > 0,
+        "--steps + --warmup, --dim and --global-batch must be positive"
+    );
+    let pg = ProcessGroup::from_env()?;
+    let (rank, w) = (pg.rank(), pg.world_size());
+    anyhow::ensure!(a.global_batch >= w, "--global-batch {} is smaller than the {w} ranks", a.global_batch);
+    if rank == 0 {
+        println!(
+            "face_head_setup impl=allgrad world={w} threads_per_rank={} candle={} classes={} dim={} global_batch={} rate={} margin={}",
+            rayon::current_num_threads(),
+            candle_core::utils::get_num_threads(),
+            a.classes,
+            a.dim,
+            a.global_batch,
+            a.rate,
+            a.margin
+        );
+    }
+    let mut me = Rank::new(&a, &pg)?;
+    if let Some(dir) = &a.dump {
+        return me.dump(dir, &pg);
+    }
+    let init_mib = status_mib("VmRSS");
+    let reset = reset_peak_rss();
+    for step in 0..a.warmup + a.steps {
+        pg.barrier()?;
+        let (loss, mut t) = me.step(step, &pg)?;
+        pg.all_reduce_slice(&mut t, ReduceOp::Max)?;
+        if rank == 0 {
+            println!(
+                "face_head_step impl=allgrad step={step} timed={} wall={:.6} fwd={:.6} bwd={:.6} opt={:.6} loss={loss:.7}",
+                u8::from(step >= a.warmup),
+                t[0],
+                t[1],
+                t[2],
+                t[3]
+            );
+        }
+    }
+    pg.barrier()?;
+    let from = if reset { "steps" } else { "process" };
+    println!("face_head_mem rank={rank} init_mib={init_mib:.1} peak_mib={:.1} peak_from={from}", status_mib("VmHWM"));
+    Ok(())
+}
