@@ -17,15 +17,17 @@
 mod layers;
 mod machine;
 mod peer;
+mod report;
 mod step;
 
 use std::collections::BTreeMap;
 
 use clap::Parser;
 
-use machine::{busy_cpu_seconds, report_load, summary};
+use machine::{report_load, summary};
 use peer::Peer;
-use step::{AllgradStep, Sample};
+use report::{measured, print_steps, stat, Sample};
+use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCLR step benchmark.
 #[derive(Parser)]
@@ -58,17 +60,6 @@ struct Args {
     /// 1-minute load average above which the machine counts as busy.
     #[arg(long, default_value_t = 0.5)]
     busy_load: f64,
-}
-
-/// `f`'s sample with `others`: CPU seconds that other processes used while it ran.
-fn measured(f: impl FnOnce() -> anyhow::Result<Sample>) -> anyhow::Result<Sample> {
-    let before = busy_cpu_seconds();
-    let mut s = f()?;
-    if let (Some(a), Some(b)) = (before, busy_cpu_seconds()) {
-        let own = s.get("user").unwrap_or(&0.0) + s.get("sys").unwrap_or(&0.0);
-        s.insert("others".into(), (b - a - own).max(0.0));
-    }
-    Ok(s)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -119,6 +110,7 @@ fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
     } else {
         Peer::spawn(
             python,
+            "scripts/bench_simclr_step.py",
             batch,
             &[
                 ("width", args.width.to_string()),
@@ -161,50 +153,6 @@ fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
     }
     Ok(())
 }
-
-fn stat(samples: &[Sample], key: &str) -> Option<(f64, f64, f64)> {
-    summary(&samples.iter().filter_map(|s| s.get(key).copied()).collect::<Vec<_>>())
-}
-
-fn print_steps(a: &[Sample], b: &[Sample]) {
-    let cell = |s: Option<(f64, f64, f64)>, scale: f64| match s {
-        Some((lo, med, hi)) => format!("{:>9.3} {:>9.3} {:>9.3}", lo * scale, med * scale, hi * scale),
-        None => format!("{:>29}", "-"),
-    };
-    println!("{:<28} {:>29}   {:>29}   {:>7}", "per step", "allgrad min / median / max", "PyTorch min / median / max", "ratio");
-    let rows = [
-        ("wall s", "wall", 1.0),
-        ("  forward s", "fwd", 1.0),
-        ("  backward s", "bwd", 1.0),
-        ("  optimizer s", "opt", 1.0),
-        ("user CPU s", "user", 1.0),
-        ("system CPU s", "sys", 1.0),
-        ("minor page faults (x1000)", "minflt", 1e-3),
-        ("others' CPU s meanwhile", "others", 1.0),
-    ];
-    for (label, key, scale) in rows {
-        let (sa, sb) = (stat(a, key), stat(b, key));
-        let ratio = match (sa, sb) {
-            (Some((_, x, _)), Some((_, y, _))) if y > 0.0 => format!("{:.2}x", x / y),
-            _ => "-".into(),
-        };
-        println!("{label:<28} {}   {}   {ratio:>7}", cell(sa, scale), cell(sb, scale));
-    }
-    println!(
-        "(ratio: allgrad median / PyTorch median; others' CPU: busy CPU seconds of the machine minus the stepping process's own)"
-    );
-    let others: f64 = [a, b].iter().filter_map(|s| Some(stat(s, "others")?.1 / stat(s, "wall")?.1)).fold(0.0, f64::max);
-    if others > OTHERS_BUSY {
-        println!(
-            "WARNING: other processes used {:.0}% of a CPU during the steps (median): these timings are not figures",
-            100.0 * others
-        );
-    }
-}
-
-/// Share of one CPU that other processes may take during the steps before the run counts as
-/// disturbed.
-const OTHERS_BUSY: f64 = 0.05;
 
 type LayerTable = Vec<(String, usize, f64, f64)>;
 

@@ -1,13 +1,14 @@
-//! The PyTorch side, `scripts/bench_simclr_step.py --worker`, as a child process that runs one
-//! step (or one layer breakdown) per command, so the two implementations alternate in one
-//! invocation while each keeps its warm model and memory.
+//! The PyTorch side of a step benchmark (`scripts/bench_simclr_step.py --worker`, or
+//! `scripts/bench_simcse_step.py --worker`) as a child process that runs one step (or one
+//! layer breakdown) per command, so the two implementations alternate in one invocation while
+//! each keeps its warm model and memory.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use anyhow::{bail, Context};
 
-use crate::step::Sample;
+use crate::report::Sample;
 
 pub struct Peer {
     child: Child,
@@ -32,13 +33,14 @@ fn fields(line: &str, tag: &str) -> anyhow::Result<Sample> {
 }
 
 impl Peer {
-    /// Starts the worker for `batch` with `python` and the options `--NAME VALUE` of
+    /// Starts the worker `script` (a path relative to the repository root) for `batch` with `python` and the options `--NAME VALUE` of
     /// `options`; `Ok(None)` when PyTorch is not installed (the worker exits with status 2).
-    pub fn spawn(python: &str, batch: usize, options: &[(&str, String)]) -> anyhow::Result<Option<Peer>> {
-        // The checkout it was built from, else the working directory's (a binary built on one
-        // machine and run from a copy of the repository on another).
-        let built = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_simclr_step.py");
-        let script = if std::path::Path::new(built).exists() { built } else { "scripts/bench_simclr_step.py" };
+    pub fn spawn(python: &str, script: &str, batch: usize, options: &[(&str, String)]) -> anyhow::Result<Option<Peer>> {
+        // `script` is relative to the repository root: that of the checkout the benchmark was
+        // built from, else the working directory (a binary built on one machine and run from a
+        // copy of the repository on another).
+        let built = format!("{}/{script}", env!("CARGO_MANIFEST_DIR"));
+        let script = if std::path::Path::new(&built).exists() { built } else { script.to_string() };
         let mut args = vec!["--worker".to_string(), "--batch".to_string(), batch.to_string()];
         for (name, value) in options {
             args.extend([format!("--{name}"), value.clone()]);

@@ -1,6 +1,5 @@
-//! One SimCLR training step in allgrad, timed by phase, and what a step measurement holds.
+//! One SimCLR training step in allgrad, timed by phase.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use allgrad::dist::ProcessGroup;
@@ -12,24 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, Module, Optimizer, SGD};
 
 use crate::machine::Usage;
-
-/// The figures of one measured step, by name: `wall`, `user`, `sys` (seconds), `minflt`
-/// (minor page faults), `fwd`, `bwd`, `opt` (seconds of the phases), `others` (CPU seconds
-/// other processes used meanwhile, added by the driver).
-pub type Sample = BTreeMap<String, f64>;
-
-/// The sample of a step that ran between `start` and `end`, with its phase times.
-pub fn sample(start: Usage, end: Usage, phases: [(&str, f64); 3]) -> Sample {
-    let mut s = Sample::new();
-    s.insert("wall".into(), end.at.duration_since(start.at).as_secs_f64());
-    s.insert("user".into(), end.user - start.user);
-    s.insert("sys".into(), end.sys - start.sys);
-    s.insert("minflt".into(), end.minflt - start.minflt);
-    for (k, v) in phases {
-        s.insert(k.into(), v);
-    }
-    s
-}
+use crate::report::{sample, Sample};
 
 /// ResNet-18 or -50 (CIFAR stem) + projector (features)-2048-128, NT-Xent (temperature 0.5),
 /// SGD (lr 0.1) on `2 * batch` fixed random views, on the CPU or a GPU: the step

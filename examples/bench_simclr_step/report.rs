@@ -1,0 +1,80 @@
+//! What one measured step holds and how the step table is printed: shared by the step
+//! benchmarks (`bench_simclr_step`, and `bench_simcse_step` through `#[path]`).
+
+use crate::machine::{busy_cpu_seconds, summary, Usage};
+
+/// The figures of one measured step, by name: `wall`, `user`, `sys` (seconds), `minflt`
+/// (minor page faults), `fwd`, `bwd`, `opt` (seconds of the phases), `others` (CPU seconds
+/// other processes used meanwhile, added by [`measured`]).
+pub type Sample = std::collections::BTreeMap<String, f64>;
+
+/// The sample of a step that ran between `start` and `end`, with its phase times.
+pub fn sample(start: Usage, end: Usage, phases: [(&str, f64); 3]) -> Sample {
+    let mut s = Sample::new();
+    s.insert("wall".into(), end.at.duration_since(start.at).as_secs_f64());
+    s.insert("user".into(), end.user - start.user);
+    s.insert("sys".into(), end.sys - start.sys);
+    s.insert("minflt".into(), end.minflt - start.minflt);
+    for (k, v) in phases {
+        s.insert(k.into(), v);
+    }
+    s
+}
+
+/// `f`'s sample with `others`: CPU seconds that other processes used while it ran.
+pub fn measured(f: impl FnOnce() -> anyhow::Result<Sample>) -> anyhow::Result<Sample> {
+    let before = busy_cpu_seconds();
+    let mut s = f()?;
+    if let (Some(a), Some(b)) = (before, busy_cpu_seconds()) {
+        let own = s.get("user").unwrap_or(&0.0) + s.get("sys").unwrap_or(&0.0);
+        s.insert("others".into(), (b - a - own).max(0.0));
+    }
+    Ok(s)
+}
+
+/// min, median and max of `key` over `samples`.
+pub fn stat(samples: &[Sample], key: &str) -> Option<(f64, f64, f64)> {
+    summary(&samples.iter().filter_map(|s| s.get(key).copied()).collect::<Vec<_>>())
+}
+
+/// The step table: min / median / max of each figure for allgrad (`a`) and PyTorch (`b`),
+/// the ratio of medians, and a warning when other processes took CPU time meanwhile.
+pub fn print_steps(a: &[Sample], b: &[Sample]) {
+    let cell = |s: Option<(f64, f64, f64)>, scale: f64| match s {
+        Some((lo, med, hi)) => format!("{:>9.3} {:>9.3} {:>9.3}", lo * scale, med * scale, hi * scale),
+        None => format!("{:>29}", "-"),
+    };
+    println!("{:<28} {:>29}   {:>29}   {:>7}", "per step", "allgrad min / median / max", "PyTorch min / median / max", "ratio");
+    let rows = [
+        ("wall s", "wall", 1.0),
+        ("  forward s", "fwd", 1.0),
+        ("  backward s", "bwd", 1.0),
+        ("  optimizer s", "opt", 1.0),
+        ("user CPU s", "user", 1.0),
+        ("system CPU s", "sys", 1.0),
+        ("minor page faults (x1000)", "minflt", 1e-3),
+        ("others' CPU s meanwhile", "others", 1.0),
+    ];
+    for (label, key, scale) in rows {
+        let (sa, sb) = (stat(a, key), stat(b, key));
+        let ratio = match (sa, sb) {
+            (Some((_, x, _)), Some((_, y, _))) if y > 0.0 => format!("{:.2}x", x / y),
+            _ => "-".into(),
+        };
+        println!("{label:<28} {}   {}   {ratio:>7}", cell(sa, scale), cell(sb, scale));
+    }
+    println!(
+        "(ratio: allgrad median / PyTorch median; others' CPU: busy CPU seconds of the machine minus the stepping process's own)"
+    );
+    let others: f64 = [a, b].iter().filter_map(|s| Some(stat(s, "others")?.1 / stat(s, "wall")?.1)).fold(0.0, f64::max);
+    if others > OTHERS_BUSY {
+        println!(
+            "WARNING: other processes used {:.0}% of a CPU during the steps (median): these timings are not figures",
+            100.0 * others
+        );
+    }
+}
+
+/// Share of one CPU that other processes may take during the steps before the run counts as
+/// disturbed.
+const OTHERS_BUSY: f64 = 0.05;

@@ -1,0 +1,151 @@
+//! One unsupervised SimCSE training step of a BERT encoder (all-MiniLM-L6-v2 by default) on
+//! the CPU, allgrad against PyTorch in ONE invocation: `batch` sentences encoded twice (two
+//! dropout masks, dropout on), mean pooling, MLP head, InfoNCE (temperature 0.05), backward,
+//! AdamW. PyTorch runs as a child process (`scripts/bench_simcse_step.py --worker`,
+//! interpreter from `PYTHON`, default `python3`); the two alternate step by step (A B A B ...)
+//! so that both see the same machine, each on `--threads` threads (rayon's and Candle's pools
+//! here; torch.set_num_threads, set_num_interop_threads and OMP/MKL there). Both take the
+//! first `batch` sentences of the same file. For each batch size it prints min / median / max
+//! of the step time and its forward / backward / optimizer phases, CPU seconds and minor page
+//! faults per step, the CPU time other processes used meanwhile, and the ratio of medians.
+//! The load average is printed first; a busy machine gets a warning.
+//!
+//! ```text
+//! scripts/bench_simcse_step.sh                      # batches 64 and 256, 5 rounds
+//! cargo run --release --example bench_simcse_step -- --rounds 3 --threads 2 64
+//! ```
+
+#[path = "../bench_simclr_step/machine.rs"]
+mod machine;
+// Shared with bench_simclr_step, whose layer breakdown this benchmark does not ask for.
+#[allow(dead_code)]
+#[path = "../bench_simclr_step/peer.rs"]
+mod peer;
+#[path = "../bench_simclr_step/report.rs"]
+mod report;
+mod step;
+
+use std::path::PathBuf;
+
+use allgrad::models::simcse::read_sentences;
+use clap::Parser;
+
+use machine::report_load;
+use peer::Peer;
+use report::{measured, print_steps};
+use step::AllgradStep;
+
+/// Alternating allgrad / PyTorch SimCSE step benchmark.
+#[derive(Parser)]
+struct Args {
+    /// Batch sizes (sentences; a step encodes 2B sequences).
+    #[arg(default_values_t = [64, 256])]
+    batches: Vec<usize>,
+    /// Timed steps of each implementation, alternating (after one warm-up step each).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Threads of each implementation.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// A Hugging Face BERT folder (config.json, model.safetensors, tokenizer.json).
+    #[arg(long, default_value = "data/models/all-MiniLM-L6-v2")]
+    model: PathBuf,
+    /// One sentence a line; each step takes the first B.
+    #[arg(long, default_value = "data/wordnet/sentences.txt")]
+    sentences: PathBuf,
+    /// Sequences are truncated to this many tokens.
+    #[arg(long, default_value_t = 32)]
+    max_len: usize,
+    /// allgrad only.
+    #[arg(long)]
+    no_torch: bool,
+    /// 1-minute load average above which the machine counts as busy.
+    #[arg(long, default_value_t = 0.5)]
+    busy_load: f64,
+}
+
+fn main() -> anyhow::Result<()> {
+    // As the train binary does (ALLGRAD_MALLOC_TUNE=0 measures without it).
+    allgrad::tune_allocator();
+    let args = Args::parse();
+    anyhow::ensure!(args.threads > 0 && args.rounds > 0, "--threads and --rounds must be positive");
+    anyhow::ensure!(args.max_len >= 2, "--max-len must be at least 2 ([CLS] and [SEP])");
+    anyhow::ensure!(
+        args.model.join("model.safetensors").is_file(),
+        "{} has no model.safetensors: scripts/get_minilm.sh fetches all-MiniLM-L6-v2",
+        args.model.display()
+    );
+    let sentences = read_sentences(&args.sentences)?;
+    let most = args.batches.iter().copied().max().unwrap_or(0);
+    anyhow::ensure!(
+        most <= sentences.len() && !args.batches.contains(&0),
+        "batches must be between 1 and the {} sentences of {}",
+        sentences.len(),
+        args.sentences.display()
+    );
+    // Before any pool starts: rayon's global pool and Candle's read these once.
+    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
+        std::env::set_var(var, args.threads.to_string());
+    }
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let started = std::time::Instant::now();
+    report_load("before", Some(args.busy_load));
+    println!(
+        "threads: allgrad {} (rayon {}, candle {}); steps alternate allgrad, PyTorch, allgrad, ...",
+        args.threads,
+        rayon::current_num_threads(),
+        candle_core::utils::get_num_threads()
+    );
+    for &batch in &args.batches {
+        run_batch(&args, &sentences[..batch], &python)?;
+    }
+    report_load("after (includes this benchmark's own threads)", None);
+    println!("total {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<()> {
+    let batch = sentences.len();
+    println!(
+        "\n== batch {batch} ({} sequences of at most {} tokens), {}, dropout on, {} rounds",
+        2 * batch,
+        args.max_len,
+        args.model.display(),
+        args.rounds
+    );
+    let mut ours = AllgradStep::new(&args.model, sentences.to_vec(), args.max_len)?;
+    // The worker gets absolute paths: it may resolve relative ones from another folder.
+    let abs = |p: &PathBuf| std::fs::canonicalize(p).map(|p| p.display().to_string());
+    let mut peer = if args.no_torch {
+        None
+    } else {
+        Peer::spawn(
+            python,
+            "scripts/bench_simcse_step.py",
+            batch,
+            &[
+                ("threads", args.threads.to_string()),
+                ("model", abs(&args.model)?),
+                ("sentences", abs(&args.sentences)?),
+                ("max-len", args.max_len.to_string()),
+            ],
+        )?
+    };
+    if let Some(p) = &peer {
+        println!("PyTorch worker: {} ({python})", p.banner);
+    }
+    // Warm-up: the first step allocates and faults in everything.
+    ours.run()?;
+    if let Some(p) = peer.as_mut() {
+        p.step()?;
+    }
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..args.rounds {
+        a.push(measured(|| ours.run())?);
+        if let Some(p) = peer.as_mut() {
+            b.push(measured(|| p.step())?);
+        }
+    }
+    print_steps(&a, &b);
+    Ok(())
+}

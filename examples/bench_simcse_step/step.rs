@@ -1,0 +1,68 @@
+//! One unsupervised SimCSE training step in allgrad, timed by phase.
+
+use std::path::Path;
+use std::time::Instant;
+
+use allgrad::dist::ProcessGroup;
+use allgrad::models::bert::Pooling;
+use allgrad::models::simcse::{SimCse, SimCseData, SimCseLoss, SimCseModel};
+use allgrad::models::{Batch, Objective};
+use allgrad::train::optim::{OptimConfig, Optimizer};
+use allgrad::train::params::ParamStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::machine::Usage;
+use crate::report::{sample, Sample};
+
+/// AdamW's learning rate (configs/simcse.yaml's peak; the step time does not depend on it).
+const LR: f64 = 3e-5;
+
+/// The `simcse` method's objective (mean pooling, MLP head, temperature 0.05) on the BERT of a
+/// Hugging Face folder with its dropout (on), over `batch` fixed sentences, and the trainer's
+/// AdamW (weight decay 0): the step `scripts/bench_simcse_step.py` runs in PyTorch.
+pub struct AllgradStep {
+    objective: SimCse,
+    params: Vec<(String, Var)>,
+    optimizer: Optimizer,
+    indices: Vec<usize>,
+    pg: ProcessGroup,
+    step: usize,
+}
+
+impl AllgradStep {
+    pub fn new(model_dir: &Path, sentences: Vec<String>, max_len: usize) -> anyhow::Result<Self> {
+        let batch = sentences.len();
+        let model =
+            SimCseModel { dir: model_dir.to_path_buf(), pretrained: true, pooling: Pooling::Mean, mlp_head: true, max_len };
+        let mut objective = SimCse::new(model, SimCseLoss::default(), SimCseData::Sentences(sentences), Device::Cpu, DType::F32)?;
+        let store = ParamStore::new(0);
+        objective.build(store.var_builder(DType::F32, &Device::Cpu))?;
+        let optimizer = Optimizer::new(OptimConfig::Adamw { lr: LR, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 });
+        let (params, indices) = (store.vars(), (0..batch).collect());
+        Ok(AllgradStep { objective, params, optimizer, indices, pg: ProcessGroup::single(), step: 0 })
+    }
+
+    /// One step: forward (both views in one batch, dropout masks of this step, loss),
+    /// backward, AdamW update; the wall time also covers freeing the graph and the gradients.
+    pub fn run(&mut self) -> anyhow::Result<Sample> {
+        let start = Usage::now();
+        let batch = Batch { indices: &self.indices, epoch: 0, step: self.step, seed: 0 };
+        let loss = self.objective.loss(&batch, &self.pg)?;
+        let t_fwd = Instant::now();
+        let grads = loss.backward()?;
+        let t_bwd = Instant::now();
+        let g = self
+            .params
+            .iter()
+            .map(|(name, v)| grads.get(v).cloned().ok_or_else(|| anyhow::anyhow!("no gradient for {name}")))
+            .collect::<anyhow::Result<Vec<Tensor>>>()?;
+        let sharded = vec![false; g.len()];
+        self.optimizer.step(&self.params, &g, &sharded, LR, &self.pg)?;
+        let t_opt = Instant::now();
+        drop((g, grads, loss));
+        self.step += 1;
+        let end = Usage::now();
+        let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
+        Ok(sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]))
+    }
+}

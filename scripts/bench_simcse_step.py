@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""PyTorch side of the SimCSE step benchmark: one unsupervised SimCSE training step of a BERT
+encoder (all-MiniLM-L6-v2 by default) -- B sentences encoded twice in one batch (dropout on),
+mean pooling, MLP head, InfoNCE (temperature 0.05), backward, AdamW -- the same step as
+allgrad's `examples/bench_simcse_step/`, which drives this script as a worker so that the two
+implementations alternate step by step in one invocation (`scripts/bench_simcse_step.sh`).
+
+    python3 scripts/bench_simcse_step.py --batch 64 --steps 3      # a quick look, alone
+    python3 scripts/bench_simcse_step.py --batch 64 --worker       # serve the driver
+
+Worker protocol: one command per line on stdin (`step`, `quit`), one answer line on stdout per
+command: `STEP wall= user= sys= minflt= fwd= bwd= opt=` (seconds, faults; user, sys and minor
+faults from getrusage(RUSAGE_SELF), i.e. all threads of this process). The first line is
+`READY torch=<version> threads=<n> interop=<n>`.
+
+The thread count (`--threads`, default 2) goes to torch.set_num_threads,
+torch.set_num_interop_threads and, before torch is imported, to OMP_NUM_THREADS and
+MKL_NUM_THREADS. Needs torch, transformers and tokenizers (kept out of CI); without torch this
+exits with status 2.
+"""
+import argparse
+import os
+import resource
+import sys
+import time
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64, help="sentences per step (2B sequences)")
+    ap.add_argument("--threads", type=int, default=2, help="intra- and inter-op threads")
+    ap.add_argument("--model", default="data/models/all-MiniLM-L6-v2", help="a Hugging Face BERT folder")
+    ap.add_argument("--sentences", default="data/wordnet/sentences.txt", help="one sentence a line; the first B")
+    ap.add_argument("--max-len", type=int, default=32, help="truncation, special tokens included")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps when run alone")
+    ap.add_argument("--worker", action="store_true", help="serve step/quit commands on stdin")
+    return ap.parse_args()
+
+
+ARGS = parse_args()
+for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(ARGS.threads)
+try:
+    import torch
+except ImportError:
+    print("bench_simcse_step.py: PyTorch is not installed (pip install torch)", file=sys.stderr)
+    sys.exit(2)
+sys.dont_write_bytecode = True  # no __pycache__ in scripts/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from simcse_torch import SimCse, read_sentences, simcse_loss, tokenize  # noqa: E402
+
+
+def usage():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt
+
+
+class Step:
+    """The model (dropout on), AdamW and the token batch of one batch size; `run` times one
+    training step."""
+
+    def __init__(self, batch, model_dir, sentences, max_len):
+        torch.manual_seed(0)
+        texts = read_sentences(sentences)[:batch]
+        rows, pad_id = tokenize(os.path.join(model_dir, "tokenizer.json"), texts, max_len)
+        self.views, self.pad_id = [rows, rows], pad_id
+        self.model = SimCse(model_dir, "mean", True)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-5, weight_decay=0.0)
+
+    def run(self):
+        start = usage()
+        loss = simcse_loss(self.model, self.views, self.pad_id, 0.05)
+        t_fwd = time.perf_counter()
+        self.opt.zero_grad()
+        loss.backward()
+        t_bwd = time.perf_counter()
+        self.opt.step()
+        t_opt = time.perf_counter()
+        del loss
+        end = usage()
+        wall, user, sys_, flt = (e - s for e, s in zip(end, start))
+        return (f"STEP wall={wall:.6f} user={user:.6f} sys={sys_:.6f} minflt={flt} "
+                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f}")
+
+
+def main():
+    torch.set_num_threads(ARGS.threads)
+    torch.set_num_interop_threads(ARGS.threads)
+    step = Step(ARGS.batch, ARGS.model, ARGS.sentences, ARGS.max_len)
+    if not ARGS.worker:
+        for _ in range(ARGS.steps + 1):  # the first step warms up
+            print(step.run(), flush=True)
+        return
+    print(f"READY torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"interop={torch.get_num_interop_threads()}", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "step":
+            print(step.run(), flush=True)
+        elif cmd == "quit":
+            break
+        else:
+            print(f"ERROR unknown command {cmd!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
