@@ -45,7 +45,7 @@ impl Peer {
         for (name, value) in options {
             args.extend([format!("--{name}"), value.clone()]);
         }
-        let mut child = match Command::new(python).arg(script).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn() {
+        let mut child = match Command::new(python).arg(&script).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn() {
             Ok(c) => c,
             Err(e) => {
                 println!("(no PyTorch column: cannot run {python}: {e}; set PYTHON to an interpreter with torch)");
