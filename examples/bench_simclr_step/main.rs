@@ -26,7 +26,7 @@ use clap::Parser;
 
 use machine::{report_load, summary};
 use peer::Peer;
-use report::{measured, print_steps, stat, Sample};
+use report::{alternate, stat, Sample};
 use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCLR step benchmark.
@@ -120,22 +120,7 @@ fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
             ],
         )?
     };
-    if let Some(p) = &peer {
-        println!("PyTorch worker: {} ({python})", p.banner);
-    }
-    // Warm-up: the first step allocates and faults in everything.
-    ours.run()?;
-    if let Some(p) = peer.as_mut() {
-        p.step()?;
-    }
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for _ in 0..args.rounds {
-        a.push(measured(|| ours.run())?);
-        if let Some(p) = peer.as_mut() {
-            b.push(measured(|| p.step())?);
-        }
-    }
-    print_steps(&a, &b);
+    let (a, b) = alternate(args.rounds, python, || ours.run(), peer.as_mut())?;
     if args.breakdown_rounds > 0 {
         let (mut la, mut lb) = (Vec::new(), Vec::new());
         for r in 0..=args.breakdown_rounds {

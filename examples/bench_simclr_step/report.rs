@@ -78,3 +78,30 @@ pub fn print_steps(a: &[Sample], b: &[Sample]) {
 /// Share of one CPU that other processes may take during the steps before the run counts as
 /// disturbed.
 const OTHERS_BUSY: f64 = 0.05;
+
+/// Prints the peer's banner, warms both sides up with one step each (the first step allocates
+/// and faults in everything), then measures `rounds` steps alternating ours and the peer's,
+/// and prints the table; returns both sides' samples.
+pub fn alternate(
+    rounds: usize,
+    python: &str,
+    mut ours: impl FnMut() -> anyhow::Result<Sample>,
+    mut peer: Option<&mut crate::peer::Peer>,
+) -> anyhow::Result<(Vec<Sample>, Vec<Sample>)> {
+    if let Some(p) = peer.as_deref() {
+        println!("PyTorch worker: {} ({python})", p.banner);
+    }
+    ours()?;
+    if let Some(p) = peer.as_deref_mut() {
+        p.step()?;
+    }
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        a.push(measured(&mut ours)?);
+        if let Some(p) = peer.as_deref_mut() {
+            b.push(measured(|| p.step())?);
+        }
+    }
+    print_steps(&a, &b);
+    Ok((a, b))
+}

@@ -32,7 +32,7 @@ use clap::Parser;
 
 use machine::report_load;
 use peer::Peer;
-use report::{measured, print_steps};
+use report::alternate;
 use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCSE step benchmark.
@@ -131,21 +131,6 @@ fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<
             ],
         )?
     };
-    if let Some(p) = &peer {
-        println!("PyTorch worker: {} ({python})", p.banner);
-    }
-    // Warm-up: the first step allocates and faults in everything.
-    ours.run()?;
-    if let Some(p) = peer.as_mut() {
-        p.step()?;
-    }
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for _ in 0..args.rounds {
-        a.push(measured(|| ours.run())?);
-        if let Some(p) = peer.as_mut() {
-            b.push(measured(|| p.step())?);
-        }
-    }
-    print_steps(&a, &b);
+    alternate(args.rounds, python, || ours.run(), peer.as_mut())?;
     Ok(())
 }
