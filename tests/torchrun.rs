@@ -22,20 +22,15 @@ use candle_core::{Device, Tensor};
 
 const LIMIT: Duration = Duration::from_secs(240);
 
-/// A small vectors run: 4 steps an epoch; `epochs` and the checkpoint period set its length.
+mod common;
+
+/// The shared vectors run at 4 steps an epoch; `epochs` and the checkpoint period set its length.
 fn config(epochs: usize, every: usize) -> String {
-    format!(
-        "seed: 11\n\
-         method: vectors\n\
-         data: {{kind: vectors, samples: 96, dim: 8, clusters: 4, view_noise: 0.5}}\n\
-         model: {{kind: mlp, hidden: 16, out: 8}}\n\
-         loss: {{kind: nt_xent, temperature: 0.3}}\n\
-         optim: {{kind: lars, lr: 0.4, weight_decay: 0.0001}}\n\
-         schedule: {{warmup_steps: 2}}\n\
-         train: {{global_batch: 24, epochs: {epochs}}}\n\
+    common::vectors_config(&format!(
+        "train: {{global_batch: 24, epochs: {epochs}}}\n\
          checkpoint: {{every: {every}, keep_last: 2}}\n\
          log: {{every: 1, progress: lines}}\n"
-    )
+    ))
 }
 
 fn torchrun() -> Option<PathBuf> {

@@ -24,9 +24,9 @@ use std::collections::BTreeMap;
 
 use clap::Parser;
 
-use machine::{report_load, summary};
+use machine::summary;
 use peer::Peer;
-use report::{alternate, stat, Sample};
+use report::{alternate, session, stat, Sample};
 use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCLR step benchmark.
@@ -73,25 +73,12 @@ fn main() -> anyhow::Result<()> {
         args.device == "cpu" || args.breakdown_rounds == 0,
         "the layer breakdown runs on the CPU only: pass --breakdown-rounds 0"
     );
-    // Before any pool starts: rayon's global pool and Candle's read these once.
-    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
-        std::env::set_var(var, args.threads.to_string());
-    }
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let started = std::time::Instant::now();
-    report_load("before", Some(args.busy_load));
-    println!(
-        "threads: allgrad {} (rayon {}, candle {}); steps alternate allgrad, PyTorch, allgrad, ...",
-        args.threads,
-        rayon::current_num_threads(),
-        candle_core::utils::get_num_threads()
-    );
-    for &batch in &args.batches {
-        run_batch(&args, batch, &python)?;
-    }
-    report_load("after (includes this benchmark's own threads)", None);
-    println!("total {:.0} s", started.elapsed().as_secs_f64());
-    Ok(())
+    session(args.threads, args.busy_load, |python| {
+        for &batch in &args.batches {
+            run_batch(&args, batch, python)?;
+        }
+        Ok(())
+    })
 }
 
 fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {

@@ -105,3 +105,25 @@ pub fn alternate(
     print_steps(&a, &b);
     Ok((a, b))
 }
+
+/// A benchmark's frame: pins rayon's and Candle's thread counts to `threads` (before any pool
+/// starts: both read them once), prints the load average (warning above `busy_load`) and the
+/// threads, runs `batches` with the interpreter of the PyTorch side (PYTHON, default python3),
+/// then prints the load average and the total time.
+pub fn session(threads: usize, busy_load: f64, batches: impl FnOnce(&str) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
+        std::env::set_var(var, threads.to_string());
+    }
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let started = std::time::Instant::now();
+    crate::machine::report_load("before", Some(busy_load));
+    println!(
+        "threads: allgrad {threads} (rayon {}, candle {}); steps alternate allgrad, PyTorch, allgrad, ...",
+        rayon::current_num_threads(),
+        candle_core::utils::get_num_threads()
+    );
+    batches(&python)?;
+    crate::machine::report_load("after (includes this benchmark's own threads)", None);
+    println!("total {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}

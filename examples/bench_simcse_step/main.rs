@@ -30,9 +30,8 @@ use std::path::PathBuf;
 use allgrad::models::simcse::read_sentences;
 use clap::Parser;
 
-use machine::report_load;
 use peer::Peer;
-use report::alternate;
+use report::{alternate, session};
 use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCSE step benchmark.
@@ -83,25 +82,12 @@ fn main() -> anyhow::Result<()> {
         sentences.len(),
         args.sentences.display()
     );
-    // Before any pool starts: rayon's global pool and Candle's read these once.
-    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
-        std::env::set_var(var, args.threads.to_string());
-    }
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let started = std::time::Instant::now();
-    report_load("before", Some(args.busy_load));
-    println!(
-        "threads: allgrad {} (rayon {}, candle {}); steps alternate allgrad, PyTorch, allgrad, ...",
-        args.threads,
-        rayon::current_num_threads(),
-        candle_core::utils::get_num_threads()
-    );
-    for &batch in &args.batches {
-        run_batch(&args, &sentences[..batch], &python)?;
-    }
-    report_load("after (includes this benchmark's own threads)", None);
-    println!("total {:.0} s", started.elapsed().as_secs_f64());
-    Ok(())
+    session(args.threads, args.busy_load, |python| {
+        for &batch in &args.batches {
+            run_batch(&args, &sentences[..batch], python)?;
+        }
+        Ok(())
+    })
 }
 
 fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<()> {
