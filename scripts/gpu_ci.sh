@@ -66,9 +66,8 @@ elif ! command -v nvcc >/dev/null 2>&1; then
 fi
 if [ -z "$prebuilt" ]; then
     command -v nvcc >/dev/null 2>&1 || no_gpu "no nvcc (PATH, CUDA_HOME or $venv): install the CUDA 13 toolchain"
-    export CUDA_ROOT="${CUDA_ROOT:-$(dirname "$(dirname "$(command -v nvcc)")")}"
-    export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13040}"
-elif command -v nvcc >/dev/null 2>&1; then
+fi
+if command -v nvcc >/dev/null 2>&1; then
     export CUDA_ROOT="${CUDA_ROOT:-$(dirname "$(dirname "$(command -v nvcc)")")}"
 fi
 CUDA_ROOT="${CUDA_ROOT:-${CUDA_HOME:-/usr/local/cuda}}"

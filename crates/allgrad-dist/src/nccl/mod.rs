@@ -1,6 +1,7 @@
-//! The NCCL backend for CUDA tensors (feature `nccl`). Nothing here has run on a GPU in this
-//! repository's CI: it is type-checked there (`scripts/check_cuda_build.sh`) and exercised by
-//! `scripts/gpu_ci.sh` on a GPU machine.
+//! The NCCL backend for CUDA tensors (feature `nccl`). Nothing here runs in this repository's
+//! CI: it is type-checked there (`scripts/check_cuda_build.sh`) and exercised by
+//! `scripts/gpu_ci.sh` on a GPU machine (run on one H100: W = 1 only, see the README's GPU
+//! section).
 //!
 //! - One communicator per [`ProcessGroup`](crate::ProcessGroup), made by the group's first
 //!   collective on a CUDA tensor, on the stream of that tensor's device: rank 0 of the group
