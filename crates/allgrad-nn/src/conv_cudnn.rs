@@ -23,7 +23,7 @@ use candle_core::cuda::cudarc::cudnn::{
 };
 use candle_core::cuda::cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use candle_core::cuda::{CudaDType, DeviceId};
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, WithDType};
 
 use crate::im2col::ConvGeom;
 
@@ -92,7 +92,7 @@ pub(crate) fn forward(g: &ConvGeom, x: &CudaStorage, lx: &Layout, w: &CudaStorag
     Ok((out, shape))
 }
 
-fn run_forward<T: CudaDType + CudnnDataType + DeviceRepr + ValidAsZeroBits + num_one::One>(
+fn run_forward<T: CudaDType + CudnnDataType + DeviceRepr + ValidAsZeroBits + WithDType>(
     g: &ConvGeom,
     x: &CudaStorage,
     lx: &Layout,
@@ -111,7 +111,7 @@ fn run_forward<T: CudaDType + CudnnDataType + DeviceRepr + ValidAsZeroBits + num
     let mut ws_buf = dev.alloc_zeros::<u8>(op.get_workspace_size(algo).map_err(wrap)?.max(1))?;
     // SAFETY: the views hold exactly the elements the descriptors describe (contiguous NCHW,
     // offsets from the layouts), of the descriptors' data type T.
-    unsafe { op.launch(algo, Some(&mut ws_buf), (T::one(), T::zero()), &xv, &wv, &mut y) }.map_err(wrap)?;
+    unsafe { op.launch(algo, Some(&mut ws_buf), (T::from_f64(1.0), T::from_f64(0.0)), &xv, &wv, &mut y) }.map_err(wrap)?;
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }
 
@@ -146,7 +146,7 @@ struct Parts<'a> {
 }
 
 impl Parts<'_> {
-    fn run<T: CudaDType + CudnnDataType + DeviceRepr + ValidAsZeroBits + num_one::One>(&self) -> Result<(CudaStorage, usize)> {
+    fn run<T: CudaDType + CudnnDataType + DeviceRepr + ValidAsZeroBits + WithDType>(&self) -> Result<(CudaStorage, usize)> {
         let g = self.g;
         let dev = &self.x.device;
         let cudnn = handle(dev)?;
@@ -167,7 +167,8 @@ impl Parts<'_> {
             let mut ws_buf = dev.alloc_zeros::<u8>(op.get_workspace_size(algo).map_err(wrap)?.max(1))?;
             let mut dx = out.slice_mut(0..x_len);
             // SAFETY: as in `run_forward`; `dx` is the first x_len elements of `out`.
-            unsafe { op.launch(algo, Some(&mut ws_buf), (T::one(), T::zero()), &mut dx, &wv, &gyv) }.map_err(wrap)?;
+            unsafe { op.launch(algo, Some(&mut ws_buf), (T::from_f64(1.0), T::from_f64(0.0)), &mut dx, &wv, &gyv) }
+                .map_err(wrap)?;
         }
         if self.want_weight {
             let op = ConvBackwardFilter { conv: &d.conv, x: &d.x, dw: &d.w, dy: &d.y };
@@ -175,32 +176,9 @@ impl Parts<'_> {
             let mut ws_buf = dev.alloc_zeros::<u8>(op.get_workspace_size(algo).map_err(wrap)?.max(1))?;
             let mut dw = out.slice_mut(x_len..x_len + w_len);
             // SAFETY: as in `run_forward`; `dw` is the w_len elements after ∂x in `out`.
-            unsafe { op.launch(algo, Some(&mut ws_buf), (T::one(), T::zero()), &xv, &mut dw, &gyv) }.map_err(wrap)?;
+            unsafe { op.launch(algo, Some(&mut ws_buf), (T::from_f64(1.0), T::from_f64(0.0)), &xv, &mut dw, &gyv) }
+                .map_err(wrap)?;
         }
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), x_len + w_len))
-    }
-}
-
-/// The scalars 1 and 0 of the element types cuDNN is called with here (cuDNN's alpha and beta).
-mod num_one {
-    pub trait One: Sized {
-        fn one() -> Self;
-        fn zero() -> Self;
-    }
-    impl One for f32 {
-        fn one() -> Self {
-            1.0
-        }
-        fn zero() -> Self {
-            0.0
-        }
-    }
-    impl One for f64 {
-        fn one() -> Self {
-            1.0
-        }
-        fn zero() -> Self {
-            0.0
-        }
     }
 }
