@@ -18,10 +18,15 @@ pub(crate) trait Float: WithDType {
     fn sqrt(self) -> Self;
     /// Whether the value is NaN.
     fn is_nan(self) -> bool;
+    /// `v ← erf(v)` over a slice: f64 through Candle's exact `erf`, f32 through the
+    /// vectorised formula of [`crate::vmath`] (absolute error at most 1.5e-7).
+    fn erf_in_place(xs: &mut [Self]);
+    /// `v ← e^v` over a slice: f64 through the C library, f32 through [`crate::vmath`].
+    fn exp_in_place(xs: &mut [Self]);
 }
 
 macro_rules! impl_float {
-    ($t:ty) => {
+    ($t:ty, $erf:path, $exp:path) => {
         impl Float for $t {
             const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
             #[inline]
@@ -40,11 +45,25 @@ macro_rules! impl_float {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
+            fn erf_in_place(xs: &mut [Self]) {
+                $erf(xs)
+            }
+            fn exp_in_place(xs: &mut [Self]) {
+                $exp(xs)
+            }
         }
     };
 }
-impl_float!(f32);
-impl_float!(f64);
+impl_float!(f32, crate::vmath::erf_in_place, crate::vmath::exp_in_place);
+impl_float!(f64, erf_f64_in_place, exp_f64_in_place);
+
+fn erf_f64_in_place(xs: &mut [f64]) {
+    xs.iter_mut().for_each(|v| *v = candle_core::cpu::erf::erf_f64(*v));
+}
+
+fn exp_f64_in_place(xs: &mut [f64]) {
+    xs.iter_mut().for_each(|v| *v = v.exp());
+}
 
 /// Runs a kernel on CPU storages that all hold f32 or all f64: binds each `storage => slice`,
 /// evaluates `body` (a `Vec` of the same float type) and wraps it in the matching

@@ -17,6 +17,10 @@
 //! - [`cross_entropy`]: fused, stable log-sum-exp cross-entropy from logits.
 //! - [`relu`], [`add_relu`]: ReLU and the residual `relu(a + b)` in one parallel pass, with a
 //!   one-pass backward (Candle's takes five single-threaded passes).
+//! - [`gelu_erf`]: exact GELU in one parallel pass each way (composed from Candle's ops it
+//!   takes five forward and about ten backward).
+//! - [`linear`]: `x·Wᵀ + b` as one GEMM with the bias folded in, and a backward that gives
+//!   `∂x`, `∂W` and `∂b` from one op (Candle's walks matmul, transpose and broadcast nodes).
 //! - [`channel_moments`], [`channel_affine`]: the two passes of batch normalisation over
 //!   `[N, C, ...]` tensors, fused, with backward (sums in f64).
 //!
@@ -58,15 +62,18 @@ mod conv_cudnn;
 mod cpu;
 mod error;
 mod im2col;
+mod linear;
 mod loss;
 mod norm;
 mod pool;
 mod softmax;
+mod vmath;
 
-pub use activation::{add_relu, relu};
+pub use activation::{add_relu, gelu_erf, relu};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use error::NnError;
+pub use linear::linear;
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};

@@ -1,6 +1,7 @@
-//! `relu` and `add_relu` against a plain f64 computation (values and gradients, f32 and f64,
-//! contiguous and strided inputs, sizes spanning several parallel tasks), the derivative 0 at
-//! 0, the fallback for other dtypes, and errors that name the shapes.
+//! `relu`, `add_relu` and `gelu_erf` against a plain f64 computation (values and gradients,
+//! f32 and f64, contiguous and strided inputs, sizes spanning several parallel tasks), the ReLU
+//! derivative 0 at 0, GELU at tabulated normal-CDF values and against finite differences, the
+//! fallback for other dtypes, and errors that name the shapes.
 
 mod common;
 
@@ -78,4 +79,63 @@ fn mismatched_inputs_are_errors_naming_them() {
     assert!(e.contains("add_relu") && e.contains("[2, 3]") && e.contains("[3, 2]"), "{e}");
     let e = err_text(add_relu(&a, &rand_tensor(&[2, 3], 2, DType::F64)));
     assert!(e.contains("add_relu") && e.contains("F32") && e.contains("F64"), "{e}");
+}
+
+/// `x/2 · (1 + erf(x/√2))` and its derivative `Φ(x) + x φ(x)`, with Φ from Candle's f64 erf.
+fn gelu_reference(x: f64) -> (f64, f64) {
+    let cdf = 0.5 * (1.0 + candle_core::cpu::erf::erf_f64(x / std::f64::consts::SQRT_2));
+    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    (x * cdf, cdf + x * pdf)
+}
+
+#[test]
+fn gelu_matches_known_values_a_plain_computation_and_finite_differences() {
+    use allgrad_nn::gelu_erf;
+    // Φ(1) = 0.8413447460685429 and Φ(-2) = 0.022750131948179195 (standard normal CDF tables).
+    let x = Tensor::new(&[1f64, -2.0, 0.0], &Device::Cpu).unwrap();
+    let y = to_f64_vec(&gelu_erf(&x).unwrap());
+    for (got, want) in y.iter().zip([0.8413447460685429, -2.0 * 0.022750131948179195, 0.0]) {
+        assert!((got - want).abs() < 1e-15, "gelu known value: {got} vs {want}");
+    }
+    // 70_001 elements in [-4, 4): several parallel tasks; f32, f64, contiguous and strided.
+    for (shape, transposed) in [(vec![7, 10_001], false), (vec![3, 5, 7], true)] {
+        for dtype in [DType::F32, DType::F64] {
+            let a = Var::from_tensor(&(rand_tensor(&shape, 1, dtype) * 4.0).unwrap()).unwrap();
+            let av = if transposed { a.as_tensor().transpose(0, 2).unwrap() } else { a.as_tensor().clone() };
+            let r = rand_tensor(av.dims(), 3, dtype);
+            let y = gelu_erf(&av).unwrap();
+            let grads = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            let g = grads.get(&a).unwrap();
+            let g = if transposed { g.transpose(0, 2).unwrap() } else { g.clone() };
+            let tol = if dtype == DType::F64 { 1e-14 } else { 1e-6 };
+            for (i, ((x, r), (y, g))) in
+                to_f64_vec(&av).iter().zip(to_f64_vec(&r)).zip(to_f64_vec(&y).into_iter().zip(to_f64_vec(&g))).enumerate()
+            {
+                let (want_y, want_d) = gelu_reference(*x);
+                assert!((y - want_y).abs() <= tol * want_y.abs().max(1.0), "{shape:?} {dtype:?} y[{i}] at {x}: {y} vs {want_y}");
+                assert!(
+                    (g - r * want_d).abs() <= tol * (r * want_d).abs().max(1.0),
+                    "{shape:?} {dtype:?} grad[{i}] at {x}: {g} vs {}",
+                    r * want_d
+                );
+            }
+        }
+    }
+    // The backward against central differences of the op itself (f64).
+    let x = (rand_tensor(&[40], 7, DType::F64) * 3.0).unwrap();
+    let p = rand_tensor(&[40], 8, DType::F64);
+    let f = |t: &Tensor| (gelu_erf(t)? * &p)?.sum_all();
+    let v = Var::from_tensor(&x).unwrap();
+    let grads = f(v.as_tensor()).unwrap().backward().unwrap();
+    common::assert_close(grads.get(&v).unwrap(), &common::fd_grad(&f, &x, 1e-6), 1e-9, "gelu grad vs finite differences");
+}
+
+#[test]
+fn gelu_falls_back_to_candles_erf_for_other_dtypes() {
+    let x = (rand_tensor(&[4, 6], 5, DType::F32) * 3.0).unwrap();
+    let want = to_f64_vec(&allgrad_nn::gelu_erf(&x).unwrap());
+    let got = to_f64_vec(&allgrad_nn::gelu_erf(&x.to_dtype(DType::BF16).unwrap()).unwrap());
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 2e-2 * w.abs().max(1.0), "bf16 gelu {g} vs f32 {w}");
+    }
 }

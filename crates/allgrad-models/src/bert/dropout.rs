@@ -8,7 +8,8 @@
 //! one query position, values are drawn key position by key position, so the entries of real
 //! keys do not move when padded keys are added after them.)
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor, WithDType};
+use rayon::prelude::*;
 
 use crate::rng::stream;
 
@@ -69,14 +70,12 @@ impl DropoutKey {
         let (b, len, width) = x.dims3()?;
         self.check_rows(b)?;
         let scale = 1.0 / (1.0 - p);
-        let mut mask = Vec::with_capacity(b * len * width);
-        for row in 0..b {
-            for pos in 0..len {
+        let mask = mask_tensor(x, len * width, &|row, m| {
+            for (pos, m) in m.chunks_mut(width.max(1)).enumerate() {
                 let mut rng = self.stream(row, layer, site, pos);
-                mask.extend((0..width).map(|_| draw(&mut rng, p, scale)));
+                m.iter_mut().for_each(|v| *v = draw(&mut rng, p, scale));
             }
-        }
-        let mask = Tensor::from_vec(mask, (b, len, width), x.device())?.to_dtype(x.dtype())?;
+        })?;
         x * mask
     }
 
@@ -89,18 +88,36 @@ impl DropoutKey {
         let (b, heads, lq, lk) = probs.dims4()?;
         self.check_rows(b)?;
         let scale = 1.0 / (1.0 - p);
-        let mut mask = vec![0f64; b * heads * lq * lk];
-        for row in 0..b {
+        let mask = mask_tensor(probs, heads * lq * lk, &|row, m| {
             for q in 0..lq {
                 let mut rng = self.stream(row, layer, Site::AttentionProbs, q);
                 for k in 0..lk {
                     for h in 0..heads {
-                        mask[((row * heads + h) * lq + q) * lk + k] = draw(&mut rng, p, scale);
+                        m[(h * lq + q) * lk + k] = draw(&mut rng, p, scale);
                     }
                 }
             }
-        }
-        let mask = Tensor::from_vec(mask, (b, heads, lq, lk), probs.device())?.to_dtype(probs.dtype())?;
+        })?;
         probs * mask
+    }
+}
+
+/// A mask shaped like `x` (whose first dimension is the batch row), each row's `per_row`
+/// entries written by `fill(row, entries)` in f64, the rows in parallel, stored in `x`'s dtype
+/// on its device. The values do not depend on the number of threads.
+fn mask_tensor(x: &Tensor, per_row: usize, fill: &(dyn Fn(usize, &mut [f64]) + Sync)) -> Result<Tensor> {
+    fn build<T: WithDType>(rows: usize, per_row: usize, fill: &(dyn Fn(usize, &mut [f64]) + Sync)) -> Vec<T> {
+        let mut out = vec![T::from_f64(0.0); rows * per_row];
+        out.par_chunks_mut(per_row.max(1)).enumerate().for_each(|(row, o)| {
+            let mut row_mask = vec![0f64; o.len()];
+            fill(row, &mut row_mask);
+            o.iter_mut().zip(row_mask).for_each(|(o, v)| *o = T::from_f64(v));
+        });
+        out
+    }
+    let rows = x.dim(0)?;
+    match x.dtype() {
+        DType::F32 => Tensor::from_vec(build::<f32>(rows, per_row, fill), x.shape(), x.device()),
+        _ => Tensor::from_vec(build::<f64>(rows, per_row, fill), x.shape(), x.device())?.to_dtype(x.dtype()),
     }
 }

@@ -1,4 +1,4 @@
-//! One BERT encoder layer: self-attention, then the GELU (erf) feed-forward block with
+//! One BERT encoder layer: self-attention, then the GELU (exact, erf) feed-forward block with
 //! dropout, residual and post-LayerNorm.
 
 use candle_core::{Result, Tensor};
@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 use super::attention::SelfAttention;
 use super::config::BertConfig;
 use super::dropout::{DropoutKey, Site};
-use super::layers::{gelu, Dense, Norm};
+use super::layers::{Dense, Norm};
 
 /// Hugging Face names under `encoder.layer.{i}`: `attention.*`, `intermediate.dense`,
 /// `output.dense`, `output.LayerNorm`.
@@ -36,7 +36,7 @@ impl EncoderLayer {
     /// `x`: `[b, len, hidden]`; `bias`: the attention mask bias; `layer` (from 1) keys dropout.
     pub fn forward(&self, x: &Tensor, bias: &Tensor, layer: usize, dropout: Option<&DropoutKey>) -> Result<Tensor> {
         let a = self.attention.forward(x, bias, layer, dropout)?;
-        let mut y = self.output.forward(&gelu(&self.intermediate.forward(&a)?)?)?;
+        let mut y = self.output.forward(&allgrad_nn::gelu_erf(&self.intermediate.forward(&a)?)?)?;
         if let Some(key) = dropout {
             y = key.apply(&y, self.dropout, layer, Site::FeedForward)?;
         }

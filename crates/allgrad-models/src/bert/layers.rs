@@ -1,5 +1,5 @@
 //! The two parameterised building blocks of BERT: a dense layer over the last dimension and a
-//! LayerNorm with backward (allgrad-nn's kernel; Candle's fused one has none).
+//! LayerNorm with backward (allgrad-nn's kernels; Candle's fused LayerNorm has none).
 
 use candle_core::{Result, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -21,18 +21,9 @@ impl Dense {
         Ok(Dense { weight, bias })
     }
 
-    /// Applies the layer.
+    /// Applies the layer (allgrad-nn's fused `linear`: one GEMM, one-op backward).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let (inp, rest) = match dims.split_last() {
-            Some((d, rest)) => (*d, rest.to_vec()),
-            None => candle_core::bail!("dense: input must have at least one dimension"),
-        };
-        let rows: usize = rest.iter().product();
-        let y = x.reshape((rows, inp))?.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)?;
-        let mut out = rest;
-        out.push(self.weight.dim(0)?);
-        y.reshape(out)
+        allgrad_nn::linear(x, &self.weight, Some(&self.bias))
     }
 }
 
@@ -56,13 +47,4 @@ impl Norm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         allgrad_nn::layer_norm(&x.contiguous()?, &self.weight, &self.bias, self.eps)
     }
-}
-
-/// GELU in its exact form, `x/2 · (1 + erf(x/√2))` (BERT's `gelu`), composed from Candle's
-/// `erf`, whose backward is exact. (Candle's fused `gelu_erf` has a backward with
-/// `1/√(2π)` rounded to 6 digits: gradients off by about 1e-6 relative, which a finite-
-/// difference check in f64 sees.)
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    let half = x.affine(0.5, 0.0)?;
-    half * x.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?.affine(1.0, 1.0)?
 }

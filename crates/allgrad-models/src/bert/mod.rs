@@ -35,6 +35,6 @@ pub use embeddings::Embeddings;
 pub use encode::{cosine_matrix, embed_ids, embed_lines, embed_records, embed_texts, EmbeddedText};
 pub use encoder_layer::EncoderLayer;
 pub use export::export_hf_folder;
-pub use layers::{gelu, Dense, Norm};
+pub use layers::{Dense, Norm};
 pub use model::{BertModel, Pooling};
 pub use tokenizer::{BertTokenizer, TokenBatch};

@@ -1,0 +1,229 @@
+//! The dense layer `y = x Wᵀ + b` over the last dimension, as one op with a one-op backward.
+//!
+//! Composed from Candle ops (`matmul` with `Wᵀ`, then `broadcast_add` of the bias), the forward
+//! is a GEMM plus a second pass over the output, and the backward walks three graph nodes: the
+//! bias gradient through a broadcast reduction, the weight gradient as a transposed (strided)
+//! matrix, and each gradient added by Candle into a fresh zero tensor. A transformer has six
+//! such layers per block, so on a CPU these passes are a visible share of a training step.
+//!
+//! Here the forward writes the bias into the output and the GEMM accumulates onto it; the
+//! backward computes `∂x = g·W`, `∂W = gᵀ·x` and `∂b = Σ_rows g` in one untracked op whose
+//! results share one buffer. Both GEMMs run on the whole rayon pool.
+
+use std::borrow::Cow;
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use crate::cpu::{contiguous, float_kernel, matmul, Float, MatRef};
+use crate::error::{fail, NnError};
+
+/// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`, checked.
+fn dims(x: &[usize], w: &[usize], op: &'static str) -> Result<(usize, usize, usize)> {
+    let (Some((&inp, rest)), [out, w_in]) = (x.split_last(), w) else {
+        return fail(NnError::ParamShape {
+            op,
+            what: "input and weight",
+            shape: vec![Shape::from(x.to_vec()), Shape::from(w.to_vec())],
+            expected: "the input needs a last dimension and the weight must be [out, in]".into(),
+        });
+    };
+    if inp != *w_in {
+        return fail(NnError::ParamShape {
+            op,
+            what: "weight",
+            shape: vec![Shape::from(w.to_vec())],
+            expected: format!("the input's last dimension is {inp}"),
+        });
+    }
+    Ok((rest.iter().product(), inp, *out))
+}
+
+fn pool() -> Parallelism {
+    Parallelism::Rayon(rayon::current_num_threads().max(1))
+}
+
+/// `out[r, o] = b[o] + Σ_i x[r, i]·w[o, i]`.
+fn forward_kernel<T: Float>(x: &[T], w: &[T], b: Option<&[T]>, (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+    let mut y = match b {
+        Some(b) => b.repeat(rows),
+        None => vec![T::from_f64(0.0); rows * out],
+    };
+    // wᵀ as an (in x out) view: element (i, o) is w[o * in + i].
+    matmul(&mut y, out, b.is_some(), MatRef::new(x, inp, 1), MatRef::new(w, 1, inp), (rows, out, inp), pool());
+    y
+}
+
+/// `[∂x (rows·in) | ∂W (out·in) | ∂b (out)]` from `x`, `w` and the output gradient `g`.
+fn backward_kernel<T: Float>(x: &[T], w: &[T], g: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+    let (x_len, w_len) = (rows * inp, out * inp);
+    let mut buf = vec![T::from_f64(0.0); x_len + w_len + out];
+    let (dx, rest) = buf.split_at_mut(x_len);
+    let (dw, db) = rest.split_at_mut(w_len);
+    // ∂x = g (rows x out) · w (out x in).
+    matmul(dx, inp, false, MatRef::new(g, out, 1), MatRef::new(w, inp, 1), (rows, inp, out), pool());
+    // ∂W = gᵀ (out x rows) · x (rows x in).
+    matmul(dw, inp, false, MatRef::new(g, 1, out), MatRef::new(x, inp, 1), (out, inp, rows), pool());
+    // ∂b = column sums of g, each column summed in row order in f64; blocks of columns in
+    // parallel, each block read row by row (contiguous runs).
+    const BLOCK: usize = 64;
+    db.par_chunks_mut(BLOCK).enumerate().for_each(|(blk, d)| {
+        let c0 = blk * BLOCK;
+        let mut acc = [0f64; BLOCK];
+        for r in 0..rows {
+            let row = &g[r * out + c0..r * out + c0 + d.len()];
+            acc.iter_mut().zip(row).for_each(|(a, v)| *a += v.to_f64());
+        }
+        d.iter_mut().zip(acc).for_each(|(d, a)| *d = T::from_f64(a));
+    });
+    buf
+}
+
+struct Linear {
+    bias: bool,
+}
+
+impl Linear {
+    fn run(&self, s: [(&CpuStorage, &Layout); 3]) -> Result<(CpuStorage, Shape)> {
+        let [(sx, lx), (sw, lw), (sb, lb)] = s;
+        let d = dims(lx.dims(), lw.dims(), "linear")?;
+        let bias = self.bias;
+        let out = float_kernel!("linear", sx => x, sw => w, sb => b; {
+            let b: Option<Cow<[_]>> = bias.then(|| contiguous(b, lb));
+            forward_kernel(&contiguous(x, lx), &contiguous(w, lw), b.as_deref(), d)
+        });
+        let mut shape = lx.dims().to_vec();
+        *shape.last_mut().expect("checked by dims") = d.2;
+        Ok((out, Shape::from(shape)))
+    }
+
+    fn grads(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (rows, inp, out) = dims(x.dims(), w.dims(), "linear backward")?;
+        let mut expected = x.dims().to_vec();
+        *expected.last_mut().expect("checked by dims") = out;
+        if g.dims() != expected.as_slice() {
+            return fail(NnError::GradShape { op: "linear", got: g.shape().clone(), expected });
+        }
+        let g = g.detach().to_dtype(x.dtype())?;
+        let flat = x.detach().apply_op3_no_bwd(&w.detach(), &g, &LinearBackward)?;
+        let dx = flat.narrow(0, 0, rows * inp)?.reshape(x.shape())?;
+        let dw = flat.narrow(0, rows * inp, out * inp)?.reshape(w.shape())?;
+        let db = flat.narrow(0, (rows + out) * inp, out)?;
+        Ok((dx, dw, db))
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "allgrad-linear"
+    }
+
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        // No bias: the weight's storage stands in for it and is never read.
+        self.run([(sx, lx), (sw, lw), (sw, lw)])
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = Linear::grads(x, w, g)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "allgrad-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.run([(sx, lx), (sw, lw), (sb, lb)])
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = Linear::grads(x, w, g)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// The backward's kernel as an untracked op on `(x, w, g)`: one flat buffer `[∂x | ∂W | ∂b]`.
+struct LinearBackward;
+
+impl CustomOp3 for LinearBackward {
+    fn name(&self) -> &'static str {
+        "allgrad-linear-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sg: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = dims(lx.dims(), lw.dims(), "linear backward")?;
+        let out = float_kernel!("linear backward", sx => x, sw => w, sg => g;
+            backward_kernel(&contiguous(x, lx), &contiguous(w, lw), &contiguous(g, lg), d));
+        let len = d.0 * d.1 + d.2 * d.1 + d.2;
+        Ok((out, Shape::from(len)))
+    }
+}
+
+/// `y = x·Wᵀ + b` over the last dimension of `x` (`[.., in]`, any leading dimensions), with
+/// `weight` `[out, in]` and `bias` `[out]` as in PyTorch's `Linear`; see the module docs. On
+/// the CPU (f32/f64) one GEMM with the bias folded in and a one-op backward; elsewhere
+/// Candle's `matmul` and `broadcast_add`.
+///
+/// # Errors
+/// When the shapes do not fit together, or the dtypes or devices differ.
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (rows, inp, out) = dims(x.dims(), weight.dims(), "linear")?;
+    if let Some(b) = bias {
+        if b.dims() != [out] {
+            return fail(NnError::ParamShape {
+                op: "linear",
+                what: "bias",
+                shape: vec![b.shape().clone()],
+                expected: format!("the weight has {out} outputs"),
+            });
+        }
+    }
+    let dtypes: Vec<DType> = [Some(x), Some(weight), bias].into_iter().flatten().map(|t| t.dtype()).collect();
+    if dtypes.iter().any(|d| *d != x.dtype()) {
+        return fail(NnError::DTypeMismatch { op: "linear", what: "input, weight and bias", dtypes });
+    }
+    let same_device = weight.device().same_device(x.device()) && bias.is_none_or(|b| b.device().same_device(x.device()));
+    if !same_device {
+        return fail(NnError::DeviceMismatch { op: "linear" });
+    }
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+        return match bias {
+            Some(b) => x.apply_op3(weight, b, Linear { bias: true }),
+            None => x.apply_op2(weight, Linear { bias: false }),
+        };
+    }
+    let mut shape = x.dims().to_vec();
+    *shape.last_mut().expect("checked by dims") = out;
+    let y = x.reshape((rows, inp))?.matmul(&weight.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    y.reshape(shape)
+}
