@@ -102,7 +102,7 @@ pub enum NnError {
         dtypes: Vec<DType>,
     },
     /// Tensors that must be on one device are not.
-    #[error("{op}: input and weight are on different devices")]
+    #[error("{op}: the inputs are on different devices")]
     DeviceMismatch {
         /// The op.
         op: &'static str,

@@ -19,6 +19,8 @@
 //!   one-pass backward (Candle's takes five single-threaded passes).
 //! - [`gelu_erf`]: exact GELU in one parallel pass each way (composed from Candle's ops it
 //!   takes five forward and about ten backward).
+//! - [`dropout_mask`]: `x·mask (+ residual)` with a constant mask, one pass each way (Candle's
+//!   `x * mask` also differentiates the mask).
 //! - [`linear`]: `x·Wᵀ + b` as one GEMM with the bias folded in, and a backward that gives
 //!   `∂x`, `∂W` and `∂b` from one op (Candle's walks matmul, transpose and broadcast nodes).
 //! - [`channel_moments`], [`channel_affine`]: the two passes of batch normalisation over
@@ -60,6 +62,7 @@ mod conv_cpu;
 #[cfg(feature = "cudnn")]
 mod conv_cudnn;
 mod cpu;
+mod dropout;
 mod error;
 mod im2col;
 mod linear;
@@ -72,6 +75,7 @@ mod vmath;
 pub use activation::{add_relu, gelu_erf, relu};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
+pub use dropout::dropout_mask;
 pub use error::NnError;
 pub use linear::linear;
 pub use loss::{cross_entropy, per_row_cross_entropy};

@@ -62,10 +62,11 @@ impl SelfAttention {
             probs = key.apply_attention(&probs, self.attention_dropout, layer)?;
         }
         let ctx = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, len, h))?;
-        let mut out = self.output.forward(&ctx)?;
-        if let Some(key) = dropout {
-            out = key.apply(&out, self.hidden_dropout, layer, Site::AttentionOutput)?;
-        }
-        self.norm.forward(&(out + x)?)
+        let out = self.output.forward(&ctx)?;
+        let sum = match dropout {
+            Some(key) => key.apply_residual(&out, x, self.hidden_dropout, layer, Site::AttentionOutput)?,
+            None => (out + x)?,
+        };
+        self.norm.forward(&sum)
     }
 }

@@ -67,16 +67,29 @@ impl DropoutKey {
         if p == 0.0 {
             return Ok(x.clone());
         }
+        allgrad_nn::dropout_mask(x, &self.mask(x, p, layer, site)?, None)
+    }
+
+    /// `dropout(x) + residual`, fused: the same mask as [`DropoutKey::apply`] (a plain sum when
+    /// `p` is 0).
+    pub fn apply_residual(&self, x: &Tensor, residual: &Tensor, p: f64, layer: usize, site: Site) -> Result<Tensor> {
+        if p == 0.0 {
+            return x + residual;
+        }
+        allgrad_nn::dropout_mask(x, &self.mask(x, p, layer, site)?, Some(residual))
+    }
+
+    /// The scaled keep mask of `x` (`[b, len, width]`) at `site`.
+    fn mask(&self, x: &Tensor, p: f64, layer: usize, site: Site) -> Result<Tensor> {
         let (b, len, width) = x.dims3()?;
         self.check_rows(b)?;
         let scale = 1.0 / (1.0 - p);
-        let mask = mask_tensor(x, len * width, &|row, m| {
+        mask_tensor(x, len * width, &|row, m| {
             for (pos, m) in m.chunks_mut(width.max(1)).enumerate() {
                 let mut rng = self.stream(row, layer, site, pos);
                 m.iter_mut().for_each(|v| *v = draw(&mut rng, p, scale));
             }
-        })?;
-        x * mask
+        })
     }
 
     /// Dropout with probability `p` on attention probabilities `[b, heads, len_q, len_k]`: for
@@ -98,7 +111,7 @@ impl DropoutKey {
                 }
             }
         })?;
-        probs * mask
+        allgrad_nn::dropout_mask(probs, &mask, None)
     }
 }
 

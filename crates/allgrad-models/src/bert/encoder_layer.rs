@@ -36,10 +36,11 @@ impl EncoderLayer {
     /// `x`: `[b, len, hidden]`; `bias`: the attention mask bias; `layer` (from 1) keys dropout.
     pub fn forward(&self, x: &Tensor, bias: &Tensor, layer: usize, dropout: Option<&DropoutKey>) -> Result<Tensor> {
         let a = self.attention.forward(x, bias, layer, dropout)?;
-        let mut y = self.output.forward(&allgrad_nn::gelu_erf(&self.intermediate.forward(&a)?)?)?;
-        if let Some(key) = dropout {
-            y = key.apply(&y, self.dropout, layer, Site::FeedForward)?;
-        }
-        self.norm.forward(&(y + a)?)
+        let y = self.output.forward(&allgrad_nn::gelu_erf(&self.intermediate.forward(&a)?)?)?;
+        let sum = match dropout {
+            Some(key) => key.apply_residual(&y, &a, self.dropout, layer, Site::FeedForward)?,
+            None => (y + a)?,
+        };
+        self.norm.forward(&sum)
     }
 }
