@@ -23,6 +23,7 @@ pub mod grad_cache;
 pub mod method;
 pub mod metrics;
 pub mod optim;
+mod optim_fused;
 pub mod params;
 pub mod run;
 pub mod run_dir;
