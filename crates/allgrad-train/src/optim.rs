@@ -218,10 +218,10 @@ impl Optimizer {
             let (w, g) = (&p.as_tensor().detach(), &g.detach());
             let row_flags = rows.get(i).and_then(|r| r.as_deref());
             let names = crate::optim_fused::slot_names(&cfg);
-            let current: Vec<Option<Tensor>> = names.iter().map(|s| self.state.get(&format!("{name}/{s}")).cloned()).collect();
-            if let Some((updated, slots)) = crate::optim_fused::update(&cfg, w, g, &current, row_flags, lr, t)? {
-                p.set(&updated)?;
-                for (slot, value) in slots {
+            let slots: Vec<Tensor> = names.iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
+            // In place on the parameter's own storage (a detached view would share it too).
+            if crate::optim_fused::update(&cfg, p.as_tensor(), g, &slots, row_flags, lr, t)? {
+                for (slot, value) in names.iter().zip(slots) {
                     self.set_slot(name, slot, value);
                 }
                 continue;

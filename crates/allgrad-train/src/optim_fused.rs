@@ -1,52 +1,25 @@
-//! SGD and AdamW on CPU f32/f64 parameters in one parallel pass per parameter.
+//! SGD and AdamW on CPU f32/f64 parameters, updated in place in one parallel pass per tensor.
 //!
 //! Composed from Candle ops, an AdamW step is about fifteen passes over the parameter, each
 //! allocating, several of them single-threaded: on all-MiniLM-L6-v2 (22.7M parameters) it took
-//! twice PyTorch's. Here each element is updated once, with the composed path's formulas in
-//! the parameter's dtype, rows in parallel, and rows masked out (Partial FC's unsampled
-//! classes) are copied, not computed. LARS, other dtypes and other devices keep the composed
-//! path in `optim.rs`.
+//! twice PyTorch's. Here the state slots and then the parameter are rewritten in place (Candle's
+//! in-place custom ops), element by element with the composed path's formulas in the
+//! parameter's dtype, rows in parallel; rows masked out (Partial FC's unsampled classes) are
+//! not touched at all, so a step that samples a tenth of a million-class head costs a tenth of
+//! the work and no copy. LARS, other dtypes, other devices and non-contiguous tensors keep the
+//! composed path in `optim.rs`. State slots are owned by the optimizer (a checkpoint reads them
+//! between steps), so rewriting them in place is safe.
 
-use candle_core::{DType, Result, Tensor, WithDType};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, WithDType};
 use rayon::prelude::*;
 
 use crate::optim::OptimConfig;
 
-/// Elements per parallel task when a row is short.
+/// Elements per parallel task when no row mask splits the tensor.
 const GRAIN: usize = 1 << 14;
 
-/// A parameter's new value and its new state slots `(slot name, tensor)`.
-pub(crate) type Updated = (Tensor, Vec<(&'static str, Tensor)>);
-
-/// The new parameter and its state slots, or `None` when the fused
-/// path does not apply (see the module docs). `slots` holds the current value of each slot of
-/// `slot_names(cfg)` (`None`: never written, i.e. zeros); `rows` marks the rows (dim 0) to
-/// update (absent: all); `t` is the step number from 1.
-pub(crate) fn update(
-    cfg: &OptimConfig,
-    w: &Tensor,
-    g: &Tensor,
-    slots: &[Option<Tensor>],
-    rows: Option<&[bool]>,
-    lr: f64,
-    t: i32,
-) -> Result<Option<Updated>> {
-    let applies = w.device().is_cpu()
-        && matches!(w.dtype(), DType::F32 | DType::F64)
-        && g.dtype() == w.dtype()
-        && g.dims() == w.dims()
-        && slots.iter().flatten().all(|s| s.dtype() == w.dtype() && s.dims() == w.dims())
-        && !matches!(cfg, OptimConfig::Lars { .. });
-    if !applies {
-        return Ok(None);
-    }
-    match w.dtype() {
-        DType::F32 => run::<f32>(cfg, w, g, slots, rows, lr, t).map(Some),
-        _ => run::<f64>(cfg, w, g, slots, rows, lr, t).map(Some),
-    }
-}
-
-/// The slots an optimizer keeps per parameter, in the order `update` takes and returns them.
+/// The slots an optimizer keeps per parameter, in the order `update` takes them.
 pub(crate) fn slot_names(cfg: &OptimConfig) -> &'static [&'static str] {
     match cfg {
         OptimConfig::Sgd { momentum, .. } if *momentum > 0.0 => &["momentum"],
@@ -56,20 +29,28 @@ pub(crate) fn slot_names(cfg: &OptimConfig) -> &'static [&'static str] {
     }
 }
 
-fn flat<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
-    t.flatten_all()?.to_vec1::<T>()
-}
-
-fn run<T: WithDType>(
+/// Updates `w` (the parameter's own tensor) and `slots` (one per `slot_names(cfg)`, zeros when
+/// new) in place, and returns true; or returns false, touching nothing, when the fused path
+/// does not apply (see the module docs). `rows` marks the rows (dim 0) to update (absent: all);
+/// `t` is the step number from 1.
+pub(crate) fn update(
     cfg: &OptimConfig,
     w: &Tensor,
     g: &Tensor,
-    slots: &[Option<Tensor>],
+    slots: &[Tensor],
     rows: Option<&[bool]>,
     lr: f64,
     t: i32,
-) -> Result<Updated> {
-    let names = slot_names(cfg);
+) -> Result<bool> {
+    let fits = |x: &Tensor| x.device().is_cpu() && x.dtype() == w.dtype() && x.dims() == w.dims() && x.is_contiguous();
+    let applies = matches!(w.dtype(), DType::F32 | DType::F64)
+        && fits(w)
+        && fits(g)
+        && slots.iter().all(fits)
+        && !matches!(cfg, OptimConfig::Lars { .. });
+    if !applies {
+        return Ok(false);
+    }
     let n = w.elem_count();
     let per_row = if w.rank() == 0 { 1 } else { n / w.dim(0)?.max(1) };
     if let Some(r) = rows {
@@ -77,80 +58,246 @@ fn run<T: WithDType>(
             candle_core::bail!("a row mask of {} rows for a parameter of shape {:?}", r.len(), w.dims());
         }
     }
-    let mut w_new = flat::<T>(w)?;
-    let gv = flat::<T>(g)?;
-    let mut state: Vec<Vec<T>> = names
-        .iter()
-        .enumerate()
-        .map(|(k, _)| match slots.get(k).and_then(|s| s.as_ref()) {
-            Some(s) => flat::<T>(s),
-            None => Ok(vec![T::zero(); n]),
-        })
-        .collect::<Result<_>>()?;
-    let c = |v: f64| T::from_f64(v);
-    let sqrt = |v: T| T::from_f64(v.to_f64().sqrt());
-    // Tasks: whole rows (so a row mask is one flag per task), or fixed chunks when rows are
-    // short or absent.
-    let chunk = if rows.is_some() { per_row.max(1) } else { GRAIN };
-    let keep = |i: usize| rows.is_some_and(|r| !r[i]);
+    let plan = Plan { chunk: if rows.is_some() { per_row.max(1) } else { GRAIN }, rows };
     match *cfg {
         OptimConfig::Sgd { momentum, nesterov, weight_decay, .. } => {
-            let (mo, wd, lr) = (c(momentum), c(weight_decay), c(lr));
-            let step = |w: &mut T, g: T, buf: Option<&mut T>| {
-                let mut d = if weight_decay > 0.0 { g + *w * wd } else { g };
-                if let Some(b) = buf {
-                    *b = *b * mo + d;
-                    d = if nesterov { d + *b * mo } else { *b };
+            let op = Sgd { plan, momentum, nesterov, weight_decay, lr };
+            match slots {
+                [buf] => {
+                    buf.inplace_op3(g, w, &SgdMomentum(&op))?;
+                    w.inplace_op3(g, buf, &op)?;
                 }
-                *w -= d * lr;
-            };
-            if momentum > 0.0 {
-                let [m] = &mut state[..] else { unreachable!("SGD with momentum keeps one slot") };
-                w_new.par_chunks_mut(chunk).zip(gv.par_chunks(chunk)).zip(m.par_chunks_mut(chunk)).enumerate().for_each(
-                    |(i, ((ws, gs), ms))| {
-                        if !keep(i) {
-                            ws.iter_mut().zip(gs).zip(ms).for_each(|((w, &g), m)| step(w, g, Some(m)));
-                        }
-                    },
-                );
-            } else {
-                w_new.par_chunks_mut(chunk).zip(gv.par_chunks(chunk)).enumerate().for_each(|(i, (ws, gs))| {
-                    if !keep(i) {
-                        ws.iter_mut().zip(gs).for_each(|(w, &g)| step(w, g, None));
-                    }
-                });
+                _ => w.inplace_op3(g, g, &op)?,
             }
         }
         OptimConfig::Adamw { beta1, beta2, eps, weight_decay, .. } => {
-            let (b1, b2, one_b1, one_b2) = (c(beta1), c(beta2), c(1.0 - beta1), c(1.0 - beta2));
-            let (bc1, bc2) = (c(1.0 - beta1.powi(t)), c(1.0 - beta2.powi(t)));
-            let (eps, wd, lr) = (c(eps), c(weight_decay), c(lr));
-            let [m, v] = &mut state[..] else { unreachable!("AdamW keeps two slots") };
-            w_new
-                .par_chunks_mut(chunk)
-                .zip(gv.par_chunks(chunk))
-                .zip(m.par_chunks_mut(chunk).zip(v.par_chunks_mut(chunk)))
-                .enumerate()
-                .for_each(|(i, ((ws, gs), (ms, vs)))| {
-                    if keep(i) {
-                        return;
-                    }
-                    for (((w, &g), m), v) in ws.iter_mut().zip(gs).zip(ms).zip(vs) {
-                        *m = *m * b1 + g * one_b1;
-                        *v = *v * b2 + g * g * one_b2;
-                        let step = (*m / bc1) / (sqrt(*v / bc2) + eps);
-                        *w -= (step + *w * wd) * lr;
-                    }
-                });
+            let [m, v] = slots else { candle_core::bail!("AdamW keeps two state slots, got {}", slots.len()) };
+            m.inplace_op2(g, &Moment { plan, beta: beta1, squared: false })?;
+            v.inplace_op2(g, &Moment { plan, beta: beta2, squared: true })?;
+            let (bc1, bc2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+            w.inplace_op3(m, v, &Adam { plan, bc1, bc2, eps, weight_decay, lr })?;
         }
-        OptimConfig::Lars { .. } => unreachable!("LARS keeps the composed path"),
+        OptimConfig::Lars { .. } => unreachable!("checked above"),
     }
-    let shape = w.shape().clone();
-    let out = Tensor::from_vec(w_new, shape.clone(), w.device())?;
-    let slots = names
-        .iter()
-        .zip(state)
-        .map(|(name, s)| Ok((*name, Tensor::from_vec(s, shape.clone(), w.device())?)))
-        .collect::<Result<_>>()?;
-    Ok((out, slots))
+    Ok(true)
+}
+
+/// How a tensor is cut into parallel tasks, and which tasks (rows) are skipped.
+#[derive(Clone, Copy)]
+struct Plan<'a> {
+    chunk: usize,
+    rows: Option<&'a [bool]>,
+}
+
+impl Plan<'_> {
+    /// Runs `f` over the kept chunks of `dst` with the matching chunks of `a` and `b`.
+    fn run<T: WithDType>(&self, dst: &mut [T], a: &[T], b: &[T], f: impl Fn(&mut [T], &[T], &[T]) + Sync) {
+        let c = self.chunk;
+        dst.par_chunks_mut(c).zip(a.par_chunks(c)).zip(b.par_chunks(c)).enumerate().for_each(|(i, ((d, a), b))| {
+            if self.rows.is_none_or(|r| r[i]) {
+                f(d, a, b)
+            }
+        });
+    }
+}
+
+/// The contiguous elements of a storage seen through a contiguous layout.
+fn view<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let (start, end) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("optimizer: a non-contiguous operand".into()))?;
+    Ok(&s.as_slice::<T>()?[start..end])
+}
+
+fn view_mut<'a, T: WithDType>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [T]> {
+    let (start, end) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("optimizer: a non-contiguous operand".into()))?;
+    let all: &mut [T] = match s {
+        CpuStorage::F32(v) => bytemuck_cast::<f32, T>(v)?,
+        CpuStorage::F64(v) => bytemuck_cast::<f64, T>(v)?,
+        other => candle_core::bail!("optimizer: unsupported dtype {:?}", other.dtype()),
+    };
+    Ok(&mut all[start..end])
+}
+
+/// `&mut [S]` as `&mut [T]` when S and T are the same type (checked), else an error.
+fn bytemuck_cast<S: WithDType, T: WithDType>(v: &mut [S]) -> Result<&mut [T]> {
+    if S::DTYPE != T::DTYPE {
+        candle_core::bail!("optimizer: dtype {:?} where {:?} was expected", S::DTYPE, T::DTYPE);
+    }
+    // SAFETY: S and T have the same DType, hence are the same primitive type (f32 or f64):
+    // same size, alignment and validity.
+    Ok(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<T>(), v.len()) })
+}
+
+/// Dispatches an in-place kernel body over f32/f64 storages.
+macro_rules! both_floats {
+    ($s1:ident, $l1:ident, [$($s:ident, $l:ident),*], |$d:ident, $($v:ident),*| $body:expr) => {
+        match $s1.dtype() {
+            DType::F32 => {
+                let $d = view_mut::<f32>($s1, $l1)?;
+                $(let $v = view::<f32>($s, $l)?;)*
+                $body
+            }
+            DType::F64 => {
+                let $d = view_mut::<f64>($s1, $l1)?;
+                $(let $v = view::<f64>($s, $l)?;)*
+                $body
+            }
+            other => candle_core::bail!("optimizer: unsupported dtype {other:?}"),
+        }
+    };
+}
+
+/// `m ← β·m + (1−β)·g` (or `g²`).
+struct Moment<'a> {
+    plan: Plan<'a>,
+    beta: f64,
+    squared: bool,
+}
+
+impl Moment<'_> {
+    fn apply<T: WithDType>(&self, m: &mut [T], g: &[T]) {
+        let (b, one_b) = (T::from_f64(self.beta), T::from_f64(1.0 - self.beta));
+        let squared = self.squared;
+        self.plan.run(m, g, g, |m, g, _| {
+            for (m, &g) in m.iter_mut().zip(g) {
+                *m = *m * b + if squared { g * g * one_b } else { g * one_b };
+            }
+        });
+    }
+}
+
+impl InplaceOp2 for Moment<'_> {
+    fn name(&self) -> &'static str {
+        "allgrad-adamw-moment"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+        both_floats!(s1, l1, [s2, l2], |m, g| self.apply(m, g));
+        Ok(())
+    }
+}
+
+/// `w ← w − lr·(m̂ / (√v̂ + ε) + wd·w)` with `m̂ = m / bc1`, `v̂ = v / bc2`.
+struct Adam<'a> {
+    plan: Plan<'a>,
+    bc1: f64,
+    bc2: f64,
+    eps: f64,
+    weight_decay: f64,
+    lr: f64,
+}
+
+impl Adam<'_> {
+    fn apply<T: WithDType>(&self, w: &mut [T], m: &[T], v: &[T]) {
+        let c = T::from_f64;
+        let (bc1, bc2, eps, wd, lr) = (c(self.bc1), c(self.bc2), c(self.eps), c(self.weight_decay), c(self.lr));
+        self.plan.run(w, m, v, |w, m, v| {
+            for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
+                let step = (m / bc1) / (T::from_f64((v / bc2).to_f64().sqrt()) + eps);
+                *w -= (step + *w * wd) * lr;
+            }
+        });
+    }
+}
+
+impl InplaceOp3 for Adam<'_> {
+    fn name(&self) -> &'static str {
+        "allgrad-adamw-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        both_floats!(s1, l1, [s2, l2, s3, l3], |w, m, v| self.apply(w, m, v));
+        Ok(())
+    }
+}
+
+/// SGD: `d = g + wd·w`; with momentum `buf ← μ·buf + d` (by [`SgdMomentum`], first) and
+/// `d = buf` or, nesterov, `d + μ·buf`; then `w ← w − lr·d`.
+struct Sgd<'a> {
+    plan: Plan<'a>,
+    momentum: f64,
+    nesterov: bool,
+    weight_decay: f64,
+    lr: f64,
+}
+
+impl Sgd<'_> {
+    /// `w ← w − lr·d` from `g` and the already updated `buf` (ignored without momentum).
+    fn apply<T: WithDType>(&self, w: &mut [T], g: &[T], buf: &[T]) {
+        let c = T::from_f64;
+        let (mo, wd, lr) = (c(self.momentum), c(self.weight_decay), c(self.lr));
+        let (with_momentum, nesterov, decay) = (self.momentum > 0.0, self.nesterov, self.weight_decay > 0.0);
+        self.plan.run(w, g, buf, |w, g, buf| {
+            for ((w, &g), &b) in w.iter_mut().zip(g).zip(buf) {
+                let d = if decay { g + *w * wd } else { g };
+                let d = match (with_momentum, nesterov) {
+                    (false, _) => d,
+                    (true, false) => b,
+                    (true, true) => d + b * mo,
+                };
+                *w -= d * lr;
+            }
+        });
+    }
+}
+
+impl InplaceOp3 for Sgd<'_> {
+    fn name(&self) -> &'static str {
+        "allgrad-sgd-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        both_floats!(s1, l1, [s2, l2, s3, l3], |w, g, b| self.apply(w, g, b));
+        Ok(())
+    }
+}
+
+/// The momentum buffer of [`Sgd`]: `buf ← μ·buf + g + wd·w`, on `(buf, g, w)`.
+struct SgdMomentum<'a, 'b>(&'b Sgd<'a>);
+
+impl InplaceOp3 for SgdMomentum<'_, '_> {
+    fn name(&self) -> &'static str {
+        "allgrad-sgd-momentum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        let sgd = self.0;
+        fn apply<T: WithDType>(sgd: &Sgd<'_>, buf: &mut [T], g: &[T], w: &[T]) {
+            let (mo, wd) = (T::from_f64(sgd.momentum), T::from_f64(sgd.weight_decay));
+            let decay = sgd.weight_decay > 0.0;
+            sgd.plan.run(buf, g, w, |buf, g, w| {
+                for ((b, &g), &w) in buf.iter_mut().zip(g).zip(w) {
+                    let d = if decay { g + w * wd } else { g };
+                    *b = *b * mo + d;
+                }
+            });
+        }
+        both_floats!(s1, l1, [s2, l2, s3, l3], |b, g, w| apply(sgd, b, g, w));
+        Ok(())
+    }
 }
