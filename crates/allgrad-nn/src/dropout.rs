@@ -9,11 +9,8 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float};
+use crate::cpu::{contiguous, float_kernel, Float, GRAIN};
 use crate::error::{fail, NnError};
-
-/// Elements per parallel task.
-const GRAIN: usize = 1 << 15;
 
 /// `out[i] = x[i]·m[i] (+ r[i])`, in parallel.
 fn kernel<T: Float>(x: &[T], m: &[T], r: Option<&[T]>) -> Vec<T> {

@@ -1,9 +1,10 @@
 //! Optimizers with their state: SGD (momentum, nesterov, weight decay), LARS, AdamW.
 //!
 //! All run on the synchronised gradients, so every rank applies the same update to its
-//! replicated parameters. SGD and AdamW on CPU f32/f64 parameters take a fused one-pass
-//! kernel (`optim_fused.rs`) with the same formulas; the rest is composed from Candle ops. Their state is a set of named tensors (`<param>/<slot>`) plus a
-//! step count, saved in checkpoints.
+//! replicated parameters. SGD and AdamW on CPU f32/f64 parameters take a fused in-place
+//! kernel (`optim_fused.rs`) with the same formulas; the rest is composed from Candle ops.
+//! Their state is a set of named tensors (`<param>/<slot>`) plus a step count, saved in
+//! checkpoints.
 
 use std::collections::BTreeMap;
 
@@ -216,15 +217,17 @@ impl Optimizer {
         for (i, ((name, p), g)) in params.iter().zip(grads).enumerate() {
             // Detached: ops on the variable (or on a gradient with its graph) would be tracked.
             let (w, g) = (&p.as_tensor().detach(), &g.detach());
-            let row_flags = rows.get(i).and_then(|r| r.as_deref());
-            let names = crate::optim_fused::slot_names(&cfg);
-            let slots: Vec<Tensor> = names.iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
-            // In place on the parameter's own storage (a detached view would share it too).
-            if crate::optim_fused::update(&cfg, p.as_tensor(), g, &slots, row_flags, lr, t)? {
-                for (slot, value) in names.iter().zip(slots) {
-                    self.set_slot(name, slot, value);
+            if crate::optim_fused::applies(&cfg, w, g) {
+                let names = slot_names(&cfg);
+                let slots: Vec<Tensor> = names.iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
+                let row_flags = rows.get(i).and_then(|r| r.as_deref());
+                // In place on the parameter's own storage (a detached view would share it too).
+                if crate::optim_fused::update(&cfg, p.as_tensor(), g, &slots, row_flags, lr, t)? {
+                    for (slot, value) in names.iter().zip(slots) {
+                        self.set_slot(name, slot, value);
+                    }
+                    continue;
                 }
-                continue;
             }
             let mask = match rows.get(i) {
                 Some(Some(m)) => Some(row_mask(m, w)?),
@@ -232,7 +235,11 @@ impl Optimizer {
             };
             let prefix = format!("{name}/");
             let before: Vec<(String, Option<Tensor>)> = match mask {
-                Some(_) => self.slot_keys(&prefix, &cfg).into_iter().map(|k| (k.clone(), self.state.get(&k).cloned())).collect(),
+                Some(_) => slot_names(&cfg)
+                    .iter()
+                    .map(|slot| format!("{prefix}{slot}"))
+                    .map(|k| (k.clone(), self.state.get(&k).cloned()))
+                    .collect(),
                 None => Vec::new(),
             };
             let update = match cfg {
@@ -294,14 +301,15 @@ impl Optimizer {
         }
         Ok(())
     }
+}
 
-    /// The state keys an update of a parameter (`prefix` = `<name>/`) may write.
-    fn slot_keys(&self, prefix: &str, cfg: &OptimConfig) -> Vec<String> {
-        let slots: &[&str] = match cfg {
-            OptimConfig::Sgd { .. } | OptimConfig::Lars { .. } => &["momentum"],
-            OptimConfig::Adamw { .. } => &["exp_avg", "exp_avg_sq"],
-        };
-        slots.iter().map(|s| format!("{prefix}{s}")).collect()
+/// The state slots an optimizer keeps per parameter (SGD without momentum keeps none).
+pub(crate) fn slot_names(cfg: &OptimConfig) -> &'static [&'static str] {
+    match cfg {
+        OptimConfig::Sgd { momentum, .. } if *momentum > 0.0 => &["momentum"],
+        OptimConfig::Sgd { .. } => &[],
+        OptimConfig::Lars { .. } => &["momentum"],
+        OptimConfig::Adamw { .. } => &["exp_avg", "exp_avg_sq"],
     }
 }
 

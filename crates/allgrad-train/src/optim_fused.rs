@@ -19,19 +19,20 @@ use crate::optim::OptimConfig;
 /// Elements per parallel task when no row mask splits the tensor.
 const GRAIN: usize = 1 << 14;
 
-/// The slots an optimizer keeps per parameter, in the order `update` takes them.
-pub(crate) fn slot_names(cfg: &OptimConfig) -> &'static [&'static str] {
-    match cfg {
-        OptimConfig::Sgd { momentum, .. } if *momentum > 0.0 => &["momentum"],
-        OptimConfig::Sgd { .. } => &[],
-        OptimConfig::Lars { .. } => &["momentum"],
-        OptimConfig::Adamw { .. } => &["exp_avg", "exp_avg_sq"],
-    }
+/// Whether the fused path takes this parameter: SGD or AdamW, a contiguous CPU f32/f64 tensor
+/// and a gradient of its shape and dtype (checked before any state slot is made).
+pub(crate) fn applies(cfg: &OptimConfig, w: &Tensor, g: &Tensor) -> bool {
+    !matches!(cfg, OptimConfig::Lars { .. }) && matches!(w.dtype(), DType::F32 | DType::F64) && fits(w, w) && fits(g, w)
 }
 
-/// Updates `w` (the parameter's own tensor) and `slots` (one per `slot_names(cfg)`, zeros when
-/// new) in place, and returns true; or returns false, touching nothing, when the fused path
-/// does not apply (see the module docs). `rows` marks the rows (dim 0) to update (absent: all);
+/// `x` is a contiguous CPU tensor of `w`'s dtype and shape.
+fn fits(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == w.dtype() && x.dims() == w.dims() && x.is_contiguous()
+}
+
+/// Updates `w` (the parameter's own tensor) and `slots` (one per `optim::slot_names(cfg)`,
+/// zeros when new) in place, and returns true; or returns false, touching nothing, when the
+/// fused path does not apply ([`applies`], and slots that fit). `rows` marks the rows (dim 0) to update (absent: all);
 /// `t` is the step number from 1.
 pub(crate) fn update(
     cfg: &OptimConfig,
@@ -42,13 +43,7 @@ pub(crate) fn update(
     lr: f64,
     t: i32,
 ) -> Result<bool> {
-    let fits = |x: &Tensor| x.device().is_cpu() && x.dtype() == w.dtype() && x.dims() == w.dims() && x.is_contiguous();
-    let applies = matches!(w.dtype(), DType::F32 | DType::F64)
-        && fits(w)
-        && fits(g)
-        && slots.iter().all(fits)
-        && !matches!(cfg, OptimConfig::Lars { .. });
-    if !applies {
+    if !applies(cfg, w, g) || !slots.iter().all(|s| fits(s, w)) {
         return Ok(false);
     }
     let n = w.elem_count();
