@@ -11,10 +11,11 @@
 //! so a CPU step pays two passes over the activations instead of Candle's strided
 //! broadcast reductions, and SyncBatchNorm needs one small all_reduce of `[2, C]` moments.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use allgrad_dist::{all_reduce, ProcessGroup, ReduceOp};
-use allgrad_nn::{channel_affine, channel_moments};
+pub use allgrad_nn::BnTail;
+use allgrad_nn::{add_relu, channel_affine, channel_moments, relu, BnStats, ChannelSum};
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -83,9 +84,22 @@ impl BatchNorm {
 
     /// Normalises `x`.
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.forward_then(x, mode, BnTail::Identity)
+    }
+
+    /// Normalises `x`, then applies `tail` (a ReLU, or the residual `relu(· + skip)`). On the
+    /// CPU in f32/f64 the layer and its tail are one fused op ([`allgrad_nn::batch_norm`]: two
+    /// passes each way); elsewhere they are composed from the per-channel passes, the
+    /// differentiable all_reduce and the activation. Both compute the same function and
+    /// gradient.
+    pub fn forward_then(&self, x: &Tensor, mode: Mode, tail: BnTail) -> Result<Tensor> {
         let c = self.weight.dim(0)?;
         if x.rank() < 2 || x.dim(1)? != c {
             return fail(ModelError::BatchNormInput { channels: c, shape: x.dims().to_vec() });
+        }
+        let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && self.weight.dtype() == x.dtype();
+        if fused {
+            return self.forward_fused(x, mode, tail);
         }
         let (mean, var) = if mode.train {
             // Per-channel [Σx, Σx²] in one fused pass (summed in f64), then over ranks.
@@ -98,11 +112,7 @@ impl BatchNorm {
             let n = count[0] as f64;
             let mean = (moments.get(0)? / n)?;
             let var = ((moments.get(1)? / n)? - mean.sqr()?)?.relu()?;
-            let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?.to_dtype(x.dtype())?;
-            let mean_d = mean.detach().to_dtype(x.dtype())?;
-            let m = self.momentum;
-            *running = (((&running.0 * (1.0 - m))? + (mean_d * m)?)?, ((&running.1 * (1.0 - m))? + (unbiased * m)?)?);
+            self.update_running(&mean, &var, n, x.dtype())?;
             (mean, var)
         } else {
             self.running.lock().unwrap_or_else(|p| p.into_inner()).clone()
@@ -113,7 +123,54 @@ impl BatchNorm {
         let inv_std = (var.to_dtype(DType::F64)? + self.eps)?.sqrt()?.recip()?;
         let a = (self.weight.to_dtype(DType::F64)? * inv_std)?;
         let b = (self.bias.to_dtype(DType::F64)? - (mean.to_dtype(DType::F64)? * &a)?)?;
-        channel_affine(x, &a.to_dtype(dt)?, &b.to_dtype(dt)?)
+        let y = channel_affine(x, &a.to_dtype(dt)?, &b.to_dtype(dt)?)?;
+        match tail {
+            BnTail::Identity => Ok(y),
+            BnTail::Relu => relu(&y),
+            BnTail::AddRelu(skip) => add_relu(&y, skip),
+        }
+    }
+
+    /// The CPU path: statistics from one untracked moments pass (summed over ranks with
+    /// `sync`), then the fused op, whose backward sums its per-channel sums over the same ranks.
+    fn forward_fused(&self, x: &Tensor, mode: Mode, tail: BnTail) -> Result<Tensor> {
+        let c = self.weight.dim(0)?;
+        let stats = if mode.train {
+            let mut moments = channel_moments(&x.detach())?.flatten_all()?.to_vec1::<f64>()?;
+            let mut count = [(x.elem_count() / c) as i64];
+            if self.sync {
+                mode.pg.all_reduce_slice(&mut moments, ReduceOp::Sum)?;
+                mode.pg.all_reduce_slice(&mut count, ReduceOp::Sum)?;
+            }
+            let n = count[0] as f64;
+            let mean: Vec<f64> = moments[..c].iter().map(|s| s / n).collect();
+            // Clamped at 0 as the composed path's relu does (NaN passes through).
+            let var: Vec<f64> =
+                moments[c..].iter().zip(&mean).map(|(s2, m)| s2 / n - m * m).map(|v| if v < 0.0 { 0.0 } else { v }).collect();
+            let dev = x.device();
+            self.update_running(&Tensor::new(mean.as_slice(), dev)?, &Tensor::new(var.as_slice(), dev)?, n, x.dtype())?;
+            let sum_over_ranks: Option<ChannelSum> = self.sync.then(|| {
+                let pg = mode.pg.clone();
+                Arc::new(move |s: &mut [f64]| Ok(pg.all_reduce_slice(s, ReduceOp::Sum)?)) as ChannelSum
+            });
+            BnStats::Batch { mean, var, count: n, sum_over_ranks }
+        } else {
+            let (mean, var) = self.running.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let host = |t: &Tensor| t.to_dtype(DType::F64)?.to_vec1::<f64>();
+            BnStats::Fixed { mean: host(&mean)?, var: host(&var)? }
+        };
+        allgrad_nn::batch_norm(x, &self.weight, &self.bias, &stats, self.eps, tail)
+    }
+
+    /// Folds a batch's (global) mean and biased variance over `n` values into the running
+    /// statistics, with the unbiased variance as PyTorch does.
+    fn update_running(&self, mean: &Tensor, var: &Tensor, n: f64, dt: DType) -> Result<()> {
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?.to_dtype(dt)?;
+        let mean_d = mean.detach().to_dtype(dt)?;
+        let m = self.momentum;
+        *running = (((&running.0 * (1.0 - m))? + (mean_d * m)?)?, ((&running.1 * (1.0 - m))? + (unbiased * m)?)?);
+        Ok(())
     }
 
     /// The running mean and variance.

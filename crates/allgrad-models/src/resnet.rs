@@ -3,12 +3,12 @@
 //! batch norm that is synchronised across ranks when asked. Convolutions and pooling use
 //! allgrad-nn's kernels (fast on CPU, with a backward for every stride).
 
-use allgrad_nn::{adaptive_avg_pool2d, add_relu, max_pool2d, relu, Conv2d, ConvParams};
+use allgrad_nn::{adaptive_avg_pool2d, max_pool2d, Conv2d, ConvParams};
 use candle_core::{Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::batch_norm::{BatchNorm, Mode};
+use crate::batch_norm::{BatchNorm, BnTail, Mode};
 use crate::error::fail;
 use crate::ModelError;
 
@@ -56,8 +56,9 @@ impl ConvBn {
         let conv = Conv2d::from_vb(cin, cout, k, params, false, vb.pp(name))?;
         Ok(ConvBn { conv, bn: BatchNorm::new(cout, sync, vb.pp(bn))? })
     }
-    fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
-        self.bn.forward(&self.conv.forward(x)?, mode)
+    /// The convolution, the batch norm and `tail` (the batch norm and its tail fused on the CPU).
+    fn forward(&self, x: &Tensor, mode: Mode, tail: BnTail) -> Result<Tensor> {
+        self.bn.forward_then(&self.conv.forward(x)?, mode, tail)
     }
 }
 
@@ -68,17 +69,20 @@ enum Block {
 
 impl Block {
     fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
-        let (out, down) = match self {
-            Block::Basic { a, b, down } => (b.forward(&relu(&a.forward(x, mode)?)?, mode)?, down),
-            Block::Bottleneck { a, b, c, down } => {
-                (c.forward(&relu(&b.forward(&relu(&a.forward(x, mode)?)?, mode)?)?, mode)?, down)
-            }
-        };
+        let (Block::Basic { down, .. } | Block::Bottleneck { down, .. }) = self;
+        // The shortcut first: the last batch norm of the block takes it in its fused
+        // `relu(bn(·) + skip)`.
         let skip = match down {
-            Some(d) => d.forward(x, mode)?,
+            Some(d) => d.forward(x, mode, BnTail::Identity)?,
             None => x.clone(),
         };
-        add_relu(&out, &skip)
+        let tail = BnTail::AddRelu(&skip);
+        match self {
+            Block::Basic { a, b, .. } => b.forward(&a.forward(x, mode, BnTail::Relu)?, mode, tail),
+            Block::Bottleneck { a, b, c, .. } => {
+                c.forward(&b.forward(&a.forward(x, mode, BnTail::Relu)?, mode, BnTail::Relu)?, mode, tail)
+            }
+        }
     }
 }
 
@@ -162,7 +166,7 @@ impl ResNet {
 
     /// Features of a batch of images.
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
-        let mut h = relu(&self.stem.forward(x, mode)?)?;
+        let mut h = self.stem.forward(x, mode, BnTail::Relu)?;
         if self.pool {
             h = max_pool2d(&h, 3, 2, 1)?;
         }

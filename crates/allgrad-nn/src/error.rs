@@ -204,6 +204,20 @@ pub enum NnError {
         /// The input's device.
         device: String,
     },
+    /// The fused batch norm off the CPU or for a dtype other than f32/f64.
+    #[error("batch_norm: the fused op runs on the CPU for f32/f64 (got {dtype:?} on {device}); compose channel_moments and channel_affine elsewhere")]
+    BatchNormOffCpu {
+        /// The input's dtype.
+        dtype: DType,
+        /// The input's device.
+        device: String,
+    },
+    /// Batch-norm statistics that are not one finite value per channel, or a bad eps or count.
+    #[error("batch_norm: {what}")]
+    BatchNormStats {
+        /// What is wrong, with the numbers.
+        what: String,
+    },
     /// Layer norm's `eps` is negative or NaN.
     #[error("layer_norm: eps must be non-negative, got {eps}")]
     NegativeEps {

@@ -25,6 +25,9 @@
 //!   `∂x`, `∂W` and `∂b` from one op (Candle's walks matmul, transpose and broadcast nodes).
 //! - [`channel_moments`], [`channel_affine`]: the two passes of batch normalisation over
 //!   `[N, C, ...]` tensors, fused, with backward (sums in f64).
+//! - [`batch_norm`]: the whole batch-norm layer (and a following ReLU or residual
+//!   `relu(· + skip)`) as one op on the CPU, with the statistics given by the caller (summed
+//!   over ranks for SyncBatchNorm) and a closed-form two-pass backward.
 //!
 //! On devices other than the CPU, and for dtypes other than f32/f64, each op falls back to the
 //! equivalent Candle op or a composition of differentiable Candle ops, so models run anywhere.
@@ -56,6 +59,7 @@
 #![warn(missing_docs)]
 
 mod activation;
+mod batch_norm;
 mod channel;
 mod conv;
 mod conv_cpu;
@@ -73,6 +77,7 @@ mod softmax;
 mod vmath;
 
 pub use activation::{add_relu, gelu_erf, relu};
+pub use batch_norm::{batch_norm, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use dropout::dropout_mask;

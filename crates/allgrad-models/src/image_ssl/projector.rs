@@ -5,7 +5,7 @@ use candle_core::{Result, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::batch_norm::{BatchNorm, Mode};
+use crate::batch_norm::{BatchNorm, BnTail, Mode};
 use crate::error::fail;
 use crate::resnet::ResNetConfig;
 use crate::ModelError;
@@ -92,12 +92,13 @@ impl Projector {
         let n = self.layers.len();
         for (i, (lin, bn)) in self.layers.iter().enumerate() {
             h = lin.forward(&h)?;
-            if let Some(bn) = bn {
-                h = bn.forward(&h, mode)?;
-            }
-            if i + 1 < n {
-                h = allgrad_nn::relu(&h)?;
-            }
+            let hidden = i + 1 < n;
+            h = match (bn, hidden) {
+                (Some(bn), true) => bn.forward_then(&h, mode, BnTail::Relu)?,
+                (Some(bn), false) => bn.forward(&h, mode)?,
+                (None, true) => allgrad_nn::relu(&h)?,
+                (None, false) => h,
+            };
         }
         Ok(h)
     }

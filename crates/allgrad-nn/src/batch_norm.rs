@@ -1,0 +1,427 @@
+//! Batch normalisation as one fused CPU op, with the ReLU, or the residual `relu(· + skip)`,
+//! that follows it in a ResNet folded in.
+//!
+//! Composed from [`crate::channel_moments`], [`crate::channel_affine`] and a separate ReLU, a
+//! training step's batch norm makes three passes over the activation forward (statistics,
+//! affine, activation) and about six backward: the activation's mask, the affine's `∂x` and its
+//! `∂γ, ∂β` sums, the moments' `∂x`, and Candle's single-threaded sum of the two `∂x` paths.
+//! [`batch_norm`] takes the statistics from the caller (who may have summed them over ranks) and
+//! differentiates the whole layer in closed form, in two passes: the per-channel sums, then `∂x`.
+//!
+//! With batch statistics `μ`, `σ² ` (biased, over `N` values per channel), `a = γ/σ`,
+//! `x̂ = (x − μ)/σ`, `y = tail(a·x + β − μ·a)` and `g' = ∂L/∂y` masked by `[y > 0]` when the
+//! tail has a ReLU (the derivative at 0 is 0, as in [`crate::relu`]):
+//!
+//! ```text
+//! ∂x = a·(g' − Σg'/N − x̂·Σ(g'·x̂)/N)      ∂γ = Σ g'·x̂      ∂β = Σ g'      ∂skip = g'
+//! ```
+//!
+//! The sums in `∂x` run over the same values as the statistics: with SyncBatchNorm, over every
+//! rank's batch. The caller's [`ChannelSum`] sums the two per-channel partial sums over ranks
+//! between the passes (an all_reduce): the sum rule, the same gradient the backward of a
+//! differentiable all_reduce of the moments gives. `∂γ` and `∂β` are this rank's own sums (the
+//! trainer averages parameter gradients over ranks). With fixed statistics (evaluation with
+//! running statistics) the statistics are constants and `∂x = a·g'`.
+//!
+//! Sums are accumulated in f64 per channel in a fixed order, so results do not depend on
+//! scheduling.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::cpu::{contiguous, float_kernel, Float, GRAIN};
+use crate::error::{fail, NnError};
+
+/// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
+/// (an all_reduce with `Sum`); called once per backward of a synchronised [`batch_norm`], on
+/// every rank in the same order.
+pub type ChannelSum = Arc<dyn Fn(&mut [f64]) -> Result<()> + Send + Sync>;
+
+/// The statistics a [`batch_norm`] normalises with, one value per channel.
+#[derive(Clone)]
+pub enum BnStats {
+    /// The batch's own mean and biased variance over `count` values per channel (every rank's
+    /// values with SyncBatchNorm). They are differentiated: `sum_over_ranks` sums the backward's
+    /// per-channel sums over the ranks the statistics were summed over (`None`: this rank only).
+    Batch {
+        /// Mean per channel.
+        mean: Vec<f64>,
+        /// Biased variance per channel.
+        var: Vec<f64>,
+        /// Values per channel the statistics were taken over.
+        count: f64,
+        /// The cross-rank sum of the backward (see [`ChannelSum`]).
+        sum_over_ranks: Option<ChannelSum>,
+    },
+    /// Constant statistics (the running ones, in evaluation).
+    Fixed {
+        /// Mean per channel.
+        mean: Vec<f64>,
+        /// Variance per channel.
+        var: Vec<f64>,
+    },
+}
+
+/// What follows the normalisation inside [`batch_norm`].
+#[derive(Clone, Copy, Debug)]
+pub enum BnTail<'a> {
+    /// Nothing: `y = γ·x̂ + β`.
+    Identity,
+    /// `y = max(γ·x̂ + β, 0)`.
+    Relu,
+    /// `y = max(γ·x̂ + β + skip, 0)`: a residual connection and its activation.
+    AddRelu(&'a Tensor),
+}
+
+/// The resolved constants of one call, shared by its forward and backward ops.
+struct Plan {
+    c: usize,
+    mean: Vec<f64>,
+    inv_std: Vec<f64>,
+    /// `a = γ/σ` and `b = β − μ·a` per channel, in f64.
+    scale: Vec<f64>,
+    shift: Vec<f64>,
+    /// Batch statistics: the count and the cross-rank sum.
+    batch: Option<(f64, Option<ChannelSum>)>,
+    relu: bool,
+    skip: bool,
+}
+
+/// `(n, c, inner)` of an `[N, C, ...]` shape.
+fn geometry(dims: &[usize]) -> Result<(usize, usize, usize)> {
+    if dims.len() < 2 {
+        return fail(NnError::InputRank { op: "batch_norm", expected: "an [N, C, ...] tensor", shape: Shape::from(dims) });
+    }
+    Ok((dims[0], dims[1], dims[2..].iter().product()))
+}
+
+fn stats_error<T>(what: String) -> Result<T> {
+    fail(NnError::BatchNormStats { what })
+}
+
+/// Batch normalisation of `x` (`[N, C, ...]`) with per-channel `weight` (γ) and `bias` (β),
+/// normalised by `stats` with `eps` added to the variance, followed by `tail`; fused and
+/// parallel on the CPU for f32/f64, with the closed-form backward of the module docs (for
+/// `x`, `weight`, `bias` and the skip input).
+///
+/// `y = tail(a·x + b)` with `a = γ/sqrt(var + eps)` and `b = β − mean·a` computed in f64 and
+/// rounded to `x`'s dtype: the same arithmetic as `channel_affine(x, a, b)`.
+///
+/// # Errors
+/// When `x` is not `[N, C, ...]`, `weight`, `bias` or the statistics are not one per channel,
+/// the skip input is not shaped like `x`, the dtypes differ, `eps` is negative, the count is
+/// not positive, or `x` is not an f32/f64 CPU tensor ([`NnError::BatchNormOffCpu`]: compose
+/// [`crate::channel_moments`] and [`crate::channel_affine`] there).
+pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64, tail: BnTail) -> Result<Tensor> {
+    let (_, c, _) = geometry(x.dims())?;
+    if weight.dims() != [c] || bias.dims() != [c] {
+        return fail(NnError::ParamShape {
+            op: "batch_norm",
+            what: "weight and bias",
+            shape: vec![weight.shape().clone(), bias.shape().clone()],
+            expected: format!("x has {c} channels"),
+        });
+    }
+    if weight.dtype() != x.dtype() || bias.dtype() != x.dtype() {
+        let dtypes = vec![x.dtype(), weight.dtype(), bias.dtype()];
+        return fail(NnError::DTypeMismatch { op: "batch_norm", what: "x, weight and bias", dtypes });
+    }
+    if !(x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)) {
+        return fail(NnError::BatchNormOffCpu { dtype: x.dtype(), device: format!("{:?}", x.device().location()) });
+    }
+    let skip = match tail {
+        BnTail::AddRelu(s) => {
+            if s.dims() != x.dims() {
+                return fail(NnError::ShapeMismatch { op: "batch_norm (skip)", shapes: vec![x.shape().clone(), s.shape().clone()] });
+            }
+            if s.dtype() != x.dtype() {
+                return fail(NnError::DTypeMismatch { op: "batch_norm", what: "x and skip", dtypes: vec![x.dtype(), s.dtype()] });
+            }
+            if !s.device().same_device(x.device()) {
+                return fail(NnError::DeviceMismatch { op: "batch_norm" });
+            }
+            Some(s)
+        }
+        _ => None,
+    };
+    if !(eps >= 0.0 && eps.is_finite()) {
+        return stats_error(format!("eps must be finite and non-negative, got {eps}"));
+    }
+    let (mean, var, batch) = match stats {
+        BnStats::Batch { mean, var, count, sum_over_ranks } => {
+            if !(*count > 0.0 && count.is_finite()) {
+                return stats_error(format!("the statistics' count must be positive, got {count}"));
+            }
+            (mean, var, Some((*count, sum_over_ranks.clone())))
+        }
+        BnStats::Fixed { mean, var } => (mean, var, None),
+    };
+    if mean.len() != c || var.len() != c {
+        return stats_error(format!("{} means and {} variances given for {c} channels", mean.len(), var.len()));
+    }
+    let gamma = weight.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    let beta = bias.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    // As BatchNorm has always computed them: 1/sqrt(var + eps), a = γ·that, b = β − mean·a.
+    let inv_std: Vec<f64> = var.iter().map(|v| (v + eps).sqrt().recip()).collect();
+    let scale: Vec<f64> = gamma.iter().zip(&inv_std).map(|(g, s)| g * s).collect();
+    let shift: Vec<f64> = beta.iter().zip(mean.iter().zip(&scale)).map(|(b, (m, a))| b - m * a).collect();
+    let plan = Arc::new(Plan {
+        c,
+        mean: mean.clone(),
+        inv_std,
+        scale,
+        shift,
+        batch,
+        relu: !matches!(tail, BnTail::Identity),
+        skip: skip.is_some(),
+    });
+    // γ and β travel as one [2, C] input so that one op returns both gradients.
+    let gb = Tensor::stack(&[weight, bias], 0)?;
+    let x = x.contiguous()?;
+    match skip {
+        None => x.apply_op2(&gb, Forward(plan)),
+        Some(s) => x.apply_op3(&gb, &s.contiguous()?, ForwardSkip(plan)),
+    }
+}
+
+/// `out = tail(a[c]·x + b[c])`, parallel over runs of whole rows.
+fn forward_kernel<T: Float>(x: &[T], skip: Option<&[T]>, p: &Plan, inner: usize) -> Vec<T> {
+    let zero = T::from_f64(0.0);
+    let mut out = vec![zero; x.len()];
+    if out.is_empty() {
+        return out;
+    }
+    let a: Vec<T> = p.scale.iter().map(|&v| T::from_f64(v)).collect();
+    let b: Vec<T> = p.shift.iter().map(|&v| T::from_f64(v)).collect();
+    let rows = (GRAIN / inner).max(1);
+    out.par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
+        let start = t * rows * inner;
+        for (r, orow) in o.chunks_mut(inner).enumerate() {
+            let at = start + r * inner;
+            let ch = (at / inner) % p.c;
+            let (s, t) = (a[ch], b[ch]);
+            let xs = &x[at..at + inner];
+            match (skip, p.relu) {
+                (Some(sk), _) => {
+                    let ss = &sk[at..at + inner];
+                    for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
+                        let z = v * s + t + w;
+                        *o = if z > zero { z } else { zero };
+                    }
+                }
+                (None, true) => {
+                    for (o, &v) in orow.iter_mut().zip(xs) {
+                        let z = v * s + t;
+                        *o = if z > zero { z } else { zero };
+                    }
+                }
+                (None, false) => orow.iter_mut().zip(xs).for_each(|(o, &v)| *o = v * s + t),
+            }
+        }
+    });
+    out
+}
+
+/// Independent f64 partial sums per channel (eight chains keep the adds pipelined).
+const LANES: usize = 8;
+
+/// Per channel, this rank's `(Σ g', Σ g'·(x − μ))` in f64, each channel summed by one task in a
+/// fixed order.
+fn channel_sums<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inner: usize) -> Vec<(f64, f64)> {
+    let zero = T::from_f64(0.0);
+    (0..p.c)
+        .into_par_iter()
+        .map(|ch| {
+            let mu = p.mean[ch];
+            let (mut s1, mut s2) = ([0f64; LANES], [0f64; LANES]);
+            for img in 0..n {
+                let off = (img * p.c + ch) * inner;
+                let (gs, xs, ys) = (&g[off..off + inner], &x[off..off + inner], &y[off..off + inner]);
+                for (i, ((&gv, &xv), &yv)) in gs.iter().zip(xs).zip(ys).enumerate() {
+                    let gp = if !p.relu || yv > zero { gv.to_f64() } else { 0.0 };
+                    s1[i % LANES] += gp;
+                    s2[i % LANES] += gp * (xv.to_f64() - mu);
+                }
+            }
+            (s1.iter().sum(), s2.iter().sum())
+        })
+        .collect()
+}
+
+/// The backward: `[∂x, ∂skip (with a skip input), ∂γ, ∂β]` flat, in `x`'s dtype.
+fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inner: usize) -> Result<Vec<T>> {
+    let zero = T::from_f64(0.0);
+    let len = x.len();
+    let c = p.c;
+    let sums = channel_sums(g, x, y, p, n, inner);
+    // ∂x = k·g' + c1·(x − μ_T) + c0 per channel, with μ_T the mean rounded to T (x − μ_T loses
+    // nothing when x is near the mean; c0 carries the rounding of μ).
+    let mut k = vec![zero; c];
+    let mut c1 = vec![zero; c];
+    let mut c0 = vec![zero; c];
+    let mu_t: Vec<T> = p.mean.iter().map(|&m| T::from_f64(m)).collect();
+    match &p.batch {
+        Some((count, sum_over_ranks)) => {
+            let mut global: Vec<f64> = sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect();
+            if let Some(reduce) = sum_over_ranks {
+                reduce(&mut global)?;
+            }
+            for ch in 0..c {
+                let (g1, g2) = (global[ch], global[c + ch]);
+                let (a, is) = (p.scale[ch], p.inv_std[ch]);
+                let lin = -a * is * is * g2 / count;
+                k[ch] = T::from_f64(a);
+                c1[ch] = T::from_f64(lin);
+                c0[ch] = T::from_f64(-a * g1 / count + lin * (mu_t[ch].to_f64() - p.mean[ch]));
+            }
+        }
+        None => {
+            for ch in 0..c {
+                k[ch] = T::from_f64(p.scale[ch]);
+            }
+        }
+    }
+    let mut out = vec![zero; len * (1 + usize::from(p.skip)) + 2 * c];
+    let (dx, rest) = out.split_at_mut(len);
+    let (dskip, dgb) = rest.split_at_mut(if p.skip { len } else { 0 });
+    // ∂γ = Σ g'·(x − μ)/σ and ∂β = Σ g' over this rank's values.
+    for (ch, s) in sums.iter().enumerate() {
+        dgb[ch] = T::from_f64(s.1 * p.inv_std[ch]);
+        dgb[c + ch] = T::from_f64(s.0);
+    }
+    let row = |at: usize, dxr: &mut [T], dsr: Option<&mut [T]>| {
+        let ch = (at / inner) % c;
+        let (kc, c1c, c0c, mu) = (k[ch], c1[ch], c0[ch], mu_t[ch]);
+        let (gs, xs, ys) = (&g[at..at + inner], &x[at..at + inner], &y[at..at + inner]);
+        for (i, (d, (&gv, &xv))) in dxr.iter_mut().zip(gs.iter().zip(xs)).enumerate() {
+            let gp = if !p.relu || ys[i] > zero { gv } else { zero };
+            *d = kc * gp + c1c * (xv - mu) + c0c;
+        }
+        if let Some(dsr) = dsr {
+            for (d, (&gv, &yv)) in dsr.iter_mut().zip(gs.iter().zip(ys)) {
+                *d = if yv > zero { gv } else { zero };
+            }
+        }
+    };
+    if len > 0 {
+        let rows = (GRAIN / inner).max(1);
+        let chunk = rows * inner;
+        if p.skip {
+            dx.par_chunks_mut(chunk).zip(dskip.par_chunks_mut(chunk)).enumerate().for_each(|(t, (dxc, dsc))| {
+                for (r, (dxr, dsr)) in dxc.chunks_mut(inner).zip(dsc.chunks_mut(inner)).enumerate() {
+                    row(t * chunk + r * inner, dxr, Some(dsr));
+                }
+            });
+        } else {
+            dx.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| {
+                for (r, dxr) in dxc.chunks_mut(inner).enumerate() {
+                    row(t * chunk + r * inner, dxr, None);
+                }
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The forward without a skip input: `(x, [γ; β])`.
+struct Forward(Arc<Plan>);
+
+/// The forward with a skip input: `(x, [γ; β], skip)`.
+struct ForwardSkip(Arc<Plan>);
+
+/// The backward's kernel as an untracked op on `(∂y, x, y)`.
+struct Backward(Arc<Plan>);
+
+impl CustomOp2 for Forward {
+    fn name(&self) -> &'static str {
+        "allgrad-batch-norm"
+    }
+
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, _sgb: &CpuStorage, _lgb: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, _, inner) = geometry(lx.dims())?;
+        let out = float_kernel!("batch_norm", sx => x; forward_kernel(&contiguous(x, lx), None, &self.0, inner));
+        Ok((out, lx.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, gb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, _, dgb) = backward(&self.0, x, gb, y, g)?;
+        Ok((Some(dx), Some(dgb)))
+    }
+}
+
+impl CustomOp3 for ForwardSkip {
+    fn name(&self) -> &'static str {
+        "allgrad-batch-norm-add-relu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        _sgb: &CpuStorage,
+        _lgb: &Layout,
+        ss: &CpuStorage,
+        ls: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, _, inner) = geometry(lx.dims())?;
+        let out = float_kernel!("batch_norm", sx => x, ss => s;
+            forward_kernel(&contiguous(x, lx), Some(&contiguous(s, ls)), &self.0, inner));
+        Ok((out, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gb: &Tensor,
+        _skip: &Tensor,
+        y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dskip, dgb) = backward(&self.0, x, gb, y, g)?;
+        Ok((Some(dx), Some(dgb), dskip))
+    }
+}
+
+/// Runs the backward kernel and splits its flat output into `(∂x, ∂skip, ∂[γ; β])`.
+fn backward(plan: &Arc<Plan>, x: &Tensor, gb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Tensor, Option<Tensor>, Tensor)> {
+    let g = g.detach().to_dtype(x.dtype())?;
+    let flat = g.apply_op3_no_bwd(&x.detach(), &y.detach(), &Backward(plan.clone()))?;
+    let len = x.elem_count();
+    let dx = flat.narrow(0, 0, len)?.reshape(x.shape())?;
+    let dskip = if plan.skip { Some(flat.narrow(0, len, len)?.reshape(x.shape())?) } else { None };
+    let at = len * (1 + usize::from(plan.skip));
+    let dgb = flat.narrow(0, at, 2 * plan.c)?.reshape(gb.shape())?;
+    Ok((dx, dskip, dgb))
+}
+
+impl CustomOp3 for Backward {
+    fn name(&self) -> &'static str {
+        "allgrad-batch-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sg: &CpuStorage,
+        lg: &Layout,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sy: &CpuStorage,
+        ly: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, _, inner) = geometry(lx.dims())?;
+        let out = float_kernel!("batch_norm backward", sg => g, sx => x, sy => y;
+            backward_kernel(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), &self.0, n, inner)?);
+        let len = out_len(&out);
+        Ok((out, Shape::from(len)))
+    }
+}
+
+fn out_len(s: &CpuStorage) -> usize {
+    match s {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F64(v) => v.len(),
+        _ => 0,
+    }
+}
