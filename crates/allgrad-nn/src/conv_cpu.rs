@@ -45,8 +45,24 @@ fn scatter_block<T: Float>(src: &[T], ld: usize, rows: usize, p: usize, imgs: us
     }
 }
 
-/// Forward: per block of images and group, `Y_g = W_g · [im2col(x[n, g]) ...]`.
+/// Elements of a column matrix that should stay in a core's L2 cache while it is written by
+/// im2col and read back by the GEMM's packing (1 MiB of f32).
+const COL_BUDGET: usize = 1 << 18;
+
+/// Output rows per band of an image whose column matrix alone would exceed `budget` elements
+/// (all of them otherwise): an early ResNet layer's `kdim x p` matrix is 2.3 MB, more than L2,
+/// so im2col + GEMM (and GEMM + col2im) go band by band.
+fn band_rows(g: &ConvGeom, budget: usize) -> usize {
+    (budget / (g.kdim() * g.ow).max(1)).clamp(1, g.oh.max(1))
+}
+
+/// Forward: per block of images and group, `Y_g = W_g · [im2col(x[n, g]) ...]`; a single image
+/// with a large column matrix in bands of output rows.
 pub(crate) fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
+    conv_fwd_with(x, xl, w, g, COL_BUDGET)
+}
+
+fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: usize) -> Vec<T> {
     let zero = T::from_f64(0.0);
     let st = Strides4::of(xl);
     let (p, kdim, og, cg, out_img) = (g.p(), g.kdim(), g.og(), g.cg(), g.out_img());
@@ -55,12 +71,13 @@ pub(crate) fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) ->
     let nb = block_images(p, g.n / threads);
     let plan = BatchPlan::new(g.n.div_ceil(nb), 1);
     let pointwise = nb == 1 && g.is_pointwise(&st);
+    let band = if nb == 1 { band_rows(g, budget) } else { g.oh };
     let ld = nb * p;
     let mut out = vec![zero; g.n * out_img];
     if out.is_empty() {
         return out;
     }
-    let col_len = if pointwise { 0 } else { kdim * ld };
+    let col_len = if pointwise { 0 } else { kdim * (ld / p.max(1)).max(1) * band * g.ow };
     let yb_len = if nb > 1 { og * ld } else { 0 };
     out.par_chunks_mut(nb * out_img).enumerate().for_each_init(
         || (vec![zero; col_len], vec![zero; yb_len]),
@@ -75,16 +92,25 @@ pub(crate) fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) ->
                     matmul(yg, p, false, lhs, rhs, (og, p, kdim), plan.gemm);
                     continue;
                 }
+                if nb == 1 {
+                    let base = st.offset + first * st.n;
+                    let mut r0 = 0;
+                    while r0 < g.oh {
+                        let r1 = (r0 + band).min(g.oh);
+                        let cols = (r1 - r0) * g.ow;
+                        im2col(x, base, &st, g, grp * cg, (r0, r1), col, cols);
+                        let rhs = MatRef::new(&col[..], cols, 1);
+                        matmul(&mut yg[r0 * g.ow..], p, false, lhs, rhs, (og, cols, kdim), plan.gemm);
+                        r0 = r1;
+                    }
+                    continue;
+                }
                 for j in 0..imgs {
-                    im2col(x, st.offset + (first + j) * st.n, &st, g, grp * cg, &mut col[j * p..], ld);
+                    im2col(x, st.offset + (first + j) * st.n, &st, g, grp * cg, (0, g.oh), &mut col[j * p..], ld);
                 }
                 let rhs = MatRef::new(&col[..], ld, 1);
-                if nb == 1 {
-                    matmul(yg, p, false, lhs, rhs, (og, p, kdim), plan.gemm);
-                } else {
-                    matmul(yb, ld, false, lhs, rhs, (og, imgs * p, kdim), plan.gemm);
-                    scatter_block(yb, ld, og, p, imgs, yg, out_img);
-                }
+                matmul(yb, ld, false, lhs, rhs, (og, imgs * p, kdim), plan.gemm);
+                scatter_block(yb, ld, og, p, imgs, yg, out_img);
             }
         },
     );
@@ -92,9 +118,9 @@ pub(crate) fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) ->
 }
 
 /// Backward: per block of images and group, `∂W_g += ∂Y_g · colᵀ` and
-/// `∂x[n, g] = col2im(W_gᵀ · ∂Y_g)`. Images are cut into a fixed number of chunks; each chunk
-/// accumulates its own weight gradient and the chunks are summed in order, so the result does
-/// not depend on scheduling.
+/// `∂x[n, g] = col2im(W_gᵀ · ∂Y_g)` (a single image with a large column matrix in bands of output
+/// rows). Images are cut into a fixed number of chunks; each chunk accumulates its own weight
+/// gradient and the chunks are summed in order, so the result does not depend on scheduling.
 pub(crate) fn conv_bwd<T: Float>(
     x: &[T],
     xl: &Layout,
@@ -104,13 +130,27 @@ pub(crate) fn conv_bwd<T: Float>(
     want_input: bool,
     want_weight: bool,
 ) -> Vec<T> {
+    conv_bwd_with(x, xl, w, gy, g, (want_input, want_weight), COL_BUDGET)
+}
+
+fn conv_bwd_with<T: Float>(
+    x: &[T],
+    xl: &Layout,
+    w: &[T],
+    gy: &[T],
+    g: &ConvGeom,
+    (want_input, want_weight): (bool, bool),
+    budget: usize,
+) -> Vec<T> {
     let zero = T::from_f64(0.0);
     let st = Strides4::of(xl);
     let (p, kdim, og, cg, out_img) = (g.p(), g.kdim(), g.og(), g.cg(), g.out_img());
     let plan = BatchPlan::new(g.n, 2);
     let nb = block_images(p, plan.per_chunk);
     let pointwise = nb == 1 && g.is_pointwise(&st);
+    let band = if nb == 1 { band_rows(g, budget) } else { g.oh };
     let ld = nb * p;
+    let col_len = if nb == 1 { kdim * band * g.ow } else { kdim * ld };
     let in_img = g.in_img();
     let mut dx = vec![zero; if want_input { g.n * in_img } else { 0 }];
     // One task per chunk of images; each task owns its slice of ∂x.
@@ -124,8 +164,8 @@ pub(crate) fn conv_bwd<T: Float>(
         .enumerate()
         .map(|(chunk, dxc)| {
             let mut dw = vec![zero; if want_weight { g.weight_len() } else { 0 }];
-            let mut col = vec![zero; if want_weight && !pointwise { kdim * ld } else { 0 }];
-            let mut dcol = vec![zero; if want_input && !pointwise { kdim * ld } else { 0 }];
+            let mut col = vec![zero; if want_weight && !pointwise { col_len } else { 0 }];
+            let mut dcol = vec![zero; if want_input && !pointwise { col_len } else { 0 }];
             let mut gyb = vec![zero; if nb > 1 { og * ld } else { 0 }];
             let first = chunk * plan.per_chunk;
             let last = (first + plan.per_chunk).min(g.n);
@@ -138,6 +178,35 @@ pub(crate) fn conv_bwd<T: Float>(
                 let imgs = nb.min(last - n);
                 let cols = imgs * p;
                 for grp in 0..g.groups {
+                    let wt = MatRef::new(&w[grp * og * kdim..], 1, kdim);
+                    let dwg_range = grp * og * kdim..(grp + 1) * og * kdim;
+                    let dxg_range = |j: usize| {
+                        let at = (n + j - first) * in_img + grp * cg * g.h * g.w;
+                        at..at + cg * g.h * g.w
+                    };
+                    if nb == 1 && !pointwise {
+                        // One image, band by band of output rows.
+                        let base = st.offset + n * st.n;
+                        let mut r0 = 0;
+                        while r0 < g.oh {
+                            let r1 = (r0 + band).min(g.oh);
+                            let bc = (r1 - r0) * g.ow;
+                            let gyg = MatRef::new(&gy[n * out_img + grp * og * p + r0 * g.ow..], p, 1);
+                            if want_weight {
+                                // ∂W_g (og x kdim) += ∂Y_g band (og x bc) · colᵀ (bc x kdim)
+                                im2col(x, base, &st, g, grp * cg, (r0, r1), &mut col, bc);
+                                let colt = MatRef::new(&col[..], 1, bc);
+                                matmul(&mut dw[dwg_range.clone()], kdim, n > first || r0 > 0, gyg, colt, (og, kdim, bc), plan.gemm);
+                            }
+                            if want_input {
+                                // ∂col (kdim x bc) = W_gᵀ (kdim x og) · ∂Y_g band (og x bc)
+                                matmul(&mut dcol, bc, false, wt, gyg, (kdim, bc, og), plan.gemm);
+                                col2im(&dcol, g, (r0, r1), &mut dxc[dxg_range(0)], bc);
+                            }
+                            r0 = r1;
+                        }
+                        continue;
+                    }
                     // ∂Y_g of the block: og x cols (row stride ld), or the image itself.
                     let gyg = if nb == 1 {
                         MatRef::new(&gy[n * out_img + grp * og * p..], p, 1)
@@ -151,26 +220,20 @@ pub(crate) fn conv_bwd<T: Float>(
                             MatRef::new(&x[st.offset + n * st.n + grp * cg * st.c..], 1, st.c)
                         } else {
                             for j in 0..imgs {
-                                im2col(x, st.offset + (n + j) * st.n, &st, g, grp * cg, &mut col[j * p..], ld);
+                                im2col(x, st.offset + (n + j) * st.n, &st, g, grp * cg, (0, g.oh), &mut col[j * p..], ld);
                             }
                             MatRef::new(&col[..], 1, ld)
                         };
-                        let dwg = &mut dw[grp * og * kdim..(grp + 1) * og * kdim];
-                        matmul(dwg, kdim, n > first, gyg, colt, (og, kdim, cols), plan.gemm);
+                        matmul(&mut dw[dwg_range.clone()], kdim, n > first, gyg, colt, (og, kdim, cols), plan.gemm);
                     }
                     if want_input {
                         // ∂col (kdim x cols) = W_gᵀ (kdim x og) · ∂Y_g (og x cols)
-                        let wt = MatRef::new(&w[grp * og * kdim..], 1, kdim);
                         if pointwise {
-                            let img = &mut dxc[(n - first) * in_img..(n - first + 1) * in_img];
-                            let dxg = &mut img[grp * cg * g.h * g.w..(grp + 1) * cg * g.h * g.w];
-                            matmul(dxg, p, false, wt, gyg, (kdim, p, og), plan.gemm);
+                            matmul(&mut dxc[dxg_range(0)], p, false, wt, gyg, (kdim, p, og), plan.gemm);
                         } else {
                             matmul(&mut dcol, ld, false, wt, gyg, (kdim, cols, og), plan.gemm);
                             for j in 0..imgs {
-                                let img = &mut dxc[(n + j - first) * in_img..(n + j - first + 1) * in_img];
-                                let dxg = &mut img[grp * cg * g.h * g.w..(grp + 1) * cg * g.h * g.w];
-                                col2im(&dcol[j * p..], g, dxg, ld);
+                                col2im(&dcol[j * p..], g, (0, g.oh), &mut dxc[dxg_range(j)], ld);
                             }
                         }
                     }
@@ -192,4 +255,64 @@ pub(crate) fn conv_bwd<T: Float>(
         out.extend_from_slice(&dw);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    //! Banding is invisible: the kernels with a column budget of one element (every band a
+    //! single output row) equal the kernels with no budget (one band per image), which
+    //! `tests/conv.rs` checks against independent references.
+    use super::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+            })
+            .collect()
+    }
+
+    fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    #[test]
+    fn bands_of_output_rows_equal_whole_images() {
+        // One image per block (n = 1), strided, padded, dilated and grouped; and a batch of 3.
+        for (n, stride, pad, dil, groups) in [(1, 1, 1, 1, 1), (1, 2, 2, 2, 2), (3, 1, 1, 1, 1), (2, 3, 0, 1, 3)] {
+            let (c, h, w, o, k) = (6, 11, 9, 6, 3);
+            let (eh, ew) = (dil * (k - 1) + 1, dil * (k - 1) + 1);
+            let g = ConvGeom {
+                n,
+                c,
+                h,
+                w,
+                o,
+                kh: k,
+                kw: k,
+                oh: (h + 2 * pad - eh) / stride + 1,
+                ow: (w + 2 * pad - ew) / stride + 1,
+                stride,
+                pad,
+                dil,
+                groups,
+            };
+            let x = data(n * c * h * w, 1);
+            let wt = data(g.weight_len(), 2);
+            let gy = data(n * g.out_img(), 3);
+            let xl = Layout::contiguous((n, c, h, w));
+            let what = format!("n {n} stride {stride} pad {pad} dil {dil} groups {groups}");
+            let (banded, whole) = (conv_fwd_with(&x, &xl, &wt, &g, 1), conv_fwd_with(&x, &xl, &wt, &g, usize::MAX));
+            assert!(max_rel(&banded, &whole) < 1e-14, "forward, {what}");
+            let banded = conv_bwd_with(&x, &xl, &wt, &gy, &g, (true, true), 1);
+            let whole = conv_bwd_with(&x, &xl, &wt, &gy, &g, (true, true), usize::MAX);
+            assert!(max_rel(&banded, &whole) < 1e-14, "backward, {what}");
+        }
+    }
 }

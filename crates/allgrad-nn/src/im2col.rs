@@ -81,25 +81,36 @@ impl ConvGeom {
     }
 }
 
-/// Writes the column matrix (`kdim x p`, row-major with row stride `ld >= p`) of the channels
-/// `c0..c0 + cg` of the image starting at `x[base]` (channel stride `st.c`, row stride `st.h`,
-/// column stride `st.w`). With `ld > p` several images' matrices sit side by side in one
-/// buffer, each starting `p` columns after the previous.
-pub(crate) fn im2col<T: Float>(x: &[T], base: usize, st: &Strides4, g: &ConvGeom, c0: usize, col: &mut [T], ld: usize) {
+/// Writes the column matrix of the output rows `r0..r1` (`kdim x (r1 - r0)·ow`, row-major with
+/// row stride `ld`) of the channels `c0..c0 + cg` of the image starting at `x[base]` (channel
+/// stride `st.c`, row stride `st.h`, column stride `st.w`). With `ld` wider than a matrix
+/// several images' matrices sit side by side in one buffer, each starting `p` columns after
+/// the previous; with fewer rows than `oh` the matrix is one band of the image's.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn im2col<T: Float>(
+    x: &[T],
+    base: usize,
+    st: &Strides4,
+    g: &ConvGeom,
+    c0: usize,
+    (r0, r1): (usize, usize),
+    col: &mut [T],
+    ld: usize,
+) {
     let zero = T::from_f64(0.0);
-    let (p, s) = (g.p(), g.stride);
+    let (cols, s) = ((r1 - r0) * g.ow, g.stride);
     for ci in 0..g.cg() {
         let xc = base + (c0 + ci) * st.c;
         for ki in 0..g.kh {
-            let (ylo, yhi) = g.valid(ki * g.dil, g.h, g.oh);
+            let (ylo, yhi) = band(g.valid(ki * g.dil, g.h, g.oh), r0, r1);
             for kj in 0..g.kw {
                 let row = ((ci * g.kh + ki) * g.kw + kj) * ld;
-                let row = &mut col[row..row + p];
+                let row = &mut col[row..row + cols];
                 let (xlo, xhi) = g.valid(kj * g.dil, g.w, g.ow);
-                row[..ylo * g.ow].fill(zero);
-                row[yhi * g.ow..].fill(zero);
+                row[..(ylo - r0) * g.ow].fill(zero);
+                row[(yhi - r0) * g.ow..].fill(zero);
                 for oy in ylo..yhi {
-                    let dst = &mut row[oy * g.ow..(oy + 1) * g.ow];
+                    let dst = &mut row[(oy - r0) * g.ow..(oy - r0 + 1) * g.ow];
                     dst[..xlo].fill(zero);
                     dst[xhi..].fill(zero);
                     if xlo == xhi {
@@ -123,18 +134,25 @@ pub(crate) fn im2col<T: Float>(x: &[T], base: usize, st: &Strides4, g: &ConvGeom
     }
 }
 
-/// Adds the column matrix `col` (`kdim x p`, row stride `ld >= p`) back into the contiguous
-/// `cg x h x w` block `dx` of one image: every column entry goes to the input element it was
-/// read from.
-pub(crate) fn col2im<T: Float>(col: &[T], g: &ConvGeom, dx: &mut [T], ld: usize) {
-    let (p, s) = (g.p(), g.stride);
+/// The valid output rows `lo..hi` of a tap, cut to the band `r0..r1` (an empty range inside
+/// the band when they miss it).
+fn band((lo, hi): (usize, usize), r0: usize, r1: usize) -> (usize, usize) {
+    let lo = lo.clamp(r0, r1);
+    (lo, hi.clamp(lo, r1))
+}
+
+/// Adds the column matrix of the output rows `r0..r1` (`kdim x (r1 - r0)·ow`, row stride `ld`)
+/// back into the contiguous `cg x h x w` block `dx` of one image: every column entry goes to
+/// the input element it was read from.
+pub(crate) fn col2im<T: Float>(col: &[T], g: &ConvGeom, (r0, r1): (usize, usize), dx: &mut [T], ld: usize) {
+    let (cols, s) = ((r1 - r0) * g.ow, g.stride);
     for ci in 0..g.cg() {
         let plane = &mut dx[ci * g.h * g.w..(ci + 1) * g.h * g.w];
         for ki in 0..g.kh {
-            let (ylo, yhi) = g.valid(ki * g.dil, g.h, g.oh);
+            let (ylo, yhi) = band(g.valid(ki * g.dil, g.h, g.oh), r0, r1);
             for kj in 0..g.kw {
                 let row = ((ci * g.kh + ki) * g.kw + kj) * ld;
-                let row = &col[row..row + p];
+                let row = &col[row..row + cols];
                 let (xlo, xhi) = g.valid(kj * g.dil, g.w, g.ow);
                 if xlo == xhi {
                     continue;
@@ -142,7 +160,7 @@ pub(crate) fn col2im<T: Float>(col: &[T], g: &ConvGeom, dx: &mut [T], ld: usize)
                 for oy in ylo..yhi {
                     let iy = oy * s + ki * g.dil - g.pad;
                     let ix0 = xlo * s + kj * g.dil - g.pad;
-                    let src = &row[oy * g.ow + xlo..oy * g.ow + xhi];
+                    let src = &row[(oy - r0) * g.ow + xlo..(oy - r0) * g.ow + xhi];
                     let dst = &mut plane[iy * g.w..(iy + 1) * g.w];
                     if s == 1 {
                         for (d, &v) in dst[ix0..ix0 + src.len()].iter_mut().zip(src) {
