@@ -20,7 +20,7 @@ use std::borrow::Cow;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, GRAIN};
+use crate::cpu::{contiguous, float_kernel, Float, GRAIN, zeros};
 use crate::error::{fail, NnError};
 
 fn fast_path(t: &Tensor) -> bool {
@@ -30,7 +30,7 @@ fn fast_path(t: &Tensor) -> bool {
 /// `out[i] = max(a[i] + b[i], 0)` (`b` absent: `max(a[i], 0)`), in parallel.
 fn relu_kernel<T: Float>(a: &[T], b: Option<&[T]>) -> Vec<T> {
     let zero = T::from_f64(0.0);
-    let mut out = vec![zero; a.len()];
+    let mut out = zeros(a.len());
     out.par_chunks_mut(GRAIN).enumerate().for_each(|(i, o)| {
         let xs = &a[i * GRAIN..i * GRAIN + o.len()];
         match b {
@@ -50,7 +50,7 @@ fn relu_kernel<T: Float>(a: &[T], b: Option<&[T]>) -> Vec<T> {
 /// `∂x[i] = g[i]` where `y[i] > 0`, else 0, in parallel.
 fn mask_kernel<T: Float>(y: &[T], g: &[T]) -> Vec<T> {
     let zero = T::from_f64(0.0);
-    let mut out = vec![zero; y.len()];
+    let mut out = zeros(y.len());
     out.par_chunks_mut(GRAIN).enumerate().for_each(|(i, o)| {
         let (ys, gs) = (&y[i * GRAIN..i * GRAIN + o.len()], &g[i * GRAIN..i * GRAIN + o.len()]);
         o.iter_mut().zip(ys.iter().zip(gs)).for_each(|(o, (&y, &g))| *o = if y > zero { g } else { zero });
@@ -117,7 +117,7 @@ fn masked(y: &Tensor, g: &Tensor) -> Result<Tensor> {
 /// `out[i] = x[i]/2 · (1 + erf(x[i]/√2))`, in parallel.
 fn gelu_kernel<T: Float>(x: &[T]) -> Vec<T> {
     let (half, one, r) = (T::from_f64(0.5), T::from_f64(1.0), T::from_f64(std::f64::consts::FRAC_1_SQRT_2));
-    let mut out = vec![T::from_f64(0.0); x.len()];
+    let mut out = zeros(x.len());
     out.par_chunks_mut(GRAIN).zip(x.par_chunks(GRAIN)).for_each(|(o, xs)| {
         o.iter_mut().zip(xs).for_each(|(o, &x)| *o = x * r);
         T::erf_in_place(o);
@@ -131,7 +131,7 @@ fn gelu_grad_kernel<T: Float>(x: &[T], g: &[T]) -> Vec<T> {
     let (half, one, r) = (T::from_f64(0.5), T::from_f64(1.0), T::from_f64(std::f64::consts::FRAC_1_SQRT_2));
     let inv_sqrt_2pi = T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt());
     let neg_half = T::from_f64(-0.5);
-    let mut out = vec![T::from_f64(0.0); x.len()];
+    let mut out = zeros(x.len());
     out.par_chunks_mut(GRAIN).zip(x.par_chunks(GRAIN).zip(g.par_chunks(GRAIN))).for_each(|(o, (xs, gs))| {
         o.iter_mut().zip(xs).for_each(|(o, &x)| *o = x * r);
         T::erf_in_place(o);

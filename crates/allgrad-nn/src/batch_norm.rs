@@ -31,7 +31,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, GRAIN};
+use crate::cpu::{contiguous, float_kernel, Float, GRAIN, zeros};
 use crate::error::{fail, NnError};
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
@@ -189,7 +189,7 @@ pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, e
 /// `out = tail(a[c]·x + b[c])`, parallel over runs of whole rows.
 fn forward_kernel<T: Float>(x: &[T], skip: Option<&[T]>, p: &Plan, inner: usize) -> Vec<T> {
     let zero = T::from_f64(0.0);
-    let mut out = vec![zero; x.len()];
+    let mut out = zeros(x.len());
     if out.is_empty() {
         return out;
     }
@@ -283,7 +283,7 @@ fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inne
             }
         }
     }
-    let mut out = vec![zero; len * (1 + usize::from(p.skip)) + 2 * c];
+    let mut out = zeros(len * (1 + usize::from(p.skip)) + 2 * c);
     let (dx, rest) = out.split_at_mut(len);
     let (dskip, dgb) = rest.split_at_mut(if p.skip { len } else { 0 });
     // ∂γ = Σ g'·(x − μ)/σ and ∂β = Σ g' over this rank's values.

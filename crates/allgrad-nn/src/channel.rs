@@ -17,7 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float};
+use crate::cpu::{contiguous, float_kernel, Float, zeros};
 use crate::error::{fail, NnError};
 
 /// `(n, c, inner)` of an `[N, C, ...]` shape.
@@ -147,7 +147,7 @@ impl CustomOp3 for Affine {
     ) -> Result<(CpuStorage, Shape)> {
         let (_, c, inner) = geometry(lx.dims(), "channel_affine")?;
         fn run<T: Float>(x: &[T], a: &[T], b: &[T], c: usize, inner: usize) -> Vec<T> {
-            let mut out = vec![T::from_f64(0.0); x.len()];
+            let mut out = zeros(x.len());
             out.par_chunks_mut(inner.max(1)).zip(x.par_chunks(inner.max(1))).enumerate().for_each(|(row, (o, xs))| {
                 let ch = row % c;
                 let (s, t) = (a[ch], b[ch]);

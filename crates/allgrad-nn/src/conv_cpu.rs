@@ -15,7 +15,7 @@
 use candle_core::Layout;
 use rayon::prelude::*;
 
-use crate::cpu::{matmul, BatchPlan, Float, MatRef, Strides4};
+use crate::cpu::{matmul, BatchPlan, Float, MatRef, Strides4, zeros};
 use crate::im2col::{col2im, im2col, ConvGeom};
 
 /// Output columns a GEMM should cover at least (see the module docs).
@@ -73,7 +73,7 @@ fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: 
     let pointwise = nb == 1 && g.is_pointwise(&st);
     let band = if nb == 1 { band_rows(g, budget) } else { g.oh };
     let ld = nb * p;
-    let mut out = vec![zero; g.n * out_img];
+    let mut out = zeros(g.n * out_img);
     if out.is_empty() {
         return out;
     }
@@ -152,7 +152,9 @@ fn conv_bwd_with<T: Float>(
     let ld = nb * p;
     let col_len = if nb == 1 { kdim * band * g.ow } else { kdim * ld };
     let in_img = g.in_img();
-    let mut dx = vec![zero; if want_input { g.n * in_img } else { 0 }];
+    // Zeroed by writes from the pool (`zeros`), so col2im's first touch of a page is never a read
+    // (a read maps the shared zero page, and the write after it costs a copy-on-write fault).
+    let mut dx = zeros(if want_input { g.n * in_img } else { 0 });
     // One task per chunk of images; each task owns its slice of ∂x.
     let mut dx_chunks: Vec<&mut [T]> = if want_input && !dx.is_empty() {
         dx.chunks_mut(plan.per_chunk * in_img).collect()
@@ -169,10 +171,6 @@ fn conv_bwd_with<T: Float>(
             let mut gyb = vec![zero; if nb > 1 { og * ld } else { 0 }];
             let first = chunk * plan.per_chunk;
             let last = (first + plan.per_chunk).min(g.n);
-            // Write the fresh (calloc'd, not yet mapped) ∂x pages before col2im reads them:
-            // a first touch by a read maps the shared zero page, and the write after it costs a
-            // copy-on-write fault with a TLB shootdown on every core.
-            dxc.fill(zero);
             let mut n = first;
             while n < last {
                 let imgs = nb.min(last - n);

@@ -9,12 +9,12 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, GRAIN};
+use crate::cpu::{contiguous, float_kernel, Float, GRAIN, zeros};
 use crate::error::{fail, NnError};
 
 /// `out[i] = x[i]·m[i] (+ r[i])`, in parallel.
 fn kernel<T: Float>(x: &[T], m: &[T], r: Option<&[T]>) -> Vec<T> {
-    let mut out = vec![T::from_f64(0.0); x.len()];
+    let mut out = zeros(x.len());
     out.par_chunks_mut(GRAIN).enumerate().for_each(|(i, o)| {
         let at = i * GRAIN..i * GRAIN + o.len();
         let (xs, ms) = (&x[at.clone()], &m[at.clone()]);

@@ -16,7 +16,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, matmul, Float, MatRef};
+use crate::cpu::{contiguous, float_kernel, matmul, Float, MatRef, zeros};
 use crate::error::{fail, NnError};
 
 /// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`, checked.
@@ -48,7 +48,7 @@ fn pool() -> Parallelism {
 fn forward_kernel<T: Float>(x: &[T], w: &[T], b: Option<&[T]>, (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
     let mut y = match b {
         Some(b) => b.repeat(rows),
-        None => vec![T::from_f64(0.0); rows * out],
+        None => zeros(rows * out),
     };
     // wᵀ as an (in x out) view: element (i, o) is w[o * in + i].
     matmul(&mut y, out, b.is_some(), MatRef::new(x, inp, 1), MatRef::new(w, 1, inp), (rows, out, inp), pool());
@@ -58,7 +58,7 @@ fn forward_kernel<T: Float>(x: &[T], w: &[T], b: Option<&[T]>, (rows, inp, out):
 /// `[∂x (rows·in) | ∂W (out·in) | ∂b (out)]` from `x`, `w` and the output gradient `g`.
 fn backward_kernel<T: Float>(x: &[T], w: &[T], g: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
     let (x_len, w_len) = (rows * inp, out * inp);
-    let mut buf = vec![T::from_f64(0.0); x_len + w_len + out];
+    let mut buf = zeros(x_len + w_len + out);
     let (dx, rest) = buf.split_at_mut(x_len);
     let (dw, db) = rest.split_at_mut(w_len);
     // ∂x = g (rows x out) · w (out x in).

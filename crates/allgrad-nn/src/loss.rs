@@ -4,7 +4,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float};
+use crate::cpu::{contiguous, float_kernel, Float, zeros};
 use crate::error::{fail, NnError};
 use crate::softmax::{max_and_sum_exp, rows_per_task};
 
@@ -143,7 +143,7 @@ fn ce_fwd<T: Float>(x: &[T], t: &[usize], k: usize) -> Vec<T> {
 }
 
 fn ce_bwd<T: Float>(x: &[T], t: &[usize], g: &[T], k: usize) -> Vec<T> {
-    let mut dx = vec![T::from_f64(0.0); x.len()];
+    let mut dx = zeros(x.len());
     if k == 0 || x.is_empty() {
         return dx;
     }

@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float};
+use crate::cpu::{contiguous, float_kernel, Float, zeros};
 use crate::error::{fail, NnError};
 
 /// `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension of `x`, with the
@@ -236,7 +236,7 @@ fn moments<T: Float>(row: &[T], eps: f64) -> (T, T) {
 
 fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64) -> Vec<T> {
     let d = gamma.len();
-    let mut y = vec![T::from_f64(0.0); x.len()];
+    let mut y = zeros(x.len());
     if d == 0 || x.is_empty() {
         return y;
     }
@@ -258,7 +258,7 @@ fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64) -> Vec<T> {
 fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64) -> Vec<T> {
     let zero = T::from_f64(0.0);
     let d = gamma.len();
-    let mut out = vec![zero; x.len() + 2 * d];
+    let mut out = zeros(x.len() + 2 * d);
     if d == 0 {
         return out;
     }

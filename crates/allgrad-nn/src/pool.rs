@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, ToUsize2};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, Strides4};
+use crate::cpu::{contiguous, float_kernel, Float, Strides4, zeros};
 use crate::error::{fail, NnError};
 
 /// How output positions map to input windows along one axis.
@@ -346,7 +346,7 @@ fn argmax<T: Float>(x: &[T], base: usize, st: &Strides4, ys: (usize, usize), xs:
 fn pool_fwd<T: Float>(x: &[T], l: &Layout, g: &PoolGeom) -> Vec<T> {
     let st = Strides4::of(l);
     let plane_out = g.oh * g.ow;
-    let mut out = vec![T::from_f64(0.0); g.n * g.c * plane_out];
+    let mut out = zeros(g.n * g.c * plane_out);
     if out.is_empty() {
         return out;
     }
@@ -384,7 +384,7 @@ fn pool_fwd<T: Float>(x: &[T], l: &Layout, g: &PoolGeom) -> Vec<T> {
 fn pool_bwd<T: Float>(x: &[T], l: &Layout, gy: &[T], g: &PoolGeom) -> Vec<T> {
     let st = Strides4::of(l);
     let (plane_in, plane_out) = (g.h * g.w, g.oh * g.ow);
-    let mut dx = vec![T::from_f64(0.0); g.n * g.c * plane_in];
+    let mut dx = zeros(g.n * g.c * plane_in);
     if dx.is_empty() || plane_out == 0 {
         return dx;
     }

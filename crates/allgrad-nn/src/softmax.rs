@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float};
+use crate::cpu::{contiguous, float_kernel, Float, zeros};
 use crate::error::{fail, NnError};
 
 /// `softmax(x)_i = exp(x_i - max x) / Σ_j exp(x_j - max x)` over the last dimension.
@@ -132,7 +132,7 @@ pub(crate) fn max_and_sum_exp<T: Float>(row: &[T]) -> (T, T) {
 }
 
 fn softmax_fwd<T: Float>(x: &[T], d: usize, kind: Kind) -> Vec<T> {
-    let mut y = vec![T::from_f64(0.0); x.len()];
+    let mut y = zeros(x.len());
     if d == 0 || x.is_empty() {
         return y;
     }
@@ -160,7 +160,7 @@ fn softmax_fwd<T: Float>(x: &[T], d: usize, kind: Kind) -> Vec<T> {
 }
 
 fn softmax_bwd<T: Float>(y: &[T], g: &[T], d: usize, kind: Kind) -> Vec<T> {
-    let mut dx = vec![T::from_f64(0.0); y.len()];
+    let mut dx = zeros(y.len());
     if d == 0 || y.is_empty() {
         return dx;
     }
