@@ -20,7 +20,7 @@ use std::borrow::Cow;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, GRAIN, zeros};
+use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
 
 fn fast_path(t: &Tensor) -> bool {

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, GRAIN, zeros};
+use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
@@ -134,7 +134,10 @@ pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, e
     let skip = match tail {
         BnTail::AddRelu(s) => {
             if s.dims() != x.dims() {
-                return fail(NnError::ShapeMismatch { op: "batch_norm (skip)", shapes: vec![x.shape().clone(), s.shape().clone()] });
+                return fail(NnError::ShapeMismatch {
+                    op: "batch_norm (skip)",
+                    shapes: vec![x.shape().clone(), s.shape().clone()],
+                });
             }
             if s.dtype() != x.dtype() {
                 return fail(NnError::DTypeMismatch { op: "batch_norm", what: "x and skip", dtypes: vec![x.dtype(), s.dtype()] });
@@ -277,11 +280,7 @@ fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inne
                 c0[ch] = T::from_f64(-a * g1 / count + lin * (mu_t[ch].to_f64() - p.mean[ch]));
             }
         }
-        None => {
-            for ch in 0..c {
-                k[ch] = T::from_f64(p.scale[ch]);
-            }
-        }
+        None => k.iter_mut().zip(&p.scale).for_each(|(k, &a)| *k = T::from_f64(a)),
     }
     let mut out = zeros(len * (1 + usize::from(p.skip)) + 2 * c);
     let (dx, rest) = out.split_at_mut(len);

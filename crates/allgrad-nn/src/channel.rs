@@ -17,7 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, zeros};
+use crate::cpu::{contiguous, float_kernel, zeros, Float};
 use crate::error::{fail, NnError};
 
 /// `(n, c, inner)` of an `[N, C, ...]` shape.

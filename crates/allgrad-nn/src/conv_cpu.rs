@@ -15,7 +15,7 @@
 use candle_core::Layout;
 use rayon::prelude::*;
 
-use crate::cpu::{matmul, BatchPlan, Float, MatRef, Strides4, zeros};
+use crate::cpu::{matmul, zeros, BatchPlan, Float, MatRef, Strides4};
 use crate::im2col::{col2im, im2col, ConvGeom};
 
 /// Output columns a GEMM should cover at least (see the module docs).
@@ -194,7 +194,15 @@ fn conv_bwd_with<T: Float>(
                                 // ∂W_g (og x kdim) += ∂Y_g band (og x bc) · colᵀ (bc x kdim)
                                 im2col(x, base, &st, g, grp * cg, (r0, r1), &mut col, bc);
                                 let colt = MatRef::new(&col[..], 1, bc);
-                                matmul(&mut dw[dwg_range.clone()], kdim, n > first || r0 > 0, gyg, colt, (og, kdim, bc), plan.gemm);
+                                matmul(
+                                    &mut dw[dwg_range.clone()],
+                                    kdim,
+                                    n > first || r0 > 0,
+                                    gyg,
+                                    colt,
+                                    (og, kdim, bc),
+                                    plan.gemm,
+                                );
                             }
                             if want_input {
                                 // ∂col (kdim x bc) = W_gᵀ (kdim x og) · ∂Y_g band (og x bc)

@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, GRAIN, zeros};
+use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
 
 /// `out[i] = x[i]·m[i] (+ r[i])`, in parallel.

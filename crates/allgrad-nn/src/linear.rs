@@ -16,7 +16,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, matmul, Float, MatRef, zeros};
+use crate::cpu::{contiguous, float_kernel, matmul, zeros, Float, MatRef};
 use crate::error::{fail, NnError};
 
 /// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`, checked.

@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, ToUsize2};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, Float, Strides4, zeros};
+use crate::cpu::{contiguous, float_kernel, zeros, Float, Strides4};
 use crate::error::{fail, NnError};
 
 /// How output positions map to input windows along one axis.

@@ -46,7 +46,14 @@ fn plain_stats(x: &Tensor) -> (Vec<f64>, Vec<f64>, f64) {
 
 /// The reference: batch norm from Candle's broadcast ops (statistics differentiated by Candle
 /// when `batch`), then Candle's relu.
-fn reference(x: &Tensor, gamma: &Tensor, beta: &Tensor, skip: Option<&Tensor>, batch: bool, fixed: &(Vec<f64>, Vec<f64>)) -> Result<Tensor> {
+fn reference(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    skip: Option<&Tensor>,
+    batch: bool,
+    fixed: &(Vec<f64>, Vec<f64>),
+) -> Result<Tensor> {
     let (dims, shape) = channel_dims(x);
     let (mean, var) = if batch {
         let mean = x.mean_keepdim(dims.as_slice())?;
@@ -67,7 +74,15 @@ fn reference(x: &Tensor, gamma: &Tensor, beta: &Tensor, skip: Option<&Tensor>, b
 }
 
 /// The fused op on `x` with statistics taken as a caller would (batch or fixed).
-fn fused(x: &Tensor, gamma: &Tensor, beta: &Tensor, skip: Option<&Tensor>, tail: Tail, batch: bool, fixed: &(Vec<f64>, Vec<f64>)) -> Result<Tensor> {
+fn fused(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    skip: Option<&Tensor>,
+    tail: Tail,
+    batch: bool,
+    fixed: &(Vec<f64>, Vec<f64>),
+) -> Result<Tensor> {
     let stats = if batch {
         let (mean, var, count) = plain_stats(x);
         BnStats::Batch { mean, var, count, sum_over_ranks: None }
@@ -91,7 +106,10 @@ fn run(shape: &[usize], dtype: DType, tail: Tail, batch: bool, use_fused: bool) 
     let beta = Var::from_tensor(&rand_tensor(&[c], 3, dtype)).unwrap();
     let skip = Var::from_tensor(&rand_tensor(shape, 4, dtype)).unwrap();
     let w = rand_tensor(shape, 5, dtype);
-    let fixed = (to_f64_vec(&(rand_tensor(&[c], 6, DType::F64) * 0.3).unwrap()), to_f64_vec(&(rand_tensor(&[c], 7, DType::F64) + 1.2).unwrap()));
+    let fixed = (
+        to_f64_vec(&(rand_tensor(&[c], 6, DType::F64) * 0.3).unwrap()),
+        to_f64_vec(&(rand_tensor(&[c], 7, DType::F64) + 1.2).unwrap()),
+    );
     let skip_t = (tail == Tail::AddRelu).then(|| skip.as_tensor());
     let y = if use_fused {
         fused(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), skip_t, tail, batch, &fixed).unwrap()
@@ -212,7 +230,8 @@ fn the_cross_rank_sum_gives_the_gradient_of_the_whole_batch() {
                 s.copy_from_slice(&total.lock().unwrap());
                 Ok(())
             });
-            let (xv, gv, bv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&gamma).unwrap(), Var::from_tensor(&beta).unwrap());
+            let (xv, gv, bv) =
+                (Var::from_tensor(&x).unwrap(), Var::from_tensor(&gamma).unwrap(), Var::from_tensor(&beta).unwrap());
             let stats = BnStats::Batch { mean, var, count, sum_over_ranks: Some(sum) };
             let y = batch_norm(xv.as_tensor(), gv.as_tensor(), bv.as_tensor(), &stats, EPS, BnTail::AddRelu(&skip)).unwrap();
             let g = (y * &wt).unwrap().sum_all().unwrap().backward().unwrap();
@@ -244,7 +263,16 @@ fn bad_input_is_an_error_that_names_it() {
     assert!(e.contains("[2, 3, 4]") && e.contains("[2, 3, 5]"), "{e}");
     let e = err_text(batch_norm(&x.to_dtype(DType::F64).unwrap(), &g, &b, &stats(3), EPS, BnTail::Identity));
     assert!(e.contains("F64") && e.contains("F32"), "{e}");
-    let e = err_text(batch_norm(&x.to_dtype(DType::BF16).unwrap(), &g.to_dtype(DType::BF16).unwrap(), &b.to_dtype(DType::BF16).unwrap(), &stats(3), EPS, BnTail::Identity));
+    let e = err_text(batch_norm(
+        &x.to_dtype(DType::BF16).unwrap(),
+        &g.to_dtype(DType::BF16).unwrap(),
+        &b.to_dtype(DType::BF16).unwrap(),
+        &stats(3),
+        EPS,
+        BnTail::Identity,
+    ));
     assert!(e.contains("BF16") && e.contains("channel_moments"), "{e}");
-    assert!(err_text(batch_norm(&rand_tensor(&[5], 1, DType::F32), &g, &b, &stats(3), EPS, BnTail::Identity)).contains("[N, C, ...]"));
+    assert!(
+        err_text(batch_norm(&rand_tensor(&[5], 1, DType::F32), &g, &b, &stats(3), EPS, BnTail::Identity)).contains("[N, C, ...]")
+    );
 }
