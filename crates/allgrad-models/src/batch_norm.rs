@@ -7,9 +7,12 @@
 //! values, so they are identical on every rank. With `sync: false` each rank normalises with
 //! its own batch (plain BatchNorm: W-rank runs then differ from 1-rank runs).
 //!
-//! The statistics come from allgrad-nn's fused per-channel passes (sums accumulated in f64),
-//! so a CPU step pays two passes over the activations instead of Candle's strided
-//! broadcast reductions, and SyncBatchNorm needs one small all_reduce of `[2, C]` moments.
+//! On the CPU (f32/f64) the layer, and the ReLU or residual `relu(· + skip)` that follows it
+//! (`forward_then`), is allgrad-nn's one fused op: a moments pass (sums in f64) whose `[2, C]`
+//! result SyncBatchNorm all-reduces, the normalisation pass, and a two-pass closed-form
+//! backward whose `[2, C]` per-channel sums go through one more all_reduce (the sum rule).
+//! Elsewhere the same function is composed from the per-channel passes, the differentiable
+//! all_reduce and the activation.
 
 use std::sync::{Arc, Mutex};
 
