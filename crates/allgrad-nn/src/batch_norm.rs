@@ -31,6 +31,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::channel::geometry;
 use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
 
@@ -89,14 +90,6 @@ struct Plan {
     skip: bool,
 }
 
-/// `(n, c, inner)` of an `[N, C, ...]` shape.
-fn geometry(dims: &[usize]) -> Result<(usize, usize, usize)> {
-    if dims.len() < 2 {
-        return fail(NnError::InputRank { op: "batch_norm", expected: "an [N, C, ...] tensor", shape: Shape::from(dims) });
-    }
-    Ok((dims[0], dims[1], dims[2..].iter().product()))
-}
-
 fn stats_error<T>(what: String) -> Result<T> {
     fail(NnError::BatchNormStats { what })
 }
@@ -115,7 +108,7 @@ fn stats_error<T>(what: String) -> Result<T> {
 /// not positive, or `x` is not an f32/f64 CPU tensor ([`NnError::BatchNormOffCpu`]: compose
 /// [`crate::channel_moments`] and [`crate::channel_affine`] there).
 pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64, tail: BnTail) -> Result<Tensor> {
-    let (_, c, _) = geometry(x.dims())?;
+    let (_, c, _) = geometry(x.dims(), "batch_norm")?;
     if weight.dims() != [c] || bias.dims() != [c] {
         return fail(NnError::ParamShape {
             op: "batch_norm",
@@ -339,7 +332,7 @@ impl CustomOp2 for Forward {
     }
 
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, _sgb: &CpuStorage, _lgb: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (_, _, inner) = geometry(lx.dims())?;
+        let (_, _, inner) = geometry(lx.dims(), "batch_norm")?;
         let out = float_kernel!("batch_norm", sx => x; forward_kernel(&contiguous(x, lx), None, &self.0, inner));
         Ok((out, lx.shape().clone()))
     }
@@ -364,7 +357,7 @@ impl CustomOp3 for ForwardSkip {
         ss: &CpuStorage,
         ls: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (_, _, inner) = geometry(lx.dims())?;
+        let (_, _, inner) = geometry(lx.dims(), "batch_norm")?;
         let out = float_kernel!("batch_norm", sx => x, ss => s;
             forward_kernel(&contiguous(x, lx), Some(&contiguous(s, ls)), &self.0, inner));
         Ok((out, lx.shape().clone()))
@@ -409,18 +402,10 @@ impl CustomOp3 for Backward {
         sy: &CpuStorage,
         ly: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, _, inner) = geometry(lx.dims())?;
+        let (n, _, inner) = geometry(lx.dims(), "batch_norm")?;
         let out = float_kernel!("batch_norm backward", sg => g, sx => x, sy => y;
             backward_kernel(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), &self.0, n, inner)?);
-        let len = out_len(&out);
+        let len = lx.shape().elem_count() * (1 + usize::from(self.0.skip)) + 2 * self.0.c;
         Ok((out, Shape::from(len)))
-    }
-}
-
-fn out_len(s: &CpuStorage) -> usize {
-    match s {
-        CpuStorage::F32(v) => v.len(),
-        CpuStorage::F64(v) => v.len(),
-        _ => 0,
     }
 }

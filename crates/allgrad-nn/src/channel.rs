@@ -21,7 +21,7 @@ use crate::cpu::{contiguous, float_kernel, zeros, Float};
 use crate::error::{fail, NnError};
 
 /// `(n, c, inner)` of an `[N, C, ...]` shape.
-fn geometry(dims: &[usize], what: &'static str) -> Result<(usize, usize, usize)> {
+pub(crate) fn geometry(dims: &[usize], what: &'static str) -> Result<(usize, usize, usize)> {
     if dims.len() < 2 {
         return fail(NnError::InputRank { op: what, expected: "an [N, C, ...] tensor", shape: Shape::from(dims) });
     }

@@ -75,6 +75,7 @@ fn exp_f64_in_place(xs: &mut [f64]) {
 pub(crate) fn zeros<T: Float>(len: usize) -> Vec<T> {
     use rayon::prelude::*;
     let zero = T::from_f64(0.0);
+    // Below a few tasks' worth the pool's hand-off costs more than the memset.
     if len < 4 * GRAIN {
         return vec![zero; len];
     }

@@ -208,7 +208,7 @@ fn the_cross_rank_sum_gives_the_gradient_of_the_whole_batch() {
         let stats = BnStats::Batch { mean: mean.clone(), var: var.clone(), count, sum_over_ranks: None };
         let y = batch_norm(xv.as_tensor(), gv.as_tensor(), bv.as_tensor(), &stats, EPS, BnTail::AddRelu(&skip)).unwrap();
         let g = (y * &wt).unwrap().sum_all().unwrap().backward().unwrap();
-        g.get(xv.as_tensor()).unwrap().clone()
+        [&xv, &gv, &bv].map(|v| g.get(v.as_tensor()).unwrap().clone())
     };
     // A two-party all_reduce: each adds its buffer in, waits, reads the total.
     let total: Arc<Mutex<Vec<f64>>> = Arc::new(Mutex::new(Vec::new()));
@@ -235,15 +235,21 @@ fn the_cross_rank_sum_gives_the_gradient_of_the_whole_batch() {
             let stats = BnStats::Batch { mean, var, count, sum_over_ranks: Some(sum) };
             let y = batch_norm(xv.as_tensor(), gv.as_tensor(), bv.as_tensor(), &stats, EPS, BnTail::AddRelu(&skip)).unwrap();
             let g = (y * &wt).unwrap().sum_all().unwrap().backward().unwrap();
-            tx.send((r, g.get(xv.as_tensor()).unwrap().clone())).unwrap();
+            tx.send((r, [&xv, &gv, &bv].map(|v| g.get(v.as_tensor()).unwrap().clone()))).unwrap();
         });
     }
     drop(tx);
+    let mut param_sums = [gamma.zeros_like().unwrap(), beta.zeros_like().unwrap()];
     for _ in 0..w {
         // A watchdog: a rank that fails leaves the other at the barrier.
-        let (r, dx) = rx.recv_timeout(Duration::from_secs(60)).expect("a rank did not finish within 60 s (it panicked or hangs)");
-        assert_close(&dx, &rows(&whole, r, w), 1e-12, &format!("dx of rank {r}"));
+        let (r, [dx, dg, db]) =
+            rx.recv_timeout(Duration::from_secs(60)).expect("a rank did not finish within 60 s (it panicked or hangs)");
+        assert_close(&dx, &rows(&whole[0], r, w), 1e-12, &format!("dx of rank {r}"));
+        param_sums = [(&param_sums[0] + dg).unwrap(), (&param_sums[1] + db).unwrap()];
     }
+    // Each rank's ∂γ, ∂β are its own sums: together they are the whole batch's.
+    assert_close(&param_sums[0], &whole[1], 1e-12, "dgamma summed over ranks");
+    assert_close(&param_sums[1], &whole[2], 1e-12, "dbeta summed over ranks");
 }
 
 #[test]
