@@ -318,6 +318,26 @@ fn on_a_terminal_rank_0_gets_it_as_stderr_and_the_other_ranks_stay_prefixed() {
 }
 
 #[test]
+fn prefixed_lines_stay_whole_beside_rank_0_writing_to_the_same_terminal() {
+    // Rank 0 writes to the terminal directly while the launcher copies the other ranks'
+    // lines there: a prefix must never land on a line of rank 0's, nor a line lose its prefix.
+    let script = "i=0; while [ $i -lt 3000 ]; do echo \"rank $RANK line $i\" >&2; i=$((i+1)); done";
+    let (status, text) = run_on_a_terminal(launch_bin(), &["--nproc-per-node", "3", "sh", "-c", script], Duration::from_secs(30));
+    assert!(status.success(), "{status:?}\n{text}");
+    let mut counts = [0usize; 3];
+    for line in text.lines() {
+        let (rank, rest) = match line.strip_prefix("[rank1]: ").or_else(|| line.strip_prefix("[rank2]: ")) {
+            Some(rest) => (if line.starts_with("[rank1]") { 1 } else { 2 }, rest),
+            None => (0, line),
+        };
+        let ok = rest.strip_prefix(&format!("rank {rank} line ")).is_some_and(|n| n.parse::<u32>().is_ok());
+        assert!(ok, "a torn line {line:?} in\n{text}");
+        counts[rank] += 1;
+    }
+    assert_eq!(counts, [3000, 3000, 3000], "lines per rank, in\n{text}");
+}
+
+#[test]
 fn train_under_launch_on_a_terminal_draws_the_progress_bar_on_rank_0() {
     let out_dir = tempfile::tempdir().unwrap();
     let out = out_dir.path().to_str().unwrap();

@@ -42,9 +42,13 @@ pub(crate) fn pump(
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(src);
-        let mut line = Vec::new();
+        // The prefix and the line go out in one write: stderr is unbuffered, and rank 0 may
+        // write to the same terminal directly, so a prefix written on its own could end up on
+        // a line of rank 0's (the lock only orders the pumps among themselves).
+        let mut line = prefix.into_bytes();
+        let start = line.len();
         loop {
-            line.clear();
+            line.truncate(start);
             match reader.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => return,
                 Ok(_) if !show => {}
@@ -54,13 +58,10 @@ pub(crate) fn pump(
                     }
                     let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
                     let res = match to {
-                        Stream::Err => {
-                            let mut e = std::io::stderr().lock();
-                            e.write_all(prefix.as_bytes()).and_then(|_| e.write_all(&line))
-                        }
+                        Stream::Err => std::io::stderr().lock().write_all(&line),
                         Stream::Out => {
                             let mut o = std::io::stdout().lock();
-                            o.write_all(prefix.as_bytes()).and_then(|_| o.write_all(&line)).and_then(|_| o.flush())
+                            o.write_all(&line).and_then(|_| o.flush())
                         }
                     };
                     if res.is_err() {
