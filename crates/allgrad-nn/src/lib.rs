@@ -23,6 +23,10 @@
 //!   `x * mask` also differentiates the mask).
 //! - [`linear`]: `x·Wᵀ + b` as one GEMM with the bias folded in, and a backward that gives
 //!   `∂x`, `∂W` and `∂b` from one op (Candle's walks matmul, transpose and broadcast nodes).
+//! - [`attention`]: multi-head self-attention (scores, key mask, softmax, dropout, context,
+//!   heads merged) over packed query/key/value projections as one op, with a backward that
+//!   recomputes the probabilities (composed from Candle's ops it is about fifteen graph nodes,
+//!   each a pass forward and an accumulation backward).
 //! - [`channel_moments`], [`channel_affine`]: the two passes of batch normalisation over
 //!   `[N, C, ...]` tensors, fused, with backward (sums in f64).
 //! - [`batch_norm`]: the whole batch-norm layer (and a following ReLU or residual
@@ -59,6 +63,7 @@
 #![warn(missing_docs)]
 
 mod activation;
+mod attention;
 mod batch_norm;
 mod channel;
 mod conv;
@@ -77,6 +82,7 @@ mod softmax;
 mod vmath;
 
 pub use activation::{add_relu, gelu_erf, relu};
+pub use attention::{attention, attention_composed};
 pub use batch_norm::{batch_norm, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};

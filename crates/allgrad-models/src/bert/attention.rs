@@ -24,10 +24,11 @@ pub struct SelfAttention {
     attention_dropout: f64,
 }
 
-/// The additive score bias `[b, 1, 1, len]` of a `[b, len]` mask (1 = token, 0 = padding).
+/// The additive key bias `[b, len]` of a `[b, len]` mask (1 = token, 0 = padding): 0 for a
+/// token, `-1e30` for padding.
 pub fn mask_bias(mask: &Tensor) -> Result<Tensor> {
-    let (b, len) = mask.dims2()?;
-    mask.affine(-MASKED, MASKED)?.reshape((b, 1, 1, len))
+    mask.dims2()?;
+    mask.affine(-MASKED, MASKED)
 }
 
 impl SelfAttention {
@@ -49,19 +50,20 @@ impl SelfAttention {
     }
 
     /// `x`: `[b, len, hidden]`; `bias`: [`mask_bias`] of the batch; `layer` keys dropout.
+    ///
+    /// The three projections run as one stacked linear layer and the attention proper as
+    /// allgrad-nn's fused [`allgrad_nn::attention`].
     pub fn forward(&self, x: &Tensor, bias: &Tensor, layer: usize, dropout: Option<&DropoutKey>) -> Result<Tensor> {
-        let (b, len, h) = x.dims3()?;
-        let hd = h / self.heads;
-        let split = |t: Tensor| t.reshape((b, len, self.heads, hd))?.transpose(1, 2)?.contiguous();
-        let q = split(self.query.forward(x)?)?;
-        let k = split(self.key.forward(x)?)?;
-        let v = split(self.value.forward(x)?)?;
-        let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(bias)?;
-        let mut probs = allgrad_nn::softmax_last_dim(&scores)?;
-        if let Some(key) = dropout {
-            probs = key.apply_attention(&probs, self.attention_dropout, layer)?;
-        }
-        let ctx = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, len, h))?;
+        let (b, len, _) = x.dims3()?;
+        let qkv = Dense::stacked(&[&self.query, &self.key, &self.value])?.forward(x)?;
+        let mask = match dropout {
+            Some(key) if self.attention_dropout > 0.0 => {
+                let shape = (b, self.heads, len, len);
+                Some(key.attention_mask(shape, self.attention_dropout, layer, x.dtype(), x.device())?)
+            }
+            _ => None,
+        };
+        let ctx = allgrad_nn::attention(&qkv, bias, self.heads, mask.as_ref())?;
         let out = self.output.forward(&ctx)?;
         let sum = match dropout {
             Some(key) => key.apply_residual(&out, x, self.hidden_dropout, layer, Site::AttentionOutput)?,

@@ -8,7 +8,7 @@
 //! one query position, values are drawn key position by key position, so the entries of real
 //! keys do not move when padded keys are added after them.)
 
-use candle_core::{DType, Result, Tensor, WithDType};
+use candle_core::{DType, Device, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use crate::rng::stream;
@@ -81,10 +81,10 @@ impl DropoutKey {
 
     /// The scaled keep mask of `x` (`[b, len, width]`) at `site`.
     fn mask(&self, x: &Tensor, p: f64, layer: usize, site: Site) -> Result<Tensor> {
-        let (b, len, width) = x.dims3()?;
+        let (b, _, width) = x.dims3()?;
         self.check_rows(b)?;
         let scale = 1.0 / (1.0 - p);
-        mask_tensor(x, len * width, &|row, m| {
+        mask_tensor(x.shape(), x.dtype(), x.device(), &|row, m| {
             for (pos, m) in m.chunks_mut(width.max(1)).enumerate() {
                 let mut rng = self.stream(row, layer, site, pos);
                 m.iter_mut().for_each(|v| *v = draw(&mut rng, p, scale));
@@ -92,16 +92,20 @@ impl DropoutKey {
         })
     }
 
-    /// Dropout with probability `p` on attention probabilities `[b, heads, len_q, len_k]`: for
+    /// The scaled keep mask (`0` or `1/(1-p)`) of dropout with probability `p` on attention
+    /// probabilities of shape `(b, heads, len_q, len_k)`, for [`allgrad_nn::attention`]: for
     /// each row and query position, a stream drawn key by key, head by head.
-    pub fn apply_attention(&self, probs: &Tensor, p: f64, layer: usize) -> Result<Tensor> {
-        if p == 0.0 {
-            return Ok(probs.clone());
-        }
-        let (b, heads, lq, lk) = probs.dims4()?;
+    pub fn attention_mask(
+        &self,
+        (b, heads, lq, lk): (usize, usize, usize, usize),
+        p: f64,
+        layer: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
         self.check_rows(b)?;
         let scale = 1.0 / (1.0 - p);
-        let mask = mask_tensor(probs, heads * lq * lk, &|row, m| {
+        mask_tensor(&Shape::from((b, heads, lq, lk)), dtype, device, &|row, m| {
             for q in 0..lq {
                 let mut rng = self.stream(row, layer, Site::AttentionProbs, q);
                 for k in 0..lk {
@@ -110,15 +114,14 @@ impl DropoutKey {
                     }
                 }
             }
-        })?;
-        allgrad_nn::dropout_mask(probs, &mask, None)
+        })
     }
 }
 
-/// A mask shaped like `x` (whose first dimension is the batch row), each row's `per_row`
-/// entries written by `fill(row, entries)` in f64, the rows in parallel, stored in `x`'s dtype
-/// on its device. The values do not depend on the number of threads.
-fn mask_tensor(x: &Tensor, per_row: usize, fill: &(dyn Fn(usize, &mut [f64]) + Sync)) -> Result<Tensor> {
+/// A mask of `shape` (whose first dimension is the batch row), each row's entries written by
+/// `fill(row, entries)` in f64, the rows in parallel, stored in `dtype` on `device`. The values
+/// do not depend on the number of threads.
+fn mask_tensor(shape: &Shape, dtype: DType, device: &Device, fill: &(dyn Fn(usize, &mut [f64]) + Sync)) -> Result<Tensor> {
     fn build<T: WithDType>(rows: usize, per_row: usize, fill: &(dyn Fn(usize, &mut [f64]) + Sync)) -> Vec<T> {
         let mut out = vec![T::from_f64(0.0); rows * per_row];
         out.par_chunks_mut(per_row.max(1)).enumerate().for_each(|(row, o)| {
@@ -128,9 +131,10 @@ fn mask_tensor(x: &Tensor, per_row: usize, fill: &(dyn Fn(usize, &mut [f64]) + S
         });
         out
     }
-    let rows = x.dim(0)?;
-    match x.dtype() {
-        DType::F32 => Tensor::from_vec(build::<f32>(rows, per_row, fill), x.shape(), x.device()),
-        _ => Tensor::from_vec(build::<f64>(rows, per_row, fill), x.shape(), x.device())?.to_dtype(x.dtype()),
+    let rows = shape.dims().first().copied().unwrap_or(1);
+    let per_row = shape.elem_count() / rows.max(1);
+    match dtype {
+        DType::F32 => Tensor::from_vec(build::<f32>(rows, per_row, fill), shape, device),
+        _ => Tensor::from_vec(build::<f64>(rows, per_row, fill), shape, device)?.to_dtype(dtype),
     }
 }

@@ -25,6 +25,15 @@ impl Dense {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         allgrad_nn::linear(x, &self.weight, Some(&self.bias))
     }
+
+    /// The layers side by side as one: weights stacked along the outputs, biases concatenated
+    /// (differentiable, so each part's gradient reaches its own parameters). Its output is the
+    /// parts' outputs concatenated along the last dimension, from one GEMM.
+    pub fn stacked(parts: &[&Dense]) -> Result<Dense> {
+        let weights: Vec<&Tensor> = parts.iter().map(|p| &p.weight).collect();
+        let biases: Vec<&Tensor> = parts.iter().map(|p| &p.bias).collect();
+        Ok(Dense { weight: Tensor::cat(&weights, 0)?, bias: Tensor::cat(&biases, 0)? })
+    }
 }
 
 /// LayerNorm over the last dimension with parameters `weight` (gamma) and `bias` (beta).
