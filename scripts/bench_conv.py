@@ -7,7 +7,7 @@ each, i.e. exactly one gradient per call), and forward + backward through autogr
 table and one `RESULT<TAB>layer<TAB>op<TAB>torch<TAB>median_s<TAB>min_s` line per figure, which
 scripts/bench_conv.sh joins with the Rust rows.
 
-    python3 scripts/bench_conv.py [--runs 5] [--all] [--threads N]
+    python3 scripts/bench_conv.py [--runs 5] [--all | --resnet18] [--threads N]
 
 Requires PyTorch (`pip install torch`); without it this exits with status 2 and says so.
 """
@@ -27,6 +27,21 @@ MORE_LAYERS = [
     ("3x3/s2 128x64x32x32->128", (128, 64, 32, 32), 128, 3, 2, 1),
     ("1x1 128x256x16x16->64", (128, 256, 16, 16), 64, 1, 1, 0),
 ]
+# Every distinct convolution of the SimCLR step's ResNet-18 (3x3 stem, 32x32 images) at
+# batch 64 (128 views); same list in bench_conv.rs.
+RESNET18_LAYERS = [
+    ("r18 stem 3->64 32x32", (128, 3, 32, 32), 64, 3, 1, 1),
+    ("r18 3x3 64->64 32x32", (128, 64, 32, 32), 64, 3, 1, 1),
+    ("r18 3x3/s2 64->128 32x32", (128, 64, 32, 32), 128, 3, 2, 1),
+    ("r18 1x1/s2 64->128 32x32", (128, 64, 32, 32), 128, 1, 2, 0),
+    ("r18 3x3 128->128 16x16", (128, 128, 16, 16), 128, 3, 1, 1),
+    ("r18 3x3/s2 128->256 16x16", (128, 128, 16, 16), 256, 3, 2, 1),
+    ("r18 1x1/s2 128->256 16x16", (128, 128, 16, 16), 256, 1, 2, 0),
+    ("r18 3x3 256->256 8x8", (128, 256, 8, 8), 256, 3, 1, 1),
+    ("r18 3x3/s2 256->512 8x8", (128, 256, 8, 8), 512, 3, 2, 1),
+    ("r18 1x1/s2 256->512 8x8", (128, 256, 8, 8), 512, 1, 2, 0),
+    ("r18 3x3 512->512 4x4", (128, 512, 4, 4), 512, 3, 1, 1),
+]
 
 
 def timed(runs, f):
@@ -43,6 +58,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5, help="timed runs per figure (median reported)")
     ap.add_argument("--all", action="store_true", help="add the stride-2 and pointwise layers")
+    ap.add_argument("--resnet18", action="store_true", help="only the SimCLR step's ResNet-18 convolutions")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     args, _ = ap.parse_known_args()  # ignore the Rust-only flags the driver passes through
     try:
@@ -57,7 +73,8 @@ def main():
     print(f"conv2d f32 on CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"median of {args.runs} runs (seconds)")
     print(f"{'layer':<26} {'op':<22} {'torch':>10}")
-    for name, xs, out, k, s, p in LAYERS + (MORE_LAYERS if args.all else []):
+    layers = RESNET18_LAYERS if args.resnet18 else LAYERS + (MORE_LAYERS if args.all else [])
+    for name, xs, out, k, s, p in layers:
         x = torch.rand(xs) * 2 - 1
         w = (torch.rand(out, xs[1], k, k) * 2 - 1) * 0.05
         with torch.no_grad():

@@ -6,15 +6,18 @@ use allgrad::dist::ProcessGroup;
 use allgrad::models::batch_norm::Mode;
 use allgrad::models::losses::nt_xent;
 use allgrad::models::resnet::{ResNet, ResNetConfig, Stem};
+use allgrad::train::optim::{OptimConfig, Optimizer};
 use allgrad::train::params::ParamStore;
+use candle_core::Var;
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Linear, Module, Optimizer, SGD};
+use candle_nn::{Linear, Module};
 
 use crate::machine::Usage;
 use crate::report::{sample, Sample};
 
 /// ResNet-18 or -50 (CIFAR stem) + projector (features)-2048-128, NT-Xent (temperature 0.5),
-/// SGD (lr 0.1) on `2 * batch` fixed random views, on the CPU or a GPU: the step
+/// SGD (lr 0.1, allgrad's optimizer as the trainer runs it: in place, one parallel pass per
+/// parameter) on `2 * batch` fixed random views, on the CPU or a GPU: the step
 /// `scripts/bench_simclr_step.py` runs in PyTorch. On a GPU every phase boundary waits for
 /// the device, so the phases time the work rather than its queueing.
 pub struct AllgradStep {
@@ -23,7 +26,8 @@ pub struct AllgradStep {
     enc: ResNet,
     p1: Linear,
     p2: Linear,
-    sgd: SGD,
+    params: Vec<(String, Var)>,
+    sgd: Optimizer,
     x: Tensor,
 }
 
@@ -35,10 +39,10 @@ impl AllgradStep {
         let enc = ResNet::new(&cfg, vb.pp("encoder"))?;
         let p1 = candle_nn::linear(enc.feature_dim(), 2048, vb.pp("proj.0"))?;
         let p2 = candle_nn::linear(2048, 128, vb.pp("proj.1"))?;
-        let vars = store.vars().into_iter().map(|(_, v)| v).collect();
-        let sgd = SGD::new(vars, 0.1)?;
+        let params = store.vars();
+        let sgd = Optimizer::new(OptimConfig::Sgd { lr: 0.1, momentum: 0.0, nesterov: false, weight_decay: 0.0 });
         let x = Tensor::randn(0f32, 1.0, (2 * batch, 3, 32, 32), dev)?;
-        Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, sgd, x })
+        Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, params, sgd, x })
     }
 
     /// One step: forward (encoder, projector, loss), backward, SGD update; the wall time
@@ -55,7 +59,12 @@ impl AllgradStep {
         let grads = loss.backward()?;
         dev.synchronize()?;
         let t_bwd = Instant::now();
-        self.sgd.step(&grads)?;
+        let g: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|(name, v)| grads.get(v).cloned().ok_or_else(|| anyhow::anyhow!("no gradient for {name}")))
+            .collect::<anyhow::Result<_>>()?;
+        self.sgd.step(&self.params, &g, &vec![false; g.len()], 0.1, &self.pg)?;
         dev.synchronize()?;
         let t_opt = Instant::now();
         drop((grads, loss, z, h));

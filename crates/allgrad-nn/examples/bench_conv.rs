@@ -1,14 +1,15 @@
 //! Conv2d forward / input-gradient / weight-gradient timings: Candle vs allgrad-nn.
 //!
 //! ```text
-//! cargo run --release -p allgrad-nn --example bench_conv -- [--runs N] [--all] [--skip-candle]
+//! cargo run --release -p allgrad-nn --example bench_conv -- [--runs N] [--all | --resnet18] [--only TEXT] [--skip-candle]
 //! ```
 //!
 //! Prints a table and, for `scripts/bench_conv.sh` (which adds PyTorch beside it), one
 //! `RESULT layer op impl median_s min_s` line per measurement. Each figure is the median of
 //! `--runs` timed runs after one warm-up; Candle's and allgrad's runs alternate so both see the
 //! same background load. Default layer: input 128x64x32x32, 64 3x3 filters,
-//! padding 1, f32. `--all` adds a stride-2 and a pointwise layer.
+//! padding 1, f32. `--all` adds a stride-2 and a pointwise layer; `--resnet18` runs instead every
+//! distinct convolution of the SimCLR step's ResNet-18 (3x3 stem, 32x32 images, 128 views).
 
 use std::time::Instant;
 
@@ -25,6 +26,28 @@ struct Layer {
     out: usize,
     k: usize,
     p: ConvParams,
+}
+
+/// The SimCLR step's ResNet-18 convolutions at batch 64 (128 views); the same list is in
+/// `scripts/bench_conv.py`.
+fn resnet18() -> Vec<Layer> {
+    let conv = |name, x: [usize; 4], out, k, stride| {
+        let p = ConvParams { stride, padding: if k == 3 { 1 } else { 0 }, ..Default::default() };
+        Layer { name, x, out, k, p }
+    };
+    vec![
+        conv("r18 stem 3->64 32x32", [128, 3, 32, 32], 64, 3, 1),
+        conv("r18 3x3 64->64 32x32", [128, 64, 32, 32], 64, 3, 1),
+        conv("r18 3x3/s2 64->128 32x32", [128, 64, 32, 32], 128, 3, 2),
+        conv("r18 1x1/s2 64->128 32x32", [128, 64, 32, 32], 128, 1, 2),
+        conv("r18 3x3 128->128 16x16", [128, 128, 16, 16], 128, 3, 1),
+        conv("r18 3x3/s2 128->256 16x16", [128, 128, 16, 16], 256, 3, 2),
+        conv("r18 1x1/s2 128->256 16x16", [128, 128, 16, 16], 256, 1, 2),
+        conv("r18 3x3 256->256 8x8", [128, 256, 8, 8], 256, 3, 1),
+        conv("r18 3x3/s2 256->512 8x8", [128, 256, 8, 8], 512, 3, 2),
+        conv("r18 1x1/s2 256->512 8x8", [128, 256, 8, 8], 512, 1, 2),
+        conv("r18 3x3 512->512 4x4", [128, 512, 4, 4], 512, 3, 1),
+    ]
 }
 
 fn layers(all: bool) -> Vec<Layer> {
@@ -107,7 +130,10 @@ fn main() -> Result<()> {
     let dev = Device::Cpu;
     println!("conv2d f32 on CPU, {} rayon threads, median of {runs} runs (seconds)", rayon::current_num_threads());
     println!("{:<26} {:<22} {:>10} {:>10} {:>8}", "layer", "op", "candle", "allgrad", "ratio");
-    for l in layers(all) {
+    let list = if args.iter().any(|a| a == "--resnet18") { resnet18() } else { layers(all) };
+    // `--only TEXT`: the layers whose name contains TEXT.
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned().unwrap_or_default();
+    for l in list.into_iter().filter(|l| l.name.contains(&only)) {
         let x = Tensor::rand(-1f32, 1f32, &l.x[..], &dev)?;
         let w = (Tensor::rand(-1f32, 1f32, (l.out, l.x[1] / l.p.groups, l.k, l.k), &dev)? * 0.05)?;
         let y = conv2d(&x, &w, l.p)?;

@@ -32,7 +32,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use rayon::prelude::*;
 
 use crate::channel::geometry;
-use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
+use crate::cpu::{contiguous, float_kernel, has_avx2, run_split, zeros, Float, SplitKernel, GRAIN};
 use crate::error::{fail, NnError};
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
@@ -184,7 +184,6 @@ pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, e
 
 /// `out = tail(a[c]·x + b[c])`, parallel over runs of whole rows.
 fn forward_kernel<T: Float>(x: &[T], skip: Option<&[T]>, p: &Plan, inner: usize) -> Vec<T> {
-    let zero = T::from_f64(0.0);
     let mut out = zeros(x.len());
     if out.is_empty() {
         return out;
@@ -192,32 +191,62 @@ fn forward_kernel<T: Float>(x: &[T], skip: Option<&[T]>, p: &Plan, inner: usize)
     let a: Vec<T> = p.scale.iter().map(|&v| T::from_f64(v)).collect();
     let b: Vec<T> = p.shift.iter().map(|&v| T::from_f64(v)).collect();
     let rows = (GRAIN / inner).max(1);
+    let avx2 = has_avx2();
     out.par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
-        let start = t * rows * inner;
-        for (r, orow) in o.chunks_mut(inner).enumerate() {
-            let at = start + r * inner;
-            let ch = (at / inner) % p.c;
-            let (s, t) = (a[ch], b[ch]);
-            let xs = &x[at..at + inner];
-            match (skip, p.relu) {
-                (Some(sk), _) => {
-                    let ss = &sk[at..at + inner];
-                    for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
-                        let z = v * s + t + w;
-                        *o = if z > zero { z } else { zero };
-                    }
-                }
-                (None, true) => {
-                    for (o, &v) in orow.iter_mut().zip(xs) {
-                        let z = v * s + t;
-                        *o = if z > zero { z } else { zero };
-                    }
-                }
-                (None, false) => orow.iter_mut().zip(xs).for_each(|(o, &v)| *o = v * s + t),
-            }
+        let task = ForwardTask { x, skip, a: &a, b: &b, relu: p.relu, inner, start: t * rows * inner };
+        if avx2 {
+            // SAFETY: the CPU has the features `forward_rows_avx2` is compiled for.
+            unsafe { forward_rows_avx2(&task, o) }
+        } else {
+            forward_rows(&task, o)
         }
     });
     out
+}
+
+/// What one task of [`forward_kernel`] reads: its output rows start at element `start`.
+struct ForwardTask<'a, T> {
+    x: &'a [T],
+    skip: Option<&'a [T]>,
+    a: &'a [T],
+    b: &'a [T],
+    relu: bool,
+    inner: usize,
+    start: usize,
+}
+
+/// [`forward_rows`] compiled for AVX2 (see [`has_avx2`]).
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
+unsafe fn forward_rows_avx2<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
+    forward_rows(task, out)
+}
+
+#[inline(always)]
+fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
+    let zero = T::from_f64(0.0);
+    let (inner, c) = (task.inner, task.a.len());
+    for (r, orow) in out.chunks_mut(inner).enumerate() {
+        let at = task.start + r * inner;
+        let ch = (at / inner) % c;
+        let (s, t) = (task.a[ch], task.b[ch]);
+        let xs = &task.x[at..at + inner];
+        match (task.skip, task.relu) {
+            (Some(sk), _) => {
+                let ss = &sk[at..at + inner];
+                for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
+                    let z = v * s + t + w;
+                    *o = if z > zero { z } else { zero };
+                }
+            }
+            (None, true) => {
+                for (o, &v) in orow.iter_mut().zip(xs) {
+                    let z = v * s + t;
+                    *o = if z > zero { z } else { zero };
+                }
+            }
+            (None, false) => orow.iter_mut().zip(xs).for_each(|(o, &v)| *o = v * s + t),
+        }
+    }
 }
 
 /// Independent f64 partial sums per channel (eight chains keep the adds pipelined).
@@ -226,28 +255,71 @@ const LANES: usize = 8;
 /// Per channel, this rank's `(Σ g', Σ g'·(x − μ))` in f64, each channel summed by one task in a
 /// fixed order.
 fn channel_sums<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inner: usize) -> Vec<(f64, f64)> {
-    let zero = T::from_f64(0.0);
+    let avx2 = has_avx2();
     (0..p.c)
         .into_par_iter()
-        .map(|ch| {
-            let mu = p.mean[ch];
-            let (mut s1, mut s2) = ([0f64; LANES], [0f64; LANES]);
-            for img in 0..n {
-                let off = (img * p.c + ch) * inner;
-                let (gs, xs, ys) = (&g[off..off + inner], &x[off..off + inner], &y[off..off + inner]);
-                for (i, ((&gv, &xv), &yv)) in gs.iter().zip(xs).zip(ys).enumerate() {
-                    let gp = if !p.relu || yv > zero { gv.to_f64() } else { 0.0 };
-                    s1[i % LANES] += gp;
-                    s2[i % LANES] += gp * (xv.to_f64() - mu);
-                }
-            }
-            (s1.iter().sum(), s2.iter().sum())
+        .map(|ch| match (avx2, p.relu) {
+            // SAFETY: `has_avx2` checked the CPU for the features these copies are compiled for.
+            (true, true) => unsafe { channel_sum_avx2::<T, true>(g, x, y, p.mean[ch], (n, p.c, inner), ch) },
+            (true, false) => unsafe { channel_sum_avx2::<T, false>(g, x, y, p.mean[ch], (n, p.c, inner), ch) },
+            (false, true) => channel_sum::<T, true>(g, x, y, p.mean[ch], (n, p.c, inner), ch),
+            (false, false) => channel_sum::<T, false>(g, x, y, p.mean[ch], (n, p.c, inner), ch),
         })
         .collect()
 }
 
-/// The backward: `[∂x, ∂skip (with a skip input), ∂γ, ∂β]` flat, in `x`'s dtype.
-fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inner: usize) -> Result<Vec<T>> {
+/// [`channel_sum`] compiled for AVX2 (see [`has_avx2`]).
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
+unsafe fn channel_sum_avx2<T: Float, const RELU: bool>(
+    g: &[T],
+    x: &[T],
+    y: &[T],
+    mu: f64,
+    dims: (usize, usize, usize),
+    ch: usize,
+) -> (f64, f64) {
+    channel_sum::<T, RELU>(g, x, y, mu, dims, ch)
+}
+
+/// `(Σ g', Σ g'·(x − μ))` of channel `ch` of `(n, c, inner)` values, `g'` being `g` where `y > 0`
+/// with `RELU`. Element `i` of a run goes to lane `i % LANES`: whole chunks of lanes, then the
+/// rest, in fixed-width loops without branches, so that they vectorise.
+#[inline(always)]
+fn channel_sum<T: Float, const RELU: bool>(
+    g: &[T],
+    x: &[T],
+    y: &[T],
+    mu: f64,
+    (n, c, inner): (usize, usize, usize),
+    ch: usize,
+) -> (f64, f64) {
+    let zero = T::from_f64(0.0);
+    let (mut s1, mut s2) = ([0f64; LANES], [0f64; LANES]);
+    let full = inner / LANES * LANES;
+    let mut add = |j: usize, gv: T, xv: T, yv: T| {
+        let gv = gv.to_f64();
+        let gp = if !RELU || yv > zero { gv } else { 0.0 };
+        s1[j] += gp;
+        s2[j] += gp * (xv.to_f64() - mu);
+    };
+    for img in 0..n {
+        let off = (img * c + ch) * inner;
+        let (gs, xs, ys) = (&g[off..off + inner], &x[off..off + inner], &y[off..off + inner]);
+        let chunks = gs[..full].chunks_exact(LANES).zip(xs[..full].chunks_exact(LANES)).zip(ys[..full].chunks_exact(LANES));
+        for ((gc, xc), yc) in chunks {
+            for j in 0..LANES {
+                add(j, gc[j], xc[j], yc[j]);
+            }
+        }
+        for j in 0..inner - full {
+            add(j, gs[full + j], xs[full + j], ys[full + j]);
+        }
+    }
+    (s1.iter().sum(), s2.iter().sum())
+}
+
+/// The backward: `[∂x, ∂[γ; β], ∂skip (with a skip input)]`, in `x`'s dtype.
+fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inner: usize) -> Result<Vec<Vec<T>>> {
     let zero = T::from_f64(0.0);
     let len = x.len();
     let c = p.c;
@@ -275,46 +347,81 @@ fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inne
         }
         None => k.iter_mut().zip(&p.scale).for_each(|(k, &a)| *k = T::from_f64(a)),
     }
-    let mut out = zeros(len * (1 + usize::from(p.skip)) + 2 * c);
-    let (dx, rest) = out.split_at_mut(len);
-    let (dskip, dgb) = rest.split_at_mut(if p.skip { len } else { 0 });
+    let (mut dx, mut dskip, mut dgb) = (zeros(len), zeros(if p.skip { len } else { 0 }), zeros(2 * c));
     // ∂γ = Σ g'·(x − μ)/σ and ∂β = Σ g' over this rank's values.
     for (ch, s) in sums.iter().enumerate() {
         dgb[ch] = T::from_f64(s.1 * p.inv_std[ch]);
         dgb[c + ch] = T::from_f64(s.0);
     }
-    let row = |at: usize, dxr: &mut [T], dsr: Option<&mut [T]>| {
-        let ch = (at / inner) % c;
-        let (kc, c1c, c0c, mu) = (k[ch], c1[ch], c0[ch], mu_t[ch]);
-        let (gs, xs, ys) = (&g[at..at + inner], &x[at..at + inner], &y[at..at + inner]);
-        for (i, (d, (&gv, &xv))) in dxr.iter_mut().zip(gs.iter().zip(xs)).enumerate() {
-            let gp = if !p.relu || ys[i] > zero { gv } else { zero };
-            *d = kc * gp + c1c * (xv - mu) + c0c;
-        }
-        if let Some(dsr) = dsr {
-            for (d, (&gv, &yv)) in dsr.iter_mut().zip(gs.iter().zip(ys)) {
-                *d = if yv > zero { gv } else { zero };
-            }
-        }
-    };
     if len > 0 {
         let rows = (GRAIN / inner).max(1);
         let chunk = rows * inner;
+        let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu: p.relu, inner };
+        let avx2 = has_avx2();
+        let run = |start: usize, dxc: &mut [T], dsc: Option<&mut [T]>| {
+            if avx2 {
+                // SAFETY: the CPU has the features `backward_rows_avx2` is compiled for.
+                unsafe { backward_rows_avx2(&coef, start, dxc, dsc) }
+            } else {
+                backward_rows(&coef, start, dxc, dsc)
+            }
+        };
         if p.skip {
-            dx.par_chunks_mut(chunk).zip(dskip.par_chunks_mut(chunk)).enumerate().for_each(|(t, (dxc, dsc))| {
-                for (r, (dxr, dsr)) in dxc.chunks_mut(inner).zip(dsc.chunks_mut(inner)).enumerate() {
-                    row(t * chunk + r * inner, dxr, Some(dsr));
-                }
-            });
+            dx.par_chunks_mut(chunk)
+                .zip(dskip.par_chunks_mut(chunk))
+                .enumerate()
+                .for_each(|(t, (dxc, dsc))| run(t * chunk, dxc, Some(dsc)));
         } else {
-            dx.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| {
-                for (r, dxr) in dxc.chunks_mut(inner).enumerate() {
-                    row(t * chunk + r * inner, dxr, None);
-                }
-            });
+            dx.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| run(t * chunk, dxc, None));
         }
     }
+    let mut out = vec![dx, dgb];
+    if p.skip {
+        out.push(dskip);
+    }
     Ok(out)
+}
+
+/// What [`backward_rows`] reads: the inputs and the per-channel coefficients of
+/// `∂x = k·g' + c1·(x − μ_T) + c0`.
+struct RowCoefficients<'a, T> {
+    g: &'a [T],
+    x: &'a [T],
+    y: &'a [T],
+    k: &'a [T],
+    c1: &'a [T],
+    c0: &'a [T],
+    mu: &'a [T],
+    relu: bool,
+    inner: usize,
+}
+
+/// [`backward_rows`] compiled for AVX2 (see [`has_avx2`]).
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
+unsafe fn backward_rows_avx2<T: Float>(coef: &RowCoefficients<'_, T>, start: usize, dx: &mut [T], dskip: Option<&mut [T]>) {
+    backward_rows(coef, start, dx, dskip)
+}
+
+/// `∂x` (and `∂skip`, the gradient through the ReLU) of the rows starting at element `start`.
+#[inline(always)]
+fn backward_rows<T: Float>(coef: &RowCoefficients<'_, T>, start: usize, dx: &mut [T], mut dskip: Option<&mut [T]>) {
+    let zero = T::from_f64(0.0);
+    let (inner, c) = (coef.inner, coef.k.len());
+    for (r, dxr) in dx.chunks_mut(inner).enumerate() {
+        let at = start + r * inner;
+        let ch = (at / inner) % c;
+        let (kc, c1c, c0c, mu) = (coef.k[ch], coef.c1[ch], coef.c0[ch], coef.mu[ch]);
+        let (gs, xs, ys) = (&coef.g[at..at + inner], &coef.x[at..at + inner], &coef.y[at..at + inner]);
+        for (d, ((&gv, &xv), &yv)) in dxr.iter_mut().zip(gs.iter().zip(xs).zip(ys)) {
+            let gp = if !coef.relu || yv > zero { gv } else { zero };
+            *d = kc * gp + c1c * (xv - mu) + c0c;
+        }
+        if let Some(ds) = dskip.as_deref_mut() {
+            for (d, (&gv, &yv)) in ds[r * inner..(r + 1) * inner].iter_mut().zip(gs.iter().zip(ys)) {
+                *d = if yv > zero { gv } else { zero };
+            }
+        }
+    }
 }
 
 /// The forward without a skip input: `(x, [γ; β])`.
@@ -323,7 +430,7 @@ struct Forward(Arc<Plan>);
 /// The forward with a skip input: `(x, [γ; β], skip)`.
 struct ForwardSkip(Arc<Plan>);
 
-/// The backward's kernel as an untracked op on `(∂y, x, y)`.
+/// The backward's kernel on `(∂y, x, y)`.
 struct Backward(Arc<Plan>);
 
 impl CustomOp2 for Forward {
@@ -376,36 +483,23 @@ impl CustomOp3 for ForwardSkip {
     }
 }
 
-/// Runs the backward kernel and splits its flat output into `(∂x, ∂skip, ∂[γ; β])`.
+/// Runs the backward kernel: `(∂x, ∂skip, ∂[γ; β])`.
 fn backward(plan: &Arc<Plan>, x: &Tensor, gb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Tensor, Option<Tensor>, Tensor)> {
     let g = g.detach().to_dtype(x.dtype())?;
-    let flat = g.apply_op3_no_bwd(&x.detach(), &y.detach(), &Backward(plan.clone()))?;
-    let len = x.elem_count();
-    let dx = flat.narrow(0, 0, len)?.reshape(x.shape())?;
-    let dskip = if plan.skip { Some(flat.narrow(0, len, len)?.reshape(x.shape())?) } else { None };
-    let at = len * (1 + usize::from(plan.skip));
-    let dgb = flat.narrow(0, at, 2 * plan.c)?.reshape(gb.shape())?;
-    Ok((dx, dskip, dgb))
+    let mut shapes = vec![x.shape().clone(), gb.shape().clone()];
+    if plan.skip {
+        shapes.push(x.shape().clone());
+    }
+    let mut grads = run_split(&Backward(plan.clone()), [&g, x, y], &shapes)?.into_iter();
+    let (Some(dx), Some(dgb)) = (grads.next(), grads.next()) else { unreachable!("one gradient per shape") };
+    Ok((dx, grads.next(), dgb))
 }
 
-impl CustomOp3 for Backward {
-    fn name(&self) -> &'static str {
-        "allgrad-batch-norm-backward"
-    }
+impl SplitKernel<3> for Backward {
+    const OP: &'static str = "batch_norm backward";
 
-    fn cpu_fwd(
-        &self,
-        sg: &CpuStorage,
-        lg: &Layout,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sy: &CpuStorage,
-        ly: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn run<T: Float>(&self, [(g, lg), (x, lx), (y, ly)]: [(&[T], &Layout); 3]) -> Result<Vec<Vec<T>>> {
         let (n, _, inner) = geometry(lx.dims(), "batch_norm")?;
-        let out = float_kernel!("batch_norm backward", sg => g, sx => x, sy => y;
-            backward_kernel(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), &self.0, n, inner)?);
-        let len = lx.shape().elem_count() * (1 + usize::from(self.0.skip)) + 2 * self.0.c;
-        Ok((out, Shape::from(len)))
+        backward_kernel(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), &self.0, n, inner)
     }
 }

@@ -17,7 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, zeros, Float};
+use crate::cpu::{contiguous, float_kernel, has_avx2, zeros, Float};
 use crate::error::{fail, NnError};
 
 /// `(n, c, inner)` of an `[N, C, ...]` shape.
@@ -34,7 +34,7 @@ const LANES: usize = 8;
 
 /// Adds `Σ x` and `Σ x·y` (`y = x` when absent) of one run into the lanes, element `i` of the
 /// run into lane `i % LANES`.
-#[inline]
+#[inline(always)]
 fn accumulate<T: Float>(s1: &mut [f64; LANES], s2: &mut [f64; LANES], xs: &[T], ys: Option<&[T]>) {
     let full = xs.len() / LANES * LANES;
     match ys {
@@ -72,17 +72,35 @@ fn accumulate<T: Float>(s1: &mut [f64; LANES], s2: &mut [f64; LANES], xs: &[T], 
 /// is summed by one task in a fixed order (lanes, then the lanes in order), so the result does
 /// not depend on scheduling.
 fn per_channel<T: Float>(x: &[T], y: Option<&[T]>, n: usize, c: usize, inner: usize) -> Vec<(f64, f64)> {
+    let avx2 = has_avx2();
     (0..c)
         .into_par_iter()
         .map(|ch| {
-            let (mut s1, mut s2) = ([0f64; LANES], [0f64; LANES]);
-            for img in 0..n {
-                let off = (img * c + ch) * inner;
-                accumulate(&mut s1, &mut s2, &x[off..off + inner], y.map(|y| &y[off..off + inner]));
+            if avx2 {
+                // SAFETY: the CPU has the features `channel_avx2` is compiled for.
+                unsafe { channel_avx2(x, y, (n, c, inner), ch) }
+            } else {
+                channel(x, y, (n, c, inner), ch)
             }
-            (s1.iter().sum(), s2.iter().sum())
         })
         .collect()
+}
+
+/// [`channel`] compiled for AVX2 (see [`has_avx2`]).
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
+unsafe fn channel_avx2<T: Float>(x: &[T], y: Option<&[T]>, dims: (usize, usize, usize), ch: usize) -> (f64, f64) {
+    channel(x, y, dims, ch)
+}
+
+/// `(Σ x, Σ x·y)` of channel `ch`.
+#[inline(always)]
+fn channel<T: Float>(x: &[T], y: Option<&[T]>, (n, c, inner): (usize, usize, usize), ch: usize) -> (f64, f64) {
+    let (mut s1, mut s2) = ([0f64; LANES], [0f64; LANES]);
+    for img in 0..n {
+        let off = (img * c + ch) * inner;
+        accumulate(&mut s1, &mut s2, &x[off..off + inner], y.map(|y| &y[off..off + inner]));
+    }
+    (s1.iter().sum(), s2.iter().sum())
 }
 
 struct Moments;

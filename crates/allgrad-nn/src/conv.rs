@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 
 use crate::conv_cpu::{conv_bwd, conv_fwd};
-use crate::cpu::{contiguous, float_kernel};
+use crate::cpu::{contiguous, float_kernel, run_split, Float, SplitKernel};
 use crate::error::{fail, NnError};
 use crate::im2col::ConvGeom;
 
@@ -171,7 +171,18 @@ pub fn conv2d_backward(
     if !want_input && !want_weight {
         return Ok(grads);
     }
-    let flat = x.apply_op3_no_bwd(&w, &grad, &Conv2dBackward { g, want_input, want_weight })?;
+    let kernel = Conv2dBackward { g, want_input, want_weight };
+    if x.device().is_cpu() {
+        // Each gradient in a buffer of its own (see `run_split`).
+        let empty = || Shape::from(0usize);
+        let shapes =
+            [if want_input { x.shape().clone() } else { empty() }, if want_weight { w.shape().clone() } else { empty() }];
+        let mut out = run_split(&kernel, [&x, &w, &grad], &shapes)?.into_iter();
+        grads.input = out.next().filter(|_| want_input);
+        grads.weight = out.next().filter(|_| want_weight);
+        return Ok(grads);
+    }
+    let flat = x.apply_op3_no_bwd(&w, &grad, &kernel)?;
     let mut at = 0;
     if want_input {
         let len = g.n * g.in_img();
@@ -209,8 +220,8 @@ struct Conv2dOp {
     g: ConvGeom,
 }
 
-/// The backward kernel: inputs (x, w contiguous, grad contiguous), output the flat
-/// concatenation `[∂x (if wanted), ∂w (if wanted)]`.
+/// The backward kernel on `(x, w, grad)` (`w` and `grad` contiguous): `∂x` and `∂w`, each only
+/// when wanted.
 struct Conv2dBackward {
     g: ConvGeom,
     want_input: bool,
@@ -247,6 +258,17 @@ impl CustomOp2 for Conv2dOp {
     }
 }
 
+impl SplitKernel<3> for Conv2dBackward {
+    const OP: &'static str = "conv2d backward";
+
+    /// `[∂x, ∂w]`, each empty when not wanted.
+    fn run<T: Float>(&self, [(x, lx), (w, lw), (gy, lgy)]: [(&[T], &Layout); 3]) -> Result<Vec<Vec<T>>> {
+        let (dx, dw) = conv_bwd(x, lx, &contiguous(w, lw), &contiguous(gy, lgy), &self.g, self.want_input, self.want_weight);
+        Ok(vec![dx, dw])
+    }
+}
+
+/// On CUDA, cuDNN's kernels write the flat concatenation `[∂x (if wanted), ∂w (if wanted)]`.
 impl CustomOp3 for Conv2dBackward {
     fn name(&self) -> &'static str {
         "allgrad-conv2d-backward"
@@ -254,17 +276,14 @@ impl CustomOp3 for Conv2dBackward {
 
     fn cpu_fwd(
         &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (g, wi, ww) = (&self.g, self.want_input, self.want_weight);
-        let len = if wi { g.n * g.in_img() } else { 0 } + if ww { g.weight_len() } else { 0 };
-        let out = float_kernel!("conv2d backward", s1 => x, s2 => w, s3 => gy; conv_bwd(x, l1, &contiguous(w, l2), &contiguous(gy, l3), g, wi, ww));
-        Ok((out, Shape::from(len)))
+        candle_core::bail!("allgrad-nn internal error: the CPU conv2d backward runs through `run_split`")
     }
 
     #[cfg(feature = "cudnn")]

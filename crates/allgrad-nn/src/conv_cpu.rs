@@ -15,7 +15,7 @@
 use candle_core::Layout;
 use rayon::prelude::*;
 
-use crate::cpu::{matmul, zeros, BatchPlan, Float, MatRef, Strides4};
+use crate::cpu::{matmul, zeros, BatchPlan, Float, MatRef, Scratch, Strides4};
 use crate::im2col::{col2im, im2col, ConvGeom};
 
 /// Output columns a GEMM should cover at least (see the module docs).
@@ -63,7 +63,6 @@ pub(crate) fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) ->
 }
 
 fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: usize) -> Vec<T> {
-    let zero = T::from_f64(0.0);
     let st = Strides4::of(xl);
     let (p, kdim, og, cg, out_img) = (g.p(), g.kdim(), g.og(), g.cg(), g.out_img());
     // Keep at least one block per thread when the batch allows it.
@@ -80,7 +79,7 @@ fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: 
     let col_len = if pointwise { 0 } else { kdim * (ld / p.max(1)).max(1) * band * g.ow };
     let yb_len = if nb > 1 { og * ld } else { 0 };
     out.par_chunks_mut(nb * out_img).enumerate().for_each_init(
-        || (vec![zero; col_len], vec![zero; yb_len]),
+        || (Scratch::take(col_len), Scratch::take(yb_len)),
         |(col, yb), (blk, y)| {
             let first = blk * nb;
             let imgs = y.len() / out_img;
@@ -117,7 +116,7 @@ fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: 
     out
 }
 
-/// Backward: per block of images and group, `∂W_g += ∂Y_g · colᵀ` and
+/// Backward: per block of images and group, `∂W_gᵀ += col · ∂Y_gᵀ` and
 /// `∂x[n, g] = col2im(W_gᵀ · ∂Y_g)` (a single image with a large column matrix in bands of output
 /// rows). Images are cut into a fixed number of chunks; each chunk accumulates its own weight
 /// gradient and the chunks are summed in order, so the result does not depend on scheduling.
@@ -129,7 +128,7 @@ pub(crate) fn conv_bwd<T: Float>(
     g: &ConvGeom,
     want_input: bool,
     want_weight: bool,
-) -> Vec<T> {
+) -> (Vec<T>, Vec<T>) {
     conv_bwd_with(x, xl, w, gy, g, (want_input, want_weight), COL_BUDGET)
 }
 
@@ -141,7 +140,7 @@ fn conv_bwd_with<T: Float>(
     g: &ConvGeom,
     (want_input, want_weight): (bool, bool),
     budget: usize,
-) -> Vec<T> {
+) -> (Vec<T>, Vec<T>) {
     let zero = T::from_f64(0.0);
     let st = Strides4::of(xl);
     let (p, kdim, og, cg, out_img) = (g.p(), g.kdim(), g.og(), g.cg(), g.out_img());
@@ -166,9 +165,9 @@ fn conv_bwd_with<T: Float>(
         .enumerate()
         .map(|(chunk, dxc)| {
             let mut dw = vec![zero; if want_weight { g.weight_len() } else { 0 }];
-            let mut col = vec![zero; if want_weight && !pointwise { col_len } else { 0 }];
-            let mut dcol = vec![zero; if want_input && !pointwise { col_len } else { 0 }];
-            let mut gyb = vec![zero; if nb > 1 { og * ld } else { 0 }];
+            let mut col = Scratch::take(if want_weight && !pointwise { col_len } else { 0 });
+            let mut dcol = Scratch::take(if want_input && !pointwise { col_len } else { 0 });
+            let mut gyb = Scratch::take(if nb > 1 { og * ld } else { 0 });
             let first = chunk * plan.per_chunk;
             let last = (first + plan.per_chunk).min(g.n);
             let mut n = first;
@@ -191,23 +190,16 @@ fn conv_bwd_with<T: Float>(
                             let bc = (r1 - r0) * g.ow;
                             let gyg = MatRef::new(&gy[n * out_img + grp * og * p + r0 * g.ow..], p, 1);
                             if want_weight {
-                                // ∂W_g (og x kdim) += ∂Y_g band (og x bc) · colᵀ (bc x kdim)
+                                // ∂W_gᵀ (kdim x og) += col (kdim x bc) · ∂Y_g bandᵀ (bc x og)
                                 im2col(x, base, &st, g, grp * cg, (r0, r1), &mut col, bc);
-                                let colt = MatRef::new(&col[..], 1, bc);
-                                matmul(
-                                    &mut dw[dwg_range.clone()],
-                                    kdim,
-                                    n > first || r0 > 0,
-                                    gyg,
-                                    colt,
-                                    (og, kdim, bc),
-                                    plan.gemm,
-                                );
+                                let gyt = MatRef::new(gyg.data, 1, p);
+                                let colm = MatRef::new(&col[..], bc, 1);
+                                matmul(&mut dw[dwg_range.clone()], og, n > first || r0 > 0, colm, gyt, (kdim, og, bc), plan.gemm);
                             }
                             if want_input {
                                 // ∂col (kdim x bc) = W_gᵀ (kdim x og) · ∂Y_g band (og x bc)
                                 matmul(&mut dcol, bc, false, wt, gyg, (kdim, bc, og), plan.gemm);
-                                col2im(&dcol, g, (r0, r1), &mut dxc[dxg_range(0)], bc);
+                                col2im(&mut dcol, g, (r0, r1), &mut dxc[dxg_range(0)], bc);
                             }
                             r0 = r1;
                         }
@@ -221,16 +213,17 @@ fn conv_bwd_with<T: Float>(
                         MatRef::new(&gyb[..], ld, 1)
                     };
                     if want_weight {
-                        // ∂W_g (og x kdim) += ∂Y_g (og x cols) · colᵀ (cols x kdim)
-                        let colt = if pointwise {
-                            MatRef::new(&x[st.offset + n * st.n + grp * cg * st.c..], 1, st.c)
+                        // ∂W_gᵀ (kdim x og) += col (kdim x cols) · ∂Y_gᵀ (cols x og)
+                        let colm = if pointwise {
+                            MatRef::new(&x[st.offset + n * st.n + grp * cg * st.c..], st.c, 1)
                         } else {
                             for j in 0..imgs {
                                 im2col(x, st.offset + (n + j) * st.n, &st, g, grp * cg, (0, g.oh), &mut col[j * p..], ld);
                             }
-                            MatRef::new(&col[..], 1, ld)
+                            MatRef::new(&col[..], ld, 1)
                         };
-                        matmul(&mut dw[dwg_range.clone()], kdim, n > first, gyg, colt, (og, kdim, cols), plan.gemm);
+                        let gyt = MatRef::new(gyg.data, 1, gyg.rs);
+                        matmul(&mut dw[dwg_range.clone()], og, n > first, colm, gyt, (kdim, og, cols), plan.gemm);
                     }
                     if want_input {
                         // ∂col (kdim x cols) = W_gᵀ (kdim x og) · ∂Y_g (og x cols)
@@ -239,7 +232,7 @@ fn conv_bwd_with<T: Float>(
                         } else {
                             matmul(&mut dcol, ld, false, wt, gyg, (kdim, cols, og), plan.gemm);
                             for j in 0..imgs {
-                                col2im(&dcol[j * p..], g, (0, g.oh), &mut dxc[dxg_range(j)], ld);
+                                col2im(&mut dcol[j * p..], g, (0, g.oh), &mut dxc[dxg_range(j)], ld);
                             }
                         }
                     }
@@ -249,18 +242,42 @@ fn conv_bwd_with<T: Float>(
             dw
         })
         .collect();
-    let mut out = dx;
-    if want_weight {
-        let mut parts = dw_parts.into_iter();
-        let mut dw = parts.next().unwrap_or_else(|| vec![zero; g.weight_len()]);
-        for part in parts {
-            for (a, b) in dw.iter_mut().zip(&part) {
-                *a += *b;
+    if !want_weight {
+        return (dx, Vec::new());
+    }
+    (dx, sum_transposed(&dw_parts, g.groups, kdim, og))
+}
+
+/// `∂W` from the chunks' partial sums of the `groups` blocks `∂W_gᵀ` (`kdim x og` each,
+/// row-major) that the backward accumulates, summed in chunk order. Accumulating the transpose
+/// lets the GEMM pack the small `∂Y_g` block rather than transpose the whole column matrix
+/// (`kdim x cols`, up to 9 MiB) in every call.
+fn sum_transposed<T: Float>(parts: &[Vec<T>], groups: usize, kdim: usize, og: usize) -> Vec<T> {
+    const TILE: usize = 16;
+    let len = groups * kdim * og;
+    let mut dw = Vec::with_capacity(len);
+    let out = &mut dw.spare_capacity_mut()[..len];
+    for grp in 0..groups {
+        let at = grp * kdim * og;
+        // In square tiles, so that neither side is walked with a large stride.
+        for i0 in (0..kdim).step_by(TILE) {
+            for o0 in (0..og).step_by(TILE) {
+                for i in i0..(i0 + TILE).min(kdim) {
+                    for o in o0..(o0 + TILE).min(og) {
+                        let src = at + i * og + o;
+                        let mut sum = parts[0][src];
+                        for part in &parts[1..] {
+                            sum += part[src];
+                        }
+                        out[at + o * kdim + i].write(sum);
+                    }
+                }
             }
         }
-        out.extend_from_slice(&dw);
     }
-    out
+    // SAFETY: the loops above wrote every one of the first `len` elements (each (grp, o, i) once).
+    unsafe { dw.set_len(len) };
+    dw
 }
 
 #[cfg(test)]
@@ -318,7 +335,8 @@ mod tests {
             assert!(max_rel(&banded, &whole) < 1e-14, "forward, {what}");
             let banded = conv_bwd_with(&x, &xl, &wt, &gy, &g, (true, true), 1);
             let whole = conv_bwd_with(&x, &xl, &wt, &gy, &g, (true, true), usize::MAX);
-            assert!(max_rel(&banded, &whole) < 1e-14, "backward, {what}");
+            assert!(max_rel(&banded.0, &whole.0) < 1e-14, "backward ∂x, {what}");
+            assert!(max_rel(&banded.1, &whole.1) < 1e-14, "backward ∂w, {what}");
         }
     }
 }

@@ -2,9 +2,12 @@
 //! a bounds-checked GEMM wrapper and the batch-parallel plan.
 
 use std::borrow::Cow;
+use std::ops::Deref;
 
-use candle_core::{Layout, WithDType};
+use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
 use gemm::Parallelism;
+
+use crate::error::{fail, NnError};
 
 /// Elements per parallel task of the element-wise kernels: large enough that a task outweighs
 /// its scheduling.
@@ -27,6 +30,8 @@ pub(crate) trait Float: WithDType {
     fn erf_in_place(xs: &mut [Self]);
     /// `v ← e^v` over a slice: f64 through the C library, f32 through [`crate::vmath`].
     fn exp_in_place(xs: &mut [Self]);
+    /// This thread's pool of scratch buffers of this type (see [`Scratch`]).
+    fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>>;
 }
 
 macro_rules! impl_float {
@@ -55,6 +60,12 @@ macro_rules! impl_float {
             fn exp_in_place(xs: &mut [Self]) {
                 $exp(xs)
             }
+            fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>> {
+                thread_local! {
+                    static POOL: std::cell::RefCell<Vec<Vec<$t>>> = const { std::cell::RefCell::new(Vec::new()) };
+                }
+                &POOL
+            }
         }
     };
 }
@@ -67,6 +78,26 @@ fn erf_f64_in_place(xs: &mut [f64]) {
 
 fn exp_f64_in_place(xs: &mut [f64]) {
     xs.iter_mut().for_each(|v| *v = v.exp());
+}
+
+/// Whether the CPU has AVX2 and FMA, for kernels that carry a copy compiled for them.
+///
+/// The crate is built for baseline x86-64 (SSE2) so that one binary runs on every x86-64 machine
+/// of a cluster; the GEMM crate picks its kernels at run time, and the few element-wise loops that
+/// show in profiles do the same: an `#[inline(always)]` body, called from a plain function and
+/// from a `#[target_feature(enable = "avx2,fma")]` one, chosen by this check (the standard
+/// library caches the detection). Neither copy reorders arithmetic (no fast-math, and FMA
+/// contraction is never implied), so both give identical results.
+#[inline]
+pub(crate) fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// A zero-filled vector of `len` elements, zeroed by the rayon pool. A large `vec![0; len]` is
@@ -88,6 +119,80 @@ pub(crate) fn zeros<T: Float>(len: usize) -> Vec<T> {
     // SAFETY: the capacity is at least `len` and the first `len` elements were initialised above.
     unsafe { v.set_len(len) };
     v
+}
+
+/// Buffers a thread keeps between scratch requests (the convolution needs at most three at
+/// once: column matrix, its gradient, a gathered block).
+const SCRATCH_KEPT: usize = 4;
+
+/// A scratch buffer of `len` elements whose contents are unspecified (stale values of an
+/// earlier request): the kernel must write every element it reads. It comes from, and returns
+/// to on drop, a small pool per thread, so that the convolution's column matrices (up to 9 MiB
+/// per block) are neither zeroed nor faulted in again in every call, as a fresh `vec![0; len]`
+/// would be (calloc clears reused memory with a serial memset: 2-6% of a ResNet layer).
+///
+/// Memory: each pool thread keeps up to [`SCRATCH_KEPT`] buffers, as large as the largest
+/// requests it served. In debug builds a buffer is filled with NaN when handed out, so a kernel
+/// that reads an element it did not write fails its tests instead of reading stale data.
+pub(crate) struct Scratch<T: Float>(Vec<T>);
+
+impl<T: Float> Scratch<T> {
+    /// A buffer of `len` elements from this thread's pool (the smallest one that holds `len`,
+    /// else the largest, grown), or a new one.
+    pub fn take(len: usize) -> Self {
+        if len == 0 {
+            // Leaves the pool's buffers to the requests that need them.
+            return Self(Vec::new());
+        }
+        let mut buf = T::scratch_pool().with(|pool| {
+            let mut pool = pool.borrow_mut();
+            let fits = (0..pool.len()).filter(|&i| pool[i].capacity() >= len).min_by_key(|&i| pool[i].capacity());
+            let pick = fits.or_else(|| (0..pool.len()).max_by_key(|&i| pool[i].capacity()));
+            pick.map(|i| pool.swap_remove(i)).unwrap_or_default()
+        });
+        if buf.len() > len {
+            buf.truncate(len);
+        } else {
+            // Only the growth is written.
+            buf.resize(len, T::from_f64(0.0));
+        }
+        if cfg!(debug_assertions) {
+            buf.fill(T::from_f64(f64::NAN));
+        }
+        Self(buf)
+    }
+}
+
+impl<T: Float> Deref for Scratch<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.0
+    }
+}
+
+impl<T: Float> std::ops::DerefMut for Scratch<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.0
+    }
+}
+
+impl<T: Float> Drop for Scratch<T> {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.0);
+        if buf.capacity() == 0 {
+            return;
+        }
+        // `try_with`: during thread teardown the pool may already be gone; the buffer is then freed.
+        let _ = T::scratch_pool().try_with(|pool| {
+            let mut pool = pool.borrow_mut();
+            pool.push(buf);
+            if pool.len() > SCRATCH_KEPT {
+                // Keep the largest ones.
+                let smallest = (0..pool.len()).min_by_key(|&i| pool[i].capacity()).unwrap_or(0);
+                pool.swap_remove(smallest);
+            }
+        });
+    }
 }
 
 /// Runs a kernel on CPU storages that all hold f32 or all f64: binds each `storage => slice`,
@@ -269,5 +374,54 @@ pub(crate) fn matmul<T: Float>(
             false,
             parallelism,
         )
+    }
+}
+
+/// A backward kernel that computes several gradients at once (`∂x`, `∂W`, `∂b`), each into a
+/// `Vec` of its own; run by [`run_split`].
+pub(crate) trait SplitKernel<const N: usize> {
+    /// The op named in errors.
+    const OP: &'static str;
+    /// The outputs, in the order of the shapes given to [`run_split`], from the inputs' elements
+    /// (each seen through its layout).
+    fn run<T: Float>(&self, inputs: [(&[T], &Layout); N]) -> Result<Vec<Vec<T>>>;
+}
+
+/// Runs `kernel` on the storages of CPU tensors (untracked) and wraps each output `Vec` as a
+/// tensor of its own, shaped by `shapes`, without a copy.
+///
+/// Why not one op with one flat output, narrowed per gradient: Candle's gradient store keeps a
+/// gradient as it is only when it owns its whole buffer, and copies a narrow out (else a small
+/// `∂W` would keep the whole `∂x` buffer alive), so a flat output costs a copy of every gradient,
+/// activation-sized ones included, per layer and step.
+pub(crate) fn run_split<const N: usize, K: SplitKernel<N>>(
+    kernel: &K,
+    inputs: [&Tensor; N],
+    shapes: &[Shape],
+) -> Result<Vec<Tensor>> {
+    fn go<T: Float, const N: usize, K: SplitKernel<N>, G: Deref<Target = Storage>>(
+        kernel: &K,
+        guards: &[(G, &Layout); N],
+        shapes: &[Shape],
+    ) -> Result<Vec<Tensor>> {
+        let mut slices = Vec::with_capacity(N);
+        for (storage, layout) in guards {
+            match &**storage {
+                Storage::Cpu(c) => slices.push((c.as_slice::<T>()?, *layout)),
+                _ => return fail(NnError::DeviceMismatch { op: K::OP }),
+            }
+        }
+        let Ok(inputs) = <[(&[T], &Layout); N]>::try_from(slices) else { unreachable!("one slice per input") };
+        let outputs = kernel.run(inputs)?;
+        assert_eq!(outputs.len(), shapes.len(), "allgrad-nn internal error: {} returned the wrong number of outputs", K::OP);
+        outputs.into_iter().zip(shapes).map(|(v, s)| Tensor::from_vec(v, s.clone(), &Device::Cpu)).collect()
+    }
+    let Some(first) = inputs.first() else { return Ok(Vec::new()) };
+    let dtype = first.dtype();
+    let guards = inputs.map(Tensor::storage_and_layout);
+    match dtype {
+        DType::F32 => go::<f32, N, K, _>(kernel, &guards, shapes),
+        DType::F64 => go::<f64, N, K, _>(kernel, &guards, shapes),
+        dtype => fail(NnError::UnsupportedDType { op: K::OP, dtype }),
     }
 }

@@ -7,8 +7,8 @@
 //! such layers per block, so on a CPU these passes are a visible share of a training step.
 //!
 //! Here the forward writes the bias into the output and the GEMM accumulates onto it; the
-//! backward computes `∂x = g·W`, `∂W = gᵀ·x` and `∂b = Σ_rows g` in one untracked op whose
-//! results share one buffer. Both GEMMs run on the whole rayon pool.
+//! backward computes `∂x = g·W`, `∂W = gᵀ·x` and `∂b = Σ_rows g` in one untracked kernel, each
+//! into a buffer of its own. Both GEMMs run on the whole rayon pool.
 
 use std::borrow::Cow;
 
@@ -16,7 +16,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, matmul, zeros, Float, MatRef};
+use crate::cpu::{contiguous, float_kernel, matmul, run_split, zeros, Float, MatRef, SplitKernel};
 use crate::error::{fail, NnError};
 
 /// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`, checked.
@@ -55,16 +55,13 @@ fn forward_kernel<T: Float>(x: &[T], w: &[T], b: Option<&[T]>, (rows, inp, out):
     y
 }
 
-/// `[∂x (rows·in) | ∂W (out·in) | ∂b (out)]` from `x`, `w` and the output gradient `g`.
-fn backward_kernel<T: Float>(x: &[T], w: &[T], g: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
-    let (x_len, w_len) = (rows * inp, out * inp);
-    let mut buf = zeros(x_len + w_len + out);
-    let (dx, rest) = buf.split_at_mut(x_len);
-    let (dw, db) = rest.split_at_mut(w_len);
+/// `[∂x (rows·in), ∂W (out·in), ∂b (out)]` from `x`, `w` and the output gradient `g`.
+fn backward_kernel<T: Float>(x: &[T], w: &[T], g: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<Vec<T>> {
+    let (mut dx, mut dw, mut db) = (zeros(rows * inp), zeros(out * inp), zeros(out));
     // ∂x = g (rows x out) · w (out x in).
-    matmul(dx, inp, false, MatRef::new(g, out, 1), MatRef::new(w, inp, 1), (rows, inp, out), pool());
+    matmul(&mut dx, inp, false, MatRef::new(g, out, 1), MatRef::new(w, inp, 1), (rows, inp, out), pool());
     // ∂W = gᵀ (out x rows) · x (rows x in).
-    matmul(dw, inp, false, MatRef::new(g, 1, out), MatRef::new(x, inp, 1), (out, inp, rows), pool());
+    matmul(&mut dw, inp, false, MatRef::new(g, 1, out), MatRef::new(x, inp, 1), (out, inp, rows), pool());
     // ∂b = column sums of g, each column summed in row order in f64; blocks of columns in
     // parallel, each block read row by row (contiguous runs).
     const BLOCK: usize = 64;
@@ -77,7 +74,7 @@ fn backward_kernel<T: Float>(x: &[T], w: &[T], g: &[T], (rows, inp, out): (usize
         }
         d.iter_mut().zip(acc).for_each(|(d, a)| *d = T::from_f64(a));
     });
-    buf
+    vec![dx, dw, db]
 }
 
 struct Linear {
@@ -106,10 +103,10 @@ impl Linear {
             return fail(NnError::GradShape { op: "linear", got: g.shape().clone(), expected });
         }
         let g = g.detach().to_dtype(x.dtype())?;
-        let flat = x.detach().apply_op3_no_bwd(&w.detach(), &g, &LinearBackward)?;
-        let dx = flat.narrow(0, 0, rows * inp)?.reshape(x.shape())?;
-        let dw = flat.narrow(0, rows * inp, out * inp)?.reshape(w.shape())?;
-        let db = flat.narrow(0, (rows + out) * inp, out)?;
+        let shapes = [x.shape().clone(), w.shape().clone(), Shape::from(out)];
+        let Ok([dx, dw, db]) = <[Tensor; 3]>::try_from(run_split(&LinearBackward((rows, inp, out)), [x, w, &g], &shapes)?) else {
+            unreachable!("three shapes, three gradients")
+        };
         Ok((dx, dw, db))
     }
 }
@@ -160,28 +157,14 @@ impl CustomOp3 for Linear {
     }
 }
 
-/// The backward's kernel as an untracked op on `(x, w, g)`: one flat buffer `[∂x | ∂W | ∂b]`.
-struct LinearBackward;
+/// The backward's kernel on `(x, w, g)` of `(rows, in, out)`: `[∂x, ∂W, ∂b]`.
+struct LinearBackward((usize, usize, usize));
 
-impl CustomOp3 for LinearBackward {
-    fn name(&self) -> &'static str {
-        "allgrad-linear-backward"
-    }
+impl SplitKernel<3> for LinearBackward {
+    const OP: &'static str = "linear backward";
 
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sw: &CpuStorage,
-        lw: &Layout,
-        sg: &CpuStorage,
-        lg: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let d = dims(lx.dims(), lw.dims(), "linear backward")?;
-        let out = float_kernel!("linear backward", sx => x, sw => w, sg => g;
-            backward_kernel(&contiguous(x, lx), &contiguous(w, lw), &contiguous(g, lg), d));
-        let len = d.0 * d.1 + d.2 * d.1 + d.2;
-        Ok((out, Shape::from(len)))
+    fn run<T: Float>(&self, [(x, lx), (w, lw), (g, lg)]: [(&[T], &Layout); 3]) -> Result<Vec<Vec<T>>> {
+        Ok(backward_kernel(&contiguous(x, lx), &contiguous(w, lw), &contiguous(g, lg), self.0))
     }
 }
 

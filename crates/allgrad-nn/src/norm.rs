@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, zeros, Float};
+use crate::cpu::{contiguous, float_kernel, run_split, zeros, Float, SplitKernel};
 use crate::error::{fail, NnError};
 
 /// `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension of `x`, with the
@@ -146,8 +146,7 @@ struct LayerNormOp {
     eps: f64,
 }
 
-/// The backward kernel: inputs `(x, gamma, grad)`, output the flat concatenation
-/// `[∂x, ∂gamma, ∂beta]`.
+/// The backward kernel: inputs `(x, gamma, grad)`, outputs `[∂x, ∂gamma, ∂beta]`.
 struct LayerNormBackward {
     eps: f64,
 }
@@ -184,35 +183,18 @@ impl CustomOp3 for LayerNormOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = gamma.elem_count();
-        let flat = x.detach().apply_op3_no_bwd(&gamma.detach(), &grad.detach(), &LayerNormBackward { eps: self.eps })?;
-        let nx = x.elem_count();
-        let dx = flat.narrow(0, 0, nx)?.reshape(x.shape())?;
-        let dgamma = flat.narrow(0, nx, d)?;
-        let dbeta = flat.narrow(0, nx + d, d)?;
+        let shapes = [x.shape().clone(), gamma.shape().clone(), gamma.shape().clone()];
+        let grads = run_split(&LayerNormBackward { eps: self.eps }, [x, gamma, grad], &shapes)?;
+        let Ok([dx, dgamma, dbeta]) = <[Tensor; 3]>::try_from(grads) else { unreachable!("three shapes, three gradients") };
         Ok((x.track_op().then_some(dx), gamma.track_op().then_some(dgamma), beta.track_op().then_some(dbeta)))
     }
 }
 
-impl CustomOp3 for LayerNormBackward {
-    fn name(&self) -> &'static str {
-        "allgrad-layer-norm-backward"
-    }
+impl SplitKernel<3> for LayerNormBackward {
+    const OP: &'static str = "layer_norm backward";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let d = l2.shape().elem_count();
-        let len = l1.shape().elem_count() + 2 * d;
-        let out = float_kernel!("layer_norm backward", s1 => x, s2 => g, s3 => gy;
-            ln_bwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(gy, l3), self.eps));
-        Ok((out, Shape::from(len)))
+    fn run<T: Float>(&self, [(x, lx), (g, lg), (gy, lgy)]: [(&[T], &Layout); 3]) -> Result<Vec<Vec<T>>> {
+        Ok(ln_bwd(&contiguous(x, lx), &contiguous(g, lg), &contiguous(gy, lgy), self.eps))
     }
 }
 
@@ -255,14 +237,13 @@ fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64) -> Vec<T> {
 /// Per row, with `x̂ = (x - mean) · rstd` and `ĝ = ∂y · gamma`:
 /// `∂x = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`, `∂gamma = Σ_rows ∂y · x̂`, `∂beta = Σ_rows ∂y`.
 /// Row blocks accumulate their own ∂gamma/∂beta, summed in block order (deterministic).
-fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64) -> Vec<T> {
+fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64) -> Vec<Vec<T>> {
     let zero = T::from_f64(0.0);
     let d = gamma.len();
-    let mut out = zeros(x.len() + 2 * d);
+    let (mut dx, mut dgamma, mut dbeta) = (zeros(x.len()), zeros(d), zeros(d));
     if d == 0 {
-        return out;
+        return vec![dx, dgamma, dbeta];
     }
-    let (dx, dgb) = out.split_at_mut(x.len());
     let rows = rows_per_task(d);
     let inv_d = T::from_f64(1.0 / d as f64);
     let parts: Vec<Vec<T>> = dx
@@ -293,9 +274,9 @@ fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64) -> Vec<T> {
         })
         .collect();
     for part in parts {
-        for (o, v) in dgb.iter_mut().zip(&part) {
+        for (o, v) in dgamma.iter_mut().chain(dbeta.iter_mut()).zip(&part) {
             *o += *v;
         }
     }
-    out
+    vec![dx, dgamma, dbeta]
 }

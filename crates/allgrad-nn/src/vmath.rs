@@ -10,8 +10,10 @@
 //!
 //! - `exp`: Cody–Waite reduction `x = n·ln2 + r`, `|r| ≤ ln2/2`, then Cephes' degree-6
 //!   polynomial for `e^r` (S. L. Moshier), scaled by `2^n` through the exponent bits. Inputs
-//!   are clamped to [-87, 88] (so results stay normal and finite); NaN stays NaN. Relative
-//!   error a few units in the last place (the tests bound it).
+//!   above 88 are clamped to 88 (the result stays finite), inputs below -87 give 0 (the exact
+//!   value is below 1.7e-38, subnormal from -87.3 on), so a softmax over masked scores gives
+//!   those exactly 0; NaN stays NaN. Relative error a few units in the last place (the tests
+//!   bound it).
 //! - `erf`, odd in `x`: for `|x| < 0.84` its Taylor series `2/√π · Σ (−1)^n x^(2n+1)/(n!(2n+1))`
 //!   to `n = 9` (truncation below 1e-9); beyond, Abramowitz & Stegun 7.1.26 (C. Hastings,
 //!   1955), `1 − t·P(t)·e^(−x²)` with `t = 1/(1 + p|x|)`, whose bound is 1.5e-7. Both are
@@ -58,7 +60,9 @@ const ERF_TAYLOR: [f32; 10] = [
 
 #[inline(always)]
 fn exp_one(x: f32) -> f32 {
-    // `clamp` keeps NaN a NaN.
+    // Below the clamp the exact value is under 1.7e-38 (subnormal from -87.3): flush it to 0
+    // (a select the compiler vectorises). `clamp` keeps NaN a NaN, and so does the flush (`NaN < EXP_LO` is false).
+    let flush = x < EXP_LO;
     let x = x.clamp(EXP_LO, EXP_HI);
     let shifted = x * LOG2E + ROUND;
     let n = shifted - ROUND;
@@ -68,7 +72,12 @@ fn exp_one(x: f32) -> f32 {
     // The low bits of `shifted` hold n + 2^22 (mod 2^23); subtracting the bits of ROUND
     // itself leaves n as a two's-complement integer.
     let n_int = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-    poly * f32::from_bits(((n_int + 127) as u32) << 23)
+    let y = poly * f32::from_bits(((n_int + 127) as u32) << 23);
+    if flush {
+        0.0
+    } else {
+        y
+    }
 }
 
 #[inline(always)]
@@ -133,10 +142,13 @@ mod tests {
         let worst = xs.iter().zip(&ys).map(|(&x, &y)| ((y as f64) / (x as f64).exp() - 1.0).abs()).fold(0.0, f64::max);
         // 2^-23 = 1.19e-7 is one unit in the last place at the top of a binade.
         assert!(worst < 3.0e-7, "exp: worst relative error {worst:e}");
-        // Beyond the clamp: no overflow, no subnormal, NaN stays NaN.
-        let mut edge = [-1000.0f32, 1000.0, f32::NAN, 0.0];
+        // Beyond the clamp: 0 below (where the exact value is at most 1.7e-38), no overflow
+        // above, NaN stays NaN; just above the lower bound, a normal number.
+        let mut edge = [-1000.0f32, -87.5, 1000.0, f32::NAN, 0.0, -86.9];
         exp_in_place(&mut edge);
-        assert!(edge[0] > 0.0 && edge[0] < 1e-37 && edge[1].is_finite() && edge[2].is_nan() && edge[3] == 1.0, "{edge:?}");
+        let [low, below, high, nan, one, normal] = edge;
+        assert!(low == 0.0 && below == 0.0 && high.is_finite() && nan.is_nan() && one == 1.0, "{edge:?}");
+        assert!(normal.is_normal() && ((normal as f64) / f64::from(-86.9f32).exp() - 1.0).abs() < 3e-7, "{edge:?}");
     }
 
     #[test]
