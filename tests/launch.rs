@@ -256,6 +256,45 @@ fn a_rank_killed_during_shared_memory_setup_leaves_no_segment_after_launch_exits
     assert_eq!(job_files(&prefix), Vec::<String>::new());
 }
 
+/// The launchers of a job's other nodes may share this `/dev/shm` (nodes on one host, or
+/// network namespaces and containers over one tmpfs) and be setting up a group right then: a
+/// launcher removes the files its own ranks created and leaves another process's files of the
+/// same job alone (it once removed every file of the job, and a two-node run on one host then
+/// lost a node's segment between its creation and its mapping).
+#[test]
+fn launch_removes_its_own_ranks_segments_only() {
+    if !std::path::Path::new("/dev/shm").is_dir() {
+        eprintln!("skipped: no /dev/shm on this system");
+        return;
+    }
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let token = format!("shm-own-files-test-{}-{nanos}", std::process::id());
+    // A segment of the same job that another node's rank (here: this test process) is setting up.
+    let other = format!("/dev/shm/{}left-by-another-node", allgrad::dist::shm_rank_prefix(&token, std::process::id()));
+    std::fs::write(&other, b"x").unwrap();
+    // Each rank leaves a file named as a segment it created would be ($$ is the rank's pid:
+    // `sh` is the program the launcher starts).
+    let prefix = allgrad::dist::shm_job_prefix(&token);
+    let script = format!("touch /dev/shm/{prefix}$$-left-by-rank-$RANK && echo $$");
+    let (out, _) = run_with_watchdog(
+        Command::new(launch_bin()).args(["--nproc-per-node", "2", "sh", "-c", &script]).env("ALLGRAD_JOB_TOKEN", &token),
+        Duration::from_secs(60),
+    );
+    let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let kept = std::path::Path::new(&other).exists();
+    let _ = std::fs::remove_file(&other);
+    assert!(out.status.success(), "{text}\n{err}");
+    assert!(kept, "the launcher removed another node's segment {other}:\n{err}");
+    let mut left = job_files(&prefix);
+    left.sort();
+    assert_eq!(left, Vec::<String>::new(), "the ranks' own files were not all removed:\n{err}");
+    for rank in 0..2 {
+        let pid = text.lines().find_map(|l| l.strip_prefix(&format!("[rank{rank}]: "))).expect("each rank prints its pid");
+        let name = format!("/dev/shm/{prefix}{pid}-left-by-rank-{rank}");
+        assert!(err.contains(&name), "the launcher did not report removing {name}:\n{err}");
+    }
+}
+
 // ------------------------------------------------------------------- on a terminal
 
 /// Runs `program args` with stdout and stderr on a new pseudo-terminal (stdin closed) under

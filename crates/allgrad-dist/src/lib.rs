@@ -72,7 +72,7 @@ pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
 pub use ops::{all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter};
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
 pub use settings::Settings;
-pub use shm_job::{remove_job_segments, shm_job_prefix};
+pub use shm_job::{remove_job_segments, shm_job_prefix, shm_rank_prefix};
 pub use threads::{run_threads, ThreadWorld};
 
 #[cfg(test)]

@@ -1,11 +1,18 @@
 //! The names of a job's shared-memory segments, and their removal when the job ends.
 //!
-//! Every segment of a job is named `allgrad-<16 hex digits>-<32 hex digits>` under
-//! `/dev/shm`: the first part hashes the job token alone ([`shm_job_prefix`]), the second the
-//! token with the group and rank 0's random nonce. A segment's name lives only for the few
-//! milliseconds of a group's setup, but a rank that dies in between leaves the file behind;
-//! the launcher, which knows the token, removes every file of its job once all ranks have
-//! exited ([`remove_job_segments`]).
+//! Every segment of a job is named `allgrad-<16 hex digits>-<pid>-<32 hex digits>` under
+//! `/dev/shm`: the first part hashes the job token alone ([`shm_job_prefix`]), the pid is the
+//! creating rank's process id ([`shm_rank_prefix`]), the last part hashes the token with the
+//! group and rank 0's random nonce. A segment's name lives only for the few milliseconds of a
+//! group's setup, but a rank that dies in between leaves the file behind; the launcher, which
+//! knows the token and its ranks' pids, removes the files its own ranks created once they have
+//! all exited ([`remove_job_segments`]).
+//!
+//! Only its own ranks' files: the launchers of a job's other nodes may share this `/dev/shm`
+//! (several nodes on one host, or containers and network namespaces over one tmpfs) and may be
+//! setting up their groups at that very moment. A launcher that removed every file of the job
+//! took such a node's segment between its creation and its mapping, and that node's group fell
+//! back to TCP.
 //!
 //! The prefix reveals 64 bits of a (non-cryptographic) hash of the token to other users of
 //! the host while a name exists. The launcher's tokens are 128 random bits, and a token only
@@ -24,23 +31,34 @@ pub fn shm_job_prefix(token: &str) -> String {
     format!("allgrad-{hex}-")
 }
 
-/// Removes the files under `/dev/shm` of the job whose token is `token` (regular files of
-/// this user whose name starts with [`shm_job_prefix`]) and returns their paths. Call it only
-/// once no process of the job is setting up a group any more: a name removed during a
-/// setup makes that group fall back to TCP.
-pub fn remove_job_segments(token: &str) -> Vec<PathBuf> {
-    remove_job_segments_in(Path::new(SHM_DIR), token)
+/// The start of the name of every segment that the process `pid` creates for the job whose
+/// token is `token`: [`shm_job_prefix`], the pid in decimal, then `-`.
+pub fn shm_rank_prefix(token: &str, pid: u32) -> String {
+    format!("{}{pid}-", shm_job_prefix(token))
 }
 
-fn remove_job_segments_in(dir: &Path, token: &str) -> Vec<PathBuf> {
+/// Removes the files under `/dev/shm` that the processes `pids` created for the job whose
+/// token is `token` (regular files of this user whose name starts with [`shm_rank_prefix`] of
+/// one of them) and returns their paths. Call it only once those processes have exited: a
+/// name removed during a setup makes that group fall back to TCP. Other processes' files of
+/// the same job are left alone.
+pub fn remove_job_segments(token: &str, pids: &[u32]) -> Vec<PathBuf> {
+    remove_job_segments_in(Path::new(SHM_DIR), token, pids)
+}
+
+fn remove_job_segments_in(dir: &Path, token: &str, pids: &[u32]) -> Vec<PathBuf> {
     use std::os::unix::fs::MetadataExt;
-    let prefix = shm_job_prefix(token);
+    let prefixes: Vec<String> = pids.iter().map(|&p| shm_rank_prefix(token, p)).collect();
+    if prefixes.is_empty() {
+        return Vec::new();
+    }
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     let mut removed = Vec::new();
     for entry in entries.flatten() {
-        if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !prefixes.iter().any(|p| name.starts_with(p.as_str())) {
             continue;
         }
         let path = entry.path();
@@ -70,7 +88,7 @@ mod tests {
     fn every_segment_name_of_a_job_starts_with_its_prefix() {
         let prefix = shm_job_prefix("tok");
         for (group, nonce) in [("world", 1u128), ("world/1", u128::MAX), ("g", 7)] {
-            let path = crate::shm_setup::segment_path("tok", group, nonce);
+            let path = crate::shm_setup::segment_path("tok", 1234, group, nonce);
             let name = path.file_name().unwrap().to_string_lossy().into_owned();
             assert!(path.starts_with(SHM_DIR) && name.starts_with(&prefix), "{name} vs {prefix}");
             assert!(!name.starts_with(&shm_job_prefix("other")), "{name}");
@@ -78,18 +96,30 @@ mod tests {
     }
 
     #[test]
-    fn removal_takes_this_jobs_files_only_and_follows_no_link() {
+    fn removal_takes_the_given_ranks_files_of_this_job_only_and_follows_no_link() {
         let dir = tempfile_dir();
-        let mine = dir.join(format!("{}0123", shm_job_prefix("job-a")));
-        let other = dir.join(format!("{}0123", shm_job_prefix("job-b")));
+        let mine =
+            [dir.join(format!("{}0123", shm_rank_prefix("job-a", 41))), dir.join(format!("{}4567", shm_rank_prefix("job-a", 7)))];
+        let other_job = dir.join(format!("{}0123", shm_rank_prefix("job-b", 41)));
+        // Another node's launcher's rank of the same job, on the same /dev/shm, and pids that
+        // only start like one of ours.
+        let other_node = dir.join(format!("{}0123", shm_rank_prefix("job-a", 42)));
+        let longer_pid = dir.join(format!("{}0123", shm_rank_prefix("job-a", 410)));
         let target = dir.join("target");
-        let link = dir.join(format!("{}link", shm_job_prefix("job-a")));
-        for p in [&mine, &other, &target] {
+        let link = dir.join(format!("{}link", shm_rank_prefix("job-a", 41)));
+        for p in mine.iter().chain([&other_job, &other_node, &longer_pid, &target]) {
             std::fs::write(p, b"x").unwrap();
         }
         std::os::unix::fs::symlink(&target, &link).unwrap();
-        assert_eq!(remove_job_segments_in(&dir, "job-a"), vec![mine.clone()]);
-        assert!(!mine.exists() && other.exists() && target.exists() && link.symlink_metadata().is_ok());
+        let mut removed = remove_job_segments_in(&dir, "job-a", &[41, 7]);
+        removed.sort();
+        let mut want = mine.to_vec();
+        want.sort();
+        assert_eq!(removed, want);
+        assert!(mine.iter().all(|p| !p.exists()));
+        assert!(other_job.exists() && other_node.exists() && longer_pid.exists() && target.exists());
+        assert!(link.symlink_metadata().is_ok());
+        assert!(remove_job_segments_in(&dir, "job-a", &[]).is_empty() && other_node.exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use crate::error::DistResult;
 use crate::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::shm::{segment_bytes, Segment, SLOT_ALIGN};
-use crate::shm_job::{shm_job_prefix, SHM_DIR};
+use crate::shm_job::{shm_rank_prefix, SHM_DIR};
 use crate::wire::{Header, KIND_DATA};
 
 /// Default bytes of one rank's slot (ALLGRAD_SHM_SLOT_BYTES overrides).
@@ -59,6 +59,8 @@ struct Offer {
     nonce: u128,
     slot: u64,
     wants: bool,
+    /// The process id of rank 0 (it names the segment it creates); 0 from the others.
+    pid: u32,
 }
 
 impl Offer {
@@ -68,6 +70,7 @@ impl Offer {
         b[16..32].copy_from_slice(&self.nonce.to_le_bytes());
         b[32..40].copy_from_slice(&self.slot.to_le_bytes());
         b[40] = self.wants as u8;
+        b[44..48].copy_from_slice(&self.pid.to_le_bytes());
         b
     }
     fn decode(b: &[u8]) -> Offer {
@@ -76,6 +79,7 @@ impl Offer {
             nonce: u128::from_le_bytes(b[16..32].try_into().unwrap()),
             slot: u64::from_le_bytes(b[32..40].try_into().unwrap()),
             wants: b[40] == 1,
+            pid: u32::from_le_bytes(b[44..48].try_into().unwrap()),
         }
     }
 }
@@ -90,14 +94,15 @@ fn host_id() -> Option<[u8; 16]> {
     Some(allgrad_rng::hash128(&[boot.trim().as_bytes(), name.trim().as_bytes(), mnt.as_bytes()]))
 }
 
-/// The segment's file. After the job's prefix ([`shm_job_prefix`], so that the launcher can
-/// remove a file left by a rank that died during setup), its name hashes the job token with
-/// the group and rank 0's 128-bit random nonce: unpredictable to other users, and (with 128
-/// unknown random bits hashed in) revealing nothing more of the token than the prefix does.
-pub(crate) fn segment_path(token: &str, group: &str, nonce: u128) -> PathBuf {
+/// The segment's file, created by the process `pid`. After the job's and the creator's
+/// prefix ([`shm_rank_prefix`], so that the creator's launcher can remove a file left by a
+/// rank that died during setup, and only its own ranks' files), its name hashes the job token
+/// with the group and rank 0's 128-bit random nonce: unpredictable to other users, and (with
+/// 128 unknown random bits hashed in) revealing nothing more of the token than the prefix does.
+pub(crate) fn segment_path(token: &str, pid: u32, group: &str, nonce: u128) -> PathBuf {
     let h = allgrad_rng::hash128(&[&nonce.to_le_bytes(), token.as_bytes(), group.as_bytes(), &nonce.to_le_bytes()]);
     let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
-    PathBuf::from(SHM_DIR).join(format!("{}{hex}", shm_job_prefix(token)))
+    PathBuf::from(SHM_DIR).join(format!("{}{hex}", shm_rank_prefix(token, pid)))
 }
 
 /// Removes the segment's name when dropped (on success and on every error path alike).
@@ -144,6 +149,7 @@ impl Mesh {
             nonce: if r == 0 { rand::random() } else { 0 },
             slot: slot_for(w, cfg.slot_bytes) as u64,
             wants: cfg.enabled && host.is_some() && dir_ok,
+            pid: if r == 0 { std::process::id() } else { 0 },
         };
         let peers: Vec<usize> = (0..w).filter(|p| *p != r).collect();
         let got = self.setup_round(0, &peers, &mine.encode(), &peers, OFFER_LEN)?;
@@ -158,7 +164,7 @@ impl Mesh {
             tracing::debug!("{}: no shared-memory layout for {w} ranks of {slot} bytes; TCP only", self.group);
             return Ok(());
         }
-        let path = segment_path(token, &self.group, offers[0].nonce);
+        let path = segment_path(token, offers[0].pid, &self.group, offers[0].nonce);
 
         // Rank 0 creates the segment and says whether it could.
         let mut unlink = Unlink(None);
@@ -206,7 +212,7 @@ mod tests {
 
     #[test]
     fn offers_round_trip() {
-        let o = Offer { host: [7; 16], nonce: u128::MAX - 5, slot: 1 << 20, wants: true };
+        let o = Offer { host: [7; 16], nonce: u128::MAX - 5, slot: 1 << 20, wants: true, pid: u32::MAX - 3 };
         assert_eq!(Offer::decode(&o.encode()), o);
     }
 
@@ -222,12 +228,14 @@ mod tests {
     }
 
     #[test]
-    fn segment_names_depend_on_token_group_and_nonce_and_do_not_show_the_token() {
-        let a = segment_path("secret-token", "world", 1);
-        assert_ne!(a, segment_path("secret-token", "world", 2));
-        assert_ne!(a, segment_path("other", "world", 1));
-        assert_ne!(a, segment_path("secret-token", "world/1", 1));
+    fn segment_names_depend_on_token_creator_group_and_nonce_and_do_not_show_the_token() {
+        let a = segment_path("secret-token", 17, "world", 1);
+        assert_ne!(a, segment_path("secret-token", 17, "world", 2));
+        assert_ne!(a, segment_path("other", 17, "world", 1));
+        assert_ne!(a, segment_path("secret-token", 17, "world/1", 1));
         assert!(!a.to_string_lossy().contains("secret"));
         assert!(a.starts_with(SHM_DIR));
+        let name = a.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with(&shm_rank_prefix("secret-token", 17)), "{name}");
     }
 }

@@ -8,9 +8,10 @@
 //! installed only while [`launch`] runs and the previous ones are restored when it returns
 //! (`signals.rs`). Each rank runs in its own process group (so its own children are stopped
 //! with it) and, on Linux, is killed by the kernel if the launcher itself dies, so no process
-//! is left behind (`spawn.rs`). Once every rank has exited, the shared-memory files of the
-//! job that a rank dying during a group's setup left under `/dev/shm` are removed
-//! ([`remove_job_segments`](crate::remove_job_segments)).
+//! is left behind (`spawn.rs`). Once every rank has exited, the shared-memory files that one
+//! of this launcher's ranks created and left under `/dev/shm` by dying during a group's setup
+//! are removed ([`remove_job_segments`](crate::remove_job_segments)); other nodes' files of
+//! the job are not touched.
 //!
 //! `max_restarts` starts every rank again after a failure, as torchrun's `--max-restarts`
 //! does ([`launch`]).
@@ -74,7 +75,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
 fn run_once(job: &Job, signals: &signals::SignalGuard) -> Result<Outcome, LaunchError> {
     let cfg = job.cfg;
     let out_lock = Arc::new(Mutex::new(()));
-    let mut children = Vec::with_capacity(cfg.nproc_per_node);
+    let mut children: Vec<(usize, std::process::Child)> = Vec::with_capacity(cfg.nproc_per_node);
     let mut pumps = Vec::new();
     let terminal = output::stderr_is_terminal();
     for local in 0..cfg.nproc_per_node {
@@ -84,8 +85,9 @@ fn run_once(job: &Job, signals: &signals::SignalGuard) -> Result<Outcome, Launch
         let mut child = match spawn::spawn_rank(job, local, stderr) {
             Ok(c) => c,
             Err(e) => {
+                let pids: Vec<u32> = children.iter().map(|(_, c)| c.id()).collect();
                 supervise::stop_all(&mut children, cfg.grace);
-                remove_segments(job.token);
+                remove_segments(job.token, &pids);
                 return Err(e);
             }
         };
@@ -99,20 +101,21 @@ fn run_once(job: &Job, signals: &signals::SignalGuard) -> Result<Outcome, Launch
         children.push((rank, child));
     }
 
+    let pids: Vec<u32> = children.iter().map(|(_, c)| c.id()).collect();
     let outcome = supervise::supervise(&mut children, signals, cfg.grace);
     for p in pumps {
         let _ = p.join();
     }
-    remove_segments(job.token);
+    remove_segments(job.token, &pids);
     Ok(outcome)
 }
 
-/// Removes the shared-memory files the job's ranks left (a rank that died while setting up a
-/// group), once every rank has exited. Without a token (several nodes, none set) the ranks'
-/// segment names are not known here and nothing is removed.
-fn remove_segments(token: Option<&str>) {
+/// Removes the shared-memory files this launcher's ranks (`pids`) left (a rank that died while
+/// setting up a group), once every rank has exited. Without a token (several nodes, none set)
+/// the ranks' segment names are not known here and nothing is removed.
+fn remove_segments(token: Option<&str>, pids: &[u32]) {
     let Some(token) = token else { return };
-    let removed = crate::shm_job::remove_job_segments(token);
+    let removed = crate::shm_job::remove_job_segments(token, pids);
     if !removed.is_empty() {
         let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
         eprintln!("launch: removed shared-memory files left by the job's ranks: {}", names.join(", "));
