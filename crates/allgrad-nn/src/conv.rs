@@ -4,7 +4,9 @@
 //! convolution with an image-sized "kernel" for the weight gradient; both are several times
 //! slower than the forward. Here the forward, the input gradient and the weight gradient are
 //! each one GEMM per image and group over the image's column matrix, and the two gradients
-//! share one pass over the batch.
+//! share one pass over the batch. 3x3 layers with stride 1 and padding 1 (16 or more channels
+//! each way) compute the forward and the input gradient by Winograd's F(2x2, 3x3) instead
+//! (`winograd.rs`).
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 

@@ -17,6 +17,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{matmul, zeros, BatchPlan, Float, MatRef, Scratch, Strides4};
 use crate::im2col::{col2im, im2col, ConvGeom};
+use crate::winograd;
 
 /// Output columns a GEMM should cover at least (see the module docs).
 const TARGET_COLS: usize = 512;
@@ -56,9 +57,18 @@ fn band_rows(g: &ConvGeom, budget: usize) -> usize {
     (budget / (g.kdim() * g.ow).max(1)).clamp(1, g.oh.max(1))
 }
 
-/// Forward: per block of images and group, `Y_g = W_g · [im2col(x[n, g]) ...]`; a single image
-/// with a large column matrix in bands of output rows.
+/// Forward: 3x3 convolutions with stride 1 and padding 1 by Winograd's F(2x2, 3x3) where
+/// [`winograd::applies`], every other one by [`conv_fwd_im2col`].
 pub(crate) fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
+    if winograd::applies(g) {
+        return winograd::forward(x, &Strides4::of(xl), w, g);
+    }
+    conv_fwd_im2col(x, xl, w, g)
+}
+
+/// Forward by im2col + GEMM: per block of images and group, `Y_g = W_g · [im2col(x[n, g]) ...]`;
+/// a single image with a large column matrix in bands of output rows.
+pub(crate) fn conv_fwd_im2col<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
     conv_fwd_with(x, xl, w, g, COL_BUDGET)
 }
 
@@ -116,11 +126,30 @@ fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: 
     out
 }
 
-/// Backward: per block of images and group, `∂W_gᵀ += col · ∂Y_gᵀ` and
+/// Backward: the input gradient of a convolution that [`winograd::applies`] to by Winograd's
+/// F(2x2, 3x3), everything else by [`conv_bwd_im2col`].
+pub(crate) fn conv_bwd<T: Float>(
+    x: &[T],
+    xl: &Layout,
+    w: &[T],
+    gy: &[T],
+    g: &ConvGeom,
+    want_input: bool,
+    want_weight: bool,
+) -> (Vec<T>, Vec<T>) {
+    if want_input && winograd::applies(g) {
+        let dx = winograd::input_grad(w, gy, g);
+        let (_, dw) = conv_bwd_im2col(x, xl, w, gy, g, false, want_weight);
+        return (dx, dw);
+    }
+    conv_bwd_im2col(x, xl, w, gy, g, want_input, want_weight)
+}
+
+/// Backward by im2col + GEMM: per block of images and group, `∂W_gᵀ += col · ∂Y_gᵀ` and
 /// `∂x[n, g] = col2im(W_gᵀ · ∂Y_g)` (a single image with a large column matrix in bands of output
 /// rows). Images are cut into a fixed number of chunks; each chunk accumulates its own weight
 /// gradient and the chunks are summed in order, so the result does not depend on scheduling.
-pub(crate) fn conv_bwd<T: Float>(
+pub(crate) fn conv_bwd_im2col<T: Float>(
     x: &[T],
     xl: &Layout,
     w: &[T],

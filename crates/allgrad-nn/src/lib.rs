@@ -5,7 +5,9 @@
 //!
 //! - [`conv2d`]: im2col + GEMM convolution (stride, padding, dilation, groups) whose backward
 //!   computes the input and weight gradients as GEMMs too; Candle's CPU backward is several
-//!   times slower than its forward.
+//!   times slower than its forward. 3x3 layers with stride 1 and padding 1 take Winograd's
+//!   F(2x2, 3x3) for the forward and the input gradient (2.25x fewer multiply-adds;
+//!   `ALLGRAD_WINOGRAD=0` turns it off).
 //! - [`max_pool2d`], [`avg_pool2d`], [`adaptive_avg_pool2d`]: pooling with padding and a
 //!   backward for any kernel and stride (Candle's fails when kernel != stride, misplaces
 //!   gradients when the kernel does not divide the input, and divides max-pool gradients by
@@ -80,6 +82,7 @@ mod norm;
 mod pool;
 mod softmax;
 mod vmath;
+mod winograd;
 
 pub use activation::{add_relu, gelu_erf, relu};
 pub use attention::{attention, attention_composed};

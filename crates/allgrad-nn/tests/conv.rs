@@ -156,6 +156,40 @@ fn gradients_match_directional_finite_differences_f64() {
     }
 }
 
+/// 3x3 convolutions with stride 1, padding 1 and at least 16 channels each way take the
+/// Winograd path (unless ALLGRAD_WINOGRAD=0): forward, input and weight gradients against
+/// Candle's convolution in f32 and f64 and against directional finite differences in f64, on
+/// odd, even, non-square and 1x1 planes, and batches that span several blocks.
+#[test]
+fn winograd_shapes_match_candle_and_finite_differences() {
+    let p = ConvParams { stride: 1, padding: 1, dilation: 1, groups: 1 };
+    let cases = [
+        Case { n: 3, c: 16, h: 5, w: 7, o: 20, kh: 3, kw: 3, p },
+        Case { n: 2, c: 24, h: 4, w: 4, o: 16, kh: 3, kw: 3, p },
+        Case { n: 2, c: 16, h: 1, w: 1, o: 16, kh: 3, kw: 3, p },
+        Case { n: 9, c: 32, h: 8, w: 6, o: 32, kh: 3, kw: 3, p },
+    ];
+    for (i, case) in cases.into_iter().enumerate() {
+        for dtype in [DType::F32, DType::F64] {
+            let x = rand_tensor(&case.x_shape(), 50 + i as u64, dtype);
+            let w = rand_tensor(&case.w_shape(), 60 + i as u64, dtype);
+            let r = rand_tensor(&out_shape(&x, &w, case.p), 70 + i as u64, dtype);
+            let what = format!("{case:?} {dtype:?}");
+            assert_close(&conv2d(&x, &w, p).unwrap(), &candle_conv(&x, &w, p).unwrap(), tol(dtype), &what);
+            let (dx, dw) = grads(conv2d, &x, &w, &r, p).unwrap();
+            let (cdx, cdw) = grads(candle_conv, &x, &w, &r, p).unwrap();
+            assert_close(&dx, &cdx, tol(dtype), &format!("input grad {what}"));
+            assert_close(&dw, &cdw, tol(dtype), &format!("weight grad {what}"));
+            if dtype == DType::F64 {
+                let vx = rand_tensor(x.dims(), 80 + i as u64, dtype);
+                let fx = |t: &Tensor| (conv2d(t, &w, p)? * &r)?.sum_all();
+                let ex = fd_directional(&fx, &x, &vx, 1e-4);
+                assert!((dot(&dx, &vx) - ex).abs() <= 1e-9 * ex.abs().max(1.0), "input grad {case:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn gradients_match_elementwise_finite_differences_f64() {
     let cases = [
