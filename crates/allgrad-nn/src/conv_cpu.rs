@@ -315,24 +315,7 @@ mod tests {
     //! single output row) equal the kernels with no budget (one band per image), which
     //! `tests/conv.rs` checks against independent references.
     use super::*;
-
-    fn data(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
-            })
-            .collect()
-    }
-
-    fn max_rel(a: &[f64], b: &[f64]) -> f64 {
-        assert_eq!(a.len(), b.len());
-        let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale
-    }
+    use crate::test_data::{data, max_rel};
 
     #[test]
     fn bands_of_output_rows_equal_whole_images() {

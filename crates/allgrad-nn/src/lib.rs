@@ -81,6 +81,8 @@ mod loss;
 mod norm;
 mod pool;
 mod softmax;
+#[cfg(test)]
+mod test_data;
 mod vmath;
 mod winograd;
 

@@ -295,25 +295,8 @@ mod tests {
     //! batches that do not fill the last block, a strided input, f64 and f32.
     use super::*;
     use crate::conv_cpu::{conv_bwd_im2col, conv_fwd_im2col};
+    use crate::test_data::{data, max_rel};
     use candle_core::Layout;
-
-    fn data(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
-            })
-            .collect()
-    }
-
-    fn max_rel<T: Float>(a: &[T], b: &[T]) -> f64 {
-        assert_eq!(a.len(), b.len());
-        let scale = b.iter().fold(1.0f64, |m, v| m.max(v.to_f64().abs()));
-        a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x.to_f64() - y.to_f64()).abs())) / scale
-    }
 
     fn geom(n: usize, c: usize, o: usize, h: usize, w: usize) -> ConvGeom {
         ConvGeom { n, c, h, w, o, kh: 3, kw: 3, oh: h, ow: w, stride: 1, pad: 1, dil: 1, groups: 1 }
