@@ -44,8 +44,10 @@ pub(crate) fn applies(g: &ConvGeom) -> bool {
 }
 
 /// The geometry the path handles: 3x3, stride 1, padding 1, no dilation, one group, enough
-/// channels.
+/// channels, and images whose transformed tiles fit in four block budgets (a block is at least
+/// one whole image; larger images take im2col, which works in bands of rows).
 fn fits(g: &ConvGeom) -> bool {
+    let tiles = g.h.div_ceil(2) * g.w.div_ceil(2);
     g.kh == 3
         && g.kw == 3
         && g.stride == 1
@@ -57,6 +59,7 @@ fn fits(g: &ConvGeom) -> bool {
         && g.n > 0
         && g.h > 0
         && g.w > 0
+        && tiles.saturating_mul(16 * (g.c + g.o)) <= 4 * BLOCK_BUDGET
 }
 
 /// `conv2d(x, w)` for a geometry that [`applies`]: `[n, o, h, w]`, contiguous.
@@ -349,9 +352,11 @@ mod tests {
     }
 
     #[test]
-    fn only_3x3_stride_1_padding_1_with_enough_channels_fits() {
+    fn only_3x3_stride_1_padding_1_with_enough_channels_and_bounded_planes_fits() {
         let g = geom(2, 16, 16, 8, 8);
         assert!(fits(&g));
+        // ResNet-50's 56x56 stage on ImageNet fits.
+        assert!(fits(&geom(2, 64, 64, 56, 56)));
         for bad in [
             ConvGeom { stride: 2, oh: 4, ow: 4, ..g },
             ConvGeom { pad: 0, oh: 6, ow: 6, ..g },
@@ -360,6 +365,8 @@ mod tests {
             ConvGeom { kh: 1, kw: 1, pad: 0, ..g },
             ConvGeom { c: 15, ..g },
             ConvGeom { o: 8, ..g },
+            // 224x224 planes of 64 channels: 12,544 tiles, 25.7 million transformed values.
+            ConvGeom { c: 64, o: 64, h: 224, w: 224, oh: 224, ow: 224, ..g },
         ] {
             assert!(!fits(&bad), "{bad:?}");
         }
