@@ -29,8 +29,14 @@ use crate::im2col::ConvGeom;
 const MIN_CHANNELS: usize = 16;
 
 /// Elements of one block's transformed inputs and products together (`16·(cin + cout)` per
-/// tile): 8 MiB of f32, about what a core's share of the last-level cache holds.
-const BLOCK_BUDGET: usize = 1 << 21;
+/// tile): 2 MiB of f32. Chosen by measurement on the ResNet-18 layers (`bench_conv --resnet18`,
+/// budgets of 2^17 to 2^23 elements alternating): 2^19 was fastest or within the noise of it on
+/// every layer, 10-28% faster than 2^21; below it the wide layers' GEMMs get too thin.
+const BLOCK_BUDGET: usize = 1 << 19;
+
+/// Most transformed elements (`16·(cin + cout)` per tile) one image may have: a block holds at
+/// least one whole image, so larger images take im2col, which works in bands of rows.
+const MAX_IMAGE_ELEMS: usize = 1 << 23;
 
 /// Whether the path is on (`ALLGRAD_WINOGRAD` is not `0`); read once.
 fn enabled() -> bool {
@@ -44,8 +50,7 @@ pub(crate) fn applies(g: &ConvGeom) -> bool {
 }
 
 /// The geometry the path handles: 3x3, stride 1, padding 1, no dilation, one group, enough
-/// channels, and images whose transformed tiles fit in four block budgets (a block is at least
-/// one whole image; larger images take im2col, which works in bands of rows).
+/// channels, and images within [`MAX_IMAGE_ELEMS`].
 fn fits(g: &ConvGeom) -> bool {
     let tiles = g.h.div_ceil(2) * g.w.div_ceil(2);
     g.kh == 3
@@ -59,7 +64,7 @@ fn fits(g: &ConvGeom) -> bool {
         && g.n > 0
         && g.h > 0
         && g.w > 0
-        && tiles.saturating_mul(16 * (g.c + g.o)) <= 4 * BLOCK_BUDGET
+        && tiles.saturating_mul(16 * (g.c + g.o)) <= MAX_IMAGE_ELEMS
 }
 
 /// `conv2d(x, w)` for a geometry that [`applies`]: `[n, o, h, w]`, contiguous.
