@@ -4,7 +4,7 @@ transformers.AutoModel and sentence-transformers load it unchanged and give the 
 that allgrad's `embed` printed.  Run by hand (needs torch, transformers, sentence-transformers):
 
     embed --model DIR --pooling mean --max-len 128 SENTENCES.txt > allgrad.jsonl
-    /work/venv/bin/python scripts/check_hf_export.py DIR allgrad.jsonl [--pooling mean|cls_before_pooler]
+    $PYTHON scripts/check_hf_export.py DIR allgrad.jsonl [--pooling mean|cls_before_pooler]
 
 Prints the largest absolute differences; exits 1 when one exceeds 1e-4.
 """

@@ -177,6 +177,36 @@ fn embed_lines_prints_text_ids_and_the_embedding_per_line() {
     }
 }
 
+fn st_max_len(dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join("sentence_bert_config.json")).unwrap();
+    serde_json::from_str::<serde_json::Value>(&text).unwrap()["max_seq_length"].as_u64()
+}
+
+#[test]
+fn an_export_keeps_the_source_sequence_limit_and_refuses_a_broken_one() {
+    let tiny = tiny_dir();
+    let src = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(tiny.join(f), src.path().join(f)).unwrap();
+    }
+    let params: HashMap<String, Tensor> = candle_core::safetensors::load(tiny.join("model.safetensors"), &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (format!("bert.{k}"), v))
+        .collect();
+    // The source's own limit is kept, capped by its 40 positions.
+    for (declared, want) in [(24, 24), (256, 40)] {
+        write(src.path(), "sentence_bert_config.json", &format!(r#"{{"max_seq_length": {declared}, "do_lower_case": false}}"#));
+        let out = tempfile::tempdir().unwrap();
+        export_hf_folder(&params, "bert.", src.path(), out.path(), Pooling::Mean).unwrap();
+        assert_eq!(st_max_len(out.path()), Some(want), "declared {declared}");
+    }
+    write(src.path(), "sentence_bert_config.json", r#"{"do_lower_case": false}"#);
+    let out = tempfile::tempdir().unwrap();
+    let e = export_hf_folder(&params, "bert.", src.path(), out.path(), Pooling::Mean).unwrap_err().to_string();
+    assert!(e.contains("sentence_bert_config.json") && e.contains("max_seq_length"), "{e}");
+}
+
 #[test]
 fn an_exported_folder_reads_back_with_the_trained_weights_and_the_source_pooler() {
     let src = tiny_dir();
@@ -195,7 +225,7 @@ fn an_exported_folder_reads_back_with_the_trained_weights_and_the_source_pooler(
         .collect();
     params.insert("head.dense.weight".into(), Tensor::zeros((32, 32), DType::F32, &Device::Cpu).unwrap());
     let out = tempfile::tempdir().unwrap();
-    export_hf_folder(&params, "bert.", &src, out.path(), Pooling::Mean, 16).unwrap();
+    export_hf_folder(&params, "bert.", &src, out.path(), Pooling::Mean).unwrap();
     let back = candle_core::safetensors::load(out.path().join("model.safetensors"), &Device::Cpu).unwrap();
     assert_eq!(back.len(), weights.len(), "{:?}", back.keys().collect::<Vec<_>>());
     for (k, v) in &weights {
@@ -209,7 +239,10 @@ fn an_exported_folder_reads_back_with_the_trained_weights_and_the_source_pooler(
     let pool: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("1_Pooling/config.json")).unwrap()).unwrap();
     assert_eq!((pool["pooling_mode_mean_tokens"].as_bool(), pool["word_embedding_dimension"].as_u64()), (Some(true), Some(32)));
+    // The tiny source has no sentence_bert_config.json: its position limit (40 in its
+    // config.json), not a training crop, bounds what sentence-transformers encodes.
+    assert_eq!(st_max_len(out.path()), Some(40));
     // Without the `bert.` prefix nothing is an encoder parameter: an error, not an empty folder.
-    let e = export_hf_folder(&params, "encoder.", &src, out.path(), Pooling::Mean, 16).unwrap_err().to_string();
+    let e = export_hf_folder(&params, "encoder.", &src, out.path(), Pooling::Mean).unwrap_err().to_string();
     assert!(e.contains("no parameter starts with"), "{e}");
 }

@@ -1,5 +1,5 @@
 //! A SimCSE run's encoder as a Hugging Face folder: the run directory's `config.yaml` gives
-//! the source model folder (architecture, tokenizer), the pooling and `max_len`; its newest
+//! the source model folder (architecture, tokenizer, sequence limit) and the pooling; its newest
 //! checkpoint gives the trained weights (`bert.*`; the training head is left out).
 
 use std::path::{Path, PathBuf};
@@ -32,6 +32,6 @@ pub fn export_run(run_dir: &Path, out: Option<&Path>) -> TrainResult<PathBuf> {
         .ok_or_else(|| TrainError::Setup(format!("{} has no checkpoint to export", run_dir.display())))?;
     let out = out.map(Path::to_path_buf).unwrap_or_else(|| run_dir.join("hf"));
     let m = &sections.model;
-    export_hf_folder(&ck.model, "bert.", &m.dir, &out, m.pooling, m.max_len)?;
+    export_hf_folder(&ck.model, "bert.", &m.dir, &out, m.pooling)?;
     Ok(out)
 }
