@@ -19,26 +19,28 @@ fn io<'a>(action: &str, path: &'a Path) -> impl FnOnce(std::io::Error) -> candle
     move |e| candle_core::Error::Msg(format!("{action} {}: {e}", path.display()))
 }
 
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(io("reading", path))?;
+    serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("parsing {}: {e}", path.display())))
+}
+
 fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).map_err(io("writing", path))
 }
 
 /// The `max_seq_length` an export declares: the one of `source`'s own
-/// `sentence_bert_config.json` when it has one (all-MiniLM-L6-v2: 256), otherwise the
-/// model's position limit `max_position_embeddings`, as `transformers` itself truncates.
+/// `sentence_bert_config.json` when it has one (all-MiniLM-L6-v2: 256), capped by the model's
+/// position limit `max_position_embeddings`; without that file, the position limit.
 ///
 /// # Errors
 /// When `source`'s `sentence_bert_config.json` exists but cannot be read or has no
 /// positive integer `max_seq_length`.
-pub fn serving_max_len(source: &Path, max_position_embeddings: usize) -> Result<usize> {
+fn serving_max_len(source: &Path, max_position_embeddings: usize) -> Result<usize> {
     let path = source.join("sentence_bert_config.json");
     if !path.is_file() {
         return Ok(max_position_embeddings);
     }
-    let text = std::fs::read_to_string(&path).map_err(io("reading", &path))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("parsing {}: {e}", path.display())))?;
-    match value.get("max_seq_length").and_then(serde_json::Value::as_u64) {
+    match read_json(&path)?.get("max_seq_length").and_then(serde_json::Value::as_u64) {
         Some(n) if n > 0 => Ok((n as usize).min(max_position_embeddings)),
         _ => candle_core::bail!("{}: no positive integer `max_seq_length`", path.display()),
     }
@@ -50,9 +52,11 @@ pub fn serving_max_len(source: &Path, max_position_embeddings: usize) -> Result<
 /// `source` (the folder the run started from). When `params` has no pooler and `source`'s
 /// weights do, the source's pooler is written (so `pooler_output` stays defined; it was not
 /// trained). sentence-transformers reads `pooling` (`cls` and `cls_before_pooler` both as
-/// its CLS-token pooling, which is `cls_before_pooler`) and the sequence limit of
-/// [`serving_max_len`]: the source's own, not the run's training `max_len` (a crop for speed:
-/// kept in the export it would silently truncate every longer input).
+/// its CLS-token pooling, which is `cls_before_pooler`) and the sequence limit: `source`'s own
+/// (its `sentence_bert_config.json`, capped by the position limit; without one, the position
+/// limit), not the run's training `max_len` (a crop for speed: kept in the export it would
+/// silently truncate every longer input). A `sentence_bert_config.json` without a positive
+/// `max_seq_length` is an error naming it.
 ///
 /// The folder is read back before returning: every encoder tensor is present with its shape.
 pub fn export_hf_folder(
@@ -63,9 +67,7 @@ pub fn export_hf_folder(
     pooling: Pooling,
 ) -> Result<()> {
     let config_path = source.join("config.json");
-    let config_text = std::fs::read_to_string(&config_path).map_err(io("reading", &config_path))?;
-    let mut config: serde_json::Value = serde_json::from_str(&config_text)
-        .map_err(|e| candle_core::Error::Msg(format!("parsing {}: {e}", config_path.display())))?;
+    let mut config = read_json(&config_path)?;
     let arch = super::BertConfig::from_file(&config_path)?;
     let hidden = arch.hidden_size;
     let max_len = serving_max_len(source, arch.max_position_embeddings)?;

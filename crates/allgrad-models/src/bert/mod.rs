@@ -34,7 +34,7 @@ pub use dropout::{DropoutKey, Site};
 pub use embeddings::Embeddings;
 pub use encode::{cosine_matrix, embed_ids, embed_lines, embed_records, embed_texts, EmbeddedText};
 pub use encoder_layer::EncoderLayer;
-pub use export::{export_hf_folder, serving_max_len};
+pub use export::export_hf_folder;
 pub use layers::{Dense, Norm};
 pub use model::{BertModel, Pooling};
 pub use tokenizer::{BertTokenizer, TokenBatch};
