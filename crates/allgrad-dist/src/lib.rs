@@ -36,6 +36,12 @@
 
 #![warn(missing_docs)]
 
+/// The `tracing` target of messages that say the same thing on every rank (a skipped
+/// evaluation file, a resume without a checkpoint): `train`'s logger shows them on rank 0
+/// only, so a job of W ranks prints them once, not W times. Use it as
+/// `tracing::warn!(target: allgrad_dist::JOB_LOG, "...")`.
+pub const JOB_LOG: &str = "allgrad_job";
+
 pub mod clock;
 mod collectives;
 mod dispatch;

@@ -138,6 +138,16 @@ pub enum ConfigError {
         /// What is wrong.
         msg: String,
     },
+    /// A `--set key=value` gives a value of the wrong type or an unknown key.
+    #[error("--set {arg}: at `{key}`: {msg} (the value comes from the command line)")]
+    OverrideValue {
+        /// The argument.
+        arg: String,
+        /// Dotted key path where the value failed.
+        key: String,
+        /// What was wrong and what was expected.
+        msg: String,
+    },
     /// The `method:` is not in the registry.
     #[error("{path}: at `method`: unknown method `{name}`; the methods are: {known}")]
     UnknownMethod {
@@ -170,6 +180,22 @@ pub enum ConfigError {
     },
 }
 
+impl ConfigError {
+    /// A key error whose value came from a `--set` argument, as an error of that argument:
+    /// the user is told to fix the command line, not the file.
+    pub(crate) fn blamed_on(self, overrides: &[String]) -> ConfigError {
+        match self {
+            ConfigError::Field { path, key, msg } => {
+                match overrides.iter().rev().find_map(|arg| Some((arg, Override::blamed_key(arg, &key)?))) {
+                    Some((arg, key)) => ConfigError::OverrideValue { arg: arg.clone(), key, msg },
+                    None => ConfigError::Field { path, key, msg },
+                }
+            }
+            e => e,
+        }
+    }
+}
+
 impl RunConfig {
     /// Reads `path`, applies `overrides` (`dotted.key=value`, the value parsed as YAML), and
     /// deserialises, for a built-in method ([`Registry::load`] for others).
@@ -189,15 +215,44 @@ impl RunConfig {
     }
 
     /// The trainer's sections typed, the method's kept raw (not checked against a method).
-    pub(crate) fn parse_sections(text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+    /// `path_keys` gives, for a method name, the keys of its sections that hold paths: the
+    /// relative ones are resolved against `path`'s folder (a value from the file) or the
+    /// current directory (a `--set` value).
+    pub(crate) fn parse_sections(
+        text: &str,
+        path: &Path,
+        overrides: &[String],
+        path_keys: &dyn Fn(&str) -> &'static [&'static str],
+    ) -> Result<RunConfig, ConfigError> {
         let mut value: serde_yaml::Value =
             serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml { path: path.into(), msg: e.to_string() })?;
-        for arg in overrides {
-            apply_override(&mut value, arg)?;
+        let sets = overrides.iter().map(|arg| Override::parse(arg)).collect::<Result<Vec<_>, _>>()?;
+        // The method (a --set may change it) says which of its keys are paths.
+        let method = sets
+            .iter()
+            .rev()
+            .find(|o| o.key == ["method"])
+            .map(|o| &o.value)
+            .or_else(|| value.get("method"))
+            .and_then(|m| m.as_str())
+            .unwrap_or_default();
+        let keys = path_keys(method);
+        let folder = path.parent().unwrap_or(Path::new(""));
+        for key in keys {
+            let parts: Vec<&str> = key.split('.').collect();
+            if let Some(v) = lookup_mut(&mut value, &parts) {
+                resolve_path(v, folder);
+            }
+        }
+        for mut o in sets {
+            if keys.contains(&o.key.join(".").as_str()) {
+                resolve_path(&mut o.value, Path::new(""));
+            }
+            o.apply(&mut value)?;
         }
         serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
-            ConfigError::Field { path: path.into(), key, msg: e.into_inner().to_string() }
+            ConfigError::Field { path: path.into(), key, msg: e.into_inner().to_string() }.blamed_on(overrides)
         })
     }
 
@@ -255,28 +310,81 @@ impl RunConfig {
     }
 }
 
-fn apply_override(root: &mut serde_yaml::Value, arg: &str) -> Result<(), ConfigError> {
-    let err = |msg: &str| ConfigError::Override { arg: arg.to_string(), msg: msg.to_string() };
-    let (key, raw) = arg.split_once('=').ok_or_else(|| err("expected dotted.key=value"))?;
-    let parts: Vec<&str> = key.trim().split('.').collect();
-    if parts.iter().any(|p| p.is_empty()) {
-        return Err(err("empty key segment"));
-    }
-    let value: serde_yaml::Value = serde_yaml::from_str(raw).unwrap_or_else(|_| serde_yaml::Value::String(raw.to_string()));
-    let mut node = root;
-    for (i, part) in parts.iter().enumerate() {
-        if node.is_null() {
-            *node = serde_yaml::Value::Mapping(Default::default());
+/// One `--set dotted.key=value`.
+struct Override<'a> {
+    arg: &'a str,
+    key: Vec<&'a str>,
+    value: serde_yaml::Value,
+}
+
+impl<'a> Override<'a> {
+    fn parse(arg: &'a str) -> Result<Override<'a>, ConfigError> {
+        let err = |msg: &str| ConfigError::Override { arg: arg.to_string(), msg: msg.to_string() };
+        let (key, raw) = arg.split_once('=').ok_or_else(|| err("expected dotted.key=value"))?;
+        let key: Vec<&str> = key.trim().split('.').collect();
+        if key.iter().any(|p| p.is_empty()) {
+            return Err(err("empty key segment"));
         }
-        let map = node.as_mapping_mut().ok_or_else(|| err(&format!("`{}` is not a section", parts[..i].join("."))))?;
-        let k = serde_yaml::Value::String(part.to_string());
-        if i + 1 == parts.len() {
-            map.insert(k, value);
-            return Ok(());
-        }
-        node = map.entry(k).or_insert(serde_yaml::Value::Null);
+        let value = serde_yaml::from_str(raw).unwrap_or_else(|_| serde_yaml::Value::String(raw.to_string()));
+        Ok(Override { arg, key, value })
     }
-    Ok(())
+
+    /// The most precise key path of a value that the `--set` argument `arg` gave, where a
+    /// deserialisation error reports `key`: the error's key when it lies within what `arg`
+    /// set, the argument's own key when the error names only a section holding it (an
+    /// internally tagged section such as `optim` loses the inner path). `None` when `arg` did
+    /// not set anything at `key`.
+    fn blamed_key(arg: &str, key: &str) -> Option<String> {
+        let (set, _) = arg.split_once('=')?;
+        let (set, key) = (set.trim(), key.trim_start_matches('.'));
+        let within = |outer: &str, inner: &str| inner == outer || inner.starts_with(&format!("{outer}."));
+        if within(set, key) {
+            Some(key.to_string())
+        } else if within(key, set) {
+            Some(set.to_string())
+        } else {
+            None
+        }
+    }
+
+    fn apply(self, root: &mut serde_yaml::Value) -> Result<(), ConfigError> {
+        let err = |msg: String| ConfigError::Override { arg: self.arg.to_string(), msg };
+        let mut node = root;
+        for (i, part) in self.key.iter().enumerate() {
+            if node.is_null() {
+                *node = serde_yaml::Value::Mapping(Default::default());
+            }
+            let map = node.as_mapping_mut().ok_or_else(|| err(format!("`{}` is not a section", self.key[..i].join("."))))?;
+            let k = serde_yaml::Value::String(part.to_string());
+            if i + 1 == self.key.len() {
+                map.insert(k, self.value);
+                return Ok(());
+            }
+            node = map.entry(k).or_insert(serde_yaml::Value::Null);
+        }
+        Ok(())
+    }
+}
+
+/// The value at a dotted key path, if every section on the way exists.
+fn lookup_mut<'v>(mut node: &'v mut serde_yaml::Value, parts: &[&str]) -> Option<&'v mut serde_yaml::Value> {
+    for part in parts {
+        node = node.as_mapping_mut()?.get_mut(*part)?;
+    }
+    Some(node)
+}
+
+/// A relative path (a YAML string) made absolute against `base` (relative to the current
+/// directory itself when empty); the folders are resolved (symbolic links, `..`) when the
+/// path exists. Anything else (an absolute path, `null`, a number) is left alone.
+fn resolve_path(v: &mut serde_yaml::Value, base: &Path) {
+    let Some(s) = v.as_str() else { return };
+    if s.is_empty() || Path::new(s).is_absolute() {
+        return;
+    }
+    let joined = base.join(s);
+    let resolved = joined.canonicalize().or_else(|_| std::path::absolute(&joined)).unwrap_or(joined);
+    *v = serde_yaml::Value::String(resolved.to_string_lossy().into_owned());
 }
 
 #[cfg(test)]

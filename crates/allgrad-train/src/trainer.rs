@@ -183,7 +183,9 @@ impl Trainer {
         if resume {
             let dir = out_dir.as_ref().ok_or_else(|| TrainError::Setup("resuming needs an output directory".into()))?;
             match checkpoint::load_latest(dir, &cfg.device)? {
-                None => tracing::warn!("--resume: no checkpoint in {}; starting from step 0", dir.display()),
+                None => {
+                    tracing::warn!(target: allgrad_dist::JOB_LOG, "--resume: no checkpoint in {}; starting from step 0", dir.display())
+                }
                 Some(mut ck) => {
                     let wants: Vec<(String, Option<allgrad_models::RowRange>)> = params
                         .iter()

@@ -151,6 +151,10 @@ impl ImageMethod {
 impl Method for ImageMethod {
     type Sections = ContrastiveSections;
 
+    fn path_keys(&self) -> &'static [&'static str] {
+        &["data.dir"]
+    }
+
     fn validate(&self, s: &ContrastiveSections, _run: &RunConfig, _world_size: usize) -> Result<(), SectionError> {
         expect_kind(self.name, "data.kind", "images", s.data.kind())?;
         expect_kind(self.name, "model.kind", "resnet", s.model.kind())?;
