@@ -4,7 +4,7 @@
 //! `accumulate` micro-batches), backpropagate `L_r / (W * accumulate)`, sum replicated
 //! gradients across ranks, check for non-finite values, clip, and apply the optimizer.
 //! With the sum-rule collectives inside the loss, this makes a run on W ranks equal a run
-//! on one rank at the same global batch (DESIGN §2, §3).
+//! on one rank at the same global batch (docs/gradient-convention.md; ARCHITECTURE.md, "Why W ranks equal one").
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
