@@ -294,6 +294,9 @@ impl RunConfig {
         if !(0.0..=1.0).contains(&self.schedule.final_fraction) {
             return Err(bad(format!("schedule.final_fraction must be in [0, 1], got {}", self.schedule.final_fraction)));
         }
+        if self.checkpoint.keep_last == 0 {
+            return Err(bad("checkpoint.keep_last must be at least 1 (the newest checkpoint is always kept)".into()));
+        }
         if self.log.every == 0 {
             return Err(bad("log.every must be at least 1".into()));
         }
@@ -421,6 +424,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("at `train.global_batch`") && e.contains("invalid type"), "{e}");
+    }
+
+    #[test]
+    fn values_that_would_be_silently_changed_are_refused_with_their_key() {
+        let e = parse(BASE, &["checkpoint.keep_last=0"]).unwrap().validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.contains("checkpoint.keep_last must be at least 1"), "{e}");
+        let image =
+            "method: simclr\ndata: {kind: images, dir: /x, format: idx}\nmodel: {kind: resnet}\ntrain: {global_batch: 8}\n";
+        for (set, want) in [
+            ("data.knn.k=0", "at `data.knn.k`: must be at least 1"),
+            ("data.knn.temperature=0", "at `data.knn.temperature`: must be positive, got 0"),
+        ] {
+            let e = parse(image, &[set]).unwrap().validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+            assert!(e.contains(want), "{set}: {e}");
+        }
     }
 
     #[test]

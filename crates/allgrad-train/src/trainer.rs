@@ -55,7 +55,7 @@ pub struct TrainSection {
     /// backpropagate the cached gradient of the embeddings chunk by chunk, so activation
     /// memory is that of one chunk (see [`crate::grad_cache`]; the method must implement
     /// `allgrad_models::EmbeddingObjective`). Absent: the plain step.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub cache_chunk: Option<usize>,
 }
 

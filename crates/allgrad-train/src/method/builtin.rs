@@ -160,6 +160,15 @@ impl Method for ImageMethod {
         expect_kind(self.name, "model.kind", "resnet", s.model.kind())?;
         let loss = self.loss(s);
         expect_kind(self.name, "loss.kind", self.default_loss.kind(), loss.kind())?;
+        if let DataConfig::Images(d) = &s.data {
+            let knn = &d.knn;
+            if knn.k == 0 {
+                return Err(SectionError::new("data.knn.k", "must be at least 1 (the neighbours that vote)"));
+            }
+            if !(knn.temperature > 0.0 && knn.temperature.is_finite()) {
+                return Err(SectionError::new("data.knn.temperature", format!("must be positive, got {}", knn.temperature)));
+            }
+        }
         check_loss(&loss)
     }
 
