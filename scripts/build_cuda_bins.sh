@@ -5,8 +5,10 @@
 #   scripts/build_cuda_bins.sh DIR            # then, on the GPU machine:
 #   ALLGRAD_GPU_BIN=DIR scripts/gpu_ci.sh     #   (from a copy of this repository)
 #
-# DIR receives `train`, `launch`, `bench_simclr_step` and the tests `nccl_ops` and `conv_cuda`,
-# built with ALLGRAD_CUDA_FEATURES (default cuda,nccl,cudnn) and without symbols. They need, on
+# DIR receives `train`, `launch`, `bench_simclr_step` and the tests `nccl_ops`, `gpu_equivalence`,
+# `gpu_faults` and `conv_cuda`, built with ALLGRAD_CUDA_FEATURES (default cuda,nccl,cudnn) and
+# without symbols. The GPU tests read the configs and data of the repository they are run from,
+# so carry DIR beside a copy of this repository (gpu_ci.sh runs from its root). They need, on
 # the GPU machine, a driver for CUDA 13.0 or newer and the CUDA 13 libraries (cuBLAS, cuRAND,
 # NVRTC, NCCL, cuDNN 9: the PyPI wheels PyTorch installs are found by gpu_ci.sh).
 #
@@ -76,7 +78,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$(pwd)/target/gpu}"
 features="${ALLGRAD_CUDA_FEATURES:-cuda,nccl,cudnn}"
 flags=(--release --workspace --features "allgrad/${features//,/,allgrad/}" "${offline[@]}")
 cargo build "${flags[@]}" --bin train --bin launch --example bench_simclr_step
-tests=(nccl_ops)
+tests=(nccl_ops gpu_equivalence gpu_faults)
 [[ ,$features, == *,cudnn,* ]] && tests+=(conv_cuda)
 cargo test "${flags[@]}" --no-run "${tests[@]/#/--test=}" --message-format=json >"$link/tests.json"
 rel="$CARGO_TARGET_DIR/release"
