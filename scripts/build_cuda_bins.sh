@@ -3,7 +3,8 @@
 # no CUDA installation, for scripts/gpu_ci.sh to run on a GPU machine that has no Rust:
 #
 #   scripts/build_cuda_bins.sh DIR            # then, on the GPU machine:
-#   ALLGRAD_GPU_BIN=DIR scripts/gpu_ci.sh     #   (from a copy of this repository)
+#   ALLGRAD_GPU_BIN=DIR scripts/gpu_ci.sh     #   (from a copy of this repository; DIR.tar.xz,
+#                                             #   also written here, works the same)
 #
 # DIR receives `train`, `launch`, `bench_simclr_step` and the tests `nccl_ops`, `gpu_equivalence`,
 # `gpu_faults` and `conv_cuda`, built with ALLGRAD_CUDA_FEATURES (default cuda,nccl,cudnn) and
@@ -27,7 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "build_cuda_bins: $*" >&2; }
 [ $# -eq 1 ] || { say "usage: scripts/build_cuda_bins.sh DIR"; exit 2; }
-dest="$1"
+dest="${1%/}"
 mkdir -p "$dest"
 start=$(date +%s)
 
@@ -96,4 +97,10 @@ EOF
 )
     strip --strip-all -o "$dest/$t" "$exe"
 done
-say "built in $(($(date +%s) - start)) s: $(du -ch "$dest"/* | tail -n 1 | cut -f1) in $dest"
+# One archive to carry (the binaries hold Candle's kernels as PTX text, which compresses well).
+packed=""
+if command -v xz >/dev/null 2>&1; then
+    tar -C "$(dirname "$dest")" -cf - "$(basename "$dest")" | xz -T0 -6 >"$dest.tar.xz"
+    packed="; $(du -h "$dest.tar.xz" | cut -f1) as $dest.tar.xz (ALLGRAD_GPU_BIN takes either)"
+fi
+say "built in $(($(date +%s) - start)) s: $(du -ch "$dest"/* | tail -n 1 | cut -f1) in $dest$packed"

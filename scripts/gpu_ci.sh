@@ -5,7 +5,8 @@
 #   scripts/gpu_ci.sh                              # build here (nvcc), then run every part
 #   ALLGRAD_GPU_BIN=DIR scripts/gpu_ci.sh          # binaries built elsewhere by
 #                                                  # scripts/build_cuda_bins.sh DIR (no Rust,
-#                                                  # no nvcc, no network needed here)
+#                                                  # no nvcc, no network needed here); DIR.tar.xz,
+#                                                  # which it also writes, works the same
 #   ALLGRAD_REQUIRE_GPU=1 scripts/gpu_ci.sh        # in a GPU job: no GPU, or any test that
 #                                                  # skips for want of one, is a failure
 #
@@ -86,6 +87,12 @@ export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-$cap}"
 venv="${ALLGRAD_CUDA_VENV:-${TMPDIR:-/tmp}/allgrad-cuda-venv}"
 prebuilt="${ALLGRAD_GPU_BIN:-}"
 needed="train launch nccl_ops gpu_equivalence gpu_faults bench_simclr_step"
+if [ -n "$prebuilt" ] && [ -f "$prebuilt" ]; then
+    # The archive scripts/build_cuda_bins.sh writes beside its directory.
+    rm -rf "$out/bin-unpacked" && mkdir -p "$out/bin-unpacked"
+    tar -xJf "$prebuilt" -C "$out/bin-unpacked" || { say "FAILED: cannot unpack ALLGRAD_GPU_BIN=$prebuilt"; exit 1; }
+    prebuilt=$(dirname "$(find "$out/bin-unpacked" -name train -type f | head -n 1)")
+fi
 if [ -n "$prebuilt" ]; then
     prebuilt=$(cd "$prebuilt" 2>/dev/null && pwd) || { say "FAILED: ALLGRAD_GPU_BIN=${ALLGRAD_GPU_BIN} is not a directory"; exit 1; }
     for b in $needed; do
