@@ -76,7 +76,9 @@ fn starts_a_command(before: &str) -> bool {
     loop {
         let word_start = b.rfind([' ', '`', ';', '(']).map(|i| i + 1).unwrap_or(0);
         let word = &b[word_start..];
-        let is_assignment = word.split_once('=').is_some_and(|(k, _)| !k.is_empty() && k.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'));
+        let is_assignment = word
+            .split_once('=')
+            .is_some_and(|(k, _)| !k.is_empty() && k.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'));
         if word == "sudo" || is_assignment {
             b = b[..word_start].trim_end_matches(' ');
             continue;

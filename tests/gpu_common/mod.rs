@@ -204,7 +204,7 @@ pub fn compare(what: &str, got: &Trained, want: &Trained, tol: f64) -> Result<(f
             return Err(format!("{what}: {name} has {} values vs {}", a.len(), b.len()));
         }
         let e = rel_norm(a, b);
-        if !(e <= tol) {
+        if e.is_nan() || e > tol {
             let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
             return Err(format!(
                 "{what}: {name}: ‖a − b‖/‖b‖ = {e:.3e} > {tol:e} (see rel_norm; ‖a‖ = {:.3e}, ‖b‖ = {:.3e}, {} values; first: {:?} vs {:?})",
@@ -224,7 +224,7 @@ pub fn compare(what: &str, got: &Trained, want: &Trained, tol: f64) -> Result<(f
     }
     for ((s1, l1), (s2, l2)) in got.losses.iter().zip(&want.losses) {
         let e = (l1 - l2).abs() / l2.abs().max(f64::MIN_POSITIVE);
-        if s1 != s2 || !(e <= tol) {
+        if s1 != s2 || e.is_nan() || e > tol {
             return Err(format!("{what}: step {s1} loss {l1} vs step {s2} loss {l2} (relative {e:.3e} > {tol:e})"));
         }
         if e > worst.0 {
