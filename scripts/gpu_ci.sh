@@ -75,13 +75,15 @@ no_gpu() {
 }
 
 # 1. The GPU and the libraries.
-command -v nvidia-smi >/dev/null 2>&1 || no_gpu "no nvidia-smi on PATH: no NVIDIA driver, so no GPU to test on"
-gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
+# ALLGRAD_NVIDIA_SMI: another program in its place (tests/scripts.rs runs this script without a GPU).
+smi="${ALLGRAD_NVIDIA_SMI:-nvidia-smi}"
+command -v "$smi" >/dev/null 2>&1 || no_gpu "no $smi on PATH: no NVIDIA driver, so no GPU to test on"
+gpus=$("$smi" --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
 [ "${gpus:-0}" -ge 1 ] || no_gpu "nvidia-smi lists no GPU"
-gpu_list=$(nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader | paste -sd';')
+gpu_list=$("$smi" --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader | paste -sd';')
 say "$gpus GPU(s): $gpu_list"
 md "- GPU(s): $gpus: $gpu_list"
-cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')
+cap=$("$smi" --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-$cap}"
 
 venv="${ALLGRAD_CUDA_VENV:-${TMPDIR:-/tmp}/allgrad-cuda-venv}"

@@ -8,6 +8,9 @@
 //! `$ `, `$(`, `> ` (a quoted line), `sudo ` or `VAR=value ` assignments; `python3 scripts/x.py`
 //! and `. scripts/x.sh` run through an interpreter and need no run bit, and a code span that
 //! only names a file (`` (`scripts/x.sh`: ...) ``) is no command.
+//!
+//! And `scripts/gpu_ci.sh` on a machine without a GPU says why, in its report too, and exits 0,
+//! or 1 under ALLGRAD_REQUIRE_GPU=1.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -140,4 +143,39 @@ fn the_scan_finds_commands_and_leaves_interpreted_and_prose_mentions_alone() {
     let found: Vec<String> = commands(text).into_iter().map(|(_, s)| s).collect();
     let want = ["a.sh", "b.sh", "c.sh", "d.py", "e.sh", "f.sh", "g.sh", "k.sh"].map(|s| format!("scripts/{s}"));
     assert_eq!(found, want);
+}
+
+/// Runs scripts/gpu_ci.sh with `smi` in nvidia-smi's place; its exit code, stderr and report.
+fn gpu_ci_without_a_gpu(smi: &str, require: bool) -> (Option<i32>, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.md");
+    let out = std::process::Command::new(root().join("scripts/gpu_ci.sh"))
+        .env("ALLGRAD_NVIDIA_SMI", smi)
+        .env("ALLGRAD_GPU_OUT", dir.path())
+        .env("ALLGRAD_GPU_REPORT", &report)
+        .env("ALLGRAD_REQUIRE_GPU", if require { "1" } else { "0" })
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(&report).unwrap_or_default();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned(), report)
+}
+
+#[test]
+fn gpu_ci_without_a_gpu_says_why_and_exits_0_or_1_when_a_gpu_is_required() {
+    let dir = tempfile::tempdir().unwrap();
+    // An nvidia-smi that lists no GPU (a driver without devices).
+    let empty = dir.path().join("nvidia-smi-without-gpus");
+    std::fs::write(&empty, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for (smi, why) in
+        [("allgrad-no-such-nvidia-smi", "no allgrad-no-such-nvidia-smi on PATH"), (empty.to_str().unwrap(), "lists no GPU")]
+    {
+        let (code, err, report) = gpu_ci_without_a_gpu(smi, false);
+        assert_eq!(code, Some(0), "{err}");
+        assert!(err.contains("SKIPPED") && err.contains(why), "{err}");
+        assert!(report.contains("| all | skipped |") && report.contains(why), "{report}");
+        let (code, err, _) = gpu_ci_without_a_gpu(smi, true);
+        assert_eq!(code, Some(1), "{err}");
+        assert!(err.contains("FAILED") && err.contains(why) && err.contains("ALLGRAD_REQUIRE_GPU=1"), "{err}");
+    }
 }
