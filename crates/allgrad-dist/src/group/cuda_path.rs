@@ -213,7 +213,9 @@ mod tests {
     }
 
     #[test]
-    fn a_rank_that_runs_another_collective_instead_gets_a_mismatch_naming_the_exchange() {
+    fn a_rank_that_runs_another_collective_instead_gets_a_mismatch_not_a_hang() {
+        // Whichever rank sees the mismatch first names its own call and aborts the other, so
+        // only "mismatch" is certain on both.
         let out = ThreadWorld::new(2)
             .run(|pg| {
                 if pg.rank() == 0 {
@@ -223,6 +225,6 @@ mod tests {
                 }
             })
             .unwrap();
-        assert!(out.iter().all(|e| e.contains("mismatch") && e.contains("exchange of GPU UUIDs")), "{out:?}");
+        assert!(out.iter().all(|e| e.contains("collective mismatch on group world")), "{out:?}");
     }
 }
