@@ -10,15 +10,17 @@
 #   ALLGRAD_REQUIRE_GPU=1 scripts/gpu_ci.sh        # in a GPU job: no GPU, or any test that
 #                                                  # skips for want of one, is a failure
 #
-# Parts, in order, each under its own time limit (ALLGRAD_GPU_PART_LIMIT_S, default 540 s):
+# Parts, in order, each under its own time limit (ALLGRAD_GPU_PART_LIMIT_S, default 540 s);
+# ALLGRAD_GPU_PARTS=a,b runs only those (to split the proof over several sessions of 10 minutes):
 #  1. collectives: every differentiable collective on CUDA tensors vs the CPU backend, f64
 #     1e-10, at W = 1, 2, 3 on the host path and on `auto` (NCCL where each rank has its own
 #     GPU) (crates/allgrad-dist/tests/nccl_ops.rs);
 #  2. cudnn_conv: conv2d and both its gradients through cuDNN vs the CPU kernels
 #     (crates/allgrad-nn/tests/conv_cuda.rs), when the build has the `cudnn` feature;
-#  3. equivalence: every method through `launch` and the shipped configs, W = 2 (and 3) ranks
-#     on the GPU == 1 rank on the GPU, and 1 rank on the GPU == 1 rank on the CPU, parameter by
-#     parameter (tests/gpu_equivalence.rs);
+#  3. equivalence_images, equivalence_text: every method through `launch` and the shipped
+#     configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the GPU == 1
+#     rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR, BarlowTwins and
+#     the face head; SimCSE and vectors;
 #  4. fault_drill: a rank SIGKILLed while training on the GPU; the other fails within the
 #     timeout naming it; the last checkpoint loads (tests/gpu_faults.rs);
 #  5. bench_r18, bench_r50: the SimCLR step beside PyTorch on the same GPU, alternating step by
@@ -44,6 +46,17 @@ require="${ALLGRAD_REQUIRE_GPU:-0}"
 mkdir -p "$out" "$(dirname "$report")"
 out=$(cd "$out" && pwd)
 failed=0
+all_parts="collectives cudnn_conv equivalence_images equivalence_text fault_drill bench_r18 bench_r50"
+parts="${ALLGRAD_GPU_PARTS:-$all_parts}"
+parts="${parts//,/ }"
+for p in $parts; do
+    case " $all_parts " in
+    *" $p "*) ;;
+    *) echo "gpu_ci: ALLGRAD_GPU_PARTS names $p, which is not one of: $all_parts" >&2; exit 2 ;;
+    esac
+done
+# want PART: whether ALLGRAD_GPU_PARTS selects it.
+want() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 say() { echo "gpu_ci: $*" >&2; }
 md() { printf '%s\n' "$*" >>"$report"; }
@@ -53,7 +66,7 @@ md() { printf '%s\n' "$*" >>"$report"; }
     echo
     echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); host: $(hostname)"
     echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
-    echo "- command: \`${ALLGRAD_GPU_BIN:+ALLGRAD_GPU_BIN=$ALLGRAD_GPU_BIN }${ALLGRAD_REQUIRE_GPU:+ALLGRAD_REQUIRE_GPU=$ALLGRAD_REQUIRE_GPU }scripts/gpu_ci.sh\`"
+    echo "- command: \`${ALLGRAD_GPU_BIN:+ALLGRAD_GPU_BIN=$ALLGRAD_GPU_BIN }${ALLGRAD_REQUIRE_GPU:+ALLGRAD_REQUIRE_GPU=$ALLGRAD_REQUIRE_GPU }${ALLGRAD_GPU_PARTS:+ALLGRAD_GPU_PARTS=$ALLGRAD_GPU_PARTS }scripts/gpu_ci.sh\`"
     if [ "${ALLGRAD_GPU_TEST_DEVICE:-cuda}" = cpu ]; then
         echo "- **ALLGRAD_GPU_TEST_DEVICE=cpu: the tests ran on the CPU; this report checks the harness, not the GPU**"
     fi
@@ -220,26 +233,35 @@ part() {
 
 t="--nocapture --test-threads 1"
 # shellcheck disable=SC2086 # $t is split on purpose
-part collectives "differentiable collectives on CUDA vs the CPU backend, W = 1, 2, 3, host and auto paths" "$bin/nccl_ops" $t
-if [ -x "$bin/conv_cuda" ]; then
-    # shellcheck disable=SC2086
-    part cudnn_conv "conv2d and both gradients through cuDNN vs the CPU kernels" "$bin/conv_cuda" $t
-else
-    md "| cudnn_conv | skipped | the binaries were built without the cudnn feature |"
+want collectives && part collectives "differentiable collectives on CUDA vs the CPU backend, W = 1, 2, 3, host and auto paths" "$bin/nccl_ops" $t
+if want cudnn_conv; then
+    if [ -x "$bin/conv_cuda" ]; then
+        # shellcheck disable=SC2086
+        part cudnn_conv "conv2d and both gradients through cuDNN vs the CPU kernels" "$bin/conv_cuda" $t
+    else
+        md "| cudnn_conv | skipped | the binaries were built without the cudnn feature |"
+    fi
 fi
+# The equivalence tests in two parts, each well under the limit.
 # shellcheck disable=SC2086
-part equivalence "W ranks == 1 rank on the GPU, GPU == CPU, every method" "$bin/gpu_equivalence" $t
+want equivalence_images && part equivalence_images "SimCLR, BarlowTwins, face head: W ranks == 1 rank on the GPU, GPU == CPU" \
+    "$bin/gpu_equivalence" $t simclr barlowtwins face
 # shellcheck disable=SC2086
-part fault_drill "a rank SIGKILLed on the GPU path" "$bin/gpu_faults" $t
+want equivalence_text && part equivalence_text "SimCSE (3 variants), vectors: W = 2 == W = 1 on the GPU, GPU == CPU" \
+    "$bin/gpu_equivalence" $t simcse vectors
+# shellcheck disable=SC2086
+want fault_drill && part fault_drill "a rank SIGKILLed on the GPU path" "$bin/gpu_faults" $t
 
 export PYTHON="${PYTHON:-python3}"
-if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    part bench_r18 "SimCLR step, ResNet-18, batch 256 and 1024, beside PyTorch" \
-        "$bin/bench_simclr_step" --device cuda --depth 18 --rounds 5 --breakdown-rounds 0 256 1024
-    part bench_r50 "SimCLR step, ResNet-50, batch 64 and 128, beside PyTorch" \
-        "$bin/bench_simclr_step" --device cuda --depth 50 --rounds 5 --breakdown-rounds 0 64 128
-else
-    md "| bench | skipped | $PYTHON cannot import PyTorch with CUDA: no peer to compare with |"
+if want bench_r18 || want bench_r50; then
+    if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        want bench_r18 && part bench_r18 "SimCLR step, ResNet-18, batch 256 and 1024, beside PyTorch" \
+            "$bin/bench_simclr_step" --device cuda --depth 18 --rounds 5 --breakdown-rounds 0 256 1024
+        want bench_r50 && part bench_r50 "SimCLR step, ResNet-50, batch 64 and 128, beside PyTorch" \
+            "$bin/bench_simclr_step" --device cuda --depth 50 --rounds 5 --breakdown-rounds 0 64 128
+    else
+        md "| bench_r18, bench_r50 | skipped | $PYTHON cannot import PyTorch with CUDA: no peer to compare with |"
+    fi
 fi
 
 md
