@@ -103,10 +103,12 @@ venv="${ALLGRAD_CUDA_VENV:-${TMPDIR:-/tmp}/allgrad-cuda-venv}"
 prebuilt="${ALLGRAD_GPU_BIN:-}"
 needed="train launch nccl_ops gpu_equivalence gpu_faults bench_simclr_step"
 if [ -n "$prebuilt" ] && [ -f "$prebuilt" ]; then
-    # The archive scripts/build_cuda_bins.sh writes beside its directory.
-    rm -rf "$out/bin-unpacked" && mkdir -p "$out/bin-unpacked"
-    tar -xJf "$prebuilt" -C "$out/bin-unpacked" || { say "FAILED: cannot unpack ALLGRAD_GPU_BIN=$prebuilt"; exit 1; }
-    prebuilt=$(dirname "$(find "$out/bin-unpacked" -name train -type f | head -n 1)")
+    # The archive scripts/build_cuda_bins.sh writes beside its directory, unpacked outside the
+    # output directory (which stays small enough to copy back) and removed at exit.
+    unpacked=$(mktemp -d)
+    trap 'rm -rf "$unpacked"' EXIT
+    tar -xJf "$prebuilt" -C "$unpacked" || { say "FAILED: cannot unpack ALLGRAD_GPU_BIN=$prebuilt"; exit 1; }
+    prebuilt=$(dirname "$(find "$unpacked" -name train -type f | head -n 1)")
 fi
 if [ -n "$prebuilt" ]; then
     prebuilt=$(cd "$prebuilt" 2>/dev/null && pwd) || { say "FAILED: ALLGRAD_GPU_BIN=${ALLGRAD_GPU_BIN} is not a directory"; exit 1; }
