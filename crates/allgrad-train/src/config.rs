@@ -13,8 +13,8 @@
 //! log: { every: 10 }
 //! ```
 //!
-//! The trainer owns `seed`, `device`, `dtype`, `method`, `optim`, `schedule`, `train`,
-//! `checkpoint` and `log`; every other top-level section (`data`, `model`, `loss`, ...)
+//! The trainer owns `seed`, `device`, `dtype`, `dist`, `method`, `optim`, `schedule`,
+//! `train`, `checkpoint` and `log`; every other top-level section (`data`, `model`, `loss`, ...)
 //! belongs to the method that `method:` names, which reads it (see [`crate::method`]).
 //! [`RunConfig::load`], [`RunConfig::parse`] and [`RunConfig::validate`] know the built-in
 //! methods; with your own, call the [`crate::method::Registry`] methods of the same
@@ -25,6 +25,7 @@
 
 use std::path::{Path, PathBuf};
 
+use allgrad_dist::CudaCollectives;
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
@@ -36,7 +37,8 @@ use crate::schedule::ScheduleConfig;
 use crate::trainer::TrainSection;
 
 /// The top-level keys the trainer owns; every other one belongs to the method.
-pub const TRAINER_KEYS: [&str; 9] = ["seed", "device", "dtype", "method", "optim", "schedule", "train", "checkpoint", "log"];
+pub const TRAINER_KEYS: [&str; 10] =
+    ["seed", "device", "dtype", "dist", "method", "optim", "schedule", "train", "checkpoint", "log"];
 
 /// A whole run: the trainer's sections, typed, and the method's, raw.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -50,6 +52,9 @@ pub struct RunConfig {
     /// Precision of parameters and compute.
     #[serde(default)]
     pub dtype: Precision,
+    /// Which GPU each rank uses and how collectives of CUDA tensors move their data.
+    #[serde(default, skip_serializing_if = "DistSection::is_default")]
+    pub dist: DistSection,
     /// The method: a name in the [`Registry`] (built in: `simclr`, `barlowtwins`, `vectors`).
     pub method: String,
     /// The optimizer.
@@ -79,11 +84,54 @@ pub enum DeviceKind {
     /// The CPU.
     #[default]
     Cpu,
-    /// A GPU: rank r uses CUDA device LOCAL_RANK of its host; collectives of CUDA tensors go
-    /// through NCCL. Needs a binary built with the `cuda` feature (and `nccl` for more than
-    /// one rank, else collectives are staged through host memory); otherwise
-    /// [`RunConfig::validate`] rejects it (see [`NO_GPU`]).
+    /// A GPU: the rank of local rank r uses CUDA device `r % (devices on its host)`, or
+    /// `dist.device_ids[r]`; several ranks may share a GPU. Collectives of CUDA tensors go
+    /// through NCCL where every rank has a GPU of its own (and the binary has the `nccl`
+    /// feature), through host memory otherwise (`dist.cuda_collectives`). Needs a binary
+    /// built with the `cuda` feature; otherwise [`RunConfig::validate`] rejects it (see
+    /// [`NO_GPU`]).
     Cuda,
+}
+
+/// The `dist` section: how ranks use GPUs (with `device: cuda`).
+///
+/// ```yaml
+/// device: cuda
+/// dist: { cuda_collectives: auto, device_ids: [0, 0, 1, 1] }
+/// ```
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DistSection {
+    /// How collectives of CUDA tensors move their data: `auto` (NCCL when every rank of a
+    /// group has a GPU of its own and the binary has the `nccl` feature, else through host
+    /// memory), `nccl` (always; ranks that share a GPU are an error at start) or `host`
+    /// (always through pinned host memory and the CPU backend). Absent:
+    /// ALLGRAD_CUDA_COLLECTIVES, else `auto`; set in both places, the two must agree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_collectives: Option<CudaCollectives>,
+    /// The CUDA device of each local rank: local rank r uses `device_ids[r]` (one entry per
+    /// rank of the host, repeats allowed). Absent: LOCAL_RANK modulo the number of visible
+    /// devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_ids: Option<Vec<usize>>,
+}
+
+impl DistSection {
+    fn is_default(&self) -> bool {
+        *self == DistSection::default()
+    }
+
+    /// The mode of this run's CUDA collectives: `dist.cuda_collectives` (`config`) and
+    /// ALLGRAD_CUDA_COLLECTIVES (`env`) where set (they must agree), else `auto`.
+    pub fn cuda_collectives(&self, env: Option<CudaCollectives>) -> Result<CudaCollectives, String> {
+        match (self.cuda_collectives, env) {
+            (Some(c), Some(e)) if c != e => Err(format!(
+                "dist.cuda_collectives = {c} in the config, but ALLGRAD_CUDA_COLLECTIVES={e} in the environment: \
+                 remove one, or make them agree"
+            )),
+            (c, e) => Ok(c.or(e).unwrap_or_default()),
+        }
+    }
 }
 
 /// Why `device: cuda` is refused.
@@ -304,6 +352,27 @@ impl RunConfig {
         if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             return Err(bad(NO_GPU.into()));
         }
+        self.validate_dist().map_err(bad)
+    }
+
+    /// Checks the `dist` section against `device` and the build.
+    fn validate_dist(&self) -> Result<(), String> {
+        let d = &self.dist;
+        if let Some(ids) = &d.device_ids {
+            if self.device != DeviceKind::Cuda {
+                return Err(format!(
+                    "dist.device_ids = {ids:?} names CUDA devices, but device is cpu: set device: cuda, or remove it"
+                ));
+            }
+            if ids.is_empty() {
+                return Err("dist.device_ids is empty: give one CUDA device per local rank, or remove it".into());
+            }
+        }
+        if self.device == DeviceKind::Cuda && d.cuda_collectives == Some(CudaCollectives::Nccl) && !cfg!(feature = "nccl") {
+            return Err("dist.cuda_collectives = nccl, but this binary was built without the `nccl` feature: \
+                        build it with `--features cuda,nccl`, or use auto or host"
+                .into());
+        }
         Ok(())
     }
 
@@ -475,6 +544,58 @@ mod tests {
     fn an_unknown_device_is_an_error_naming_the_key_and_the_choices() {
         let e = parse(BASE, &["device=gpu"]).unwrap_err().to_string();
         assert!(e.contains("device") && e.contains("gpu") && e.contains("cpu") && e.contains("cuda"), "{e}");
+    }
+
+    #[test]
+    fn the_dist_section_parses_and_its_unknown_keys_and_bad_modes_name_the_key() {
+        let c = parse(BASE, &["dist.cuda_collectives=host", "dist.device_ids=[1, 0]", "device=cuda"]).unwrap();
+        assert_eq!(c.dist, DistSection { cuda_collectives: Some(CudaCollectives::Host), device_ids: Some(vec![1, 0]) });
+        assert_eq!(parse(BASE, &[]).unwrap().dist, DistSection::default());
+        let e = parse(BASE, &["dist.cuda_collectives=gloo"]).unwrap_err().to_string();
+        assert!(e.contains("at `dist.cuda_collectives`") && e.contains("gloo") && e.contains("`auto`, `nccl`, `host`"), "{e}");
+        let e = parse(BASE, &["dist.devices=[0]"]).unwrap_err().to_string();
+        assert!(e.contains("at `dist") && e.contains("unknown field `devices`") && e.contains("device_ids"), "{e}");
+        let e = parse(BASE, &["dist.device_ids=[-1]"]).unwrap_err().to_string();
+        assert!(e.contains("at `dist.device_ids"), "{e}");
+        // Written back only when set.
+        assert!(!parse(BASE, &[]).unwrap().to_yaml().contains("dist"));
+        assert!(c.to_yaml().contains("cuda_collectives: host"), "{}", c.to_yaml());
+    }
+
+    #[test]
+    fn device_ids_without_a_gpu_or_empty_are_refused_at_load() {
+        let e = parse(BASE, &["dist.device_ids=[0]"]).unwrap().validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.starts_with("run.yaml: dist.device_ids = [0] names CUDA devices, but device is cpu"), "{e}");
+        // A run on the CPU ignores the mode of CUDA collectives.
+        parse(BASE, &["dist.cuda_collectives=nccl"]).unwrap().validate(1, Path::new("run.yaml")).unwrap();
+    }
+
+    #[test]
+    #[cfg(feature = "cuda")]
+    fn an_empty_device_list_is_refused_at_load() {
+        let c = parse(BASE, &["dist.device_ids=[]", "device=cuda"]).unwrap();
+        let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.contains("dist.device_ids is empty"), "{e}");
+    }
+
+    #[test]
+    #[cfg(all(feature = "cuda", not(feature = "nccl")))]
+    fn nccl_in_a_build_without_it_is_refused_at_load() {
+        let c = parse(BASE, &["dist.cuda_collectives=nccl", "device=cuda"]).unwrap();
+        let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.contains("dist.cuda_collectives = nccl") && e.contains("--features cuda,nccl"), "{e}");
+    }
+
+    #[test]
+    fn the_mode_comes_from_the_config_or_the_environment_and_they_must_agree() {
+        use CudaCollectives::*;
+        let d = |c| DistSection { cuda_collectives: c, device_ids: None };
+        assert_eq!(d(None).cuda_collectives(None).unwrap(), Auto);
+        assert_eq!(d(Some(Host)).cuda_collectives(None).unwrap(), Host);
+        assert_eq!(d(None).cuda_collectives(Some(Nccl)).unwrap(), Nccl);
+        assert_eq!(d(Some(Host)).cuda_collectives(Some(Host)).unwrap(), Host);
+        let e = d(Some(Nccl)).cuda_collectives(Some(Host)).unwrap_err();
+        assert!(e.contains("dist.cuda_collectives = nccl") && e.contains("ALLGRAD_CUDA_COLLECTIVES=host"), "{e}");
     }
 
     #[test]
