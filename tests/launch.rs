@@ -222,8 +222,7 @@ fn job_files(prefix: &str) -> Vec<String> {
 #[test]
 fn a_rank_killed_during_shared_memory_setup_leaves_no_segment_after_launch_exits() {
     if !std::path::Path::new("/dev/shm").is_dir() {
-        eprintln!("skipped: no /dev/shm on this system");
-        return;
+        return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm on this host");
     }
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
     let token = format!("shm-cleanup-test-{}-{nanos}", std::process::id());
@@ -264,8 +263,7 @@ fn a_rank_killed_during_shared_memory_setup_leaves_no_segment_after_launch_exits
 #[test]
 fn launch_removes_its_own_ranks_segments_only() {
     if !std::path::Path::new("/dev/shm").is_dir() {
-        eprintln!("skipped: no /dev/shm on this system");
-        return;
+        return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm on this host");
     }
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
     let token = format!("shm-own-files-test-{}-{nanos}", std::process::id());

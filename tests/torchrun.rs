@@ -4,9 +4,11 @@
 //! from its checkpoint and ends where an uninterrupted run does; and allgrad's TCPStore
 //! client talks to PyTorch's own store.
 //!
-//! torchrun is found through ALLGRAD_TORCHRUN (a path) or `torchrun` on PATH, and Python
-//! (for the store test) through ALLGRAD_PYTHON or the `python` next to that torchrun. Without
-//! them, or when they cannot import torch, each test prints why it is skipped and passes.
+//! These tests run only with ALLGRAD_WITH_TORCH=1 (PyTorch is a large install that the CI
+//! does not make); without it each skips, saying why (`allgrad_testkit::skip`). With it,
+//! torchrun is found through ALLGRAD_TORCHRUN (a path) or `torchrun` on PATH, and Python (for
+//! the store test) through ALLGRAD_PYTHON or the `python` next to that torchrun, and a test
+//! whose torchrun or Python is missing or cannot import torch fails.
 //! `scripts/torchrun_local.sh` runs this file against the venv's torchrun.
 
 use std::collections::HashMap;
@@ -18,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use allgrad::dist::torch_store::TorchStore;
+use allgrad_testkit::Need;
 use candle_core::{Device, Tensor};
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -31,6 +34,20 @@ fn config(epochs: usize, every: usize) -> String {
          checkpoint: {{every: {every}, keep_last: 2}}\n\
          log: {{every: 1, progress: lines}}\n"
     ))
+}
+
+/// Whether the torch tests were asked for; if not, the test skips, saying so.
+fn asked_for() -> bool {
+    let on = std::env::var("ALLGRAD_WITH_TORCH").is_ok_and(|v| v.trim() == "1");
+    if !on {
+        allgrad_testkit::skip(Need::Torch, "ALLGRAD_WITH_TORCH is not 1");
+    }
+    on
+}
+
+/// torchrun; asked for, it must be there.
+fn torchrun_or_fail() -> PathBuf {
+    torchrun().expect("ALLGRAD_WITH_TORCH=1, but no torchrun runs (set ALLGRAD_TORCHRUN, or put torchrun on PATH)")
 }
 
 fn torchrun() -> Option<PathBuf> {
@@ -48,10 +65,6 @@ fn python() -> Option<PathBuf> {
         std::env::var_os("ALLGRAD_PYTHON").map(PathBuf::from).or_else(|| torchrun().map(|t| t.with_file_name("python")))?;
     let ok = Command::new(&path).args(["-c", "import torch.distributed"]).stderr(Stdio::null()).status();
     ok.map(|s| s.success()).unwrap_or(false).then_some(path)
-}
-
-fn skip(test: &str, what: &str) {
-    println!("{test}: skipped: {what} not found or cannot import torch (set ALLGRAD_TORCHRUN / ALLGRAD_PYTHON)");
 }
 
 fn free_port() -> u16 {
@@ -157,7 +170,10 @@ fn last_loss(text: &str) -> String {
 
 #[test]
 fn two_ranks_under_torchrun_end_where_launch_does() {
-    let Some(torchrun) = torchrun() else { return skip("two_ranks_under_torchrun_end_where_launch_does", "torchrun") };
+    if !asked_for() {
+        return;
+    }
+    let torchrun = torchrun_or_fail();
     let d = tempfile::tempdir().unwrap();
     std::fs::write(d.path().join("run.yaml"), config(2, 4)).unwrap();
     let by_launch = ok(&launched(d.path(), &d.path().join("launch")), "launch");
@@ -186,8 +202,10 @@ fn workers_of(agent: u32) -> Vec<i32> {
 
 #[test]
 fn a_worker_killed_once_is_restarted_by_torchrun_and_resumes_exactly() {
-    let test = "a_worker_killed_once_is_restarted_by_torchrun_and_resumes_exactly";
-    let Some(torchrun) = torchrun() else { return skip(test, "torchrun") };
+    if !asked_for() {
+        return;
+    }
+    let torchrun = torchrun_or_fail();
     let d = tempfile::tempdir().unwrap();
     std::fs::write(d.path().join("run.yaml"), config(150, 4)).unwrap();
     ok(&launched(d.path(), &d.path().join("straight")), "launch");
@@ -216,8 +234,12 @@ fn a_worker_killed_once_is_restarted_by_torchrun_and_resumes_exactly() {
 
 #[test]
 fn the_store_client_talks_to_pytorchs_tcpstore() {
-    let test = "the_store_client_talks_to_pytorchs_tcpstore";
-    let Some(python) = python() else { return skip(test, "python with torch") };
+    if !asked_for() {
+        return;
+    }
+    let python = python().expect(
+        "ALLGRAD_WITH_TORCH=1, but no Python imports torch.distributed (set ALLGRAD_PYTHON, or the python beside torchrun)",
+    );
     let script = r#"
 import datetime, sys, torch.distributed as dist
 s = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)

@@ -1,6 +1,7 @@
 //! More than one host without a second machine: two network namespaces joined by a veth
 //! pair, each running `launch --nnodes 2` with 2 ranks, the way two hosts would. Needs root
-//! with CAP_NET_ADMIN and iproute2's `ip`; without them each test prints why it is skipped.
+//! with CAP_NET_ADMIN and iproute2's `ip`; without them each test skips, saying why
+//! (`allgrad_testkit::skip`).
 //!
 //! - Collectives across the link are exact, shared memory is used inside a node (its ranks
 //!   share a mount namespace, hence a /dev/shm) and not across nodes (`ip netns exec` gives
@@ -87,11 +88,12 @@ impl Drop for TwoHosts {
     }
 }
 
-fn hosts_or_skip(test: &str) -> Option<TwoHosts> {
+/// The two hosts, or `None` after [`allgrad_testkit::skip`] said why they cannot be made here.
+fn hosts_or_skip() -> Option<TwoHosts> {
     match TwoHosts::create() {
         Ok(h) => Some(h),
         Err(why) => {
-            println!("{test}: skipped: cannot make two network namespaces here: {why}");
+            allgrad_testkit::skip(allgrad_testkit::Need::NetNs, &format!("cannot make two network namespaces here: {why}"));
             None
         }
     }
@@ -113,7 +115,7 @@ fn text(o: &Output) -> String {
 
 #[test]
 fn collectives_across_two_hosts_are_exact_and_use_shared_memory_only_inside_a_node() {
-    let Some(hosts) = hosts_or_skip("collectives_across_two_hosts") else { return };
+    let Some(hosts) = hosts_or_skip() else { return };
     let probe = example("host_probe");
     let [(a, _), (b, _)] = both(&hosts, &[probe.to_str().unwrap()], Duration::from_secs(120));
     assert!(a.status.success() && b.status.success(), "node 0:\n{}\nnode 1:\n{}", text(&a), text(&b));
@@ -127,7 +129,7 @@ fn collectives_across_two_hosts_are_exact_and_use_shared_memory_only_inside_a_no
 
 #[test]
 fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
-    let Some(hosts) = hosts_or_skip("training_across_two_hosts") else { return };
+    let Some(hosts) = hosts_or_skip() else { return };
     let d = tempfile::tempdir().unwrap();
     let config = d.path().join("run.yaml");
     let run_config = "train: {global_batch: 24, epochs: 4}\ncheckpoint: {every: 4, keep_last: 1}\nlog: {every: 1, progress: quiet, plot: false}\n";
@@ -158,7 +160,7 @@ fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
 
 #[test]
 fn a_rank_dying_on_one_host_fails_the_other_hosts_ranks_promptly() {
-    let Some(hosts) = hosts_or_skip("a_rank_dying_on_one_host") else { return };
+    let Some(hosts) = hosts_or_skip() else { return };
     // Rank 3 (node 1) kills itself with SIGKILL at its 4th all_reduce.
     let drill = example("failure_drill");
     let [(a, ta), (b, _)] = both(&hosts, &[drill.to_str().unwrap(), "3"], Duration::from_secs(60));

@@ -176,8 +176,7 @@ fn digests(w: usize, env: impl Fn(usize) -> Vec<(&'static str, &'static str)>) -
 #[test]
 fn processes_on_one_host_share_an_unlinked_segment_and_agree_with_tcp() {
     if !std::path::Path::new("/dev/shm").is_dir() {
-        eprintln!("no /dev/shm: skipped");
-        return;
+        return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm on this host");
     }
     for w in [2, 3] {
         let shm = digests(w, |_| vec![]);

@@ -75,8 +75,7 @@ fn tiny_bert_matches_transformers() {
 #[test]
 fn minilm_matches_transformers() {
     let Some(dir) = minilm_dir() else {
-        eprintln!("SKIPPED minilm_matches_transformers: data/models/all-MiniLM-L6-v2 is absent (run scripts/get_minilm.sh)");
-        return;
+        return allgrad_testkit::skip(allgrad_testkit::Need::MiniLm, "data/models/all-MiniLM-L6-v2 is absent");
     };
     compare(&dir, &MINILM_SENTENCES, 32, MINILM);
 }
