@@ -14,11 +14,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{example, wait_with_watchdog};
+use common::{example, run_with_watchdog, spawn_watched};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
@@ -72,9 +72,7 @@ impl TwoHosts {
             .args(["--master-addr", &self.ips[0], "--master-port", &port.to_string()])
             .args(program)
             .env("ALLGRAD_JOB_TOKEN", format!("two-hosts-{}", std::process::id()))
-            .env("ALLGRAD_TIMEOUT_S", "30")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .env("ALLGRAD_TIMEOUT_S", "30");
         c
     }
 }
@@ -102,11 +100,9 @@ fn hosts_or_skip() -> Option<TwoHosts> {
 /// Runs both nodes of `program` and returns (node 0's output, node 1's output, their times).
 fn both(hosts: &TwoHosts, program: &[&str], limit: Duration) -> [(Output, Duration); 2] {
     let port = allgrad::launch::free_port().unwrap();
-    let b = hosts.launch(1, port, program).spawn().unwrap();
-    let a = hosts.launch(0, port, program).spawn().unwrap();
-    let a = wait_with_watchdog(a, "node 0", limit);
-    let b = wait_with_watchdog(b, "node 1", limit);
-    [a, b]
+    let b = spawn_watched(&mut hosts.launch(1, port, program), "node 1", limit);
+    let a = spawn_watched(&mut hosts.launch(0, port, program), "node 0", limit);
+    [a.wait(), b.wait()]
 }
 
 fn text(o: &Output) -> String {
@@ -145,8 +141,8 @@ fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
     };
     let one_host = d.path().join("one-host");
     let mut single = Command::new(env!("CARGO_BIN_EXE_launch"));
-    single.args(["--nproc-per-node", "4"]).args(run(&one_host)).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let (o, _) = wait_with_watchdog(single.spawn().unwrap(), "the one-host run", Duration::from_secs(120));
+    single.args(["--nproc-per-node", "4"]).args(run(&one_host));
+    let (o, _) = run_with_watchdog(&mut single, Duration::from_secs(120));
     assert!(o.status.success(), "{}", text(&o));
 
     let two_hosts = d.path().join("two-hosts");

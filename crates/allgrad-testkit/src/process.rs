@@ -19,18 +19,27 @@ use std::time::{Duration, Instant};
 /// How long the output of an exited child may stay open (held by a surviving descendant).
 pub const PIPE_GRACE: Duration = Duration::from_secs(10);
 
+/// Fields 3 onwards of `/proc/<pid>/stat` (after `pid (comm)`, whose command may hold
+/// spaces and parentheses): state, ppid, ...
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let close = stat.rfind(')')?;
+    Some(stat[close + 1..].split_whitespace().map(String::from).collect())
+}
+
+/// When process `pid` started (clock ticks since boot), to tell it from a later process that
+/// reuses its id.
+fn start_time(pid: u32) -> Option<u64> {
+    stat_fields(pid)?.get(19)?.parse().ok()
+}
+
 /// The processes descended from `pid` (children, their children, ...), from `/proc`.
 pub fn descendants(pid: u32) -> Vec<u32> {
     let mut parent_of = Vec::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for e in dir.flatten() {
             let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-            // pid (comm) state ppid ...: the command may hold spaces and parentheses.
-            let Some(close) = stat.rfind(')') else { continue };
-            let Some(ppid) = stat[close + 1..].split_whitespace().nth(1).and_then(|s| s.parse::<u32>().ok()) else {
-                continue;
-            };
+            let Some(ppid) = stat_fields(p).and_then(|f| f.get(1)?.parse::<u32>().ok()) else { continue };
             parent_of.push((p, ppid));
         }
     }
@@ -68,7 +77,36 @@ fn kill_all(pid: u32, group: bool) {
     }
 }
 
-/// A child started by [`spawn`], its stdout and stderr read by threads.
+/// Processes seen descending from a child, by id and start time: after the child exits they
+/// are reparented out of its tree, and a process group of their own (as `launch` gives each
+/// rank) takes them out of its group, but they may still hold its output.
+#[derive(Default)]
+struct Seen(Vec<(u32, u64)>);
+
+impl Seen {
+    fn look(&mut self, pid: u32) {
+        for p in descendants(pid) {
+            if !self.0.iter().any(|(q, _)| *q == p) {
+                if let Some(t) = start_time(p) {
+                    self.0.push((p, t));
+                }
+            }
+        }
+    }
+
+    /// SIGKILLs those still running (the same process: same id and start time).
+    fn kill(&self) {
+        for &(p, t) in &self.0 {
+            if start_time(p) == Some(t) {
+                // SAFETY: kill(2) on a process id; no memory is involved.
+                unsafe { libc::kill(p as libc::pid_t, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
+/// A child started by [`spawn`], its stdout and stderr read by threads. Dropped before it was
+/// waited for (a test that failed meanwhile), it is killed with everything it started.
 pub struct Watched {
     child: Child,
     what: String,
@@ -77,6 +115,18 @@ pub struct Watched {
     started: Instant,
     stdout: Receiver<Vec<u8>>,
     stderr: Receiver<Vec<u8>>,
+    seen: Seen,
+    reaped: bool,
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        if !self.reaped {
+            kill_all(self.child.id(), true);
+            self.seen.kill();
+            let _ = self.child.wait();
+        }
+    }
 }
 
 fn reader(pipe: Option<impl Read + Send + 'static>) -> Receiver<Vec<u8>> {
@@ -105,7 +155,17 @@ pub fn spawn(cmd: &mut Command, what: &str, limit: Duration) -> Watched {
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
     let (stdout, stderr) = (reader(child.stdout.take()), reader(child.stderr.take()));
-    Watched { child, what: what.to_string(), limit, grace: PIPE_GRACE, started: Instant::now(), stdout, stderr }
+    Watched {
+        child,
+        what: what.to_string(),
+        limit,
+        grace: PIPE_GRACE,
+        started: Instant::now(),
+        stdout,
+        stderr,
+        seen: Seen::default(),
+        reaped: false,
+    }
 }
 
 impl Watched {
@@ -138,13 +198,21 @@ impl Watched {
     /// exited: everything it started is killed first, and the message holds what it printed.
     pub fn wait_ticking(mut self, mut tick: impl FnMut(u32)) -> (Output, Duration) {
         let pid = self.child.id();
+        let mut looked = Instant::now();
         let status = loop {
             if let Some(s) = self.child.try_wait().unwrap_or_else(|e| panic!("waiting for {}: {e}", self.what)) {
+                self.reaped = true;
                 break s;
+            }
+            if looked.elapsed() > Duration::from_millis(100) {
+                self.seen.look(pid);
+                looked = Instant::now();
             }
             if self.started.elapsed() > self.limit {
                 kill_all(pid, true);
+                self.seen.kill();
                 let _ = self.child.wait();
+                self.reaped = true;
                 let out = self.collect(Duration::from_secs(2));
                 panic!(
                     "watchdog: {} (pid {pid}) still running after {:?}; killed it and its processes\n{out}",
@@ -162,7 +230,11 @@ impl Watched {
         match (stdout, stderr) {
             (Ok(stdout), Ok(stderr)) => (Output { status, stdout, stderr }, ran),
             _ => {
-                kill_all(pid, true);
+                // The child is reaped (its id may be reused): only its group and the processes
+                // seen under it, by start time.
+                // SAFETY: kill(2) on a process group id; no memory is involved.
+                unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
+                self.seen.kill();
                 panic!(
                     "watchdog: {} (pid {pid}) exited with {status}, but its output was still open {:?} later: \
                      processes it started outlived it (killed now, with its process group)",
