@@ -14,6 +14,10 @@
 //! Neither has a floor of 1, which would make a "relative" tolerance absolute for values below
 //! one (a gradient of size 1e-3 checked "at 1e-10" would be checked at 1e-7 relative).
 //! NaN anywhere gives an infinite error.
+//!
+//! With `ALLGRAD_TEST_ERRORS=1` every check through [`assert_rel`], [`assert_elem_rel`] or
+//! [`report`] prints `ERROR <test>: <what>: <error> (tolerance <tol>)` to stderr: the measured
+//! errors behind the tolerances' comments (`cargo test ... 2>&1 | grep '^ERROR'`).
 
 /// `‖got − want‖₂ / ‖want‖₂` over all elements: 0 when they are equal (both zero included),
 /// infinite when `want` is all zeros and `got` is not, or when either holds a NaN.
@@ -67,9 +71,19 @@ pub fn elem_rel_err(got: &[f64], want: &[f64], floor: f64) -> (f64, usize) {
     worst
 }
 
+/// Prints the measured error `e` of check `what` against `tol` when `ALLGRAD_TEST_ERRORS=1`.
+pub fn report(what: &str, e: f64, tol: f64) {
+    if std::env::var("ALLGRAD_TEST_ERRORS").is_ok_and(|v| v.trim() == "1") {
+        use std::io::Write;
+        let line = format!("ERROR {}: {what}: {e:.3e} (tolerance {tol:.0e})\n", crate::current_test());
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }
+}
+
 /// Fails with `what`, the error and the tolerance when [`rel_err`] exceeds `tol`.
 pub fn assert_rel(got: &[f64], want: &[f64], tol: f64, what: &str) {
     let e = rel_err(got, want);
+    report(what, e, tol);
     assert!(e <= tol, "{what}: relative error (norm-wise) {e:e} > {tol:e}");
 }
 
@@ -77,6 +91,7 @@ pub fn assert_rel(got: &[f64], want: &[f64], tol: f64, what: &str) {
 /// `tol`.
 pub fn assert_elem_rel(got: &[f64], want: &[f64], tol: f64, floor: f64, what: &str) {
     let (e, i) = elem_rel_err(got, want, floor);
+    report(what, e, tol);
     assert!(
         e <= tol,
         "{what}: element {i} is {}, expected {} (relative error {e:e} > {tol:e}, floor {floor:e})",
