@@ -84,6 +84,8 @@ pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
 pub use gpu::{CudaCollectives, CudaPath};
 pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
+#[doc(hidden)]
+pub use mesh::AllReducePaths;
 pub use ops::{all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter};
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
 pub use settings::Settings;

@@ -191,6 +191,8 @@ fn forward_kernel<T: Float>(x: &[T], skip: Option<&[T]>, p: &Plan, inner: usize)
     let a: Vec<T> = p.scale.iter().map(|&v| T::from_f64(v)).collect();
     let b: Vec<T> = p.shift.iter().map(|&v| T::from_f64(v)).collect();
     let rows = (GRAIN / inner).max(1);
+    let split = out.len() > rows * inner;
+    crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
     let avx2 = has_avx2();
     out.par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
         let task = ForwardTask { x, skip, a: &a, b: &b, relu: p.relu, inner, start: t * rows * inner };
@@ -356,6 +358,8 @@ fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inne
     if len > 0 {
         let rows = (GRAIN / inner).max(1);
         let chunk = rows * inner;
+        let split = len > chunk;
+        crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
         let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu: p.relu, inner };
         let avx2 = has_avx2();
         let run = |start: usize, dxc: &mut [T], dsc: Option<&mut [T]>| {

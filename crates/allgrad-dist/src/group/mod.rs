@@ -248,6 +248,12 @@ impl ProcessGroup {
         self.lock().mesh.shm.is_some()
     }
 
+    /// How many of this group's all_reduce calls took each path so far (for tests).
+    #[doc(hidden)]
+    pub fn all_reduce_paths(&self) -> crate::mesh::AllReducePaths {
+        self.lock().mesh.paths
+    }
+
     /// The rendezvous store, when the world has more than one rank.
     pub fn store(&self) -> Option<&StoreClient> {
         self.inner.ctx.store.as_ref()
