@@ -185,7 +185,7 @@ details="$out/details.md"
 : >"$details"
 
 # part NAME WHAT COMMAND...: runs COMMAND under the time limit, its output in $out/NAME.log;
-# records passed / failed / skipped (the tests print `SKIPPED <test>: <reason>` when they do
+# records passed / failed / skipped (the tests print `SKIPPED <binary>::<test> [<need>]: <reason>` when they do
 # not run) and copies the result lines into the report.
 part() {
     local name="$1" what="$2"
@@ -197,10 +197,11 @@ part() {
     rc=$?
     local took=$(($(date +%s) - start))
     local nskips ntests reasons
-    nskips=$(grep -o 'SKIPPED [^:]*:' "$log" | sort -u | grep -c . || true)
+    nskips=$(grep -oE 'SKIPPED [^ ]+ \[' "$log" | sort -u | grep -c . || true)
     ntests=$(grep -o 'test result: [a-zA-Z]*\. [0-9]* passed' "$log" | awk '{s += $4} END {print s + 0}')
-    # Each distinct reason once (the tests print `SKIPPED <test>: <reason>`).
-    reasons=$(grep -o 'SKIPPED .*' "$log" | sed 's/^SKIPPED [^:]*: //' | sort -u | paste -sd';' - || true)
+    # Each distinct reason once (the tests print `SKIPPED <binary>::<test> [<need>]: <reason>
+    # (runs when: ...)`, allgrad_testkit::skip).
+    reasons=$(grep -oE 'SKIPPED [^ ]+ \[[a-z]+\]: .*' "$log" | sed -E 's/^SKIPPED [^ ]+ \[[a-z]+\]: //; s/ \(runs when:.*$//' | sort -u | paste -sd';' - || true)
     local result why
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
         result=failed why="timed out after ${limit} s"

@@ -18,7 +18,7 @@
 //! (`collectives of CUDA tensors take the ... path`); the test prints it.
 //!
 //! Without a GPU (or in a build without the `cuda` feature) every test prints why it skipped
-//! (`SKIPPED <test>: <reason>`); with ALLGRAD_REQUIRE_GPU=1 that is a failure.
+//! (`allgrad_testkit::skip`); with ALLGRAD_REQUIRE_GPU=1 that is a failure.
 //! ALLGRAD_GPU_TEST_DEVICE=cpu runs everything on the CPU, to check the harness.
 
 mod common;
@@ -29,13 +29,11 @@ use std::time::Duration;
 
 use gpu_common::{compare, launched_train, read_run, repo_root, target, Target, Trained};
 
-/// Says that `test` did not run and why (`SKIPPED <test>: <reason>`). A reason about the GPU
-/// (`gpu: true`) fails the test instead under ALLGRAD_REQUIRE_GPU=1.
+/// Says that `test` did not run and why, through the workspace's skip (a failure instead
+/// where the machine should provide the need: a GPU under ALLGRAD_REQUIRE_GPU=1).
 fn skip(test: &str, reason: &str, gpu: bool) {
-    if gpu && std::env::var("ALLGRAD_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("ALLGRAD_REQUIRE_GPU=1, but {test} cannot run: {reason}");
-    }
-    eprintln!("SKIPPED {test}: {reason}");
+    let need = if gpu { allgrad_testkit::Need::Gpu } else { allgrad_testkit::Need::MiniLm };
+    allgrad_testkit::skip(need, &format!("{test}: {reason}"));
 }
 
 /// Every run's limit (a watchdog kills it and fails the test).

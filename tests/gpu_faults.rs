@@ -12,7 +12,7 @@
 //! waits in NCCL and must see the death on the TCP mesh and abort its communicator), and the
 //! host otherwise (two ranks on one GPU).
 //!
-//! Without a GPU it prints why it skipped (`SKIPPED <test>: <reason>`); with
+//! Without a GPU it prints why it skipped (`allgrad_testkit::skip`); with
 //! ALLGRAD_REQUIRE_GPU=1 that is a failure. ALLGRAD_GPU_TEST_DEVICE=cpu runs the drill on the
 //! CPU, to check the harness.
 
@@ -26,13 +26,10 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use gpu_common::{bin, repo_root, target, Target};
 
-/// Says that `test` did not run and why (`SKIPPED <test>: <reason>`); a failure instead under
-/// ALLGRAD_REQUIRE_GPU=1.
+/// Says that `test` did not run and why, through the workspace's skip (a failure instead
+/// under ALLGRAD_REQUIRE_GPU=1).
 fn skip(test: &str, reason: &str) {
-    if std::env::var("ALLGRAD_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("ALLGRAD_REQUIRE_GPU=1, but {test} cannot run: {reason}");
-    }
-    eprintln!("SKIPPED {test}: {reason}");
+    allgrad_testkit::skip(allgrad_testkit::Need::Gpu, &format!("{test}: {reason}"));
 }
 
 /// The collective timeout of the drill: the survivor must fail well within it.

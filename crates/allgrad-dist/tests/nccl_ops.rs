@@ -33,13 +33,10 @@ fn gpus(test: &str) -> Option<usize> {
     Some(n)
 }
 
-/// Says that `test` did not run and why (`SKIPPED <test>: <reason>`); panics instead under
-/// ALLGRAD_REQUIRE_GPU=1.
+/// Says that `test` did not run and why, through the workspace's skip (a failure instead
+/// under ALLGRAD_REQUIRE_GPU=1).
 fn skip(test: &str, reason: &str) {
-    if std::env::var("ALLGRAD_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("ALLGRAD_REQUIRE_GPU=1, but {test} cannot run: {reason}");
-    }
-    eprintln!("SKIPPED {test}: {reason}");
+    allgrad_testkit::skip(allgrad_testkit::Need::Gpu, &format!("{test}: {reason}"));
 }
 
 /// The path a group of `w` ranks on `gpus` devices takes under `mode`.
