@@ -47,36 +47,25 @@
 pub const JOB_LOG: &str = "allgrad_job";
 
 pub mod clock;
-mod collectives;
-#[cfg(feature = "cuda")]
-mod cuda;
+mod cpu;
 mod dispatch;
-pub mod elastic;
-pub mod env;
 mod error;
 pub mod gpu;
 mod group;
-mod host_ops;
 pub mod launch;
-mod mesh;
-#[cfg(feature = "nccl")]
-mod nccl;
 pub mod ops;
 mod reduce;
+mod rendezvous;
 pub mod settings;
-mod shm;
-mod shm_job;
-mod shm_ops;
-mod shm_setup;
-pub mod slurm;
-pub mod store;
 pub mod testing;
 mod threads;
-pub mod torch_store;
-mod unique_id;
-mod watchdog;
 mod wire;
 
+pub use rendezvous::{elastic, env, slurm, store, torch_store};
+
+#[doc(hidden)]
+pub use cpu::mesh::AllReducePaths;
+pub use cpu::shm::job::{remove_job_segments, shm_job_prefix, shm_rank_prefix};
 #[doc(hidden)]
 pub use dispatch::__private;
 pub use elastic::Elastic;
@@ -84,17 +73,7 @@ pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
 pub use gpu::{CudaCollectives, CudaPath};
 pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
-#[doc(hidden)]
-pub use mesh::AllReducePaths;
 pub use ops::{all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter};
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
 pub use settings::Settings;
-pub use shm_job::{remove_job_segments, shm_job_prefix, shm_rank_prefix};
 pub use threads::{run_threads, ThreadWorld};
-
-#[cfg(test)]
-mod fuzz_tests;
-#[cfg(test)]
-mod hostile_tests;
-#[cfg(test)]
-mod shm_tests;

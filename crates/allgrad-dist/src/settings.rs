@@ -20,11 +20,11 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use crate::env::DEFAULT_TIMEOUT;
+use crate::cpu::shm::setup::{ShmConfig, DEFAULT_SLOT_BYTES};
+use crate::cpu::shm::SLOT_ALIGN;
 use crate::error::{DistError, DistResult};
 use crate::gpu::CudaCollectives;
-use crate::shm::SLOT_ALIGN;
-use crate::shm_setup::{ShmConfig, DEFAULT_SLOT_BYTES};
+use crate::rendezvous::env::DEFAULT_TIMEOUT;
 
 /// The `ALLGRAD_*` settings of a process (see the module docs for the table).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -5,12 +5,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use crate::env::WorldInfo;
 use crate::error::DistError;
 use crate::gpu::CudaCollectives;
 use crate::group::ProcessGroup;
+use crate::rendezvous::env::WorldInfo;
+use crate::rendezvous::store::StoreServer;
 use crate::settings::Settings;
-use crate::store::StoreServer;
 
 /// Runs `f` on `world_size` ranks, each a thread with its own [`ProcessGroup`], and returns
 /// every rank's result in rank order. See [`ThreadWorld`] for timeouts.
@@ -51,7 +51,7 @@ impl ThreadWorld {
     /// `world_size` ranks; collective timeout from ALLGRAD_TIMEOUT_S, else 60 s; a watchdog
     /// that ends the process with a message if the ranks have not all returned 60 s after that.
     pub fn new(world_size: usize) -> Self {
-        let timeout = Settings::from_env().map(|s| s.timeout).ok().filter(|t| *t != crate::env::DEFAULT_TIMEOUT);
+        let timeout = Settings::from_env().map(|s| s.timeout).ok().filter(|t| *t != crate::rendezvous::env::DEFAULT_TIMEOUT);
         let timeout = timeout.unwrap_or(Duration::from_secs(60));
         ThreadWorld {
             world_size,
@@ -135,7 +135,7 @@ impl ThreadWorld {
         settings.timeout = self.timeout;
         let token = format!("threads-{:032x}", rand::random::<u128>());
         let server = if w > 1 { Some(StoreServer::start("127.0.0.1:0", &token)?) } else { None };
-        let port = server.as_ref().map(|s| s.addr().port()).unwrap_or(crate::env::DEFAULT_MASTER_PORT);
+        let port = server.as_ref().map(|s| s.addr().port()).unwrap_or(crate::rendezvous::env::DEFAULT_MASTER_PORT);
         let info = |rank| WorldInfo {
             rank,
             world_size: w,

@@ -89,7 +89,7 @@ fn departed_peer_fails_all_reduce_naming_it_at_w4_direct_path() {
 #[test]
 fn departed_peer_fails_shared_memory_all_reduce_naming_it_on_every_rank() {
     // Large calls of thread ranks go through shared memory; a rank process killed in the middle of
-    // one is tested in the crate's own tests (src/shm_tests.rs) and with processes
+    // one is tested in the crate's own tests (src/cpu/shm/path_tests.rs) and with processes
     // (tests/shm_processes.rs).
     if !shm_available() {
         return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm: there is no shared-memory path to fail");

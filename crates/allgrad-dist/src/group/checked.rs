@@ -10,13 +10,13 @@
 
 use std::time::Duration;
 
-use crate::collectives::Call;
+use crate::cpu::collectives::Call;
+use crate::cpu::mesh::{Mesh, OpCode, NCCL_STEP};
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::error::DistError;
 use crate::error::DistResult;
-use crate::mesh::{Mesh, OpCode, NCCL_STEP};
 use crate::reduce::{Elem, ReduceOp};
-use crate::store::StoreClient;
+use crate::rendezvous::store::StoreClient;
 use crate::wire::digest;
 
 use super::ProcessGroup;
@@ -39,7 +39,7 @@ pub(crate) struct Elsewhere<'a> {
     pub mesh: &'a Mesh,
     /// The group's NCCL communicator, once made.
     #[cfg(feature = "nccl")]
-    pub nccl: &'a mut Option<crate::nccl::GroupComm>,
+    pub nccl: &'a mut Option<crate::gpu::nccl::GroupComm>,
 }
 
 /// The names of a call, for error messages (copied out of [`Elsewhere`]).

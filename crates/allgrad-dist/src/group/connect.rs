@@ -5,8 +5,8 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSoc
 use std::time::{Duration, Instant};
 
 use super::Context;
+use crate::cpu::mesh::Mesh;
 use crate::error::{DistError, DistResult};
-use crate::mesh::Mesh;
 use crate::wire::{self, same_secret, Hello, Service};
 
 /// How long an accepted connection may take to present its handshake.
@@ -39,7 +39,7 @@ pub(super) fn bind_ip_toward(configured: Option<IpAddr>, master: &str, port: u16
 /// Connects this rank to every other member of a group: members publish their listening
 /// address in the store, each connects to the lower ranks and accepts the higher ones. Every
 /// connection is authenticated with the job token both ways. Then the members find out
-/// whether they share this host, and set up shared memory if so (`shm_ops`).
+/// whether they share this host, and set up shared memory if so (`cpu::shm::ops`).
 pub(super) fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> DistResult<Mesh> {
     let info = &ctx.info;
     let store = ctx.store.as_ref().expect("a multi-rank group has a store");

@@ -7,9 +7,9 @@
 use candle_core::Device;
 
 use super::ProcessGroup;
+use crate::cpu::mesh::OpCode;
 use crate::error::{DistError, DistResult};
 use crate::gpu::{select_cuda_path, CudaCollectives, CudaPath, GpuId, GPU_ID_BYTES};
-use crate::mesh::OpCode;
 
 /// A group's decision: the mode it was made under, the path, and this rank's GPU then.
 #[derive(Clone, Copy, Debug)]
@@ -77,7 +77,7 @@ impl ProcessGroup {
                 return Ok(d.path);
             }
         }
-        self.choose_cuda_path(crate::cuda::gpu_id(device)?, cfg!(feature = "nccl"))
+        self.choose_cuda_path(crate::gpu::cuda::gpu_id(device)?, cfg!(feature = "nccl"))
     }
 
     /// Chooses (once) this group's path for this rank's GPU `me`; `nccl_built` says whether

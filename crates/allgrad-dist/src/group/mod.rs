@@ -21,16 +21,16 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::collectives::Call;
-use crate::env::WorldInfo;
+use crate::cpu::collectives::Call;
+use crate::cpu::mesh::{Mesh, OpCode};
 use crate::error::{DistError, DistResult};
 use crate::gpu::CudaCollectives;
-use crate::mesh::{Mesh, OpCode};
 use crate::reduce::ReduceOp;
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::reduce::{Elem, SUPPORTED_DTYPES};
+use crate::rendezvous::env::WorldInfo;
+use crate::rendezvous::store::{StoreClient, StoreServer};
 use crate::settings::{host_memory, message_cap, Settings};
-use crate::store::{StoreClient, StoreServer};
 use crate::wire::digest;
 #[cfg(feature = "nccl")]
 pub(crate) use checked::{Elsewhere, Names};
@@ -68,7 +68,7 @@ struct State {
     cuda: Option<CudaDecision>,
     /// The group's NCCL communicator, made by its first collective on a CUDA tensor.
     #[cfg(feature = "nccl")]
-    nccl: Option<crate::nccl::GroupComm>,
+    nccl: Option<crate::gpu::nccl::GroupComm>,
 }
 
 struct Inner {
@@ -78,7 +78,7 @@ struct Inner {
     state: Mutex<State>,
     /// The pinned host buffer of the group's `host` path, reused from call to call.
     #[cfg(feature = "cuda")]
-    staging: Mutex<crate::cuda::Staging>,
+    staging: Mutex<crate::gpu::cuda::Staging>,
     ctx: Arc<Context>,
 }
 
@@ -119,8 +119,8 @@ impl ProcessGroup {
     /// As [`ProcessGroup::init`], with the given settings (the timeout and token are those of
     /// `info`). Reads no environment.
     pub fn init_with(info: &WorldInfo, settings: Settings) -> DistResult<ProcessGroup> {
-        // Under torchrun's agent store, rank 0 does not bind MASTER_PORT (crate::elastic).
-        if let Some((info, server)) = crate::elastic::rendezvous_via_agent(info)? {
+        // Under torchrun's agent store, rank 0 does not bind MASTER_PORT (crate::rendezvous::elastic).
+        if let Some((info, server)) = crate::rendezvous::elastic::rendezvous_via_agent(info)? {
             return Self::join(&info, server, settings);
         }
         let server = if info.rank == 0 && info.world_size > 1 {
@@ -186,7 +186,7 @@ impl ProcessGroup {
                 members,
                 state: Mutex::new(state),
                 #[cfg(feature = "cuda")]
-                staging: Mutex::new(crate::cuda::Staging::default()),
+                staging: Mutex::new(crate::gpu::cuda::Staging::default()),
                 ctx,
             }),
         }
@@ -250,7 +250,7 @@ impl ProcessGroup {
 
     /// How many of this group's all_reduce calls took each path so far (for tests).
     #[doc(hidden)]
-    pub fn all_reduce_paths(&self) -> crate::mesh::AllReducePaths {
+    pub fn all_reduce_paths(&self) -> crate::cpu::mesh::AllReducePaths {
         self.lock().mesh.paths
     }
 
@@ -265,7 +265,7 @@ impl ProcessGroup {
 
     /// The group's staging buffer for the `host` path of CUDA tensors.
     #[cfg(feature = "cuda")]
-    pub(crate) fn staging(&self) -> MutexGuard<'_, crate::cuda::Staging> {
+    pub(crate) fn staging(&self) -> MutexGuard<'_, crate::gpu::cuda::Staging> {
         self.inner.staging.lock().unwrap_or_else(|p| p.into_inner())
     }
 

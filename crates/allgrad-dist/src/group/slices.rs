@@ -3,8 +3,8 @@
 use candle_core::DType;
 
 use super::ProcessGroup;
+use crate::cpu::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::error::{DistError, DistResult};
-use crate::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::reduce::{dtype_code, Elem, ReduceOp};
 use crate::wire;
 

@@ -6,9 +6,9 @@
 use candle_core::{DType, Device, Shape, Tensor};
 
 use super::ProcessGroup;
+use crate::cpu::mesh::OpCode;
 use crate::dispatch::unsupported_dtype;
 use crate::error::{DistError, DistResult};
-use crate::mesh::OpCode;
 use crate::reduce::{Elem, ReduceOp};
 
 /// Runs `$body` with `$T` bound to the Rust type of a Candle dtype; other dtypes are an error.
@@ -27,7 +27,7 @@ impl ProcessGroup {
     pub fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::cuda::all_reduce(self, x, op);
+            return crate::gpu::cuda::all_reduce(self, x, op);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -43,7 +43,7 @@ impl ProcessGroup {
     pub fn all_gather_with_sizes(&self, x: &Tensor) -> candle_core::Result<(Tensor, Vec<usize>)> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::cuda::all_gather(self, x);
+            return crate::gpu::cuda::all_gather(self, x);
         }
         let (rows, rest) = split_first_dim(x, "all_gather")?;
         dispatch!(x.dtype(), T => {
@@ -79,7 +79,7 @@ impl ProcessGroup {
     pub fn reduce_scatter_sizes(&self, x: &Tensor, op: ReduceOp, sizes: &[usize]) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::cuda::reduce_scatter(self, x, op, sizes);
+            return crate::gpu::cuda::reduce_scatter(self, x, op, sizes);
         }
         let (rows, rest) = split_first_dim(x, "reduce_scatter")?;
         if sizes.len() != self.world_size() || sizes.iter().sum::<usize>() != rows {
@@ -113,7 +113,7 @@ impl ProcessGroup {
     pub fn broadcast(&self, x: &Tensor, root: usize) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::cuda::broadcast(self, x, root);
+            return crate::gpu::cuda::broadcast(self, x, root);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -131,7 +131,7 @@ impl ProcessGroup {
     pub fn reduce(&self, x: &Tensor, root: usize, op: ReduceOp) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::cuda::reduce(self, x, root, op);
+            return crate::gpu::cuda::reduce(self, x, root, op);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -150,7 +150,7 @@ impl ProcessGroup {
     pub fn all_to_all_sizes(&self, x: &Tensor, send_sizes: &[usize]) -> candle_core::Result<(Tensor, Vec<usize>)> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::cuda::all_to_all(self, x, send_sizes);
+            return crate::gpu::cuda::all_to_all(self, x, send_sizes);
         }
         let (rows, rest) = split_first_dim(x, "all_to_all")?;
         if send_sizes.len() != self.world_size() || send_sizes.iter().sum::<usize>() != rows {
@@ -217,7 +217,7 @@ impl ProcessGroup {
     pub fn device_barrier(&self, device: &Device) -> candle_core::Result<()> {
         #[cfg(feature = "cuda")]
         if device.is_cuda() {
-            return crate::cuda::device_barrier(self, device);
+            return crate::gpu::cuda::device_barrier(self, device);
         }
         let _ = device;
         Ok(self.barrier()?)

@@ -118,7 +118,7 @@ fn run_once(job: &Job, signals: &signals::SignalGuard) -> Result<Outcome, Launch
 /// the ranks' segment names are not known here and nothing is removed.
 fn remove_segments(token: Option<&str>, pids: &[u32]) {
     let Some(token) = token else { return };
-    let removed = crate::shm_job::remove_job_segments(token, pids);
+    let removed = crate::cpu::shm::job::remove_job_segments(token, pids);
     if !removed.is_empty() {
         let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
         eprintln!("launch: removed shared-memory files left by the job's ranks: {}", names.join(", "));

@@ -5,8 +5,8 @@ use std::sync::OnceLock;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::on_host;
+use crate::cpu::host_ops::Kind;
 use crate::group::ProcessGroup;
-use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// Concatenates every rank's `x` along dim 0, in rank order. Ranks may differ in dim-0 size;

@@ -3,8 +3,8 @@
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::on_host;
+use crate::cpu::host_ops::Kind;
 use crate::group::ProcessGroup;
-use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// Returns rank `src`'s `x` on every rank (every rank passes a tensor of the same shape).

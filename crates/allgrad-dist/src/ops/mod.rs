@@ -73,8 +73,8 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Device, Layout, Result, Shape, Tensor, WithDType};
 
+use crate::cpu::host_ops::Kind;
 use crate::group::ProcessGroup;
-use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// Applies a collective's custom op to `x`: directly on the CPU and on CUDA (the op's
@@ -103,7 +103,7 @@ pub(crate) fn host_fwd(
         l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("collective input is not contiguous".into()))?;
     crate::with_elem_type!(candle_core::backend::BackendStorage::dtype(s), T => {
         let v: &[T] = &s.as_slice::<T>()?[start..end];
-        let out = crate::host_ops::run(pg, &kind, v, l.dims())?;
+        let out = crate::cpu::host_ops::run(pg, &kind, v, l.dims())?;
         if let (Some(cell), Some(learned)) = (sizes, out.sizes) {
             let _ = cell.set(learned);
         }
@@ -121,7 +121,7 @@ pub(crate) fn cuda_fwd(
     l: &Layout,
     sizes: Option<&OnceLock<Vec<usize>>>,
 ) -> Result<(candle_core::CudaStorage, Shape)> {
-    let (out, shape, learned) = crate::cuda::forward(pg, &kind, s, l)?;
+    let (out, shape, learned) = crate::gpu::cuda::forward(pg, &kind, s, l)?;
     if let (Some(cell), Some(v)) = (sizes, learned) {
         let _ = cell.set(v);
     }

@@ -3,8 +3,8 @@
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::{on_host, reduction_grad};
+use crate::cpu::host_ops::Kind;
 use crate::group::ProcessGroup;
-use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// Reduces `x` element-wise over all ranks and returns this rank's block of dim 0, which is

@@ -1,5 +1,5 @@
 //! Collectives of CUDA tensors (feature `cuda`): the dispatch of every call to the group's
-//! path ([`crate::gpu`]): NCCL on the devices (`crate::nccl`, feature `nccl`) or the host
+//! path ([`crate::gpu`]): NCCL on the devices (`crate::gpu::nccl`, feature `nccl`) or the host
 //! (`staging`); the plain collectives as Candle ops that keep their output on the device;
 //! reading a device's UUID.
 //!
@@ -16,10 +16,10 @@ use std::sync::OnceLock;
 
 use candle_core::{CudaDevice, CudaStorage, CustomOp1, Device, Layout, Result, Shape, Tensor};
 
+use crate::cpu::host_ops::Kind;
 use crate::error::{DistError, DistResult};
 use crate::gpu::{CudaPath, GpuId};
 use crate::group::ProcessGroup;
-use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// A collective's output on the device: storage, shape and, for all_gather and all_to_all,
@@ -42,7 +42,7 @@ pub(crate) fn gpu_id(device: &CudaDevice) -> DistResult<GpuId> {
 pub(crate) fn forward(pg: &ProcessGroup, kind: &Kind, s: &CudaStorage, l: &Layout) -> Result<Out> {
     match pg.cuda_path_of(&s.device)? {
         #[cfg(feature = "nccl")]
-        CudaPath::Nccl => crate::nccl::forward(pg, kind, s, l),
+        CudaPath::Nccl => crate::gpu::nccl::forward(pg, kind, s, l),
         #[cfg(not(feature = "nccl"))]
         CudaPath::Nccl => Err(DistError::Invalid("the nccl path was chosen in a build without the `nccl` feature".into()).into()),
         CudaPath::Host => staging::forward(pg, kind, s, l),

@@ -12,10 +12,10 @@
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 
-use crate::env::WorldInfo;
 use crate::error::{DistError, DistResult};
-use crate::store::StoreServer;
-use crate::torch_store::TorchStore;
+use crate::rendezvous::env::WorldInfo;
+use crate::rendezvous::store::StoreServer;
+use crate::rendezvous::torch_store::TorchStore;
 
 /// The key (under the round's prefix) where rank 0 publishes allgrad's store address.
 pub const STORE_ADDR_KEY: &str = "allgrad/store_addr";

@@ -1,7 +1,7 @@
 //! The `host` path of collectives of CUDA tensors: the input is copied into the group's
 //! pinned host buffer (page-locked, so the copy is a direct DMA; allocated once, grown to the
 //! largest collective and reused), the CPU backend runs the collective on it
-//! ([`crate::host_ops::run_staged`], the code a CPU tensor runs) and the result is copied to
+//! ([`crate::cpu::host_ops::run_staged`], the code a CPU tensor runs) and the result is copied to
 //! a new allocation on the tensor's device. In-place collectives (all_reduce, broadcast,
 //! reduce) run on the pinned buffer and are copied back from it; the others (all_gather,
 //! reduce_scatter, all_to_all) copy back the CPU backend's output vector.
@@ -18,10 +18,10 @@ use candle_core::{CudaStorage, Layout, Result, Shape};
 use std::sync::Arc;
 
 use super::{cuda, Out};
+use crate::cpu::host_ops::{run_staged, Kind};
 use crate::dispatch::unsupported_dtype;
 use crate::error::{DistError, DistResult};
 use crate::group::ProcessGroup;
-use crate::host_ops::{run_staged, Kind};
 use crate::reduce::Elem;
 
 /// Smallest pinned allocation: collectives of a few values should not each grow the buffer.

@@ -88,7 +88,7 @@ mod tests {
     fn every_segment_name_of_a_job_starts_with_its_prefix() {
         let prefix = shm_job_prefix("tok");
         for (group, nonce) in [("world", 1u128), ("world/1", u128::MAX), ("g", 7)] {
-            let path = crate::shm_setup::segment_path("tok", 1234, group, nonce);
+            let path = crate::cpu::shm::setup::segment_path("tok", 1234, group, nonce);
             let name = path.file_name().unwrap().to_string_lossy().into_owned();
             assert!(path.starts_with(SHM_DIR) && name.starts_with(&prefix), "{name} vs {prefix}");
             assert!(!name.starts_with(&shm_job_prefix("other")), "{name}");

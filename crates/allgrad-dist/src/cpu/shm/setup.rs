@@ -1,5 +1,5 @@
 //! Setting up the same-host fast path of a group (the algorithms that use it are in
-//! `shm_ops`; the segment itself in `shm`).
+//! `ops`; the segment itself in `shm`).
 //!
 //! Once per group (init and `new_group`), over the group's TCP mesh:
 //! 1. every rank sends every other its host id (boot id, host name and mount namespace,
@@ -16,10 +16,10 @@
 
 use std::path::PathBuf;
 
+use crate::cpu::mesh::{Mesh, OpCode, RecvOp, SendOp};
+use crate::cpu::shm::job::{shm_rank_prefix, SHM_DIR};
+use crate::cpu::shm::{segment_bytes, Segment, SLOT_ALIGN};
 use crate::error::DistResult;
-use crate::mesh::{Mesh, OpCode, RecvOp, SendOp};
-use crate::shm::{segment_bytes, Segment, SLOT_ALIGN};
-use crate::shm_job::{shm_rank_prefix, SHM_DIR};
 use crate::wire::{Header, KIND_DATA};
 
 /// Default bytes of one rank's slot (ALLGRAD_SHM_SLOT_BYTES overrides).
@@ -111,7 +111,7 @@ struct Unlink(Option<PathBuf>);
 impl Drop for Unlink {
     fn drop(&mut self) {
         if let Some(p) = &self.0 {
-            crate::shm::unlink(p);
+            crate::cpu::shm::unlink(p);
         }
     }
 }

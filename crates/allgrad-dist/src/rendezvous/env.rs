@@ -9,8 +9,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::elastic::Elastic;
 use crate::error::{DistError, DistResult};
+use crate::rendezvous::elastic::Elastic;
 use crate::settings::Settings;
 
 /// Default timeout of every blocking distributed call.
@@ -38,7 +38,7 @@ pub struct WorldInfo {
     /// Timeout of every blocking call.
     pub timeout: Duration,
     /// Set when torchrun's elastic agent started this process: run id, restart round, and
-    /// whether its store serves MASTER_PORT (then rank 0 does not bind it; see [`crate::elastic`]).
+    /// whether its store serves MASTER_PORT (then rank 0 does not bind it; see [`crate::rendezvous::elastic`]).
     pub elastic: Option<Elastic>,
 }
 
@@ -112,12 +112,14 @@ impl WorldInfo {
             )));
         }
         // Under srun without MASTER_ADDR/MASTER_PORT: the first host of the step (else job) and a
-        // port from the job id (crate::slurm).
+        // port from the job id (crate::rendezvous::slurm).
         let slurm_nodes = get("SLURM_STEP_NODELIST").or(get("SLURM_JOB_NODELIST"));
         let master_addr = match get("MASTER_ADDR") {
             Some(a) => a.to_string(),
             None if world == 1 => "127.0.0.1".to_string(),
-            None if source == "SLURM" && slurm_nodes.is_some() => crate::slurm::first_host(slurm_nodes.unwrap_or_default())?,
+            None if source == "SLURM" && slurm_nodes.is_some() => {
+                crate::rendezvous::slurm::first_host(slurm_nodes.unwrap_or_default())?
+            }
             None => {
                 return Err(DistError::Env(format!(
                     "MASTER_ADDR is not set: {source} gives {world} ranks, and they meet at rank 0's address \
@@ -127,7 +129,7 @@ impl WorldInfo {
         };
         let master_port = match get("MASTER_PORT") {
             None if source == "SLURM" && get("SLURM_JOB_ID").is_some() => {
-                crate::slurm::port_from_job_id(get("SLURM_JOB_ID").unwrap_or_default())?
+                crate::rendezvous::slurm::port_from_job_id(get("SLURM_JOB_ID").unwrap_or_default())?
             }
             None => DEFAULT_MASTER_PORT,
             Some(p) => p

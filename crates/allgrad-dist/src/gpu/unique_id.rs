@@ -8,7 +8,7 @@
 #![cfg_attr(not(feature = "nccl"), allow(dead_code))]
 
 use crate::error::{DistError, DistResult};
-use crate::store::StoreClient;
+use crate::rendezvous::store::StoreClient;
 
 /// Size of an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
 pub(crate) const UNIQUE_ID_BYTES: usize = 128;
@@ -54,7 +54,7 @@ pub(crate) fn share_unique_id(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::StoreServer;
+    use crate::rendezvous::store::StoreServer;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 

@@ -17,9 +17,9 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::cpu::shm::Segment;
 use crate::error::{DistError, DistResult};
 use crate::reduce::dtype_name;
-use crate::shm::Segment;
 use crate::wire::{self, Header, HEADER_LEN, KIND_ABORT, KIND_DATA, MAX_ABORT_REASON};
 
 /// How long an exchange polls without sleeping before it blocks in poll(2): waking a sleeping
@@ -69,7 +69,7 @@ fn redop_name(code: u8) -> &'static str {
 }
 
 /// The step number of the frame that announces a collective whose data goes through shared
-/// memory (see `shm_ops`): a header without payload, checked like any other.
+/// memory (see `shm::ops`): a header without payload, checked like any other.
 pub(crate) const SHM_STEP: u32 = u32::MAX;
 
 /// The step number of the frame that announces a collective whose data goes through NCCL
@@ -125,7 +125,7 @@ pub(crate) struct Mesh {
     /// Scratch memory reused across calls (grow-only, 8-byte aligned): fresh large buffers
     /// on every call would cost a page fault per 4 KiB.
     scratch: Vec<u64>,
-    /// The group's shared-memory segment, when every member runs on this host (see `shm_ops`).
+    /// The group's shared-memory segment, when every member runs on this host (see `shm::ops`).
     pub shm: Option<Segment>,
     /// How many all_reduce calls took each path (tests observe the path through it).
     pub paths: AllReducePaths,

@@ -2,7 +2,7 @@
 //! all_reduce, all_gather and reduce_scatter calls move their data through one shared-memory
 //! segment per group instead of loopback TCP, which costs a kernel copy on each side.
 //!
-//! How a group decides to use it and maps the segment: `shm_setup`.
+//! How a group decides to use it and maps the segment: `setup`.
 //!
 //! The data moves in pieces of one slot per rank, with barriers between the phases.
 //! all_reduce: each rank copies its piece into its slot; barrier; rank r reduces sub-chunk r
@@ -31,11 +31,11 @@ use std::ops::Range;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::collectives::{split_even, Call};
+use crate::cpu::collectives::{split_even, Call};
+use crate::cpu::mesh::{Mesh, SHM_STEP};
+use crate::cpu::shm::{Region, Segment};
 use crate::error::{DistError, DistResult};
-use crate::mesh::{Mesh, SHM_STEP};
 use crate::reduce::{Elem, ReduceOp};
-use crate::shm::{Region, Segment};
 
 /// Collectives of at least this many bytes (the all_reduce buffer, the all_gather output, the
 /// reduce_scatter input) take the shared-memory path when the group has one.
@@ -236,7 +236,7 @@ impl Mesh {
     pub(crate) fn shm_all_gather_v<T: Elem>(&mut self, c: &Call, own: &[T], counts: &[usize], out: &mut [T]) -> DistResult<()> {
         let (w, r) = (self.size(), self.rank);
         let per = self.seg().slot_bytes() / std::mem::size_of::<T>();
-        let starts = crate::collectives::ranges(counts);
+        let starts = crate::cpu::collectives::ranges(counts);
         let pieces = counts.iter().max().copied().unwrap_or(0).div_ceil(per).max(1);
         let part = |k: usize, len: usize| (k * per).min(len)..((k + 1) * per).min(len);
         for k in 0..pieces {
@@ -269,7 +269,7 @@ impl Mesh {
         if per == 0 {
             return Err(DistError::Invalid(format!("a shared-memory reduce_scatter needs a slot of at least {w} elements")));
         }
-        let blocks = crate::collectives::ranges(counts);
+        let blocks = crate::cpu::collectives::ranges(counts);
         let pieces = counts.iter().max().copied().unwrap_or(0).div_ceil(per).max(1);
         let part = |k: usize, len: usize| (k * per).min(len)..((k + 1) * per).min(len);
         for k in 0..pieces {

@@ -1,5 +1,5 @@
 //! The collectives on CUDA tensors through NCCL: [`forward`] runs one for a group whose CUDA
-//! path is `nccl` (`crate::cuda` dispatches the plain collectives and the `cuda_fwd` of the
+//! path is `nccl` (`crate::gpu::cuda` dispatches the plain collectives and the `cuda_fwd` of the
 //! differentiable ops here). Each checks its call over TCP, then moves the data with NCCL on
 //! the device's stream.
 //!
@@ -16,12 +16,12 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZero
 use cudarc::nccl::{result, NcclType};
 
 use super::{comm_for, nccl_op};
-use crate::cuda::{cuda, Out};
+use crate::cpu::host_ops::Kind;
+use crate::cpu::mesh::OpCode;
 use crate::dispatch::unsupported_dtype;
 use crate::error::{DistError, DistResult};
+use crate::gpu::cuda::{cuda, Out};
 use crate::group::ProcessGroup;
-use crate::host_ops::Kind;
-use crate::mesh::OpCode;
 use crate::reduce::Elem;
 
 /// Runs `kind` on the CUDA storage `s` (layout `l`, contiguous); returns the output, its shape

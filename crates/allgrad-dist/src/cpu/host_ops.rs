@@ -1,7 +1,7 @@
 //! One collective of a tensor's values, described by a [`Kind`] and run by the CPU backend
 //! on host memory: the forward of every differentiable op on the CPU, and the `host` path of
 //! collectives of CUDA tensors, which copies the tensor into a host buffer, runs
-//! [`run_staged`] on it and copies the result back (`crate::cuda`). Both run the same calls
+//! [`run_staged`] on it and copies the result back (`crate::gpu::cuda`). Both run the same calls
 //! on the same values, so a CUDA tensor staged through the host gets the bits a CPU tensor
 //! gets.
 

@@ -6,7 +6,7 @@
 //! along a fixed chain and then copied; broadcast = a segmented, pipelined chain. Either way
 //! every rank ends with bitwise-identical results. When every member of the group runs on this
 //! host, large all_reduce, all_gather and reduce_scatter calls go through shared memory
-//! instead (`shm_ops`).
+//! instead (`shm::ops`).
 //!
 //! Longer than the project's ~500-line aim on purpose: the direct and ring variant of every
 //! collective share the `Call` state and the buffer helpers, and they are read side by side to
@@ -14,8 +14,8 @@
 
 use std::ops::Range;
 
+use crate::cpu::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::error::{DistError, DistResult};
-use crate::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::reduce::{dtype_code, Elem, ReduceOp};
 use crate::wire::{Header, KIND_DATA};
 

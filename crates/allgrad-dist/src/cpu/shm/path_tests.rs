@@ -7,12 +7,12 @@
 
 use std::time::{Duration, Instant};
 
+use crate::cpu::shm::ops::{Fault, FAULT};
+use crate::cpu::shm::setup::ShmConfig;
+use crate::cpu::shm::SLOT_ALIGN;
 use crate::group::ProcessGroup;
 use crate::reduce::{Elem, ReduceOp};
 use crate::settings::Settings;
-use crate::shm::SLOT_ALIGN;
-use crate::shm_ops::{Fault, FAULT};
-use crate::shm_setup::ShmConfig;
 use crate::threads::ThreadWorld;
 use candle_core::WithDType;
 

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::elastic::{Elastic, STORE_ADDR_KEY};
+use crate::rendezvous::elastic::{Elastic, STORE_ADDR_KEY};
 use crate::{ProcessGroup, ReduceOp, WorldInfo};
 
 type Map = Arc<Mutex<HashMap<String, Vec<u8>>>>;

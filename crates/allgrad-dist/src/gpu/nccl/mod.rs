@@ -14,7 +14,7 @@
 //!   outlives ALLGRAD_TIMEOUT_S; the call fails naming itself, the group is poisoned and its
 //!   peers are told over TCP. Making the communicator (`ncclCommInitRank`, which waits for
 //!   every member) is bounded by the same timeout, and by a peer's failure seen on the mesh.
-//! - The collectives on tensors are in `tensors`; `crate::cuda` calls them for the plain
+//! - The collectives on tensors are in `tensors`; `crate::gpu::cuda` calls them for the plain
 //!   collectives and the differentiable ops of [`crate::ops`] (their `cuda_fwd`), with the
 //!   same backward rules.
 
@@ -32,12 +32,12 @@ use candle_core::CudaDevice;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::{result, sys};
 
+use crate::cpu::mesh::Mesh;
 use crate::error::{DistError, DistResult};
+use crate::gpu::unique_id::{share_unique_id, UNIQUE_ID_BYTES};
+use crate::gpu::watchdog::{bounded, Abort, Watchdog};
 use crate::group::{Elsewhere, Names};
-use crate::mesh::Mesh;
 use crate::reduce::ReduceOp;
-use crate::unique_id::{share_unique_id, UNIQUE_ID_BYTES};
-use crate::watchdog::{bounded, Abort, Watchdog};
 
 /// An NCCL communicator handle, aborted (and so freed) exactly once: by the watchdog or on drop.
 struct RawComm {

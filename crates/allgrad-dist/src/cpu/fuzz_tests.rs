@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::hostile_tests::{rank0_error_after_hostile_bytes, rank0_error_after_hostile_frame, Ends};
+use super::hostile_tests::{rank0_error_after_hostile_bytes, rank0_error_after_hostile_frame, Ends};
 use crate::wire::{Header, HEADER_LEN, KIND_ABORT, KIND_DATA};
 
 /// Cases per run, and a bound on the whole run well under a minute.

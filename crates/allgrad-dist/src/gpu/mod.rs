@@ -27,6 +27,13 @@
 //! `launch --nproc-per-node 2` on a machine with one GPU puts both ranks on it, unless a
 //! `device_ids` list (`dist.device_ids` in a run config) names a device per local rank.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+#[cfg(feature = "nccl")]
+pub(crate) mod nccl;
+pub(crate) mod unique_id;
+pub(crate) mod watchdog;
+
 use std::fmt;
 use std::str::FromStr;
 

@@ -1,6 +1,6 @@
 //! A shared-memory segment for the ranks of one group that run on the same host: the
 //! mapping, its control words and raw copies in and out of it. All of this crate's unsafe
-//! code for shared memory lives here; the algorithms that use it are in `shm_ops`.
+//! code for shared memory lives here; the algorithms that use it are in `ops`.
 //!
 //! Layout (every offset a multiple of 64):
 //!
@@ -15,7 +15,7 @@
 //!       set 1: the same
 //! ```
 //!
-//! Which region may be read or written when is decided by the protocol in `shm_ops` (every
+//! Which region may be read or written when is decided by the protocol in `ops` (every
 //! write to a region and every read of it are separated by a barrier); the control words are
 //! only ever accessed as atomics. Other processes write the data regions, so this module never
 //! hands out a `&[T]` or `&mut [T]` over them: data moves by raw-pointer copies only, and the
@@ -460,5 +460,11 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 #[cfg(not(target_os = "linux"))]
 fn futex_wake(_: &AtomicU32) {}
 
+pub(crate) mod job;
+pub(crate) mod ops;
+pub(crate) mod setup;
+
+#[cfg(test)]
+mod path_tests;
 #[cfg(test)]
 mod tests;

@@ -21,12 +21,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::env::WorldInfo;
+use crate::cpu::mesh::OpCode;
 use crate::error::DistError;
 use crate::group::ProcessGroup;
-use crate::mesh::OpCode;
 use crate::reduce::ReduceOp;
-use crate::store::StoreClient;
+use crate::rendezvous::env::WorldInfo;
+use crate::rendezvous::store::StoreClient;
 use crate::wire::{Header, Hello, Service, HEADER_LEN, KIND_ABORT, KIND_DATA, MAX_ABORT_REASON};
 
 /// Timeout of every blocking call of the ranks under test.
