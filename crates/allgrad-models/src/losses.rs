@@ -18,6 +18,11 @@ pub enum LossConfig {
         /// Softmax temperature.
         #[serde(default = "default_temperature")]
         temperature: f64,
+        /// Compute the loss in blocks of `tile x tile` logits ([`nt_xent_tiled`]): the same
+        /// loss and gradients, with the loss's memory independent of the batch. Absent: the
+        /// whole `2b x 2B` logits at once ([`nt_xent`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tile: Option<usize>,
     },
     /// Cross-correlation redundancy reduction ([`cross_correlation`]; a replicated loss: the
     /// same on every rank). BarlowTwins' loss.
@@ -29,6 +34,10 @@ pub enum LossConfig {
         /// learning rate for optimizers that are not scale-invariant.
         #[serde(default = "one")]
         scale: f64,
+        /// Not available: this loss has no pairwise logits to tile (its largest intermediate is
+        /// the `d x d` cross-correlation); the key is read only to refuse it with that reason.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tile: Option<usize>,
     },
 }
 
@@ -44,7 +53,24 @@ fn one() -> f64 {
 
 impl Default for LossConfig {
     fn default() -> Self {
-        LossConfig::NtXent { temperature: default_temperature() }
+        LossConfig::NtXent { temperature: default_temperature(), tile: None }
+    }
+}
+
+/// Which losses have a tiled form (`loss.tile`), in words for error messages.
+pub const TILED_LOSSES: &str =
+    "nt_xent (methods simclr and vectors) and SimCSE's info_nce, unsupervised and with hard negatives (method simcse)";
+
+/// Checks a `loss.tile` value: at least 1.
+pub fn check_tile(tile: Option<usize>) -> std::result::Result<(), ModelError> {
+    match tile {
+        Some(0) => Err(ModelError::LossKey {
+            key: "tile",
+            msg: "loss.tile = 0: it is the number of rows and columns of each block of logits and must be at least 1 \
+                  (remove the key for the untiled loss)"
+                .into(),
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -52,8 +78,10 @@ impl LossConfig {
     /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples).
     pub fn compute(&self, z1: &Tensor, z2: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
         match *self {
-            LossConfig::NtXent { temperature } => nt_xent(z1, z2, temperature, pg),
-            LossConfig::CrossCorrelation { lambda, scale } => cross_correlation(z1, z2, lambda, pg)? * scale,
+            LossConfig::NtXent { temperature, tile: None } => nt_xent(z1, z2, temperature, pg),
+            LossConfig::NtXent { temperature, tile: Some(tile) } => nt_xent_tiled(z1, z2, temperature, tile, pg),
+            LossConfig::CrossCorrelation { tile: Some(_), .. } => fail(Self::no_tiled_form()),
+            LossConfig::CrossCorrelation { lambda, scale, tile: None } => cross_correlation(z1, z2, lambda, pg)? * scale,
         }
     }
 
@@ -65,13 +93,32 @@ impl LossConfig {
         }
     }
 
+    /// `loss.tile`, when set.
+    pub fn tile(&self) -> Option<usize> {
+        match *self {
+            LossConfig::NtXent { tile, .. } | LossConfig::CrossCorrelation { tile, .. } => tile,
+        }
+    }
+
+    fn no_tiled_form() -> ModelError {
+        ModelError::LossKey {
+            key: "tile",
+            msg: format!(
+                "the cross_correlation loss has no tiled form: it holds no pairwise logits, its largest intermediate is the \
+                 d x d cross-correlation, whatever the batch (remove loss.tile). Losses with a tiled form: {TILED_LOSSES}"
+            ),
+        }
+    }
+
     /// Checks the values; the error names the key.
     pub fn validate(&self) -> std::result::Result<(), ModelError> {
         let bad = |key, expected, value| Err(ModelError::LossValue { key, expected, value });
         match *self {
-            LossConfig::NtXent { temperature } if !(temperature > 0.0 && temperature.is_finite()) => {
+            LossConfig::NtXent { temperature, .. } if !(temperature > 0.0 && temperature.is_finite()) => {
                 bad("temperature", "positive", temperature)
             }
+            LossConfig::NtXent { tile, .. } => check_tile(tile),
+            LossConfig::CrossCorrelation { tile: Some(_), .. } => Err(Self::no_tiled_form()),
             LossConfig::CrossCorrelation { lambda, .. } if !(lambda >= 0.0 && lambda.is_finite()) => {
                 bad("lambda", "non-negative", lambda)
             }

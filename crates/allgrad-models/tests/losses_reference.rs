@@ -110,7 +110,7 @@ fn cross_correlation_matches_pytorch_on_one_two_and_three_ranks() {
 
 #[test]
 fn cross_correlation_config_with_lambda_and_scale_matches_pytorch() {
-    let cfg = LossConfig::CrossCorrelation { lambda: 0.3, scale: 0.125 };
+    let cfg = LossConfig::CrossCorrelation { lambda: 0.3, scale: 0.125, tile: None };
     check(Kind::Replicated, |a, b, pg| cfg.compute(a, b, pg), CC_L03_S0125_LOSS, &CC_L03_S0125_GRAD_Z1, &CC_L03_S0125_GRAD_Z2);
 }
 
@@ -120,8 +120,8 @@ fn tiled_nt_xent_matches_pytorch_on_one_two_and_three_ranks_for_tiles_1_5_12_and
         let loss = |a: &Tensor, b: &Tensor, pg: &ProcessGroup| nt_xent_tiled(a, b, 0.5, tile, pg);
         check(Kind::Local, loss, NT_XENT_T05_LOSS, &NT_XENT_T05_GRAD_Z1, &NT_XENT_T05_GRAD_Z2);
     }
-    let loss = |a: &Tensor, b: &Tensor, pg: &ProcessGroup| nt_xent_tiled(a, b, 0.2, 7, pg);
-    check(Kind::Local, loss, NT_XENT_T02_LOSS, &NT_XENT_T02_GRAD_Z1, &NT_XENT_T02_GRAD_Z2);
+    let cfg = LossConfig::NtXent { temperature: 0.2, tile: Some(7) };
+    check(Kind::Local, |a, b, pg| cfg.compute(a, b, pg), NT_XENT_T02_LOSS, &NT_XENT_T02_GRAD_Z1, &NT_XENT_T02_GRAD_Z2);
 }
 
 /// The gradient of a learned temperature (a scalar tensor), untiled and tiled, on 1, 2 and 3

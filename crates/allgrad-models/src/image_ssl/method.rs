@@ -66,7 +66,7 @@ impl TwoViewMethod {
 
     /// SimCLR: NT-Xent at `temperature`, both views in one batch.
     pub fn simclr(data: &ImageData, model: ImageModel, temperature: f64, device: Device, dtype: DType) -> Result<Self> {
-        Self::new(data, model, LossConfig::NtXent { temperature }, ViewBatch::Joint, device, dtype)
+        Self::new(data, model, LossConfig::NtXent { temperature, tile: None }, ViewBatch::Joint, device, dtype)
     }
 
     /// BarlowTwins: the cross-correlation loss (`lambda` weighs the off-diagonal terms,
@@ -79,7 +79,7 @@ impl TwoViewMethod {
         device: Device,
         dtype: DType,
     ) -> Result<Self> {
-        Self::new(data, model, LossConfig::CrossCorrelation { lambda, scale }, ViewBatch::PerView, device, dtype)
+        Self::new(data, model, LossConfig::CrossCorrelation { lambda, scale, tile: None }, ViewBatch::PerView, device, dtype)
     }
 
     /// The data, views and network.

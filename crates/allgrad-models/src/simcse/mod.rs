@@ -1,7 +1,7 @@
 //! SimCSE: contrastive sentence embeddings from a BERT encoder, unsupervised (dropout as
 //! the augmentation) and supervised (triplets with hard negatives), with the loss over the
 //! global batch ([`info_nce`], [`info_nce_hard_negatives`], and their tiled forms
-//! [`info_nce_tiled`], [`info_nce_hard_negatives_tiled`]); readers of SimCSE's files
+//! [`info_nce_tiled`], [`info_nce_hard_negatives_tiled`] for `loss.tile`); readers of SimCSE's files
 //! ([`read_sentences`], [`read_nli_triplets`]) and [`spearman`] for similarity benchmarks.
 
 mod config;

@@ -6,7 +6,7 @@ use candle_nn::VarBuilder;
 
 use super::config::{SimCseData, SimCseLoss, SimCseModel};
 use super::evaluation::{Evaluator, SimCseEval};
-use super::info_nce::{info_nce, info_nce_hard_negatives};
+use super::info_nce::{info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled};
 use crate::bert::{BertConfig, BertFolder, BertModel, BertTokenizer, Checkpoint, Dense, DropoutKey, Pooling, TokenBatch};
 use crate::{Batch, EmbeddingObjective, Objective};
 
@@ -43,6 +43,7 @@ impl SimCse {
         if !loss.hard_negative_weight.is_finite() {
             candle_core::bail!("simcse: loss.hard_negative_weight must be finite, got {}", loss.hard_negative_weight);
         }
+        crate::losses::check_tile(loss.tile)?;
         if data.is_empty() {
             candle_core::bail!("simcse: the training data is empty");
         }
@@ -177,11 +178,12 @@ impl EmbeddingObjective for SimCse {
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
         let view = |v: usize| z.i((.., v));
         let (a, p) = (view(0)?, view(1)?);
-        if self.supervised {
-            let n = view(2)?;
-            info_nce_hard_negatives(&a, &p, &n, self.loss_cfg.temperature, self.loss_cfg.hard_negative_weight, pg)
-        } else {
-            info_nce(&a, &p, self.loss_cfg.temperature, pg)
+        let SimCseLoss { temperature: t, hard_negative_weight: w, tile } = self.loss_cfg;
+        match (self.supervised, tile) {
+            (true, None) => info_nce_hard_negatives(&a, &p, &view(2)?, t, w, pg),
+            (true, Some(tile)) => info_nce_hard_negatives_tiled(&a, &p, &view(2)?, t, w, tile, pg),
+            (false, None) => info_nce(&a, &p, t, pg),
+            (false, Some(tile)) => info_nce_tiled(&a, &p, t, tile, pg),
         }
     }
 }
