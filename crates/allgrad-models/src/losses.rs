@@ -5,7 +5,7 @@ use candle_core::{DType, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use crate::error::fail;
-use crate::tiled::{scaled_dot_cross_entropy, Pairs};
+use crate::tiled::{scaled_dot_cross_entropy_with, KeyQueue, Pairs};
 use crate::ModelError;
 
 /// The `loss` section of a run: which distributed loss compares the two views' embeddings.
@@ -23,6 +23,11 @@ pub enum LossConfig {
         /// whole `2b x 2B` logits at once ([`nt_xent`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tile: Option<usize>,
+        /// Also score every anchor against the candidates of the last `queue` global batches
+        /// (negatives only, without gradient: a memory bank), kept identical on every rank and
+        /// checkpointed with the run ([`nt_xent_tiled_queued`]). Needs `tile`. Absent: none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        queue: Option<usize>,
     },
     /// Cross-correlation redundancy reduction ([`cross_correlation`]; a replicated loss: the
     /// same on every rank). BarlowTwins' loss.
@@ -53,7 +58,7 @@ fn one() -> f64 {
 
 impl Default for LossConfig {
     fn default() -> Self {
-        LossConfig::NtXent { temperature: default_temperature(), tile: None }
+        LossConfig::NtXent { temperature: default_temperature(), tile: None, queue: None }
     }
 }
 
@@ -61,27 +66,65 @@ impl Default for LossConfig {
 pub const TILED_LOSSES: &str =
     "nt_xent (methods simclr and vectors) and SimCSE's info_nce, unsupervised and with hard negatives (method simcse)";
 
-/// Checks a `loss.tile` value: at least 1.
-pub fn check_tile(tile: Option<usize>) -> std::result::Result<(), ModelError> {
-    match tile {
-        Some(0) => Err(ModelError::LossKey {
+/// Checks the `loss.tile` and `loss.queue` values: each at least 1, and a queue only with a
+/// tile.
+pub fn check_tile_and_queue(tile: Option<usize>, queue: Option<usize>) -> std::result::Result<(), ModelError> {
+    if tile == Some(0) {
+        return Err(ModelError::LossKey {
             key: "tile",
             msg: "loss.tile = 0: it is the number of rows and columns of each block of logits and must be at least 1 \
                   (remove the key for the untiled loss)"
                 .into(),
+        });
+    }
+    match (queue, tile) {
+        (Some(0), _) => Err(ModelError::LossKey {
+            key: "queue",
+            msg: "loss.queue = 0: it is the number of past global batches whose keys are extra negatives, at least 1 \
+                  (remove the key for none)"
+                .into(),
+        }),
+        (Some(k), None) => Err(ModelError::LossKey {
+            key: "queue",
+            msg: format!("loss.queue = {k} needs loss.tile: the queue's negatives are scored by the tiled loss (add loss.tile)"),
         }),
         _ => Ok(()),
     }
 }
 
 impl LossConfig {
-    /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples).
+    /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples). A config with
+    /// `queue` needs the queue: [`LossConfig::compute_queued`].
     pub fn compute(&self, z1: &Tensor, z2: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+        self.compute_queued(z1, z2, None, pg)
+    }
+
+    /// [`LossConfig::compute`] with the queue of past batches' keys ([`LossConfig::new_queue`]),
+    /// which it reads and then updates; `None` exactly when the config has no `queue`.
+    pub fn compute_queued(&self, z1: &Tensor, z2: &Tensor, queue: Option<&mut KeyQueue>, pg: &ProcessGroup) -> Result<Tensor> {
+        match (self, queue) {
+            (&LossConfig::NtXent { temperature, tile: None, queue: None }, None) => nt_xent(z1, z2, temperature, pg),
+            (&LossConfig::NtXent { temperature, tile: Some(tile), queue: None }, None) => nt_xent_tiled(z1, z2, temperature, tile, pg),
+            (&LossConfig::NtXent { temperature, tile: Some(tile), queue: Some(_) }, Some(q)) => {
+                nt_xent_tiled_queued(z1, z2, temperature, tile, q, pg)
+            }
+            (LossConfig::CrossCorrelation { tile: Some(_), .. }, _) => fail(Self::no_tiled_form()),
+            (&LossConfig::CrossCorrelation { lambda, scale, tile: None }, None) => cross_correlation(z1, z2, lambda, pg)? * scale,
+            (cfg, q) => fail(ModelError::LossKey {
+                key: "queue",
+                msg: format!(
+                    "loss: a queue of past keys must be given exactly when the config has loss.queue (config {cfg:?}, queue given: {})",
+                    q.is_some()
+                ),
+            }),
+        }
+    }
+
+    /// The queue of past batches' keys that `loss.queue` asks for (`None` without it).
+    pub fn new_queue(&self) -> Result<Option<KeyQueue>> {
         match *self {
-            LossConfig::NtXent { temperature, tile: None } => nt_xent(z1, z2, temperature, pg),
-            LossConfig::NtXent { temperature, tile: Some(tile) } => nt_xent_tiled(z1, z2, temperature, tile, pg),
-            LossConfig::CrossCorrelation { tile: Some(_), .. } => fail(Self::no_tiled_form()),
-            LossConfig::CrossCorrelation { lambda, scale, tile: None } => cross_correlation(z1, z2, lambda, pg)? * scale,
+            LossConfig::NtXent { queue: Some(k), .. } => Ok(Some(KeyQueue::new(k)?)),
+            _ => Ok(None),
         }
     }
 
@@ -117,7 +160,7 @@ impl LossConfig {
             LossConfig::NtXent { temperature, .. } if !(temperature > 0.0 && temperature.is_finite()) => {
                 bad("temperature", "positive", temperature)
             }
-            LossConfig::NtXent { tile, .. } => check_tile(tile),
+            LossConfig::NtXent { tile, queue, .. } => check_tile_and_queue(tile, queue),
             LossConfig::CrossCorrelation { tile: Some(_), .. } => Err(Self::no_tiled_form()),
             LossConfig::CrossCorrelation { lambda, .. } if !(lambda >= 0.0 && lambda.is_finite()) => {
                 bad("lambda", "non-negative", lambda)
@@ -277,8 +320,32 @@ pub fn nt_xent_tiled(
     tile: usize,
     pg: &ProcessGroup,
 ) -> Result<Tensor> {
-    let temperature = temperature.into();
-    check_views("nt_xent", z1, z2, &temperature)?;
+    nt_xent_tiled_impl(z1, z2, &temperature.into(), tile, None, pg)
+}
+
+/// [`nt_xent_tiled`] with the keys of past global batches as more negatives: every anchor is
+/// also scored against `queue`'s keys (no gradient reaches them), then this batch's `2B`
+/// normalised candidates (the same on every rank) are pushed into the queue.
+pub fn nt_xent_tiled_queued(
+    z1: &Tensor,
+    z2: &Tensor,
+    temperature: impl Into<Temperature>,
+    tile: usize,
+    queue: &mut KeyQueue,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    nt_xent_tiled_impl(z1, z2, &temperature.into(), tile, Some(queue), pg)
+}
+
+fn nt_xent_tiled_impl(
+    z1: &Tensor,
+    z2: &Tensor,
+    temperature: &Temperature,
+    tile: usize,
+    queue: Option<&mut KeyQueue>,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    check_views("nt_xent", z1, z2, temperature)?;
     let b = z1.dim(0)?;
     let z1 = l2_normalize(z1)?;
     let z2 = l2_normalize(z2)?;
@@ -288,7 +355,14 @@ pub fn nt_xent_tiled(
     let (me, positive) = nt_xent_columns(b, offset, total);
     let pairs =
         Pairs { target: Some((0..2 * b).map(&positive).collect()), exclude: Some((0..2 * b).map(&me).collect()), boost: None };
-    let sum = scaled_dot_cross_entropy(&anchors, &candidates, &temperature, pairs, tile)?;
+    let extra = match &queue {
+        Some(q) => q.keys()?,
+        None => None,
+    };
+    let sum = scaled_dot_cross_entropy_with(&anchors, &candidates, extra.as_ref(), temperature, pairs, tile)?;
+    if let Some(q) = queue {
+        q.push(&candidates)?;
+    }
     sum * (pg.world_size() as f64 / (2 * total) as f64)
 }
 

@@ -120,7 +120,7 @@ fn tiled_nt_xent_matches_pytorch_on_one_two_and_three_ranks_for_tiles_1_5_12_and
         let loss = |a: &Tensor, b: &Tensor, pg: &ProcessGroup| nt_xent_tiled(a, b, 0.5, tile, pg);
         check(Kind::Local, loss, NT_XENT_T05_LOSS, &NT_XENT_T05_GRAD_Z1, &NT_XENT_T05_GRAD_Z2);
     }
-    let cfg = LossConfig::NtXent { temperature: 0.2, tile: Some(7) };
+    let cfg = LossConfig::NtXent { temperature: 0.2, tile: Some(7), queue: None };
     check(Kind::Local, |a, b, pg| cfg.compute(a, b, pg), NT_XENT_T02_LOSS, &NT_XENT_T02_GRAD_Z1, &NT_XENT_T02_GRAD_Z2);
 }
 

@@ -4,14 +4,17 @@
 //! on 1, 2 and 3 thread-ranks with asymmetric data; uneven rank shards; the fused CPU kernel
 //! against the block path used off the CPU (written-out and autograd gradients); f32; a
 //! pairwise loss of one's own; finite differences; bitwise independence of the thread count;
-//! NaN propagation and input errors. The PyTorch references are checked in
+//! NaN propagation and input errors; a queue of past keys against the whole-matrix loss with
+//! them appended. The PyTorch references are checked in
 //! `losses_reference.rs` and `simcse_info_nce.rs`.
 
 use allgrad_dist::testing::check_world_size_invariance;
-use allgrad_dist::{run_threads, ProcessGroup};
-use allgrad_models::losses::{nt_xent, nt_xent_tiled, Temperature};
-use allgrad_models::simcse::{info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled};
-use allgrad_models::tiled::{scaled_dot_cross_entropy, tiled_cross_entropy, Pairs, ScaledDot};
+use allgrad_dist::{all_gather, run_threads, ProcessGroup};
+use allgrad_models::losses::{l2_normalize, logsumexp, nt_xent, nt_xent_tiled, nt_xent_tiled_queued, Temperature};
+use allgrad_models::simcse::{
+    info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled, info_nce_tiled_queued,
+};
+use allgrad_models::tiled::{scaled_dot_cross_entropy, tiled_cross_entropy, KeyQueue, Pairs, ScaledDot};
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
 const TOL: f64 = 1e-10;
@@ -390,4 +393,88 @@ fn bad_inputs_are_errors_naming_what_is_wrong() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("returned shape [3, 2] for 3 queries and 3 keys; expected [3, 3]"), "{e}");
+}
+
+/// NT-Xent of this rank's anchors against the gathered candidates and then `extra` keys as
+/// negatives, composed of plain ops over the whole logits matrix: the reference of the queue.
+fn nt_xent_with_negatives_reference(z1: &Tensor, z2: &Tensor, extra: &Tensor, t: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    let b = z1.dim(0)?;
+    let sizes = pg.all_gather_slice(&[b as i64])?;
+    let offset: usize = sizes[..pg.rank()].iter().map(|s| *s as usize).sum();
+    let total: usize = sizes.iter().map(|s| *s as usize).sum();
+    let (z1, z2) = (l2_normalize(z1)?, l2_normalize(z2)?);
+    let keys = Tensor::cat(&[&all_gather(&z1, pg)?, &all_gather(&z2, pg)?, extra], 0)?;
+    let anchors = Tensor::cat(&[&z1, &z2], 0)?;
+    let logits = Temperature::Learned(t.clone()).divide(&anchors.matmul(&keys.t()?)?)?;
+    let n = keys.dim(0)?;
+    let mut mask = vec![0f64; 2 * b * n];
+    let mut positive = Vec::new();
+    for a in 0..2 * b {
+        let (me, pos) = if a < b { (offset + a, total + offset + a) } else { (total + offset + a - b, offset + a - b) };
+        mask[a * n + me] = f64::NEG_INFINITY;
+        positive.push(pos as u32);
+    }
+    let masked = (&logits + Tensor::from_vec(mask, (2 * b, n), &Device::Cpu)?)?;
+    let pos = logits.gather(&Tensor::from_vec(positive, (2 * b, 1), &Device::Cpu)?, 1)?.squeeze(1)?;
+    (logsumexp(&masked)? - pos)?.sum_all()? * (pg.world_size() as f64 / (2 * total) as f64)
+}
+
+#[test]
+fn queued_negatives_equal_the_whole_matrix_loss_with_them_appended_and_the_queue_takes_the_batch() {
+    let inputs = nt_xent_inputs();
+    let queued = rows(2 * N, DIM, 3.3); // one past batch of 2N keys, normalised below
+    let past = l2_normalize(&Tensor::from_vec(queued, (2 * N, DIM), &Device::Cpu).unwrap()).unwrap();
+    for w in [1, 2, 3] {
+        let want = run(w, N, DIM, &inputs, 0.25, |z, t, pg| nt_xent_with_negatives_reference(&z[0], &z[1], &past, t, pg));
+        for tile in [1, 7, 3 * N] {
+            let got = run(w, N, DIM, &inputs, 0.25, |z, t, pg| {
+                let mut q = KeyQueue::new(2)?;
+                q.push(&past)?;
+                let l = nt_xent_tiled_queued(&z[0], &z[1], t, tile, &mut q, pg)?;
+                // The queue now holds the past batch, then this batch's gathered candidates.
+                let keys = q.keys()?.expect("a queue with keys");
+                let cand = Tensor::cat(&[&all_gather(&l2_normalize(&z[0])?, pg)?, &all_gather(&l2_normalize(&z[1])?, pg)?], 0)?;
+                let diff = (keys.narrow(0, 2 * N, 2 * N)? - cand)?.abs()?.max_all()?.to_scalar::<f64>()?;
+                assert!(q.len() == 2 && diff == 0.0, "the queue did not take this batch's candidates ({diff:e})");
+                Ok(l)
+            });
+            assert_same(&got, &want, TOL, &format!("W={w} tile={tile}"));
+        }
+    }
+}
+
+#[test]
+fn queued_info_nce_with_hard_negatives_equals_the_untiled_loss_on_candidates_and_queue() {
+    // Reference: the untiled supervised InfoNCE whose hard negatives are this batch's followed
+    // by the queued keys (every anchor scores both), with the weight on its own hard negative.
+    let sup = vec![rows(N, DIM, 0.3), rows(N, DIM, 2.1), rows(N, DIM, 4.4)];
+    let past = l2_normalize(&Tensor::from_vec(rows(2 * N, DIM, 5.5), (2 * N, DIM), &Device::Cpu).unwrap()).unwrap();
+    for w in [1, 3] {
+        let want = run(w, N, DIM, &sup, 0.07, |z, t, pg| {
+            let b = z[0].dim(0)?;
+            let (offset, total) = {
+                let sizes = pg.all_gather_slice(&[b as i64])?;
+                (sizes[..pg.rank()].iter().map(|s| *s as usize).sum::<usize>(), sizes.iter().map(|s| *s as usize).sum::<usize>())
+            };
+            let keys =
+                Tensor::cat(&[&all_gather(&l2_normalize(&z[1])?, pg)?, &all_gather(&l2_normalize(&z[2])?, pg)?, &past], 0)?;
+            let logits = Temperature::Learned(t.clone()).divide(&l2_normalize(&z[0])?.matmul(&keys.t()?)?)?;
+            let n = keys.dim(0)?;
+            let mut boost = vec![0f64; b * n];
+            for i in 0..b {
+                boost[i * n + total + offset + i] = 0.6;
+            }
+            let logits = (logits + Tensor::from_vec(boost, (b, n), &Device::Cpu)?)?;
+            let idx = Tensor::from_vec((0..b).map(|i| (offset + i) as u32).collect::<Vec<_>>(), (b, 1), &Device::Cpu)?;
+            (logsumexp(&logits)? - logits.gather(&idx, 1)?.squeeze(1)?)?.sum_all()? * (pg.world_size() as f64 / total as f64)
+        });
+        for tile in [1, 7, 50] {
+            let got = run(w, N, DIM, &sup, 0.07, |z, t, pg| {
+                let mut q = KeyQueue::new(1)?;
+                q.push(&past)?;
+                info_nce_tiled_queued(&z[0], &z[1], Some(&z[2]), t, 0.6, tile, &mut q, pg)
+            });
+            assert_same(&got, &want, TOL, &format!("W={w} tile={tile}"));
+        }
+    }
 }

@@ -48,7 +48,7 @@ fn simcse_tiled(supervised: bool, tile: Option<usize>) -> candle_core::Result<Si
     } else {
         SimCseData::Sentences((0..24).map(|i| sentence(i, 0)).collect())
     };
-    let loss = SimCseLoss { temperature: 0.05, hard_negative_weight: if supervised { 0.4 } else { 0.0 }, tile };
+    let loss = SimCseLoss { temperature: 0.05, hard_negative_weight: if supervised { 0.4 } else { 0.0 }, tile, queue: None };
     SimCse::new(model, loss, data, Device::Cpu, DType::F64)
 }
 

@@ -1,8 +1,10 @@
 //! `loss.tile` through the trainer, in f64: the built-in `vectors` method with the tiled
 //! NT-Xent on 1, 2 and 3 ranks, with and without `train.cache_chunk`, takes the same steps
 //! (losses and parameters after each step, relative 1e-10) as the untiled plain step on one
-//! rank at the same global batch; SimCLR on images likewise on 2 ranks; and the config errors
-//! of `loss.tile` name the key, the value and the losses that have a tiled form.
+//! rank at the same global batch; SimCLR on images likewise on 2 ranks; a queue of past keys
+//! (`loss.queue`) trains the same on 1, 2 and 3 ranks, with and without caching, and a run
+//! with it resumes bitwise; and the config errors of `loss.tile` and `loss.queue` name the
+//! key, the value and the losses that have a tiled form.
 
 mod common;
 
@@ -20,7 +22,7 @@ fn vectors_config(loss: &str, sets: &[&str]) -> RunConfig {
          data: {{kind: vectors, samples: 96, dim: 6, clusters: 4, view_noise: 0.4}}\n\
          model: {{kind: mlp, hidden: 12, out: 5}}\nloss: {loss}\n\
          optim: {{kind: lars, lr: 0.3, weight_decay: 1.0e-4}}\n\
-         train: {{global_batch: 24, epochs: 1, max_steps: 3, eval: false}}\nlog: {{progress: quiet, plot: false}}\n"
+         train: {{global_batch: 24, epochs: 1, max_steps: 4, eval: false}}\nlog: {{progress: quiet, plot: false}}\n"
     );
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     RunConfig::parse(&text, Path::new("tiled.yaml"), &sets).unwrap()
@@ -28,12 +30,17 @@ fn vectors_config(loss: &str, sets: &[&str]) -> RunConfig {
 
 /// Rank 0's loss after each of 3 steps and its parameters after each step, flattened.
 fn vectors_run(cfg: &RunConfig, w: usize) -> (Vec<f64>, Vec<Vec<f64>>) {
+    vectors_steps(cfg, w, 3)
+}
+
+/// [`vectors_run`] for `steps` steps.
+fn vectors_steps(cfg: &RunConfig, w: usize, steps: usize) -> (Vec<f64>, Vec<Vec<f64>>) {
     let mut all = run_threads(w, |pg| {
         cfg.validate(pg.world_size(), Path::new("tiled.yaml")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let mut t = run::build(cfg, pg, None, false)?;
         let mut losses = Vec::new();
         let mut params = Vec::new();
-        for s in 1..=3 {
+        for s in 1..=steps {
             losses.push(t.train_until(s)?.last_loss);
             let mut flat = Vec::new();
             for (_, v) in t.params() {
@@ -91,6 +98,60 @@ fn tiled_simclr_on_two_ranks_equals_the_untiled_one_rank_run() {
 }
 
 #[test]
+fn a_queue_of_past_keys_trains_the_same_on_1_2_3_ranks_with_and_without_caching() {
+    let queued = "{kind: nt_xent, temperature: 0.2, tile: 5, queue: 2}";
+    // 4 steps: the queue is empty at step 1, holds 1 batch at step 2, 2 at step 3, and at step
+    // 4 the 2 newest (the first was dropped).
+    let one = vectors_steps(&vectors_config(queued, &[]), 1, 4);
+    let without = vectors_steps(&vectors_config("{kind: nt_xent, temperature: 0.2, tile: 5}", &[]), 1, 4);
+    assert!((one.0[0] - without.0[0]).abs() <= TOL * without.0[0], "step 1: an empty queue changed the loss");
+    assert!((one.0[1] - without.0[1]).abs() > 1e-3, "step 2: the queued negatives did not change the loss");
+    for w in [2, 3] {
+        assert_same_run(&vectors_steps(&vectors_config(queued, &[]), w, 4), &one, &format!("queue, W={w}"));
+        let cached = vectors_steps(&vectors_config(queued, &["train.cache_chunk=5"]), w, 4);
+        assert_same_run(&cached, &one, &format!("queue, cache_chunk 5, W={w}"));
+    }
+}
+
+/// Parameters and buffers (the queue) of rank 0 after a run on 2 ranks that checkpoints into
+/// `dir`: to `stop`, then (when `resume_to` is given) resumed from the checkpoint to it.
+fn state_after(cfg: &RunConfig, dir: &Path, stop: usize, resume_to: Option<usize>) -> Vec<(String, Vec<u64>)> {
+    run_threads(2, |pg| {
+        let mut t = run::build(cfg, pg.clone(), Some(dir.to_path_buf()), false)?;
+        t.train_until(stop)?;
+        if let Some(end) = resume_to {
+            drop(t);
+            t = run::build(cfg, pg, Some(dir.to_path_buf()), true)?;
+            assert_eq!(t.step(), stop, "resumed at another step");
+            t.train_until(end)?;
+        }
+        let mut out = Vec::new();
+        let params = t.params().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone()));
+        for (name, v) in params.chain(t.buffers()?) {
+            out.push((name, v.flatten_all()?.to_vec1::<f64>()?.iter().map(|x| x.to_bits()).collect()));
+        }
+        Ok(out)
+    })
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn a_run_with_a_queue_resumes_bitwise() {
+    let cfg = vectors_config("{kind: nt_xent, temperature: 0.2, tile: 7, queue: 2}", &[]);
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let straight = state_after(&cfg, a.path(), 4, None);
+    let resumed = state_after(&cfg, b.path(), 2, Some(4));
+    let names: Vec<&str> = straight.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.contains(&"loss.queue"), "the queue is not among the buffers: {names:?}");
+    assert_eq!(straight.len(), resumed.len());
+    for ((n, x), (m, y)) in straight.iter().zip(&resumed) {
+        assert_eq!(n, m);
+        assert!(x == y, "{n} differs after resuming");
+    }
+}
+
+#[test]
 fn a_tile_of_zero_or_on_a_loss_without_a_tiled_form_is_refused_naming_the_key() {
     let validate = |cfg: RunConfig| cfg.validate(2, Path::new("tiled.yaml")).unwrap_err().to_string();
     let e = validate(vectors_config("{kind: nt_xent, tile: 0}", &[]));
@@ -107,6 +168,10 @@ fn a_tile_of_zero_or_on_a_loss_without_a_tiled_form_is_refused_naming_the_key() 
         .to_string();
     // The loss section is tagged by `kind`, so serde reports the section, not the field.
     assert!(e.contains("at `loss`") && e.contains("integer `-4`, expected usize"), "{e}");
+    let e = validate(vectors_config("{kind: nt_xent, queue: 3}", &[]));
+    assert!(e.starts_with("tiled.yaml: at `loss.queue`: loss.queue = 3 needs loss.tile"), "{e}");
+    let e = validate(vectors_config("{kind: nt_xent, tile: 8, queue: 0}", &[]));
+    assert!(e.starts_with("tiled.yaml: at `loss.queue`: loss.queue = 0"), "{e}");
     // A valid tile survives the round trip through the resolved config.
     let cfg = vectors_config("{kind: nt_xent, tile: 4096}", &[]);
     assert!(cfg.to_yaml().contains("tile: 4096"), "{}", cfg.to_yaml());

@@ -42,11 +42,17 @@ pub struct SimCseLoss {
     /// `b x B` (`b x 2B` with hard negatives) logits at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tile: Option<usize>,
+    /// Also score every anchor against the candidates (positives, and hard negatives) of the
+    /// last `queue` global batches (negatives only, without gradient: a memory bank), kept
+    /// identical on every rank and checkpointed with the run ([`super::info_nce_tiled_queued`]).
+    /// Needs `tile`. Absent: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue: Option<usize>,
 }
 
 impl Default for SimCseLoss {
     fn default() -> Self {
-        SimCseLoss { temperature: 0.05, hard_negative_weight: 0.0, tile: None }
+        SimCseLoss { temperature: 0.05, hard_negative_weight: 0.0, tile: None, queue: None }
     }
 }
 

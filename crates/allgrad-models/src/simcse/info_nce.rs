@@ -16,7 +16,7 @@ use allgrad_dist::{all_gather, ProcessGroup};
 use candle_core::{Result, Tensor};
 
 use crate::losses::{l2_normalize, logsumexp, placement, Temperature};
-use crate::tiled::{scaled_dot_cross_entropy, Pairs};
+use crate::tiled::{scaled_dot_cross_entropy_with, KeyQueue, Pairs};
 
 fn check(name: &str, a: &Tensor, other: &Tensor, temperature: &Temperature) -> Result<()> {
     if a.rank() != 2 || a.dims() != other.dims() {
@@ -86,14 +86,7 @@ pub fn info_nce_tiled(
     tile: usize,
     pg: &ProcessGroup,
 ) -> Result<Tensor> {
-    let temperature = temperature.into();
-    check("positives", anchors, positives, &temperature)?;
-    let b = anchors.dim(0)?;
-    let (offset, total) = placement(b, pg)?;
-    let candidates = all_gather(&l2_normalize(positives)?, pg)?; // [B, d]
-    let pairs = Pairs { target: Some((0..b).map(|i| offset + i).collect()), ..Default::default() };
-    let sum = scaled_dot_cross_entropy(&l2_normalize(anchors)?, &candidates, &temperature, pairs, tile)?;
-    sum * (pg.world_size() as f64 / total as f64)
+    tiled_impl(anchors, positives, None, &temperature.into(), 0.0, tile, None, pg)
 }
 
 /// [`info_nce_hard_negatives`] computed in `tile x tile` blocks of logits ([`crate::tiled`]):
@@ -107,20 +100,64 @@ pub fn info_nce_hard_negatives_tiled(
     tile: usize,
     pg: &ProcessGroup,
 ) -> Result<Tensor> {
-    let temperature = temperature.into();
-    check("positives", anchors, positives, &temperature)?;
-    check("hard negatives", anchors, hard_negatives, &temperature)?;
+    tiled_impl(anchors, positives, Some(hard_negatives), &temperature.into(), hard_negative_weight, tile, None, pg)
+}
+
+/// [`info_nce_tiled`] (with `hard_negatives`: [`info_nce_hard_negatives_tiled`]) with the keys
+/// of past global batches as more negatives: every anchor is also scored against `queue`'s keys
+/// (no gradient), then this batch's normalised candidates (positives, and hard negatives when
+/// given; the same on every rank) are pushed into the queue.
+#[allow(clippy::too_many_arguments)]
+pub fn info_nce_tiled_queued(
+    anchors: &Tensor,
+    positives: &Tensor,
+    hard_negatives: Option<&Tensor>,
+    temperature: impl Into<Temperature>,
+    hard_negative_weight: f64,
+    tile: usize,
+    queue: &mut KeyQueue,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    tiled_impl(anchors, positives, hard_negatives, &temperature.into(), hard_negative_weight, tile, Some(queue), pg)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn tiled_impl(
+    anchors: &Tensor,
+    positives: &Tensor,
+    hard_negatives: Option<&Tensor>,
+    temperature: &Temperature,
+    hard_negative_weight: f64,
+    tile: usize,
+    queue: Option<&mut KeyQueue>,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    check("positives", anchors, positives, temperature)?;
+    if let Some(n) = hard_negatives {
+        check("hard negatives", anchors, n, temperature)?;
+    }
     if !hard_negative_weight.is_finite() {
         candle_core::bail!("info_nce: hard_negative_weight must be finite, got {hard_negative_weight}");
     }
     let b = anchors.dim(0)?;
     let (offset, total) = placement(b, pg)?;
-    let pos = all_gather(&l2_normalize(positives)?, pg)?;
-    let neg = all_gather(&l2_normalize(hard_negatives)?, pg)?;
-    let candidates = Tensor::cat(&[&pos, &neg], 0)?; // [2B, d]
-    let boost = (hard_negative_weight != 0.0).then(|| ((0..b).map(|i| total + offset + i).collect(), hard_negative_weight));
+    let mut candidates = all_gather(&l2_normalize(positives)?, pg)?; // [B, d]
+    let mut boost = None;
+    if let Some(n) = hard_negatives {
+        candidates = Tensor::cat(&[&candidates, &all_gather(&l2_normalize(n)?, pg)?], 0)?; // [2B, d]
+        if hard_negative_weight != 0.0 {
+            boost = Some(((0..b).map(|i| total + offset + i).collect(), hard_negative_weight));
+        }
+    }
     let pairs = Pairs { target: Some((0..b).map(|i| offset + i).collect()), exclude: None, boost };
-    let sum = scaled_dot_cross_entropy(&l2_normalize(anchors)?, &candidates, &temperature, pairs, tile)?;
+    let extra = match &queue {
+        Some(q) => q.keys()?,
+        None => None,
+    };
+    let sum = scaled_dot_cross_entropy_with(&l2_normalize(anchors)?, &candidates, extra.as_ref(), temperature, pairs, tile)?;
+    if let Some(q) = queue {
+        q.push(&candidates)?;
+    }
     sum * (pg.world_size() as f64 / total as f64)
 }
 

@@ -16,6 +16,6 @@ pub use config::{SimCseData, SimCseLoss, SimCseModel};
 pub use data::{read_nli_triplets, read_sentences};
 pub use eval_data::{read_lee, read_retrieval, read_sts_tsv, read_word_pairs, RatedPairs, Retrieval};
 pub use evaluation::{rated_spearman, retrieval_scores, Evaluator, SimCseEval};
-pub use info_nce::{info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled};
+pub use info_nce::{info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled, info_nce_tiled_queued};
 pub use objective::SimCse;
 pub use spearman::{ranks, spearman};

@@ -48,6 +48,8 @@ pub(super) struct Problem<'a, T> {
     pub k: &'a [T],
     pub m: usize,
     pub n: usize,
+    /// The leading keys that get a gradient (the rest are a queue's, without one).
+    pub n_grad: usize,
     pub d: usize,
     pub inv_t: T,
     pub pairs: &'a Pairs,
@@ -163,7 +165,9 @@ fn logits<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, out
 pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]) -> Grads<T> {
     let (rb, cb) = (blocks(p.m, p.tile), blocks(p.n, p.tile));
     let mut dq = vec![T::from_f64(0.0); if need[0] { p.m * p.d } else { 0 }];
-    let mut dk = vec![T::from_f64(0.0); if need[1] { p.n * p.d } else { 0 }];
+    let mut dk = vec![T::from_f64(0.0); if need[1] { p.n_grad * p.d } else { 0 }];
+    // Each column block's rows of dK: its columns below `n_grad` (none for a queue's).
+    let cb_grad: Vec<Range<usize>> = cb.iter().map(|c| c.start.min(p.n_grad)..c.end.min(p.n_grad)).collect();
     let pool = Pool::new();
     let mut ds_dot_s = 0f64;
     if rb.is_empty() || cb.is_empty() {
@@ -174,7 +178,7 @@ pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]
     let waves = if rows_lead { cb.len() } else { rb.len() };
     for w in 0..waves {
         let dq_blocks = split_blocks(&mut dq, &rb, p.d);
-        let dk_blocks = split_blocks(&mut dk, &cb, p.d);
+        let dk_blocks = split_blocks(&mut dk, &cb_grad, p.d);
         let tasks: Vec<(usize, &mut [T], usize, &mut [T])> = if rows_lead {
             let mut dk_blocks: Vec<Option<&mut [T]>> = dk_blocks.into_iter().map(Some).collect();
             dq_blocks
@@ -205,7 +209,8 @@ pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]
     Grads { dq: need[0].then_some(dq), dk: need[1].then_some(dk), ds_dot_s }
 }
 
-/// `buf` (rows of `d` elements) cut into the given blocks of rows; all empty when `buf` is.
+/// `buf` (rows of `d` elements) cut into the given consecutive blocks of rows; all empty when
+/// `buf` is.
 fn split_blocks<'a, T>(buf: &'a mut [T], blocks: &[Range<usize>], d: usize) -> Vec<&'a mut [T]> {
     if buf.is_empty() {
         return blocks.iter().map(|_| <&mut [T]>::default()).collect();
@@ -241,8 +246,11 @@ fn tile_backward<T: Elem>(
         for r in 0..tq {
             let row_id = rows.start + r;
             let row = &mut s[r * tk..(r + 1) * tk];
-            // `scaled` keeps s; `row` becomes the softmax, then dS.
-            scaled.copy_from_slice(row);
+            // `scaled` keeps s (for the temperature's gradient); `row` becomes the softmax,
+            // then dS.
+            if need[2] {
+                scaled.copy_from_slice(row);
+            }
             let l = lse[row_id];
             row.iter_mut().for_each(|v| *v -= l);
             T::exp_slice(row); // excluded columns: e^-inf = 0
@@ -265,10 +273,11 @@ fn tile_backward<T: Elem>(
             let kj = Mat { data: &p.k[cols.start * d..cols.end * d], rs: d, cs: 1 };
             matmul(dqi, d, true, ds, kj, (tq, d, tk), p.inv_t);
         }
-        if need[1] {
+        // dK of this block's own keys: its first `dkj.len() / d` columns.
+        if need[1] && !dkj.is_empty() {
             let dst = Mat { data: &*s, rs: 1, cs: tk };
             let qi = Mat { data: &p.q[rows.start * d..rows.end * d], rs: d, cs: 1 };
-            matmul(dkj, d, true, dst, qi, (tk, d, tq), p.inv_t);
+            matmul(dkj, d, true, dst, qi, (dkj.len() / d, d, tq), p.inv_t);
         }
         acc
     })

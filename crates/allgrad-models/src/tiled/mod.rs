@@ -51,6 +51,13 @@
 //! the same cores, and the gather moves `O(B·d)` bytes against `O(B²·d / W)` multiply-adds,
 //! so the whole gather is kept: simpler, and the same gradient path as the untiled losses.
 //!
+//! # Negatives from past batches
+//!
+//! A [`KeyQueue`] keeps the keys of the last K global batches (detached, identical on every
+//! rank); [`scaled_dot_cross_entropy_with`] appends them to every row's candidates as
+//! negatives, and the losses' `*_queued` forms ([`crate::losses::nt_xent_tiled_queued`],
+//! [`crate::simcse::info_nce_tiled_queued`]) read and update the queue (`loss.queue` in a run).
+//!
 //! # Your own pairwise loss
 //!
 //! [`tiled_cross_entropy`] takes the per-block logits as a function ([`TileScores`]) and gives
@@ -80,12 +87,14 @@
 mod cpu;
 mod op;
 mod pairs;
+mod queue;
 
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
 
 pub use pairs::Pairs;
+pub use queue::KeyQueue;
 
 use crate::losses::Temperature;
 use op::Kernel;
@@ -162,11 +171,29 @@ pub fn scaled_dot_cross_entropy(
     pairs: Pairs,
     tile: usize,
 ) -> Result<Tensor> {
+    scaled_dot_cross_entropy_with(queries, keys, None, temperature, pairs, tile)
+}
+
+/// [`scaled_dot_cross_entropy`] with `extra` keys (`[e, d]`) after `keys`: more negatives in
+/// every row's softmax (a [`KeyQueue`] of past batches), without a gradient. [`Pairs`] columns
+/// number `keys` first, then `extra`.
+///
+/// # Errors
+/// As [`scaled_dot_cross_entropy`], and when `extra` differs from `keys` in width, dtype or
+/// device.
+pub fn scaled_dot_cross_entropy_with(
+    queries: &Tensor,
+    keys: &Tensor,
+    extra: Option<&Tensor>,
+    temperature: &Temperature,
+    pairs: Pairs,
+    tile: usize,
+) -> Result<Tensor> {
     temperature.check()?;
     let t = temperature.tensor(queries.dtype(), queries.device())?;
     let fused = queries.device().is_cpu() && matches!(queries.dtype(), DType::F32 | DType::F64);
     let kernel = if fused { Kernel::FusedDot } else { Kernel::Blocks(Arc::new(ScaledDot)) };
-    op::apply(queries, keys, &t, pairs, kernel, tile)
+    op::apply(queries, keys, extra, &t, pairs, kernel, tile)
 }
 
 /// As [`scaled_dot_cross_entropy`], with the logits of each block from `scores` (your own
@@ -185,5 +212,5 @@ pub fn tiled_cross_entropy(
     scores: impl TileScores,
     tile: usize,
 ) -> Result<Tensor> {
-    op::apply(queries, keys, params, pairs, Kernel::Blocks(Arc::new(scores)), tile)
+    op::apply(queries, keys, None, params, pairs, Kernel::Blocks(Arc::new(scores)), tile)
 }

@@ -24,10 +24,12 @@ pub(super) enum Kernel {
     Blocks(Arc<dyn TileScores>),
 }
 
-/// `Σ_i (lse_i − s_{i, target_i})` over the query rows, computed in `tile x tile` blocks.
+/// `Σ_i (lse_i − s_{i, target_i})` over the query rows against the keys and then the `extra`
+/// keys (no gradient), computed in `tile x tile` blocks.
 pub(super) fn apply(
     queries: &Tensor,
     keys: &Tensor,
+    extra: Option<&Tensor>,
     params: &Tensor,
     pairs: Pairs,
     kernel: Kernel,
@@ -36,30 +38,47 @@ pub(super) fn apply(
     if tile == 0 {
         return fail(ModelError::TiledInput("the tile must be at least 1".into()));
     }
-    for (name, t) in [("queries", queries), ("keys", keys)] {
+    let named = [("queries", Some(queries)), ("keys", Some(keys)), ("extra keys", extra)];
+    for (name, t) in named.iter().filter_map(|(n, t)| t.map(|t| (n, t))) {
         if t.rank() != 2 {
             return fail(ModelError::TiledInput(format!("{name} must be [rows, dim], got {:?}", t.dims())));
         }
+        if t.dtype() != queries.dtype() || t.device().location() != queries.device().location() {
+            return fail(ModelError::TiledInput(format!(
+                "queries ({:?} on {:?}) and {name} ({:?} on {:?}) must share dtype and device",
+                queries.dtype(),
+                queries.device().location(),
+                t.dtype(),
+                t.device().location()
+            )));
+        }
     }
-    if queries.dtype() != keys.dtype() || queries.device().location() != keys.device().location() {
-        return fail(ModelError::TiledInput(format!(
-            "queries ({:?} on {:?}) and keys ({:?} on {:?}) must share dtype and device",
-            queries.dtype(),
-            queries.device().location(),
-            keys.dtype(),
-            keys.device().location()
-        )));
+    if let Some(e) = extra {
+        if e.dim(1)? != keys.dim(1)? {
+            return fail(ModelError::TiledInput(format!("keys {:?} and extra keys {:?} differ in width", keys.dims(), e.dims())));
+        }
     }
-    let (m, n) = (queries.dim(0)?, keys.dim(0)?);
+    let extra = extra.map(|e| e.detach());
+    let (m, n) = (queries.dim(0)?, keys.dim(0)? + extra.as_ref().map_or(Ok(0), |e| e.dim(0))?);
     pairs.check(m, n)?;
-    let (q, k, p) = (queries.detach().contiguous()?, keys.detach().contiguous()?, params.detach());
+    let (q, p) = (queries.detach().contiguous()?, params.detach());
+    let k = all_keys(keys, extra.as_ref())?;
+    let n_grad = keys.dim(0)?;
     let (value, lse) = match &kernel {
         Kernel::FusedDot => fused_forward(&q, &k, &p, &pairs, tile)?,
         Kernel::Blocks(scores) => blocks_forward(&q, &k, &p, &pairs, scores.as_ref(), tile)?,
     };
     let value = Tensor::new(value, queries.device())?.to_dtype(queries.dtype())?;
-    let op = TiledCrossEntropy { kernel, pairs: Arc::new(pairs), tile, value, lse };
+    let op = TiledCrossEntropy { kernel, pairs: Arc::new(pairs), tile, value, lse, extra, n_grad };
     queries.apply_op3(keys, params, op)
+}
+
+/// The keys, then the extra keys, detached and contiguous.
+fn all_keys(keys: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
+    match extra {
+        Some(e) => Tensor::cat(&[&keys.detach(), e], 0)?.contiguous(),
+        None => keys.detach().contiguous(),
+    }
 }
 
 /// The op; see the module docs.
@@ -71,6 +90,10 @@ struct TiledCrossEntropy {
     value: Tensor,
     /// Each query row's log-sum-exp `[m]`, from the forward.
     lse: Tensor,
+    /// Keys after the op's own (a queue of past batches), without a gradient.
+    extra: Option<Tensor>,
+    /// The op's own keys: the leading columns, the only ones with a gradient.
+    n_grad: usize,
 }
 
 impl TiledCrossEntropy {
@@ -141,10 +164,14 @@ impl CustomOp3 for TiledCrossEntropy {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let need = [queries.track_op(), keys.track_op(), params.track_op()];
         let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let (q, k, p) = (queries.detach().contiguous()?, keys.detach().contiguous()?, params.detach());
+        let (q, p) = (queries.detach().contiguous()?, params.detach());
+        let k = all_keys(keys, self.extra.as_ref())?;
+        let n_grad = self.n_grad;
         let [dq, dk, dp] = match &self.kernel {
-            Kernel::FusedDot => fused_backward(&q, &k, &p, &self.pairs, self.tile, &self.lse, g, need)?,
-            Kernel::Blocks(scores) => blocks_backward(&q, &k, &p, &self.pairs, scores.as_ref(), self.tile, &self.lse, g, need)?,
+            Kernel::FusedDot => fused_backward(&q, &k, n_grad, &p, &self.pairs, self.tile, &self.lse, g, need)?,
+            Kernel::Blocks(scores) => {
+                blocks_backward(&q, &k, n_grad, &p, &self.pairs, scores.as_ref(), self.tile, &self.lse, g, need)?
+            }
         };
         Ok((dq, dk, dp))
     }
@@ -196,13 +223,14 @@ fn problem<'a, T: Elem>(
     if d != dk {
         return fail(ModelError::TiledInput(format!("queries [{m}, {d}] and keys [{n}, {dk}] differ in width")));
     }
-    Ok(Problem { q: qs, k: ks, m, n, d, inv_t: T::from_f64(1.0 / t), pairs, tile })
+    Ok(Problem { q: qs, k: ks, m, n, n_grad: n, d, inv_t: T::from_f64(1.0 / t), pairs, tile })
 }
 
 #[allow(clippy::too_many_arguments)]
 fn fused_backward(
     q: &Tensor,
     k: &Tensor,
+    n_grad: usize,
     p: &Tensor,
     pairs: &Pairs,
     tile: usize,
@@ -211,9 +239,11 @@ fn fused_backward(
     need: [bool; 3],
 ) -> Result<[Option<Tensor>; 3]> {
     let t = temperature(p)?;
+    #[allow(clippy::too_many_arguments)]
     fn run<T: Elem>(
         q: &Tensor,
         k: &Tensor,
+        n_grad: usize,
         p: &Tensor,
         t: f64,
         pairs: &Pairs,
@@ -223,10 +253,10 @@ fn fused_backward(
         need: [bool; 3],
     ) -> Result<[Option<Tensor>; 3]> {
         let (qs, ks, ls) = (cpu_slice::<T>(q)?, cpu_slice::<T>(k)?, cpu_slice::<T>(lse)?);
-        let prob = problem(&qs, &ks, q, k, t, pairs, tile)?;
+        let prob = Problem { n_grad, ..problem(&qs, &ks, q, k, t, pairs, tile)? };
         let grads = cpu::backward(&prob, &ls, T::from_f64(g), need);
         let dq = grads.dq.map(|v| Tensor::from_vec(v, (prob.m, prob.d), &Device::Cpu)).transpose()?;
-        let dk = grads.dk.map(|v| Tensor::from_vec(v, (prob.n, prob.d), &Device::Cpu)).transpose()?;
+        let dk = grads.dk.map(|v| Tensor::from_vec(v, (n_grad, prob.d), &Device::Cpu)).transpose()?;
         // s = raw / τ (+ boost): ∂s/∂τ = −(s − boost) / τ.
         let dp = if need[2] {
             Some(Tensor::new(-grads.ds_dot_s / t, &Device::Cpu)?.to_dtype(p.dtype())?.reshape(p.shape())?)
@@ -236,8 +266,8 @@ fn fused_backward(
         Ok([dq, dk, dp])
     }
     match q.dtype() {
-        DType::F32 => run::<f32>(q, k, p, t, pairs, tile, lse, g, need),
-        DType::F64 => run::<f64>(q, k, p, t, pairs, tile, lse, g, need),
+        DType::F32 => run::<f32>(q, k, n_grad, p, t, pairs, tile, lse, g, need),
+        DType::F64 => run::<f64>(q, k, n_grad, p, t, pairs, tile, lse, g, need),
         other => candle_core::bail!("tiled_cross_entropy: the fused CPU kernel takes f32 or f64, got {other:?}"),
     }
 }
@@ -367,6 +397,7 @@ fn add(acc: &mut Option<Tensor>, g: Tensor) -> Result<()> {
 fn blocks_backward(
     q: &Tensor,
     k: &Tensor,
+    n_grad: usize,
     p: &Tensor,
     pairs: &Pairs,
     scores: &dyn TileScores,
@@ -416,8 +447,10 @@ fn blocks_backward(
             if need[0] {
                 add(&mut dqi, gq)?;
             }
-            if need[1] {
-                add(&mut dk_blocks[j], gk)?;
+            // Only the op's own keys (the leading `n_grad` columns) get a gradient.
+            let own = cols.end.min(n_grad).saturating_sub(cols.start);
+            if need[1] && own > 0 {
+                add(&mut dk_blocks[j], gk.narrow(0, 0, own)?)?;
             }
             if need[2] {
                 add(&mut dp, gp)?;
@@ -428,18 +461,15 @@ fn blocks_backward(
         }
     }
     let dq = if need[0] && !dq_parts.is_empty() { Some(Tensor::cat(&dq_parts, 0)?) } else { None };
-    let dk = if need[1] && dk_blocks.iter().all(Option::is_some) && !dk_blocks.is_empty() {
-        Some(Tensor::cat(&dk_blocks.into_iter().flatten().collect::<Vec<_>>(), 0)?)
-    } else {
-        None
-    };
+    let dk_parts: Vec<Tensor> = dk_blocks.into_iter().flatten().collect();
+    let dk = if need[1] && !dk_parts.is_empty() { Some(Tensor::cat(&dk_parts, 0)?) } else { None };
     // An empty side (no rows or no keys) gives zero gradients, never a missing one.
     let dq = match (need[0], dq) {
         (true, None) => Some(q.zeros_like()?),
         (_, d) => d,
     };
     let dk = match (need[1], dk) {
-        (true, None) => Some(k.zeros_like()?),
+        (true, None) => Some(k.narrow(0, 0, n_grad)?.zeros_like()?),
         (_, d) => d,
     };
     let dp = match (need[2], dp) {

@@ -6,7 +6,10 @@
 //!
 //! NT-Xent takes `loss.tile: T` to compute its logits in `T x T` blocks
 //! (`allgrad_models::tiled`): the same loss and gradients with the loss's memory independent of
-//! the batch. The cross-correlation has no tiled form and refuses the key.
+//! the batch, and with it `loss.queue: K` to score every anchor also against the candidates of
+//! the last K global batches (a memory bank: negatives without gradient, identical on every
+//! rank, checkpointed as the buffer `loss.queue`). The cross-correlation has no tiled form and
+//! refuses the keys.
 
 use allgrad_models::image_ssl::{ImageData, ImageModel, TwoViewMethod, ViewBatch};
 use allgrad_models::losses::LossConfig;
@@ -142,7 +145,7 @@ impl ImageMethod {
     /// SimCLR: NT-Xent over global negatives, both views in one batch.
     pub const SIMCLR: ImageMethod = ImageMethod {
         name: "simclr",
-        default_loss: LossConfig::NtXent { temperature: 0.2, tile: None },
+        default_loss: LossConfig::NtXent { temperature: 0.2, tile: None, queue: None },
         batch: ViewBatch::Joint,
     };
     /// BarlowTwins: the cross-correlation over the global batch, each view on its own.
