@@ -101,46 +101,155 @@ pub(super) fn forward<T: Elem>(p: &Problem<T>) -> (Vec<T>, f64) {
 fn forward_rows<T: Elem>(p: &Problem<T>, rows: Range<usize>, pool: &Pool<T>) -> (Vec<T>, f64) {
     let tq = rows.len();
     let neg_inf = T::from_f64(f64::NEG_INFINITY);
-    let (mut max, mut sum, mut pos) = (vec![neg_inf; tq], vec![T::from_f64(0.0); tq], vec![T::from_f64(0.0); tq]);
+    let mut run = Running { max: vec![neg_inf; tq], sum: vec![T::from_f64(0.0); tq], pos: vec![T::from_f64(0.0); tq] };
     for cols in blocks(p.n, p.tile) {
-        let tk = cols.len();
-        pool.with(tq * tk, |s| {
+        pool.with(tq * cols.len(), |s| {
             logits(p, &rows, &cols, s);
-            for r in 0..tq {
-                let row = &mut s[r * tk..(r + 1) * tk];
-                if let Some(t) = p.pairs.target_in(rows.start + r, &cols) {
-                    pos[r] = row[t];
-                }
-                let top = row.iter().fold(neg_inf, |a, &v| if v > a { v } else { a });
-                if top == neg_inf {
-                    // Every column of this block is excluded, or a logit is NaN: it must reach the loss.
-                    #[allow(clippy::eq_op)]
-                    if row.iter().any(|v| v != v) {
-                        sum[r] = T::from_f64(f64::NAN);
-                    }
-                    continue;
-                }
-                let new = if top > max[r] { top } else { max[r] };
-                if new != max[r] {
-                    sum[r] *= T::from_f64((max[r] - new).to_f64().exp());
-                    max[r] = new;
-                }
-                row.iter_mut().for_each(|v| *v -= new);
-                T::exp_slice(row);
-                sum[r] += row.iter().fold(T::from_f64(0.0), |a, &v| a + v);
-            }
+            forward_block(p, &rows, &cols, s, &mut run)
         });
     }
     let mut total = 0f64;
     let lse: Vec<T> = (0..tq)
         .map(|r| {
-            let l = T::from_f64(max[r].to_f64() + sum[r].to_f64().ln());
+            let l = T::from_f64(run.max[r].to_f64() + run.sum[r].to_f64().ln());
             let has_target = p.pairs.target.is_some();
-            total += l.to_f64() - if has_target { pos[r].to_f64() } else { 0.0 };
+            total += l.to_f64() - if has_target { run.pos[r].to_f64() } else { 0.0 };
             l
         })
         .collect();
     (lse, total)
+}
+
+/// A block of rows' running maximum, scaled sum of exponentials and target logit.
+struct Running<T> {
+    max: Vec<T>,
+    sum: Vec<T>,
+    pos: Vec<T>,
+}
+
+/// Folds one block of logits `s` (`rows x cols`, special columns applied) into the rows'
+/// running maximum and sum (the online log-sum-exp), and records the target logits.
+fn forward_block<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, s: &mut [T], run: &mut Running<T>) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        unsafe { forward_block_avx2(p, rows, cols, s, run) };
+        return;
+    }
+    forward_block_body(p, rows, cols, s, run)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn forward_block_avx2<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, s: &mut [T], run: &mut Running<T>) {
+    forward_block_body(p, rows, cols, s, run)
+}
+
+#[inline(always)]
+fn forward_block_body<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, s: &mut [T], run: &mut Running<T>) {
+    let (tq, tk) = (rows.len(), cols.len());
+    let neg_inf = T::from_f64(f64::NEG_INFINITY);
+    for r in 0..tq {
+        let row = &mut s[r * tk..(r + 1) * tk];
+        if let Some(t) = p.pairs.target_in(rows.start + r, cols) {
+            run.pos[r] = row[t];
+        }
+        let top = lanes::max(row);
+        if top == neg_inf {
+            // Every column of this block is excluded, or a logit is NaN: it must reach the loss.
+            #[allow(clippy::eq_op)]
+            if row.iter().any(|v| v != v) {
+                run.sum[r] = T::from_f64(f64::NAN);
+            }
+            continue;
+        }
+        let old = run.max[r];
+        let new = if top > old { top } else { old };
+        if new != old {
+            run.sum[r] *= T::from_f64((old - new).to_f64().exp());
+            run.max[r] = new;
+        }
+        lanes::add(row, T::from_f64(0.0) - new);
+        T::exp_slice(row);
+        run.sum[r] += lanes::sum(row);
+    }
+}
+
+/// Whether the CPU has AVX2 (the standard library caches the detection).
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+}
+
+/// Row loops written with `LANES` independent accumulators, so that the compiler vectorises
+/// them; the lanes are combined in a fixed order, so results do not depend on the CPU.
+mod lanes {
+    use super::Elem;
+
+    const LANES: usize = 16;
+
+    /// The largest element (`-inf` for none; NaN is skipped, the callers catch it).
+    #[inline(always)]
+    pub(super) fn max<T: Elem>(xs: &[T]) -> T {
+        let neg_inf = T::from_f64(f64::NEG_INFINITY);
+        let mut acc = [neg_inf; LANES];
+        let mut chunks = xs.chunks_exact(LANES);
+        for c in &mut chunks {
+            for l in 0..LANES {
+                acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
+            }
+        }
+        for &v in chunks.remainder() {
+            acc[0] = if v > acc[0] { v } else { acc[0] };
+        }
+        acc.iter().fold(neg_inf, |a, &v| if v > a { v } else { a })
+    }
+
+    /// The sum of the elements.
+    #[inline(always)]
+    pub(super) fn sum<T: Elem>(xs: &[T]) -> T {
+        let zero = T::from_f64(0.0);
+        let mut acc = [zero; LANES];
+        let mut chunks = xs.chunks_exact(LANES);
+        for c in &mut chunks {
+            for l in 0..LANES {
+                acc[l] += c[l];
+            }
+        }
+        for &v in chunks.remainder() {
+            acc[0] += v;
+        }
+        acc.iter().fold(zero, |a, &v| a + v)
+    }
+
+    /// `Σ a_i b_i`.
+    #[inline(always)]
+    pub(super) fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
+        let zero = T::from_f64(0.0);
+        let mut acc = [zero; LANES];
+        let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+        for (x, y) in (&mut ca).zip(&mut cb) {
+            for l in 0..LANES {
+                acc[l] += x[l] * y[l];
+            }
+        }
+        for (&x, &y) in ca.remainder().iter().zip(cb.remainder()) {
+            acc[0] += x * y;
+        }
+        acc.iter().fold(zero, |a, &v| a + v)
+    }
+
+    /// `x ← x + c` for every element.
+    #[inline(always)]
+    pub(super) fn add<T: Elem>(xs: &mut [T], c: T) {
+        xs.iter_mut().for_each(|v| *v += c);
+    }
+
+    /// `x ← x · c` for every element.
+    #[inline(always)]
+    pub(super) fn scale<T: Elem>(xs: &mut [T], c: T) {
+        xs.iter_mut().for_each(|v| *v *= c);
+    }
 }
 
 /// The block's logits `q_i·k_j / τ` (row-major, `rows x cols`) with the special columns
@@ -242,32 +351,7 @@ fn tile_backward<T: Elem>(
     pool.with(tq * tk + tk, |buf| {
         let (s, scaled) = buf.split_at_mut(tq * tk);
         logits(p, rows, cols, s);
-        let mut acc = 0f64;
-        for r in 0..tq {
-            let row_id = rows.start + r;
-            let row = &mut s[r * tk..(r + 1) * tk];
-            // `scaled` keeps s (for the temperature's gradient); `row` becomes the softmax,
-            // then dS.
-            if need[2] {
-                scaled.copy_from_slice(row);
-            }
-            let l = lse[row_id];
-            row.iter_mut().for_each(|v| *v -= l);
-            T::exp_slice(row); // excluded columns: e^-inf = 0
-            row.iter_mut().for_each(|v| *v *= g);
-            if let Some(t) = p.pairs.target_in(row_id, cols) {
-                row[t] -= g;
-            }
-            if need[2] {
-                if let Some(c) = p.pairs.exclude_in(row_id, cols) {
-                    scaled[c] = T::from_f64(0.0); // its dS is 0; -inf would make 0·-inf
-                }
-                if let Some((c, w)) = p.pairs.boost_in(row_id, cols) {
-                    scaled[c] -= T::from_f64(w);
-                }
-                acc += row.iter().zip(scaled.iter()).fold(T::from_f64(0.0), |a, (&x, &y)| a + x * y).to_f64();
-            }
-        }
+        let acc = backward_block(p, rows, cols, s, scaled, lse, g, need[2]);
         let ds = Mat { data: &*s, rs: tk, cs: 1 };
         if need[0] {
             let kj = Mat { data: &p.k[cols.start * d..cols.end * d], rs: d, cs: 1 };
@@ -281,6 +365,84 @@ fn tile_backward<T: Elem>(
         }
         acc
     })
+}
+
+/// Turns one block of logits `s` (special columns applied) into `dS = g·(softmax − onehot)`
+/// in place, with `lse` the rows' log-sum-exp; with `dot_s`, returns `Σ dS ⊙ (s − boost)`
+/// (`scaled` is a row of scratch).
+#[allow(clippy::too_many_arguments)]
+fn backward_block<T: Elem>(
+    p: &Problem<T>,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+    s: &mut [T],
+    scaled: &mut [T],
+    lse: &[T],
+    g: T,
+    dot_s: bool,
+) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { backward_block_avx2(p, rows, cols, s, scaled, lse, g, dot_s) };
+    }
+    backward_block_body(p, rows, cols, s, scaled, lse, g, dot_s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+fn backward_block_avx2<T: Elem>(
+    p: &Problem<T>,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+    s: &mut [T],
+    scaled: &mut [T],
+    lse: &[T],
+    g: T,
+    dot_s: bool,
+) -> f64 {
+    backward_block_body(p, rows, cols, s, scaled, lse, g, dot_s)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn backward_block_body<T: Elem>(
+    p: &Problem<T>,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+    s: &mut [T],
+    scaled: &mut [T],
+    lse: &[T],
+    g: T,
+    dot_s: bool,
+) -> f64 {
+    let (tq, tk) = (rows.len(), cols.len());
+    let mut acc = 0f64;
+    for r in 0..tq {
+        let row_id = rows.start + r;
+        let row = &mut s[r * tk..(r + 1) * tk];
+        // `scaled` keeps s (for the temperature's gradient); `row` becomes the softmax, then dS.
+        if dot_s {
+            scaled.copy_from_slice(row);
+        }
+        lanes::add(row, T::from_f64(0.0) - lse[row_id]);
+        T::exp_slice(row); // excluded columns: e^-inf = 0
+        lanes::scale(row, g);
+        if let Some(t) = p.pairs.target_in(row_id, cols) {
+            row[t] -= g;
+        }
+        if dot_s {
+            if let Some(c) = p.pairs.exclude_in(row_id, cols) {
+                scaled[c] = T::from_f64(0.0); // its dS is 0; -inf would make 0·-inf
+            }
+            if let Some((c, w)) = p.pairs.boost_in(row_id, cols) {
+                scaled[c] -= T::from_f64(w);
+            }
+            acc += lanes::dot(row, scaled).to_f64();
+        }
+    }
+    acc
 }
 
 /// A read-only matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
