@@ -12,6 +12,7 @@ Inputs (6 samples, 2 views, dimension 5; the test builds the same numbers):
 
 - NT-Xent (SimCLR): the 2N = 12 embeddings normalised, logits z z^T / t with the diagonal set
   to -inf, cross-entropy of row k against its other view ((k + N) mod 2N), mean over 2N rows.
+  The temperature is a tensor too: its gradient (`*_GRAD_T`) checks a learned temperature.
 - Cross-correlation (BarlowTwins): each view standardised per dimension with biased batch
   statistics (F.batch_norm, eps 1e-5, no affine), c = z1n^T z2n / N,
   scale * (sum_i (1 - c_ii)^2 + lambda * sum_{i != j} c_ij^2).
@@ -56,12 +57,12 @@ def cross_correlation(z1, z2, lam, scale):
 
 
 CASES = [
-    # name, loss, description of the allgrad call
-    ("NT_XENT_T05", lambda a, b: nt_xent(a, b, 0.5), "nt_xent(z1, z2, 0.5, pg)"),
-    ("NT_XENT_T02", lambda a, b: nt_xent(a, b, 0.2), "LossConfig::default() (NT-Xent, temperature 0.2)"),
-    ("CC_L0005", lambda a, b: cross_correlation(a, b, 0.005, 1.0), "cross_correlation(z1, z2, 0.005, pg)"),
-    ("CC_L03_S0125", lambda a, b: cross_correlation(a, b, 0.3, 0.125),
-     "LossConfig::CrossCorrelation { lambda: 0.3, scale: 0.125 }"),
+    # name, loss, description of the allgrad call, temperature (None: the loss has none)
+    ("NT_XENT_T05", lambda a, b, t: nt_xent(a, b, t), "nt_xent(z1, z2, 0.5, pg)", 0.5),
+    ("NT_XENT_T02", lambda a, b, t: nt_xent(a, b, t), "LossConfig::default() (NT-Xent, temperature 0.2)", 0.2),
+    ("CC_L0005", lambda a, b, t: cross_correlation(a, b, 0.005, 1.0), "cross_correlation(z1, z2, 0.005, pg)", None),
+    ("CC_L03_S0125", lambda a, b, t: cross_correlation(a, b, 0.3, 0.125),
+     "LossConfig::CrossCorrelation { lambda: 0.3, scale: 0.125 }", None),
 ]
 
 
@@ -72,14 +73,17 @@ def rust_matrix(name, t):
 
 def main():
     print(f"// Printed by `python3 scripts/ref_losses.py` (torch {torch.__version__}, float64).")
-    for name, loss_fn, what in CASES:
+    for name, loss_fn, what, temperature in CASES:
         z1, z2 = inputs()
-        loss = loss_fn(z1, z2)
-        g1, g2 = torch.autograd.grad(loss, [z1, z2])
+        t = None if temperature is None else torch.tensor(temperature, dtype=torch.float64, requires_grad=True)
+        loss = loss_fn(z1, z2, t)
+        grads = torch.autograd.grad(loss, [z1, z2] + ([] if t is None else [t]))
         print(f"// {what}")
         print(f"const {name}_LOSS: f64 = {loss.item()!r};")
-        print(rust_matrix(f"{name}_GRAD_Z1", g1))
-        print(rust_matrix(f"{name}_GRAD_Z2", g2))
+        print(rust_matrix(f"{name}_GRAD_Z1", grads[0]))
+        print(rust_matrix(f"{name}_GRAD_Z2", grads[1]))
+        if t is not None:
+            print(f"const {name}_GRAD_T: f64 = {grads[2].item()!r};")
 
 
 if __name__ == "__main__":

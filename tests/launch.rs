@@ -151,21 +151,26 @@ fn the_seed_examples_print_the_documented_gradients() {
 
 #[test]
 fn the_custom_loss_example_checks_invariance_and_trains_on_2_ranks() {
-    // The example is the `train` command with one more method: same arguments.
-    let run_dir = std::env::temp_dir().join(format!("allgrad-custom-loss-{}", std::process::id()));
-    let (out, _) = run_with_watchdog(
-        Command::new(launch_bin())
-            .args(["--nproc-per-node", "2"])
-            .arg(example("custom_loss"))
-            .args(["--config", "examples/custom_loss.yaml", "--output-dir"])
-            .arg(&run_dir),
-        Duration::from_secs(120),
-    );
-    let _ = std::fs::remove_dir_all(&run_dir);
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("[rank0]: uniformity is world-size invariant at W = 4"), "{text}");
-    assert!(text.contains("[rank0]: trained 32 of 32 steps on 2 rank(s)"), "{text}");
+    // The example is the `train` command with one more method: same arguments. The second run
+    // computes its uniformity term in 7 x 7 blocks (`allgrad::models::tiled`).
+    for sets in [&[][..], &["--set", "points.tile=7", "--set", "train.epochs=1"][..]] {
+        let run_dir = std::env::temp_dir().join(format!("allgrad-custom-loss-{}-{}", std::process::id(), sets.len()));
+        let (out, _) = run_with_watchdog(
+            Command::new(launch_bin())
+                .args(["--nproc-per-node", "2"])
+                .arg(example("custom_loss"))
+                .args(["--config", "examples/custom_loss.yaml", "--output-dir"])
+                .arg(&run_dir)
+                .args(sets),
+            Duration::from_secs(120),
+        );
+        let _ = std::fs::remove_dir_all(&run_dir);
+        assert!(out.status.success(), "{sets:?}: {out:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("[rank0]: uniformity is world-size invariant at W = 4"), "{text}");
+        let steps = if sets.is_empty() { "32 of 32" } else { "8 of 8" };
+        assert!(text.contains(&format!("[rank0]: trained {steps} steps on 2 rank(s)")), "{sets:?}: {text}");
+    }
 }
 
 #[test]

@@ -86,6 +86,14 @@ pub enum ModelError {
         /// The value given.
         value: f64,
     },
+    /// A key of the `loss` section that cannot be used as given (`loss.tile`).
+    #[error("{msg}")]
+    LossKey {
+        /// The key in the `loss` section.
+        key: &'static str,
+        /// What is wrong, naming `loss.<key>`, the value and what to do.
+        msg: String,
+    },
     /// The redundancy-reduction loss got a matrix that is not square.
     #[error("redundancy_reduction: expected a square matrix, got {shape:?}")]
     NotSquare {
@@ -116,6 +124,9 @@ pub enum ModelError {
         /// The range, in words.
         expected: &'static str,
     },
+    /// An input of a tiled loss that does not fit (shapes, special columns, the tile).
+    #[error("tiled loss: {0}")]
+    TiledInput(String),
     /// A face-head input that does not fit the head (shapes, labels, world size).
     #[error("face head: {0}")]
     HeadInput(String),

@@ -16,6 +16,9 @@
 //! - [`face`]: the class-sharded face-recognition head (ArcFace / CosFace margins, parallel
 //!   softmax, Partial FC).
 //! - [`losses`]: the distributed losses themselves; [`batch_norm`]: (Sync)BatchNorm.
+//! - [`tiled`]: the contrastive losses computed in tiles (online log-sum-exp, blocks
+//!   recomputed in the backward), exact, with loss memory per rank independent of the batch;
+//!   and the same for a pairwise loss of your own.
 //! - [`bert`]: a BERT encoder (Hugging Face checkpoints and tokenizers, keyed dropout) and
 //!   [`simcse`]: SimCSE (InfoNCE losses, the objective, evaluation; `method: simcse` in allgrad-train).
 
@@ -32,6 +35,7 @@ mod objective;
 pub mod resnet;
 pub mod rng;
 pub mod simcse;
+pub mod tiled;
 pub mod vectors;
 
 pub use error::ModelError;

@@ -5,6 +5,7 @@ use candle_core::{DType, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use crate::error::fail;
+use crate::tiled::{scaled_dot_cross_entropy_with, KeyQueue, Pairs};
 use crate::ModelError;
 
 /// The `loss` section of a run: which distributed loss compares the two views' embeddings.
@@ -17,6 +18,16 @@ pub enum LossConfig {
         /// Softmax temperature.
         #[serde(default = "default_temperature")]
         temperature: f64,
+        /// Compute the loss in blocks of `tile x tile` logits ([`nt_xent_tiled`]): the same
+        /// loss and gradients, with the loss's memory independent of the batch. Absent: the
+        /// whole `2b x 2B` logits at once ([`nt_xent`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tile: Option<usize>,
+        /// Also score every anchor against the candidates of the last `queue` global batches
+        /// (negatives only, without gradient: a memory bank), kept identical on every rank and
+        /// checkpointed with the run ([`nt_xent_tiled_queued`]). Needs `tile`. Absent: none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        queue: Option<usize>,
     },
     /// Cross-correlation redundancy reduction ([`cross_correlation`]; a replicated loss: the
     /// same on every rank). BarlowTwins' loss.
@@ -28,6 +39,10 @@ pub enum LossConfig {
         /// learning rate for optimizers that are not scale-invariant.
         #[serde(default = "one")]
         scale: f64,
+        /// Not available: this loss has no pairwise logits to tile (its largest intermediate is
+        /// the `d x d` cross-correlation); the key is read only to refuse it with that reason.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tile: Option<usize>,
     },
 }
 
@@ -43,16 +58,73 @@ fn one() -> f64 {
 
 impl Default for LossConfig {
     fn default() -> Self {
-        LossConfig::NtXent { temperature: default_temperature() }
+        LossConfig::NtXent { temperature: default_temperature(), tile: None, queue: None }
+    }
+}
+
+/// Which losses have a tiled form (`loss.tile`), in words for error messages.
+pub const TILED_LOSSES: &str =
+    "nt_xent (methods simclr and vectors) and SimCSE's info_nce, unsupervised and with hard negatives (method simcse)";
+
+/// Checks the `loss.tile` and `loss.queue` values: each at least 1, and a queue only with a
+/// tile.
+pub fn check_tile_and_queue(tile: Option<usize>, queue: Option<usize>) -> std::result::Result<(), ModelError> {
+    if tile == Some(0) {
+        return Err(ModelError::LossKey {
+            key: "tile",
+            msg: "loss.tile = 0: it is the number of rows and columns of each block of logits and must be at least 1 \
+                  (remove the key for the untiled loss)"
+                .into(),
+        });
+    }
+    match (queue, tile) {
+        (Some(0), _) => Err(ModelError::LossKey {
+            key: "queue",
+            msg: "loss.queue = 0: it is the number of past global batches whose keys are extra negatives, at least 1 \
+                  (remove the key for none)"
+                .into(),
+        }),
+        (Some(k), None) => Err(ModelError::LossKey {
+            key: "queue",
+            msg: format!("loss.queue = {k} needs loss.tile: the queue's negatives are scored by the tiled loss (add loss.tile)"),
+        }),
+        _ => Ok(()),
     }
 }
 
 impl LossConfig {
-    /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples).
+    /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples). A config with
+    /// `queue` needs the queue: [`LossConfig::compute_queued`].
     pub fn compute(&self, z1: &Tensor, z2: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+        self.compute_queued(z1, z2, None, pg)
+    }
+
+    /// [`LossConfig::compute`] with the queue of past batches' keys ([`LossConfig::new_queue`]),
+    /// which it reads and then updates; `None` exactly when the config has no `queue`.
+    pub fn compute_queued(&self, z1: &Tensor, z2: &Tensor, queue: Option<&mut KeyQueue>, pg: &ProcessGroup) -> Result<Tensor> {
+        match (self, queue) {
+            (&LossConfig::NtXent { temperature, tile: None, queue: None }, None) => nt_xent(z1, z2, temperature, pg),
+            (&LossConfig::NtXent { temperature, tile: Some(tile), queue: None }, None) => nt_xent_tiled(z1, z2, temperature, tile, pg),
+            (&LossConfig::NtXent { temperature, tile: Some(tile), queue: Some(_) }, Some(q)) => {
+                nt_xent_tiled_queued(z1, z2, temperature, tile, q, pg)
+            }
+            (LossConfig::CrossCorrelation { tile: Some(_), .. }, _) => fail(Self::no_tiled_form()),
+            (&LossConfig::CrossCorrelation { lambda, scale, tile: None }, None) => cross_correlation(z1, z2, lambda, pg)? * scale,
+            (cfg, q) => fail(ModelError::LossKey {
+                key: "queue",
+                msg: format!(
+                    "loss: a queue of past keys must be given exactly when the config has loss.queue (config {cfg:?}, queue given: {})",
+                    q.is_some()
+                ),
+            }),
+        }
+    }
+
+    /// The queue of past batches' keys that `loss.queue` asks for (`None` without it).
+    pub fn new_queue(&self) -> Result<Option<KeyQueue>> {
         match *self {
-            LossConfig::NtXent { temperature } => nt_xent(z1, z2, temperature, pg),
-            LossConfig::CrossCorrelation { lambda, scale } => cross_correlation(z1, z2, lambda, pg)? * scale,
+            LossConfig::NtXent { queue: Some(k), .. } => Ok(Some(KeyQueue::new(k)?)),
+            _ => Ok(None),
         }
     }
 
@@ -64,13 +136,32 @@ impl LossConfig {
         }
     }
 
+    /// `loss.tile`, when set.
+    pub fn tile(&self) -> Option<usize> {
+        match *self {
+            LossConfig::NtXent { tile, .. } | LossConfig::CrossCorrelation { tile, .. } => tile,
+        }
+    }
+
+    fn no_tiled_form() -> ModelError {
+        ModelError::LossKey {
+            key: "tile",
+            msg: format!(
+                "the cross_correlation loss has no tiled form: it holds no pairwise logits, its largest intermediate is the \
+                 d x d cross-correlation, whatever the batch (remove loss.tile). Losses with a tiled form: {TILED_LOSSES}"
+            ),
+        }
+    }
+
     /// Checks the values; the error names the key.
     pub fn validate(&self) -> std::result::Result<(), ModelError> {
         let bad = |key, expected, value| Err(ModelError::LossValue { key, expected, value });
         match *self {
-            LossConfig::NtXent { temperature } if !(temperature > 0.0 && temperature.is_finite()) => {
+            LossConfig::NtXent { temperature, .. } if !(temperature > 0.0 && temperature.is_finite()) => {
                 bad("temperature", "positive", temperature)
             }
+            LossConfig::NtXent { tile, queue, .. } => check_tile_and_queue(tile, queue),
+            LossConfig::CrossCorrelation { tile: Some(_), .. } => Err(Self::no_tiled_form()),
             LossConfig::CrossCorrelation { lambda, .. } if !(lambda >= 0.0 && lambda.is_finite()) => {
                 bad("lambda", "non-negative", lambda)
             }
@@ -92,37 +183,120 @@ pub fn logsumexp(x: &Tensor) -> Result<Tensor> {
     (x.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?.squeeze(D::Minus1)
 }
 
+/// The softmax temperature of a contrastive loss: a fixed number, or a scalar tensor (shape
+/// `[]` or `[1]`, usually a parameter) through which the loss is differentiable.
+#[derive(Clone, Debug)]
+pub enum Temperature {
+    /// A fixed value (a config value).
+    Fixed(f64),
+    /// A learned value: the loss's gradient reaches it.
+    Learned(Tensor),
+}
+
+impl From<f64> for Temperature {
+    fn from(t: f64) -> Self {
+        Temperature::Fixed(t)
+    }
+}
+
+impl From<Tensor> for Temperature {
+    fn from(t: Tensor) -> Self {
+        Temperature::Learned(t)
+    }
+}
+
+impl From<&Tensor> for Temperature {
+    fn from(t: &Tensor) -> Self {
+        Temperature::Learned(t.clone())
+    }
+}
+
+impl Temperature {
+    /// Fails unless the temperature is one positive, finite number (a learned one is read).
+    pub fn check(&self) -> Result<()> {
+        let value = match self {
+            Temperature::Fixed(t) => *t,
+            Temperature::Learned(t) => {
+                if t.elem_count() != 1 {
+                    return fail(ModelError::TiledInput(format!("a temperature must be one number, got shape {:?}", t.dims())));
+                }
+                t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?[0]
+            }
+        };
+        if !(value > 0.0 && value.is_finite()) {
+            return fail(ModelError::LossValue { key: "temperature", expected: "positive", value });
+        }
+        Ok(())
+    }
+
+    /// `logits / τ` (differentiable in a learned τ).
+    pub fn divide(&self, logits: &Tensor) -> Result<Tensor> {
+        match self {
+            Temperature::Fixed(t) => logits / *t,
+            Temperature::Learned(t) => logits.broadcast_div(&t.flatten_all()?.to_dtype(logits.dtype())?),
+        }
+    }
+
+    /// The temperature as a tensor of `dtype` on `device`: a constant `[]` for a fixed one,
+    /// the learned tensor itself (converted if needed) otherwise.
+    pub fn tensor(&self, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+        match self {
+            Temperature::Fixed(t) => Tensor::new(*t, device)?.to_dtype(dtype),
+            Temperature::Learned(t) => t.to_dtype(dtype)?.to_device(device),
+        }
+    }
+}
+
+/// Where this rank's `b` rows sit in the global batch: (offset, global rows). One collective.
+pub(crate) fn placement(b: usize, pg: &ProcessGroup) -> Result<(usize, usize)> {
+    let sizes = pg.all_gather_slice(&[b as i64])?;
+    let offset: usize = sizes[..pg.rank()].iter().map(|s| *s as usize).sum();
+    let total: usize = sizes.iter().map(|s| *s as usize).sum();
+    Ok((offset, total))
+}
+
+fn check_views(loss: &'static str, z1: &Tensor, z2: &Tensor, temperature: &Temperature) -> Result<()> {
+    if z1.dims() != z2.dims() || z1.rank() != 2 {
+        return fail(ModelError::ViewShapes { loss, z1: z1.dims().to_vec(), z2: z2.dims().to_vec() });
+    }
+    temperature.check()
+}
+
+/// NT-Xent's pairing of this rank's `2b` anchors (view 1 of its samples, then view 2) with the
+/// `2B` gathered candidates (view 1 of every rank's samples, then view 2): anchor `a`'s own
+/// column and its positive (the other view of the same sample).
+fn nt_xent_columns(b: usize, offset: usize, total: usize) -> (impl Fn(usize) -> usize, impl Fn(usize) -> usize) {
+    let me = move |a: usize| if a < b { offset + a } else { total + offset + a - b };
+    let positive = move |a: usize| if a < b { total + offset + a } else { offset + a - b };
+    (me, positive)
+}
+
 /// NT-Xent (normalised temperature-scaled cross entropy) over the GLOBAL batch, in the
 /// local-loss form: this rank's 2b anchors (both views of its b samples) are scored against
 /// all 2B candidates of every rank, so the logits are (2b x 2B) and memory per rank falls
 /// with W. Each anchor's positive is the other view of the same sample; its own embedding
-/// is masked out. Returns the mean over this rank's anchors; the mean over ranks of that is
-/// the single-process loss on the global batch.
+/// is masked out. Returns `(W / 2B) Σ_{local anchors} ℓ_a`: the mean over this rank's anchors
+/// when every rank holds b = B / W samples, and in any case a value whose mean over ranks is
+/// the single-process loss on the global batch (uneven shards too).
 ///
-/// `z1`, `z2`: `[b, d]` embeddings of the two views (normalised here).
-pub fn nt_xent(z1: &Tensor, z2: &Tensor, temperature: f64, pg: &ProcessGroup) -> Result<Tensor> {
-    if z1.dims() != z2.dims() || z1.rank() != 2 {
-        return fail(ModelError::ViewShapes { loss: "nt_xent", z1: z1.dims().to_vec(), z2: z2.dims().to_vec() });
-    }
-    if temperature.is_nan() || temperature <= 0.0 {
-        return fail(ModelError::LossValue { key: "temperature", expected: "positive", value: temperature });
-    }
+/// `z1`, `z2`: `[b, d]` embeddings of the two views (normalised here). `temperature`: an
+/// `f64`, or a learned scalar tensor ([`Temperature`]).
+pub fn nt_xent(z1: &Tensor, z2: &Tensor, temperature: impl Into<Temperature>, pg: &ProcessGroup) -> Result<Tensor> {
+    let temperature = temperature.into();
+    check_views("nt_xent", z1, z2, &temperature)?;
     let b = z1.dim(0)?;
     let z1 = l2_normalize(z1)?;
     let z2 = l2_normalize(z2)?;
     // Where this rank's samples sit in the global batch.
-    let sizes = pg.all_gather_slice(&[b as i64])?;
-    let offset: usize = sizes[..pg.rank()].iter().map(|s| *s as usize).sum();
-    let total: usize = sizes.iter().map(|s| *s as usize).sum();
+    let (offset, total) = placement(b, pg)?;
     let g1 = all_gather(&z1, pg)?;
     let g2 = all_gather(&z2, pg)?;
     let candidates = Tensor::cat(&[&g1, &g2], 0)?; // [2B, d]
     let anchors = Tensor::cat(&[&z1, &z2], 0)?; // [2b, d]
-    let logits = (anchors.matmul(&candidates.t()?)? / temperature)?; // [2b, 2B]
+    let logits = temperature.divide(&anchors.matmul(&candidates.t()?)?)?; // [2b, 2B]
 
     // Anchor i (view 1) is column offset+i; anchor b+i (view 2) is column B+offset+i.
-    let me = |a: usize| if a < b { offset + a } else { total + offset + a - b };
-    let positive = |a: usize| if a < b { total + offset + a } else { offset + a - b };
+    let (me, positive) = nt_xent_columns(b, offset, total);
     let mut mask = vec![0f32; 2 * b * 2 * total];
     for a in 0..2 * b {
         mask[a * 2 * total + me(a)] = f32::NEG_INFINITY;
@@ -132,7 +306,64 @@ pub fn nt_xent(z1: &Tensor, z2: &Tensor, temperature: f64, pg: &ProcessGroup) ->
     let pos_idx = Tensor::from_vec(pos_idx, (2 * b, 1), logits.device())?;
     let pos = logits.gather(&pos_idx, 1)?.squeeze(1)?;
     let lse = logsumexp(&(logits + mask)?)?;
-    (lse - pos)?.mean_all()
+    (lse - pos)?.sum_all()? * (pg.world_size() as f64 / (2 * total) as f64)
+}
+
+/// [`nt_xent`] computed in `tile x tile` blocks of logits ([`crate::tiled`]): the same loss and
+/// gradients (to rounding), with memory per rank for the loss linear in the batch (the
+/// embeddings) plus a few blocks, never the `2b x 2B` logits. The candidates are gathered whole
+/// with the differentiable all_gather, as in [`nt_xent`].
+pub fn nt_xent_tiled(
+    z1: &Tensor,
+    z2: &Tensor,
+    temperature: impl Into<Temperature>,
+    tile: usize,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    nt_xent_tiled_impl(z1, z2, &temperature.into(), tile, None, pg)
+}
+
+/// [`nt_xent_tiled`] with the keys of past global batches as more negatives: every anchor is
+/// also scored against `queue`'s keys (no gradient reaches them), then this batch's `2B`
+/// normalised candidates (the same on every rank) are pushed into the queue.
+pub fn nt_xent_tiled_queued(
+    z1: &Tensor,
+    z2: &Tensor,
+    temperature: impl Into<Temperature>,
+    tile: usize,
+    queue: &mut KeyQueue,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    nt_xent_tiled_impl(z1, z2, &temperature.into(), tile, Some(queue), pg)
+}
+
+fn nt_xent_tiled_impl(
+    z1: &Tensor,
+    z2: &Tensor,
+    temperature: &Temperature,
+    tile: usize,
+    queue: Option<&mut KeyQueue>,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    check_views("nt_xent", z1, z2, temperature)?;
+    let b = z1.dim(0)?;
+    let z1 = l2_normalize(z1)?;
+    let z2 = l2_normalize(z2)?;
+    let (offset, total) = placement(b, pg)?;
+    let candidates = Tensor::cat(&[&all_gather(&z1, pg)?, &all_gather(&z2, pg)?], 0)?; // [2B, d]
+    let anchors = Tensor::cat(&[&z1, &z2], 0)?; // [2b, d]
+    let (me, positive) = nt_xent_columns(b, offset, total);
+    let pairs =
+        Pairs { target: Some((0..2 * b).map(&positive).collect()), exclude: Some((0..2 * b).map(&me).collect()), boost: None };
+    let extra = match &queue {
+        Some(q) => q.keys()?,
+        None => None,
+    };
+    let sum = scaled_dot_cross_entropy_with(&anchors, &candidates, extra.as_ref(), temperature, pairs, tile)?;
+    if let Some(q) = queue {
+        q.push(&candidates)?;
+    }
+    sum * (pg.world_size() as f64 / (2 * total) as f64)
 }
 
 /// Each column of `z` (`[b, d]`, this rank's rows of a global batch of `n` rows) centred

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::fail;
 use crate::losses::LossConfig;
 use crate::rng::{normals, stream};
+use crate::tiled::KeyQueue;
 use crate::{Batch, EmbeddingObjective, ModelError, Objective};
 
 /// The synthetic data set.
@@ -56,6 +57,8 @@ pub struct VectorContrastive {
     data: VectorData,
     model: VectorModel,
     loss: LossConfig,
+    /// The keys of past batches (`loss.queue`).
+    queue: Option<KeyQueue>,
     centres: Vec<f64>,
     layers: Option<(Linear, Linear)>,
     device: Device,
@@ -69,7 +72,8 @@ impl VectorContrastive {
             return fail(ModelError::VectorSizes { data, model });
         }
         let centres = normals(&mut stream(&[seed, 0xC3A7]), data.clusters * data.dim).into_iter().map(|v| 2.0 * v).collect();
-        Ok(VectorContrastive { data, model, loss, centres, layers: None, device, dtype })
+        let queue = loss.new_queue()?;
+        Ok(VectorContrastive { data, model, loss, queue, centres, layers: None, device, dtype })
     }
 
     /// View `view` of sample `index` at `epoch`.
@@ -102,7 +106,7 @@ impl EmbeddingObjective for VectorContrastive {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        self.loss.compute(&z.i((.., 0))?, &z.i((.., 1))?, pg)
+        self.loss.compute_queued(&z.i((.., 0))?, &z.i((.., 1))?, self.queue.as_mut(), pg)
     }
 }
 
@@ -124,6 +128,28 @@ impl Objective for VectorContrastive {
 
     fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
         Some(self)
+    }
+
+    /// The queue of past keys (`loss.queue`), when it holds any.
+    fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        if let Some(q) = &self.queue {
+            q.save_into(&mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        let rest = match &mut self.queue {
+            Some(q) => q.load_from(buffers)?,
+            None => buffers.clone(),
+        };
+        if let Some(name) = rest.keys().next() {
+            candle_core::bail!(
+                "the vectors objective has no buffer {name} (the checkpoint's loss.queue and the config's differ?)"
+            );
+        }
+        Ok(())
     }
 
     fn evaluate(&mut self, _pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

@@ -34,7 +34,7 @@ fn cross_correlation_is_world_size_invariant() {
 
 #[test]
 fn scaled_cross_correlation_through_the_loss_config_is_world_size_invariant() {
-    let cfg = LossConfig::CrossCorrelation { lambda: 0.02, scale: 0.125 };
+    let cfg = LossConfig::CrossCorrelation { lambda: 0.02, scale: 0.125, tile: None };
     let reports = check_world_size_invariance(&features(), &[2, 3, 4], |x, pg| cfg.compute(x, &(x.cos()? * 2.0)?, pg)).unwrap();
     for r in reports {
         r.assert_close(1e-10).unwrap();

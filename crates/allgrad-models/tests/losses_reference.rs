@@ -6,10 +6,11 @@
 //! losses is the reference loss, and each rank's gradient, scaled by 1/W as the trainer
 //! does, is the reference gradient of its rows (f64, relative 1e-10). A wrong mask, positive
 //! index, normalisation, statistic or weighting changes these numbers, which comparing world
-//! sizes with each other cannot see.
+//! sizes with each other cannot see. The tiled NT-Xent (`loss.tile`) is held to the same
+//! values, and a learned temperature to PyTorch's gradient of it.
 
 use allgrad_dist::{run_threads, ProcessGroup};
-use allgrad_models::losses::{cross_correlation, nt_xent, LossConfig};
+use allgrad_models::losses::{cross_correlation, nt_xent, nt_xent_tiled, LossConfig};
 use candle_core::{Device, Result, Tensor, Var};
 
 const N: usize = 6;
@@ -109,8 +110,51 @@ fn cross_correlation_matches_pytorch_on_one_two_and_three_ranks() {
 
 #[test]
 fn cross_correlation_config_with_lambda_and_scale_matches_pytorch() {
-    let cfg = LossConfig::CrossCorrelation { lambda: 0.3, scale: 0.125 };
+    let cfg = LossConfig::CrossCorrelation { lambda: 0.3, scale: 0.125, tile: None };
     check(Kind::Replicated, |a, b, pg| cfg.compute(a, b, pg), CC_L03_S0125_LOSS, &CC_L03_S0125_GRAD_Z1, &CC_L03_S0125_GRAD_Z2);
+}
+
+#[test]
+fn tiled_nt_xent_matches_pytorch_on_one_two_and_three_ranks_for_tiles_1_5_12_and_30() {
+    for tile in [1, 5, 2 * N, 30] {
+        let loss = |a: &Tensor, b: &Tensor, pg: &ProcessGroup| nt_xent_tiled(a, b, 0.5, tile, pg);
+        check(Kind::Local, loss, NT_XENT_T05_LOSS, &NT_XENT_T05_GRAD_Z1, &NT_XENT_T05_GRAD_Z2);
+    }
+    let cfg = LossConfig::NtXent { temperature: 0.2, tile: Some(7), queue: None };
+    check(Kind::Local, |a, b, pg| cfg.compute(a, b, pg), NT_XENT_T02_LOSS, &NT_XENT_T02_GRAD_Z1, &NT_XENT_T02_GRAD_Z2);
+}
+
+/// The gradient of a learned temperature (a scalar tensor), untiled and tiled, on 1, 2 and 3
+/// ranks (each rank's scaled by 1/W and summed, as the trainer sums replicated gradients).
+#[test]
+fn a_learned_temperature_gets_pytorchs_gradient_untiled_and_tiled() {
+    for (t, want_loss, want_grad) in [(0.5, NT_XENT_T05_LOSS, NT_XENT_T05_GRAD_T), (0.2, NT_XENT_T02_LOSS, NT_XENT_T02_GRAD_T)] {
+        for tile in [None, Some(1), Some(5), Some(2 * N)] {
+            for w in [1, 2, 3] {
+                let (z1, z2) = views();
+                let rows = N / w;
+                let per_rank = run_threads(w, |pg| {
+                    let part = |v: &[f64]| {
+                        Tensor::from_vec(v[pg.rank() * rows * D..(pg.rank() + 1) * rows * D].to_vec(), (rows, D), &Device::Cpu)
+                    };
+                    let temperature = Var::from_vec(vec![t], (), &Device::Cpu)?;
+                    let (a, b) = (part(&z1)?, part(&z2)?);
+                    let l = match tile {
+                        None => nt_xent(&a, &b, temperature.as_tensor(), &pg)?,
+                        Some(tile) => nt_xent_tiled(&a, &b, temperature.as_tensor(), tile, &pg)?,
+                    };
+                    let g = (&l / w as f64)?.backward()?.get(&temperature).expect("a temperature gradient").to_scalar::<f64>()?;
+                    Ok((l.to_scalar::<f64>()?, g))
+                })
+                .unwrap();
+                let loss = per_rank.iter().map(|r| r.0).sum::<f64>() / w as f64;
+                let grad: f64 = per_rank.iter().map(|r| r.1).sum();
+                let what = format!("t={t} tile={tile:?} W={w}");
+                assert!((loss - want_loss).abs() <= 1e-10 * want_loss.abs(), "{what}: loss {loss}, PyTorch {want_loss}");
+                assert!((grad - want_grad).abs() <= 1e-10 * want_grad.abs(), "{what}: dL/dt {grad}, PyTorch {want_grad}");
+            }
+        }
+    }
 }
 
 /// The reference tells pairings apart: pairing sample i's first view with sample i+1's
@@ -141,6 +185,8 @@ const NT_XENT_T05_GRAD_Z2: [[f64; 5]; 6] = [
     [0.09491957243923255, 0.07238672541548827, 0.03670197505712962, 0.0007830455035677808, -0.027100451480723958],
     [0.08820249219611156, 0.08698147566395871, 0.06575330071404767, 0.027281292649332507, -0.020257857771188773],
 ];
+// The gradient of the temperature (printed by the same script, below its case's gradients).
+const NT_XENT_T05_GRAD_T: f64 = -2.3499185686931487;
 // LossConfig::default() (NT-Xent, temperature 0.2)
 const NT_XENT_T02_LOSS: f64 = 5.247847322747105;
 const NT_XENT_T02_GRAD_Z1: [[f64; 5]; 6] = [
@@ -159,6 +205,7 @@ const NT_XENT_T02_GRAD_Z2: [[f64; 5]; 6] = [
     [0.22618482385236666, 0.16582852949403407, 0.08106891860070525, 0.0018168497196719424, -0.05721432257187781],
     [0.21656897307911827, 0.2131739773202813, 0.16203080778601317, 0.06804562649064388, -0.05092597243080325],
 ];
+const NT_XENT_T02_GRAD_T: f64 = -19.294452616225733;
 // cross_correlation(z1, z2, 0.005, pg)
 const CC_L0005_LOSS: f64 = 9.437382320429137;
 const CC_L0005_GRAD_Z1: [[f64; 5]; 6] = [

@@ -1,11 +1,12 @@
 //! SimCSE's InfoNCE over the global batch: world-size invariance (W = 2, 3, 4; uneven
-//! splits too), values and gradients against PyTorch (scripts/ref_info_nce.py, f64), and the
-//! "put the local tensor back" gather of public SimCSE code giving 1/W of the gradient.
+//! splits too), values and gradients against PyTorch (scripts/ref_info_nce.py, f64), also for
+//! the tiled forms and a learned temperature, and the "put the local tensor back" gather of
+//! public SimCSE code giving 1/W of the gradient.
 
 use allgrad_dist::testing::check_world_size_invariance;
 use allgrad_dist::{run_threads, ProcessGroup};
 use allgrad_models::losses::{l2_normalize, logsumexp};
-use allgrad_models::simcse::{info_nce, info_nce_hard_negatives};
+use allgrad_models::simcse::{info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled};
 use candle_core::{Device, Result, Tensor, Var};
 
 const T: f64 = 0.05;
@@ -51,10 +52,11 @@ fn script_input(phase: f64) -> Var {
     Var::from_tensor(&Tensor::from_vec(v, (6, 4), &Device::Cpu).unwrap()).unwrap()
 }
 
-fn assert_grad(name: &str, grads: &candle_core::backprop::GradStore, v: &Var, want: &[f64]) {
+/// Elementwise within `tol` of PyTorch's value (relative, absolute below 1).
+fn assert_grad(name: &str, grads: &candle_core::backprop::GradStore, v: &Var, want: &[f64], tol: f64) {
     let g = grads.get(v).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
     for (k, (a, b)) in g.iter().zip(want).enumerate() {
-        assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "{name}[{k}]: {a} vs PyTorch {b}");
+        assert!((a - b).abs() <= tol * b.abs().max(1.0), "{name}[{k}]: {a} vs PyTorch {b}");
     }
 }
 
@@ -65,17 +67,53 @@ fn info_nce_values_and_gradients_match_pytorch() {
         let l = info_nce(&a, &p, T, &pg)?;
         assert!((l.to_scalar::<f64>()? - UNSUP_LOSS).abs() < 1e-12 * UNSUP_LOSS);
         let g = l.backward()?;
-        assert_grad("unsupervised anchors", &g, &a, &UNSUP_GRAD_A);
-        assert_grad("unsupervised positives", &g, &p, &UNSUP_GRAD_P);
+        assert_grad("unsupervised anchors", &g, &a, &UNSUP_GRAD_A, 1e-12);
+        assert_grad("unsupervised positives", &g, &p, &UNSUP_GRAD_P, 1e-12);
         let l = info_nce_hard_negatives(&a, &p, &n, T, 0.5, &pg)?;
         assert!((l.to_scalar::<f64>()? - SUP_LOSS).abs() < 1e-12 * SUP_LOSS);
         let g = l.backward()?;
-        assert_grad("supervised anchors", &g, &a, &SUP_GRAD_A);
-        assert_grad("supervised positives", &g, &p, &SUP_GRAD_P);
-        assert_grad("supervised hard negatives", &g, &n, &SUP_GRAD_N);
+        assert_grad("supervised anchors", &g, &a, &SUP_GRAD_A, 1e-12);
+        assert_grad("supervised positives", &g, &p, &SUP_GRAD_P, 1e-12);
+        assert_grad("supervised hard negatives", &g, &n, &SUP_GRAD_N, 1e-12);
         Ok(())
     })
     .unwrap();
+}
+
+#[test]
+fn tiled_info_nce_and_a_learned_temperature_match_pytorch() {
+    run_threads(1, |pg| {
+        for tile in [None, Some(1), Some(4), Some(6), Some(12), Some(20)] {
+            let (a, p, n) = (script_input(0.0), script_input(1.3), script_input(2.9));
+            let t = Var::from_vec(vec![T], (), &Device::Cpu)?;
+            let what = |x: &str| format!("{x}, tile {tile:?}");
+            let l = match tile {
+                None => info_nce(&a, &p, t.as_tensor(), &pg)?,
+                Some(tile) => info_nce_tiled(&a, &p, t.as_tensor(), tile, &pg)?,
+            };
+            assert_close(l.to_scalar::<f64>()?, UNSUP_LOSS, &what("unsupervised loss"));
+            let g = l.backward()?;
+            assert_grad(&what("unsupervised anchors"), &g, &a, &UNSUP_GRAD_A, 1e-10);
+            assert_grad(&what("unsupervised positives"), &g, &p, &UNSUP_GRAD_P, 1e-10);
+            assert_close(g.get(&t).unwrap().to_scalar::<f64>()?, UNSUP_GRAD_T, &what("unsupervised temperature"));
+            let l = match tile {
+                None => info_nce_hard_negatives(&a, &p, &n, t.as_tensor(), 0.5, &pg)?,
+                Some(tile) => info_nce_hard_negatives_tiled(&a, &p, &n, t.as_tensor(), 0.5, tile, &pg)?,
+            };
+            assert_close(l.to_scalar::<f64>()?, SUP_LOSS, &what("supervised loss"));
+            let g = l.backward()?;
+            assert_grad(&what("supervised anchors"), &g, &a, &SUP_GRAD_A, 1e-10);
+            assert_grad(&what("supervised positives"), &g, &p, &SUP_GRAD_P, 1e-10);
+            assert_grad(&what("supervised hard negatives"), &g, &n, &SUP_GRAD_N, 1e-10);
+            assert_close(g.get(&t).unwrap().to_scalar::<f64>()?, SUP_GRAD_T, &what("supervised temperature"));
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
+fn assert_close(got: f64, want: f64, what: &str) {
+    assert!((got - want).abs() <= 1e-10 * want.abs(), "{what}: {got} vs PyTorch {want}");
 }
 
 /// The global-batch InfoNCE of public SimCSE code, computed on every rank from a gather
@@ -189,6 +227,7 @@ const UNSUP_GRAD_P: [f64; 24] = [
     -0.6977543499896304,
     0.14979659391751854,
 ];
+const UNSUP_GRAD_T: f64 = -248.5089755310194;
 const SUP_LOSS: f64 = 15.355979486054002;
 const SUP_GRAD_A: [f64; 24] = [
     -1.1990513779710674,
@@ -268,3 +307,4 @@ const SUP_GRAD_N: [f64; 24] = [
     0.03283096629953716,
     0.035151930621713616,
 ];
+const SUP_GRAD_T: f64 = -297.33901098918614;

@@ -94,7 +94,7 @@ fn erf_one(x: f32) -> f32 {
 macro_rules! dispatched {
     ($(#[$doc:meta])* $name:ident, $avx2:ident, $one:ident) => {
         $(#[$doc])*
-        pub(crate) fn $name(xs: &mut [f32]) {
+        pub fn $name(xs: &mut [f32]) {
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") {
                 // SAFETY: the CPU has AVX2 (checked just above).

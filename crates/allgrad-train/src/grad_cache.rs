@@ -7,7 +7,8 @@
 //! 1. **Embed without a graph.** Each chunk of N samples (the last one may be shorter) is
 //!    embedded and detached, so its activations are freed before the next chunk. The
 //!    objective's buffers ([`allgrad_models::Objective::buffers`]: batch-norm running
-//!    statistics) are restored afterwards: this pass changes no state.
+//!    statistics) are restored afterwards, before the loss: this pass changes no state, and
+//!    state the loss updates (a queue of past keys) is kept.
 //! 2. **Loss and its gradient with respect to the embeddings.** The embeddings of the
 //!    micro-batch become a leaf `E`; `loss_of_embeddings(E)` runs with its collectives (the
 //!    all_gather of NT-Xent or InfoNCE reaches the global batch and its backward follows the
@@ -138,6 +139,13 @@ pub fn cached_gradients(
     let cached = Var::from_tensor(&Tensor::cat(&parts, 0)?)?;
     drop(parts);
 
+    // The first pass changed no state: restore the buffers (batch-norm running statistics)
+    // before the loss, which may update state of its own (a queue of past keys, `loss.queue`).
+    if !saved.is_empty() {
+        objective.load_buffers(&saved.into_iter().collect())?;
+    }
+    let emb = embedding(objective)?;
+
     // The loss of all local embeddings and its gradient G with respect to them.
     let loss = emb.loss_of_embeddings(cached.as_tensor(), batch, pg)?;
     if loss.rank() != 0 {
@@ -150,11 +158,6 @@ pub fn cached_gradients(
         TrainError::Setup("loss_of_embeddings does not depend on the embeddings it was given: nothing to cache".into())
     })?;
     drop(store);
-
-    // The first pass changed no state: restore the buffers (batch-norm running statistics).
-    if !saved.is_empty() {
-        objective.load_buffers(&saved.into_iter().collect())?;
-    }
 
     // Pass 2: each chunk again, with its graph; backpropagate its rows of G.
     let emb = embedding(objective)?;

@@ -2,7 +2,8 @@
 //! in f64: a cached step (chunks that do not divide the local batch, so chunks pad to
 //! different lengths) equals the plain step on 1, 2 and 3 ranks and the 1-rank plain step at
 //! the same global batch, unsupervised and supervised; a chunk's replay is bitwise equal to
-//! its first embedding.
+//! its first embedding. With `loss.tile` (the tiled InfoNCE), with and without caching, the
+//! steps equal the untiled plain one-rank step.
 
 mod cache_support;
 
@@ -30,6 +31,11 @@ fn sentence(i: usize, v: usize) -> String {
 }
 
 fn simcse(supervised: bool) -> candle_core::Result<SimCse> {
+    simcse_tiled(supervised, None)
+}
+
+/// [`simcse`] with `loss.tile`.
+fn simcse_tiled(supervised: bool, tile: Option<usize>) -> candle_core::Result<SimCse> {
     let model = SimCseModel {
         dir: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../allgrad-models/tests/data/tiny-bert"),
         pretrained: !supervised,
@@ -42,13 +48,17 @@ fn simcse(supervised: bool) -> candle_core::Result<SimCse> {
     } else {
         SimCseData::Sentences((0..24).map(|i| sentence(i, 0)).collect())
     };
-    let loss = SimCseLoss { temperature: 0.05, hard_negative_weight: if supervised { 0.4 } else { 0.0 } };
+    let loss = SimCseLoss { temperature: 0.05, hard_negative_weight: if supervised { 0.4 } else { 0.0 }, tile, queue: None };
     SimCse::new(model, loss, data, Device::Cpu, DType::F64)
 }
 
 fn run(supervised: bool, w: usize, chunk: Option<usize>) -> Outcome {
+    run_tiled(supervised, w, chunk, None)
+}
+
+fn run_tiled(supervised: bool, w: usize, chunk: Option<usize>, tile: Option<usize>) -> Outcome {
     let sgd = OptimConfig::Sgd { lr: 0.05, momentum: 0.9, nesterov: false, weight_decay: 0.0 };
-    train(w, &trainer_config(section(12, 1, chunk), sgd), 2, || simcse(supervised))
+    train(w, &trainer_config(section(12, 1, chunk), sgd), 2, || simcse_tiled(supervised, tile))
 }
 
 /// The attention key bias adds `q · b_k` to every score of a query row, which the softmax
@@ -75,6 +85,20 @@ fn cached_unsupervised_simcse_equals_the_plain_step_on_1_2_3_ranks_and_1_rank() 
 #[test]
 fn cached_supervised_simcse_equals_the_plain_step_on_1_2_3_ranks_and_1_rank() {
     assert_cached_equals_plain(true);
+}
+
+/// `loss.tile`: the tiled InfoNCE, alone on 2 ranks and with caching on 3, takes the steps of
+/// the untiled plain step on one rank.
+#[test]
+fn tiled_simcse_with_and_without_caching_equals_the_untiled_plain_step_on_one_rank() {
+    for supervised in [false, true] {
+        let one = run(supervised, 1, None);
+        for (w, chunk, tile) in [(2, None, 5), (3, Some(3), 7)] {
+            let tiled = run_tiled(supervised, w, chunk, Some(tile));
+            let what = format!("supervised {supervised}, W={w}, chunk {chunk:?}, tile {tile}");
+            assert_same_steps(&tiled, &one, 1e-10, &NOISE_ONLY, &what);
+        }
+    }
 }
 
 #[test]

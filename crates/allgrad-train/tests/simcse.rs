@@ -64,7 +64,8 @@ fn train(w: usize, dtype: DType, supervised: bool, steps: usize) -> Run {
         mlp_head: !supervised,
         max_len: 16,
     };
-    let loss = SimCseLoss { temperature: 0.05, hard_negative_weight: if supervised { 0.4 } else { 0.0 } };
+    let loss =
+        SimCseLoss { temperature: 0.05, hard_negative_weight: if supervised { 0.4 } else { 0.0 }, tile: None, queue: None };
     let cfg = TrainerConfig {
         seed: 17,
         dtype,

@@ -61,7 +61,7 @@ fn invalid_sections_are_errors_naming_the_key() {
     let text = config(data.path(), "");
     check(&text, &[]).unwrap();
     let t = format!("{}/triplets.csv", data.path().display());
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["data.sentences=null"], "at `data`: needs `sentences`"),
         (&[&format!("data.triplets={t}")], "at `data`: give `sentences` or `triplets`, not both"),
         (&["data.sentences=/nonexistent/s.txt"], "at `data.sentences`: /nonexistent/s.txt does not exist"),
@@ -69,6 +69,7 @@ fn invalid_sections_are_errors_naming_the_key() {
         (&["model.dir=/nonexistent"], "at `model.dir`: /nonexistent/config.json does not exist"),
         (&["loss.temperature=0"], "at `loss.temperature`: must be positive"),
         (&["loss.hard_negative_weight=0.5"], "at `loss.hard_negative_weight`: needs data.triplets"),
+        (&["loss.tile=0"], "at `loss.tile`: loss.tile = 0: it is the number of rows and columns"),
         (&["eval.batch=0"], "at `eval.batch`: must be at least 1"),
     ];
     for (sets, want) in cases {

@@ -27,6 +27,7 @@ use super::projector::ImageModel;
 use super::two_view::TwoViewImages;
 use crate::batch_norm::Mode;
 use crate::losses::LossConfig;
+use crate::tiled::KeyQueue;
 use crate::{Batch, EmbeddingObjective, Objective};
 
 /// How the two views of a batch pass through the network.
@@ -43,6 +44,8 @@ pub enum ViewBatch {
 pub struct TwoViewMethod {
     images: TwoViewImages,
     loss: LossConfig,
+    /// The keys of past batches (`loss.queue`).
+    queue: Option<KeyQueue>,
     batch: ViewBatch,
     /// The views of the batch being embedded (its indices, epoch and seed, then the views),
     /// kept between the chunks of a cached step.
@@ -61,12 +64,13 @@ impl TwoViewMethod {
         dtype: DType,
     ) -> Result<Self> {
         loss.validate()?;
-        Ok(TwoViewMethod { images: TwoViewImages::new(data, model, device, dtype)?, loss, batch, views: None })
+        let queue = loss.new_queue()?;
+        Ok(TwoViewMethod { images: TwoViewImages::new(data, model, device, dtype)?, loss, queue, batch, views: None })
     }
 
     /// SimCLR: NT-Xent at `temperature`, both views in one batch.
     pub fn simclr(data: &ImageData, model: ImageModel, temperature: f64, device: Device, dtype: DType) -> Result<Self> {
-        Self::new(data, model, LossConfig::NtXent { temperature }, ViewBatch::Joint, device, dtype)
+        Self::new(data, model, LossConfig::NtXent { temperature, tile: None, queue: None }, ViewBatch::Joint, device, dtype)
     }
 
     /// BarlowTwins: the cross-correlation loss (`lambda` weighs the off-diagonal terms,
@@ -79,7 +83,7 @@ impl TwoViewMethod {
         device: Device,
         dtype: DType,
     ) -> Result<Self> {
-        Self::new(data, model, LossConfig::CrossCorrelation { lambda, scale }, ViewBatch::PerView, device, dtype)
+        Self::new(data, model, LossConfig::CrossCorrelation { lambda, scale, tile: None }, ViewBatch::PerView, device, dtype)
     }
 
     /// The data, views and network.
@@ -120,7 +124,7 @@ impl EmbeddingObjective for TwoViewMethod {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        self.loss.compute(&z.i((.., 0))?, &z.i((.., 1))?, pg)
+        self.loss.compute_queued(&z.i((.., 0))?, &z.i((.., 1))?, self.queue.as_mut(), pg)
     }
 }
 
@@ -151,11 +155,19 @@ impl Objective for TwoViewMethod {
         self.images.evaluate(pg)
     }
 
+    /// The batch norms' running statistics, and the queue of past keys (`loss.queue`).
     fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
-        self.images.buffers()
+        let mut out = self.images.buffers()?;
+        if let Some(q) = &self.queue {
+            q.save_into(&mut out)?;
+        }
+        Ok(out)
     }
 
     fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        self.images.load_buffers(buffers)
+        match &mut self.queue {
+            Some(q) => self.images.load_buffers(&q.load_from(buffers)?),
+            None => self.images.load_buffers(buffers),
+        }
     }
 }

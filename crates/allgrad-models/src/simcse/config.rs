@@ -37,11 +37,22 @@ pub struct SimCseLoss {
     pub temperature: f64,
     /// Added to the logit of each anchor's own hard negative (supervised data only; 0: none).
     pub hard_negative_weight: f64,
+    /// Compute the loss in blocks of `tile x tile` logits ([`super::info_nce_tiled`]): the same
+    /// loss and gradients, with the loss's memory independent of the batch. Absent: the whole
+    /// `b x B` (`b x 2B` with hard negatives) logits at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tile: Option<usize>,
+    /// Also score every anchor against the candidates (positives, and hard negatives) of the
+    /// last `queue` global batches (negatives only, without gradient: a memory bank), kept
+    /// identical on every rank and checkpointed with the run ([`super::info_nce_tiled_queued`]).
+    /// Needs `tile`. Absent: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue: Option<usize>,
 }
 
 impl Default for SimCseLoss {
     fn default() -> Self {
-        SimCseLoss { temperature: 0.05, hard_negative_weight: 0.0 }
+        SimCseLoss { temperature: 0.05, hard_negative_weight: 0.0, tile: None, queue: None }
     }
 }
 

@@ -6,8 +6,9 @@ use candle_nn::VarBuilder;
 
 use super::config::{SimCseData, SimCseLoss, SimCseModel};
 use super::evaluation::{Evaluator, SimCseEval};
-use super::info_nce::{info_nce, info_nce_hard_negatives};
+use super::info_nce::{info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled, info_nce_tiled_queued};
 use crate::bert::{BertConfig, BertFolder, BertModel, BertTokenizer, Checkpoint, Dense, DropoutKey, Pooling, TokenBatch};
+use crate::tiled::KeyQueue;
 use crate::{Batch, EmbeddingObjective, Objective};
 
 /// SimCSE (Gao et al., 2021). Unsupervised data: every sentence is encoded twice in one
@@ -28,6 +29,8 @@ pub struct SimCse {
     tokens: Vec<Vec<Vec<u32>>>,
     pad_id: u32,
     supervised: bool,
+    /// The keys of past batches (`loss.queue`).
+    queue: Option<KeyQueue>,
     net: Option<(BertModel, Option<Dense>)>,
     device: Device,
     /// The benchmarks and the evaluation tokenizer (its own `max_len`), when configured.
@@ -43,6 +46,8 @@ impl SimCse {
         if !loss.hard_negative_weight.is_finite() {
             candle_core::bail!("simcse: loss.hard_negative_weight must be finite, got {}", loss.hard_negative_weight);
         }
+        crate::losses::check_tile_and_queue(loss.tile, loss.queue)?;
+        let queue = loss.queue.map(KeyQueue::new).transpose()?;
         if data.is_empty() {
             candle_core::bail!("simcse: the training data is empty");
         }
@@ -73,6 +78,7 @@ impl SimCse {
             tokens,
             pad_id: tokenizer.pad_id(),
             supervised,
+            queue,
             net: None,
             device,
             eval: None,
@@ -140,6 +146,28 @@ impl Objective for SimCse {
         Some(self)
     }
 
+    /// The queue of past keys (`loss.queue`), when it holds any.
+    fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        if let Some(q) = &self.queue {
+            q.save_into(&mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        let rest = match &mut self.queue {
+            Some(q) => q.load_from(buffers)?,
+            None => buffers.clone(),
+        };
+        if let Some(name) = rest.keys().next() {
+            candle_core::bail!(
+                "the simcse objective has no buffer {name} (the checkpoint's loss.queue and the config's differ?)"
+            );
+        }
+        Ok(())
+    }
+
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         match &self.eval {
             Some((evaluator, tokenizer)) => evaluator.evaluate(self.encoder()?, tokenizer, self.model_cfg.pooling, pg),
@@ -177,11 +205,16 @@ impl EmbeddingObjective for SimCse {
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
         let view = |v: usize| z.i((.., v));
         let (a, p) = (view(0)?, view(1)?);
-        if self.supervised {
-            let n = view(2)?;
-            info_nce_hard_negatives(&a, &p, &n, self.loss_cfg.temperature, self.loss_cfg.hard_negative_weight, pg)
-        } else {
-            info_nce(&a, &p, self.loss_cfg.temperature, pg)
+        let SimCseLoss { temperature: t, hard_negative_weight: w, tile, .. } = self.loss_cfg;
+        if let (Some(tile), Some(queue)) = (tile, self.queue.as_mut()) {
+            let n = if self.supervised { Some(view(2)?) } else { None };
+            return info_nce_tiled_queued(&a, &p, n.as_ref(), t, w, tile, queue, pg);
+        }
+        match (self.supervised, tile) {
+            (true, None) => info_nce_hard_negatives(&a, &p, &view(2)?, t, w, pg),
+            (true, Some(tile)) => info_nce_hard_negatives_tiled(&a, &p, &view(2)?, t, w, tile, pg),
+            (false, None) => info_nce(&a, &p, t, pg),
+            (false, Some(tile)) => info_nce_tiled(&a, &p, t, tile, pg),
         }
     }
 }

@@ -3,6 +3,13 @@
 //! - `vectors` ([`Vectors`]): an MLP on seeded synthetic vectors, with either loss.
 //! - `simclr` and `barlowtwins` ([`ImageMethod`]): the two-view image method with NT-Xent
 //!   (both views in one batch) or the cross-correlation loss (each view on its own).
+//!
+//! NT-Xent takes `loss.tile: T` to compute its logits in `T x T` blocks
+//! (`allgrad_models::tiled`): the same loss and gradients with the loss's memory independent of
+//! the batch, and with it `loss.queue: K` to score every anchor also against the candidates of
+//! the last K global batches (a memory bank: negatives without gradient, identical on every
+//! rank, checkpointed as the buffer `loss.queue`). The cross-correlation has no tiled form and
+//! refuses the keys.
 
 use allgrad_models::image_ssl::{ImageData, ImageModel, TwoViewMethod, ViewBatch};
 use allgrad_models::losses::LossConfig;
@@ -77,7 +84,9 @@ fn expect_kind(method: &str, key: &str, want: &str, got: &str) -> Result<(), Sec
 
 fn check_loss(loss: &LossConfig) -> Result<(), SectionError> {
     loss.validate().map_err(|e| match e {
-        ModelError::LossValue { key, .. } => SectionError::new(format!("loss.{key}"), e.to_string()),
+        ModelError::LossValue { key, .. } | ModelError::LossKey { key, .. } => {
+            SectionError::new(format!("loss.{key}"), e.to_string())
+        }
         e => SectionError::new("loss", e.to_string()),
     })
 }
@@ -134,12 +143,15 @@ pub struct ImageMethod {
 
 impl ImageMethod {
     /// SimCLR: NT-Xent over global negatives, both views in one batch.
-    pub const SIMCLR: ImageMethod =
-        ImageMethod { name: "simclr", default_loss: LossConfig::NtXent { temperature: 0.2 }, batch: ViewBatch::Joint };
+    pub const SIMCLR: ImageMethod = ImageMethod {
+        name: "simclr",
+        default_loss: LossConfig::NtXent { temperature: 0.2, tile: None, queue: None },
+        batch: ViewBatch::Joint,
+    };
     /// BarlowTwins: the cross-correlation over the global batch, each view on its own.
     pub const BARLOW_TWINS: ImageMethod = ImageMethod {
         name: "barlowtwins",
-        default_loss: LossConfig::CrossCorrelation { lambda: 0.005, scale: 1.0 },
+        default_loss: LossConfig::CrossCorrelation { lambda: 0.005, scale: 1.0, tile: None },
         batch: ViewBatch::PerView,
     };
 

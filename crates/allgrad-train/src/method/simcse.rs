@@ -6,7 +6,7 @@
 //! method: simcse
 //! data: { sentences: data/wordnet/sentences.txt, limit: 4096 }   # or triplets: FILE.csv
 //! model: { dir: data/models/all-MiniLM-L6-v2, pooling: cls_before_pooler, max_len: 32 }
-//! loss: { temperature: 0.05 }                  # hard_negative_weight: triplets only
+//! loss: { temperature: 0.05 }                  # hard_negative_weight: triplets only; tile: 4096 for the tiled loss
 //! eval: { retrieval: data/wordnet/retrieval.tsv, similarity_dir: data/eval/gensim }
 //! ```
 
@@ -127,6 +127,10 @@ impl Method for SimCseMethod {
         if l.hard_negative_weight != 0.0 && d.triplets.is_none() {
             return Err(SectionError::new("loss.hard_negative_weight", "needs data.triplets (sentences have no hard negatives)"));
         }
+        allgrad_models::losses::check_tile_and_queue(l.tile, l.queue).map_err(|e| match e {
+            allgrad_models::ModelError::LossKey { key, .. } => SectionError::new(format!("loss.{key}"), e.to_string()),
+            e => SectionError::new("loss", e.to_string()),
+        })?;
         let e = &s.eval;
         if e.max_len < 2 {
             return Err(SectionError::new("eval.max_len", format!("must be at least 2, got {}", e.max_len)));
