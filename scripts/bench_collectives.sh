@@ -4,11 +4,11 @@
 #   scripts/bench_collectives.sh [--nproc 2] [--min-bytes 1K] [--max-bytes 256M] \
 #       [--ops all_reduce,all_gather,reduce_scatter] [--iters N] [--warmup N] [--dtype f32]
 #
-# Builds and runs `allgrad-bench collectives`, then scripts/bench_gloo.py with the same
+# Builds and runs `bench_collectives`, then scripts/bench_gloo.py with the same
 # arguments if `import torch` works (else it says so and shows allgrad's numbers alone), then
 # prints one table per collective: size, both busbw figures and the ratio allgrad/gloo.
 # Both write JSON lines into $BENCH_OUT (default: a new temporary folder, kept and named at the
-# end). ALLGRAD_BENCH_BIN names a prebuilt allgrad-bench to skip the build; PYTHON picks the
+# end). ALLGRAD_BENCH_BIN names a prebuilt bench_collectives to skip the build; PYTHON picks the
 # interpreter (default python3).
 set -euo pipefail
 
@@ -27,13 +27,13 @@ done
 if [[ -n "${ALLGRAD_BENCH_BIN:-}" ]]; then
     BIN="$ALLGRAD_BENCH_BIN"
 else
-    (cd "$ROOT" && cargo build --release --bin allgrad-bench)
-    BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/allgrad-bench"
+    (cd "$ROOT" && cargo build --release -p allgrad-bench --bin bench_collectives)
+    BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/bench_collectives"
 fi
-[[ -x "$BIN" ]] || { echo "bench_collectives.sh: no allgrad-bench binary at $BIN" >&2; exit 1; }
+[[ -x "$BIN" ]] || { echo "bench_collectives.sh: no bench_collectives binary at $BIN" >&2; exit 1; }
 
 echo "== allgrad (allgrad-dist CPU backend: shared memory on one host, TCP between hosts)"
-"$BIN" collectives "$@" --json "$OUT/allgrad.jsonl"
+"$BIN" "$@" --json "$OUT/allgrad.jsonl"
 
 GLOO=0
 if "$PYTHON" -c "import torch, torch.distributed" >/dev/null 2>&1; then

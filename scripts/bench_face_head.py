@@ -25,7 +25,7 @@ its gradient.
     python3 scripts/bench_face_head.py --nproc 2 --classes 100000 --rate 0.1 --steps 3
     python3 scripts/bench_face_head.py --nproc 2 --classes 1000 --check DIR   # allgrad's dump
 
-Prints the same lines as examples/bench_face_head.rs, with impl=torch: face_head_setup,
+Prints the same lines as crates/allgrad-bench/src/bin/bench_face_head.rs, with impl=torch: face_head_setup,
 face_head_step (rank 0, the slowest rank's times), face_head_mem (every rank), or with --check
 face_head_check: the losses of steps 0 and 1 (one optimizer step between) on the embeddings,
 labels, initial centres and step-0 sampled classes that `bench_face_head --dump DIR` wrote

@@ -3,7 +3,7 @@
 # invocation: D 512, global batch 512 of fixed random embeddings (split over the ranks, a
 # gradient flows back to them), ArcFace (m 0.5, s 64), SGD (lr 0.1, momentum 0.9, weight
 # decay 5e-4); per step forward, backward and the optimizer step of the head.
-#   allgrad: examples/bench_face_head.rs, W ranks through `launch`;
+#   allgrad: crates/allgrad-bench/src/bin/bench_face_head.rs, W ranks through `launch`;
 #   PyTorch: scripts/bench_face_head.py, W ranks through torch.multiprocessing, gloo.
 #
 #   scripts/bench_face_head.sh [--classes 100000,1000000] [--worlds 1,2,4] [--rates 1.0,0.1]
@@ -63,10 +63,10 @@ PYTHON=${PYTHON:-python3}
 out=${BENCH_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/bench_face_head.XXXXXX")}
 mkdir -p "$out"
 
-cargo build --release -q --bin launch --example bench_face_head >&2
+cargo build --release -q -p allgrad -p allgrad-bench --bin launch --bin bench_face_head >&2
 target=${CARGO_TARGET_DIR:-target}
 launch=$target/release/launch
-rank_bin=$target/release/examples/bench_face_head
+rank_bin=$target/release/bench_face_head
 
 read -r load1 load5 load15 _ </proc/loadavg
 echo "load average before: $load1 $load5 $load15 (1, 5, 15 min) on $(nproc) CPUs"

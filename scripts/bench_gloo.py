@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch gloo (CPU) baseline for `allgrad-bench collectives`.
+"""PyTorch gloo (CPU) baseline for `bench_collectives`.
 
 Runs the same collectives over the same sizes as allgrad's benchmark, with the same rules
 (nccl-tests sizes and bus bandwidth, max over ranks of the mean time per call, the same
@@ -29,7 +29,7 @@ import time
 import warnings
 
 ITER_BYTES = 1 << 30  # auto iteration count: about 1 GiB per size ...
-MIN_ITERS, MAX_ITERS = 5, 100  # ... between these (same rule as allgrad-bench)
+MIN_ITERS, MAX_ITERS = 5, 100  # ... between these (same rule as bench_collectives)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -59,7 +59,7 @@ def parse_ops(s):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="gloo baseline for allgrad-bench collectives")
+    p = argparse.ArgumentParser(description="gloo baseline for bench_collectives")
     p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored when RANK is set)")
     p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"))
     p.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("256M"))

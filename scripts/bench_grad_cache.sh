@@ -2,7 +2,7 @@
 # Gradient caching benchmark: peak resident memory per rank and step time of SimCLR
 # (ResNet-18, CIFAR stem, SyncBatchNorm, projector 512-2048-128, NT-Xent over the global
 # batch, LARS) on the bundled Fashion-MNIST at 32x32, with and without train.cache_chunk,
-# ranks as processes through `launch` (examples/bench_grad_cache.rs is one rank).
+# ranks as processes through `launch` (crates/allgrad-bench/src/bin/bench_grad_cache.rs is one rank).
 #
 #   scripts/bench_grad_cache.sh [--nproc 2] [--chunk 64] [--steps 2] [--rounds 3] [--width 64] [BATCH ...]
 #                                                               (default batches: 256 1024 4096)
@@ -33,10 +33,10 @@ while (($#)); do
 done
 ((${#batches[@]})) || batches=(256 1024 4096)
 
-cargo build --release -q --bin launch --example bench_grad_cache >&2
+cargo build --release -q -p allgrad -p allgrad-bench --bin launch --bin bench_grad_cache >&2
 target=${CARGO_TARGET_DIR:-target}
 launch=$target/release/launch
-rank_bin=$target/release/examples/bench_grad_cache
+rank_bin=$target/release/bench_grad_cache
 
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) CPUs; $nproc ranks; width $width; chunk $chunk per rank; $steps timed steps x $rounds rounds"
 printf '%-8s %-8s %-26s %-16s %-14s\n' batch mode "step s (min/median/max)" "peak RSS MiB" "RSS start MiB"

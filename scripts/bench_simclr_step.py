@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch side of the SimCLR step benchmark: ResNet-18 (CIFAR stem, width 64) on 2B random
 3x32x32 views, projector 512-2048-128, NT-Xent (temperature 0.5), SGD update -- the same step
-as allgrad's `examples/bench_simclr_step/`, which drives this script as a worker so that the
+as allgrad's `crates/allgrad-bench/src/bin/bench_simclr_step/`, which drives this script as a worker so that the
 two implementations alternate step by step in one invocation (`scripts/bench_simclr_step.sh`).
 
     python3 scripts/bench_simclr_step.py --batch 64 --steps 3      # a quick look, alone

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One SimCLR ResNet-18 training step (CIFAR stem, projector 512-2048-128, NT-Xent, SGD) on the
-# CPU: allgrad (examples/bench_simclr_step/) and PyTorch (scripts/bench_simclr_step.py, as a
+# CPU: allgrad (crates/allgrad-bench/src/bin/bench_simclr_step/) and PyTorch (scripts/bench_simclr_step.py, as a
 # worker process) alternating step by step in ONE invocation, same thread count, with
 # min / median / max, the ratio of medians, CPU time and page faults per step, the
 # forward / backward / optimizer phases and a per-layer-type breakdown.
@@ -15,5 +15,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHON="${PYTHON:-python3}"
-cargo build --release -q --example bench_simclr_step >&2
-exec target/release/examples/bench_simclr_step "$@"
+cargo build --release -q -p allgrad-bench --bin bench_simclr_step >&2
+exec target/release/bench_simclr_step "$@"

@@ -2,7 +2,7 @@
 """PyTorch side of the SimCSE step benchmark: one unsupervised SimCSE training step of a BERT
 encoder (all-MiniLM-L6-v2 by default) -- B sentences encoded twice in one batch (dropout on),
 mean pooling, MLP head, InfoNCE (temperature 0.05), backward, AdamW -- the same step as
-allgrad's `examples/bench_simcse_step/`, which drives this script as a worker so that the two
+allgrad's `crates/allgrad-bench/src/bin/bench_simcse_step/`, which drives this script as a worker so that the two
 implementations alternate step by step in one invocation (`scripts/bench_simcse_step.sh`).
 
     python3 scripts/bench_simcse_step.py --batch 64 --steps 3      # a quick look, alone

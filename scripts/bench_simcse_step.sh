@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One unsupervised SimCSE training step of all-MiniLM-L6-v2 (B sentences encoded twice with
 # dropout on, mean pooling, MLP head, InfoNCE at temperature 0.05, backward, AdamW; max_len 32)
-# on the CPU: allgrad (examples/bench_simcse_step/) and PyTorch + transformers
+# on the CPU: allgrad (crates/allgrad-bench/src/bin/bench_simcse_step/) and PyTorch + transformers
 # (scripts/bench_simcse_step.py, as a worker process) alternating step by step in ONE
 # invocation, same thread count, same sentences (the first B of data/wordnet/sentences.txt),
 # with min / median / max, the ratio of medians, CPU time and page faults per step and the
@@ -17,5 +17,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHON="${PYTHON:-python3}"
-cargo build --release -q --example bench_simcse_step >&2
-exec "${CARGO_TARGET_DIR:-target}/release/examples/bench_simcse_step" "$@"
+cargo build --release -q -p allgrad-bench --bin bench_simcse_step >&2
+exec "${CARGO_TARGET_DIR:-target}/release/bench_simcse_step" "$@"

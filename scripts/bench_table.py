@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Joins the JSON lines of `allgrad-bench collectives` and scripts/bench_gloo.py into one table
+"""Joins the JSON lines of `bench_collectives` and scripts/bench_gloo.py into one table
 per collective: size, time per call, busbw of both and the ratio allgrad/gloo.
 
     bench_table.py ALLGRAD.jsonl GLOO.jsonl HAVE_GLOO(0|1)

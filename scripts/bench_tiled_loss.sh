@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tiled-loss benchmark (examples/bench_tiled_loss.rs is one rank, run through `launch`):
+# Tiled-loss benchmark (crates/allgrad-bench/src/bin/bench_tiled_loss.rs is one rank, run through `launch`):
 # memory of one training step against the global batch, and the time of the tiled loss and
 # step against the untiled ones.
 #
@@ -19,8 +19,9 @@
 #       each a fresh set of processes, first for the loss alone (--steps timed repetitions
 #       after one untimed), then for the whole step (one untimed step, --steps timed). Prints
 #       min / median / max over rounds of each and the ratio of the medians (tiled / untiled).
-#       Default batches: 4096 8192 16384. Run it on an idle machine: it prints the load
-#       average before and after.
+#       Default batches: 1024 2048 4096 (the untiled loss needs about 3 GiB at 4096 and grows
+#       with the square of the batch). Run it on an idle machine: it prints the load average
+#       before and after.
 #
 #   scripts/bench_tiled_loss.sh memory --modes tiled 4096     # a quick check
 set -euo pipefail
@@ -48,13 +49,13 @@ done
 if ((${#batches[@]} == 0)); then
     if [[ $what == memory && $method == resnet ]]; then batches=(4096)
     elif [[ $what == memory ]]; then batches=(4096 16384 65536 262144 1048576)
-    else batches=(4096 8192 16384); fi
+    else batches=(1024 2048 4096); fi
 fi
 
-cargo build --release -q --bin launch --example bench_tiled_loss >&2
+cargo build --release -q -p allgrad -p allgrad-bench --bin launch --bin bench_tiled_loss >&2
 target=${CARGO_TARGET_DIR:-target}
 launch=$target/release/launch
-rank_bin=$target/release/examples/bench_tiled_loss
+rank_bin=$target/release/bench_tiled_loss
 
 # One run: `launch` with the rank's arguments, address space capped; prints the rank lines'
 # largest "FIRST STEP_OR_LOSS PEAK START" or "failed REASON".

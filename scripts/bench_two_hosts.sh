@@ -18,7 +18,7 @@ OUT="${BENCH_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/allgrad-two-hosts.XXXXXX")}"
 mkdir -p "$OUT"
 [[ "$(id -u)" == 0 ]] || { echo "bench_two_hosts.sh: needs root (network namespaces)" >&2; exit 1; }
 
-(cd "$ROOT" && cargo build --release --bin launch --bin allgrad-bench)
+(cd "$ROOT" && cargo build --release -p allgrad -p allgrad-bench --bin launch --bin bench_collectives)
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 
 NS=(agbench-a agbench-b)
@@ -58,7 +58,7 @@ two_nodes() {
 }
 
 echo "== allgrad"
-two_nodes "$BIN/allgrad-bench" collectives "$@" --json "$OUT/allgrad.jsonl"
+two_nodes "$BIN/bench_collectives" "$@" --json "$OUT/allgrad.jsonl"
 GLOO=0
 if "$PYTHON" -c "import torch, torch.distributed" >/dev/null 2>&1; then
     echo "== PyTorch gloo"

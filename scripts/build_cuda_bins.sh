@@ -78,12 +78,12 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$(pwd)/target/gpu}"
 # that the second command reuses the first one's Candle instead of building another.
 features="${ALLGRAD_CUDA_FEATURES:-cuda,nccl,cudnn}"
 flags=(--release --workspace --features "allgrad/${features//,/,allgrad/}" "${offline[@]}")
-cargo build "${flags[@]}" --bin train --bin launch --example bench_simclr_step
+cargo build "${flags[@]}" --bin train --bin launch --bin bench_simclr_step
 tests=(nccl_ops gpu_equivalence gpu_faults)
 [[ ,$features, == *,cudnn,* ]] && tests+=(conv_cuda)
 cargo test "${flags[@]}" --no-run "${tests[@]/#/--test=}" --message-format=json >"$link/tests.json"
 rel="$CARGO_TARGET_DIR/release"
-for b in train launch examples/bench_simclr_step; do
+for b in train launch bench_simclr_step; do
     strip --strip-all -o "$dest/$(basename "$b")" "$rel/$b"
 done
 for t in "${tests[@]}"; do

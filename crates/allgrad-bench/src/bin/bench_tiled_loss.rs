@@ -6,8 +6,8 @@
 //! `--loss-only`, the NT-Xent loss and its backward alone on fixed embeddings.
 //!
 //! ```text
-//! cargo build --release --bin launch --example bench_tiled_loss
-//! target/release/launch --nproc-per-node 2 target/release/examples/bench_tiled_loss \
+//! cargo build --release -p allgrad -p allgrad-bench --bin launch --bin bench_tiled_loss
+//! target/release/launch --nproc-per-node 2 target/release/bench_tiled_loss \
 //!     --global-batch 65536 --tile 4096 --cache-chunk 4096
 //! ```
 //!

@@ -4,8 +4,8 @@
 //! to `--crop` pixels, trained by the real trainer (LARS, NT-Xent over the global batch).
 //!
 //! ```text
-//! cargo build --release --bin launch --example bench_grad_cache
-//! target/release/launch --nproc-per-node 2 target/release/examples/bench_grad_cache \
+//! cargo build --release -p allgrad -p allgrad-bench --bin launch --bin bench_grad_cache
+//! target/release/launch --nproc-per-node 2 target/release/bench_grad_cache \
 //!     --global-batch 1024 --cache-chunk 64 --steps 3
 //! ```
 //!

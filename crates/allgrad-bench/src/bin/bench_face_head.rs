@@ -11,8 +11,8 @@
 //! head.
 //!
 //! ```text
-//! cargo build --release --bin launch --example bench_face_head
-//! target/release/launch --nproc-per-node 2 target/release/examples/bench_face_head \
+//! cargo build --release -p allgrad -p allgrad-bench --bin launch --bin bench_face_head
+//! target/release/launch --nproc-per-node 2 target/release/bench_face_head \
 //!     --classes 100000 --rate 0.1 --steps 3
 //! ```
 //!

@@ -12,7 +12,7 @@
 //!
 //! ```text
 //! scripts/bench_simcse_step.sh                      # batches 64 and 256, 5 rounds
-//! cargo run --release --example bench_simcse_step -- --rounds 3 --threads 2 64
+//! cargo run --release -p allgrad-bench --bin bench_simcse_step -- --rounds 3 --threads 2 64
 //! ```
 
 #[path = "../bench_simclr_step/machine.rs"]

@@ -1,7 +1,7 @@
-//! `allgrad-bench`: benchmarks of allgrad's CPU collectives backend.
+//! `bench_collectives`: benchmarks of allgrad's CPU collectives backend.
 //!
 //! ```text
-//! cargo run --release --bin allgrad-bench -- collectives --nproc 2 \
+//! cargo run --release -p allgrad-bench --bin bench_collectives -- --nproc 2 \
 //!     [--min-bytes 1K] [--max-bytes 256M] [--ops all_reduce,all_gather,reduce_scatter] \
 //!     [--iters N] [--warmup N] [--dtype f32] [--json rows.jsonl]
 //! ```
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use allgrad_dist::{Elem, ProcessGroup, ReduceOp};
 use anyhow::{anyhow, bail, Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser};
 
 /// Auto iteration count: about this many bytes per size, between MIN_ITERS and MAX_ITERS
 /// (the same rule as scripts/bench_gloo.py, so both run the same number of calls).
@@ -34,16 +34,13 @@ const MIN_ITERS: u64 = 5;
 const MAX_ITERS: u64 = 100;
 
 #[derive(Parser)]
-#[command(name = "allgrad-bench", about = "Benchmarks of allgrad's CPU collectives backend")]
+#[command(
+    name = "bench_collectives",
+    about = "nccl-tests-style sweep of allgrad's CPU all_reduce / all_gather / reduce_scatter over message sizes"
+)]
 struct Cli {
-    #[command(subcommand)]
-    cmd: Cmd,
-}
-
-#[derive(Subcommand)]
-enum Cmd {
-    /// nccl-tests-style sweep of all_reduce / all_gather / reduce_scatter over message sizes.
-    Collectives(CollArgs),
+    #[command(flatten)]
+    args: CollArgs,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -143,7 +140,7 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 
 fn main() {
     let cli = Cli::parse();
-    let Cmd::Collectives(args) = cli.cmd;
+    let args = cli.args;
     let code = match run(args) {
         Ok(code) => code,
         Err(e) => {
@@ -247,7 +244,7 @@ fn sweep<T: Elem>(pg: &ProcessGroup, args: &CollArgs) -> Result<()> {
         _ => None,
     };
     if rank == 0 {
-        println!("# allgrad-bench collectives: allgrad-dist CPU backend, {w} ranks (processes), dtype {}", args.dtype);
+        println!("# bench_collectives: allgrad-dist CPU backend, {w} ranks (processes), dtype {}", args.dtype);
         if pg.shared_memory() {
             println!("# transport: shared memory for messages of 64 KiB and more, loopback TCP below (ALLGRAD_SHM=0: TCP only)");
         } else {

@@ -11,7 +11,7 @@
 //!
 //! ```text
 //! scripts/bench_simclr_step.sh                      # batches 64 and 256, 5 rounds
-//! cargo run --release --example bench_simclr_step -- --rounds 3 --threads 2 64
+//! cargo run --release -p allgrad-bench --bin bench_simclr_step -- --rounds 3 --threads 2 64
 //! ```
 
 mod layers;
@@ -203,5 +203,5 @@ fn print_layers(a: &[LayerTable], b: &[LayerTable], sa: &[Sample], sb: &[Sample]
     );
     println!("(\"in step\": the medians of the step's phases above; the gap to \"sum\" is what isolated layers miss:");
     println!(" graph bookkeeping, gradient accumulation, copies between layers, cache effects. allgrad's backward per");
-    println!(" layer is a difference of two timings, see examples/bench_simclr_step/layers.rs)");
+    println!(" layer is a difference of two timings, see crates/allgrad-bench/src/bin/bench_simclr_step/layers.rs)");
 }
