@@ -31,6 +31,11 @@ pub use allgrad_dist::launch;
 
 pub use alloc::tune_allocator;
 
+/// The README's Rust examples, compiled and run by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 /// Checks for users' own distributed code (re-exported from [`dist::testing`]).
 pub mod testing {
     pub use allgrad_dist::testing::*;
