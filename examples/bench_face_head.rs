@@ -5,10 +5,13 @@
 //! a gradient flows back to them) against this rank's centres (L2 normalisation, the
 //! differentiable all_gather, cosine logits, the margin, the parallel softmax, Partial FC
 //! sampling at `--rate`), the backward of `loss / W` (the trainer's scaling) and the
-//! optimizer's row-sparse step (`Optimizer::step_rows` with the head's sampled rows: SGD,
-//! momentum, weight decay). The trainer's extras around it (gradient accumulation buffers,
-//! the global gradient norm) are left out, as the PyTorch side leaves out everything but its
-//! head.
+//! optimizer step (SGD, momentum, weight decay). With sampling the head's default
+//! `--update sparse` yields the sampled centres' gradient only (row ids and rows) and the
+//! optimizer updates those rows, applying the other rows' momentum and weight decay lazily
+//! (`Optimizer::step_grads` with `RowUpdate::Sparse`): the dense update's result, as PyTorch
+//! computes it. `--update dense` forms the dense `[C/W, D]` gradient and updates every row.
+//! The trainer's extras around it (gradient accumulation buffers, the global gradient norm)
+//! are left out, as the PyTorch side leaves out everything but its head.
 //!
 //! ```text
 //! cargo build --release --bin launch --example bench_face_head
@@ -34,9 +37,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use allgrad::dist::{ProcessGroup, ReduceOp};
-use allgrad::models::face::{FaceHead, HeadConfig, MarginConfig, RowRange};
+use allgrad::models::face::{CentreUpdate, FaceHead, HeadConfig, MarginConfig, RowRange, Unsampled};
 use allgrad::rng::{below, normals, stream};
-use allgrad::train::optim::{OptimConfig, Optimizer};
+use allgrad::train::optim::{OptimConfig, Optimizer, RowUpdate};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
@@ -70,6 +73,10 @@ struct Args {
     /// `arcface` (m 0.5) or `cosface` (m 0.4), both with s 64.
     #[arg(long, default_value = "arcface")]
     margin: String,
+    /// With sampling: `sparse` (the sampled centres' gradient only, lazy optimizer) or
+    /// `dense` (a dense gradient, every centre updated each step).
+    #[arg(long, default_value = "sparse")]
+    update: String,
     /// SGD learning rate.
     #[arg(long, default_value_t = 0.1)]
     lr: f64,
@@ -134,7 +141,19 @@ struct Rank {
 impl Rank {
     fn new(a: &Args, pg: &ProcessGroup) -> Result<Rank> {
         let (rank, w) = (pg.rank(), pg.world_size());
-        let cfg = HeadConfig { num_classes: a.classes, margin: margin(&a.margin)?, sample_rate: a.rate, init_std: 0.01 };
+        let update = match a.update.as_str() {
+            "sparse" => CentreUpdate::Sparse,
+            "dense" => CentreUpdate::Dense,
+            other => anyhow::bail!("--update must be sparse or dense, not {other:?}"),
+        };
+        let cfg = HeadConfig {
+            num_classes: a.classes,
+            margin: margin(&a.margin)?,
+            sample_rate: a.rate,
+            init_std: 0.01,
+            unsampled: Unsampled::Decay,
+            update,
+        };
         let mut head = FaceHead::new(cfg, a.dim, a.seed, rank, w)?;
         let varmap = VarMap::new();
         head.build(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).pp("head"))?;
@@ -149,19 +168,32 @@ impl Rank {
         Ok(Rank { head, params, emb, labels, opt, seed: a.seed, lr: a.lr })
     }
 
-    /// One step: the loss, the backward of `loss / W` and the row-sparse optimizer step.
-    /// Returns the loss and the seconds of the step and of its forward, backward and
-    /// optimizer phases.
+    /// One step: the loss, the backward of `loss / W` and the optimizer step (row-sparse with
+    /// `--update sparse` and sampling). Returns the loss and the seconds of the step and of its
+    /// forward, backward and optimizer phases.
     fn step(&mut self, step: usize, pg: &ProcessGroup) -> Result<(f32, [f64; 4])> {
         let t0 = Instant::now();
+        // As the trainer does: the rows the loss will read are brought up to date first.
+        if let Some(rows) = self.head.rows_to_read(&self.labels, self.seed, step, pg)? {
+            let (name, centres) = &self.params[0];
+            self.opt.catch_up(name, centres, &rows)?;
+        }
         let loss = self.head.loss(self.emb.as_tensor(), &self.labels, self.seed, step, pg)?;
         let t1 = Instant::now();
         let grads = (&loss / pg.world_size() as f64)?.backward()?;
-        let g = grads.get(&self.params[0].1).context("no gradient for the centres")?;
+        let (g, rows) = match self.head.sparse_rows() {
+            Some(sp) => {
+                let values = match &sp.leaf {
+                    Some(leaf) => grads.get(leaf).context("no gradient for the sampled centres")?.clone(),
+                    None => Tensor::zeros((0, self.params[0].1.dim(1)?), DType::F32, &Device::Cpu)?,
+                };
+                (values, RowUpdate::Sparse { rows: sp.rows, keep_others: false })
+            }
+            None => (grads.get(&self.params[0].1).context("no gradient for the centres")?.clone(), RowUpdate::All),
+        };
         grads.get(&self.emb).context("no gradient for the embeddings")?;
         let t2 = Instant::now();
-        let rows = [self.head.updated_rows(step)];
-        self.opt.step_rows(&self.params, std::slice::from_ref(g), &[true], &rows, self.lr, pg)?;
+        self.opt.step_grads(&self.params, &[g], &[true], &[rows], self.lr, pg)?;
         let t3 = Instant::now();
         Ok((loss.to_scalar::<f32>()?, [t3 - t0, t1 - t0, t2 - t1, t3 - t2].map(|d| d.as_secs_f64())))
     }
@@ -174,10 +206,8 @@ impl Rank {
         let initial = self.params[0].1.as_tensor().copy()?;
         let (first, _) = self.step(0, pg)?;
         let range = self.head.range();
-        let sampled: Vec<i64> = match self.head.updated_rows(0) {
-            Some(rows) => rows.iter().enumerate().filter(|(_, k)| **k).map(|(r, _)| (range.start + r) as i64).collect(),
-            None => (range.start..range.end()).map(|c| c as i64).collect(),
-        };
+        let sampled: Vec<i64> =
+            self.head.sampled_rows(0).iter().enumerate().filter(|(_, k)| **k).map(|(r, _)| (range.start + r) as i64).collect();
         let (second, _) = self.step(1, pg)?;
         let dev = &Device::Cpu;
         let (n, b) = (sampled.len(), self.labels.len());
@@ -215,14 +245,15 @@ fn main() -> Result<()> {
     anyhow::ensure!(a.global_batch >= w, "--global-batch {} is smaller than the {w} ranks", a.global_batch);
     if rank == 0 {
         println!(
-            "face_head_setup impl=allgrad world={w} threads_per_rank={} candle={} classes={} dim={} global_batch={} rate={} margin={}",
+            "face_head_setup impl=allgrad world={w} threads_per_rank={} candle={} classes={} dim={} global_batch={} rate={} margin={} update={}",
             rayon::current_num_threads(),
             candle_core::utils::get_num_threads(),
             a.classes,
             a.dim,
             a.global_batch,
             a.rate,
-            a.margin
+            a.margin,
+            a.update
         );
     }
     let mut me = Rank::new(&a, &pg)?;

@@ -24,6 +24,7 @@ pub mod method;
 pub mod metrics;
 pub mod optim;
 mod optim_fused;
+mod optim_lazy;
 pub mod params;
 pub mod run;
 pub mod run_dir;

@@ -19,7 +19,7 @@ use crate::checkpoint::{self, CheckpointConfig, Contents, RestoreTarget, TrainSt
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
 use crate::error::{TrainError, TrainResult};
 use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
-use crate::optim::{OptimConfig, Optimizer};
+use crate::optim::{OptimConfig, Optimizer, RowUpdate};
 use crate::params::ParamStore;
 use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
@@ -316,6 +316,8 @@ impl Trainer {
                 self.save_checkpoint()?;
             }
         }
+        // Every row up to date: parameters read after this call are the dense update's.
+        self.optimizer.flush(&self.params)?;
         if let Some(p) = &progress {
             p.finish();
         }
@@ -328,6 +330,7 @@ impl Trainer {
     }
 
     fn evaluate(&mut self, epoch: usize, progress: &Option<ProgressView>) -> TrainResult<Vec<(String, f64)>> {
+        self.optimizer.flush(&self.params)?;
         let eval = self.objective.evaluate(&self.pg)?;
         if !eval.is_empty() {
             if let Some(p) = progress {
@@ -380,14 +383,37 @@ impl Trainer {
         let local = self.sampler.local(&global, rank, w).to_vec();
         let micro = local.len() / acc;
 
-        let mut grads: Vec<Tensor> = self.params.iter().map(|(_, v)| v.as_tensor().zeros_like()).collect::<Result<_>>()?;
+        // Dense gradients (None: none yet), and the row-sparse ones: (rows, their gradient).
+        let mut dense: Vec<Option<Tensor>> = vec![None; self.params.len()];
+        let mut sparse: Vec<Option<(Vec<u32>, Tensor)>> = vec![None; self.params.len()];
         let mut loss_sum = 0f64;
         for m in 0..acc {
             let batch = Batch { indices: &local[m * micro..(m + 1) * micro], epoch, step: self.step, seed: self.cfg.seed };
             if let Some(chunk) = self.cfg.train.cache_chunk {
+                let mut grads: Vec<Tensor> = self
+                    .params
+                    .iter()
+                    .zip(dense.iter_mut())
+                    .map(|((_, v), d)| d.take().map_or_else(|| v.as_tensor().zeros_like(), Ok))
+                    .collect::<Result<_>>()?;
                 let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);
                 loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
+                if let Some((name, _)) = self.params.iter().find(|(n, _)| self.objective.sparse_rows(n).is_some()) {
+                    return Err(TrainError::Setup(format!(
+                        "train.cache_chunk: the objective reads {name} row by row (a row-sparse gradient), which gradient \
+                         caching does not take; remove train.cache_chunk"
+                    )));
+                }
+                dense = grads.into_iter().map(Some).collect();
                 continue;
+            }
+            // Rows the loss will read that row-sparse updates left behind are brought up to date.
+            for (i, (name, v)) in self.params.iter().enumerate() {
+                if self.sharded[i] {
+                    if let Some(rows) = self.objective.rows_to_read(name, &batch, &self.pg)? {
+                        self.optimizer.catch_up(name, v, &rows)?;
+                    }
+                }
             }
             let loss = self.objective.loss(&batch, &self.pg)?;
             if loss.rank() != 0 {
@@ -395,11 +421,56 @@ impl Trainer {
             }
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             let g = (loss / (w * acc) as f64)?.backward()?;
-            for ((_, v), acc_g) in self.params.iter().zip(grads.iter_mut()) {
-                if let Some(gv) = g.get(v) {
-                    *acc_g = (&*acc_g + gv)?;
+            for (i, (name, v)) in self.params.iter().enumerate() {
+                if let Some(rows) = self.objective.sparse_rows(name) {
+                    if !self.sharded[i] {
+                        return Err(TrainError::Setup(format!(
+                            "the objective reads parameter {name} row by row (Objective::sparse_rows), but it is not \
+                             sharded: only sharded parameters may have a row-sparse gradient"
+                        )));
+                    }
+                    if dense[i].is_some() || g.get(v).is_some() {
+                        return Err(TrainError::Setup(format!(
+                            "the objective reports a row-sparse gradient for {name} but {name} also has a dense one"
+                        )));
+                    }
+                    let values = match rows.leaf.as_ref().and_then(|l| g.get(l)) {
+                        Some(t) => t.clone(),
+                        None => {
+                            let mut shape = v.dims().to_vec();
+                            shape[0] = rows.rows.len();
+                            Tensor::zeros(shape, v.dtype(), v.device())?
+                        }
+                    };
+                    sparse[i] = Some(match sparse[i].take() {
+                        None => (rows.rows, values),
+                        Some(before) => add_rows(before, (rows.rows, values))?,
+                    });
+                } else if let Some(gv) = g.get(v) {
+                    if sparse[i].is_some() {
+                        return Err(TrainError::Setup(format!(
+                            "the objective reports a row-sparse gradient for {name} at one micro-batch and a dense one at another"
+                        )));
+                    }
+                    let before = match dense[i].take() {
+                        Some(t) => t,
+                        None => v.as_tensor().zeros_like()?,
+                    };
+                    dense[i] = Some((before + gv)?);
                 }
             }
+        }
+        let mut row_ids: Vec<Option<Vec<u32>>> = vec![None; self.params.len()];
+        let mut grads = Vec::with_capacity(self.params.len());
+        for (i, (_, v)) in self.params.iter().enumerate() {
+            grads.push(match (sparse[i].take(), dense[i].take()) {
+                (Some((ids, values)), _) => {
+                    row_ids[i] = Some(ids);
+                    values
+                }
+                (None, Some(t)) => t,
+                (None, None) => v.as_tensor().zeros_like()?,
+            });
         }
         // The objective J = mean over ranks of the per-rank (micro-batch mean) losses.
         let mut loss = [loss_sum / acc as f64];
@@ -431,9 +502,20 @@ impl Trainer {
                 }
             }
         }
-        // Rows the objective did not use this step (Partial FC) keep value and state.
-        let rows: Vec<Option<Vec<bool>>> = self.params.iter().map(|(n, _)| self.objective.updated_rows(n, self.step)).collect();
-        self.optimizer.step_rows(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
+        // Row-sparse gradients (Partial FC's sampled centres) update their rows, the other rows
+        // lazily as a dense step would; rows the objective marks as not updated keep value
+        // and state.
+        let rows: Vec<RowUpdate> = self
+            .params
+            .iter()
+            .zip(row_ids)
+            .map(|((n, _), ids)| match (ids, self.objective.updated_rows(n, self.step)) {
+                (Some(ids), keep) => RowUpdate::Sparse { rows: ids, keep_others: keep.is_some() },
+                (None, Some(mask)) => RowUpdate::Only(mask),
+                (None, None) => RowUpdate::All,
+            })
+            .collect();
+        self.optimizer.step_grads(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
         Ok(StepOutcome::Applied { loss, grad_norm })
     }
 
@@ -454,6 +536,9 @@ impl Trainer {
 
     fn save_checkpoint(&mut self) -> TrainResult<()> {
         let Some(dir) = self.out_dir.clone() else { return Ok(()) };
+        // Rows behind (row-sparse updates) are brought up to date: the checkpoint holds the
+        // dense update's values and state.
+        self.optimizer.flush(&self.params)?;
         // Never write a checkpoint of broken weights.
         for (name, v) in &self.params {
             let bad = v.as_tensor().to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?;
@@ -495,6 +580,25 @@ impl Trainer {
     pub fn out_dir(&self) -> Option<&Path> {
         self.out_dir.as_deref()
     }
+}
+
+/// The sum of two row-sparse gradients of one parameter: the union of their rows (sorted),
+/// each row's gradient added from both (zero where one lacks it).
+fn add_rows(a: (Vec<u32>, Tensor), b: (Vec<u32>, Tensor)) -> Result<(Vec<u32>, Tensor)> {
+    let mut ids: Vec<u32> = a.0.iter().chain(&b.0).copied().collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let dev = a.1.device().clone();
+    let position = |rows: &[u32]| -> Result<Tensor> {
+        let pos: Vec<u32> = rows.iter().map(|r| ids.binary_search(r).unwrap_or(0) as u32).collect();
+        Tensor::new(pos.as_slice(), &dev)
+    };
+    let mut shape = a.1.dims().to_vec();
+    shape[0] = ids.len();
+    let sum = Tensor::zeros(shape, a.1.dtype(), &dev)?;
+    let sum = if a.0.is_empty() { sum } else { sum.index_add(&position(&a.0)?, &a.1, 0)? };
+    let sum = if b.0.is_empty() { sum } else { sum.index_add(&position(&b.0)?, &b.1, 0)? };
+    Ok((ids, sum))
 }
 
 enum StepOutcome {

@@ -3,7 +3,7 @@
 //! Partial FC sampling.
 
 use allgrad_dist::{all_gather, ProcessGroup};
-use candle_core::{Result, Tensor, D};
+use candle_core::{Result, Tensor, Var, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -12,7 +12,7 @@ use super::sampling::sampled_rows;
 use super::shard::{initial_centres, RowRange};
 use super::softmax::parallel_cross_entropy;
 use crate::losses::l2_normalize;
-use crate::ModelError;
+use crate::{ModelError, SparseRows};
 
 /// The name of the centres parameter under the head's VarBuilder prefix.
 pub const CENTRES: &str = "centres";
@@ -39,6 +39,43 @@ pub struct HeadConfig {
     /// Standard deviation of the initial centres (their direction is what counts).
     #[serde(default = "default_std")]
     pub init_std: f64,
+    /// Partial FC: what the optimizer does to the centres a step did not sample.
+    #[serde(default)]
+    pub unsampled: Unsampled,
+    /// With sampling (`sample_rate < 1`): how the centres' gradient is formed and applied.
+    /// Without sampling every centre takes part and the gradient is dense either way.
+    #[serde(default)]
+    pub update: CentreUpdate,
+}
+
+/// The `head.unsampled` key: what happens to the centres a step did not sample.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Unsampled {
+    /// They are updated as by a dense optimizer step with a zero gradient in their rows, as
+    /// insightface's Partial FC v2 trains them: weight decay and momentum move them every step.
+    #[default]
+    Decay,
+    /// They keep their value and optimizer state (momentum, Adam moments) bit for bit, as if
+    /// they were not part of the model that step (Partial FC v1's rule).
+    Frozen,
+}
+
+/// The `head.update` key: how the centres' gradient is formed when sampling.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CentreUpdate {
+    /// The backward yields the gradient of the sampled centres only, as row ids and rows
+    /// ([`crate::Objective::sparse_rows`]); no tensor of all `[c_r, D]` centres' size is formed
+    /// for it. The optimizer updates those rows and applies the steps the other rows missed
+    /// when they are next sampled, or before a checkpoint or evaluation: the result equals the
+    /// dense update.
+    #[default]
+    Sparse,
+    /// The backward yields a dense `[c_r, D]` gradient (zero outside the sampled rows) and the
+    /// optimizer passes over every centre each step. The reference the sparse update is tested
+    /// against.
+    Dense,
 }
 
 impl HeadConfig {
@@ -69,6 +106,11 @@ pub struct FaceHead {
     centres: Option<Tensor>,
     /// Rows sampled at some loss call of `updated.0` (the step).
     updated: (usize, Vec<bool>),
+    /// The rows the last loss call read through a leaf of its own (the sparse update).
+    sparse: Option<SparseRows>,
+    /// The sampled rows of the last [`FaceHead::rows_to_read`]: its step, the global batch's
+    /// labels and the rows.
+    planned: Option<(usize, Vec<usize>, Vec<u32>)>,
 }
 
 impl FaceHead {
@@ -84,7 +126,7 @@ impl FaceHead {
             .into());
         }
         let range = RowRange::split(cfg.num_classes, rank, world);
-        Ok(FaceHead { cfg, dim, seed, range, centres: None, updated: (usize::MAX, Vec::new()) })
+        Ok(FaceHead { cfg, dim, seed, range, centres: None, updated: (usize::MAX, Vec::new()), sparse: None, planned: None })
     }
 
     /// The classes this rank holds.
@@ -114,17 +156,61 @@ impl FaceHead {
         self.centres.as_ref().ok_or_else(|| ModelError::NotBuilt { objective: "face head" }.into())
     }
 
-    /// Which local rows of the centres some loss call of `step` used (None: all, sampling
-    /// off). Rows outside take no part in the step: the optimizer must leave them, and their
-    /// momentum, untouched.
+    /// With sampling and `head.unsampled: frozen`, which local rows of the centres some loss
+    /// call of `step` used: rows outside take no part in the step, and the optimizer must
+    /// leave them, and their momentum, untouched. `None` otherwise (every row may change).
     pub fn updated_rows(&self, step: usize) -> Option<Vec<bool>> {
-        (self.cfg.sample_rate < 1.0).then(|| {
-            if self.updated.0 == step {
-                self.updated.1.clone()
-            } else {
-                vec![false; self.range.len]
-            }
-        })
+        (self.cfg.sample_rate < 1.0 && self.cfg.unsampled == Unsampled::Frozen).then(|| self.sampled_rows(step))
+    }
+
+    /// Which local rows of the centres some loss call of `step` used (all without sampling).
+    pub fn sampled_rows(&self, step: usize) -> Vec<bool> {
+        if self.cfg.sample_rate >= 1.0 {
+            return vec![true; self.range.len];
+        }
+        if self.updated.0 == step {
+            self.updated.1.clone()
+        } else {
+            vec![false; self.range.len]
+        }
+    }
+
+    /// The rows the last loss call read through a leaf of their own, and that leaf (with
+    /// sampling and `head.update: sparse`; `None` otherwise): see
+    /// [`crate::Objective::sparse_rows`].
+    pub fn sparse_rows(&self) -> Option<SparseRows> {
+        self.sparse.clone()
+    }
+
+    /// The local rows of the centres that [`FaceHead::loss`] on `labels` (this rank's) at
+    /// `step` will read: the sampled rows (with sampling and `head.update: sparse`), `None`
+    /// otherwise. A collective (the global batch's labels are gathered): every rank calls it
+    /// before the loss call it plans, which then reuses the sampled rows.
+    pub fn rows_to_read(&mut self, labels: &[usize], seed: u64, step: usize, pg: &ProcessGroup) -> Result<Option<Vec<u32>>> {
+        if !(self.cfg.sample_rate < 1.0 && self.cfg.update == CentreUpdate::Sparse) {
+            return Ok(None);
+        }
+        self.check_labels(labels)?;
+        let labels = Self::gather_labels(labels, pg)?;
+        let rows = self.sample(&labels, seed, step);
+        self.planned = Some((step, labels, rows.clone()));
+        Ok(Some(rows))
+    }
+
+    fn check_labels(&self, labels: &[usize]) -> Result<()> {
+        if let Some(l) = labels.iter().find(|l| **l >= self.cfg.num_classes) {
+            return Err(
+                ModelError::HeadInput(format!("label {l} is not below head.num_classes = {}", self.cfg.num_classes)).into()
+            );
+        }
+        Ok(())
+    }
+
+    /// The labels of the global batch, in rank order.
+    fn gather_labels(labels: &[usize], pg: &ProcessGroup) -> Result<Vec<usize>> {
+        let ids: Vec<i64> = labels.iter().map(|l| *l as i64).collect();
+        let (ids, _) = pg.all_gather_rows(&ids, labels.len(), &[]).map_err(candle_core::Error::wrap)?;
+        Ok(ids.into_iter().map(|l| l as usize).collect())
     }
 
     /// The loss of the global batch (the same on every rank): `emb` `[b, D]` this rank's
@@ -140,20 +226,19 @@ impl FaceHead {
             ))
             .into());
         }
-        if let Some(l) = labels.iter().find(|l| **l >= self.cfg.num_classes) {
-            return Err(
-                ModelError::HeadInput(format!("label {l} is not below head.num_classes = {}", self.cfg.num_classes)).into()
-            );
-        }
+        self.check_labels(labels)?;
         let all = all_gather(&l2_normalize(emb)?, pg)?;
-        let ids: Vec<i64> = labels.iter().map(|l| *l as i64).collect();
-        let (ids, _) = pg.all_gather_rows(&ids, b, &[]).map_err(candle_core::Error::wrap)?;
-        let labels: Vec<usize> = ids.into_iter().map(|l| l as usize).collect();
+        let labels = Self::gather_labels(labels, pg)?;
         let big_b = labels.len();
         let margin = self.cfg.margin.margin();
 
-        let rows = self.sample(&labels, seed, step);
+        let rows = match self.planned.take() {
+            Some((s, l, rows)) if s == step && l == labels => rows,
+            _ => self.sample(&labels, seed, step),
+        };
         let centres = self.centres()?.clone();
+        let sparse = self.cfg.sample_rate < 1.0 && self.cfg.update == CentreUpdate::Sparse;
+        self.sparse = sparse.then(|| SparseRows { rows: rows.clone(), leaf: None });
         let zero = |t: &Tensor| -> Result<Tensor> { t.sum(D::Minus1)? - t.sum(D::Minus1)? };
         let (logits, target) = if rows.is_empty() {
             // No class of this rank takes part: one column of −∞ (no mass, no gradient), a target
@@ -161,7 +246,14 @@ impl FaceHead {
             let z = zero(&all)?;
             ((z.unsqueeze(1)? + f64::NEG_INFINITY)?, z)
         } else {
-            let w = if rows.len() == self.range.len {
+            let w = if sparse {
+                // The sampled rows as a leaf of their own: the backward forms their gradient
+                // only, never one of the centres' full size.
+                let picked = centres.detach().index_select(&Tensor::new(rows.as_slice(), centres.device())?, 0)?;
+                let leaf = Var::from_tensor(&picked)?.into_inner();
+                self.sparse = Some(SparseRows { rows: rows.clone(), leaf: Some(leaf.clone()) });
+                leaf
+            } else if rows.len() == self.range.len {
                 centres
             } else {
                 centres.index_select(&Tensor::new(rows.as_slice(), centres.device())?, 0)?
