@@ -208,6 +208,17 @@ fn bad_face_head_input_is_refused_with_the_key_and_the_numbers() {
             .unwrap_err()
             .to_string();
     assert!(msg.contains("head.update") && msg.contains("sparse") && msg.contains("dense"), "{msg}");
+    // An image data set with more identities than the head has classes.
+    let glyphs = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/glyphs");
+    let images = format!(
+        "method: face\ndata: {{kind: images, dir: {glyphs}, format: idx}}\n\
+         model: {{kind: resnet, encoder: {{depth: 18, width: 4, in_channels: 1, stem: cifar}}, embedding: 8}}\n\
+         head: {{num_classes: 100}}\ntrain: {{global_batch: 4}}\n"
+    );
+    let cfg = RunConfig::parse(&images, Path::new("bad.yaml"), &[]).unwrap();
+    let err = run_threads(1, |pg| Ok(run::build(&cfg, pg, None, false).map(|_| ())?)).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("2000 identities") && msg.contains("head.num_classes = 100"), "{msg}");
     // A checkpoint of 60 classes does not resume a run of 61.
     let dir = tempfile::tempdir().unwrap();
     train(&config(SGD, "f64", "sparse", &["train.max_steps=2"]), 2, Some(dir.path()), false, &[2]);
