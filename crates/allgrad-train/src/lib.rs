@@ -31,6 +31,7 @@ pub mod run_dir;
 pub mod schedule;
 pub mod settings;
 pub mod shards;
+mod step_grads;
 pub mod trainer;
 
 pub use config::RunConfig;

@@ -23,6 +23,7 @@ use crate::optim::{OptimConfig, Optimizer, RowUpdate};
 use crate::params::ParamStore;
 use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
+use crate::step_grads::StepGrads;
 
 /// The `train` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -383,19 +384,12 @@ impl Trainer {
         let local = self.sampler.local(&global, rank, w).to_vec();
         let micro = local.len() / acc;
 
-        // Dense gradients (None: none yet), and the row-sparse ones: (rows, their gradient).
-        let mut dense: Vec<Option<Tensor>> = vec![None; self.params.len()];
-        let mut sparse: Vec<Option<(Vec<u32>, Tensor)>> = vec![None; self.params.len()];
+        let mut step_grads = StepGrads::new(self.params.len());
         let mut loss_sum = 0f64;
         for m in 0..acc {
             let batch = Batch { indices: &local[m * micro..(m + 1) * micro], epoch, step: self.step, seed: self.cfg.seed };
             if let Some(chunk) = self.cfg.train.cache_chunk {
-                let mut grads: Vec<Tensor> = self
-                    .params
-                    .iter()
-                    .zip(dense.iter_mut())
-                    .map(|((_, v), d)| d.take().map_or_else(|| v.as_tensor().zeros_like(), Ok))
-                    .collect::<Result<_>>()?;
+                let mut grads = step_grads.take_dense(&self.params)?;
                 let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);
                 loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
                 if let Some((name, _)) = self.params.iter().find(|(n, _)| self.objective.sparse_rows(n).is_some()) {
@@ -404,7 +398,7 @@ impl Trainer {
                          caching does not take; remove train.cache_chunk"
                     )));
                 }
-                dense = grads.into_iter().map(Some).collect();
+                step_grads.put_dense(grads);
                 continue;
             }
             // Rows the loss will read that row-sparse updates left behind are brought up to date.
@@ -421,57 +415,9 @@ impl Trainer {
             }
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             let g = (loss / (w * acc) as f64)?.backward()?;
-            for (i, (name, v)) in self.params.iter().enumerate() {
-                if let Some(rows) = self.objective.sparse_rows(name) {
-                    if !self.sharded[i] {
-                        return Err(TrainError::Setup(format!(
-                            "the objective reads parameter {name} row by row (Objective::sparse_rows), but it is not \
-                             sharded: only sharded parameters may have a row-sparse gradient"
-                        )));
-                    }
-                    if dense[i].is_some() || g.get(v).is_some() {
-                        return Err(TrainError::Setup(format!(
-                            "the objective reports a row-sparse gradient for {name} but {name} also has a dense one"
-                        )));
-                    }
-                    let values = match rows.leaf.as_ref().and_then(|l| g.get(l)) {
-                        Some(t) => t.clone(),
-                        None => {
-                            let mut shape = v.dims().to_vec();
-                            shape[0] = rows.rows.len();
-                            Tensor::zeros(shape, v.dtype(), v.device())?
-                        }
-                    };
-                    sparse[i] = Some(match sparse[i].take() {
-                        None => (rows.rows, values),
-                        Some(before) => add_rows(before, (rows.rows, values))?,
-                    });
-                } else if let Some(gv) = g.get(v) {
-                    if sparse[i].is_some() {
-                        return Err(TrainError::Setup(format!(
-                            "the objective reports a row-sparse gradient for {name} at one micro-batch and a dense one at another"
-                        )));
-                    }
-                    let before = match dense[i].take() {
-                        Some(t) => t,
-                        None => v.as_tensor().zeros_like()?,
-                    };
-                    dense[i] = Some((before + gv)?);
-                }
-            }
+            step_grads.add(&self.params, &self.sharded, self.objective.as_ref(), &g)?;
         }
-        let mut row_ids: Vec<Option<Vec<u32>>> = vec![None; self.params.len()];
-        let mut grads = Vec::with_capacity(self.params.len());
-        for (i, (_, v)) in self.params.iter().enumerate() {
-            grads.push(match (sparse[i].take(), dense[i].take()) {
-                (Some((ids, values)), _) => {
-                    row_ids[i] = Some(ids);
-                    values
-                }
-                (None, Some(t)) => t,
-                (None, None) => v.as_tensor().zeros_like()?,
-            });
-        }
+        let (mut grads, row_ids) = step_grads.finish(&self.params)?;
         // The objective J = mean over ranks of the per-rank (micro-batch mean) losses.
         let mut loss = [loss_sum / acc as f64];
         self.pg.all_reduce_slice(&mut loss, ReduceOp::Avg)?;
@@ -580,25 +526,6 @@ impl Trainer {
     pub fn out_dir(&self) -> Option<&Path> {
         self.out_dir.as_deref()
     }
-}
-
-/// The sum of two row-sparse gradients of one parameter: the union of their rows (sorted),
-/// each row's gradient added from both (zero where one lacks it).
-fn add_rows(a: (Vec<u32>, Tensor), b: (Vec<u32>, Tensor)) -> Result<(Vec<u32>, Tensor)> {
-    let mut ids: Vec<u32> = a.0.iter().chain(&b.0).copied().collect();
-    ids.sort_unstable();
-    ids.dedup();
-    let dev = a.1.device().clone();
-    let position = |rows: &[u32]| -> Result<Tensor> {
-        let pos: Vec<u32> = rows.iter().map(|r| ids.binary_search(r).unwrap_or(0) as u32).collect();
-        Tensor::new(pos.as_slice(), &dev)
-    };
-    let mut shape = a.1.dims().to_vec();
-    shape[0] = ids.len();
-    let sum = Tensor::zeros(shape, a.1.dtype(), &dev)?;
-    let sum = if a.0.is_empty() { sum } else { sum.index_add(&position(&a.0)?, &a.1, 0)? };
-    let sum = if b.0.is_empty() { sum } else { sum.index_add(&position(&b.0)?, &b.1, 0)? };
-    Ok((ids, sum))
 }
 
 enum StepOutcome {
