@@ -17,6 +17,9 @@ use crate::{ModelError, SparseRows};
 /// The name of the centres parameter under the head's VarBuilder prefix.
 pub const CENTRES: &str = "centres";
 
+/// Elements of the centres drawn at a time when they are set up (8 MiB of f64).
+const INIT_BLOCK_ELEMS: usize = 1 << 20;
+
 fn default_rate() -> f64 {
     1.0
 }
@@ -140,13 +143,20 @@ impl FaceHead {
     }
 
     /// Creates `centres` `[c_r, D]` through `vb` and fills it with the per-class
-    /// initialisation ([`initial_centres`]): the values do not depend on W.
+    /// initialisation ([`initial_centres`]): the values do not depend on W. The rows are
+    /// drawn and written a block at a time, so setting up takes little more memory than the
+    /// centres themselves.
     pub fn build(&mut self, vb: VarBuilder) -> Result<()> {
         let t = vb.get_with_hints((self.range.len, self.dim), CENTRES, Init::Const(0.0))?;
-        let init = initial_centres(self.seed, self.range, self.dim, self.cfg.init_std);
-        let init = Tensor::from_vec(init, (self.range.len, self.dim), t.device())?.to_dtype(t.dtype())?;
-        // The variable's storage is written in place: the store's initial value is replaced.
-        t.slice_set(&init, 0, 0)?;
+        let block = (INIT_BLOCK_ELEMS / self.dim.max(1)).max(1);
+        for first in (0..self.range.len).step_by(block) {
+            let rows =
+                RowRange { start: self.range.start + first, len: block.min(self.range.len - first), total: self.range.total };
+            let init = initial_centres(self.seed, rows, self.dim, self.cfg.init_std);
+            let init = Tensor::from_vec(init, (rows.len, self.dim), t.device())?.to_dtype(t.dtype())?;
+            // The variable's storage is written in place: the store's initial value is replaced.
+            t.slice_set(&init, 0, first)?;
+        }
         self.centres = Some(t);
         Ok(())
     }
