@@ -22,15 +22,19 @@
 //! Before every step the ranks meet at a barrier; a step's time is the slowest rank's.
 //! Rank 0 prints one line per step, `face_head_step impl=allgrad step=I timed=0|1 wall=S
 //! fwd=S bwd=S opt=S loss=L`, and every rank one line at the end, `face_head_mem rank=R
-//! init_mib=X peak_mib=Y`: the resident memory once the head, its inputs and the optimizer
-//! are set up, and the peak resident memory during the steps (`VmHWM` after resetting it
-//! through `/proc/self/clear_refs` at the start of the steps; the whole process's peak where
-//! that reset is refused, marked `peak_from=process`).
+//! init_mib=X setup_peak_mib=S peak_mib=Y`: the resident memory once the head, its inputs and
+//! the optimizer are set up, the peak while setting up, and the peak resident memory during
+//! the steps (`VmHWM` after resetting it through `/proc/self/clear_refs` at the start of the
+//! steps; the whole process's peak where that reset is refused, marked `peak_from=process`),
+//! and the peak address space (`VmPeak`: what `ulimit -v` limits, above the resident peak by
+//! what is mapped but never touched).
 //!
-//! `--dump DIR` instead takes two steps and writes what a reimplementation needs to check its
-//! losses against these (`rank<R>.safetensors`: this rank's embeddings, labels and initial
-//! centres, the global ids of the classes sampled at step 0, its class range, the losses of
-//! steps 0 and 1), and prints `face_head_check impl=allgrad world=W loss=L0 loss2=L1`.
+//! `--dump DIR` instead takes three steps and writes what a reimplementation needs to check
+//! its losses against these (`rank<R>.safetensors`: this rank's embeddings, labels and
+//! initial centres, the global ids of the classes sampled at each step (`sampled_<k>`), its
+//! class range, the losses of the three steps), and prints `face_head_check impl=allgrad
+//! world=W loss=L0 loss2=L1 loss3=L2`. With sampling, the third step reads centres the second
+//! left out, whose momentum and weight decay moved them: the lazy update's result.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -44,6 +48,9 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
+
+/// Steps of `--dump`.
+const CHECK_STEPS: usize = 3;
 
 /// Key words of the input streams.
 const EMB_KEY: u64 = 0xFACE_BE4C_0000_0001;
@@ -203,29 +210,40 @@ impl Rank {
     /// between).
     fn dump(&mut self, dir: &std::path::Path, pg: &ProcessGroup) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let initial = self.params[0].1.as_tensor().copy()?;
-        let (first, _) = self.step(0, pg)?;
-        let range = self.head.range();
-        let sampled: Vec<i64> =
-            self.head.sampled_rows(0).iter().enumerate().filter(|(_, k)| **k).map(|(r, _)| (range.start + r) as i64).collect();
-        let (second, _) = self.step(1, pg)?;
         let dev = &Device::Cpu;
-        let (n, b) = (sampled.len(), self.labels.len());
-        let tensors: HashMap<String, Tensor> = [
-            ("embeddings", self.emb.as_tensor().clone()),
-            ("labels", Tensor::from_vec(self.labels.iter().map(|l| *l as i64).collect::<Vec<_>>(), b, dev)?),
-            ("centres", initial),
-            ("sampled", Tensor::from_vec(sampled, n, dev)?),
-            ("range", Tensor::new(&[range.start as i64, range.len as i64, range.total as i64], dev)?),
-            ("loss", Tensor::new(&[first, second], dev)?),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+        let initial = self.params[0].1.as_tensor().copy()?;
+        let range = self.head.range();
+        let b = self.labels.len();
+        let mut tensors: HashMap<String, Tensor> = HashMap::new();
+        let mut losses = Vec::with_capacity(CHECK_STEPS);
+        for step in 0..CHECK_STEPS {
+            let (loss, _) = self.step(step, pg)?;
+            losses.push(loss);
+            let sampled: Vec<i64> = self
+                .head
+                .sampled_rows(step)
+                .iter()
+                .enumerate()
+                .filter(|(_, k)| **k)
+                .map(|(r, _)| (range.start + r) as i64)
+                .collect();
+            let n = sampled.len();
+            tensors.insert(format!("sampled_{step}"), Tensor::from_vec(sampled, n, dev)?);
+        }
+        tensors.insert("embeddings".into(), self.emb.as_tensor().clone());
+        tensors.insert("labels".into(), Tensor::from_vec(self.labels.iter().map(|l| *l as i64).collect::<Vec<_>>(), b, dev)?);
+        tensors.insert("centres".into(), initial);
+        tensors.insert("range".into(), Tensor::new(&[range.start as i64, range.len as i64, range.total as i64], dev)?);
+        tensors.insert("loss".into(), Tensor::new(losses.as_slice(), dev)?);
         let file = dir.join(format!("rank{}.safetensors", pg.rank()));
         candle_core::safetensors::save(&tensors, &file).with_context(|| format!("writing {}", file.display()))?;
         if pg.rank() == 0 {
-            println!("face_head_check impl=allgrad world={} loss={first:.9} loss2={second:.9}", pg.world_size());
+            let shown: Vec<String> = losses
+                .iter()
+                .enumerate()
+                .map(|(k, l)| format!("loss{}={l:.9}", if k == 0 { String::new() } else { (k + 1).to_string() }))
+                .collect();
+            println!("face_head_check impl=allgrad world={} {}", pg.world_size(), shown.join(" "));
         }
         pg.barrier()?;
         Ok(())
@@ -260,7 +278,7 @@ fn main() -> Result<()> {
     if let Some(dir) = &a.dump {
         return me.dump(dir, &pg);
     }
-    let init_mib = status_mib("VmRSS");
+    let (init_mib, setup_peak_mib) = (status_mib("VmRSS"), status_mib("VmHWM"));
     let reset = reset_peak_rss();
     for step in 0..a.warmup + a.steps {
         pg.barrier()?;
@@ -279,6 +297,11 @@ fn main() -> Result<()> {
     }
     pg.barrier()?;
     let from = if reset { "steps" } else { "process" };
-    println!("face_head_mem rank={rank} init_mib={init_mib:.1} peak_mib={:.1} peak_from={from}", status_mib("VmHWM"));
+    println!(
+        "face_head_mem rank={rank} init_mib={init_mib:.1} setup_peak_mib={setup_peak_mib:.1} peak_mib={:.1} peak_from={from} \
+         address_space_peak_mib={:.1}",
+        status_mib("VmHWM"),
+        status_mib("VmPeak")
+    );
     Ok(())
 }
