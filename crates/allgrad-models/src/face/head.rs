@@ -8,10 +8,10 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::margin::MarginConfig;
+use super::normalize::unit_rows;
 use super::sampling::sampled_rows;
 use super::shard::{initial_centres, RowRange};
-use super::softmax::parallel_cross_entropy;
-use crate::losses::l2_normalize;
+use super::softmax::{parallel_cross_entropy, parallel_margin_cross_entropy};
 use crate::{ModelError, SparseRows};
 
 /// The name of the centres parameter under the head's VarBuilder prefix.
@@ -237,7 +237,7 @@ impl FaceHead {
             .into());
         }
         self.check_labels(labels)?;
-        let all = all_gather(&l2_normalize(emb)?, pg)?;
+        let all = all_gather(&unit_rows(emb)?, pg)?;
         let labels = Self::gather_labels(labels, pg)?;
         let big_b = labels.len();
         let margin = self.cfg.margin.margin();
@@ -249,12 +249,11 @@ impl FaceHead {
         let centres = self.centres()?.clone();
         let sparse = self.cfg.sample_rate < 1.0 && self.cfg.update == CentreUpdate::Sparse;
         self.sparse = sparse.then(|| SparseRows { rows: rows.clone(), leaf: None });
-        let zero = |t: &Tensor| -> Result<Tensor> { t.sum(D::Minus1)? - t.sum(D::Minus1)? };
-        let (logits, target) = if rows.is_empty() {
+        let loss = if rows.is_empty() {
             // No class of this rank takes part: one column of −∞ (no mass, no gradient), a target
             // of 0, both on the graph so that this rank joins the collectives' backward.
-            let z = zero(&all)?;
-            ((z.unsqueeze(1)? + f64::NEG_INFINITY)?, z)
+            let z = (all.sum(D::Minus1)? - all.sum(D::Minus1)?)?;
+            parallel_cross_entropy(&(z.unsqueeze(1)? + f64::NEG_INFINITY)?, &z, pg)?
         } else {
             let w = if sparse {
                 // The sampled rows as a leaf of their own: the backward forms their gradient
@@ -268,26 +267,17 @@ impl FaceHead {
             } else {
                 centres.index_select(&Tensor::new(rows.as_slice(), centres.device())?, 0)?
             };
-            let cos = all.matmul(&l2_normalize(&w)?.t()?)?; // [B, s]
-                                                            // Column of each sample's class among the sampled rows (u32::MAX: not here).
+            let cos = all.matmul(&unit_rows(&w)?.t()?)?; // [B, s]
+                                                         // Column of each sample's class among the sampled rows (u32::MAX: not here).
             let cols: Vec<u32> = labels
                 .iter()
                 .map(|l| self.range.local(*l).and_then(|r| rows.binary_search(&(r as u32)).ok()).map_or(u32::MAX, |c| c as u32))
                 .collect();
-            let has: Vec<f64> = cols.iter().map(|c| f64::from(u8::from(*c != u32::MAX))).collect();
-            let dev = cos.device();
-            let cols_t = Tensor::from_vec(cols.clone(), (big_b, 1), dev)?;
-            let safe =
-                Tensor::from_vec(cols.iter().map(|c| if *c == u32::MAX { 0 } else { *c }).collect::<Vec<_>>(), (big_b, 1), dev)?;
-            let has = Tensor::from_vec(has, big_b, dev)?.to_dtype(cos.dtype())?;
-            let t = cos.gather(&safe, 1)?.squeeze(1)?;
-            let target = ((margin.apply(&t)? * margin.s)? * has)?; // [B]
-            let onehot = cols_t.broadcast_eq(&Tensor::arange(0u32, rows.len() as u32, dev)?.unsqueeze(0)?)?;
-            let logits = onehot.where_cond(&target.unsqueeze(1)?.broadcast_as(cos.shape())?, &(cos * margin.s)?)?;
-            (logits, target)
+            debug_assert_eq!(cols.len(), big_b);
+            parallel_margin_cross_entropy(&cos, &cols, margin, pg)?
         };
         self.mark(step, &rows);
-        parallel_cross_entropy(&logits, &target, pg)
+        Ok(loss)
     }
 
     fn sample(&self, labels: &[usize], seed: u64, step: usize) -> Vec<u32> {

@@ -33,6 +33,7 @@ pub mod backbone;
 pub mod data;
 pub mod head;
 pub mod margin;
+pub mod normalize;
 pub mod objective;
 pub mod sampling;
 pub mod shard;
