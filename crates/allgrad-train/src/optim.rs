@@ -10,7 +10,8 @@
 //! rows, for a class-sharded head with Partial FC). SGD and AdamW then update those rows
 //! only and apply the other rows' zero-gradient steps lazily, when the rows are next used or
 //! at [`Optimizer::flush`] (`optim_lazy.rs`): the result equals the dense update bit for bit.
-//! LARS, and parameters off the fused path (other devices and dtypes), take the dense update
+//! A bf16 parameter on the CPU (bf16 face centres) takes the same lazy update in f32
+//! arithmetic. LARS, and parameters off these paths (other devices and dtypes), take the dense update
 //! of the gradient scattered into zeros: LARS's trust ratio needs the norms of every row's
 //! current value at every step (over all ranks for a sharded parameter), which a deferred
 //! row does not have.
@@ -378,7 +379,9 @@ impl Optimizer {
                     self.flush_param(name, p, step - 1)?;
                     let dense = match ids.is_empty() {
                         true => w.zeros_like()?,
-                        false => w.zeros_like()?.index_add(&Tensor::new(ids.as_slice(), w.device())?, g, 0)?,
+                        false => {
+                            w.zeros_like()?.index_add(&Tensor::new(ids.as_slice(), w.device())?, &g.to_dtype(w.dtype())?, 0)?
+                        }
                     };
                     let keep = keep_others.then(|| {
                         let mut m = vec![false; w.dim(0).unwrap_or(0)];

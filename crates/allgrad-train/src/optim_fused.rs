@@ -103,7 +103,7 @@ fn view<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     Ok(&s.as_slice::<T>()?[start..end])
 }
 
-pub(crate) fn view_mut<'a, T: WithDType>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [T]> {
+fn view_mut<'a, T: WithDType>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [T]> {
     let (start, end) =
         l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("optimizer: a non-contiguous operand".into()))?;
     let all: &mut [T] = match s {

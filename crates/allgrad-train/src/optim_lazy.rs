@@ -9,7 +9,10 @@
 //! checkpoint, an evaluation, and at the end of `Trainer::train_until`), the updates it missed
 //! are applied first: the dense step's formulas with a zero gradient, each with its own
 //! learning rate and (AdamW) bias correction, element by element in the parameter's dtype, in
-//! the order of operations of the fused dense kernel (`optim_fused.rs`).
+//! the order of operations of the fused dense kernel (`optim_fused.rs`). A bf16 parameter
+//! (bf16 face centres, with bf16 state and an f32 gradient) is updated in f32 and stored back
+//! to bf16 after every update, missed ones included, as a dense step that loads, updates and
+//! stores bf16 would ([`Stored`]).
 //!
 //! The result is the dense update bit for bit, for every learning-rate schedule, and it does
 //! not depend on when a row is brought up to date: a checkpoint (written after a flush) holds
@@ -29,10 +32,10 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Result, Tensor, WithDType};
+use half::bf16;
 use rayon::prelude::*;
 
 use crate::optim::OptimConfig;
-use crate::optim_fused::view_mut;
 
 /// Rows per task are chosen so that a task's copy of the state rows stays about this size.
 const BLOCK_BYTES: usize = 16 << 20;
@@ -154,18 +157,95 @@ impl LrLog {
 }
 
 /// Whether the lazy path takes a parameter `w` with state `slots` and gradient rows `g` of
-/// `n` rows: a contiguous CPU f32/f64 tensor, slots of its dtype and shape, `g` of its dtype
-/// with `n` rows of its row shape.
+/// `n` rows: a contiguous CPU tensor, f32 or f64 with slots and gradient of its dtype, or bf16
+/// with bf16 slots and an f32 gradient (arithmetic in f32, see [`Stored`]); `g` with `n` rows
+/// of `w`'s row shape.
 pub(crate) fn applies(w: &Tensor, slots: &[Tensor], g: &Tensor, n: usize) -> bool {
-    let fits = |x: &Tensor| x.device().is_cpu() && x.dtype() == w.dtype() && x.is_contiguous();
+    let grad_dtype = match w.dtype() {
+        DType::F32 | DType::F64 => w.dtype(),
+        DType::BF16 => DType::F32,
+        _ => return false,
+    };
+    let on_cpu = |x: &Tensor| x.device().is_cpu() && x.is_contiguous();
     let row_shape = |x: &Tensor| x.dims().get(1..).map(<[usize]>::to_vec);
-    matches!(w.dtype(), DType::F32 | DType::F64)
-        && w.rank() >= 1
-        && fits(w)
-        && slots.iter().all(|s| fits(s) && s.dims() == w.dims())
-        && fits(g)
+    w.rank() >= 1
+        && on_cpu(w)
+        && slots.iter().all(|s| on_cpu(s) && s.dtype() == w.dtype() && s.dims() == w.dims())
+        && on_cpu(g)
+        && g.dtype() == grad_dtype
         && g.dims().first() == Some(&n)
         && row_shape(g) == row_shape(w)
+}
+
+/// How a parameter's values are stored and computed with: f32 and f64 in their own
+/// arithmetic; bf16 in f32, rounded back to bf16 after every update (as a dense step that
+/// loads, updates and stores bf16 does).
+pub(crate) trait Stored: WithDType {
+    /// The arithmetic's type.
+    type C: WithDType;
+    fn load(self) -> Self::C;
+    fn store(c: Self::C) -> Self;
+    /// The storage's elements, when it holds this type.
+    fn elements(s: &mut CpuStorage) -> Option<&mut Vec<Self>>;
+}
+
+impl Stored for f32 {
+    type C = f32;
+    fn load(self) -> f32 {
+        self
+    }
+    fn store(c: f32) -> f32 {
+        c
+    }
+    fn elements(s: &mut CpuStorage) -> Option<&mut Vec<f32>> {
+        match s {
+            CpuStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Stored for f64 {
+    type C = f64;
+    fn load(self) -> f64 {
+        self
+    }
+    fn store(c: f64) -> f64 {
+        c
+    }
+    fn elements(s: &mut CpuStorage) -> Option<&mut Vec<f64>> {
+        match s {
+            CpuStorage::F64(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Stored for bf16 {
+    type C = f32;
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    fn store(c: f32) -> bf16 {
+        bf16::from_f32(c)
+    }
+    fn elements(s: &mut CpuStorage) -> Option<&mut Vec<bf16>> {
+        match s {
+            CpuStorage::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// The contiguous elements of `s` seen through `l`, as `S`.
+fn elements_mut<'a, S: Stored>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [S]> {
+    let (lo, hi) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("lazy update: a non-contiguous tensor".into()))?;
+    let dtype = s.dtype();
+    match S::elements(s) {
+        Some(v) => Ok(&mut v[lo..hi]),
+        None => candle_core::bail!("lazy update: a {dtype:?} tensor where {:?} was expected", S::DTYPE),
+    }
 }
 
 /// Rows of a parameter and the number of updates each has had.
@@ -257,21 +337,21 @@ struct BringUp<'a> {
 }
 
 /// One row's work: its value, its slots' copies, its gradient, its update count.
-struct Item<'x, T> {
-    w: &'x mut [T],
-    s: &'x mut [T],
-    g: Option<&'x [T]>,
+struct Item<'x, S: Stored> {
+    w: &'x mut [S],
+    s: &'x mut [S],
+    g: Option<&'x [S::C]>,
     from: u64,
 }
 
 impl BringUp<'_> {
-    fn run<T: WithDType>(&self, w: &mut [T]) -> Result<Vec<T>> {
+    fn run<S: Stored>(&self, w: &mut [S]) -> Result<Vec<S>> {
         let (d, n, k) = (self.per_row, self.rows.len(), self.slots.len());
         let total = w.len();
         // The slots' rows, copied side by side.
-        let mut out: Vec<T> = Vec::with_capacity(n * k * d);
+        let mut out: Vec<S> = Vec::with_capacity(n * k * d);
         let slot_views =
-            self.slots.iter().map(|(s, off)| Ok(&s.as_slice::<T>()?[*off..*off + total])).collect::<Result<Vec<_>>>()?;
+            self.slots.iter().map(|(s, off)| Ok(&s.as_slice::<S>()?[*off..*off + total])).collect::<Result<Vec<_>>>()?;
         for &r in self.rows {
             let r = r as usize;
             for v in &slot_views {
@@ -279,7 +359,7 @@ impl BringUp<'_> {
             }
         }
         let grad = match self.grad {
-            Some((s, off)) => Some(&s.as_slice::<T>()?[off..off + n * d]),
+            Some((s, off)) => Some(&s.as_slice::<S::C>()?[off..off + n * d]),
             None => None,
         };
         // Every update `to` needs, looked up once.
@@ -303,16 +383,30 @@ impl BringUp<'_> {
             items.push(Item { w: row, s, g: grad.map(|g| &g[i * d..(i + 1) * d]), from: self.from[i] });
         }
         let (rule, to) = (self.rule, self.to);
-        items.into_par_iter().for_each(|it| {
-            let (s0, s1) = it.s.split_at_mut(if k > 0 { d } else { 0 });
-            let replay_to = if it.g.is_some() { to - 1 } else { to };
-            for t in it.from + 1..=replay_to {
-                rule.apply(it.w, s0, s1, None, lr(t), t);
-            }
-            if let Some(g) = it.g {
-                rule.apply(it.w, s0, s1, Some(g), lr(to), to);
-            }
-        });
+        // Each row in the arithmetic's type, stored back (rounded for bf16) after every update.
+        items.into_par_iter().for_each_init(
+            || (Vec::<S::C>::new(), Vec::<S::C>::new()),
+            |(wc, sc), it| {
+                wc.clear();
+                wc.extend(it.w.iter().map(|v| v.load()));
+                sc.clear();
+                sc.extend(it.s.iter().map(|v| v.load()));
+                let round = |x: &mut [S::C]| x.iter_mut().for_each(|v| *v = S::store(*v).load());
+                let replay_to = if it.g.is_some() { to - 1 } else { to };
+                for t in it.from + 1..=replay_to {
+                    let (s0, s1) = sc.split_at_mut(if k > 0 { d } else { 0 });
+                    rule.apply(wc, s0, s1, None, lr(t), t);
+                    round(wc);
+                    round(sc);
+                }
+                if let Some(g) = it.g {
+                    let (s0, s1) = sc.split_at_mut(if k > 0 { d } else { 0 });
+                    rule.apply(wc, s0, s1, Some(g), lr(to), to);
+                }
+                it.w.iter_mut().zip(wc.iter()).for_each(|(w, c)| *w = S::store(*c));
+                it.s.iter_mut().zip(sc.iter()).for_each(|(s, c)| *s = S::store(*c));
+            },
+        );
         Ok(out)
     }
 }
@@ -324,8 +418,9 @@ impl InplaceOp1 for BringUp<'_> {
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
         let out = match s.dtype() {
-            DType::F32 => CpuStorage::F32(self.run(view_mut::<f32>(s, l)?)?),
-            DType::F64 => CpuStorage::F64(self.run(view_mut::<f64>(s, l)?)?),
+            DType::F32 => f32::to_cpu_storage_owned(self.run(elements_mut::<f32>(s, l)?)?),
+            DType::F64 => f64::to_cpu_storage_owned(self.run(elements_mut::<f64>(s, l)?)?),
+            DType::BF16 => bf16::to_cpu_storage_owned(self.run(elements_mut::<bf16>(s, l)?)?),
             other => candle_core::bail!("lazy update: unsupported dtype {other:?}"),
         };
         let mut slot = self.out.lock().map_err(|_| candle_core::Error::Msg("lazy update: a worker panicked".into()))?;
@@ -344,8 +439,8 @@ struct Scatter<'a> {
 }
 
 impl Scatter<'_> {
-    fn run<T: WithDType>(&self, dst: &mut [T]) -> Result<()> {
-        let src = self.src.as_slice::<T>()?;
+    fn run<S: Stored>(&self, dst: &mut [S]) -> Result<()> {
+        let src = self.src.as_slice::<S>()?;
         let d = self.per_row;
         for (i, &r) in self.rows.iter().enumerate() {
             let (r, at) = (r as usize, i * self.stride + self.offset);
@@ -362,8 +457,9 @@ impl InplaceOp1 for Scatter<'_> {
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
         match s.dtype() {
-            DType::F32 => self.run(view_mut::<f32>(s, l)?),
-            DType::F64 => self.run(view_mut::<f64>(s, l)?),
+            DType::F32 => self.run(elements_mut::<f32>(s, l)?),
+            DType::F64 => self.run(elements_mut::<f64>(s, l)?),
+            DType::BF16 => self.run(elements_mut::<bf16>(s, l)?),
             other => candle_core::bail!("lazy update: unsupported dtype {other:?}"),
         }
     }

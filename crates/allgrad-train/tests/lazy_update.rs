@@ -5,7 +5,9 @@
 //! bit for bit, whenever the pending rows are brought up to date (flushes at odd steps or
 //! only at the end); both equal the formulas written out in f64 loops over every row
 //! (f64: 1e-12); `keep_others` equals the dense row mask; LARS takes the dense update; bad
-//! row lists are refused with the parameter's name.
+//! row lists are refused with the parameter's name. A bf16 parameter (bf16 state, f32
+//! gradient) takes the lazy update in f32 arithmetic, equal bit for bit to the dense update
+//! that loads, updates and stores bf16 every step, written out here.
 
 use allgrad_dist::ProcessGroup;
 use allgrad_rng::{below, normals, stream};
@@ -223,5 +225,92 @@ fn bad_row_lists_are_refused_with_the_parameter_name() {
         let err = opt.step_grads(&params, &[grad], &[true], &[RowUpdate::Sparse { rows, keep_others: false }], 0.1, &pg);
         let msg = err.unwrap_err().to_string();
         assert!(msg.contains("head.centres") && msg.contains(want), "{msg}");
+    }
+}
+
+/// The dense update of a bf16 parameter with bf16 state in f32 arithmetic, written out: every
+/// row each step (zero gradient outside the step's rows), values loaded from bf16, updated in
+/// f32 with the f32 kernel's operations, stored back to bf16.
+fn reference_bf16(cfg: &OptimConfig) -> (Vec<u16>, Vec<u16>, Vec<u16>) {
+    let round = |x: f32| half::bf16::from_f32(x).to_f32();
+    let mut w: Vec<f32> = initial().iter().map(|v| round(*v as f32)).collect();
+    let (mut m, mut v) = (vec![0f32; w.len()], vec![0f32; w.len()]);
+    for t in 1..=STEPS {
+        let rows = rows_at(t);
+        let vals = values_at(t, &rows);
+        let mut g = vec![0f32; w.len()];
+        for (i, r) in rows.iter().enumerate() {
+            for c in 0..WIDTH {
+                g[*r as usize * WIDTH + c] = vals[i * WIDTH + c] as f32;
+            }
+        }
+        let lr = lr(cfg.lr(), t) as f32;
+        for k in 0..w.len() {
+            match *cfg {
+                OptimConfig::Sgd { momentum, nesterov, weight_decay, .. } => {
+                    let (mo, wd) = (momentum as f32, weight_decay as f32);
+                    if momentum > 0.0 {
+                        let d = if weight_decay > 0.0 { g[k] + w[k] * wd } else { g[k] };
+                        m[k] = m[k] * mo + d;
+                    }
+                    let d = if weight_decay > 0.0 { g[k] + w[k] * wd } else { g[k] };
+                    let d = match (momentum > 0.0, nesterov) {
+                        (false, _) => d,
+                        (true, false) => m[k],
+                        (true, true) => d + m[k] * mo,
+                    };
+                    w[k] -= d * lr;
+                }
+                OptimConfig::Adamw { beta1, beta2, eps, weight_decay, .. } => {
+                    let ti = t as i32;
+                    let (bc1, bc2) = ((1.0 - beta1.powi(ti)) as f32, (1.0 - beta2.powi(ti)) as f32);
+                    m[k] = m[k] * beta1 as f32 + g[k] * (1.0 - beta1) as f32;
+                    v[k] = v[k] * beta2 as f32 + g[k] * g[k] * (1.0 - beta2) as f32;
+                    let step = (m[k] / bc1) / ((f64::from(v[k] / bc2)).sqrt() as f32 + eps as f32);
+                    w[k] -= (step + w[k] * weight_decay as f32) * lr;
+                }
+                OptimConfig::Lars { .. } => unreachable!(),
+            }
+            w[k] = round(w[k]);
+            m[k] = round(m[k]);
+            v[k] = round(v[k]);
+        }
+    }
+    let bits = |x: &[f32]| x.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+    (bits(&w), bits(&m), bits(&v))
+}
+
+#[test]
+fn a_bf16_parameter_takes_the_lazy_update_in_f32_arithmetic_equal_to_the_dense_bf16_update_bitwise() {
+    let pg = ProcessGroup::single();
+    let dev = Device::Cpu;
+    let bf16_bits =
+        |t: &Tensor| t.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+    for cfg in configs() {
+        let (want_w, want_m, want_v) = reference_bf16(&cfg);
+        for flush_at in [vec![], vec![3, 50, 51]] {
+            let w = Var::from_tensor(&Tensor::from_vec(initial(), (ROWS, WIDTH), &dev).unwrap().to_dtype(DType::BF16).unwrap())
+                .unwrap();
+            let params = [("head.centres".to_string(), w.clone())];
+            let mut opt = Optimizer::new(cfg.clone());
+            for t in 1..=STEPS {
+                let rows = rows_at(t);
+                let g = Tensor::from_vec(values_at(t, &rows), (rows.len(), WIDTH), &dev).unwrap().to_dtype(DType::F32).unwrap();
+                let update = RowUpdate::Sparse { rows, keep_others: false };
+                opt.step_grads(&params, &[g], &[true], &[update], lr(cfg.lr(), t), &pg).unwrap();
+                if flush_at.contains(&t) {
+                    opt.flush(&params).unwrap();
+                }
+            }
+            opt.flush(&params).unwrap();
+            let what = format!("{cfg:?} flushes {flush_at:?}");
+            assert_eq!(w.dtype(), DType::BF16, "{what}");
+            assert_eq!(bf16_bits(w.as_tensor()), want_w, "{what}: the parameter differs");
+            for (key, slot) in opt.state() {
+                assert_eq!(slot.dtype(), DType::BF16, "{what}: {key} is not stored in bf16");
+                let want = if key.ends_with("exp_avg_sq") { &want_v } else { &want_m };
+                assert_eq!(&bf16_bits(slot), want, "{what}: state slot {key} differs");
+            }
+        }
     }
 }
