@@ -24,8 +24,10 @@
 //! fwd=S bwd=S opt=S loss=L`, and every rank one line at the end, `face_head_mem rank=R
 //! init_mib=X setup_peak_mib=S peak_mib=Y`: the resident memory once the head, its inputs and
 //! the optimizer are set up, the peak while setting up, and the peak resident memory during
-//! the steps (`VmHWM` after resetting it through `/proc/self/clear_refs` at the start of the
-//! steps; the whole process's peak where that reset is refused, marked `peak_from=process`),
+//! the timed steps (`VmHWM` after resetting it through `/proc/self/clear_refs` once the
+//! warm-up steps are done and every centre's pending updates are applied, which writes its
+//! momentum: a zero buffer is resident only where written, and a long run writes all of it;
+//! the whole process's peak where that reset is refused, marked `peak_from=process`),
 //! and the peak address space (`VmPeak`: what `ulimit -v` limits, above the resident peak by
 //! what is mapped but never touched).
 //!
@@ -41,7 +43,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use allgrad::dist::{ProcessGroup, ReduceOp};
-use allgrad::models::face::{CentreUpdate, FaceHead, HeadConfig, MarginConfig, RowRange, Unsampled};
+use allgrad::models::face::{CentreStorage, CentreUpdate, FaceHead, HeadConfig, MarginConfig, RowRange};
 use allgrad::rng::{below, normals, stream};
 use allgrad::train::optim::{OptimConfig, Optimizer, RowUpdate};
 use anyhow::{Context, Result};
@@ -84,6 +86,10 @@ struct Args {
     /// `dense` (a dense gradient, every centre updated each step).
     #[arg(long, default_value = "sparse")]
     update: String,
+    /// The centres and their momentum stored in `f32` or `bf16` (f32 arithmetic; takes
+    /// `--update sparse`).
+    #[arg(long, default_value = "f32")]
+    storage: String,
     /// SGD learning rate.
     #[arg(long, default_value_t = 0.1)]
     lr: f64,
@@ -153,13 +159,17 @@ impl Rank {
             "dense" => CentreUpdate::Dense,
             other => anyhow::bail!("--update must be sparse or dense, not {other:?}"),
         };
+        let storage = match a.storage.as_str() {
+            "f32" => CentreStorage::Run,
+            "bf16" => CentreStorage::Bf16,
+            other => anyhow::bail!("--storage must be f32 or bf16, not {other:?}"),
+        };
         let cfg = HeadConfig {
-            num_classes: a.classes,
             margin: margin(&a.margin)?,
             sample_rate: a.rate,
-            init_std: 0.01,
-            unsampled: Unsampled::Decay,
             update,
+            storage,
+            ..HeadConfig::with_classes(a.classes)
         };
         let mut head = FaceHead::new(cfg, a.dim, a.seed, rank, w)?;
         let varmap = VarMap::new();
@@ -263,7 +273,7 @@ fn main() -> Result<()> {
     anyhow::ensure!(a.global_batch >= w, "--global-batch {} is smaller than the {w} ranks", a.global_batch);
     if rank == 0 {
         println!(
-            "face_head_setup impl=allgrad world={w} threads_per_rank={} candle={} classes={} dim={} global_batch={} rate={} margin={} update={}",
+            "face_head_setup impl=allgrad world={w} threads_per_rank={} candle={} classes={} dim={} global_batch={} rate={} margin={} update={} storage={}",
             rayon::current_num_threads(),
             candle_core::utils::get_num_threads(),
             a.classes,
@@ -271,7 +281,8 @@ fn main() -> Result<()> {
             a.global_batch,
             a.rate,
             a.margin,
-            a.update
+            a.update,
+            a.storage
         );
     }
     let mut me = Rank::new(&a, &pg)?;
@@ -279,8 +290,14 @@ fn main() -> Result<()> {
         return me.dump(dir, &pg);
     }
     let (init_mib, setup_peak_mib) = (status_mib("VmRSS"), status_mib("VmHWM"));
-    let reset = reset_peak_rss();
+    let mut reset = reset_peak_rss();
     for step in 0..a.warmup + a.steps {
+        if step == a.warmup && step > 0 {
+            // Every centre's pending updates applied: its momentum is written, hence resident,
+            // as in a long run (a fresh zero buffer takes memory only where written).
+            me.opt.flush(&me.params)?;
+            reset = reset_peak_rss();
+        }
         pg.barrier()?;
         let (loss, mut t) = me.step(step, &pg)?;
         pg.all_reduce_slice(&mut t, ReduceOp::Max)?;

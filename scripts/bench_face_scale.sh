@@ -8,8 +8,8 @@
 # insightface's published Partial FC setting (29M identities on 8 GPUs of 80 GB each).
 #
 #   scripts/bench_face_scale.sh [--world 2] [--classes 250000,500000,1000000] [--rate 0.1]
-#       [--update sparse|dense] [--dim 512] [--global-batch 512] [--budget-gib 24]
-#       [--verify] [--threads N]
+#       [--update sparse|dense] [--storage f32|bf16] [--dim 512] [--global-batch 512]
+#       [--budget-gib 24] [--verify] [--threads N]
 #   scripts/bench_face_scale.sh --classes 2000,4000 --dim 64 --global-batch 64   # a quick check
 #
 # Memory does not depend on the machine's load: this may run beside other work, but each
@@ -24,13 +24,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-world=2 classes=250000,500000,1000000 rate=0.1 update=sparse dim=512 batch=512 budget=24 verify=0 threads=$(nproc)
+world=2 classes=250000,500000,1000000 rate=0.1 update=sparse storage=f32 dim=512 batch=512 budget=24 verify=0 threads=$(nproc)
 while (($#)); do
     case "$1" in
         --world) world=$2; shift 2 ;;
         --classes) classes=$2; shift 2 ;;
         --rate) rate=$2; shift 2 ;;
         --update) update=$2; shift 2 ;;
+        --storage) storage=$2; shift 2 ;;
         --dim) dim=$2; shift 2 ;;
         --global-batch) batch=$2; shift 2 ;;
         --budget-gib) budget=$2; shift 2 ;;
@@ -62,7 +63,7 @@ one_step() { # C LOG
     (
         ulimit -v "$kib"
         export RAYON_NUM_THREADS=$per_rank_threads CANDLE_NUM_THREADS=$per_rank_threads
-        exec "$launch" --nproc-per-node "$world" "$rank_bin" --classes "$1" --rate "$rate" --update "$update" \
+        exec "$launch" --nproc-per-node "$world" "$rank_bin" --classes "$1" --rate "$rate" --update "$update" --storage "$storage" \
             --dim "$dim" --global-batch "$batch" --steps 1 --warmup 1
     ) >"$2" 2>&1 || return 1
     # The larger of the setup's and the steps' peak, the largest over the ranks.
@@ -72,7 +73,7 @@ one_step() { # C LOG
         END { if (!p) exit 1; printf "%.1f %s\n", p, f }' "$2"
 }
 
-echo "W $world, D $dim, global batch $batch, rate $rate, --update $update; budget $budget GiB over the ranks; logs in $out"
+echo "W $world, D $dim, global batch $batch, rate $rate, --update $update, --storage $storage; budget $budget GiB over the ranks; logs in $out"
 printf '%-10s %-12s %-14s %s\n' classes "per rank" "peak MiB/rank" "peak in"
 points=()
 for c in "${classes[@]}"; do

@@ -6,7 +6,7 @@
 use allgrad_dist::testing::check_world_size_invariance;
 use allgrad_dist::{all_gather, run_threads, ProcessGroup, ReduceOp};
 use allgrad_models::face::sampling::negative_sampled;
-use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, Margin, MarginConfig, RowRange, Unsampled};
+use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, Margin, MarginConfig, RowRange};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -27,14 +27,7 @@ fn embeddings() -> Vec<f64> {
 
 fn config(margin: MarginConfig, rate: f64) -> HeadConfig {
     // The dense gradient: these tests read the centres' gradient from the backward's store.
-    HeadConfig {
-        num_classes: C,
-        margin,
-        sample_rate: rate,
-        init_std: 0.01,
-        unsampled: Unsampled::Decay,
-        update: CentreUpdate::Dense,
-    }
+    HeadConfig { margin, sample_rate: rate, update: CentreUpdate::Dense, ..HeadConfig::with_classes(C) }
 }
 
 /// A head for `rank` of `world`, built on a fresh VarMap (its centres, `[c_r, D]`).

@@ -8,7 +8,7 @@
 //! same bit for bit. Bad labels are refused with the key.
 
 use allgrad_dist::{run_threads, ProcessGroup};
-use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, MarginConfig, RowRange, Unsampled};
+use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, MarginConfig, RowRange};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -28,7 +28,7 @@ fn embeddings() -> Vec<f64> {
 }
 
 fn config(margin: MarginConfig, rate: f64, update: CentreUpdate) -> HeadConfig {
-    HeadConfig { num_classes: C, margin, sample_rate: rate, init_std: 0.01, unsampled: Unsampled::Decay, update }
+    HeadConfig { margin, sample_rate: rate, update, ..HeadConfig::with_classes(C) }
 }
 
 /// What one rank computes: its loss, its embeddings' gradient, its centres' dense gradient

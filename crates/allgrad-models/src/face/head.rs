@@ -3,7 +3,7 @@
 //! Partial FC sampling.
 
 use allgrad_dist::{all_gather, ProcessGroup};
-use candle_core::{Result, Tensor, Var, D};
+use candle_core::{DType, Result, Tensor, Var, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -49,6 +49,23 @@ pub struct HeadConfig {
     /// Without sampling every centre takes part and the gradient is dense either way.
     #[serde(default)]
     pub update: CentreUpdate,
+    /// How the centres and their optimizer state are stored.
+    #[serde(default)]
+    pub storage: CentreStorage,
+}
+
+/// The `head.storage` key.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CentreStorage {
+    /// In the run's dtype (`dtype:`).
+    #[default]
+    Run,
+    /// In bf16 (half the memory of f32), with f32 arithmetic: the step reads the centres it
+    /// uses into f32, and the optimizer loads each centre and its state, updates them in f32
+    /// and stores them back in bf16. Takes `head.update: sparse` (also without sampling); the
+    /// trainer also requires `dtype: f32`, SGD or AdamW, and the CPU.
+    Bf16,
 }
 
 /// The `head.unsampled` key: what happens to the centres a step did not sample.
@@ -82,6 +99,19 @@ pub enum CentreUpdate {
 }
 
 impl HeadConfig {
+    /// `num_classes` classes and every other key at its default.
+    pub fn with_classes(num_classes: usize) -> Self {
+        HeadConfig {
+            num_classes,
+            margin: MarginConfig::default(),
+            sample_rate: default_rate(),
+            init_std: default_std(),
+            unsampled: Unsampled::default(),
+            update: CentreUpdate::default(),
+            storage: CentreStorage::default(),
+        }
+    }
+
     /// Checks the values; the error names the key.
     pub fn validate(&self) -> std::result::Result<(), ModelError> {
         let bad = |key, value: f64, expected| ModelError::HeadValue { key, value, expected };
@@ -93,6 +123,12 @@ impl HeadConfig {
         }
         if !(self.init_std.is_finite() && self.init_std > 0.0) {
             return Err(bad("init_std", self.init_std, "a positive number"));
+        }
+        if self.storage == CentreStorage::Bf16 && self.update == CentreUpdate::Dense {
+            return Err(ModelError::HeadKey {
+                key: "storage",
+                reason: "bf16 takes head.update: sparse (the centres are read into f32 rows and updated in f32)".into(),
+            });
         }
         self.margin.margin().validate()
     }
@@ -147,7 +183,8 @@ impl FaceHead {
     /// drawn and written a block at a time, so setting up takes little more memory than the
     /// centres themselves.
     pub fn build(&mut self, vb: VarBuilder) -> Result<()> {
-        let t = vb.get_with_hints((self.range.len, self.dim), CENTRES, Init::Const(0.0))?;
+        let dtype = if self.cfg.storage == CentreStorage::Bf16 { DType::BF16 } else { vb.dtype() };
+        let t = vb.get_with_hints_dtype((self.range.len, self.dim), CENTRES, Init::Const(0.0), dtype)?;
         let block = (INIT_BLOCK_ELEMS / self.dim.max(1)).max(1);
         for first in (0..self.range.len).step_by(block) {
             let rows =
@@ -197,7 +234,7 @@ impl FaceHead {
     /// otherwise. A collective (the global batch's labels are gathered): every rank calls it
     /// before the loss call it plans, which then reuses the sampled rows.
     pub fn rows_to_read(&mut self, labels: &[usize], seed: u64, step: usize, pg: &ProcessGroup) -> Result<Option<Vec<u32>>> {
-        if !(self.cfg.sample_rate < 1.0 && self.cfg.update == CentreUpdate::Sparse) {
+        if !self.reads_rows() {
             return Ok(None);
         }
         self.check_labels(labels)?;
@@ -205,6 +242,12 @@ impl FaceHead {
         let rows = self.sample(&labels, seed, step);
         self.planned = Some((step, labels, rows.clone()));
         Ok(Some(rows))
+    }
+
+    /// Whether the loss reads the centres it uses through a leaf of their own (row-sparse
+    /// gradients): with `head.update: sparse` and sampling, or bf16 storage.
+    fn reads_rows(&self) -> bool {
+        self.cfg.update == CentreUpdate::Sparse && (self.cfg.sample_rate < 1.0 || self.cfg.storage == CentreStorage::Bf16)
     }
 
     fn check_labels(&self, labels: &[usize]) -> Result<()> {
@@ -247,7 +290,7 @@ impl FaceHead {
             _ => self.sample(&labels, seed, step),
         };
         let centres = self.centres()?.clone();
-        let sparse = self.cfg.sample_rate < 1.0 && self.cfg.update == CentreUpdate::Sparse;
+        let sparse = self.reads_rows();
         self.sparse = sparse.then(|| SparseRows { rows: rows.clone(), leaf: None });
         let loss = if rows.is_empty() {
             // No class of this rank takes part: one column of −∞ (no mass, no gradient), a target
@@ -259,7 +302,8 @@ impl FaceHead {
                 // The sampled rows as a leaf of their own: the backward forms their gradient
                 // only, never one of the centres' full size.
                 let picked = centres.detach().index_select(&Tensor::new(rows.as_slice(), centres.device())?, 0)?;
-                let leaf = Var::from_tensor(&picked)?.into_inner();
+                // In the embeddings' dtype (f32 rows of bf16 centres).
+                let leaf = Var::from_tensor(&picked.to_dtype(emb.dtype())?)?.into_inner();
                 self.sparse = Some(SparseRows { rows: rows.clone(), leaf: Some(leaf.clone()) });
                 leaf
             } else if rows.len() == self.range.len {

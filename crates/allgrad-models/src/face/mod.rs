@@ -42,7 +42,7 @@ pub mod verification;
 
 pub use backbone::FaceModel;
 pub use data::{FaceData, SyntheticFaces};
-pub use head::{CentreUpdate, FaceHead, HeadConfig, Unsampled};
+pub use head::{CentreStorage, CentreUpdate, FaceHead, HeadConfig, Unsampled};
 pub use margin::{Margin, MarginConfig};
 pub use objective::{FaceObjective, VerifyConfig, CENTRES_PARAM};
 pub use shard::RowRange;
