@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch baseline for allgrad-nn's conv2d benchmark (crates/allgrad-nn/examples/bench_conv.rs).
+"""PyTorch baseline for allgrad-nn's conv2d benchmark (crates/allgrad-bench/src/bin/bench_conv.rs).
 
 Times the same layers the same way (one warm-up, then the median of --runs calls, f32, CPU):
 forward, input gradient and weight gradient (aten.convolution_backward with one output mask

@@ -3,7 +3,7 @@
 #
 #   scripts/bench_conv.sh [--rounds 3] [--runs 5] [--all] [--skip-candle]
 #
-# Each round builds/runs crates/allgrad-nn/examples/bench_conv.rs (Candle and allgrad-nn, their runs
+# Each round builds/runs crates/allgrad-bench/src/bin/bench_conv.rs (Candle and allgrad-nn, their runs
 # alternating) and then scripts/bench_conv.py (PyTorch, if `import torch` works), one after the
 # other. Every figure is the median of --runs timed runs; the table shows, over the rounds, the
 # median of each figure and the median of the per-round ratios candle/allgrad (allgrad's
@@ -32,10 +32,10 @@ done
 TORCH=0
 if "$PYTHON" -c "import torch" >/dev/null 2>&1; then TORCH=1; fi
 
-(cd "$ROOT" && cargo build --release -q -p allgrad-nn --example bench_conv)
+(cd "$ROOT" && cargo build --release -q -p allgrad-bench --bin bench_conv)
 for ((r = 1; r <= ROUNDS; r++)); do
     echo "== round $r/$ROUNDS: Candle and allgrad-nn"
-    (cd "$ROOT" && cargo run --release -q -p allgrad-nn --example bench_conv -- "${ARGS[@]}") | tee "$OUT/rust.$r.txt"
+    (cd "$ROOT" && cargo run --release -q -p allgrad-bench --bin bench_conv -- "${ARGS[@]}") | tee "$OUT/rust.$r.txt"
     if [[ $TORCH == 1 ]]; then
         echo "== round $r/$ROUNDS: PyTorch"
         "$PYTHON" "$ROOT/scripts/bench_conv.py" "${ARGS[@]}" | tee "$OUT/torch.$r.txt"

@@ -27,10 +27,10 @@ its gradient.
 
 Prints the same lines as crates/allgrad-bench/src/bin/bench_face_head.rs, with impl=torch: face_head_setup,
 face_head_step (rank 0, the slowest rank's times), face_head_mem (every rank), or with --check
-face_head_check: the losses of steps 0 and 1 (one optimizer step between) on the embeddings,
-labels, initial centres and step-0 sampled classes that `bench_face_head --dump DIR` wrote
-(the second loss is comparable only without sampling and with CosFace: insightface's margin
-is not differentiated, allgrad's is, and v2's sampling draws another set at step 1). Exits 2 when torch cannot be imported.
+face_head_check: the losses of steps 0, 1 and 2 (an optimizer step between each) on the
+embeddings, labels, initial centres and per-step sampled classes that `bench_face_head --dump
+DIR` wrote (the later losses are comparable with CosFace only: insightface's margin is not
+differentiated, allgrad's is; CosFace's has slope 1). Exits 2 when torch cannot be imported.
 """
 import argparse
 import math
@@ -142,13 +142,14 @@ def build(torch, dist):
             self.a, self.start, self.num_local = a, start, weight.size(0)
             self.num_sample = int(a.rate * self.num_local)
             self.weight = torch.nn.Parameter(weight)
-            self.forced = forced  # local rows to sample (the check), else random ones
+            self.forced = forced  # per step, the local rows to sample (the check), else random ones
+            self.step = 0
 
         def sample(self, labels, mine):
             with torch.no_grad():
                 positive = torch.unique(labels[mine], sorted=True)
                 if self.forced is not None:
-                    index = self.forced
+                    index = self.forced[self.step]
                 elif self.num_sample >= positive.numel():
                     perm = torch.rand(self.num_local)
                     perm[positive] = 2.0
@@ -195,7 +196,9 @@ def load_check(torch, folder, classes):
     if not parts or parts[-1]["range"][0] + parts[-1]["range"][1] != classes:
         sys.exit(f"{folder}: no dump of {classes} classes")
     cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
-    return cat("embeddings"), cat("labels"), cat("centres"), cat("sampled"), float(parts[0]["loss"][0])
+    steps = sum(1 for k in parts[0] if k.startswith("sampled_"))
+    sampled = [cat(f"sampled_{k}") for k in range(steps)]
+    return cat("embeddings"), cat("labels"), cat("centres"), sampled
 
 
 def rank_main(rank, a, port):
@@ -209,10 +212,10 @@ def rank_main(rank, a, port):
     b = a.global_batch // w
     forced = None
     if a.check:
-        emb, labels, centres, sampled, _ = load_check(torch, a.check, a.classes)
+        emb, labels, centres, sampled = load_check(torch, a.check, a.classes)
         weight = centres[start:start + num_local].clone()
-        mine = sampled[(sampled >= start) & (sampled < start + num_local)] - start
-        forced = mine if a.rate < 1.0 else None
+        forced = [s[(s >= start) & (s < start + num_local)] - start for s in sampled] if a.rate < 1.0 else None
+        check_steps = len(sampled)
     else:
         g = torch.Generator().manual_seed(a.seed)
         emb = torch.randn(a.global_batch, a.dim, generator=g)
@@ -226,12 +229,17 @@ def rank_main(rank, a, port):
               f"classes={a.classes} dim={a.dim} global_batch={a.global_batch} rate={a.rate} margin={a.margin}", flush=True)
     opt = torch.optim.SGD([head.weight], lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay)
     if a.check:
-        first = head(local_emb, local_labels)
-        first.backward()
-        opt.step()
-        second = head(local_emb, local_labels)
+        losses = []
+        for step in range(check_steps):
+            head.step = step
+            loss = head(local_emb, local_labels)
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if rank == 0:
-            print(f"face_head_check impl=torch world={w} loss={first.item():.9f} loss2={second.item():.9f}", flush=True)
+            shown = " ".join(f"loss{'' if k == 0 else k + 1}={v:.9f}" for k, v in enumerate(losses))
+            print(f"face_head_check impl=torch world={w} {shown}", flush=True)
         dist.destroy_process_group()
         return
     init_mib = status_mib("VmRSS")

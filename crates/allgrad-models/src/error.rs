@@ -130,6 +130,14 @@ pub enum ModelError {
     /// A face-head input that does not fit the head (shapes, labels, world size).
     #[error("face head: {0}")]
     HeadInput(String),
+    /// A key of the face head's section that does not fit another.
+    #[error("head.{key}: {reason}")]
+    HeadKey {
+        /// The key in the `head` section.
+        key: &'static str,
+        /// What does not fit, and what does.
+        reason: String,
+    },
 }
 
 impl From<ModelError> for candle_core::Error {

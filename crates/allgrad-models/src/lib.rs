@@ -41,4 +41,4 @@ pub mod vectors;
 pub use error::ModelError;
 pub use face::RowRange;
 pub use files::save_safetensors;
-pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective};
+pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective, SparseRows};

@@ -89,9 +89,35 @@ pub trait Objective: Send {
     /// after the step's last loss: `None` (the default) for all. Rows marked false keep their
     /// value and their optimizer state (momentum, Adam moments) bit for bit, as if they were
     /// not part of the model this step: neither weight decay nor momentum moves them
-    /// (Partial FC's unsampled class centres).
+    /// (Partial FC's unsampled class centres under `head.unsampled: frozen`).
     fn updated_rows(&self, _name: &str, _step: usize) -> Option<Vec<bool>> {
         None
+    }
+
+    /// The row-sparse gradient of a sharded parameter at the last [`Objective::loss`] call:
+    /// `Some` when that loss read only some rows (dim 0) of `name`, and read them through
+    /// [`SparseRows::leaf`] instead of the parameter itself. The parameter then has no
+    /// gradient in the backward's store; its gradient is the leaf's gradient at rows
+    /// [`SparseRows::rows`] and zero in every other row, and no tensor of the parameter's
+    /// full size is formed for it. Asked by the trainer after every loss call (micro-batch);
+    /// default: `None` (the parameter is on the graph as itself, its gradient dense).
+    ///
+    /// How the optimizer treats the rows left out is [`Objective::updated_rows`]'s answer:
+    /// `None` (all rows may change) makes the update equal the dense update with a zero
+    /// gradient in those rows (weight decay and momentum still move them, applied lazily);
+    /// `Some(mask)` keeps them as they are.
+    fn sparse_rows(&self, _name: &str) -> Option<SparseRows> {
+        None
+    }
+
+    /// The rows (dim 0, sorted, distinct) of sharded parameter `name` that the next
+    /// [`Objective::loss`] call, on `batch`, will read, when it reads only some of them
+    /// through [`Objective::sparse_rows`]: the trainer calls it before every loss call and
+    /// brings those rows up to date first (rows a row-sparse update left behind). Called on
+    /// every rank with its part of the same step, so it may use collectives (the face head
+    /// gathers the global batch's labels). Default: `None` (no row-sparse reads).
+    fn rows_to_read(&mut self, _name: &str, _batch: &Batch, _pg: &ProcessGroup) -> Result<Option<Vec<u32>>> {
+        Ok(None)
     }
 
     /// Evaluation metrics (name, value), logged at the end of every epoch and of the run.
@@ -115,6 +141,18 @@ pub trait Objective: Send {
         }
         Ok(())
     }
+}
+
+/// The rows of a parameter that one loss call read, and where their gradient lands: see
+/// [`Objective::sparse_rows`].
+#[derive(Clone, Debug)]
+pub struct SparseRows {
+    /// Local rows (dim 0) of the parameter, sorted and distinct.
+    pub rows: Vec<u32>,
+    /// A variable holding those rows' values in that order (`[rows.len(), ...]`, a leaf of
+    /// the loss's graph): its gradient in the backward's store is theirs. `None` when `rows`
+    /// is empty.
+    pub leaf: Option<Tensor>,
 }
 
 /// An objective whose loss is a function of per-sample embeddings: `loss(batch) =

@@ -5,7 +5,7 @@
 
 use allgrad_dist::testing::check_world_size_invariance;
 use allgrad_dist::{all_gather, run_threads, ProcessGroup, ReduceOp};
-use allgrad_models::face::{FaceHead, HeadConfig, Margin, MarginConfig, RowRange};
+use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, Margin, MarginConfig, RowRange};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -25,7 +25,8 @@ fn embeddings() -> Vec<f64> {
 }
 
 fn config(margin: MarginConfig, rate: f64) -> HeadConfig {
-    HeadConfig { num_classes: C, margin, sample_rate: rate, init_std: 0.01 }
+    // The dense gradient: these tests read the centres' gradient from the backward's store.
+    HeadConfig { margin, sample_rate: rate, update: CentreUpdate::Dense, ..HeadConfig::with_classes(C) }
 }
 
 /// A head for `rank` of `world`, built on a fresh VarMap (its centres, `[c_r, D]`).

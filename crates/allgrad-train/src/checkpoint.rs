@@ -284,7 +284,18 @@ pub fn restore(ck: Checkpoint, to: RestoreTarget) -> TrainResult<usize> {
         if t.dims() != v.dims() {
             return Err(mismatch(format!("parameter {name} has shape {:?} there, {:?} in the model", t.dims(), v.dims())));
         }
-        v.set(&t.to_dtype(to.dtype)?)?;
+        // bf16 storage (face centres, `head.storage: bf16`) keeps its optimizer state in bf16
+        // too: a checkpoint resumes only with the storage it was written with.
+        if (t.dtype() == DType::BF16) != (v.dtype() == DType::BF16) {
+            return Err(mismatch(format!(
+                "parameter {name} is stored in {:?} there and in {:?} in this run (for a face head's centres, \
+                 head.storage must be the one the checkpoint was written with)",
+                t.dtype(),
+                v.dtype()
+            )));
+        }
+        // In the parameter's own dtype (the run's, or bf16 face centres).
+        v.set(&t.to_dtype(v.dtype())?)?;
     }
     to.objective.load_buffers(&ck.buffers).map_err(|e| mismatch(format!("its buffers do not fit the model: {e}")))?;
     to.optimizer.load_state(ck.optimizer, ck.state.optimizer_steps);

@@ -24,12 +24,14 @@ pub mod method;
 pub mod metrics;
 pub mod optim;
 mod optim_fused;
+mod optim_lazy;
 pub mod params;
 pub mod run;
 pub mod run_dir;
 pub mod schedule;
 pub mod settings;
 pub mod shards;
+mod step_grads;
 pub mod trainer;
 
 pub use config::RunConfig;

@@ -5,12 +5,24 @@
 //! kernel (`optim_fused.rs`) with the same formulas; the rest is composed from Candle ops.
 //! Their state is a set of named tensors (`<param>/<slot>`) plus a step count, saved in
 //! checkpoints.
+//!
+//! A gradient may be row-sparse ([`RowUpdate::Sparse`]: the rows a step used, as ids and
+//! rows, for a class-sharded head with Partial FC). SGD and AdamW then update those rows
+//! only and apply the other rows' zero-gradient steps lazily, when the rows are next used or
+//! at [`Optimizer::flush`] (`optim_lazy.rs`): the result equals the dense update bit for bit.
+//! A bf16 parameter on the CPU (bf16 face centres) takes the same lazy update in f32
+//! arithmetic. LARS, and parameters off these paths (other devices and dtypes), take the dense update
+//! of the gradient scattered into zeros: LARS's trust ratio needs the norms of every row's
+//! current value at every step (over all ranks for a sharded parameter), which a deferred
+//! row does not have.
 
 use std::collections::BTreeMap;
 
 use allgrad_dist::{ProcessGroup, ReduceOp};
 use candle_core::{DType, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
+
+use crate::optim_lazy::{self as lazy, Behind, LrLog, Rule};
 
 /// The `optim` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -137,6 +149,28 @@ impl OptimConfig {
     }
 }
 
+/// Which rows (dim 0) of a parameter an update changes, and the form of its gradient.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum RowUpdate {
+    /// A dense gradient; every row is updated.
+    #[default]
+    All,
+    /// A dense gradient; only the rows marked true are updated, the others keep their value
+    /// and their state slots bit for bit.
+    Only(Vec<bool>),
+    /// A row-sparse gradient: the gradient tensor holds rows `rows` (sorted, distinct) of the
+    /// parameter, `[rows.len(), ...]`; every other row's gradient is zero. With `keep_others`
+    /// false the result is the dense update's: the other rows' updates are applied lazily
+    /// (see the module docs). With `keep_others` true the other rows keep value and state, as
+    /// with [`RowUpdate::Only`].
+    Sparse {
+        /// The rows in the gradient.
+        rows: Vec<u32>,
+        /// Whether the rows not in the gradient keep value and state.
+        keep_others: bool,
+    },
+}
+
 /// An optimizer and its state.
 pub struct Optimizer {
     cfg: OptimConfig,
@@ -144,6 +178,10 @@ pub struct Optimizer {
     state: BTreeMap<String, Tensor>,
     /// Updates applied so far.
     pub steps: u64,
+    /// Parameters with rows behind `steps` (deferred updates), and each row's update count.
+    lazy: BTreeMap<String, Vec<u64>>,
+    /// The learning rate of every update a deferred row may still need.
+    lrs: LrLog,
 }
 
 fn sq_norm(t: &Tensor) -> Result<f64> {
@@ -153,18 +191,108 @@ fn sq_norm(t: &Tensor) -> Result<f64> {
 impl Optimizer {
     /// A fresh optimizer.
     pub fn new(cfg: OptimConfig) -> Self {
-        Optimizer { cfg, state: BTreeMap::new(), steps: 0 }
+        Optimizer { cfg, state: BTreeMap::new(), steps: 0, lazy: BTreeMap::new(), lrs: LrLog::default() }
     }
 
-    /// The state tensors, for checkpoints.
+    /// The state tensors, for checkpoints. Rows of a row-sparse update may be behind (see
+    /// [`Optimizer::pending`]): [`Optimizer::flush`] first.
     pub fn state(&self) -> &BTreeMap<String, Tensor> {
         &self.state
     }
 
-    /// Restores state saved by [`Optimizer::state`].
+    /// Restores state saved by [`Optimizer::state`] (after a flush: every row current).
     pub fn load_state(&mut self, state: BTreeMap<String, Tensor>, steps: u64) {
         self.state = state;
         self.steps = steps;
+        self.lazy.clear();
+        self.lrs.reset(steps);
+    }
+
+    /// Whether some rows of some parameter have updates pending (row-sparse updates since
+    /// the last [`Optimizer::flush`]): their values and state slots are not yet those of the
+    /// dense update.
+    pub fn pending(&self) -> bool {
+        !self.lazy.is_empty()
+    }
+
+    /// Applies every pending update (see the module docs), so that every parameter and state
+    /// slot holds what the dense updates would have given: before reading parameters or
+    /// state (a checkpoint, an evaluation). `params` must include every parameter given to
+    /// the row-sparse steps.
+    pub fn flush(&mut self, params: &[(String, Var)]) -> Result<()> {
+        for (name, p) in params {
+            self.flush_param(name, p, self.steps)?;
+        }
+        if let Some(name) = self.lazy.keys().next() {
+            candle_core::bail!("optimizer flush: parameter {name} has pending updates but was not passed");
+        }
+        self.lrs.reset(self.steps);
+        Ok(())
+    }
+
+    /// Brings rows `rows` (sorted, distinct) of parameter `name` up to date: the updates a
+    /// row-sparse step left pending on them are applied (nothing when none are). Call it
+    /// before reading those rows (the forward pass of the step that uses them).
+    pub fn catch_up(&mut self, name: &str, p: &Var, rows: &[u32]) -> Result<()> {
+        let to = self.steps;
+        let Some(done) = self.lazy.get_mut(name) else { return Ok(()) };
+        if let Some(r) = rows.iter().find(|r| **r as usize >= done.len()) {
+            candle_core::bail!("catch_up of {name}: row {r} of a parameter of {} rows", done.len());
+        }
+        let (behind, from): (Vec<u32>, Vec<u64>) =
+            rows.iter().filter(|r| done[**r as usize] < to).map(|r| (*r, done[*r as usize])).unzip();
+        if behind.is_empty() {
+            return Ok(());
+        }
+        behind.iter().for_each(|r| done[*r as usize] = to);
+        let rule = Rule::of(&self.cfg).ok_or_else(|| candle_core::Error::Msg("lazy update under LARS".into()))?;
+        let w = p.as_tensor();
+        let slots: Vec<Tensor> = slot_names(&self.cfg).iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
+        lazy::bring_up(rule, w, &slots, Behind { rows: &behind, from: &from }, to, None, &self.lrs)
+    }
+
+    /// Brings every row of `name` up to `to` updates.
+    fn flush_param(&mut self, name: &str, p: &Var, to: u64) -> Result<()> {
+        let Some(done) = self.lazy.remove(name) else { return Ok(()) };
+        let rule = Rule::of(&self.cfg).ok_or_else(|| candle_core::Error::Msg("lazy update under LARS".into()))?;
+        let (rows, from): (Vec<u32>, Vec<u64>) =
+            done.iter().enumerate().filter(|(_, d)| **d < to).map(|(r, d)| (r as u32, *d)).unzip();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let w = p.as_tensor();
+        let slots: Vec<Tensor> = slot_names(&self.cfg).iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
+        lazy::bring_up(rule, w, &slots, Behind { rows: &rows, from: &from }, to, None, &self.lrs)
+    }
+
+    /// The lazy step of parameter `name` (see the module docs), or `false` when it does not
+    /// apply (LARS, a tensor off the fused path). `t` is this update's number.
+    fn step_lazy(&mut self, name: &str, p: &Var, g: &Tensor, rows: &[u32], keep_others: bool, t: u64) -> Result<bool> {
+        let Some(rule) = Rule::of(&self.cfg) else { return Ok(false) };
+        let w = p.as_tensor();
+        let names = slot_names(&self.cfg);
+        let slots: Vec<Tensor> = names.iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
+        if !lazy::applies(w, &slots, g, rows.len()) {
+            return Ok(false);
+        }
+        let n = w.dim(0)?;
+        if keep_others || rule.zero_step_is_identity() {
+            // Nothing is deferred: the rows not in the gradient do not change.
+            self.flush_param(name, p, t - 1)?;
+            let from = vec![t - 1; rows.len()];
+            lazy::bring_up(rule, w, &slots, Behind { rows, from: &from }, t, Some(g), &self.lrs)?;
+        } else {
+            let done = self.lazy.entry(name.to_string()).or_insert_with(|| vec![t - 1; n]);
+            let from: Vec<u64> = rows.iter().map(|r| done[*r as usize]).collect();
+            for r in rows {
+                done[*r as usize] = t;
+            }
+            lazy::bring_up(rule, w, &slots, Behind { rows, from: &from }, t, Some(g), &self.lrs)?;
+        }
+        for (slot, value) in names.iter().zip(slots) {
+            self.set_slot(name, slot, value);
+        }
+        Ok(true)
     }
 
     fn slot(&mut self, name: &str, slot: &str, like: &Tensor) -> Result<Tensor> {
@@ -211,16 +339,71 @@ impl Optimizer {
         lr: f64,
         pg: &ProcessGroup,
     ) -> Result<()> {
+        let rows: Vec<RowUpdate> = rows.iter().map(|r| r.clone().map_or(RowUpdate::All, RowUpdate::Only)).collect();
+        self.step_grads(params, grads, sharded, &rows, lr, pg)
+    }
+
+    /// As [`Optimizer::step_rows`], with each parameter's gradient dense or row-sparse:
+    /// `rows[i]` ([`RowUpdate`]; missing entries are [`RowUpdate::All`]) says which rows of
+    /// parameter i change and what `grads[i]` holds. A row-sparse gradient of SGD or AdamW on
+    /// the fused path updates its rows only and leaves the other rows' updates pending until
+    /// they are next in a gradient or [`Optimizer::flush`] (the dense update's result, bit for
+    /// bit); otherwise it is scattered into zeros and takes the dense update.
+    pub fn step_grads(
+        &mut self,
+        params: &[(String, Var)],
+        grads: &[Tensor],
+        sharded: &[bool],
+        rows: &[RowUpdate],
+        lr: f64,
+        pg: &ProcessGroup,
+    ) -> Result<()> {
         self.steps += 1;
-        let t = self.steps as i32;
+        let step = self.steps;
+        if self.lazy.is_empty() {
+            self.lrs.reset(step - 1);
+        }
+        self.lrs.push(lr);
+        let t = step as i32;
         let cfg = self.cfg.clone();
         for (i, ((name, p), g)) in params.iter().zip(grads).enumerate() {
             // Detached: ops on the variable (or on a gradient with its graph) would be tracked.
             let (w, g) = (&p.as_tensor().detach(), &g.detach());
+            let (g, row_mask): (Tensor, Option<Vec<bool>>) = match rows.get(i) {
+                Some(RowUpdate::Sparse { rows: ids, keep_others }) => {
+                    check_sparse(name, w, g, ids)?;
+                    if self.step_lazy(name, p, g, ids, *keep_others, step)? {
+                        continue;
+                    }
+                    // The dense update of the gradient scattered into zeros.
+                    self.flush_param(name, p, step - 1)?;
+                    let dense = match ids.is_empty() {
+                        true => w.zeros_like()?,
+                        false => {
+                            w.zeros_like()?.index_add(&Tensor::new(ids.as_slice(), w.device())?, &g.to_dtype(w.dtype())?, 0)?
+                        }
+                    };
+                    let keep = keep_others.then(|| {
+                        let mut m = vec![false; w.dim(0).unwrap_or(0)];
+                        ids.iter().for_each(|r| m[*r as usize] = true);
+                        m
+                    });
+                    (dense, keep)
+                }
+                Some(RowUpdate::Only(m)) => {
+                    self.flush_param(name, p, step - 1)?;
+                    (g.clone(), Some(m.clone()))
+                }
+                _ => {
+                    self.flush_param(name, p, step - 1)?;
+                    (g.clone(), None)
+                }
+            };
+            let g = &g;
             if crate::optim_fused::applies(&cfg, w, g) {
                 let names = slot_names(&cfg);
                 let slots: Vec<Tensor> = names.iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
-                let row_flags = rows.get(i).and_then(|r| r.as_deref());
+                let row_flags = row_mask.as_deref();
                 // In place on the parameter's own storage (a detached view would share it too).
                 if crate::optim_fused::update(&cfg, p.as_tensor(), g, &slots, row_flags, lr, t)? {
                     for (slot, value) in names.iter().zip(slots) {
@@ -229,9 +412,9 @@ impl Optimizer {
                     continue;
                 }
             }
-            let mask = match rows.get(i) {
-                Some(Some(m)) => Some(row_mask(m, w)?),
-                _ => None,
+            let mask = match &row_mask {
+                Some(m) => Some(row_mask_tensor(m, w)?),
+                None => None,
             };
             let prefix = format!("{name}/");
             let before: Vec<(String, Option<Tensor>)> = match mask {
@@ -313,8 +496,29 @@ pub(crate) fn slot_names(cfg: &OptimConfig) -> &'static [&'static str] {
     }
 }
 
+/// Checks a row-sparse gradient `g` of parameter `name` (`w`): rows sorted, distinct and
+/// within `w`, and `g` of `[rows.len(), w's row shape]`.
+fn check_sparse(name: &str, w: &Tensor, g: &Tensor, rows: &[u32]) -> Result<()> {
+    let n = w.dims().first().copied().unwrap_or(0);
+    if let Some(k) = (1..rows.len()).find(|k| rows[k - 1] >= rows[*k]) {
+        candle_core::bail!("row-sparse gradient of {name}: rows must be increasing, got {} then {}", rows[k - 1], rows[k]);
+    }
+    if let Some(r) = rows.last().filter(|r| **r as usize >= n) {
+        candle_core::bail!("row-sparse gradient of {name}: row {r} of a parameter of {n} rows");
+    }
+    if g.dims().first() != Some(&rows.len()) || g.dims().get(1..) != w.dims().get(1..) {
+        candle_core::bail!(
+            "row-sparse gradient of {name}: {} rows of a parameter of shape {:?}, but a gradient of shape {:?}",
+            rows.len(),
+            w.dims(),
+            g.dims()
+        );
+    }
+    Ok(())
+}
+
 /// A u8 mask of `like`'s shape: 1 in the rows (dim 0) marked true.
-fn row_mask(rows: &[bool], like: &Tensor) -> Result<Tensor> {
+fn row_mask_tensor(rows: &[bool], like: &Tensor) -> Result<Tensor> {
     let n = like.dims().first().copied().unwrap_or(0);
     if rows.len() != n {
         candle_core::bail!("a row mask of {} rows for a parameter of shape {:?}", rows.len(), like.dims());

@@ -72,7 +72,17 @@ impl SimpleBackend for ParamStore {
             }
             return Ok(v.as_tensor().clone());
         }
-        let var = Var::from_tensor(&self.init(name, &s, h, dtype, dev)?)?;
+        let var = match h {
+            // Made in place: no f64 copy of a large parameter (a sharded head's centres).
+            Init::Const(v) => {
+                let var = Var::zeros(s, dtype, dev)?;
+                if v != 0.0 {
+                    var.set(&var.as_tensor().affine(0.0, v)?)?;
+                }
+                var
+            }
+            _ => Var::from_tensor(&self.init(name, &s, h, dtype, dev)?)?,
+        };
         let t = var.as_tensor().clone();
         vars.insert(name.to_string(), var);
         Ok(t)

@@ -167,7 +167,11 @@ pub fn load_into(
                         return Err(mismatch(format!("{name} was saved without a row range and cannot be re-sharded")));
                     };
                     if have.total != want.total {
-                        return Err(mismatch(format!("{name} has {} rows there, {} in the model", have.total, want.total)));
+                        return Err(mismatch(format!(
+                            "{name} has {} rows over all shards there and {} in this run: the run's config must give it \
+                             the checkpoint's size (head.num_classes = {} for a face head's centres)",
+                            have.total, want.total, have.total
+                        )));
                     }
                     let (lo, hi) = (want.start.max(have.start), want.end().min(have.end()));
                     if lo < hi {

@@ -19,10 +19,11 @@ use crate::checkpoint::{self, CheckpointConfig, Contents, RestoreTarget, TrainSt
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
 use crate::error::{TrainError, TrainResult};
 use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
-use crate::optim::{OptimConfig, Optimizer};
+use crate::optim::{OptimConfig, Optimizer, RowUpdate};
 use crate::params::ParamStore;
 use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
+use crate::step_grads::StepGrads;
 
 /// The `train` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -318,6 +319,8 @@ impl Trainer {
                 self.save_checkpoint()?;
             }
         }
+        // Every row up to date: parameters read after this call are the dense update's.
+        self.optimizer.flush(&self.params)?;
         if let Some(p) = &progress {
             p.finish();
         }
@@ -330,6 +333,7 @@ impl Trainer {
     }
 
     fn evaluate(&mut self, epoch: usize, progress: &Option<ProgressView>) -> TrainResult<Vec<(String, f64)>> {
+        self.optimizer.flush(&self.params)?;
         let eval = self.objective.evaluate(&self.pg)?;
         if !eval.is_empty() {
             if let Some(p) = progress {
@@ -382,14 +386,30 @@ impl Trainer {
         let local = self.sampler.local(&global, rank, w).to_vec();
         let micro = local.len() / acc;
 
-        let mut grads: Vec<Tensor> = self.params.iter().map(|(_, v)| v.as_tensor().zeros_like()).collect::<Result<_>>()?;
+        let mut step_grads = StepGrads::new(self.params.len());
         let mut loss_sum = 0f64;
         for m in 0..acc {
             let batch = Batch { indices: &local[m * micro..(m + 1) * micro], epoch, step: self.step, seed: self.cfg.seed };
             if let Some(chunk) = self.cfg.train.cache_chunk {
+                let mut grads = step_grads.take_dense(&self.params)?;
                 let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);
                 loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
+                if let Some((name, _)) = self.params.iter().find(|(n, _)| self.objective.sparse_rows(n).is_some()) {
+                    return Err(TrainError::Setup(format!(
+                        "train.cache_chunk: the objective reads {name} row by row (a row-sparse gradient), which gradient \
+                         caching does not take; remove train.cache_chunk"
+                    )));
+                }
+                step_grads.put_dense(grads);
                 continue;
+            }
+            // Rows the loss will read that row-sparse updates left behind are brought up to date.
+            for (i, (name, v)) in self.params.iter().enumerate() {
+                if self.sharded[i] {
+                    if let Some(rows) = self.objective.rows_to_read(name, &batch, &self.pg)? {
+                        self.optimizer.catch_up(name, v, &rows)?;
+                    }
+                }
             }
             let loss = self.objective.loss(&batch, &self.pg)?;
             if loss.rank() != 0 {
@@ -397,12 +417,9 @@ impl Trainer {
             }
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             let g = (loss / (w * acc) as f64)?.backward()?;
-            for ((_, v), acc_g) in self.params.iter().zip(grads.iter_mut()) {
-                if let Some(gv) = g.get(v) {
-                    *acc_g = (&*acc_g + gv)?;
-                }
-            }
+            step_grads.add(&self.params, &self.sharded, self.objective.as_ref(), &g)?;
         }
+        let (mut grads, row_ids) = step_grads.finish(&self.params)?;
         // The objective J = mean over ranks of the per-rank (micro-batch mean) losses.
         let mut loss = [loss_sum / acc as f64];
         self.pg.all_reduce_slice(&mut loss, ReduceOp::Avg)?;
@@ -433,9 +450,20 @@ impl Trainer {
                 }
             }
         }
-        // Rows the objective did not use this step (Partial FC) keep value and state.
-        let rows: Vec<Option<Vec<bool>>> = self.params.iter().map(|(n, _)| self.objective.updated_rows(n, self.step)).collect();
-        self.optimizer.step_rows(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
+        // Row-sparse gradients (Partial FC's sampled centres) update their rows, the other rows
+        // lazily as a dense step would; rows the objective marks as not updated keep value
+        // and state.
+        let rows: Vec<RowUpdate> = self
+            .params
+            .iter()
+            .zip(row_ids)
+            .map(|((n, _), ids)| match (ids, self.objective.updated_rows(n, self.step)) {
+                (Some(ids), keep) => RowUpdate::Sparse { rows: ids, keep_others: keep.is_some() },
+                (None, Some(mask)) => RowUpdate::Only(mask),
+                (None, None) => RowUpdate::All,
+            })
+            .collect();
+        self.optimizer.step_grads(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
         Ok(StepOutcome::Applied { loss, grad_norm })
     }
 
@@ -456,6 +484,9 @@ impl Trainer {
 
     fn save_checkpoint(&mut self) -> TrainResult<()> {
         let Some(dir) = self.out_dir.clone() else { return Ok(()) };
+        // Rows behind (row-sparse updates) are brought up to date: the checkpoint holds the
+        // dense update's values and state.
+        self.optimizer.flush(&self.params)?;
         // Never write a checkpoint of broken weights.
         for (name, v) in &self.params {
             let bad = v.as_tensor().to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?;

@@ -51,6 +51,8 @@ fn configs() -> Vec<(PathBuf, Vec<String>)> {
         ("simcse.yaml", &["eval.sts=sts-b.tsv", "model.pooling=cls"]),
         ("simcse.yaml", &["loss={temperature: 0.05, tile: 16, queue: 1}"]),
         ("face.yaml", &["head.margin={kind: arcface}"]),
+        ("face.yaml", &["head.update=dense", "head.unsampled=frozen"]),
+        ("face.yaml", &["head.storage=bf16"]),
         ("face.yaml", &["head.margin={kind: combined, m2: 0.3, m3: 0.1}"]),
         ("face.yaml", &["data={kind: synthetic, samples: 512, dim: 16}", "model={kind: linear, embedding: 32}"]),
     ];

@@ -126,6 +126,16 @@ impl Source {
         }
     }
 
+    /// The labels of training samples `indices` (without reading their inputs).
+    pub(crate) fn labels(&self, indices: &[usize]) -> Result<Vec<usize>> {
+        match self {
+            Source::Synthetic { classes, .. } => Ok(indices.iter().map(|i| i % classes).collect()),
+            Source::Images { train, .. } => {
+                indices.iter().map(|&i| train.label(i).map_err(|e| ModelError::Data(e).into())).collect()
+            }
+        }
+    }
+
     /// The un-augmented held-out images `indices` and their identities (images only).
     pub(crate) fn test_batch(&self, indices: &[usize], device: &Device, dtype: DType) -> Result<Option<(Tensor, Vec<usize>)>> {
         match self {

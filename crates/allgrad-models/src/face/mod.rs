@@ -9,8 +9,14 @@
 //!   its (sampled) centres, applies the [`margin`] to the target logit and computes the
 //!   [`softmax::parallel_cross_entropy`]. No rank holds the C-wide logits.
 //! - [`sampling`]: Partial FC, the positives of the global batch plus negatives sampled by
-//!   a hash of (seed, step, class id); only sampled rows get gradient, momentum and weight
-//!   decay ([`FaceHead::updated_rows`], reported to the trainer by
+//!   a hash of (seed, step, class id); only sampled rows get a gradient. With
+//!   `head.update: sparse` (the default) the head reads the sampled rows into a leaf of
+//!   their own, so the backward forms their gradient only, as row ids and rows
+//!   ([`FaceHead::sparse_rows`], reported to the trainer by
+//!   [`crate::Objective::sparse_rows`]). The other rows are updated as a dense step with a
+//!   zero gradient would update them (`head.unsampled: decay`, the default: weight decay
+//!   and momentum move them; the optimizer applies those steps lazily, exactly), or keep
+//!   value and state (`frozen`, [`FaceHead::updated_rows`], reported by
 //!   [`crate::Objective::updated_rows`]).
 //!
 //! # The gradient rule, and insightface's `* world_size`
@@ -27,6 +33,7 @@ pub mod backbone;
 pub mod data;
 pub mod head;
 pub mod margin;
+pub mod normalize;
 pub mod objective;
 pub mod sampling;
 pub mod shard;
@@ -35,7 +42,7 @@ pub mod verification;
 
 pub use backbone::FaceModel;
 pub use data::{FaceData, SyntheticFaces};
-pub use head::{FaceHead, HeadConfig};
+pub use head::{CentreStorage, CentreUpdate, FaceHead, HeadConfig, Unsampled};
 pub use margin::{Margin, MarginConfig};
 pub use objective::{FaceObjective, VerifyConfig, CENTRES_PARAM};
 pub use shard::RowRange;

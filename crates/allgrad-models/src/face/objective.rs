@@ -15,7 +15,7 @@ use super::shard::RowRange;
 use super::verification::verify;
 use crate::batch_norm::{load_running_buffers, running_buffers, Mode};
 use crate::losses::l2_normalize;
-use crate::{Batch, ModelError, Objective};
+use crate::{Batch, ModelError, Objective, SparseRows};
 
 /// The name of the sharded centres parameter.
 pub const CENTRES_PARAM: &str = "head.centres";
@@ -132,6 +132,14 @@ impl Objective for FaceObjective {
 
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
         let (x, labels) = self.source.batch(batch.indices, batch.seed, batch.epoch, &self.device, self.dtype)?;
+        let classes = self.head_cfg.num_classes;
+        if let Some((i, l)) = batch.indices.iter().zip(&labels).find(|(_, l)| **l >= classes) {
+            return Err(ModelError::HeadInput(format!(
+                "training sample {i} has label {l}, not below head.num_classes = {classes}: raise head.num_classes to the \
+                 data's identity count"
+            ))
+            .into());
+        }
         let pass = Pass { mode: Mode { train: true, pg }, seed: batch.seed, step: batch.step, indices: batch.indices };
         let emb = self.backbone()?.forward(&x, pass)?;
         self.head()?.loss(&emb, &labels, batch.seed, batch.step, pg)
@@ -150,6 +158,21 @@ impl Objective for FaceObjective {
             return None;
         }
         self.head.as_ref().and_then(|h| h.updated_rows(step))
+    }
+
+    fn rows_to_read(&mut self, name: &str, batch: &Batch, pg: &ProcessGroup) -> Result<Option<Vec<u32>>> {
+        if name != CENTRES_PARAM {
+            return Ok(None);
+        }
+        let labels = self.source.labels(batch.indices)?;
+        self.head()?.rows_to_read(&labels, batch.seed, batch.step, pg)
+    }
+
+    fn sparse_rows(&self, name: &str) -> Option<SparseRows> {
+        if name != CENTRES_PARAM {
+            return None;
+        }
+        self.head.as_ref().and_then(|h| h.sparse_rows())
     }
 
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

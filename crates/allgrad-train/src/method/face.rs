@@ -3,13 +3,14 @@
 //! verification. Sections: `data` (`synthetic` or `images`), `model` (`linear` or `resnet`),
 //! `head`, and optionally `verify`.
 
-use allgrad_models::face::{FaceData, FaceModel, FaceObjective, HeadConfig, VerifyConfig};
+use allgrad_models::face::{CentreStorage, FaceData, FaceModel, FaceObjective, HeadConfig, VerifyConfig};
 use allgrad_models::{ModelError, Objective};
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use super::{Method, SectionError};
-use crate::config::RunConfig;
+use crate::config::{DeviceKind, Precision, RunConfig};
+use crate::optim::OptimConfig;
 
 /// The sections of `face`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -31,7 +32,9 @@ pub struct Face;
 
 fn key_of(e: ModelError) -> SectionError {
     match e {
-        ModelError::HeadValue { key, .. } => SectionError::new(format!("head.{key}"), e.to_string()),
+        ModelError::HeadValue { key, .. } | ModelError::HeadKey { key, .. } => {
+            SectionError::new(format!("head.{key}"), e.to_string())
+        }
         e => SectionError::new("model", e.to_string()),
     }
 }
@@ -43,7 +46,7 @@ impl Method for Face {
         &["data.dir"]
     }
 
-    fn validate(&self, s: &FaceSections, _run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
+    fn validate(&self, s: &FaceSections, run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
         s.head.validate().map_err(key_of)?;
         s.model.validate().map_err(key_of)?;
         if s.head.num_classes < world_size {
@@ -51,6 +54,23 @@ impl Method for Face {
                 "head.num_classes",
                 format!("{} classes cannot be split over {world_size} ranks (each needs one)", s.head.num_classes),
             ));
+        }
+        if s.head.storage == CentreStorage::Bf16 {
+            if matches!(run.optim, OptimConfig::Lars { .. }) {
+                return Err(SectionError::new(
+                    "head.storage",
+                    "bf16 centres take optim.kind sgd or adamw: LARS updates every centre each step in the centres' dtype",
+                ));
+            }
+            if run.dtype != Precision::F32 {
+                return Err(SectionError::new(
+                    "head.storage",
+                    "bf16 centres take dtype: f32 (the centres they use are read into f32 rows and updated in f32)",
+                ));
+            }
+            if run.device != DeviceKind::Cpu {
+                return Err(SectionError::new("head.storage", "bf16 centres are updated on the CPU only (device: cpu)"));
+            }
         }
         let kinds = (matches!(s.data, FaceData::Synthetic(_)), matches!(s.model, FaceModel::Linear { .. }));
         if kinds.0 != kinds.1 {

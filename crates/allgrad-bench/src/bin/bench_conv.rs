@@ -1,7 +1,7 @@
 //! Conv2d forward / input-gradient / weight-gradient timings: Candle vs allgrad-nn.
 //!
 //! ```text
-//! cargo run --release -p allgrad-nn --example bench_conv -- [--runs N] [--all | --resnet18] [--only TEXT] [--skip-candle]
+//! cargo run --release -p allgrad-bench --bin bench_conv -- [--runs N] [--all | --resnet18] [--only TEXT] [--skip-candle]
 //! ```
 //!
 //! Prints a table and, for `scripts/bench_conv.sh` (which adds PyTorch beside it), one
