@@ -34,7 +34,7 @@ use crate::method::Registry;
 use crate::metrics::LogConfig;
 use crate::optim::OptimConfig;
 use crate::schedule::ScheduleConfig;
-use crate::trainer::TrainSection;
+use crate::train_section::TrainSection;
 
 /// The top-level keys the trainer owns; every other one belongs to the method.
 pub const TRAINER_KEYS: [&str; 10] =
@@ -316,20 +316,7 @@ impl RunConfig {
     pub(crate) fn validate_trainer(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
         let bad = |msg: String| ConfigError::Invalid { path: path.into(), msg };
         let t = &self.train;
-        if t.global_batch == 0 || t.accumulate == 0 {
-            return Err(bad(format!(
-                "train.global_batch ({}) and train.accumulate ({}) must be positive",
-                t.global_batch, t.accumulate
-            )));
-        }
-        let unit = world_size * t.accumulate;
-        if !t.global_batch.is_multiple_of(unit) {
-            return Err(bad(format!(
-                "train.global_batch = {} is not divisible by world size {world_size} x train.accumulate {} = {unit}: \
-                 each rank takes global_batch / world_size samples per step, in `accumulate` equal micro-batches",
-                t.global_batch, t.accumulate
-            )));
-        }
+        t.micro_batch(world_size).map_err(bad)?;
         crate::grad_cache::check_config(t, world_size).map_err(bad)?;
         if t.epochs == 0 && t.max_steps.is_none() {
             return Err(bad("train.epochs is 0 and train.max_steps is not set: nothing to train".into()));

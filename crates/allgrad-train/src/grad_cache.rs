@@ -47,7 +47,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
 
 use crate::error::{TrainError, TrainResult};
-use crate::trainer::TrainSection;
+use crate::train_section::TrainSection;
 
 /// Largest `max |E2 − E1| / max |E1|` tolerated between a chunk's replayed embeddings `E2`
 /// and its first-pass embeddings `E1` of dtype `dtype`. Keyed randomness makes them bitwise
@@ -73,7 +73,7 @@ pub fn check_config(train: &TrainSection, world_size: usize) -> std::result::Res
                     (remove the key for the plain step)"
             .into());
     }
-    let micro = train.global_batch / (world_size * train.accumulate).max(1);
+    let micro = train.micro_batch(world_size)?;
     if chunk > micro {
         return Err(format!(
             "train.cache_chunk = {chunk} exceeds the samples each rank embeds per micro-batch: train.global_batch {} / \

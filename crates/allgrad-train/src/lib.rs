@@ -32,10 +32,12 @@ pub mod schedule;
 pub mod settings;
 pub mod shards;
 mod step_grads;
+pub mod train_section;
 pub mod trainer;
 
 pub use config::RunConfig;
 pub use error::{TrainError, TrainResult};
 pub use method::{Method, Registry};
 pub use settings::Settings;
+pub use train_section::{NonFinite, TrainSection};
 pub use trainer::{Summary, Trainer, TrainerConfig};

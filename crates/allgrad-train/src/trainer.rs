@@ -13,7 +13,6 @@ use allgrad_data::DistributedSampler;
 use allgrad_dist::{ProcessGroup, ReduceOp};
 use allgrad_models::{Batch, Objective};
 use candle_core::{DType, Device, Result, Tensor, Var};
-use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointConfig, Contents, RestoreTarget, TrainState};
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
@@ -24,59 +23,7 @@ use crate::params::ParamStore;
 use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
 use crate::step_grads::StepGrads;
-
-/// The `train` section.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct TrainSection {
-    /// Samples per optimizer step, over all ranks (each rank takes global_batch / W).
-    pub global_batch: usize,
-    /// Passes over the data.
-    #[serde(default = "one")]
-    pub epochs: usize,
-    /// Stop after this many steps (overrides `epochs` when smaller).
-    #[serde(default)]
-    pub max_steps: Option<usize>,
-    /// Micro-batches per step on each rank (gradients are synchronised once per step).
-    #[serde(default = "one")]
-    pub accumulate: usize,
-    /// Clip gradients to this global L2 norm.
-    #[serde(default)]
-    pub clip_grad_norm: Option<f64>,
-    /// What to do when the loss or the gradients are not finite.
-    #[serde(default)]
-    pub on_nonfinite: NonFinite,
-    /// Shuffle the data every epoch (from the seed and the epoch).
-    #[serde(default = "yes")]
-    pub shuffle: bool,
-    /// Evaluate at the end of every epoch and of the run.
-    #[serde(default = "yes")]
-    pub eval: bool,
-    /// Gradient caching: embed each rank's micro-batch in chunks of this many samples and
-    /// backpropagate the cached gradient of the embeddings chunk by chunk, so activation
-    /// memory is that of one chunk (see [`crate::grad_cache`]; the method must implement
-    /// `allgrad_models::EmbeddingObjective`). Absent: the plain step.
-    #[serde(default)]
-    pub cache_chunk: Option<usize>,
-}
-
-fn one() -> usize {
-    1
-}
-fn yes() -> bool {
-    true
-}
-
-/// Policy for a non-finite loss or gradient.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum NonFinite {
-    /// Stop the run with an error naming the step.
-    #[default]
-    Error,
-    /// Skip the update and go on.
-    Skip,
-}
+use crate::train_section::{NonFinite, TrainSection};
 
 /// What the trainer needs besides the objective.
 #[derive(Clone, Debug)]
@@ -158,12 +105,7 @@ impl Trainer {
         }
         let w = pg.world_size();
         let t = &cfg.train;
-        if t.accumulate == 0 || !t.global_batch.is_multiple_of(w * t.accumulate) {
-            return Err(TrainError::Setup(format!(
-                "train.global_batch = {} is not divisible by world size {w} x train.accumulate {}",
-                t.global_batch, t.accumulate
-            )));
-        }
+        t.micro_batch(w).map_err(TrainError::Setup)?;
         crate::grad_cache::check_setup(t, w, objective.as_mut())?;
         let sampler = DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle);
         let per_epoch = sampler.steps_per_epoch();
@@ -365,15 +307,13 @@ impl Trainer {
     /// Tells the objective which micro-batches it will see from this step to the end of
     /// `epoch` (or `stop`), so it can build them ahead.
     fn plan(&mut self, epoch: usize, stop: usize) -> Result<()> {
-        let (w, rank, acc) = (self.pg.world_size(), self.pg.rank(), self.cfg.train.accumulate);
+        let (w, rank) = (self.pg.world_size(), self.pg.rank());
         let per_epoch = self.sampler.steps_per_epoch();
         let end = ((epoch + 1) * per_epoch).min(stop);
         let mut batches = Vec::new();
         for step in self.step..end {
             let global = self.sampler.global_batch(epoch, step % per_epoch).to_vec();
-            let local = self.sampler.local(&global, rank, w);
-            let micro = local.len() / acc;
-            batches.extend((0..acc).map(|m| local[m * micro..(m + 1) * micro].to_vec()));
+            batches.extend(self.cfg.train.micro_batches(&global, rank, w).map(<[usize]>::to_vec));
         }
         self.objective.plan(epoch, self.cfg.seed, &batches)
     }
@@ -383,13 +323,12 @@ impl Trainer {
         let acc = self.cfg.train.accumulate;
         let pos = self.step % self.sampler.steps_per_epoch();
         let global = self.sampler.global_batch(epoch, pos).to_vec();
-        let local = self.sampler.local(&global, rank, w).to_vec();
-        let micro = local.len() / acc;
+        let micro_batches: Vec<Vec<usize>> = self.cfg.train.micro_batches(&global, rank, w).map(<[usize]>::to_vec).collect();
 
         let mut step_grads = StepGrads::new(self.params.len());
         let mut loss_sum = 0f64;
-        for m in 0..acc {
-            let batch = Batch { indices: &local[m * micro..(m + 1) * micro], epoch, step: self.step, seed: self.cfg.seed };
+        for indices in &micro_batches {
+            let batch = Batch { indices, epoch, step: self.step, seed: self.cfg.seed };
             if let Some(chunk) = self.cfg.train.cache_chunk {
                 let mut grads = step_grads.take_dense(&self.params)?;
                 let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);

@@ -12,7 +12,7 @@ use allgrad_train::checkpoint::CheckpointConfig;
 use allgrad_train::metrics::{LogConfig, Progress};
 use allgrad_train::optim::OptimConfig;
 use allgrad_train::schedule::ScheduleConfig;
-use allgrad_train::trainer::TrainSection;
+use allgrad_train::TrainSection;
 use allgrad_train::{Trainer, TrainerConfig};
 use candle_core::{DType, Device, Tensor};
 
