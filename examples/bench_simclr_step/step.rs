@@ -48,6 +48,13 @@ impl AllgradStep {
     /// One step: forward (encoder, projector, loss), backward, SGD update; the wall time
     /// also covers freeing the graph and the gradients.
     pub fn run(&mut self) -> anyhow::Result<Sample> {
+        self.run_probed(&mut |_| {})
+    }
+
+    /// [`AllgradStep::run`], calling `probe` at the end of each phase (`"fwd"`, `"bwd"`,
+    /// `"opt"`) while that phase's tensors are alive (the memory benchmark reads its figures
+    /// there).
+    pub fn run_probed(&mut self, probe: &mut dyn FnMut(&'static str)) -> anyhow::Result<Sample> {
         let start = Usage::now();
         let b = self.batch;
         let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
@@ -56,9 +63,11 @@ impl AllgradStep {
         let dev = self.x.device();
         dev.synchronize()?;
         let t_fwd = Instant::now();
+        probe("fwd");
         let grads = loss.backward()?;
         dev.synchronize()?;
         let t_bwd = Instant::now();
+        probe("bwd");
         let g: Vec<Tensor> = self
             .params
             .iter()
@@ -67,6 +76,7 @@ impl AllgradStep {
         self.sgd.step(&self.params, &g, &vec![false; g.len()], 0.1, &self.pg)?;
         dev.synchronize()?;
         let t_opt = Instant::now();
+        probe("opt");
         drop((grads, loss, z, h));
         let end = Usage::now();
         let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
