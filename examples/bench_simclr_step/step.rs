@@ -45,8 +45,8 @@ impl AllgradStep {
         Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, params, sgd, x })
     }
 
-    /// One step: forward (encoder, projector, loss), backward, SGD update; the wall time
-    /// also covers freeing the graph and the gradients.
+    /// One step: forward (encoder, projector, loss), backward (which frees the graph as it
+    /// goes), SGD update; the wall time also covers freeing the gradients.
     pub fn run(&mut self) -> anyhow::Result<Sample> {
         self.run_probed(&mut |_| {})
     }
@@ -57,14 +57,18 @@ impl AllgradStep {
     pub fn run_probed(&mut self, probe: &mut dyn FnMut(&'static str)) -> anyhow::Result<Sample> {
         let start = Usage::now();
         let b = self.batch;
-        let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
-        let z = self.p2.forward(&allgrad_nn::relu(&self.p1.forward(&h)?)?)?;
-        let loss = nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, 0.5, &self.pg)?;
+        // Only the loss holds the graph, so that the backward releases it as it goes (as the
+        // trainer's step does).
+        let loss = {
+            let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
+            let z = self.p2.forward(&allgrad_nn::relu(&self.p1.forward(&h)?)?)?;
+            nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, 0.5, &self.pg)?
+        };
         let dev = self.x.device();
         dev.synchronize()?;
         let t_fwd = Instant::now();
         probe("fwd");
-        let grads = loss.backward()?;
+        let grads = loss.backward_release()?;
         dev.synchronize()?;
         let t_bwd = Instant::now();
         probe("bwd");
@@ -77,7 +81,7 @@ impl AllgradStep {
         dev.synchronize()?;
         let t_opt = Instant::now();
         probe("opt");
-        drop((grads, loss, z, h));
+        drop(grads);
         let end = Usage::now();
         let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
         Ok(sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]))

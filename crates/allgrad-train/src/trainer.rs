@@ -394,7 +394,9 @@ impl Trainer {
                 return Err(TrainError::Setup(format!("the objective's loss must be a scalar, got shape {:?}", loss.dims())));
             }
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            let g = (loss / (w * acc) as f64)?.backward()?;
+            // The scaled loss takes the graph over: the backward frees each activation once its
+            // gradient has been passed on, as PyTorch's does.
+            let g = (loss / (w * acc) as f64)?.backward_release()?;
             for ((_, v), acc_g) in self.params.iter().zip(grads.iter_mut()) {
                 if let Some(gv) = g.get(v) {
                     *acc_g = (&*acc_g + gv)?;
