@@ -5,13 +5,17 @@
 //! (`scripts/bench_simclr_step.py --memory`), each in its own process, and prints the table.
 //!
 //! It prints one line, `MEM side=allgrad ...` with, in MiB:
-//! - `setup`: the resident set (VmRSS) once the model, optimizer and input exist;
+//! - `setup`: the resident set (VmRSS) once the model, optimizer and input exist (after one
+//!   step of a separate model at `--warmup-batch`, so that the code the step runs is resident:
+//!   the program's pages are not the step's memory; what that step freed is returned to the
+//!   system with `malloc_trim`);
 //! - `fwd`: the resident set at the end of the first step's forward (what the graph keeps);
 //! - `peak`: the peak resident set (VmHWM, reset after the setup through
 //!   `/proc/self/clear_refs`) over `--steps` steps;
 //! - `heap_setup`, `heap_fwd`, `heap_peak`: the same three figures as bytes held by the Rust
 //!   allocator (a counting wrapper around the system allocator: live bytes, without the
-//!   allocator's own retention or fragmentation; PyTorch has no such counter on the CPU).
+//!   allocator's own retention or fragmentation; PyTorch has no such counter on the CPU), and
+//!   `heap_fwd_peak`, `heap_bwd_peak`: its peak within the forwards and within the backwards.
 //!
 //! The allocator is tuned as the train binary tunes it (`allgrad::tune_allocator`), so freed
 //! memory stays in the process and the resident peak includes what the allocator keeps.
@@ -106,6 +110,10 @@ struct Args {
     /// Threads (rayon's and Candle's pools).
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Before the setup, one step of a separate model at this batch (0: none), so that the
+    /// code the step runs is resident before the figures are taken.
+    #[arg(long, default_value_t = 2)]
+    warmup_batch: usize,
 }
 
 /// A `kB` field of `/proc/self/status` in MiB.
@@ -128,31 +136,51 @@ fn main() -> anyhow::Result<()> {
     for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
         std::env::set_var(var, args.threads.to_string());
     }
+    if args.warmup_batch > 0 {
+        // Faults in the program's code and first allocations, which are not the step's.
+        AllgradStep::new(args.warmup_batch, args.width, args.depth, &candle_core::Device::Cpu)?.run()?;
+        // What the warm-up freed goes back to the system, so that the step cannot reuse it
+        // unseen (the tuned allocator keeps freed memory).
+        // SAFETY: malloc_trim only returns free memory of the allocator's arenas to the system.
+        unsafe { libc::malloc_trim(0) };
+    }
     let mut step = AllgradStep::new(args.batch, args.width, args.depth, &candle_core::Device::Cpu)?;
     let (setup, heap_setup) = (status_mib("VmRSS:")?, LIVE.load(Ordering::Relaxed));
     // Writing 5 resets the peak resident set to the current one (Linux 4.0 and later).
     std::fs::write("/proc/self/clear_refs", "5")?;
     PEAK.store(heap_setup, Ordering::Relaxed);
     let mut at_fwd = None;
+    // The allocator's peak within each phase, over the steps.
+    let (mut fwd_peak, mut bwd_peak) = (0usize, 0usize);
     for _ in 0..args.steps {
         step.run_probed(&mut |phase| {
             if phase == "fwd" && at_fwd.is_none() {
                 at_fwd = Some((status_mib("VmRSS:").unwrap_or(f64::NAN), LIVE.load(Ordering::Relaxed)));
             }
+            let peak = PEAK.swap(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+            match phase {
+                "fwd" => fwd_peak = fwd_peak.max(peak),
+                "bwd" => bwd_peak = bwd_peak.max(peak),
+                _ => {}
+            }
         })?;
     }
+    let heap_peak = fwd_peak.max(bwd_peak).max(PEAK.load(Ordering::Relaxed));
     let (fwd, heap_fwd) = at_fwd.unwrap_or((f64::NAN, 0));
     println!(
-        "MEM side=allgrad depth={} batch={} threads={} steps={} setup={setup:.0} fwd={fwd:.0} peak={:.0} \
-         heap_setup={:.0} heap_fwd={:.0} heap_peak={:.0}",
+        "MEM side=allgrad depth={} batch={} threads={} steps={} warmup_batch={} setup={setup:.0} fwd={fwd:.0} peak={:.0} \
+         heap_setup={:.0} heap_fwd={:.0} heap_peak={:.0} heap_fwd_peak={:.0} heap_bwd_peak={:.0}",
         args.depth,
         args.batch,
         args.threads,
         args.steps,
+        args.warmup_batch,
         status_mib("VmHWM:")?,
         mib(heap_setup),
         mib(heap_fwd),
-        mib(PEAK.load(Ordering::Relaxed)),
+        mib(heap_peak),
+        mib(fwd_peak),
+        mib(bwd_peak),
     );
     Ok(())
 }

@@ -9,8 +9,10 @@ two implementations alternate step by step in one invocation (`scripts/bench_sim
     python3 scripts/bench_simclr_step.py --batch 64 --memory --steps 2   # peak memory
 
 With `--memory` it prints one line `MEM side=pytorch ... setup= fwd= peak=` (MiB): the resident
-set (VmRSS) once the model, optimizer and input exist, the resident set at the end of the first
-step's forward, and the peak resident set (VmHWM, reset after the setup through
+set (VmRSS) once the model, optimizer and input exist (after one step of a separate model at
+--warmup-batch, so that the libraries' code the step runs is resident, and what that step
+freed returned to the system with malloc_trim), the resident set at
+the end of the first step's forward, and the peak resident set (VmHWM, reset after the setup through
 /proc/self/clear_refs) over --steps steps; `scripts/bench_step_memory.sh` prints it beside
 allgrad's (`examples/bench_step_memory.rs`).
 
@@ -25,6 +27,7 @@ imported, to OMP_NUM_THREADS and MKL_NUM_THREADS. PyTorch installs with `pip ins
 (kept out of CI); without it this exits with status 2.
 """
 import argparse
+import ctypes
 import os
 import resource
 import sys
@@ -45,6 +48,12 @@ def parse_args():
     )
     ap.add_argument("--steps", type=int, default=3, help="timed steps when run alone")
     ap.add_argument("--worker", action="store_true", help="serve step/layers/quit commands on stdin")
+    ap.add_argument(
+        "--warmup-batch",
+        type=int,
+        default=2,
+        help="with --memory: before the setup, one step of a separate model at this batch (0: none)",
+    )
     ap.add_argument(
         "--memory",
         action="store_true",
@@ -275,7 +284,7 @@ def memory(step):
     for _ in range(ARGS.steps):
         step.run(lambda phase: at_fwd.append(status_mib("VmRSS:")) if phase == "fwd" and not at_fwd else None)
     print(f"MEM side=pytorch depth={ARGS.depth} batch={ARGS.batch} threads={torch.get_num_threads()} "
-          f"steps={ARGS.steps} setup={setup:.0f} fwd={at_fwd[0]:.0f} peak={status_mib('VmHWM:'):.0f} "
+          f"steps={ARGS.steps} warmup_batch={ARGS.warmup_batch} setup={setup:.0f} fwd={at_fwd[0]:.0f} peak={status_mib('VmHWM:'):.0f} "
           f"torch={torch.__version__}", flush=True)
 
 
@@ -284,10 +293,15 @@ def main():
     if ARGS.device == "cuda":
         torch.backends.cudnn.allow_tf32 = ARGS.tf32
         torch.backends.cuda.matmul.allow_tf32 = ARGS.tf32
-    step = Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device)
     if ARGS.memory:
-        memory(step)
+        if ARGS.warmup_batch > 0:
+            # Faults in the libraries' code and first allocations, which are not the step's.
+            Step(ARGS.warmup_batch, ARGS.width, ARGS.depth, ARGS.device).run()
+            # What it freed goes back to the system (glibc), as allgrad's side does.
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        memory(Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device))
         return
+    step = Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device)
     if not ARGS.worker:
         for _ in range(ARGS.steps + 1):  # the first step warms up
             print(step.run(), flush=True)

@@ -9,9 +9,11 @@
 #   scripts/bench_step_memory.sh 18x8                 # a quick check
 #
 # The figures are resident-set sizes from /proc/self/status (MiB): `setup` once the model,
-# optimizer and input exist; `fwd` at the end of the first forward; `peak` the peak resident
-# set (VmHWM) over the steps, reset after the setup. The table's `step` column is peak - setup:
-# the memory one training step takes on top of the model. allgrad's line also has its Rust
+# optimizer and input exist (after one warm-up step of a separate batch-2 model, whose freed
+# memory is returned with malloc_trim, so the code the step runs is resident: on both sides);
+# `fwd` at the end of the first forward; `peak` the peak resident set (VmHWM) over the steps,
+# reset after the setup. The table's `step` column is peak - setup: the memory one training
+# step takes on top of the model and the program. allgrad's line also has its Rust
 # allocator's live bytes (heap_*), which PyTorch cannot report on the CPU. Memory does not
 # depend on the machine's load, but two sides running at once could exhaust it: the sides run
 # one after the other. PYTHON picks the interpreter with torch (default python3); without torch
