@@ -38,7 +38,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use rayon::prelude::*;
 
 use crate::channel::geometry;
-use crate::cpu::{contiguous, float_kernel, has_avx2, run_split, zeros, Float, SplitKernel, GRAIN};
+use crate::cpu::{contiguous, cpu_float, float_kernel, has_avx2, run_split_keeping_f32, zeros, Float, SplitKernel, GRAIN};
 use crate::error::{fail, NnError};
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
@@ -129,6 +129,9 @@ struct Plan {
     relu: bool,
     /// A plain skip input ([`BnTail::AddRelu`]).
     skip: bool,
+    /// bf16 activations: each normalisation's output is rounded to bf16 before a residual sum,
+    /// as an unfused bf16 batch norm stores it (then the sum is rounded, as a bf16 addition).
+    round_bf16: bool,
 }
 
 fn stats_error<T>(what: String) -> Result<T> {
@@ -138,7 +141,9 @@ fn stats_error<T>(what: String) -> Result<T> {
 /// Batch normalisation of `x` (`[N, C, ...]`) with per-channel `weight` (γ) and `bias` (β),
 /// normalised by `stats` with `eps` added to the variance, followed by `tail`; fused and
 /// parallel on the CPU for f32/f64, with the closed-form backward of the module docs (for
-/// `x`, `weight`, `bias` and the skip input, or the shortcut's input and parameters).
+/// `x`, `weight`, `bias` and the skip input, or the shortcut's input and parameters). A bf16
+/// `x` (autocast) takes f32 `weight` and `bias`: computed in f32, the output and `∂x` rounded
+/// to bf16, `∂γ` and `∂β` f32.
 ///
 /// `y = tail(a·x + b)` with `a = γ/sqrt(var + eps)` and `b = β − mean·a` computed in f64 and
 /// rounded to `x`'s dtype: the same arithmetic as `channel_affine(x, a, b)`. With
@@ -148,11 +153,11 @@ fn stats_error<T>(what: String) -> Result<T> {
 /// # Errors
 /// When `x` is not `[N, C, ...]`, `weight`, `bias` or the statistics are not one per channel,
 /// the skip or shortcut input is not shaped like `x`, the dtypes differ, `eps` is negative, the
-/// count is not positive, or `x` is not an f32/f64 CPU tensor ([`NnError::BatchNormOffCpu`]:
+/// count is not positive, or `x` is not an f32/f64/bf16 CPU tensor ([`NnError::BatchNormOffCpu`]:
 /// compose [`crate::channel_moments`] and [`crate::channel_affine`] there).
 pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64, tail: BnTail) -> Result<Tensor> {
     let (_, c, _) = geometry(x.dims(), "batch_norm")?;
-    if !(x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)) {
+    if !cpu_float(x) {
         return fail(NnError::BatchNormOffCpu { dtype: x.dtype(), device: format!("{:?}", x.device().location()) });
     }
     let main = resolve(x, c, weight, bias, stats, eps)?;
@@ -165,8 +170,14 @@ pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, e
         BnTail::AddBnRelu(b) => Some(resolve(x, c, b.weight, b.bias, b.stats, b.eps)?),
         _ => None,
     };
-    let plan =
-        Arc::new(Plan { c, main, branch, relu: !matches!(tail, BnTail::Identity), skip: matches!(tail, BnTail::AddRelu(_)) });
+    let plan = Arc::new(Plan {
+        c,
+        main,
+        branch,
+        relu: !matches!(tail, BnTail::Identity),
+        skip: matches!(tail, BnTail::AddRelu(_)),
+        round_bf16: x.dtype() == DType::BF16,
+    });
     // The parameters travel as one [2, C] input ([4, C] with a shortcut: γ, β, γ', β') so
     // that one op returns all their gradients.
     let gb = match tail {
@@ -205,7 +216,9 @@ fn resolve(x: &Tensor, c: usize, weight: &Tensor, bias: &Tensor, stats: &BnStats
             expected: format!("x has {c} channels"),
         });
     }
-    if weight.dtype() != x.dtype() || bias.dtype() != x.dtype() {
+    // bf16 activations (autocast) are normalised with the f32 parameters.
+    let fits = |d: DType| d == x.dtype() || (x.dtype() == DType::BF16 && d == DType::F32);
+    if !(fits(weight.dtype()) && bias.dtype() == weight.dtype()) {
         let dtypes = vec![x.dtype(), weight.dtype(), bias.dtype()];
         return fail(NnError::DTypeMismatch { op: "batch_norm", what: "x, weight and bias", dtypes });
     }
@@ -253,6 +266,7 @@ fn forward_kernel<T: Float>(x: &[T], third: Option<&[T]>, p: &Plan, inner: usize
             b: &b,
             branch: branch.as_ref().map(|(a, b)| (a.as_slice(), b.as_slice())),
             relu: p.relu,
+            round_bf16: p.round_bf16,
             inner,
             start: t * rows * inner,
         };
@@ -276,6 +290,8 @@ struct ForwardTask<'a, T> {
     /// The shortcut's `(a', b')`.
     branch: Option<(&'a [T], &'a [T])>,
     relu: bool,
+    /// Round each normalisation's output to bf16 before the residual sum (see [`Plan`]).
+    round_bf16: bool,
     inner: usize,
     start: usize,
 }
@@ -296,6 +312,17 @@ fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
         let (s, t) = (task.a[ch], task.b[ch]);
         let xs = &task.x[at..at + inner];
         match (task.skip, task.relu) {
+            (Some(sk), _) if task.round_bf16 => {
+                let ss = &sk[at..at + inner];
+                let round = |v: T| T::from_f64(half::bf16::from_f64(v.to_f64()).to_f64());
+                for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
+                    let z = match task.branch {
+                        Some((a2, b2)) => round(v * s + t) + round(w * a2[ch] + b2[ch]),
+                        None => round(v * s + t) + w,
+                    };
+                    *o = if z > zero { z } else { zero };
+                }
+            }
             (Some(sk), _) if task.branch.is_some() => {
                 let (a2, b2) = task.branch.expect("checked");
                 let (s2, t2) = (a2[ch], b2[ch]);
@@ -619,9 +646,11 @@ fn backward(
     if plan.skip || plan.branch.is_some() {
         shapes.push(x.shape().clone());
     }
+    // With bf16 activations and f32 parameters, the parameters' gradients stay f32.
+    let keep_f32 = [false, gb.dtype() == DType::F32 && x.dtype() == DType::BF16, false];
     let grads = match (&plan.branch, third) {
-        (Some(_), Some(t)) => run_split(&BackwardBranch(plan.clone()), [&g, x, y, &t.detach()], &shapes)?,
-        _ => run_split(&Backward(plan.clone()), [&g, x, y], &shapes)?,
+        (Some(_), Some(t)) => run_split_keeping_f32(&BackwardBranch(plan.clone()), [&g, x, y, &t.detach()], &shapes, &keep_f32)?,
+        _ => run_split_keeping_f32(&Backward(plan.clone()), [&g, x, y], &shapes, &keep_f32)?,
     };
     let mut grads = grads.into_iter();
     let (Some(dx), Some(dgb)) = (grads.next(), grads.next()) else { unreachable!("one gradient per shape") };

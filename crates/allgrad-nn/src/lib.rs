@@ -36,8 +36,10 @@
 //!   CPU, with the statistics given by the caller (summed over ranks for SyncBatchNorm) and a
 //!   closed-form two-pass backward.
 //!
-//! On devices other than the CPU, and for dtypes other than f32/f64, each op falls back to the
-//! equivalent Candle op or a composition of differentiable Candle ops, so models run anywhere.
+//! On devices other than the CPU, and for dtypes other than f32/f64/bf16, each op falls back
+//! to the equivalent Candle op or a composition of differentiable Candle ops, so models run
+//! anywhere. bf16 CPU tensors compute in f32 and store bf16; [`autocast`] runs convolutions and
+//! dense layers in bf16 beside f32 parameters (PyTorch's `torch.autocast`).
 //!
 //! Misuse (shapes, parameters, dtypes) fails with an [`NnError`] naming the numbers, wrapped in
 //! `candle_core::Error` as the ops return `candle_core::Result`.
@@ -67,6 +69,7 @@
 
 mod activation;
 mod attention;
+pub mod autocast;
 mod batch_norm;
 mod channel;
 mod conv;

@@ -462,14 +462,24 @@ fn bad_input_is_an_error_that_names_it() {
     let e = err_text(batch_norm(&x.to_dtype(DType::F64).unwrap(), &g, &b, &stats(3), EPS, BnTail::Identity));
     assert!(e.contains("F64") && e.contains("F32"), "{e}");
     let e = err_text(batch_norm(
-        &x.to_dtype(DType::BF16).unwrap(),
-        &g.to_dtype(DType::BF16).unwrap(),
-        &b.to_dtype(DType::BF16).unwrap(),
+        &x.to_dtype(DType::F16).unwrap(),
+        &g.to_dtype(DType::F16).unwrap(),
+        &b.to_dtype(DType::F16).unwrap(),
         &stats(3),
         EPS,
         BnTail::Identity,
     ));
-    assert!(e.contains("BF16") && e.contains("channel_moments"), "{e}");
+    assert!(e.contains("F16") && e.contains("channel_moments"), "{e}");
+    // bf16 activations take f32 parameters (autocast), not f64 ones.
+    let e = err_text(batch_norm(
+        &x.to_dtype(DType::BF16).unwrap(),
+        &g.to_dtype(DType::F64).unwrap(),
+        &b,
+        &stats(3),
+        EPS,
+        BnTail::Identity,
+    ));
+    assert!(e.contains("BF16") && e.contains("F64"), "{e}");
     assert!(
         err_text(batch_norm(&rand_tensor(&[5], 1, DType::F32), &g, &b, &stats(3), EPS, BnTail::Identity)).contains("[N, C, ...]")
     );
