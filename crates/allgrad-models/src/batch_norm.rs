@@ -12,7 +12,9 @@
 //! result SyncBatchNorm all-reduces, the normalisation pass, and a two-pass closed-form
 //! backward whose `[2, C]` per-channel sums go through one more all_reduce (the sum rule).
 //! Elsewhere the same function is composed from the per-channel passes, the differentiable
-//! all_reduce and the activation.
+//! all_reduce and the activation. bf16 activations (autocast) take the fused op with the f32
+//! parameters; the statistics, the running statistics and the parameters' gradients stay f32
+//! (the moments f64).
 
 use std::sync::{Arc, Mutex};
 
@@ -160,9 +162,12 @@ impl BatchNorm {
         allgrad_nn::batch_norm(x, &self.weight, &self.bias, &stats, self.eps, BnTail::AddBnRelu(&branch))
     }
 
-    /// Whether `x` takes the fused CPU op: f32/f64 with parameters of its dtype.
+    /// Whether `x` takes the fused CPU op: f32/f64 with parameters of its dtype, or bf16
+    /// activations (autocast) with f32 parameters.
     fn fused_for(&self, x: &Tensor) -> bool {
-        x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && self.weight.dtype() == x.dtype()
+        let w = self.weight.dtype();
+        x.device().is_cpu()
+            && (matches!(x.dtype(), DType::F32 | DType::F64) && w == x.dtype() || x.dtype() == DType::BF16 && w == DType::F32)
     }
 
     /// The CPU path: statistics from one untracked moments pass (summed over ranks with
@@ -204,7 +209,8 @@ impl BatchNorm {
     }
 
     /// Folds a batch's (global) mean and biased variance over `n` values into the running
-    /// statistics (kept in the parameters' dtype), with the unbiased variance as PyTorch does.
+    /// statistics (kept in the parameters' dtype, also for bf16 activations), with the unbiased
+    /// variance as PyTorch does.
     fn update_running(&self, mean: &Tensor, var: &Tensor, n: f64) -> Result<()> {
         let dt = self.weight.dtype();
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());

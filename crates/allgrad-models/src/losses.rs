@@ -48,8 +48,11 @@ impl Default for LossConfig {
 }
 
 impl LossConfig {
-    /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples).
+    /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples). bf16
+    /// embeddings (autocast) are cast to f32 first: the logits, the loss and what it
+    /// communicates are f32.
     pub fn compute(&self, z1: &Tensor, z2: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+        let (z1, z2) = (&allgrad_nn::autocast::full(z1)?, &allgrad_nn::autocast::full(z2)?);
         match *self {
             LossConfig::NtXent { temperature } => nt_xent(z1, z2, temperature, pg),
             LossConfig::CrossCorrelation { lambda, scale } => cross_correlation(z1, z2, lambda, pg)? * scale,
