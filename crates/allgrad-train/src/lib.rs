@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod optim;
 mod optim_fused;
 pub mod params;
+pub mod precision;
 pub mod run;
 pub mod run_dir;
 pub mod schedule;

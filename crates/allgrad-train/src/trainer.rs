@@ -21,6 +21,7 @@ use crate::error::{TrainError, TrainResult};
 use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
 use crate::optim::{OptimConfig, Optimizer};
 use crate::params::ParamStore;
+use crate::precision::ComputePrecision;
 use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
 
@@ -84,6 +85,8 @@ pub struct TrainerConfig {
     pub seed: u64,
     /// Precision of parameters.
     pub dtype: DType,
+    /// Compute precision of the training step (bf16 autocast needs f32 parameters).
+    pub precision: ComputePrecision,
     /// Device of parameters.
     pub device: Device,
     /// Batch and length.
@@ -141,6 +144,8 @@ impl Trainer {
         out_dir: Option<PathBuf>,
         resume: bool,
     ) -> TrainResult<Self> {
+        cfg.precision.check_dtype(cfg.dtype).map_err(TrainError::Setup)?;
+        cfg.precision.check_device(&cfg.device)?;
         let store = ParamStore::new(cfg.seed);
         objective.bind(&pg)?;
         objective.build(store.var_builder(cfg.dtype, &cfg.device))?;
@@ -385,11 +390,17 @@ impl Trainer {
         for m in 0..acc {
             let batch = Batch { indices: &local[m * micro..(m + 1) * micro], epoch, step: self.step, seed: self.cfg.seed };
             if let Some(chunk) = self.cfg.train.cache_chunk {
+                // Autocast covers both passes' forwards (the backward passes follow the dtypes
+                // their forwards recorded).
+                let _autocast = self.cfg.precision.autocast();
                 let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);
                 loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
                 continue;
             }
-            let loss = self.objective.loss(&batch, &self.pg)?;
+            let loss = {
+                let _autocast = self.cfg.precision.autocast();
+                self.objective.loss(&batch, &self.pg)?
+            };
             if loss.rank() != 0 {
                 return Err(TrainError::Setup(format!("the objective's loss must be a scalar, got shape {:?}", loss.dims())));
             }
