@@ -114,6 +114,9 @@ struct Args {
     /// code the step runs is resident before the figures are taken.
     #[arg(long, default_value_t = 2)]
     warmup_batch: usize,
+    /// `full` (f32) or `bf16` (the forward under bf16 autocast, as `precision: bf16`).
+    #[arg(long, default_value = "full")]
+    precision: String,
 }
 
 /// A `kB` field of `/proc/self/status` in MiB.
@@ -133,18 +136,20 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.threads > 0 && args.steps > 0 && args.batch > 0, "--threads, --steps and --batch must be positive");
     anyhow::ensure!(matches!(args.depth, 18 | 50), "--depth must be 18 or 50, not {}", args.depth);
+    anyhow::ensure!(matches!(args.precision.as_str(), "full" | "bf16"), "--precision must be full or bf16, not {}", args.precision);
+    let bf16 = args.precision == "bf16";
     for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
         std::env::set_var(var, args.threads.to_string());
     }
     if args.warmup_batch > 0 {
         // Faults in the program's code and first allocations, which are not the step's.
-        AllgradStep::new(args.warmup_batch, args.width, args.depth, &candle_core::Device::Cpu)?.run()?;
+        AllgradStep::new(args.warmup_batch, args.width, args.depth, &candle_core::Device::Cpu)?.bf16(bf16).run()?;
         // What the warm-up freed goes back to the system, so that the step cannot reuse it
         // unseen (the tuned allocator keeps freed memory).
         // SAFETY: malloc_trim only returns free memory of the allocator's arenas to the system.
         unsafe { libc::malloc_trim(0) };
     }
-    let mut step = AllgradStep::new(args.batch, args.width, args.depth, &candle_core::Device::Cpu)?;
+    let mut step = AllgradStep::new(args.batch, args.width, args.depth, &candle_core::Device::Cpu)?.bf16(bf16);
     let (setup, heap_setup) = (status_mib("VmRSS:")?, LIVE.load(Ordering::Relaxed));
     // Writing 5 resets the peak resident set to the current one (Linux 4.0 and later).
     std::fs::write("/proc/self/clear_refs", "5")?;
@@ -168,10 +173,11 @@ fn main() -> anyhow::Result<()> {
     let heap_peak = fwd_peak.max(bwd_peak).max(PEAK.load(Ordering::Relaxed));
     let (fwd, heap_fwd) = at_fwd.unwrap_or((f64::NAN, 0));
     println!(
-        "MEM side=allgrad depth={} batch={} threads={} steps={} warmup_batch={} setup={setup:.0} fwd={fwd:.0} peak={:.0} \
+        "MEM side=allgrad depth={} batch={} precision={} threads={} steps={} warmup_batch={} setup={setup:.0} fwd={fwd:.0} peak={:.0} \
          heap_setup={:.0} heap_fwd={:.0} heap_peak={:.0} heap_fwd_peak={:.0} heap_bwd_peak={:.0}",
         args.depth,
         args.batch,
+        args.precision,
         args.threads,
         args.steps,
         args.warmup_batch,

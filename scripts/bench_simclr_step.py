@@ -55,6 +55,11 @@ def parse_args():
         help="with --memory: before the setup, one step of a separate model at this batch (0: none)",
     )
     ap.add_argument(
+        "--autocast",
+        action="store_true",
+        help="the forward under torch.autocast(bfloat16), the loss in f32 (allgrad's precision: bf16)",
+    )
+    ap.add_argument(
         "--memory",
         action="store_true",
         help="measure the resident set over --steps steps and print one MEM line (scripts/bench_step_memory.sh)",
@@ -160,7 +165,9 @@ class Step:
 
     def run(self, probe=lambda phase: None):
         start = usage()
-        z = self.proj(self.enc(self.x))
+        with torch.autocast(self.x.device.type, dtype=torch.bfloat16, enabled=ARGS.autocast):
+            z = self.proj(self.enc(self.x))
+        z = z.float()
         loss = nt_xent(z[: self.b], z[self.b :], 0.5)
         self.sync()
         t_fwd = time.perf_counter()
@@ -283,7 +290,8 @@ def memory(step):
     at_fwd = []
     for _ in range(ARGS.steps):
         step.run(lambda phase: at_fwd.append(status_mib("VmRSS:")) if phase == "fwd" and not at_fwd else None)
-    print(f"MEM side=pytorch depth={ARGS.depth} batch={ARGS.batch} threads={torch.get_num_threads()} "
+    print(f"MEM side=pytorch depth={ARGS.depth} batch={ARGS.batch} precision={'bf16' if ARGS.autocast else 'full'} "
+          f"threads={torch.get_num_threads()} "
           f"steps={ARGS.steps} warmup_batch={ARGS.warmup_batch} setup={setup:.0f} fwd={at_fwd[0]:.0f} peak={status_mib('VmHWM:'):.0f} "
           f"torch={torch.__version__}", flush=True)
 

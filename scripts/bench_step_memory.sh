@@ -4,9 +4,12 @@
 # (examples/bench_step_memory.rs) beside PyTorch (scripts/bench_simclr_step.py --memory), each
 # configuration and each side in a fresh process of its own, one after the other.
 #
-#   scripts/bench_step_memory.sh [--steps 2] [--threads 2] [DEPTHxBATCH ...]
+#   scripts/bench_step_memory.sh [--steps 2] [--threads 2] [--precision full|bf16] [DEPTHxBATCH ...]
 #                                   (default: 18x64 18x256 50x64 50x256)
 #   scripts/bench_step_memory.sh 18x8                 # a quick check
+#
+# --precision bf16 runs allgrad's step as `precision: bf16` does (bf16 autocast of the forward)
+# and PyTorch's under torch.autocast(bfloat16), both with the loss in f32.
 #
 # The figures are resident-set sizes from /proc/self/status (MiB): `setup` once the model,
 # optimizer and input exist (after one warm-up step of a separate batch-2 model, whose freed
@@ -23,12 +26,14 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 steps=2
 threads=2
+precision=full
 configs=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --steps) steps="$2"; shift 2 ;;
         --threads) threads="$2"; shift 2 ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        --precision) precision="$2"; shift 2 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *x*) configs+=("$1"); shift ;;
         *) echo "bench_step_memory.sh: unknown argument $1 (configurations are DEPTHxBATCH, e.g. 18x64)" >&2; exit 2 ;;
     esac
@@ -37,22 +42,27 @@ done
 cargo build --release -q --example bench_step_memory >&2
 torch=1
 "$PYTHON" -c "import torch" 2>/dev/null || { torch=0; echo "no torch for $PYTHON: allgrad only" >&2; }
-echo "MemTotal: $(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo) MiB; $steps step(s) each, $threads threads"
+case "$precision" in
+    full) autocast=() ;;
+    bf16) autocast=(--autocast) ;;
+    *) echo "bench_step_memory.sh: --precision is full or bf16, not $precision" >&2; exit 2 ;;
+esac
+echo "MemTotal: $(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo) MiB; $steps step(s) each, $threads threads, precision $precision"
 lines=()
 for cfg in "${configs[@]}"; do
     depth="${cfg%x*}"
     batch="${cfg#*x}"
-    line=$(target/release/examples/bench_step_memory --depth "$depth" --batch "$batch" --steps "$steps" --threads "$threads" | grep '^MEM')
+    line=$(target/release/examples/bench_step_memory --depth "$depth" --batch "$batch" --steps "$steps" --threads "$threads" --precision "$precision" | grep '^MEM')
     echo "$line"
     lines+=("$line")
     if [ "$torch" = 1 ]; then
-        line=$("$PYTHON" scripts/bench_simclr_step.py --memory --depth "$depth" --batch "$batch" --steps "$steps" --threads "$threads" | grep '^MEM')
+        line=$("$PYTHON" scripts/bench_simclr_step.py --memory --depth "$depth" --batch "$batch" --steps "$steps" --threads "$threads" ${autocast[@]+"${autocast[@]}"} | grep '^MEM')
         echo "$line"
         lines+=("$line")
     fi
 done
 echo
-echo "peak resident set (MiB) of one SimCLR step on the CPU; step = peak - setup"
+echo "peak resident set (MiB) of one SimCLR step on the CPU, precision $precision; step = peak - setup"
 printf '%s\n' "${lines[@]}" | awk '
     { for (i = 2; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
       key = "ResNet-" f["depth"] " b" f["batch"]

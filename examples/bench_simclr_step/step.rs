@@ -29,6 +29,8 @@ pub struct AllgradStep {
     params: Vec<(String, Var)>,
     sgd: Optimizer,
     x: Tensor,
+    /// The forward under bf16 autocast (`precision: bf16`), the loss in f32.
+    bf16: bool,
 }
 
 impl AllgradStep {
@@ -42,7 +44,13 @@ impl AllgradStep {
         let params = store.vars();
         let sgd = Optimizer::new(OptimConfig::Sgd { lr: 0.1, momentum: 0.0, nesterov: false, weight_decay: 0.0 });
         let x = Tensor::randn(0f32, 1.0, (2 * batch, 3, 32, 32), dev)?;
-        Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, params, sgd, x })
+        Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, params, sgd, x, bf16: false })
+    }
+
+    /// The same step with its forward under bf16 autocast, as the trainer runs `precision: bf16`.
+    pub fn bf16(mut self, on: bool) -> Self {
+        self.bf16 = on;
+        self
     }
 
     /// One step: forward (encoder, projector, loss), backward (which frees the graph as it
@@ -60,8 +68,13 @@ impl AllgradStep {
         // Only the loss holds the graph, so that the backward releases it as it goes (as the
         // trainer's step does).
         let loss = {
-            let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
-            let z = self.p2.forward(&allgrad_nn::relu(&self.p1.forward(&h)?)?)?;
+            let z = {
+                let _autocast = self.bf16.then(allgrad_nn::autocast::Autocast::bf16);
+                let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
+                let dense = allgrad_nn::autocast::linear_module;
+                dense(&self.p2, &allgrad_nn::relu(&dense(&self.p1, &h)?)?)?
+            };
+            let z = allgrad_nn::autocast::full(&z)?;
             nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, 0.5, &self.pg)?
         };
         let dev = self.x.device();
