@@ -27,7 +27,7 @@ use allgrad::train::method::{Method, SectionError};
 use allgrad::train::{cli, Registry, RunConfig};
 use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
 use candle_nn::{Linear, Module, VarBuilder};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Alignment of the two views, plus log E exp(-2 |z_i - z_j|^2) of each local embedding
 /// against all embeddings of the global batch (the uniformity term needs every rank's).
@@ -46,14 +46,14 @@ fn uniformity(z: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
 }
 
 /// The method's own section of the run config.
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct PointsSections {
     /// `points: {samples, clusters}`.
     points: Points,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Points {
     samples: usize,

@@ -3,10 +3,13 @@
 # no CUDA installation, for scripts/gpu_ci.sh to run on a GPU machine that has no Rust:
 #
 #   scripts/build_cuda_bins.sh DIR            # then, on the GPU machine:
-#   ALLGRAD_GPU_BIN=DIR scripts/gpu_ci.sh     #   (from a copy of this repository)
+#   ALLGRAD_GPU_BIN=DIR scripts/gpu_ci.sh     #   (from a copy of this repository; DIR.tar.xz,
+#                                             #   also written here, works the same)
 #
-# DIR receives `train`, `launch`, `bench_simclr_step` and the tests `nccl_ops` and `conv_cuda`,
-# built with ALLGRAD_CUDA_FEATURES (default cuda,nccl,cudnn) and without symbols. They need, on
+# DIR receives `train`, `launch`, `bench_simclr_step` and the tests `nccl_ops`, `gpu_equivalence`,
+# `gpu_faults` and `conv_cuda`, built with ALLGRAD_CUDA_FEATURES (default cuda,nccl,cudnn) and
+# without symbols. The GPU tests read the configs and data of the repository they are run from,
+# so carry DIR beside a copy of this repository (gpu_ci.sh runs from its root). They need, on
 # the GPU machine, a driver for CUDA 13.0 or newer and the CUDA 13 libraries (cuBLAS, cuRAND,
 # NVRTC, NCCL, cuDNN 9: the PyPI wheels PyTorch installs are found by gpu_ci.sh).
 #
@@ -25,7 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "build_cuda_bins: $*" >&2; }
 [ $# -eq 1 ] || { say "usage: scripts/build_cuda_bins.sh DIR"; exit 2; }
-dest="$1"
+dest="${1%/}"
 mkdir -p "$dest"
 start=$(date +%s)
 
@@ -76,7 +79,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$(pwd)/target/gpu}"
 features="${ALLGRAD_CUDA_FEATURES:-cuda,nccl,cudnn}"
 flags=(--release --workspace --features "allgrad/${features//,/,allgrad/}" "${offline[@]}")
 cargo build "${flags[@]}" --bin train --bin launch --example bench_simclr_step
-tests=(nccl_ops)
+tests=(nccl_ops gpu_equivalence gpu_faults)
 [[ ,$features, == *,cudnn,* ]] && tests+=(conv_cuda)
 cargo test "${flags[@]}" --no-run "${tests[@]/#/--test=}" --message-format=json >"$link/tests.json"
 rel="$CARGO_TARGET_DIR/release"
@@ -94,4 +97,10 @@ EOF
 )
     strip --strip-all -o "$dest/$t" "$exe"
 done
-say "built in $(($(date +%s) - start)) s: $(du -ch "$dest"/* | tail -n 1 | cut -f1) in $dest"
+# One archive to carry (the binaries hold Candle's kernels as PTX text, which compresses well).
+packed=""
+if command -v xz >/dev/null 2>&1; then
+    tar -C "$(dirname "$dest")" -cf - "$(basename "$dest")" | xz -T0 -6 >"$dest.tar.xz"
+    packed="; $(du -h "$dest.tar.xz" | cut -f1) as $dest.tar.xz (ALLGRAD_GPU_BIN takes either)"
+fi
+say "built in $(($(date +%s) - start)) s: $(du -ch "$dest"/* | tail -n 1 | cut -f1) in $dest$packed"

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Type-checks the CUDA build (`cargo check --workspace --all-targets --features cuda,nccl`) on
-# a machine without a GPU or a CUDA installation: nvcc and the CUDA headers come from PyPI's
+# Type-checks the CUDA build (`cargo check --workspace --all-targets --features cuda,nccl,cudnn`)
+# on a machine without a GPU or a CUDA installation: nvcc and the CUDA headers come from PyPI's
 # wheels (nvidia-cuda-nvcc and its parts; CUDA 13.0, scripts/cuda_toolchain.sh) installed into a
 # throwaway virtual environment outside the repository. Nothing here runs on a GPU: this
-# proves that the `cuda`/`nccl` code compiles (candle's kernels are built by nvcc for
-# CUDA_COMPUTE_CAP), not that it works.
+# proves that the `cuda`/`nccl`/`cudnn` code and the GPU tests (crates/allgrad-dist/tests/
+# nccl_ops.rs, crates/allgrad-nn/tests/conv_cuda.rs, tests/gpu_equivalence.rs,
+# tests/gpu_faults.rs) compile (candle's kernels are built by nvcc for CUDA_COMPUTE_CAP), not
+# that they work. `cargo check` links nothing, so no NCCL or cuDNN library is needed.
 #
 # Exit status: 0 when the check passed, OR when it was skipped because the toolchain could
 # not be had (no python3, no venv module, PyPI unreachable, no nvcc in the wheels): the
@@ -39,5 +41,6 @@ cuda_toolchain "$venv" || skip "$CUDA_SKIP"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$(pwd)/target/cuda-check}"
 echo "check_cuda_build: $(nvcc --version | tail -n 1); CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP; target $CARGO_TARGET_DIR" >&2
 
-cargo check --workspace --all-targets --features cuda,nccl
-echo "check_cuda_build: cargo check --features cuda,nccl passed in $(($(date +%s) - start)) s (toolchain install included)" >&2
+features=cuda,nccl,cudnn
+cargo check --workspace --all-targets --features "$features"
+echo "check_cuda_build: cargo check --features $features passed in $(($(date +%s) - start)) s (toolchain install included)" >&2

@@ -1,60 +1,119 @@
 #!/usr/bin/env bash
-# The GPU test suite, for a machine with an NVIDIA GPU (never run in this repository's CPU CI;
-# the README's GPU section says what it gave on an H100).
+# The GPU proof in one command, for a machine with an NVIDIA GPU (never run in this
+# repository's CPU CI). docs/gpu.md says what each part proves and how to read the report.
 #
-#   scripts/gpu_ci.sh                      # everything below
-#   ALLGRAD_REQUIRE_GPU=1 scripts/gpu_ci.sh  # in a GPU CI job: no GPU is a failure, not a skip
-#   ALLGRAD_GPU_BIN=DIR scripts/gpu_ci.sh    # run binaries built on another machine
-#                                            # (scripts/build_cuda_bins.sh DIR): no Rust, no nvcc
+#   scripts/gpu_ci.sh                              # build here (nvcc), then run every part
+#   ALLGRAD_GPU_BIN=DIR scripts/gpu_ci.sh          # binaries built elsewhere by
+#                                                  # scripts/build_cuda_bins.sh DIR (no Rust,
+#                                                  # no nvcc, no network needed here); DIR.tar.xz,
+#                                                  # which it also writes, works the same
+#   ALLGRAD_REQUIRE_GPU=1 scripts/gpu_ci.sh        # in a GPU job: no GPU, or any test that
+#                                                  # skips for want of one, is a failure
 #
-# Steps, each printed with what it proves:
-#  1. finds the GPU(s) (nvidia-smi) and the CUDA 13 toolchain: nvcc on PATH, else CUDA_HOME,
-#     else the PyPI wheels in ALLGRAD_CUDA_VENV (see scripts/check_cuda_build.sh); NCCL from
-#     ALLGRAD_NCCL_LIB (a directory with libnccl.so*), else the nvidia-nccl-cu13 wheel of that
-#     venv or of python3; the compute capability from nvidia-smi (CUDA_COMPUTE_CAP overrides);
-#  2. builds with `--features cuda,nccl,cudnn` (scripts/build_cuda_bins.sh); with
-#     ALLGRAD_GPU_BIN it builds nothing
-#     and takes train, launch, nccl_ops, bench_simclr_step (and conv_cuda, when the build had
-#     the `cudnn` feature) from that directory;
-#  3. runs every differentiable collective on CUDA through NCCL at W = 1 and 2 (ranks as
-#     threads, one GPU per rank) and compares outputs and input gradients with the CPU backend
-#     (crates/allgrad-dist/tests/nccl_ops.rs); W = 2 needs two GPUs (NCCL refuses two ranks
-#     of one communicator on one GPU: ncclInvalidUsage) and is skipped, saying so, on a
-#     one-GPU machine;
-#  3b. conv2d and both its gradients through cuDNN against the CPU kernels
+# Parts, in order, each under its own time limit (ALLGRAD_GPU_PART_LIMIT_S, default 540 s);
+# ALLGRAD_GPU_PARTS=a,b runs only those (to split the proof over several sessions of 10 minutes):
+#  1. collectives: every differentiable collective on CUDA tensors vs the CPU backend, f64
+#     1e-10, at W = 1, 2, 3 on the host path and on `auto` (NCCL where each rank has its own
+#     GPU) (crates/allgrad-dist/tests/nccl_ops.rs);
+#  2. cudnn_conv: conv2d and both its gradients through cuDNN vs the CPU kernels
 #     (crates/allgrad-nn/tests/conv_cuda.rs), when the build has the `cudnn` feature;
-#  4. trains configs/simclr.yaml on device=cuda for a few steps (one rank per GPU, at most 2);
-#  5. the SimCLR step benchmark beside PyTorch on the same GPU (ResNet-18 and -50, batch 256
-#     and 1024, alternating step by step in one invocation per depth),
-#     when PyTorch with CUDA is importable by PYTHON (default python3).
+#  3. equivalence_images, equivalence_text: every method through `launch` and the shipped
+#     configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the GPU == 1
+#     rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR, BarlowTwins and
+#     the face head; SimCSE and vectors;
+#  4. fault_drill: a rank SIGKILLed while training on the GPU; the other fails within the
+#     timeout naming it; the last checkpoint loads (tests/gpu_faults.rs);
+#  5. bench_r18, bench_r50: the SimCLR step beside PyTorch on the same GPU, alternating step by
+#     step, when PyTorch with CUDA is importable by PYTHON (default python3).
 #
-# Without a GPU it prints why it stops and exits 0, unless ALLGRAD_REQUIRE_GPU=1 (exit 1).
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# Output: a markdown report (ALLGRAD_GPU_REPORT, default target/gpu_ci/report.md) with each
+# part passed / failed / skipped and why, the result lines of the tests, and every figure with
+# the command that produced it; each part's full log beside it (ALLGRAD_GPU_OUT, default
+# target/gpu_ci). Exit status: 0 when no part failed; 1 when one did (or, with
+# ALLGRAD_REQUIRE_GPU=1, when there is no GPU). Without a GPU it says why in the report and on
+# stderr and exits 0.
+#
+# Libraries: CUDA 13 (cuBLAS, cuRAND, NVRTC), NCCL and cuDNN from ALLGRAD_NCCL_LIB, CUDA_HOME,
+# or the PyPI wheels of ALLGRAD_CUDA_VENV (default $TMPDIR/allgrad-cuda-venv) or of python3
+# (PyTorch's wheels carry them).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+out="${ALLGRAD_GPU_OUT:-target/gpu_ci}"
+report="${ALLGRAD_GPU_REPORT:-$out/report.md}"
+limit="${ALLGRAD_GPU_PART_LIMIT_S:-540}"
+require="${ALLGRAD_REQUIRE_GPU:-0}"
+mkdir -p "$out" "$(dirname "$report")"
+out=$(cd "$out" && pwd)
+failed=0
+all_parts="collectives cudnn_conv equivalence_images equivalence_text fault_drill bench_r18 bench_r50"
+parts="${ALLGRAD_GPU_PARTS:-$all_parts}"
+parts="${parts//,/ }"
+for p in $parts; do
+    case " $all_parts " in
+    *" $p "*) ;;
+    *) echo "gpu_ci: ALLGRAD_GPU_PARTS names $p, which is not one of: $all_parts" >&2; exit 2 ;;
+    esac
+done
+# want PART: whether ALLGRAD_GPU_PARTS selects it.
+want() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 say() { echo "gpu_ci: $*" >&2; }
+md() { printf '%s\n' "$*" >>"$report"; }
+
+{
+    echo "# allgrad GPU report"
+    echo
+    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); host: $(hostname)"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+    echo "- command: \`${ALLGRAD_GPU_BIN:+ALLGRAD_GPU_BIN=$ALLGRAD_GPU_BIN }${ALLGRAD_REQUIRE_GPU:+ALLGRAD_REQUIRE_GPU=$ALLGRAD_REQUIRE_GPU }${ALLGRAD_GPU_PARTS:+ALLGRAD_GPU_PARTS=$ALLGRAD_GPU_PARTS }scripts/gpu_ci.sh\`"
+    if [ "${ALLGRAD_GPU_TEST_DEVICE:-cuda}" = cpu ]; then
+        echo "- **ALLGRAD_GPU_TEST_DEVICE=cpu: the tests ran on the CPU; this report checks the harness, not the GPU**"
+    fi
+} >"$report"
+
+# The end without a GPU: say why, in the report too.
 no_gpu() {
-    if [ "${ALLGRAD_REQUIRE_GPU:-0}" = 1 ]; then
-        say "FAILED: $* (ALLGRAD_REQUIRE_GPU=1)"
+    md "- GPU: none: $*"
+    md
+    md "| part | result | why |"
+    md "|---|---|---|"
+    md "| all | skipped | $* |"
+    if [ "$require" = 1 ]; then
+        say "FAILED: $* (ALLGRAD_REQUIRE_GPU=1); report: $report"
         exit 1
     fi
-    say "SKIPPED: $*"
+    say "SKIPPED: $*; report: $report"
     exit 0
 }
 
-# 1. The GPU and the toolchain.
-command -v nvidia-smi >/dev/null 2>&1 || no_gpu "no nvidia-smi on PATH: no NVIDIA driver, so no GPU to test on"
-gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
-[ "$gpus" -ge 1 ] || no_gpu "nvidia-smi lists no GPU"
-say "$gpus GPU(s): $(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader | paste -sd';')"
-cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')
+# 1. The GPU and the libraries.
+# ALLGRAD_NVIDIA_SMI: another program in its place (tests/scripts.rs runs this script without a GPU).
+smi="${ALLGRAD_NVIDIA_SMI:-nvidia-smi}"
+command -v "$smi" >/dev/null 2>&1 || no_gpu "no $smi on PATH: no NVIDIA driver, so no GPU to test on"
+gpus=$("$smi" --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
+[ "${gpus:-0}" -ge 1 ] || no_gpu "nvidia-smi lists no GPU"
+gpu_list=$("$smi" --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader | paste -sd';')
+say "$gpus GPU(s): $gpu_list"
+md "- GPU(s): $gpus: $gpu_list"
+cap=$("$smi" --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-$cap}"
 
 venv="${ALLGRAD_CUDA_VENV:-${TMPDIR:-/tmp}/allgrad-cuda-venv}"
 prebuilt="${ALLGRAD_GPU_BIN:-}"
+needed="train launch nccl_ops gpu_equivalence gpu_faults bench_simclr_step"
+if [ -n "$prebuilt" ] && [ -f "$prebuilt" ]; then
+    # The archive scripts/build_cuda_bins.sh writes beside its directory, unpacked outside the
+    # output directory (which stays small enough to copy back) and removed at exit.
+    unpacked=$(mktemp -d)
+    trap 'rm -rf "$unpacked"' EXIT
+    tar -xJf "$prebuilt" -C "$unpacked" || { say "FAILED: cannot unpack ALLGRAD_GPU_BIN=$prebuilt"; exit 1; }
+    prebuilt=$(dirname "$(find "$unpacked" -name train -type f | head -n 1)")
+fi
 if [ -n "$prebuilt" ]; then
-    for b in train launch nccl_ops bench_simclr_step; do
-        [ -x "$prebuilt/$b" ] || { say "FAILED: ALLGRAD_GPU_BIN=$prebuilt has no executable $b"; exit 1; }
+    prebuilt=$(cd "$prebuilt" 2>/dev/null && pwd) || { say "FAILED: ALLGRAD_GPU_BIN=${ALLGRAD_GPU_BIN} is not a directory"; exit 1; }
+    for b in $needed; do
+        [ -x "$prebuilt/$b" ] || { say "FAILED: ALLGRAD_GPU_BIN=$prebuilt has no executable $b (scripts/build_cuda_bins.sh makes them)"; exit 1; }
     done
 elif ! command -v nvcc >/dev/null 2>&1; then
     if [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ]; then
@@ -64,8 +123,14 @@ elif ! command -v nvcc >/dev/null 2>&1; then
         [ -x "$cu/bin/nvcc" ] && export PATH="$cu/bin:$PATH" CUDA_ROOT="$cu" CUDA_PATH="$cu" CUDA_HOME="$cu"
     fi
 fi
-if [ -z "$prebuilt" ]; then
-    command -v nvcc >/dev/null 2>&1 || no_gpu "no nvcc (PATH, CUDA_HOME or $venv): install the CUDA 13 toolchain"
+if [ -z "$prebuilt" ] && ! command -v nvcc >/dev/null 2>&1; then
+    md "- build: none: no nvcc (PATH, CUDA_HOME or $venv) and no ALLGRAD_GPU_BIN"
+    md
+    md "| part | result | why |"
+    md "|---|---|---|"
+    md "| all | failed | nothing to run: build the binaries (scripts/build_cuda_bins.sh DIR) and set ALLGRAD_GPU_BIN=DIR, or install the CUDA 13 toolchain |"
+    say "FAILED: no nvcc and no ALLGRAD_GPU_BIN; report: $report"
+    exit 1
 fi
 if command -v nvcc >/dev/null 2>&1; then
     export CUDA_ROOT="${CUDA_ROOT:-$(dirname "$(dirname "$(command -v nvcc)")")}"
@@ -94,48 +159,119 @@ EOF
     [ -n "$found" ] && break
 done
 export LD_LIBRARY_PATH="${nccl_dir:+$nccl_dir:}${wheel_libs:+$wheel_libs:}$CUDA_ROOT/lib64:$CUDA_ROOT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-if [ -n "$nccl_dir" ]; then
-    say "NCCL from $nccl_dir"
-else
-    say "no NCCL wheel found (ALLGRAD_NCCL_LIB unset): relying on the system's libnccl"
-fi
+md "- libraries: NCCL from ${nccl_dir:-the system}; wheels: ${wheel_libs:-none}"
 
 # 2. Build (or take the binaries built elsewhere).
 if [ -n "$prebuilt" ]; then
-    say "step 2: no build: the binaries of $prebuilt"
     bin="$prebuilt"
+    md "- build: none; the binaries of $bin"
 else
-    bin=$(mktemp -d)
-    say "step 2: build with --features cuda,nccl (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP) into $bin"
-    ALLGRAD_CUDA_LIBS="${nccl_dir:+$nccl_dir:}$wheel_libs" scripts/build_cuda_bins.sh "$bin"
+    bin="$out/bin"
+    say "building with --features cuda,nccl,cudnn (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP) into $bin"
+    if ! ALLGRAD_CUDA_LIBS="${nccl_dir:+$nccl_dir:}$wheel_libs" scripts/build_cuda_bins.sh "$bin" >"$out/build.log" 2>&1; then
+        tail -n 20 "$out/build.log" >&2
+        md "- build: FAILED (log: $out/build.log)"
+        exit 1
+    fi
+    md "- build: scripts/build_cuda_bins.sh $bin ($(tail -n 1 "$out/build.log"))"
 fi
+# The GPU tests start `train` and `launch` from here.
+export ALLGRAD_GPU_BIN="$bin"
 
-# 3. The differentiable collectives on CUDA vs the CPU backend.
-say "step 3: differentiable collectives through NCCL vs the CPU backend, W = 1 and 2"
-ALLGRAD_REQUIRE_GPU="${ALLGRAD_REQUIRE_GPU:-0}" "$bin/nccl_ops" --nocapture --test-threads 1
-if [ -x "$bin/conv_cuda" ]; then
-    say "step 3b: conv2d and both its gradients through cuDNN vs the CPU kernels (f64 1e-10, f32 1e-5)"
-    ALLGRAD_REQUIRE_GPU="${ALLGRAD_REQUIRE_GPU:-0}" "$bin/conv_cuda" --nocapture
-else
-    say "step 3b: SKIPPED: built without the cudnn feature (Candle's own CUDA convolution is used)"
+md
+md "| part | result | why |"
+md "|---|---|---|"
+details="$out/details.md"
+: >"$details"
+
+# part NAME WHAT COMMAND...: runs COMMAND under the time limit, its output in $out/NAME.log;
+# records passed / failed / skipped (the tests print `SKIPPED <binary>::<test> [<need>]: <reason>` when they do
+# not run) and copies the result lines into the report.
+part() {
+    local name="$1" what="$2"
+    shift 2
+    say "$name: $what"
+    local log="$out/$name.log" start rc
+    start=$(date +%s)
+    timeout --kill-after=30 "$limit" "$@" >"$log" 2>&1
+    rc=$?
+    local took=$(($(date +%s) - start))
+    local nskips ntests reasons
+    nskips=$(grep -oE 'SKIPPED [^ ]+ \[' "$log" | sort -u | grep -c . || true)
+    ntests=$(grep -o 'test result: [a-zA-Z]*\. [0-9]* passed' "$log" | awk '{s += $4} END {print s + 0}')
+    # Each distinct reason once (the tests print `SKIPPED <binary>::<test> [<need>]: <reason>
+    # (runs when: ...)`, allgrad_testkit::skip).
+    reasons=$(grep -oE 'SKIPPED [^ ]+ \[[a-z]+\]: .*' "$log" | sed -E 's/^SKIPPED [^ ]+ \[[a-z]+\]: //; s/ \(runs when:.*$//' | sort -u | paste -sd';' - || true)
+    local result why
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        result=failed why="timed out after ${limit} s"
+        failed=1
+    elif [ $rc -ne 0 ]; then
+        result=failed
+        why="exit code $rc: $(grep -m 1 -E 'panicked|error' "$log" | cut -c1-300 || true)"
+        failed=1
+    elif [ "$ntests" -eq 0 ]; then
+        result=failed why="no test ran (a binary built without the cuda feature?)"
+        failed=1
+    elif [ "$nskips" -ge "$ntests" ]; then
+        result=skipped why="$reasons"
+    elif [ "$nskips" -gt 0 ]; then
+        result=passed why="${took} s; $nskips of $ntests test(s) skipped: $reasons"
+    else
+        result=passed why="${took} s, $ntests test(s)"
+    fi
+    say "$name: $result ($why)"
+    md "| $name: $what | $result | $(printf '%s' "$why" | tr '|' '/') |"
+    {
+        echo
+        echo "### $name: $result"
+        echo
+        echo "\`$*\` (log: $log)"
+        echo
+        echo '```'
+        grep -E '==|equals the CPU backend|SIGKILLed|compared in f32|SKIPPED|panicked|test result|median|ratio|allgrad|pytorch|PyTorch|harness' "$log" | grep -v '^running' | head -n 60 || true
+        echo '```'
+    } >>"$details"
+}
+
+t="--nocapture --test-threads 1"
+# shellcheck disable=SC2086 # $t is split on purpose
+want collectives && part collectives "differentiable collectives on CUDA vs the CPU backend, W = 1, 2, 3, host and auto paths" "$bin/nccl_ops" $t
+if want cudnn_conv; then
+    if [ -x "$bin/conv_cuda" ]; then
+        # shellcheck disable=SC2086
+        part cudnn_conv "conv2d and both gradients through cuDNN vs the CPU kernels" "$bin/conv_cuda" $t
+    else
+        md "| cudnn_conv | skipped | the binaries were built without the cudnn feature |"
+    fi
 fi
+# The equivalence tests in two parts, each well under the limit.
+# shellcheck disable=SC2086
+want equivalence_images && part equivalence_images "SimCLR, BarlowTwins, face head: W ranks == 1 rank on the GPU, GPU == CPU" \
+    "$bin/gpu_equivalence" $t simclr barlowtwins face
+# shellcheck disable=SC2086
+want equivalence_text && part equivalence_text "SimCSE (3 variants), vectors: W = 2 == W = 1 on the GPU, GPU == CPU" \
+    "$bin/gpu_equivalence" $t simcse vectors
+# shellcheck disable=SC2086
+want fault_drill && part fault_drill "a rank SIGKILLed on the GPU path" "$bin/gpu_faults" $t
 
-# 4. A few training steps on the GPU.
-ranks=$((gpus < 2 ? gpus : 2))
-out=$(mktemp -d)
-say "step 4: train configs/simclr.yaml on device=cuda, $ranks rank(s), 3 steps (output in $out)"
-"$bin/launch" --nproc-per-node "$ranks" "$bin/train" \
-    --config configs/simclr.yaml --set device=cuda --set log.every=1 --stop-after 3 --output-dir "$out/simclr"
-grep -q '"loss"' "$out/simclr/metrics.jsonl" && say "step 4: losses recorded: $(grep -c '"loss"' "$out/simclr/metrics.jsonl") line(s)"
-
-# 5. The step benchmark beside PyTorch on the same GPU.
 export PYTHON="${PYTHON:-python3}"
-if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    for depth in 18 50; do
-        say "step 5: SimCLR step benchmark, allgrad vs PyTorch on the GPU (ResNet-$depth, batch 256 and 1024)"
-        "$bin/bench_simclr_step" --device cuda --depth "$depth" --rounds 5 --breakdown-rounds 0 256 1024
-    done
-else
-    say "step 5: SKIPPED: $PYTHON cannot import PyTorch with CUDA, so there is no peer to compare with"
+if want bench_r18 || want bench_r50; then
+    if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        want bench_r18 && part bench_r18 "SimCLR step, ResNet-18, batch 256 and 1024, beside PyTorch" \
+            "$bin/bench_simclr_step" --device cuda --depth 18 --rounds 5 --breakdown-rounds 0 256 1024
+        want bench_r50 && part bench_r50 "SimCLR step, ResNet-50, batch 64 and 128, beside PyTorch" \
+            "$bin/bench_simclr_step" --device cuda --depth 50 --rounds 5 --breakdown-rounds 0 64 128
+    else
+        md "| bench_r18, bench_r50 | skipped | $PYTHON cannot import PyTorch with CUDA: no peer to compare with |"
+    fi
 fi
-say "done"
+
+md
+md "## Details"
+cat "$details" >>"$report"
+if [ $failed = 1 ]; then
+    say "FAILED: see $report"
+    exit 1
+fi
+say "done: $report"

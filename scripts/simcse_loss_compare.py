@@ -167,6 +167,12 @@ def main():
         cfg = yaml.safe_load(f)
     if cfg.get("method") != "simcse":
         sys.exit(f"{args.config}: needs method simcse")
+    # Relative paths in a config are taken from its folder, as `train` takes them.
+    folder = os.path.dirname(os.path.join(ROOT, args.config))
+    for section, key in [("data", "sentences"), ("data", "triplets"), ("model", "dir")]:
+        value = cfg.get(section, {}).get(key)
+        if isinstance(value, str):
+            cfg[section][key] = os.path.normpath(os.path.join(folder, value))
     if cfg.get("dtype", "f32") != "f32":
         sys.exit(f"{args.config}: the comparison runs in f32 (dtype: {cfg.get('dtype')})")
     work = args.keep or tempfile.mkdtemp(prefix="simcse_loss_compare.")

@@ -9,7 +9,7 @@
 #    MASTER_PORT; rank 0 rendezvouses through it instead of binding that port).
 # 2. `torchrun --max-restarts 1`: once the run has a checkpoint, one worker is SIGKILLed;
 #    torchrun restarts the workers, which resume from the checkpoint (the "resumed from" line).
-# 3. The test file itself, with ALLGRAD_TORCHRUN set (cargo test --test torchrun).
+# 3. The test file itself, with ALLGRAD_WITH_TORCH=1 and ALLGRAD_TORCHRUN set.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,5 +55,5 @@ grep -E "resumed from|trained|exitcode|closing signal" "$OUT/restarted.txt" | se
 grep -q "resumed from" "$OUT/restarted.txt" || { echo "no resume: see $OUT/restarted.txt" >&2; exit 1; }
 
 echo "== 3. cargo test --test torchrun"
-ALLGRAD_TORCHRUN="$TORCHRUN" cargo test --test torchrun -- --nocapture
+ALLGRAD_WITH_TORCH=1 ALLGRAD_TORCHRUN="$TORCHRUN" cargo test --test torchrun -- --nocapture
 echo "outputs kept in $OUT"

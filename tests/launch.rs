@@ -99,8 +99,8 @@ fn sigint_to_the_launcher_reaches_every_rank() {
             break s;
         }
         if t.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            panic!("watchdog: launch did not stop after SIGINT");
+            allgrad_testkit::process::kill_tree(child.id());
+            panic!("watchdog: launch did not stop after SIGINT (killed it and its ranks)");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -222,8 +222,7 @@ fn job_files(prefix: &str) -> Vec<String> {
 #[test]
 fn a_rank_killed_during_shared_memory_setup_leaves_no_segment_after_launch_exits() {
     if !std::path::Path::new("/dev/shm").is_dir() {
-        eprintln!("skipped: no /dev/shm on this system");
-        return;
+        return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm on this host");
     }
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
     let token = format!("shm-cleanup-test-{}-{nanos}", std::process::id());
@@ -264,8 +263,7 @@ fn a_rank_killed_during_shared_memory_setup_leaves_no_segment_after_launch_exits
 #[test]
 fn launch_removes_its_own_ranks_segments_only() {
     if !std::path::Path::new("/dev/shm").is_dir() {
-        eprintln!("skipped: no /dev/shm on this system");
-        return;
+        return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm on this host");
     }
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
     let token = format!("shm-own-files-test-{}-{nanos}", std::process::id());
@@ -317,10 +315,11 @@ fn run_on_a_terminal(program: &str, args: &[&str], limit: Duration) -> (std::pro
         // `cmd` (holding the last copies of the terminal's slave side here) is dropped here, so
         // reading the master side ends once the child and its ranks have closed theirs.
     };
-    let reader = std::thread::spawn(move || {
+    let (tx, terminal) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
         let mut bytes = Vec::new();
         let _ = master.read_to_end(&mut bytes); // ends with EIO once every slave is closed
-        bytes
+        let _ = tx.send(bytes);
     });
     let t = Instant::now();
     let status = loop {
@@ -328,12 +327,14 @@ fn run_on_a_terminal(program: &str, args: &[&str], limit: Duration) -> (std::pro
             break s;
         }
         if t.elapsed() > limit {
-            let _ = child.kill();
-            panic!("watchdog: {program} still running after {limit:?}");
+            allgrad_testkit::process::kill_tree(child.id());
+            panic!("watchdog: {program} still running after {limit:?} (killed it and its ranks)");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let bytes = reader.join().unwrap();
+    // A process that outlived it (a rank's child) could hold the terminal open: bounded.
+    let what = format!("reading the terminal of {program} after it exited (a process it started still holds it)");
+    let bytes = allgrad_testkit::process::recv_within(&terminal, &what, Duration::from_secs(10));
     (status, String::from_utf8_lossy(&bytes).replace('\r', ""))
 }
 

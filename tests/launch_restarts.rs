@@ -10,7 +10,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -50,12 +50,9 @@ fn launched(dir: &Path, n: usize, extra: &[&str], out: &Path) -> Command {
     c
 }
 
-fn wait_with_watchdog(child: Child, what: &str, limit: Duration) -> Output {
-    common::wait_with_watchdog(child, what, limit).0
-}
-
-fn spawn(cmd: &mut Command) -> Child {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+/// Runs `cmd` to its end under a watchdog of `limit`.
+fn run(cmd: &mut Command, what: &str, limit: Duration) -> Output {
+    common::spawn_watched(cmd, what, limit).wait().0
 }
 
 fn ok(out: &Output) -> String {
@@ -122,11 +119,11 @@ fn killed_job_ends_where_an_uninterrupted_one_does(
     limit: Duration,
 ) -> (BTreeMap<String, Vec<u32>>, Vec<String>) {
     let straight = dir.join("straight");
-    ok(&wait_with_watchdog(spawn(&mut launched(dir, 2, &[], &straight)), "the uninterrupted job", limit));
+    ok(&run(&mut launched(dir, 2, &[], &straight), "the uninterrupted job", limit));
 
     let killed = dir.join("killed");
     let restarts = kill_at.len().to_string();
-    let child = spawn(&mut launched(dir, 2, &["--max-restarts", &restarts], &killed));
+    let child = common::spawn_watched(&mut launched(dir, 2, &["--max-restarts", &restarts], &killed), "the killed job", limit);
     let launcher = child.id();
     let mut rng = allgrad_rng::stream(&[0x6b696c6c, kill_at.len() as u64]);
     let started = Instant::now();
@@ -145,10 +142,11 @@ fn killed_job_ends_where_an_uninterrupted_one_does(
         }
         // The next kill waits for the restarted ranks (new pids).
         while ranks_of(launcher).contains(&victim) {
+            assert!(started.elapsed() < limit, "watchdog: rank {victim} still a child of the launcher after SIGKILL");
             std::thread::sleep(Duration::from_millis(2));
         }
     }
-    let err = ok(&wait_with_watchdog(child, "the killed job", limit));
+    let err = ok(&child.wait().0);
     for k in 1..=kill_at.len() {
         assert!(err.contains(&format!("restart {k} of {restarts}")), "restart {k} not reported:\n{err}");
     }
@@ -190,11 +188,11 @@ fn a_job_resumed_on_another_number_of_ranks_says_so_and_continues() {
     let limit = Duration::from_secs(120);
     let mut first = launched(d.path(), 2, &[], &out);
     first.args(["--stop-after", "8"]);
-    ok(&wait_with_watchdog(spawn(&mut first), "the 2-rank part", limit));
+    ok(&run(&mut first, "the 2-rank part", limit));
     assert_eq!(latest_step(&out), Some(8));
     let mut second = launched(d.path(), 3, &[], &out);
     second.args(["--resume", "--stop-after", "12"]).env("ALLGRAD_LOG", "info");
-    let err = ok(&wait_with_watchdog(spawn(&mut second), "the 3-rank part", limit));
+    let err = ok(&run(&mut second, "the 3-rank part", limit));
     assert!(err.contains("written by 2 rank(s), this run has 3"), "the change of world size was not reported:\n{err}");
     assert_eq!(latest_step(&out), Some(12));
 }

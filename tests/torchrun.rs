@@ -4,20 +4,22 @@
 //! from its checkpoint and ends where an uninterrupted run does; and allgrad's TCPStore
 //! client talks to PyTorch's own store.
 //!
-//! torchrun is found through ALLGRAD_TORCHRUN (a path) or `torchrun` on PATH, and Python
-//! (for the store test) through ALLGRAD_PYTHON or the `python` next to that torchrun. Without
-//! them, or when they cannot import torch, each test prints why it is skipped and passes.
+//! These tests run only with ALLGRAD_WITH_TORCH=1 (PyTorch is a large install that the CI
+//! does not make); without it each skips, saying why (`allgrad_testkit::skip`). With it,
+//! torchrun is found through ALLGRAD_TORCHRUN (a path) or `torchrun` on PATH, and Python (for
+//! the store test) through ALLGRAD_PYTHON or the `python` next to that torchrun, and a test
+//! whose torchrun or Python is missing or cannot import torch fails.
 //! `scripts/torchrun_local.sh` runs this file against the venv's torchrun.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
 
 use allgrad::dist::torch_store::TorchStore;
+use allgrad_testkit::Need;
 use candle_core::{Device, Tensor};
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -31,6 +33,20 @@ fn config(epochs: usize, every: usize) -> String {
          checkpoint: {{every: {every}, keep_last: 2}}\n\
          log: {{every: 1, progress: lines}}\n"
     ))
+}
+
+/// Whether the torch tests were asked for; if not, the test skips, saying so.
+fn asked_for() -> bool {
+    let on = std::env::var("ALLGRAD_WITH_TORCH").is_ok_and(|v| v.trim() == "1");
+    if !on {
+        allgrad_testkit::skip(Need::Torch, "ALLGRAD_WITH_TORCH is not 1");
+    }
+    on
+}
+
+/// torchrun; asked for, it must be there.
+fn torchrun_or_fail() -> PathBuf {
+    torchrun().expect("ALLGRAD_WITH_TORCH=1, but no torchrun runs (set ALLGRAD_TORCHRUN, or put torchrun on PATH)")
 }
 
 fn torchrun() -> Option<PathBuf> {
@@ -50,58 +66,15 @@ fn python() -> Option<PathBuf> {
     ok.map(|s| s.success()).unwrap_or(false).then_some(path)
 }
 
-fn skip(test: &str, what: &str) {
-    println!("{test}: skipped: {what} not found or cannot import torch (set ALLGRAD_TORCHRUN / ALLGRAD_PYTHON)");
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Waits for `child` with a watchdog; `tick` runs every few milliseconds meanwhile.
-fn wait(mut child: Child, what: &str, mut tick: impl FnMut(u32)) -> Output {
-    let t = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if t.elapsed() > LIMIT {
-            let pid = child.id();
-            let _ = child.kill();
-            panic!("watchdog: {what} still running after {LIMIT:?} (pid {pid})");
-        }
-        tick(child.id());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// Kills `pid` after [`LIMIT`] unless dropped first: a hung helper process fails the test.
-struct Watchdog(Arc<AtomicBool>);
-
-impl Watchdog {
-    fn start(pid: u32) -> Watchdog {
-        let done = Arc::new(AtomicBool::new(false));
-        let d = done.clone();
-        std::thread::spawn(move || {
-            let t = Instant::now();
-            while !d.load(Ordering::SeqCst) {
-                if t.elapsed() > LIMIT {
-                    eprintln!("watchdog: killing pid {pid} after {LIMIT:?}");
-                    // SAFETY: kill(2) on a child's process id; no memory is involved.
-                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        });
-        Watchdog(done)
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
+/// Starts `cmd` under a watchdog of [`LIMIT`] (`allgrad_testkit::process`: past it, or when a
+/// surviving descendant holds the output open, everything it started is killed and the test
+/// fails) and waits for it; `tick(pid)` runs every few milliseconds meanwhile.
+fn run(cmd: &mut Command, what: &str, tick: impl FnMut(u32)) -> Output {
+    allgrad_testkit::process::spawn(cmd, what, LIMIT).wait_ticking(tick).0
 }
 
 fn ok(out: &Output, what: &str) -> String {
@@ -120,23 +93,17 @@ fn torchrun_cmd(torchrun: &Path, dir: &Path, run_dir: &Path, extra: &[&str]) -> 
         .arg(run_dir)
         .env("ALLGRAD_JOB_TOKEN", "torchrun-test-token")
         .env("ALLGRAD_TIMEOUT_S", "60")
-        .env("OMP_NUM_THREADS", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .env("OMP_NUM_THREADS", "1");
     c
 }
 
 fn launched(dir: &Path, run_dir: &Path) -> Output {
-    let child = Command::new(env!("CARGO_BIN_EXE_launch"))
-        .args(["--nproc-per-node", "2", env!("CARGO_BIN_EXE_train"), "--config"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_launch"));
+    cmd.args(["--nproc-per-node", "2", env!("CARGO_BIN_EXE_train"), "--config"])
         .arg(dir.join("run.yaml"))
         .arg("--output-dir")
-        .arg(run_dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait(child, "launch", |_| {})
+        .arg(run_dir);
+    run(&mut cmd, "launch", |_| {})
 }
 
 /// The final checkpoint's parameters, by name.
@@ -157,12 +124,15 @@ fn last_loss(text: &str) -> String {
 
 #[test]
 fn two_ranks_under_torchrun_end_where_launch_does() {
-    let Some(torchrun) = torchrun() else { return skip("two_ranks_under_torchrun_end_where_launch_does", "torchrun") };
+    if !asked_for() {
+        return;
+    }
+    let torchrun = torchrun_or_fail();
     let d = tempfile::tempdir().unwrap();
     std::fs::write(d.path().join("run.yaml"), config(2, 4)).unwrap();
     let by_launch = ok(&launched(d.path(), &d.path().join("launch")), "launch");
-    let child = torchrun_cmd(&torchrun, d.path(), &d.path().join("torchrun"), &[]).spawn().unwrap();
-    let by_torchrun = ok(&wait(child, "torchrun", |_| {}), "torchrun");
+    let by_torchrun =
+        ok(&run(&mut torchrun_cmd(&torchrun, d.path(), &d.path().join("torchrun"), &[]), "torchrun", |_| {}), "torchrun");
     assert!(by_torchrun.contains("trained 8 of 8 steps on 2 rank(s)"), "{by_torchrun}");
     assert_eq!(last_loss(&by_torchrun), last_loss(&by_launch));
     assert_eq!(final_model(&d.path().join("torchrun")), final_model(&d.path().join("launch")));
@@ -186,16 +156,18 @@ fn workers_of(agent: u32) -> Vec<i32> {
 
 #[test]
 fn a_worker_killed_once_is_restarted_by_torchrun_and_resumes_exactly() {
-    let test = "a_worker_killed_once_is_restarted_by_torchrun_and_resumes_exactly";
-    let Some(torchrun) = torchrun() else { return skip(test, "torchrun") };
+    if !asked_for() {
+        return;
+    }
+    let torchrun = torchrun_or_fail();
     let d = tempfile::tempdir().unwrap();
     std::fs::write(d.path().join("run.yaml"), config(150, 4)).unwrap();
     ok(&launched(d.path(), &d.path().join("straight")), "launch");
 
     let run_dir = d.path().join("killed");
-    let child = torchrun_cmd(&torchrun, d.path(), &run_dir, &["--max-restarts", "1"]).spawn().unwrap();
     let mut killed = None;
-    let out = wait(child, "torchrun --max-restarts 1", |agent| {
+    let mut cmd = torchrun_cmd(&torchrun, d.path(), &run_dir, &["--max-restarts", "1"]);
+    let out = run(&mut cmd, "torchrun --max-restarts 1", |agent| {
         if killed.is_none() && run_dir.join("checkpoints/latest").exists() {
             let workers = workers_of(agent);
             if let Some(&pid) = workers.last() {
@@ -216,8 +188,12 @@ fn a_worker_killed_once_is_restarted_by_torchrun_and_resumes_exactly() {
 
 #[test]
 fn the_store_client_talks_to_pytorchs_tcpstore() {
-    let test = "the_store_client_talks_to_pytorchs_tcpstore";
-    let Some(python) = python() else { return skip(test, "python with torch") };
+    if !asked_for() {
+        return;
+    }
+    let python = python().expect(
+        "ALLGRAD_WITH_TORCH=1, but no Python imports torch.distributed (set ALLGRAD_PYTHON, or the python beside torchrun)",
+    );
     let script = r#"
 import datetime, sys, torch.distributed as dist
 s = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -229,8 +205,15 @@ p.set("from_python", v[::-1] + b"!")
 p.wait(["done"])
 print("python read", v.decode(), "and counter", int(p.get("counter")), flush=True)
 "#;
-    let mut child = Command::new(&python).args(["-c", script]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let _dog = Watchdog::start(child.id());
+    // Its output is read here line by line: a watchdog kills it (and fails the reads) past LIMIT.
+    let mut child = Command::new(&python)
+        .args(["-c", script])
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let _dog = allgrad_testkit::process::Watchdog::start(child.id(), "python with the TCPStore", LIMIT);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let port = lines.next().expect("the store's port").unwrap();
     let store = TorchStore::connect(&format!("127.0.0.1:{}", port.trim()), Duration::from_secs(60))
@@ -247,7 +230,7 @@ print("python read", v.decode(), "and counter", int(p.get("counter")), flush=Tru
     assert!(err.contains("timed out") && err.contains(port.trim()), "{err}");
     store.set("done", b"").unwrap();
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
-    let out = wait(child, "python", |_| {});
-    assert!(out.status.success(), "python: {}", String::from_utf8_lossy(&out.stderr));
+    let status = allgrad_testkit::process::wait_exit(&mut child, "python with the TCPStore", LIMIT);
+    assert!(status.success(), "python: {status} (its stderr is above)");
     assert_eq!(rest, ["python read abc and counter 15"]);
 }

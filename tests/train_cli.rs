@@ -152,12 +152,22 @@ fn sigkill_at_random_moments_never_leaves_a_broken_latest() {
 }
 
 #[test]
-fn config_errors_name_the_file_the_key_and_the_numbers() {
+fn config_errors_name_the_file_or_the_set_argument_the_key_and_the_numbers() {
     let d = setup();
     let limit = Duration::from_secs(60);
+    let bad = d.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    std::fs::write(bad.join("run.yaml"), config().replace("epochs: 2", "epochs: two")).unwrap();
     let cases: Vec<(Command, Vec<&str>)> = vec![
-        (train(d.path(), &["--set", "optim.momentun=0.9"]), vec!["run.yaml", "optim", "unknown field `momentun`"]),
-        (train(d.path(), &["--set", "train.global_batch=lots"]), vec!["run.yaml", "train.global_batch", "invalid type"]),
+        (train(&bad, &[]), vec!["run.yaml: at `train.epochs`", "invalid type"]),
+        (
+            train(d.path(), &["--set", "optim.momentun=0.9"]),
+            vec!["--set optim.momentun=0.9: at `optim", "unknown field `momentun`"],
+        ),
+        (
+            train(d.path(), &["--set", "train.global_batch=lots"]),
+            vec!["--set train.global_batch=lots: at `train.global_batch`", "invalid type", "comes from the command line"],
+        ),
         (
             launched(d.path(), 2, &["--set", "train.global_batch=25"]),
             vec!["train.global_batch = 25 is not divisible by world size 2"],

@@ -1,6 +1,7 @@
 //! More than one host without a second machine: two network namespaces joined by a veth
 //! pair, each running `launch --nnodes 2` with 2 ranks, the way two hosts would. Needs root
-//! with CAP_NET_ADMIN and iproute2's `ip`; without them each test prints why it is skipped.
+//! with CAP_NET_ADMIN and iproute2's `ip`; without them each test skips, saying why
+//! (`allgrad_testkit::skip`).
 //!
 //! - Collectives across the link are exact, shared memory is used inside a node (its ranks
 //!   share a mount namespace, hence a /dev/shm) and not across nodes (`ip netns exec` gives
@@ -13,11 +14,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{example, wait_with_watchdog};
+use common::{example, run_with_watchdog, spawn_watched};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
@@ -71,9 +72,7 @@ impl TwoHosts {
             .args(["--master-addr", &self.ips[0], "--master-port", &port.to_string()])
             .args(program)
             .env("ALLGRAD_JOB_TOKEN", format!("two-hosts-{}", std::process::id()))
-            .env("ALLGRAD_TIMEOUT_S", "30")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .env("ALLGRAD_TIMEOUT_S", "30");
         c
     }
 }
@@ -87,11 +86,12 @@ impl Drop for TwoHosts {
     }
 }
 
-fn hosts_or_skip(test: &str) -> Option<TwoHosts> {
+/// The two hosts, or `None` after [`allgrad_testkit::skip`] said why they cannot be made here.
+fn hosts_or_skip() -> Option<TwoHosts> {
     match TwoHosts::create() {
         Ok(h) => Some(h),
         Err(why) => {
-            println!("{test}: skipped: cannot make two network namespaces here: {why}");
+            allgrad_testkit::skip(allgrad_testkit::Need::NetNs, &format!("cannot make two network namespaces here: {why}"));
             None
         }
     }
@@ -100,11 +100,9 @@ fn hosts_or_skip(test: &str) -> Option<TwoHosts> {
 /// Runs both nodes of `program` and returns (node 0's output, node 1's output, their times).
 fn both(hosts: &TwoHosts, program: &[&str], limit: Duration) -> [(Output, Duration); 2] {
     let port = allgrad::launch::free_port().unwrap();
-    let b = hosts.launch(1, port, program).spawn().unwrap();
-    let a = hosts.launch(0, port, program).spawn().unwrap();
-    let a = wait_with_watchdog(a, "node 0", limit);
-    let b = wait_with_watchdog(b, "node 1", limit);
-    [a, b]
+    let b = spawn_watched(&mut hosts.launch(1, port, program), "node 1", limit);
+    let a = spawn_watched(&mut hosts.launch(0, port, program), "node 0", limit);
+    [a.wait(), b.wait()]
 }
 
 fn text(o: &Output) -> String {
@@ -113,7 +111,7 @@ fn text(o: &Output) -> String {
 
 #[test]
 fn collectives_across_two_hosts_are_exact_and_use_shared_memory_only_inside_a_node() {
-    let Some(hosts) = hosts_or_skip("collectives_across_two_hosts") else { return };
+    let Some(hosts) = hosts_or_skip() else { return };
     let probe = example("host_probe");
     let [(a, _), (b, _)] = both(&hosts, &[probe.to_str().unwrap()], Duration::from_secs(120));
     assert!(a.status.success() && b.status.success(), "node 0:\n{}\nnode 1:\n{}", text(&a), text(&b));
@@ -127,7 +125,7 @@ fn collectives_across_two_hosts_are_exact_and_use_shared_memory_only_inside_a_no
 
 #[test]
 fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
-    let Some(hosts) = hosts_or_skip("training_across_two_hosts") else { return };
+    let Some(hosts) = hosts_or_skip() else { return };
     let d = tempfile::tempdir().unwrap();
     let config = d.path().join("run.yaml");
     let run_config = "train: {global_batch: 24, epochs: 4}\ncheckpoint: {every: 4, keep_last: 1}\nlog: {every: 1, progress: quiet, plot: false}\n";
@@ -143,8 +141,8 @@ fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
     };
     let one_host = d.path().join("one-host");
     let mut single = Command::new(env!("CARGO_BIN_EXE_launch"));
-    single.args(["--nproc-per-node", "4"]).args(run(&one_host)).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let (o, _) = wait_with_watchdog(single.spawn().unwrap(), "the one-host run", Duration::from_secs(120));
+    single.args(["--nproc-per-node", "4"]).args(run(&one_host));
+    let (o, _) = run_with_watchdog(&mut single, Duration::from_secs(120));
     assert!(o.status.success(), "{}", text(&o));
 
     let two_hosts = d.path().join("two-hosts");
@@ -158,7 +156,7 @@ fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
 
 #[test]
 fn a_rank_dying_on_one_host_fails_the_other_hosts_ranks_promptly() {
-    let Some(hosts) = hosts_or_skip("a_rank_dying_on_one_host") else { return };
+    let Some(hosts) = hosts_or_skip() else { return };
     // Rank 3 (node 1) kills itself with SIGKILL at its 4th all_reduce.
     let drill = example("failure_drill");
     let [(a, ta), (b, _)] = both(&hosts, &[drill.to_str().unwrap(), "3"], Duration::from_secs(60));

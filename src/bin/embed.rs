@@ -3,7 +3,7 @@
 //! `allgrad_models::bert::embed_lines`).
 //!
 //! ```text
-//! embed --model DIR [--pooling mean|cls|cls_before_pooler] [--max-len N] [--normalize] [FILE]
+//! embed --model DIR [--pooling mean|cls|cls-before-pooler] [--max-len N] [--normalize] [FILE]
 //! echo "a sentence" | embed --model data/models/all-MiniLM-L6-v2 --normalize
 //! ```
 //! prints `{"text": ..., "ids": [...], "embedding": [...]}` per non-empty line of FILE (or stdin).
@@ -19,6 +19,8 @@ use clap::{Parser, ValueEnum};
 enum PoolingArg {
     Mean,
     Cls,
+    /// `[CLS]` as the last layer leaves it (also spelled `cls_before_pooler`, as in SimCSE).
+    #[value(alias = "cls_before_pooler")]
     ClsBeforePooler,
 }
 

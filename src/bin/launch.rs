@@ -14,11 +14,24 @@ use std::time::Duration;
 use allgrad::launch::{launch, LaunchConfig};
 use clap::Parser;
 
+/// Examples shown by `launch --help`.
+const EXAMPLES: &str = "\
+Examples:
+  launch --nproc-per-node 2 train --config configs/simclr.yaml
+  launch --nproc-per-node 2 --max-restarts 3 train --config configs/simclr.yaml
+  launch --nproc-per-node 4 --ranks-filter 0 train --config configs/vectors.yaml
+  # two hosts, 8 ranks each (the same command on both, --node-rank 0 and 1):
+  ALLGRAD_JOB_TOKEN=$SECRET launch --nnodes 2 --node-rank 0 --master-addr host0 --master-port 29500 \\
+      --nproc-per-node 8 train --config configs/simclr.yaml
+
+A program without a `/` is looked up on PATH, then beside launch itself (so `train` works
+right after `cargo build`).";
+
 /// Start PROGRAM on N ranks with the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE,
 /// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and a job token. Output lines are prefixed
 /// with the rank; if a rank fails, the others are stopped and its exit code is returned.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version, about, after_help = EXAMPLES)]
 struct Args {
     /// Ranks to start on this node.
     #[arg(long, default_value_t = 1)]

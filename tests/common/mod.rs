@@ -4,8 +4,10 @@
 #![allow(dead_code)] // each test file uses a different subset
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+pub use allgrad_testkit::process::Watched;
 
 /// The 96-sample vectors run the process tests train (2-rank, 3-rank and resumed runs must
 /// end where one rank does), followed by `rest`: its `train`, `checkpoint` and `log` sections.
@@ -22,27 +24,17 @@ pub fn vectors_config(rest: &str) -> String {
     )
 }
 
-/// Waits for `child` with a watchdog: kills it and fails the test after `limit` (without
-/// reading its pipes, which a surviving grandchild could hold open). Returns its output and
-/// how long it ran.
-pub fn wait_with_watchdog(mut child: Child, what: &str, limit: Duration) -> (Output, Duration) {
-    let t = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return (child.wait_with_output().unwrap(), t.elapsed());
-        }
-        if t.elapsed() > limit {
-            let _ = child.kill();
-            panic!("watchdog: {what} still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+/// Starts `cmd` (stdout and stderr captured) in a process group of its own under a watchdog
+/// (`allgrad_testkit::process`): waiting past `limit`, or for output that a surviving
+/// descendant holds open, kills it and everything it started and fails the test.
+pub fn spawn_watched(cmd: &mut Command, what: &str, limit: Duration) -> Watched {
+    allgrad_testkit::process::spawn(cmd, what, limit)
 }
 
-/// Runs `cmd` (stdout and stderr captured) under [`wait_with_watchdog`].
+/// Runs `cmd` under [`spawn_watched`]; returns its output and how long it ran.
 pub fn run_with_watchdog(cmd: &mut Command, limit: Duration) -> (Output, Duration) {
-    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    wait_with_watchdog(child, &format!("{cmd:?}"), limit)
+    let what = format!("{cmd:?}");
+    spawn_watched(cmd, &what, limit).wait()
 }
 
 /// A built example: examples are built next to the test binaries' directory,

@@ -5,7 +5,7 @@
 //! grayscale, Gaussian blur, then normalisation to an f32 CHW sample. Each stage draws from
 //! its own keyed stream `stream(&[seed, epoch, index, view, stage])`, so a view depends only
 //! on its key and on the image: never on the rank, the worker thread or the batch position
-//! (DESIGN §3), and changing one stage's settings does not change the draws of the others.
+//! (ARCHITECTURE.md, "Why W ranks equal one"), and changing one stage's settings does not change the draws of the others.
 //!
 //! Images may have 1 or 3 channels; on one channel, saturation, hue and grayscale are
 //! no-ops. [`TwoViews`] gives the two views of a contrastive pair.

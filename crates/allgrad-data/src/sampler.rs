@@ -1,6 +1,6 @@
 //! Which samples each rank sees: a global permutation per epoch from (seed, epoch), cut into
 //! global batches; rank r takes the r-th contiguous slice of each. A run on W ranks therefore
-//! sees exactly the batches of a run on one rank (DESIGN §3).
+//! sees exactly the batches of a run on one rank (ARCHITECTURE.md, "Why W ranks equal one").
 //!
 //! The sampler holds no position of its own: batch `pos` of `epoch` is a pure function of
 //! (seed, epoch, pos), so a resumed run that knows its step sees exactly the batches of an

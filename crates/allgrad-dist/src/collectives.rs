@@ -288,9 +288,11 @@ impl Mesh {
         let n = buf.len();
         let esz = T::DTYPE.size_in_bytes();
         if self.use_shm(n * esz) {
+            self.paths.shared_memory += 1;
             return self.shm_all_reduce(c, op, buf).map_err(|e| self.fail(e));
         }
         if n * esz * (w - 1) <= DIRECT_BYTES || n < w {
+            self.paths.direct += 1;
             let mut raw = self.take_scratch(n * w * esz);
             let all = typed::<T>(&mut raw, n * w);
             let (own, others) = all.split_at_mut(n);
@@ -301,6 +303,7 @@ impl Mesh {
             self.put_scratch(raw);
             return Ok(());
         }
+        self.paths.ring += 1;
         let chunks = split_even(n, w);
         self.ring_reduce_scatter(c, op, buf, &chunks, 0)?;
         if op == ReduceOp::Avg {

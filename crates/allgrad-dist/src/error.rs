@@ -116,6 +116,16 @@ pub enum DistError {
         detail: String,
     },
 
+    /// The path chosen for a group's collectives of CUDA tensors (`cuda_collectives`) cannot
+    /// be taken: `nccl` where ranks share a GPU or the build has no NCCL.
+    #[error("collectives of CUDA tensors on group {group}: {detail}")]
+    CudaCollectives {
+        /// Group name.
+        group: String,
+        /// What is wrong, naming the ranks and GPUs, and what to do.
+        detail: String,
+    },
+
     /// The rendezvous store answered with an error.
     #[error("store: {0}")]
     Store(String),

@@ -28,6 +28,10 @@
 //!   (its groups then use TCP throughout); ALLGRAD_SHM_SLOT_BYTES sets the bytes each rank
 //!   moves per step (default 1 MiB). [`ProcessGroup::shared_memory`] tells which path a group
 //!   takes.
+//! - Collectives of CUDA tensors (feature `cuda`) go through NCCL (feature `nccl`) when every
+//!   rank of the group has a GPU of its own, and through a pinned host buffer and the CPU
+//!   backend otherwise (ranks sharing a GPU, or a build without NCCL); `dist.cuda_collectives`
+//!   / ALLGRAD_CUDA_COLLECTIVES force either ([`gpu`], [`ProcessGroup::cuda_path`]).
 //! - Every `ALLGRAD_*` variable is read once, when the group is made, into [`Settings`]
 //!   (the table of variables, defaults and meanings is in [`settings`]); a bad value is an
 //!   error naming the variable and the value. Peers cannot make a rank allocate more than
@@ -36,13 +40,23 @@
 
 #![warn(missing_docs)]
 
+/// The `tracing` target of messages that say the same thing on every rank (a skipped
+/// evaluation file, a resume without a checkpoint): `train`'s logger shows them on rank 0
+/// only, so a job of W ranks prints them once, not W times. Use it as
+/// `tracing::warn!(target: allgrad_dist::JOB_LOG, "...")`.
+pub const JOB_LOG: &str = "allgrad_job";
+
 pub mod clock;
 mod collectives;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod dispatch;
 pub mod elastic;
 pub mod env;
 mod error;
+pub mod gpu;
 mod group;
+mod host_ops;
 pub mod launch;
 mod mesh;
 #[cfg(feature = "nccl")]
@@ -68,7 +82,10 @@ pub use dispatch::__private;
 pub use elastic::Elastic;
 pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
+pub use gpu::{CudaCollectives, CudaPath};
 pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
+#[doc(hidden)]
+pub use mesh::AllReducePaths;
 pub use ops::{all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter};
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
 pub use settings::Settings;

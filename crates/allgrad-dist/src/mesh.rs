@@ -127,12 +127,38 @@ pub(crate) struct Mesh {
     scratch: Vec<u64>,
     /// The group's shared-memory segment, when every member runs on this host (see `shm_ops`).
     pub shm: Option<Segment>,
+    /// How many all_reduce calls took each path (tests observe the path through it).
+    pub paths: AllReducePaths,
+}
+
+/// How many all_reduce calls of a group took each path: what tests read to see the path a
+/// call took ([`crate::ProcessGroup::all_reduce_paths`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllReducePaths {
+    /// Small messages: every rank sends its whole input to every other over TCP.
+    pub direct: u64,
+    /// Large messages over TCP: reduce-scatter then all-gather around the ring.
+    pub ring: u64,
+    /// Large messages through the host's shared-memory segment.
+    pub shared_memory: u64,
 }
 
 impl Mesh {
     pub fn new(group: String, rank: usize, members: Vec<usize>, peers: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
         let n = peers.len();
-        Mesh { group, rank, members, peers, timeout, failure: None, mid_frame: vec![false; n], scratch: Vec::new(), shm: None }
+        Mesh {
+            group,
+            rank,
+            members,
+            peers,
+            timeout,
+            failure: None,
+            mid_frame: vec![false; n],
+            scratch: Vec::new(),
+            shm: None,
+            paths: AllReducePaths::default(),
+        }
     }
 
     pub fn size(&self) -> usize {

@@ -11,6 +11,7 @@
 //! | `ALLGRAD_BIND_ADDR` | the interface that reaches MASTER_ADDR | IP address the data plane listens on |
 //! | `ALLGRAD_SHM` | 1 | `0` keeps this process's groups on TCP; `1` lets same-host groups use shared memory |
 //! | `ALLGRAD_SHM_SLOT_BYTES` | 1048576 | bytes each rank moves per shared-memory step (at least 4096; rounded down to pages) |
+//! | `ALLGRAD_CUDA_COLLECTIVES` | `auto` | `auto`, `nccl` or `host`: how collectives of CUDA tensors move their data ([`crate::gpu`]) |
 //!
 //! An empty value counts as unset. A value that does not parse is an error naming the
 //! variable and the value.
@@ -21,6 +22,7 @@ use std::time::Duration;
 
 use crate::env::DEFAULT_TIMEOUT;
 use crate::error::{DistError, DistResult};
+use crate::gpu::CudaCollectives;
 use crate::shm::SLOT_ALIGN;
 use crate::shm_setup::{ShmConfig, DEFAULT_SLOT_BYTES};
 
@@ -42,6 +44,9 @@ pub struct Settings {
     pub shm: bool,
     /// ALLGRAD_SHM_SLOT_BYTES: bytes each rank moves per shared-memory step.
     pub shm_slot_bytes: usize,
+    /// ALLGRAD_CUDA_COLLECTIVES: the path of collectives of CUDA tensors, when set (`None`:
+    /// `auto`, unless a run config's `dist.cuda_collectives` says otherwise).
+    pub cuda_collectives: Option<CudaCollectives>,
 }
 
 impl Default for Settings {
@@ -53,6 +58,7 @@ impl Default for Settings {
             bind_addr: None,
             shm: true,
             shm_slot_bytes: DEFAULT_SLOT_BYTES,
+            cuda_collectives: None,
         }
     }
 }
@@ -94,6 +100,9 @@ impl Settings {
                 .ok()
                 .filter(|b| *b >= SLOT_ALIGN)
                 .ok_or_else(|| bad("ALLGRAD_SHM_SLOT_BYTES", v, &format!("a number of bytes of at least {SLOT_ALIGN}")))?;
+        }
+        if let Some(v) = get("ALLGRAD_CUDA_COLLECTIVES") {
+            s.cuda_collectives = Some(v.parse().map_err(|e| DistError::Env(format!("ALLGRAD_CUDA_COLLECTIVES={v:?}: {e}")))?);
         }
         Ok(s)
     }
@@ -149,6 +158,7 @@ mod tests {
         assert_eq!(s, Settings::default());
         assert_eq!((s.timeout, s.shm, s.shm_slot_bytes), (Duration::from_secs(300), true, 1 << 20));
         assert_eq!((s.max_message_bytes, s.bind_addr, s.job_token), (None, None, None));
+        assert_eq!(s.cuda_collectives, None);
     }
 
     #[test]
@@ -160,6 +170,7 @@ mod tests {
             ("ALLGRAD_BIND_ADDR", "10.1.2.3"),
             ("ALLGRAD_SHM", "0"),
             ("ALLGRAD_SHM_SLOT_BYTES", "65536"),
+            ("ALLGRAD_CUDA_COLLECTIVES", "host"),
         ]))
         .unwrap();
         assert_eq!(s.timeout, Duration::from_millis(2500));
@@ -168,6 +179,7 @@ mod tests {
         assert_eq!(s.bind_addr, Some("10.1.2.3".parse().unwrap()));
         assert!(!s.shm);
         assert_eq!(s.shm_slot_bytes, 65536);
+        assert_eq!(s.cuda_collectives, Some(CudaCollectives::Host));
     }
 
     #[test]
@@ -180,6 +192,7 @@ mod tests {
             ("ALLGRAD_SHM", "yes"),
             ("ALLGRAD_SHM_SLOT_BYTES", "12"),
             ("ALLGRAD_SHM_SLOT_BYTES", "1M"),
+            ("ALLGRAD_CUDA_COLLECTIVES", "gloo"),
         ] {
             let e = Settings::from_vars(&vars(&[(k, v)])).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(&format!("{v:?}")), "{k}={v}: {e}");

@@ -47,11 +47,15 @@ pub struct InvarianceReport {
 }
 
 impl InvarianceReport {
-    /// Fails, with the figures, unless the loss and every gradient agree within `tol`
-    /// relative to max(1, magnitude).
+    /// Fails, with the figures, unless the loss agrees within `tol` relative to the reference
+    /// loss, and the gradients within `tol` relative to the largest reference gradient entry
+    /// (`max |g_W − g_1| / max |g_1|`: norm-wise, since rounding makes an entry's error
+    /// proportional to the terms summed into it rather than to the entry). A reference of
+    /// exactly zero asks for an exact zero.
     pub fn assert_close(&self, tol: f64) -> Result<()> {
-        let loss_err = (self.loss - self.reference_loss).abs() / self.reference_loss.abs().max(1.0);
-        let grad_err = self.max_grad_diff / self.max_grad.max(1.0);
+        let rel = |diff: f64, scale: f64| if diff == 0.0 { 0.0 } else { diff / scale };
+        let loss_err = rel((self.loss - self.reference_loss).abs(), self.reference_loss.abs());
+        let grad_err = rel(self.max_grad_diff, self.max_grad);
         if !(loss_err <= tol && grad_err <= tol) {
             candle_core::bail!(
                 "not world-size invariant at W = {}: loss {} vs single-process {} (rel. diff {loss_err:.3e}), \

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::env::WorldInfo;
 use crate::error::DistError;
+use crate::gpu::CudaCollectives;
 use crate::group::ProcessGroup;
 use crate::settings::Settings;
 use crate::store::StoreServer;
@@ -41,6 +42,7 @@ pub struct ThreadWorld {
     shm: Option<bool>,
     shm_slot_bytes: Option<usize>,
     max_message_bytes: Option<u64>,
+    cuda_collectives: Option<CudaCollectives>,
     /// A rank that runs with shared memory off while the others have it on (tests).
     declining: Option<usize>,
 }
@@ -58,8 +60,16 @@ impl ThreadWorld {
             shm: None,
             shm_slot_bytes: None,
             max_message_bytes: None,
+            cuda_collectives: None,
             declining: None,
         }
+    }
+
+    /// The mode every rank's groups choose their path for CUDA tensors with, overriding
+    /// ALLGRAD_CUDA_COLLECTIVES ([`crate::gpu`]).
+    pub fn cuda_collectives(mut self, mode: CudaCollectives) -> Self {
+        self.cuda_collectives = Some(mode);
+        self
     }
 
     /// Whether the ranks' groups may use shared memory for large collectives (they are on one
@@ -121,6 +131,7 @@ impl ThreadWorld {
         settings.shm = self.shm.unwrap_or(settings.shm);
         settings.shm_slot_bytes = self.shm_slot_bytes.unwrap_or(settings.shm_slot_bytes);
         settings.max_message_bytes = self.max_message_bytes.or(settings.max_message_bytes);
+        settings.cuda_collectives = self.cuda_collectives.or(settings.cuda_collectives);
         settings.timeout = self.timeout;
         let token = format!("threads-{:032x}", rand::random::<u128>());
         let server = if w > 1 { Some(StoreServer::start("127.0.0.1:0", &token)?) } else { None };

@@ -1,30 +1,50 @@
-//! The differentiable collectives on CUDA tensors through NCCL, compared with the same ops on
-//! the CPU backend: every op's output and input gradient at W = 1 and 2 (ranks as threads,
-//! rank r on CUDA device r), f64, asymmetric data per rank, relative tolerance 1e-10.
+//! The differentiable collectives on CUDA tensors, compared with the same ops on the CPU
+//! backend: every op's output and input gradient at W = 1, 2 and 3 (ranks as threads, rank r
+//! on CUDA device r % (devices visible)), f64, asymmetric data per rank, relative tolerance
+//! 1e-10 (the host path gives the CPU backend's bits; NCCL may sum in another order).
 //!
-//! Built only with the `nccl` feature; it needs a GPU per rank, so it runs on a GPU machine
-//! (`scripts/gpu_ci.sh`), never in this repository's CPU CI. A world size needing more GPUs
-//! than the machine has is skipped with a message (NCCL refuses two ranks of one
-//! communicator on one GPU: `ncclCommInitRank` returns ncclInvalidUsage, seen with NCCL 2.28
-//! on an H100); with ALLGRAD_REQUIRE_GPU=1, having no GPU at all is a failure.
-#![cfg(feature = "nccl")]
+//! Each world size runs on both paths a group can take ([`allgrad_dist::gpu`]): `host`
+//! (forced), and `auto`, which is NCCL where every rank has a GPU of its own and the build has
+//! the `nccl` feature, and the host otherwise; the test asserts which path each group took.
+//! So on a machine with one GPU every W >= 2 case runs on the host path (NCCL refuses two
+//! ranks of one communicator on one GPU: ncclInvalidUsage), and with two GPUs W = 2 runs
+//! through NCCL. Nothing skips on a machine with a GPU.
+//!
+//! Built with the `cuda` feature; it runs on a GPU machine (`scripts/gpu_ci.sh`), never in
+//! this repository's CPU CI. Without a GPU it prints why it skipped, and fails with
+//! ALLGRAD_REQUIRE_GPU=1.
+#![cfg(feature = "cuda")]
 
-use allgrad_dist::{all_gather, all_reduce, all_to_all_sizes, broadcast, reduce_scatter, run_threads, ProcessGroup, ReduceOp};
+use allgrad_dist::gpu::{cuda_ordinal, CudaCollectives, CudaPath};
+use allgrad_dist::{all_gather, all_reduce, all_to_all_sizes, broadcast, reduce_scatter, ProcessGroup, ReduceOp, ThreadWorld};
 use candle_core::cuda::cudarc::driver::CudaContext;
 use candle_core::{Device, Result, Tensor, Var};
 
 type Op<'a> = &'a (dyn Fn(&Tensor, &ProcessGroup) -> Result<Tensor> + Sync);
 
-/// Whether `w` ranks can each have a GPU here; says why not when they cannot.
-fn gpus_for(w: usize) -> bool {
-    let n = CudaContext::device_count().map(|n| n as usize).unwrap_or(0);
-    if n == 0 && std::env::var("ALLGRAD_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("ALLGRAD_REQUIRE_GPU=1, but no CUDA device is visible");
+/// The number of visible CUDA devices; `None`, after printing why the test skips, when there
+/// is none. With ALLGRAD_REQUIRE_GPU=1 a skip is a failure.
+fn gpus(test: &str) -> Option<usize> {
+    let n = CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0);
+    if n == 0 {
+        skip(test, "no CUDA device is visible");
+        return None;
     }
-    if n < w {
-        eprintln!("SKIPPED at W={w}: {n} CUDA device(s) visible, one per rank needed");
+    Some(n)
+}
+
+/// Says that `test` did not run and why, through the workspace's skip (a failure instead
+/// under ALLGRAD_REQUIRE_GPU=1).
+fn skip(test: &str, reason: &str) {
+    allgrad_testkit::skip(allgrad_testkit::Need::Gpu, &format!("{test}: {reason}"));
+}
+
+/// The path a group of `w` ranks on `gpus` devices takes under `mode`.
+fn expected_path(w: usize, gpus: usize, mode: CudaCollectives) -> CudaPath {
+    match mode {
+        CudaCollectives::Auto if cfg!(feature = "nccl") && w <= gpus => CudaPath::Nccl,
+        _ => CudaPath::Host,
     }
-    n >= w
 }
 
 /// Rank r's input: `rows` x 3, every value distinct across ranks and positions.
@@ -34,43 +54,69 @@ fn input(rank: usize, rows: usize) -> Result<Tensor> {
     Tensor::from_vec(v, (rows, 3), &Device::Cpu)
 }
 
-/// Runs `op` on W ranks (on CUDA device r, or on the CPU), with the loss
+/// Each rank's output and input gradient, and (on CUDA) the path its group took.
+type RankResult = (Vec<f64>, Vec<f64>, Option<CudaPath>);
+
+/// Runs `op` on W ranks (on CUDA device r % gpus under `mode`, or on the CPU), with the loss
 /// `Σ (out ⊙ c)²` for a fixed position-dependent `c`; returns each rank's output and input
 /// gradient as host vectors.
-fn run(w: usize, cuda: bool, rows: &(dyn Fn(usize, usize) -> usize + Sync), op: Op<'_>) -> Vec<(Vec<f64>, Vec<f64>)> {
-    run_threads(w, |pg| {
-        let dev = if cuda { Device::new_cuda(pg.rank())? } else { Device::Cpu };
-        let x = Var::from_tensor(&input(pg.rank(), rows(pg.rank(), w))?.to_device(&dev)?)?;
-        let out = op(x.as_tensor(), &pg)?;
-        let n = out.elem_count();
-        let c = Tensor::from_vec((0..n).map(|i| 1.0 + 0.25 * i as f64).collect::<Vec<_>>(), out.shape(), &dev)?;
-        let loss = out.mul(&c)?.sqr()?.sum_all()?;
-        let grads = loss.backward()?;
-        let gx = grads.get(&x).expect("the input tracks gradients").flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f64>()?;
-        Ok((out.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f64>()?, gx))
-    })
-    .unwrap()
+fn run(
+    w: usize,
+    cuda: Option<(usize, CudaCollectives)>,
+    rows: &(dyn Fn(usize, usize) -> usize + Sync),
+    op: Op<'_>,
+) -> Vec<RankResult> {
+    let world = ThreadWorld::new(w);
+    let world = match cuda {
+        Some((_, mode)) => world.cuda_collectives(mode),
+        None => world,
+    };
+    world
+        .run(|pg| {
+            let (dev, path) = match cuda {
+                Some((gpus, _)) => {
+                    let ordinal = cuda_ordinal(pg.rank(), w, gpus, None).map_err(candle_core::Error::Msg)?;
+                    let dev = Device::new_cuda(ordinal)?;
+                    let path = pg.cuda_path(&dev)?;
+                    (dev, Some(path))
+                }
+                None => (Device::Cpu, None),
+            };
+            let x = Var::from_tensor(&input(pg.rank(), rows(pg.rank(), w))?.to_device(&dev)?)?;
+            let out = op(x.as_tensor(), &pg)?;
+            let n = out.elem_count();
+            let c = Tensor::from_vec((0..n).map(|i| 1.0 + 0.25 * i as f64).collect::<Vec<_>>(), out.shape(), &dev)?;
+            let loss = out.mul(&c)?.sqr()?.sum_all()?;
+            let grads = loss.backward()?;
+            let gx =
+                grads.get(&x).expect("the input tracks gradients").flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f64>()?;
+            Ok((out.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f64>()?, gx, path))
+        })
+        .unwrap()
 }
 
 fn assert_close(name: &str, w: usize, what: &str, gpu: &[f64], cpu: &[f64]) {
     assert_eq!(gpu.len(), cpu.len(), "{name} W={w} {what}: lengths");
     for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
-        assert!((g - c).abs() <= 1e-10 * c.abs().max(1.0), "{name} W={w} {what}[{i}]: CUDA {g} vs CPU {c}");
+        // Relative error per element, with a floor of 1e-300 only against exact zeros.
+        assert!((g - c).abs() <= 1e-10 * c.abs().max(1e-300), "{name} W={w} {what}[{i}]: CUDA {g} vs CPU {c}");
     }
 }
 
 fn check(name: &str, rows: &(dyn Fn(usize, usize) -> usize + Sync), op: Op<'_>) {
-    for w in [1, 2] {
-        if !gpus_for(w) {
-            continue;
+    let Some(gpus) = gpus(name) else { return };
+    for w in [1, 2, 3] {
+        let cpu = run(w, None, rows, op);
+        for mode in [CudaCollectives::Host, CudaCollectives::Auto] {
+            let want = expected_path(w, gpus, mode);
+            let gpu = run(w, Some((gpus, mode)), rows, op);
+            for (r, ((go, gg, path), (co, cg, _))) in gpu.iter().zip(&cpu).enumerate() {
+                assert_eq!(*path, Some(want), "{name} W={w} {mode} on {gpus} GPU(s): rank {r}'s path");
+                assert_close(name, w, &format!("{mode}, {want} path: rank {r} output"), go, co);
+                assert_close(name, w, &format!("{mode}, {want} path: rank {r} input gradient"), gg, cg);
+            }
+            eprintln!("{name}: W={w} on {gpus} GPU(s), cuda_collectives={mode}: the {want} path equals the CPU backend");
         }
-        let cpu = run(w, false, rows, op);
-        let gpu = run(w, true, rows, op);
-        for (r, ((go, gg), (co, cg))) in gpu.iter().zip(&cpu).enumerate() {
-            assert_close(name, w, &format!("rank {r} output"), go, co);
-            assert_close(name, w, &format!("rank {r} input gradient"), gg, cg);
-        }
-        eprintln!("{name}: W={w} on CUDA equals the CPU backend");
     }
 }
 
@@ -109,17 +155,46 @@ fn all_to_all_of_uneven_blocks_matches_the_cpu_backend() {
 
 #[test]
 fn the_seed_example_gives_12_and_18_on_cuda() {
-    if !gpus_for(2) {
-        return;
+    let Some(gpus) = gpus("the_seed_example_gives_12_and_18_on_cuda") else { return };
+    for mode in [CudaCollectives::Host, CudaCollectives::Auto] {
+        let grads = ThreadWorld::new(2)
+            .cuda_collectives(mode)
+            .run(|pg| {
+                let dev = Device::new_cuda(cuda_ordinal(pg.rank(), 2, gpus, None).map_err(candle_core::Error::Msg)?)?;
+                let x = Var::from_tensor(&Tensor::full(1.0f64 - pg.rank() as f64, (2, 2), &dev)?)?;
+                let y = (x.as_tensor() + 2.0)?;
+                let g = all_gather(&(&y * &y)?, &pg)?;
+                let out = (g.narrow(0, 0, 2)? * g.narrow(0, 2, 2)?)?.mean_all()?;
+                Ok(out.backward()?.get(&x).unwrap().flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0])
+            })
+            .unwrap();
+        assert_eq!(grads, vec![12.0, 18.0], "cuda_collectives={mode}");
     }
-    let grads = run_threads(2, |pg| {
-        let dev = Device::new_cuda(pg.rank())?;
-        let x = Var::from_tensor(&Tensor::full(1.0f64 - pg.rank() as f64, (2, 2), &dev)?)?;
-        let y = (x.as_tensor() + 2.0)?;
-        let g = all_gather(&(&y * &y)?, &pg)?;
-        let out = (g.narrow(0, 0, 2)? * g.narrow(0, 2, 2)?)?.mean_all()?;
-        Ok(out.backward()?.get(&x).unwrap().flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0])
-    })
-    .unwrap();
-    assert_eq!(grads, vec![12.0, 18.0]);
+}
+
+#[test]
+fn plain_collectives_and_the_device_barrier_keep_cuda_tensors_on_their_device() {
+    let Some(gpus) = gpus("plain_collectives_and_the_device_barrier_keep_cuda_tensors_on_their_device") else { return };
+    for mode in [CudaCollectives::Host, CudaCollectives::Auto] {
+        let out = ThreadWorld::new(3)
+            .cuda_collectives(mode)
+            .run(|pg| {
+                let dev = Device::new_cuda(cuda_ordinal(pg.rank(), 3, gpus, None).map_err(candle_core::Error::Msg)?)?;
+                let x = input(pg.rank(), 2)?.to_device(&dev)?;
+                let summed = pg.all_reduce(&x, ReduceOp::Sum)?;
+                let gathered = pg.all_gather(&x)?;
+                pg.device_barrier(&dev)?;
+                let on_device = summed.device().is_cuda() && gathered.device().is_cuda();
+                Ok((on_device, summed.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f64>()?, gathered.dims().to_vec()))
+            })
+            .unwrap();
+        let want: Vec<f64> = (0..6)
+            .map(|i| (0..3).map(|r| input(r, 2).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()[i]).sum())
+            .collect();
+        for (on_device, summed, dims) in out {
+            assert!(on_device, "{mode}: results must stay on the GPU");
+            assert_close("plain all_reduce", 3, &format!("{mode}"), &summed, &want);
+            assert_eq!(dims, vec![6, 3]);
+        }
+    }
 }

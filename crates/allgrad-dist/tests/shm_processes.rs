@@ -6,8 +6,9 @@
 //!   deleted), and get bitwise the same all_reduce, all_gather and reduce_scatter results as
 //!   with ALLGRAD_SHM=0 in their environment (exact data), which keeps them on TCP; one rank
 //!   with ALLGRAD_SHM=0 is enough.
-//! - A rank killed with SIGKILL while the ranks loop over large all_reduce calls makes every
-//!   other rank fail within seconds, naming it.
+//! - A rank killed with SIGKILL while the ranks loop over all_reduce calls makes every other
+//!   rank fail within seconds, naming it: large calls through shared memory, large calls over
+//!   the TCP ring (ALLGRAD_SHM=0), and small calls on the TCP direct path; W = 2, 3, 4.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -59,8 +60,8 @@ fn child_rank() {
                 std::io::stdin().read_line(&mut line).unwrap();
                 pg.barrier().map_err(|e| e.to_string())
             }
-            "loop" => {
-                let mut x = input(r, 2 * N);
+            "loop" | "loop_small" => {
+                let mut x = input(r, if mode == "loop" { 2 * N } else { 4 });
                 for k in 0.. {
                     if k == 3 {
                         say("looping".into());
@@ -167,7 +168,7 @@ fn digests(w: usize, env: impl Fn(usize) -> Vec<(&'static str, &'static str)>) -
         writeln!(k.stdin.as_mut().unwrap(), "done").unwrap();
     }
     for k in &mut ranks {
-        let status = k.child.wait().unwrap();
+        let status = allgrad_testkit::process::wait_exit(&mut k.child, "a child rank", Duration::from_secs(60));
         assert!(status.success(), "a child rank exited with {status}");
     }
     out
@@ -176,8 +177,7 @@ fn digests(w: usize, env: impl Fn(usize) -> Vec<(&'static str, &'static str)>) -
 #[test]
 fn processes_on_one_host_share_an_unlinked_segment_and_agree_with_tcp() {
     if !std::path::Path::new("/dev/shm").is_dir() {
-        eprintln!("no /dev/shm: skipped");
-        return;
+        return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm on this host");
     }
     for w in [2, 3] {
         let shm = digests(w, |_| vec![]);
@@ -204,26 +204,43 @@ fn processes_on_one_host_share_an_unlinked_segment_and_agree_with_tcp() {
 
 #[test]
 fn a_process_killed_mid_collective_is_named_by_every_other_rank() {
-    for (w, victim) in [(2, 1), (3, 1), (3, 0)] {
-        let mut ranks = start(w, "loop", |_| vec![]);
-        for k in &ranks {
-            assert_eq!(k.next(Duration::from_secs(60)), "looping");
+    // (path, child mode, environment): 8 MiB calls spend nearly all their time in the
+    // shared-memory phases, or on the TCP ring without shared memory; 16-byte calls take the
+    // TCP direct path.
+    let paths: [(&str, &str, &Env); 3] =
+        [("shared memory", "loop", &[]), ("TCP ring", "loop", &[("ALLGRAD_SHM", "0")]), ("TCP direct", "loop_small", &[])];
+    for (path, mode, env) in paths {
+        if path == "shared memory" && !std::path::Path::new("/dev/shm").is_dir() {
+            allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm: the shared-memory cases do not run");
+            continue;
         }
-        // Mid-way through a stream of 8 MiB all_reduce calls, nearly all of their time in the
-        // shared-memory phases.
-        std::thread::sleep(Duration::from_millis(50));
-        let killed = Instant::now();
-        ranks[victim].child.kill().unwrap();
-        for (r, k) in ranks.iter_mut().enumerate() {
-            if r == victim {
-                continue;
-            }
-            let line = k.next(Duration::from_secs(10));
-            let took = killed.elapsed();
-            assert!(took < Duration::from_secs(5), "W={w}: rank {r} took {took:?} to fail: {line}");
-            assert!(line.starts_with("error") && line.contains(&format!("rank {victim} ")), "W={w}: rank {r} said {line:?}");
-            let status = k.child.wait().unwrap();
-            assert_eq!(status.code(), Some(3), "W={w}: rank {r}");
+        for (w, victim) in [(2, 1), (3, 1), (3, 0), (4, 2)] {
+            killed_mid_collective(w, victim, path, mode, env);
         }
+    }
+}
+
+/// Environment variables of a child rank.
+type Env = [(&'static str, &'static str)];
+
+fn killed_mid_collective(w: usize, victim: usize, path: &str, mode: &str, env: &Env) {
+    let mut ranks = start(w, mode, |_| env.to_vec());
+    for k in &ranks {
+        assert_eq!(k.next(Duration::from_secs(60)), "looping", "{path} W={w}");
+    }
+    // Mid-way through the stream of calls.
+    std::thread::sleep(Duration::from_millis(50));
+    let killed = Instant::now();
+    ranks[victim].child.kill().unwrap();
+    for (r, k) in ranks.iter_mut().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let line = k.next(Duration::from_secs(10));
+        let took = killed.elapsed();
+        assert!(took < Duration::from_secs(5), "{path} W={w}: rank {r} took {took:?} to fail: {line}");
+        assert!(line.starts_with("error") && line.contains(&format!("rank {victim} ")), "{path} W={w}: rank {r} said {line:?}");
+        let status = allgrad_testkit::process::wait_exit(&mut k.child, "a surviving child rank", Duration::from_secs(30));
+        assert_eq!(status.code(), Some(3), "{path} W={w}: rank {r}");
     }
 }

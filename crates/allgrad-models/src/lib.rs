@@ -25,6 +25,7 @@ pub mod batch_norm;
 pub mod bert;
 mod error;
 pub mod face;
+mod files;
 pub mod image_ssl;
 pub mod losses;
 mod objective;
@@ -35,4 +36,5 @@ pub mod vectors;
 
 pub use error::ModelError;
 pub use face::RowRange;
+pub use files::save_safetensors;
 pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective};

@@ -120,7 +120,11 @@ fn gradients_of_every_parameter_match_finite_differences() {
             };
             let fd = (at(eps) - at(-eps)) / (2.0 * eps);
             var.set(&Tensor::from_vec(base.clone(), var.shape(), &Device::Cpu).unwrap()).unwrap();
-            let err = (g[k] - fd).abs() / fd.abs().max(1.0);
+            // Central differences at h = 1e-5: the loss's rounding over 2h (~1e-11) and an h²
+            // term; measured up to 3.9e-7 of the entry. Relative to the entry; entries below
+            // 1e-2 are held to 1e-8 absolute.
+            let err = (g[k] - fd).abs() / fd.abs().max(1e-2);
+            allgrad_testkit::close::report(&format!("{name}[{k}] (|fd| = {:.1e})", fd.abs()), err, 1e-6);
             assert!(err < 1e-6, "{name}[{k}]: backward {} vs finite difference {fd} (rel. {err:.2e})", g[k]);
         }
     }

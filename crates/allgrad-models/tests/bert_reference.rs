@@ -7,6 +7,7 @@ mod support;
 use std::path::Path;
 
 use allgrad_models::bert::{BertFolder, Pooling};
+use allgrad_testkit::close::report;
 use candle_core::{DType, Device, Tensor};
 use support::{minilm_dir, tiny_dir, TINY_SENTENCES};
 
@@ -22,17 +23,29 @@ struct Ref {
     mean_sum: f64,
 }
 
-const TOL: f64 = 1e-4;
+/// Both sides compute in f32, in different orders (other GEMM blocking, other reductions in
+/// the softmax and the layer norms), through 2 (tiny) or 6 (MiniLM) layers: measured up to
+/// 6.5e-7 (tiny) and 4.7e-6 (MiniLM, the pooler of the longest sentence), norm-wise.
+const TOL: f64 = 2e-5;
 
-fn close(what: &str, got: f64, want: f64) {
-    let err = (got - want).abs() / want.abs().max(1.0);
-    assert!(err <= TOL, "{what}: got {got}, PyTorch {want} (relative error {err:.2e})");
+/// `got` against PyTorch's `want`, relative to `scale`: the value itself for a sum of squares,
+/// a bound of the summed terms' magnitudes for a sum whose terms cancel.
+fn close(what: &str, got: f64, want: f64, scale: f64) {
+    let err = (got - want).abs() / scale;
+    report(what, err, TOL);
+    assert!(err <= TOL, "{what}: got {got}, PyTorch {want} (error {err:.2e} of {scale:.3e})");
 }
 
+/// The leading entries of a vector against PyTorch's (the script prints the first few),
+/// norm-wise (`allgrad_testkit::close::rel_err`).
 fn close_all(what: &str, got: &[f64], want: &[f64]) {
-    for (k, (g, w)) in got.iter().zip(want).enumerate() {
-        close(&format!("{what}[{k}]"), *g, *w);
-    }
+    assert!(got.len() >= want.len(), "{what}: {} entries, PyTorch printed {}", got.len(), want.len());
+    allgrad_testkit::close::assert_rel(&got[..want.len()], want, TOL, what);
+}
+
+/// √n · ‖v‖₂ ≥ Σ |v_i|: the scale of a sum of `n` terms whose squares sum to `sum_sq`.
+fn l1_bound(n: usize, sum_sq: f64) -> f64 {
+    (n as f64 * sum_sq).sqrt()
 }
 
 fn row(t: &Tensor, r: usize) -> Vec<f64> {
@@ -55,14 +68,17 @@ fn compare(dir: &Path, sentences: &[&str], max_len: usize, refs: &[Ref]) {
         let first = row(&h, 0);
         close_all(&format!("sentence {s} hidden[0]"), &first, r.first);
         close_all(&format!("sentence {s} hidden[{}]", k - 1), &row(&h, k - 1), r.last);
-        close(&format!("sentence {s} sum"), h.sum_all().unwrap().to_scalar().unwrap(), r.sum);
-        close(&format!("sentence {s} sum of squares"), h.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap(), r.sum_sq);
+        let n = h.elem_count();
+        close(&format!("sentence {s} sum"), h.sum_all().unwrap().to_scalar().unwrap(), r.sum, l1_bound(n, r.sum_sq));
+        let sum_sq: f64 = h.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
+        close(&format!("sentence {s} sum of squares"), sum_sq, r.sum_sq, r.sum_sq);
         let p = row(&pooled, s);
         close_all(&format!("sentence {s} pooler"), &p, r.pooler);
-        close(&format!("sentence {s} pooler sum"), p.iter().sum(), r.pooler_sum);
+        let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
+        close(&format!("sentence {s} pooler sum"), p.iter().sum(), r.pooler_sum, l1_bound(p.len(), sq(&p)));
         let m = row(&mean, s);
         close_all(&format!("sentence {s} mean pooling"), &m, r.mean);
-        close(&format!("sentence {s} mean pooling sum"), m.iter().sum(), r.mean_sum);
+        close(&format!("sentence {s} mean pooling sum"), m.iter().sum(), r.mean_sum, l1_bound(m.len(), sq(&m)));
         assert_eq!(row(&before, s), first.iter().map(|v| *v as f32 as f64).collect::<Vec<_>>(), "cls_before_pooler");
     }
 }
@@ -75,8 +91,7 @@ fn tiny_bert_matches_transformers() {
 #[test]
 fn minilm_matches_transformers() {
     let Some(dir) = minilm_dir() else {
-        eprintln!("SKIPPED minilm_matches_transformers: data/models/all-MiniLM-L6-v2 is absent (run scripts/get_minilm.sh)");
-        return;
+        return allgrad_testkit::skip(allgrad_testkit::Need::MiniLm, "data/models/all-MiniLM-L6-v2 is absent");
     };
     compare(&dir, &MINILM_SENTENCES, 32, MINILM);
 }

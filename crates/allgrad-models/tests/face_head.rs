@@ -5,7 +5,6 @@
 
 use allgrad_dist::testing::check_world_size_invariance;
 use allgrad_dist::{all_gather, run_threads, ProcessGroup, ReduceOp};
-use allgrad_models::face::sampling::negative_sampled;
 use allgrad_models::face::{FaceHead, HeadConfig, Margin, MarginConfig, RowRange};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{VarBuilder, VarMap};
@@ -92,11 +91,20 @@ fn central_diff(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
         .collect()
 }
 
-/// The classes Partial FC samples at STEP (positives plus hashed negatives), from the
-/// public per-class rule.
+/// The classes Partial FC samples at STEP: the positives, plus the hashed negatives of an
+/// independent re-implementation of the keyed rule.
 fn sampled_classes(rate: f64) -> Vec<usize> {
+    // The negatives the keyed rule samples at (SEED, STEP), from its Python re-implementation
+    // (not the crate's own `negative_sampled`, so that a bug in the rule cannot cancel out):
+    //   python3 scripts/ref_face_sampling.py
+    //   crates/allgrad-models/tests/face_head.rs: seed 3, step 2, 10 classes, rate 0.3: [2, 3, 5, 6]
+    let negatives: Vec<usize> = match rate {
+        r if r >= 1.0 => (0..C).collect(),
+        r if r == 0.3 && (SEED, STEP, C) == (3, 2, 10) => vec![2, 3, 5, 6],
+        _ => panic!("no reference sampling for rate {rate} (add it to scripts/ref_face_sampling.py)"),
+    };
     let ls = labels();
-    (0..C).filter(|c| ls.contains(c) || negative_sampled(SEED, STEP as u64, *c as u64, rate)).collect()
+    (0..C).filter(|c| ls.contains(c) || negatives.contains(c)).collect()
 }
 
 /// Per W: the mean loss over ranks, the embedding gradient and the centres' gradient
@@ -125,6 +133,8 @@ fn distributed(cfg: &HeadConfig, w: usize) -> (f64, Vec<f64>, Vec<f64>) {
 fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
     let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+    let worst = got.iter().zip(want).fold(0f64, |m, (a, b)| m.max((a - b).abs())) / scale;
+    allgrad_testkit::close::report(what, worst, tol);
     for (k, (a, b)) in got.iter().zip(want).enumerate() {
         assert!((a - b).abs() <= tol * scale, "{what}[{k}]: {a} vs {b} (scale {scale})");
     }
@@ -141,9 +151,10 @@ fn check_against_plain(margin: MarginConfig, rate: f64) {
     for w in [1, 2, 3, 4] {
         let (loss, ge, gc) = distributed(&cfg, w);
         assert!((loss - want_loss).abs() <= 1e-10 * want_loss.abs(), "{margin:?} rate {rate} W={w}: loss {loss} vs {want_loss}");
-        // Central differences at h = 1e-6 are good to about 1e-8 of the largest gradient here.
-        assert_close(&ge, &want_ge, 1e-6, &format!("{margin:?} rate {rate} W={w}: embedding gradient"));
-        assert_close(&gc, &want_gc, 1e-6, &format!("{margin:?} rate {rate} W={w}: centre gradient"));
+        // Central differences at h = 1e-6 are good to about 1e-8 of the largest gradient here
+        // (measured up to 1.2e-8).
+        assert_close(&ge, &want_ge, 1e-7, &format!("{margin:?} rate {rate} W={w}: embedding gradient"));
+        assert_close(&gc, &want_gc, 1e-7, &format!("{margin:?} rate {rate} W={w}: centre gradient"));
     }
 }
 

@@ -257,6 +257,8 @@ fn forward_kernel<T: Float>(x: &[T], third: Option<&[T]>, p: &Plan, inner: usize
     let (a, b) = (rounded(&p.main.scale), rounded(&p.main.shift));
     let branch = p.branch.as_ref().map(|n| (rounded(&n.scale), rounded(&n.shift)));
     let rows = (GRAIN / inner).max(1);
+    let split = out.len() > rows * inner;
+    crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
     let avx2 = has_avx2();
     out.par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
         let task = ForwardTask {
@@ -500,6 +502,8 @@ fn norm_backward<T: Float>(
     if len > 0 {
         let rows = (GRAIN / inner).max(1);
         let chunk = rows * inner;
+        let split = len > chunk;
+        crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
         let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu, inner };
         let avx2 = has_avx2();
         let run = |start: usize, dxc: &mut [T], dsc: Option<&mut [T]>| {

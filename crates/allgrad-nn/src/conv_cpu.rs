@@ -80,6 +80,7 @@ fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: 
     let nb = block_images(p, g.n / threads);
     let plan = BatchPlan::new(g.n.div_ceil(nb), 1);
     let pointwise = nb == 1 && g.is_pointwise(&st);
+    crate::trace::count(|t| if pointwise { t.conv_pointwise += 1 } else { t.conv_im2col += 1 });
     let band = if nb == 1 { band_rows(g, budget) } else { g.oh };
     let ld = nb * p;
     let mut out = zeros(g.n * out_img);
@@ -176,6 +177,7 @@ fn conv_bwd_with<T: Float>(
     let plan = BatchPlan::new(g.n, 2);
     let nb = block_images(p, plan.per_chunk);
     let pointwise = nb == 1 && g.is_pointwise(&st);
+    crate::trace::count(|t| if pointwise { t.conv_pointwise += 1 } else { t.conv_im2col += 1 });
     let band = if nb == 1 { band_rows(g, budget) } else { g.oh };
     let ld = nb * p;
     let col_len = if nb == 1 { kdim * band * g.ow } else { kdim * ld };

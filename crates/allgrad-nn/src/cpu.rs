@@ -340,6 +340,9 @@ impl BatchPlan {
         let per_chunk = n.div_ceil(chunks).max(1);
         let chunks = n.div_ceil(per_chunk).max(1);
         let gemm = if n < threads { Parallelism::Rayon(threads) } else { Parallelism::None };
+        if n < threads {
+            crate::trace::count(|t| t.parallel_gemm += 1);
+        }
         Self { chunks, per_chunk, gemm }
     }
 }

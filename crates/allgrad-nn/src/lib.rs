@@ -87,6 +87,7 @@ mod pool;
 mod softmax;
 #[cfg(test)]
 mod test_data;
+mod trace;
 mod vmath;
 mod winograd;
 
@@ -102,3 +103,5 @@ pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};
+#[doc(hidden)]
+pub use trace::{kernel_paths, KernelPaths};

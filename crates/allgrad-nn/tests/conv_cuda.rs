@@ -4,7 +4,8 @@
 //! (relative 1e-5, cuDNN's plain-f32 math).
 //!
 //! Built only with the `cudnn` feature; it needs a GPU (`scripts/gpu_ci.sh`). Without one it
-//! prints that it skipped, unless ALLGRAD_REQUIRE_GPU=1, which makes that a failure.
+//! skips, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which makes that
+//! a failure.
 #![cfg(feature = "cudnn")]
 
 use allgrad_nn::{conv2d, conv2d_backward, ConvParams};
@@ -14,8 +15,8 @@ fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
-            assert!(std::env::var("ALLGRAD_REQUIRE_GPU").as_deref() != Ok("1"), "ALLGRAD_REQUIRE_GPU=1, but no CUDA device: {e}");
-            eprintln!("SKIPPED: no CUDA device ({e})");
+            // A failure instead where a GPU is required (ALLGRAD_REQUIRE_GPU=1).
+            allgrad_testkit::skip(allgrad_testkit::Need::Gpu, &format!("no CUDA device ({e})"));
             None
         }
     }

@@ -42,9 +42,9 @@ fn forward_matches_candle_layer_norm() {
             if dtype == DType::F32 {
                 // Candle's fused kernel has no f64 version.
                 let fused = candle_nn::ops::layer_norm(&x, &g, &b, 1e-5).unwrap();
-                assert_close(&ours, &fused, 10.0 * tol(dtype), &format!("vs fused {shape:?} {dtype:?}"));
+                assert_close(&ours, &fused, tol(dtype), &format!("vs fused {shape:?} {dtype:?}"));
             }
-            assert_close(&ours, &slow, 10.0 * tol(dtype), &format!("vs slow {shape:?} {dtype:?}"));
+            assert_close(&ours, &slow, tol(dtype), &format!("vs slow {shape:?} {dtype:?}"));
         }
     }
 }
@@ -57,7 +57,7 @@ fn gradients_match_candle_composition() {
             let ours = grads(layer_norm, &x, &g, &b, &r, 1e-5);
             let theirs = grads(candle_slow, &x, &g, &b, &r, 1e-5);
             for (name, (a, c)) in ["x", "gamma", "beta"].iter().zip(ours.iter().zip(&theirs)) {
-                assert_close(a, c, 10.0 * tol(dtype), &format!("d{name} {shape:?} {dtype:?}"));
+                assert_close(a, c, tol(dtype), &format!("d{name} {shape:?} {dtype:?}"));
             }
         }
     }
@@ -71,9 +71,12 @@ fn gradients_match_finite_differences_f64() {
         let fx = |t: &Tensor| (layer_norm(t, &g, &b, 1e-5)? * &r)?.sum_all();
         let fg = |t: &Tensor| (layer_norm(&x, t, &b, 1e-5)? * &r)?.sum_all();
         let fb = |t: &Tensor| (layer_norm(&x, &g, t, 1e-5)? * &r)?.sum_all();
+        // x: central differences at h = 1e-6, the loss's rounding over 2h and an h² term,
+        // measured up to 8.7e-10 of the gradient's norm. γ and β: the output is linear in
+        // them, so a step of 1/2 is exact but for rounding.
         assert_close(&dx, &fd_grad(&fx, &x, 1e-6), 1e-8, &format!("dx {shape:?}"));
-        assert_close(&dg, &fd_grad(&fg, &g, 1e-6), 1e-8, &format!("dgamma {shape:?}"));
-        assert_close(&db, &fd_grad(&fb, &b, 1e-6), 1e-8, &format!("dbeta {shape:?}"));
+        assert_close(&dg, &fd_grad(&fg, &g, 0.5), 1e-12, &format!("dgamma {shape:?}"));
+        assert_close(&db, &fd_grad(&fb, &b, 0.5), 1e-12, &format!("dbeta {shape:?}"));
     }
 }
 
@@ -177,7 +180,9 @@ fn composed_matches_fused_and_module_applies_it() {
         layer_norm(&x.to_dtype(DType::F16).unwrap(), &g.to_dtype(DType::F16).unwrap(), &b.to_dtype(DType::F16).unwrap(), 1e-3)
             .unwrap();
     assert_eq!(y.dtype(), DType::F16);
-    assert_close(&y.to_dtype(DType::F64).unwrap(), &layer_norm(&x, &g, &b, 1e-3).unwrap(), 1e-2, "f16");
+    // f16 keeps 11 significant bits (unit roundoff 2⁻¹¹ ≈ 4.9e-4): the rounded x, γ and β, the
+    // statistics and the output, each rounded in f16; measured 5.1e-4 norm-wise.
+    assert_close(&y.to_dtype(DType::F64).unwrap(), &layer_norm(&x, &g, &b, 1e-3).unwrap(), 2e-3, "f16");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! Keyed random streams: random numbers that depend only on a key such as
 //! `[seed, epoch, global sample index, view]`, never on the rank, the worker thread or the
 //! position of a sample in its batch. This is what makes a run on W ranks equal a run on one
-//! rank (DESIGN §3), and what makes a resumed run equal an uninterrupted one.
+//! rank (ARCHITECTURE.md, "Why W ranks equal one"), and what makes a resumed run equal an uninterrupted one.
 //!
 //! Every random choice in allgrad goes through this crate, so the guarantee rests on one
 //! implementation:

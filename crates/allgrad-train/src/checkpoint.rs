@@ -104,7 +104,7 @@ pub(crate) fn save_tensors<'a>(
 ) -> TrainResult<()> {
     let path = dir.join(file);
     let map: HashMap<String, Tensor> = tensors.map(|(k, v)| (k.clone(), v.clone())).collect();
-    candle_core::safetensors::save(&map, &path).map_err(|e| TrainError::checkpoint(&path, format!("writing {file}"), e))?;
+    allgrad_models::save_safetensors(&map, &path).map_err(|e| TrainError::checkpoint(&path, format!("writing {file}"), e))?;
     fsync(&path)
 }
 

@@ -30,13 +30,27 @@ use crate::run_dir;
 use crate::settings::Settings;
 use crate::trainer::Summary;
 
+/// Examples shown by `train --help`.
+const TRAIN_EXAMPLES: &str = "\
+Examples:
+  train --config configs/vectors.yaml                      one rank, seconds
+  launch --nproc-per-node 2 train --config configs/simclr.yaml
+  train --config configs/simclr.yaml --set optim.lr=0.5 --set train.epochs=1
+  train --config configs/simclr.yaml --print-config       the resolved config, with defaults
+  train --config configs/simclr.yaml --resume             continue the newest run
+  train --list-methods
+
+Relative paths in a config file are taken from the file's folder; those given with --set,
+from the current directory. Each run writes runs/CONFIG/TIME/ (config.yaml, metrics.jsonl,
+checkpoints/, loss.png).";
+
 /// Train the method a config describes, on this rank.
 #[derive(Parser, Debug, Clone)]
-#[command(version, about)]
+#[command(version, about, after_help = TRAIN_EXAMPLES)]
 pub struct TrainArgs {
     /// The run's YAML config.
-    #[arg(long)]
-    pub config: PathBuf,
+    #[arg(long, required_unless_present = "list_methods")]
+    pub config: Option<PathBuf>,
     /// Override a config value: `--set optim.lr=0.1` (repeatable; the value is parsed as YAML).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -51,11 +65,28 @@ pub struct TrainArgs {
     /// Stop (with a checkpoint) once this many steps are done; `--resume` continues later.
     #[arg(long, value_name = "STEPS")]
     pub stop_after: Option<usize>,
+    /// Print the resolved config (the file, the --set values and every default of the
+    /// trainer's and the method's sections) as YAML, and exit without training.
+    #[arg(long)]
+    pub print_config: bool,
+    /// List the methods this binary can train (the values of `method:`), and exit.
+    #[arg(long)]
+    pub list_methods: bool,
+}
+
+impl TrainArgs {
+    /// The config file (`--config`), required unless `--list-methods`.
+    fn config_path(&self) -> Result<&Path, CliError> {
+        self.config.as_deref().ok_or(CliError::Usage("--config FILE is required"))
+    }
 }
 
 /// Why `train` stopped without finishing.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
+    /// The command line lacks something (exit code 2).
+    #[error("{0}")]
+    Usage(&'static str),
     /// The config cannot be read, parsed or validated (exit code 2).
     #[error(transparent)]
     Config(#[from] ConfigError),
@@ -82,7 +113,7 @@ impl CliError {
     /// The process exit code: 2 for usage and config errors, 1 for failures while running.
     pub fn exit_code(&self) -> i32 {
         match self {
-            CliError::Config(_) | CliError::Settings(_) | CliError::RunDir(_) => 2,
+            CliError::Usage(_) | CliError::Config(_) | CliError::Settings(_) | CliError::RunDir(_) => 2,
             CliError::Group(_) | CliError::Train { .. } => 1,
         }
     }
@@ -109,12 +140,12 @@ impl Outcome {
         let s = &self.summary;
         let eval: Vec<String> = s.eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
         format!(
-            "trained {} of {} steps on {} rank(s) in {:.1} s; last loss {:.4}{}{}; run directory {}",
+            "trained {} of {} steps on {} rank(s) in {:.1} s; last loss {}{}{}; run directory {}",
             s.steps,
             self.total_steps,
             self.world_size,
             s.seconds,
-            s.last_loss,
+            crate::metrics::significant(s.last_loss),
             if s.skipped > 0 { format!(" ({} non-finite steps skipped)", s.skipped) } else { String::new() },
             if eval.is_empty() { String::new() } else { format!("; {}", eval.join(", ")) },
             self.out_dir.display()
@@ -123,17 +154,55 @@ impl Outcome {
 }
 
 /// Logs to stderr, filtered by `ALLGRAD_LOG` (default `info`); does nothing when a subscriber
-/// is already installed.
+/// is already installed. Colour only when stderr is a terminal (never in a log file or a
+/// pipe, nor with `NO_COLOR` set). Messages with the target [`allgrad_dist::JOB_LOG`] (the
+/// same on every rank) are shown by rank 0 only.
 pub fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
     let filter = tracing_subscriber::EnvFilter::try_from_env("ALLGRAD_LOG").unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let rank0 = rank_from_env() == 0;
+    let job_wide_once = tracing_subscriber::filter::filter_fn(move |meta| rank0 || meta.target() != allgrad_dist::JOB_LOG);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(colour);
+    let _ = tracing_subscriber::registry().with(fmt.with_filter(filter).with_filter(job_wide_once)).try_init();
+}
+
+/// This process's rank as its launcher set it (`RANK`, torchrun's and `launch`'s; `SLURM_PROCID`
+/// under srun), before any process group exists; 0 without a launcher.
+fn rank_from_env() -> usize {
+    ["RANK", "SLURM_PROCID"].iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok()).unwrap_or(0)
 }
 
 /// The `train` binary: logging, arguments from the command line, [`run_with`], the summary
 /// line on rank 0 or the error on stderr. Returns the process exit code.
+///
+/// An error in the command line or the config is the same on every rank, so only rank 0
+/// prints it (the others exit with the same code); a failure while training is printed by
+/// the rank it happened on.
 pub fn main_with(registry: Registry) -> i32 {
     init_logging();
     let args = TrainArgs::parse();
+    if args.list_methods {
+        for name in registry.names() {
+            println!("{name}");
+        }
+        return 0;
+    }
+    if args.print_config {
+        return match args.config_path().and_then(|path| Ok(registry.resolved_yaml(path, &args.set)?)) {
+            Ok(yaml) => {
+                print!("{yaml}");
+                0
+            }
+            Err(e) => {
+                eprintln!("train: error: {e}");
+                e.exit_code()
+            }
+        };
+    }
     match run_with(&registry, &args) {
         Ok(outcome) => {
             if outcome.rank == 0 {
@@ -142,7 +211,10 @@ pub fn main_with(registry: Registry) -> i32 {
             0
         }
         Err(e) => {
-            eprintln!("train: error: {e}");
+            let same_on_every_rank = matches!(e, CliError::Usage(_) | CliError::Config(_) | CliError::Settings(_));
+            if !same_on_every_rank || rank_from_env() == 0 {
+                eprintln!("train: error: {e}");
+            }
             e.exit_code()
         }
     }
@@ -151,19 +223,21 @@ pub fn main_with(registry: Registry) -> i32 {
 /// Loads and validates the config against `registry`, joins the process group, picks the run
 /// directory and trains. A failing rank tells the others why before returning.
 pub fn run_with(registry: &Registry, args: &TrainArgs) -> Result<Outcome, CliError> {
+    let config = args.config_path()?;
     let settings = Settings::from_env().map_err(CliError::Settings)?;
-    let cfg = registry.load(&args.config, &args.set)?;
+    let cfg = registry.load(config, &args.set)?;
     let pg = ProcessGroup::from_env()?;
-    registry.validate(&cfg, pg.world_size(), &args.config)?;
+    registry.validate(&cfg, pg.world_size(), config)?;
     // A worker that torchrun restarted resumes its run without being told (same directory).
     let elastic = pg.world_info().elastic.clone();
     let resume = args.resume || elastic.as_ref().is_some_and(|e| e.is_restart());
     let root = Path::new("runs");
     let out_dir = match (&args.output_dir, &elastic) {
-        (None, Some(e)) if e.by_launch => run_dir::launch_run_dir(root, &args.config, &e.run_id, resume, run_dir::now_secs())?,
-        (None, Some(e)) => run_dir::torchrun_run_dir(root, &args.config, &e.run_id, resume, run_dir::now_secs())?,
-        (explicit, _) => run_dir::choose(explicit.as_deref(), root, &args.config, resume, run_dir::now_secs())?,
+        (None, Some(e)) if e.by_launch => run_dir::launch_run_dir(root, config, &e.run_id, resume, run_dir::now_secs())?,
+        (None, Some(e)) => run_dir::torchrun_run_dir(root, config, &e.run_id, resume, run_dir::now_secs())?,
+        (explicit, _) => run_dir::choose(explicit.as_deref(), root, config, resume, run_dir::now_secs())?,
     };
+    let new_dir = !out_dir.exists();
     let result = run::build_with(registry, &cfg, pg.clone(), Some(out_dir.clone()), resume, settings)
         .and_then(|mut t| t.train_until(args.stop_after.unwrap_or(usize::MAX)).map(|s| (s, t.total_steps())));
     match result {
@@ -171,6 +245,11 @@ pub fn run_with(registry: &Registry, args: &TrainArgs) -> Result<Outcome, CliErr
         Err(e) => {
             // Tell the other ranks why, so they stop at once and name this rank's reason.
             pg.abort(&e.to_string());
+            // A run that failed before it recorded anything leaves no folder behind for
+            // `--resume` or a reader to mistake for a run.
+            if new_dir && pg.rank() == 0 {
+                run_dir::remove_if_unused(&out_dir);
+            }
             Err(CliError::Train { rank: pg.rank(), source: e })
         }
     }

@@ -13,9 +13,10 @@
 //! log: { every: 10 }
 //! ```
 //!
-//! The trainer owns `seed`, `device`, `dtype`, `precision`, `method`, `optim`, `schedule`,
-//! `train`, `checkpoint` and `log`; every other top-level section (`data`, `model`, `loss`, ...)
-//! belongs to the method that `method:` names, which reads it (see [`crate::method`]).
+//! The trainer owns `seed`, `device`, `dtype`, `precision`, `dist`, `method`, `optim`,
+//! `schedule`, `train`, `checkpoint` and `log`; every other top-level section (`data`,
+//! `model`, `loss`, ...) belongs to the method that `method:` names, which reads it (see
+//! [`crate::method`]).
 //! [`RunConfig::load`], [`RunConfig::parse`] and [`RunConfig::validate`] know the built-in
 //! methods; with your own, call the [`crate::method::Registry`] methods of the same
 //! names.
@@ -25,6 +26,7 @@
 
 use std::path::{Path, PathBuf};
 
+use allgrad_dist::CudaCollectives;
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
@@ -37,8 +39,8 @@ use crate::schedule::ScheduleConfig;
 use crate::trainer::TrainSection;
 
 /// The top-level keys the trainer owns; every other one belongs to the method.
-pub const TRAINER_KEYS: [&str; 10] =
-    ["seed", "device", "dtype", "precision", "method", "optim", "schedule", "train", "checkpoint", "log"];
+pub const TRAINER_KEYS: [&str; 11] =
+    ["seed", "device", "dtype", "precision", "dist", "method", "optim", "schedule", "train", "checkpoint", "log"];
 
 /// A whole run: the trainer's sections, typed, and the method's, raw.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -56,6 +58,9 @@ pub struct RunConfig {
     /// f32 parameters; see [`crate::precision`]).
     #[serde(default)]
     pub precision: ComputePrecision,
+    /// Which GPU each rank uses and how collectives of CUDA tensors move their data.
+    #[serde(default, skip_serializing_if = "DistSection::is_default")]
+    pub dist: DistSection,
     /// The method: a name in the [`Registry`] (built in: `simclr`, `barlowtwins`, `vectors`).
     pub method: String,
     /// The optimizer.
@@ -85,11 +90,54 @@ pub enum DeviceKind {
     /// The CPU.
     #[default]
     Cpu,
-    /// A GPU: rank r uses CUDA device LOCAL_RANK of its host; collectives of CUDA tensors go
-    /// through NCCL. Needs a binary built with the `cuda` feature (and `nccl` for more than
-    /// one rank, else collectives are staged through host memory); otherwise
-    /// [`RunConfig::validate`] rejects it (see [`NO_GPU`]).
+    /// A GPU: the rank of local rank r uses CUDA device `r % (devices on its host)`, or
+    /// `dist.device_ids[r]`; several ranks may share a GPU. Collectives of CUDA tensors go
+    /// through NCCL where every rank has a GPU of its own (and the binary has the `nccl`
+    /// feature), through host memory otherwise (`dist.cuda_collectives`). Needs a binary
+    /// built with the `cuda` feature; otherwise [`RunConfig::validate`] rejects it (see
+    /// [`NO_GPU`]).
     Cuda,
+}
+
+/// The `dist` section: how ranks use GPUs (with `device: cuda`).
+///
+/// ```yaml
+/// device: cuda
+/// dist: { cuda_collectives: auto, device_ids: [0, 0, 1, 1] }
+/// ```
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DistSection {
+    /// How collectives of CUDA tensors move their data: `auto` (NCCL when every rank of a
+    /// group has a GPU of its own and the binary has the `nccl` feature, else through host
+    /// memory), `nccl` (always; ranks that share a GPU are an error at start) or `host`
+    /// (always through pinned host memory and the CPU backend). Absent:
+    /// ALLGRAD_CUDA_COLLECTIVES, else `auto`; set in both places, the two must agree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_collectives: Option<CudaCollectives>,
+    /// The CUDA device of each local rank: local rank r uses `device_ids[r]` (one entry per
+    /// rank of the host, repeats allowed). Absent: LOCAL_RANK modulo the number of visible
+    /// devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_ids: Option<Vec<usize>>,
+}
+
+impl DistSection {
+    fn is_default(&self) -> bool {
+        *self == DistSection::default()
+    }
+
+    /// The mode of this run's CUDA collectives: `dist.cuda_collectives` (`config`) and
+    /// ALLGRAD_CUDA_COLLECTIVES (`env`) where set (they must agree), else `auto`.
+    pub fn cuda_collectives(&self, env: Option<CudaCollectives>) -> Result<CudaCollectives, String> {
+        match (self.cuda_collectives, env) {
+            (Some(c), Some(e)) if c != e => Err(format!(
+                "dist.cuda_collectives = {c} in the config, but ALLGRAD_CUDA_COLLECTIVES={e} in the environment: \
+                 remove one, or make them agree"
+            )),
+            (c, e) => Ok(c.or(e).unwrap_or_default()),
+        }
+    }
 }
 
 /// Why `device: cuda` is refused.
@@ -144,6 +192,16 @@ pub enum ConfigError {
         /// What is wrong.
         msg: String,
     },
+    /// A `--set key=value` gives a value of the wrong type or an unknown key.
+    #[error("--set {arg}: at `{key}`: {msg} (the value comes from the command line)")]
+    OverrideValue {
+        /// The argument.
+        arg: String,
+        /// Dotted key path where the value failed.
+        key: String,
+        /// What was wrong and what was expected.
+        msg: String,
+    },
     /// The `method:` is not in the registry.
     #[error("{path}: at `method`: unknown method `{name}`; the methods are: {known}")]
     UnknownMethod {
@@ -176,6 +234,22 @@ pub enum ConfigError {
     },
 }
 
+impl ConfigError {
+    /// A key error whose value came from a `--set` argument, as an error of that argument:
+    /// the user is told to fix the command line, not the file.
+    pub(crate) fn blamed_on(self, overrides: &[String]) -> ConfigError {
+        match self {
+            ConfigError::Field { path, key, msg } => {
+                match overrides.iter().rev().find_map(|arg| Some((arg, Override::blamed_key(arg, &key)?))) {
+                    Some((arg, key)) => ConfigError::OverrideValue { arg: arg.clone(), key, msg },
+                    None => ConfigError::Field { path, key, msg },
+                }
+            }
+            e => e,
+        }
+    }
+}
+
 impl RunConfig {
     /// Reads `path`, applies `overrides` (`dotted.key=value`, the value parsed as YAML), and
     /// deserialises, for a built-in method ([`Registry::load`] for others).
@@ -195,15 +269,44 @@ impl RunConfig {
     }
 
     /// The trainer's sections typed, the method's kept raw (not checked against a method).
-    pub(crate) fn parse_sections(text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+    /// `path_keys` gives, for a method name, the keys of its sections that hold paths: the
+    /// relative ones are resolved against `path`'s folder (a value from the file) or the
+    /// current directory (a `--set` value).
+    pub(crate) fn parse_sections(
+        text: &str,
+        path: &Path,
+        overrides: &[String],
+        path_keys: &dyn Fn(&str) -> &'static [&'static str],
+    ) -> Result<RunConfig, ConfigError> {
         let mut value: serde_yaml::Value =
             serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml { path: path.into(), msg: e.to_string() })?;
-        for arg in overrides {
-            apply_override(&mut value, arg)?;
+        let sets = overrides.iter().map(|arg| Override::parse(arg)).collect::<Result<Vec<_>, _>>()?;
+        // The method (a --set may change it) says which of its keys are paths.
+        let method = sets
+            .iter()
+            .rev()
+            .find(|o| o.key == ["method"])
+            .map(|o| &o.value)
+            .or_else(|| value.get("method"))
+            .and_then(|m| m.as_str())
+            .unwrap_or_default();
+        let keys = path_keys(method);
+        let folder = path.parent().unwrap_or(Path::new(""));
+        for key in keys {
+            let parts: Vec<&str> = key.split('.').collect();
+            if let Some(v) = lookup_mut(&mut value, &parts) {
+                resolve_path(v, folder);
+            }
+        }
+        for mut o in sets {
+            if keys.contains(&o.key.join(".").as_str()) {
+                resolve_path(&mut o.value, Path::new(""));
+            }
+            o.apply(&mut value)?;
         }
         serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
-            ConfigError::Field { path: path.into(), key, msg: e.into_inner().to_string() }
+            ConfigError::Field { path: path.into(), key, msg: e.into_inner().to_string() }.blamed_on(overrides)
         })
     }
 
@@ -245,6 +348,9 @@ impl RunConfig {
         if !(0.0..=1.0).contains(&self.schedule.final_fraction) {
             return Err(bad(format!("schedule.final_fraction must be in [0, 1], got {}", self.schedule.final_fraction)));
         }
+        if self.checkpoint.keep_last == 0 {
+            return Err(bad("checkpoint.keep_last must be at least 1 (the newest checkpoint is always kept)".into()));
+        }
         if self.log.every == 0 {
             return Err(bad("log.every must be at least 1".into()));
         }
@@ -252,6 +358,27 @@ impl RunConfig {
         self.precision.check_dtype(self.candle_dtype()).map_err(bad)?;
         if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             return Err(bad(NO_GPU.into()));
+        }
+        self.validate_dist().map_err(bad)
+    }
+
+    /// Checks the `dist` section against `device` and the build.
+    fn validate_dist(&self) -> Result<(), String> {
+        let d = &self.dist;
+        if let Some(ids) = &d.device_ids {
+            if self.device != DeviceKind::Cuda {
+                return Err(format!(
+                    "dist.device_ids = {ids:?} names CUDA devices, but device is cpu: set device: cuda, or remove it"
+                ));
+            }
+            if ids.is_empty() {
+                return Err("dist.device_ids is empty: give one CUDA device per local rank, or remove it".into());
+            }
+        }
+        if self.device == DeviceKind::Cuda && d.cuda_collectives == Some(CudaCollectives::Nccl) && !cfg!(feature = "nccl") {
+            return Err("dist.cuda_collectives = nccl, but this binary was built without the `nccl` feature: \
+                        build it with `--features cuda,nccl`, or use auto or host"
+                .into());
         }
         Ok(())
     }
@@ -262,28 +389,81 @@ impl RunConfig {
     }
 }
 
-fn apply_override(root: &mut serde_yaml::Value, arg: &str) -> Result<(), ConfigError> {
-    let err = |msg: &str| ConfigError::Override { arg: arg.to_string(), msg: msg.to_string() };
-    let (key, raw) = arg.split_once('=').ok_or_else(|| err("expected dotted.key=value"))?;
-    let parts: Vec<&str> = key.trim().split('.').collect();
-    if parts.iter().any(|p| p.is_empty()) {
-        return Err(err("empty key segment"));
-    }
-    let value: serde_yaml::Value = serde_yaml::from_str(raw).unwrap_or_else(|_| serde_yaml::Value::String(raw.to_string()));
-    let mut node = root;
-    for (i, part) in parts.iter().enumerate() {
-        if node.is_null() {
-            *node = serde_yaml::Value::Mapping(Default::default());
+/// One `--set dotted.key=value`.
+struct Override<'a> {
+    arg: &'a str,
+    key: Vec<&'a str>,
+    value: serde_yaml::Value,
+}
+
+impl<'a> Override<'a> {
+    fn parse(arg: &'a str) -> Result<Override<'a>, ConfigError> {
+        let err = |msg: &str| ConfigError::Override { arg: arg.to_string(), msg: msg.to_string() };
+        let (key, raw) = arg.split_once('=').ok_or_else(|| err("expected dotted.key=value"))?;
+        let key: Vec<&str> = key.trim().split('.').collect();
+        if key.iter().any(|p| p.is_empty()) {
+            return Err(err("empty key segment"));
         }
-        let map = node.as_mapping_mut().ok_or_else(|| err(&format!("`{}` is not a section", parts[..i].join("."))))?;
-        let k = serde_yaml::Value::String(part.to_string());
-        if i + 1 == parts.len() {
-            map.insert(k, value);
-            return Ok(());
-        }
-        node = map.entry(k).or_insert(serde_yaml::Value::Null);
+        let value = serde_yaml::from_str(raw).unwrap_or_else(|_| serde_yaml::Value::String(raw.to_string()));
+        Ok(Override { arg, key, value })
     }
-    Ok(())
+
+    /// The most precise key path of a value that the `--set` argument `arg` gave, where a
+    /// deserialisation error reports `key`: the error's key when it lies within what `arg`
+    /// set, the argument's own key when the error names only a section holding it (an
+    /// internally tagged section such as `optim` loses the inner path). `None` when `arg` did
+    /// not set anything at `key`.
+    fn blamed_key(arg: &str, key: &str) -> Option<String> {
+        let (set, _) = arg.split_once('=')?;
+        let (set, key) = (set.trim(), key.trim_start_matches('.'));
+        let within = |outer: &str, inner: &str| inner == outer || inner.starts_with(&format!("{outer}."));
+        if within(set, key) {
+            Some(key.to_string())
+        } else if within(key, set) {
+            Some(set.to_string())
+        } else {
+            None
+        }
+    }
+
+    fn apply(self, root: &mut serde_yaml::Value) -> Result<(), ConfigError> {
+        let err = |msg: String| ConfigError::Override { arg: self.arg.to_string(), msg };
+        let mut node = root;
+        for (i, part) in self.key.iter().enumerate() {
+            if node.is_null() {
+                *node = serde_yaml::Value::Mapping(Default::default());
+            }
+            let map = node.as_mapping_mut().ok_or_else(|| err(format!("`{}` is not a section", self.key[..i].join("."))))?;
+            let k = serde_yaml::Value::String(part.to_string());
+            if i + 1 == self.key.len() {
+                map.insert(k, self.value);
+                return Ok(());
+            }
+            node = map.entry(k).or_insert(serde_yaml::Value::Null);
+        }
+        Ok(())
+    }
+}
+
+/// The value at a dotted key path, if every section on the way exists.
+fn lookup_mut<'v>(mut node: &'v mut serde_yaml::Value, parts: &[&str]) -> Option<&'v mut serde_yaml::Value> {
+    for part in parts {
+        node = node.as_mapping_mut()?.get_mut(*part)?;
+    }
+    Some(node)
+}
+
+/// A relative path (a YAML string) made absolute against `base` (relative to the current
+/// directory itself when empty); the folders are resolved (symbolic links, `..`) when the
+/// path exists. Anything else (an absolute path, `null`, a number) is left alone.
+fn resolve_path(v: &mut serde_yaml::Value, base: &Path) {
+    let Some(s) = v.as_str() else { return };
+    if s.is_empty() || Path::new(s).is_absolute() {
+        return;
+    }
+    let joined = base.join(s);
+    let resolved = joined.canonicalize().or_else(|_| std::path::absolute(&joined)).unwrap_or(joined);
+    *v = serde_yaml::Value::String(resolved.to_string_lossy().into_owned());
 }
 
 #[cfg(test)]
@@ -320,6 +500,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("at `train.global_batch`") && e.contains("invalid type"), "{e}");
+    }
+
+    #[test]
+    fn values_that_would_be_silently_changed_are_refused_with_their_key() {
+        let e = parse(BASE, &["checkpoint.keep_last=0"]).unwrap().validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.contains("checkpoint.keep_last must be at least 1"), "{e}");
+        let image =
+            "method: simclr\ndata: {kind: images, dir: /x, format: idx}\nmodel: {kind: resnet}\ntrain: {global_batch: 8}\n";
+        for (set, want) in [
+            ("data.knn.k=0", "at `data.knn.k`: must be at least 1"),
+            ("data.knn.temperature=0", "at `data.knn.temperature`: must be positive, got 0"),
+        ] {
+            let e = parse(image, &[set]).unwrap().validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+            assert!(e.contains(want), "{set}: {e}");
+        }
     }
 
     #[test]
@@ -369,6 +564,58 @@ mod tests {
     fn an_unknown_device_is_an_error_naming_the_key_and_the_choices() {
         let e = parse(BASE, &["device=gpu"]).unwrap_err().to_string();
         assert!(e.contains("device") && e.contains("gpu") && e.contains("cpu") && e.contains("cuda"), "{e}");
+    }
+
+    #[test]
+    fn the_dist_section_parses_and_its_unknown_keys_and_bad_modes_name_the_key() {
+        let c = parse(BASE, &["dist.cuda_collectives=host", "dist.device_ids=[1, 0]", "device=cuda"]).unwrap();
+        assert_eq!(c.dist, DistSection { cuda_collectives: Some(CudaCollectives::Host), device_ids: Some(vec![1, 0]) });
+        assert_eq!(parse(BASE, &[]).unwrap().dist, DistSection::default());
+        let e = parse(BASE, &["dist.cuda_collectives=gloo"]).unwrap_err().to_string();
+        assert!(e.contains("at `dist.cuda_collectives`") && e.contains("gloo") && e.contains("`auto`, `nccl`, `host`"), "{e}");
+        let e = parse(BASE, &["dist.devices=[0]"]).unwrap_err().to_string();
+        assert!(e.contains("at `dist") && e.contains("unknown field `devices`") && e.contains("device_ids"), "{e}");
+        let e = parse(BASE, &["dist.device_ids=[-1]"]).unwrap_err().to_string();
+        assert!(e.contains("at `dist.device_ids"), "{e}");
+        // Written back only when set.
+        assert!(!parse(BASE, &[]).unwrap().to_yaml().contains("dist"));
+        assert!(c.to_yaml().contains("cuda_collectives: host"), "{}", c.to_yaml());
+    }
+
+    #[test]
+    fn device_ids_without_a_gpu_or_empty_are_refused_at_load() {
+        let e = parse(BASE, &["dist.device_ids=[0]"]).unwrap().validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.starts_with("run.yaml: dist.device_ids = [0] names CUDA devices, but device is cpu"), "{e}");
+        // A run on the CPU ignores the mode of CUDA collectives.
+        parse(BASE, &["dist.cuda_collectives=nccl"]).unwrap().validate(1, Path::new("run.yaml")).unwrap();
+    }
+
+    #[test]
+    #[cfg(feature = "cuda")]
+    fn an_empty_device_list_is_refused_at_load() {
+        let c = parse(BASE, &["dist.device_ids=[]", "device=cuda"]).unwrap();
+        let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.contains("dist.device_ids is empty"), "{e}");
+    }
+
+    #[test]
+    #[cfg(all(feature = "cuda", not(feature = "nccl")))]
+    fn nccl_in_a_build_without_it_is_refused_at_load() {
+        let c = parse(BASE, &["dist.cuda_collectives=nccl", "device=cuda"]).unwrap();
+        let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.contains("dist.cuda_collectives = nccl") && e.contains("--features cuda,nccl"), "{e}");
+    }
+
+    #[test]
+    fn the_mode_comes_from_the_config_or_the_environment_and_they_must_agree() {
+        use CudaCollectives::*;
+        let d = |c| DistSection { cuda_collectives: c, device_ids: None };
+        assert_eq!(d(None).cuda_collectives(None).unwrap(), Auto);
+        assert_eq!(d(Some(Host)).cuda_collectives(None).unwrap(), Host);
+        assert_eq!(d(None).cuda_collectives(Some(Nccl)).unwrap(), Nccl);
+        assert_eq!(d(Some(Host)).cuda_collectives(Some(Host)).unwrap(), Host);
+        let e = d(Some(Nccl)).cuda_collectives(Some(Host)).unwrap_err();
+        assert!(e.contains("dist.cuda_collectives = nccl") && e.contains("ALLGRAD_CUDA_COLLECTIVES=host"), "{e}");
     }
 
     #[test]

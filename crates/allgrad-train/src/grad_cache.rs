@@ -24,7 +24,7 @@
 //! pass's, and the embeddings of a chunk equal its rows of the whole batch's. Keyed random
 //! streams (dropout, augmentations keyed by the global sample index) make the first true by
 //! construction; the trainer checks it for every chunk and stops with
-//! [`TrainError::CacheReplay`] when a replay differs by more than [`REPLAY_TOLERANCE`].
+//! [`TrainError::CacheReplay`] when a replay differs by more than [`replay_tolerance`].
 //!
 //! **Batch statistics.** A network with batch norm normalises each chunk with the chunk's
 //! statistics (SyncBatchNorm: those of chunk k of every rank together), in both passes
@@ -49,10 +49,19 @@ use crate::error::{TrainError, TrainResult};
 use crate::trainer::TrainSection;
 
 /// Largest `max |E2 − E1| / max |E1|` tolerated between a chunk's replayed embeddings `E2`
-/// and its first-pass embeddings `E1`. Keyed randomness makes them bitwise equal on the CPU;
-/// the margin is for accelerator kernels that do not reproduce bit for bit. An unkeyed
-/// dropout mask changes embeddings by far more.
-pub const REPLAY_TOLERANCE: f64 = 1e-4;
+/// and its first-pass embeddings `E1` of dtype `dtype`. Keyed randomness makes them bitwise
+/// equal on the CPU; the margin is for accelerator kernels that do not reproduce bit for bit
+/// (their sums may run in another order each time, which moves a result by a few units in the
+/// last place of its partial sums, times the depth of the network): 1e-10 in f64, 1e-4 in
+/// f32, 1e-2 in f16 and bf16 (unit roundoff 2⁻¹¹ and 2⁻⁸). An unkeyed dropout mask changes
+/// embeddings by far more.
+pub fn replay_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-10,
+        DType::F32 => 1e-4,
+        _ => 1e-2,
+    }
+}
 
 /// Checks `train.cache_chunk` against the batch and the world size (`Err` holds the message,
 /// naming the key and the numbers).
@@ -194,7 +203,7 @@ fn check_replay(replay: &Tensor, first: &Tensor, chunk: usize, rows: &Range<usiz
     let diff = f64_max((replay.detach() - first)?)?;
     let scale = f64_max(first.clone())?;
     // Non-finite embeddings are the loss check's to report, not a replay failure.
-    if diff.is_finite() && scale.is_finite() && diff > REPLAY_TOLERANCE * scale {
+    if diff.is_finite() && scale.is_finite() && diff > replay_tolerance(first.dtype()) * scale {
         return Err(TrainError::CacheReplay { step: step + 1, chunk, rows: rows.clone(), diff, scale });
     }
     Ok(())

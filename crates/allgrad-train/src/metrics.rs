@@ -147,7 +147,7 @@ impl ProgressView {
 
     /// Shows the state after a step.
     pub fn update(&self, step: usize, total: usize, loss: f64, lr: f64, samples_per_s: f64, log_line: bool) {
-        let msg = format!("loss {loss:.4}  lr {lr:.3e}  {samples_per_s:.0} samples/s");
+        let msg = format!("loss {}  lr {lr:.3e}  {samples_per_s:.0} samples/s", significant(loss));
         if let Some(b) = &self.bar {
             b.set_position(step as u64);
             b.set_message(msg);
@@ -171,6 +171,19 @@ impl ProgressView {
             b.finish_and_clear();
         }
     }
+}
+
+/// `x` with four significant digits, for progress lines and summaries: `1.235`, `0.0003142`
+/// (a SimCSE loss near 3e-5, `0.0000` at four decimals, prints as `3.142e-5`), `12346`.
+pub fn significant(x: f64) -> String {
+    if !x.is_finite() || x == 0.0 {
+        return format!("{x}");
+    }
+    let magnitude = x.abs().log10().floor() as i32;
+    if !(-4..6).contains(&magnitude) {
+        return format!("{x:.3e}");
+    }
+    format!("{x:.*}", (3 - magnitude).max(0) as usize)
 }
 
 /// Draws `loss.png`: loss, learning rate and (when the objective's `evaluate` returned any)
@@ -243,6 +256,25 @@ fn register_font(font: Option<&Path>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn losses_print_with_four_significant_digits_at_any_size() {
+        let cases = [
+            (1.23456, "1.235"),
+            (12.3456, "12.35"),
+            (3.14159e-5, "3.142e-5"),
+            (3.14159e-4, "0.0003142"),
+            (-0.0123456, "-0.01235"),
+            (1.234567e-7, "1.235e-7"),
+            (123456.7, "123457"),
+            (9.87e8, "9.870e8"),
+            (0.0, "0"),
+            (f64::NAN, "NaN"),
+        ];
+        for (x, want) in cases {
+            assert_eq!(significant(x), want, "{x}");
+        }
+    }
 
     fn record(step: usize, loss: Option<f64>, eval: &[(&str, f64)]) -> Record {
         Record {

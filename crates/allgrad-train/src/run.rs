@@ -13,16 +13,30 @@ use crate::settings::Settings;
 use crate::trainer::{Trainer, TrainerConfig};
 
 /// The device of this rank: the CPU, or (`device: cuda`, in a build with the `cuda` feature)
-/// CUDA device LOCAL_RANK of this host. A build without the feature rejects `device: cuda`
+/// CUDA device `LOCAL_RANK % (visible devices)` of this host, or `dist.device_ids[LOCAL_RANK]`
+/// ([`allgrad_dist::gpu::cuda_ordinal`]). A build without the feature rejects `device: cuda`
 /// (as [`RunConfig::validate`] does).
 pub fn device(cfg: &RunConfig, pg: &ProcessGroup) -> TrainResult<Device> {
     match cfg.device {
         DeviceKind::Cpu => Ok(Device::Cpu),
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda => {
-            let ordinal = pg.world_info().local_rank;
+            use candle_core::cuda::cudarc::driver::CudaContext;
+            let info = pg.world_info();
+            let count = CudaContext::device_count()
+                .map_err(|e| TrainError::Setup(format!("device: cuda: cannot count the CUDA devices of this host: {e:?}")))?;
+            let ordinal = allgrad_dist::gpu::cuda_ordinal(
+                info.local_rank,
+                info.local_world_size,
+                count.max(0) as usize,
+                cfg.dist.device_ids.as_deref(),
+            )
+            .map_err(TrainError::Setup)?;
             Device::new_cuda(ordinal).map_err(|e| {
-                TrainError::Setup(format!("device: cuda: cannot open CUDA device {ordinal} (this rank's LOCAL_RANK): {e}"))
+                TrainError::Setup(format!(
+                    "device: cuda: cannot open CUDA device {ordinal} (for LOCAL_RANK {}): {e}",
+                    info.local_rank
+                ))
             })
         }
         #[cfg(not(feature = "cuda"))]
@@ -31,6 +45,20 @@ pub fn device(cfg: &RunConfig, pg: &ProcessGroup) -> TrainResult<Device> {
             Err(TrainError::Setup(crate::config::NO_GPU.into()))
         }
     }
+}
+
+/// On a CUDA device, makes the world group choose the path of its CUDA collectives now (a
+/// collective: every rank calls it here), under `dist.cuda_collectives` or
+/// ALLGRAD_CUDA_COLLECTIVES, so that `nccl` on a shared GPU fails at start naming the ranks and
+/// the GPU; rank 0 logs the choice. Nothing on the CPU.
+pub fn choose_cuda_path(cfg: &RunConfig, pg: &ProcessGroup, device: &Device) -> TrainResult<()> {
+    if !device.is_cuda() {
+        return Ok(());
+    }
+    let mode = cfg.dist.cuda_collectives(pg.settings().cuda_collectives).map_err(TrainError::Setup)?;
+    pg.set_cuda_collectives(mode)?;
+    pg.cuda_path(device)?;
+    Ok(())
 }
 
 /// The objective of a config whose method is built in ([`Registry::objective`] for others).
@@ -72,6 +100,7 @@ pub fn build_with(
     settings: Settings,
 ) -> TrainResult<Trainer> {
     let device = device(cfg, &pg)?;
+    choose_cuda_path(cfg, &pg, &device)?;
     if let (Some(dir), 0) = (&out_dir, pg.rank()) {
         let io = |action, path: PathBuf| move |source| TrainError::Io { action, path, source };
         std::fs::create_dir_all(dir).map_err(io("creating", dir.clone()))?;

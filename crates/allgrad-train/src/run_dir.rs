@@ -111,6 +111,21 @@ fn default_run_dir(root: &Path, config: &Path, resume: bool, now_secs: u64) -> R
     Ok(parent.join(utc_stamp(now_secs)))
 }
 
+/// Removes `dir` when a run that created it failed before recording anything: it holds
+/// nothing but `config.yaml` (and an empty `metrics.jsonl`). A folder with anything else, a
+/// checkpoint or a single metric, is the user's to keep. Errors are ignored: this is tidying
+/// after a failure that is already being reported.
+pub fn remove_if_unused(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let unused = entries.flatten().all(|e| {
+        let name = e.file_name();
+        name == "config.yaml" || (name == "metrics.jsonl" && e.metadata().is_ok_and(|m| m.is_file() && m.len() == 0))
+    });
+    if unused {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 pub use allgrad_dist::clock::{now_secs, utc_stamp};
 
 #[cfg(test)]
@@ -137,6 +152,31 @@ mod tests {
         std::fs::create_dir_all(root.path().join("vectors/x")).unwrap();
         let e = choose(None, root.path(), other, true, 0).unwrap_err();
         assert!(matches!(e, RunDirError::NothingToResume(_)), "{e}");
+    }
+
+    #[test]
+    fn only_a_folder_with_nothing_but_its_config_is_removed_after_a_failed_start() {
+        let root = tempfile::tempdir().unwrap();
+        let bare = root.path().join("bare");
+        std::fs::create_dir_all(&bare).unwrap();
+        std::fs::write(bare.join("config.yaml"), "method: vectors\n").unwrap();
+        std::fs::write(bare.join("metrics.jsonl"), "").unwrap();
+        remove_if_unused(&bare);
+        assert!(!bare.exists());
+        // A metric, a checkpoint or any other file keeps the folder.
+        for (name, contents) in [("metrics.jsonl", "{\"step\":1}\n"), ("checkpoints", ""), ("notes.txt", "")] {
+            let dir = root.path().join(format!("kept-{name}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("config.yaml"), "method: vectors\n").unwrap();
+            if name == "checkpoints" {
+                checkpointed(&dir);
+            } else {
+                std::fs::write(dir.join(name), contents).unwrap();
+            }
+            remove_if_unused(&dir);
+            assert!(dir.join("config.yaml").exists(), "{name}: the folder must stay");
+        }
+        remove_if_unused(&root.path().join("absent"));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! `accumulate` micro-batches), backpropagate `L_r / (W * accumulate)`, sum replicated
 //! gradients across ranks, check for non-finite values, clip, and apply the optimizer.
 //! With the sum-rule collectives inside the loss, this makes a run on W ranks equal a run
-//! on one rank at the same global batch (DESIGN §2, §3).
+//! on one rank at the same global batch (docs/gradient-convention.md; ARCHITECTURE.md, "Why W ranks equal one").
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -56,7 +56,7 @@ pub struct TrainSection {
     /// backpropagate the cached gradient of the embeddings chunk by chunk, so activation
     /// memory is that of one chunk (see [`crate::grad_cache`]; the method must implement
     /// `allgrad_models::EmbeddingObjective`). Absent: the plain step.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub cache_chunk: Option<usize>,
 }
 
@@ -188,7 +188,9 @@ impl Trainer {
         if resume {
             let dir = out_dir.as_ref().ok_or_else(|| TrainError::Setup("resuming needs an output directory".into()))?;
             match checkpoint::load_latest(dir, &cfg.device)? {
-                None => tracing::warn!("--resume: no checkpoint in {}; starting from step 0", dir.display()),
+                None => {
+                    tracing::warn!(target: allgrad_dist::JOB_LOG, "--resume: no checkpoint in {}; starting from step 0", dir.display())
+                }
                 Some(mut ck) => {
                     let wants: Vec<(String, Option<allgrad_models::RowRange>)> = params
                         .iter()

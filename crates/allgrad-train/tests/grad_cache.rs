@@ -194,6 +194,10 @@ fn cache_chunk_on_an_objective_without_embeddings_is_refused_naming_the_key() {
     assert!(err.contains("train.cache_chunk = 0"), "{err}");
 }
 
+/// Norm-wise relative tolerance of the finite-difference check (see its comment): measured
+/// up to 3.5e-9 (l1.bias).
+const FD_TOL: f64 = 1e-7;
+
 #[test]
 fn cached_gradients_equal_central_finite_differences_of_the_loss() {
     // An independent reference: the derivative of the plain loss (keyed dropout makes it a
@@ -212,24 +216,23 @@ fn cached_gradients_equal_central_finite_differences_of_the_loss() {
         for ((name, var), g) in params.iter().zip(&grads) {
             let base = var.as_tensor().flatten_all()?.to_vec1::<f64>()?;
             let g = g.flatten_all()?.to_vec1::<f64>()?;
-            for k in (0..base.len()).step_by(7) {
+            let mut fds = Vec::with_capacity(base.len());
+            for k in 0..base.len() {
                 let mut at = |delta: f64| -> candle_core::Result<f64> {
                     let mut p = base.clone();
                     p[k] += delta;
                     var.set(&candle_core::Tensor::from_vec(p, var.shape(), &Device::Cpu)?)?;
                     o.loss(&batch, &pg)?.to_scalar::<f64>()
                 };
-                let fd = (at(h)? - at(-h)?) / (2.0 * h);
+                fds.push((at(h)? - at(-h)?) / (2.0 * h));
                 var.set(&candle_core::Tensor::from_vec(base.clone(), var.shape(), &Device::Cpu)?)?;
-                assert!(
-                    (fd - g[k]).abs() <= 1e-6 * g[k].abs().max(1e-2),
-                    "{name}[{k}]: cached {} vs finite difference {fd}",
-                    g[k]
-                );
                 checked += 1;
             }
+            // Central differences at h = 1e-6 of a loss of size ~1: its rounding (~1e-16) over
+            // 2h leaves ~1e-10 in each entry, and the h² term of a smooth loss ~1e-12.
+            allgrad_testkit::close::assert_rel(&g, &fds, FD_TOL, &format!("{name}: cached gradient vs finite differences"));
         }
-        assert!(checked > 20);
+        assert!(checked > 100, "{checked} entries checked");
         Ok(())
     })
     .unwrap();

@@ -30,9 +30,12 @@ fn cached_image_run_with_one_chunk_per_micro_batch_equals_the_plain_run() {
 }
 
 #[test]
-fn cached_image_run_with_small_chunks_replays_its_augmentations_and_normalises_per_chunk() {
-    // Chunks of 3 of the 8 samples per rank: the replay check passes on every chunk (the run
-    // completes), and the per-chunk batch statistics change the result.
+fn cached_image_run_with_small_chunks_passes_every_replay_check_and_differs_from_the_plain_run() {
+    // Chunks of 3 of the 8 samples per rank: the replay check (which fails a run whose replay
+    // differs: grad_cache.rs's unkeyed-dropout test) passes on every chunk, so the run
+    // completes; and the per-chunk batch statistics change the result. That the difference is
+    // exactly per-chunk normalisation is checked against a plain step normalising per chunk
+    // on the MLP (grad_cache.rs), where the plain loss can normalise that way.
     let plain = params(&config("simclr", NT_XENT, &[]), 2);
     let cached = params(&config("simclr", NT_XENT, &["train.cache_chunk=3"]), 2);
     let (d, name) = max_rel_diff(&cached, &plain);

@@ -13,7 +13,7 @@ use allgrad_train::method::{Method, SectionError};
 use allgrad_train::{Registry, RunConfig};
 use candle_core::{Device, Result, Tensor};
 use candle_nn::VarBuilder;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 const VECTORS: &str = "seed: 3\n\
                        method: vectors\n\
@@ -88,13 +88,13 @@ struct Points {
     losses: Arc<AtomicUsize>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct PointsSections {
     points: PointsData,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct PointsData {
     count: usize,
@@ -150,11 +150,13 @@ fn a_user_registered_method_trains_through_the_train_library_entry() {
     let mut registry = Registry::builtin();
     registry.register("points", points);
     let args = |set: &[&str]| TrainArgs {
-        config: config.clone(),
+        config: Some(config.clone()),
         set: set.iter().map(|s| s.to_string()).collect(),
         output_dir: Some(dir.path().join("run")),
         resume: false,
         stop_after: None,
+        print_config: false,
+        list_methods: false,
     };
     let out = run_with(&registry, &args(&[])).unwrap();
     assert_eq!((out.summary.steps, out.total_steps, out.world_size), (8, 8, 1));

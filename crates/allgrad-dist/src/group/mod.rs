@@ -2,9 +2,10 @@
 //! job, subgroups, failure) lives here.
 //!
 //! The collectives are methods too, in the files beside this one: `slices` (on slices of any
-//! [`Elem`] type) and `tensors` (on Candle tensors of the dtypes in [`SUPPORTED_DTYPES`];
-//! tensors on other devices are staged through host memory). `connect` sets up the network
-//! of a group. For collectives inside a loss, use the differentiable functions of
+//! [`Elem`] type) and `tensors` (on Candle tensors of the dtypes in [`SUPPORTED_DTYPES`]:
+//! CUDA tensors through NCCL or staged through host memory, the group's CUDA path chosen in
+//! `cuda_path`; tensors on other devices are staged through host memory). `connect` sets up
+//! the network of a group. For collectives inside a loss, use the differentiable functions of
 //! [`crate::ops`] instead.
 //!
 //! Every rank of a group must issue the same collectives, in the same order, from one thread
@@ -12,6 +13,7 @@
 
 mod checked;
 mod connect;
+mod cuda_path;
 mod slices;
 mod tensors;
 
@@ -22,6 +24,7 @@ use std::time::Duration;
 use crate::collectives::Call;
 use crate::env::WorldInfo;
 use crate::error::{DistError, DistResult};
+use crate::gpu::CudaCollectives;
 use crate::mesh::{Mesh, OpCode};
 use crate::reduce::ReduceOp;
 #[allow(unused_imports)] // named in the rustdoc above
@@ -32,6 +35,7 @@ use crate::wire::digest;
 #[cfg(feature = "nccl")]
 pub(crate) use checked::{Elsewhere, Names};
 use connect::{bind_ip_toward, connect_mesh, resolve};
+use cuda_path::CudaDecision;
 
 /// Largest total a rank agrees to receive in one all_gather or all_to_all whose sizes come
 /// from the peers, where the host's memory cannot be read; otherwise the cap is the rank's
@@ -47,6 +51,9 @@ struct Context {
     /// Cap on the total bytes peers may announce for one all_gather or all_to_all.
     max_message_bytes: u64,
     settings: Settings,
+    /// The mode groups choose their CUDA path with (ALLGRAD_CUDA_COLLECTIVES, then
+    /// [`ProcessGroup::set_cuda_collectives`]).
+    cuda_mode: Mutex<CudaCollectives>,
     // Rank 0 hosts the store for as long as its world group lives. Declared last: dropped last.
     _server: Option<StoreServer>,
 }
@@ -57,6 +64,8 @@ struct State {
     p2p_sent: Vec<u64>,
     p2p_recvd: Vec<u64>,
     subgroups: u64,
+    /// The group's path for CUDA tensors, once chosen (`cuda_path`).
+    cuda: Option<CudaDecision>,
     /// The group's NCCL communicator, made by its first collective on a CUDA tensor.
     #[cfg(feature = "nccl")]
     nccl: Option<crate::nccl::GroupComm>,
@@ -67,6 +76,9 @@ struct Inner {
     rank: usize,
     members: Vec<usize>,
     state: Mutex<State>,
+    /// The pinned host buffer of the group's `host` path, reused from call to call.
+    #[cfg(feature = "cuda")]
+    staging: Mutex<crate::cuda::Staging>,
     ctx: Arc<Context>,
 }
 
@@ -130,6 +142,7 @@ impl ProcessGroup {
                 store: None,
                 bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
                 max_message_bytes,
+                cuda_mode: Mutex::new(settings.cuda_collectives.unwrap_or_default()),
                 settings,
                 _server: None,
             });
@@ -139,8 +152,15 @@ impl ProcessGroup {
         let store_addr = format!("{}:{}", info.master_addr, info.master_port);
         let store = StoreClient::connect(&store_addr, &info.token, info.rank, info.timeout)?;
         let bind_ip = bind_ip_toward(settings.bind_addr, &info.master_addr, info.master_port)?;
-        let ctx =
-            Arc::new(Context { info: info.clone(), store: Some(store), bind_ip, max_message_bytes, settings, _server: server });
+        let ctx = Arc::new(Context {
+            info: info.clone(),
+            store: Some(store),
+            bind_ip,
+            max_message_bytes,
+            cuda_mode: Mutex::new(settings.cuda_collectives.unwrap_or_default()),
+            settings,
+            _server: server,
+        });
         let mesh = connect_mesh(&ctx, "world", info.rank, &members)?;
         let pg = Self::from_mesh("world".into(), info.rank, members, mesh, ctx);
         tracing::debug!("rank {} joined a world of {}", info.rank, info.world_size);
@@ -155,10 +175,21 @@ impl ProcessGroup {
             p2p_sent: vec![0; n],
             p2p_recvd: vec![0; n],
             subgroups: 0,
+            cuda: None,
             #[cfg(feature = "nccl")]
             nccl: None,
         };
-        ProcessGroup { inner: Arc::new(Inner { name, rank, members, state: Mutex::new(state), ctx }) }
+        ProcessGroup {
+            inner: Arc::new(Inner {
+                name,
+                rank,
+                members,
+                state: Mutex::new(state),
+                #[cfg(feature = "cuda")]
+                staging: Mutex::new(crate::cuda::Staging::default()),
+                ctx,
+            }),
+        }
     }
 
     /// This rank's index in the group, `0..world_size()`.
@@ -217,6 +248,12 @@ impl ProcessGroup {
         self.lock().mesh.shm.is_some()
     }
 
+    /// How many of this group's all_reduce calls took each path so far (for tests).
+    #[doc(hidden)]
+    pub fn all_reduce_paths(&self) -> crate::mesh::AllReducePaths {
+        self.lock().mesh.paths
+    }
+
     /// The rendezvous store, when the world has more than one rank.
     pub fn store(&self) -> Option<&StoreClient> {
         self.inner.ctx.store.as_ref()
@@ -224,6 +261,12 @@ impl ProcessGroup {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The group's staging buffer for the `host` path of CUDA tensors.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn staging(&self) -> MutexGuard<'_, crate::cuda::Staging> {
+        self.inner.staging.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs `f` as the next collective call of this group.

@@ -1,7 +1,7 @@
 //! The plain collectives on Candle tensors (not differentiable; see [`crate::ops`]): each
 //! reads the tensor into a host vector of its element type and calls the slice collective.
-//! With the `nccl` feature, CUDA tensors go through NCCL on their device instead (the
-//! `nccl` module); without it they are staged through host memory.
+//! CUDA tensors take their group's path instead (the `cuda` module: NCCL on the device, or
+//! staged through a pinned host buffer; see [`crate::gpu`]).
 
 use candle_core::{DType, Device, Shape, Tensor};
 
@@ -25,9 +25,9 @@ pub(super) fn shape_words(dims: &[usize]) -> Vec<u64> {
 impl ProcessGroup {
     /// All-reduces a tensor (not differentiable; see [`crate::all_reduce`]).
     pub fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        #[cfg(feature = "nccl")]
+        #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::nccl::all_reduce(self, x, op);
+            return crate::cuda::all_reduce(self, x, op);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -41,9 +41,9 @@ impl ProcessGroup {
     /// Concatenates every rank's tensor along dim 0 (sizes along dim 0 may differ; the other
     /// dims must agree). Returns the result and each rank's dim-0 size.
     pub fn all_gather_with_sizes(&self, x: &Tensor) -> candle_core::Result<(Tensor, Vec<usize>)> {
-        #[cfg(feature = "nccl")]
+        #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::nccl::all_gather(self, x);
+            return crate::cuda::all_gather(self, x);
         }
         let (rows, rest) = split_first_dim(x, "all_gather")?;
         dispatch!(x.dtype(), T => {
@@ -77,9 +77,9 @@ impl ProcessGroup {
     /// Reduces across ranks and returns this rank's part of dim 0, which is split into
     /// `sizes[j]` rows for rank j (not differentiable; see [`crate::reduce_scatter`]).
     pub fn reduce_scatter_sizes(&self, x: &Tensor, op: ReduceOp, sizes: &[usize]) -> candle_core::Result<Tensor> {
-        #[cfg(feature = "nccl")]
+        #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::nccl::reduce_scatter(self, x, op, sizes);
+            return crate::cuda::reduce_scatter(self, x, op, sizes);
         }
         let (rows, rest) = split_first_dim(x, "reduce_scatter")?;
         if sizes.len() != self.world_size() || sizes.iter().sum::<usize>() != rows {
@@ -111,9 +111,9 @@ impl ProcessGroup {
     /// Returns rank `root`'s tensor on every rank (not differentiable; see [`crate::broadcast`]).
     /// Every rank passes a tensor of the same shape and dtype.
     pub fn broadcast(&self, x: &Tensor, root: usize) -> candle_core::Result<Tensor> {
-        #[cfg(feature = "nccl")]
+        #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::nccl::broadcast(self, x, root);
+            return crate::cuda::broadcast(self, x, root);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -129,9 +129,9 @@ impl ProcessGroup {
 
     /// Reduces every rank's tensor to rank `root`; other ranks get their input back.
     pub fn reduce(&self, x: &Tensor, root: usize, op: ReduceOp) -> candle_core::Result<Tensor> {
-        #[cfg(feature = "nccl")]
+        #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::nccl::reduce(self, x, root, op);
+            return crate::cuda::reduce(self, x, root, op);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -148,9 +148,9 @@ impl ProcessGroup {
     /// Sends `send_sizes[j]` rows of `x` (consecutive along dim 0) to rank j; returns the rows
     /// every rank sent here, concatenated in rank order, and how many came from each.
     pub fn all_to_all_sizes(&self, x: &Tensor, send_sizes: &[usize]) -> candle_core::Result<(Tensor, Vec<usize>)> {
-        #[cfg(feature = "nccl")]
+        #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::nccl::all_to_all(self, x, send_sizes);
+            return crate::cuda::all_to_all(self, x, send_sizes);
         }
         let (rows, rest) = split_first_dim(x, "all_to_all")?;
         if send_sizes.len() != self.world_size() || send_sizes.iter().sum::<usize>() != rows {
@@ -210,14 +210,14 @@ impl ProcessGroup {
         })
     }
 
-    /// Waits until every rank has reached this point on `device`: for a CUDA device (with the
-    /// `nccl` feature), an NCCL all_reduce of one element that this call waits for, so the
-    /// work queued on the device before it has finished everywhere; otherwise
+    /// Waits until every rank has reached this point on `device`: for a CUDA device, an
+    /// all_reduce of one element on it (through the group's CUDA path) that this call waits
+    /// for, so the work queued on the device before it has finished everywhere; otherwise
     /// [`ProcessGroup::barrier`].
     pub fn device_barrier(&self, device: &Device) -> candle_core::Result<()> {
-        #[cfg(feature = "nccl")]
+        #[cfg(feature = "cuda")]
         if device.is_cuda() {
-            return crate::nccl::device_barrier(self, device);
+            return crate::cuda::device_barrier(self, device);
         }
         let _ = device;
         Ok(self.barrier()?)

@@ -103,6 +103,26 @@ impl LaunchConfig {
     }
 }
 
+/// The program to start: `program` itself when it holds a `/` or is found on `path` (the
+/// `PATH` variable; the operating system then finds it again), else the executable of that
+/// name in `beside` (the launcher's own folder), so that `launch ... train ...` works right
+/// after `cargo build`, where `train` sits beside `launch` but not on `PATH`.
+pub(crate) fn resolve_program(
+    program: &str,
+    path: Option<&std::ffi::OsStr>,
+    beside: Option<&std::path::Path>,
+) -> Result<String, LaunchError> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &std::path::Path| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    if program.contains('/') || path.is_some_and(|path| std::env::split_paths(path).any(|d| executable(&d.join(program)))) {
+        return Ok(program.to_string());
+    }
+    match beside.map(|d| d.join(program)) {
+        Some(p) if executable(&p) => Ok(p.to_string_lossy().into_owned()),
+        _ => Err(LaunchError::ProgramNotFound { program: program.to_string(), beside: beside.map(|d| d.to_path_buf()) }),
+    }
+}
+
 /// The job token handed to the ranks: ALLGRAD_JOB_TOKEN from `env_token` when set, a fresh
 /// random one on a single node, and none with several nodes (each rank then derives a weak
 /// one, and the launcher says so).
@@ -173,6 +193,44 @@ mod tests {
         let e = cfg(1, 3, 0, &["true"]).port().unwrap_err();
         assert!(matches!(e, LaunchError::MasterPortRequired { nnodes: 3 }), "{e:?}");
         assert_eq!(cfg(2, 1, 0, &["prog", "a"]).validate().unwrap(), ("prog", &["a".to_string()][..]));
+    }
+
+    #[test]
+    fn a_bare_program_name_is_found_on_path_then_beside_the_launcher() {
+        use std::os::unix::fs::PermissionsExt;
+        let (on_path, beside) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let exe = |dir: &std::path::Path, name: &str, mode: u32| {
+            let p = dir.join(name);
+            std::fs::write(&p, "#!/bin/sh\n").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        exe(on_path.path(), "both", 0o755);
+        exe(beside.path(), "both", 0o755);
+        exe(beside.path(), "train", 0o755);
+        exe(beside.path(), "notes", 0o644);
+        let path = std::env::join_paths([on_path.path()]).unwrap();
+        let resolve = |p: &str| resolve_program(p, Some(&path), Some(beside.path()));
+        // PATH first (the name is kept: the operating system finds it again), then beside.
+        assert_eq!(resolve("both").unwrap(), "both");
+        assert_eq!(resolve("train").unwrap(), beside.path().join("train").to_string_lossy());
+        // A path is taken as given, even when it does not exist (spawning then says so).
+        assert_eq!(resolve("./nowhere/train").unwrap(), "./nowhere/train");
+        // Neither: an error naming the program and both places; a file without the
+        // executable bit does not count.
+        for missing in ["absent", "notes"] {
+            let e = resolve(missing).unwrap_err();
+            assert!(matches!(&e, LaunchError::ProgramNotFound { program, .. } if program == missing), "{e:?}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&format!("`{missing}` is not on PATH nor beside launch in {}", beside.path().display())),
+                "{msg}"
+            );
+            assert!(msg.contains(&format!("target/release/{missing}")), "{msg}");
+        }
+        assert!(resolve_program("absent", None, None)
+            .unwrap_err()
+            .to_string()
+            .starts_with("`absent` is not on PATH: give its path"));
     }
 
     #[test]

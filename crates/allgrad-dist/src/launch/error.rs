@@ -26,6 +26,19 @@ pub enum LaunchError {
     #[error("no program to launch")]
     NoProgram,
 
+    /// A bare program name (no `/`) is neither on `PATH` nor beside the launcher's own
+    /// executable.
+    #[error(
+        "`{program}` is not on PATH{}: give its path, e.g. `launch ... target/release/{program} ...`",
+        beside.as_ref().map(|d| format!(" nor beside launch in {}", d.display())).unwrap_or_default()
+    )]
+    ProgramNotFound {
+        /// The program, as given.
+        program: String,
+        /// The launcher's own folder, searched after `PATH`.
+        beside: Option<std::path::PathBuf>,
+    },
+
     /// Several nodes need one agreed port for rank 0's store; a free local port is no use.
     #[error("--master-port is required with more than one node (--nnodes {nnodes})")]
     MasterPortRequired {

@@ -45,6 +45,9 @@ use spawn::Job;
 /// a fresh free port.
 pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     let (program, args) = cfg.validate()?;
+    let beside = std::env::current_exe().ok().and_then(|e| e.parent().map(std::path::Path::to_path_buf));
+    let program = config::resolve_program(program, std::env::var_os("PATH").as_deref(), beside.as_deref())?;
+    let program = program.as_str();
     let token = config::job_token(std::env::var("ALLGRAD_JOB_TOKEN").ok(), cfg.nnodes);
     let run_id = cfg.elastic_run_id(crate::clock::now_secs());
     let signals = signals::SignalGuard::install()?;

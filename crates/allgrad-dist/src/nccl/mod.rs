@@ -1,10 +1,11 @@
-//! The NCCL backend for CUDA tensors (feature `nccl`). Nothing here runs in this repository's
-//! CI: it is type-checked there (`scripts/check_cuda_build.sh`) and exercised by
-//! `scripts/gpu_ci.sh` on a GPU machine (run on one H100: W = 1 only, see the README's GPU
-//! section).
+//! The NCCL backend for CUDA tensors (feature `nccl`): the `nccl` path of a group whose ranks
+//! each have a GPU of their own ([`crate::gpu`]). Nothing here runs in this repository's CI:
+//! it is type-checked there (`scripts/check_cuda_build.sh`) and exercised by
+//! `scripts/gpu_ci.sh` on a GPU machine (with two GPUs or more; on one GPU every group of
+//! several ranks takes the `host` path).
 //!
-//! - One communicator per [`ProcessGroup`](crate::ProcessGroup), made by the group's first
-//!   collective on a CUDA tensor, on the stream of that tensor's device: rank 0 of the group
+//! - One communicator per [`ProcessGroup`](crate::ProcessGroup) on the `nccl` path, made by
+//!   the group's first collective on a CUDA tensor, on the stream of that tensor's device: rank 0 of the group
 //!   creates the unique id and publishes it through the rendezvous store (`unique_id`), every
 //!   member calls `ncclCommInitRank`. Subgroups (`new_group`) get their own.
 //! - Every call is first checked against the peers' over the TCP mesh (`group/checked.rs`):
@@ -13,12 +14,13 @@
 //!   outlives ALLGRAD_TIMEOUT_S; the call fails naming itself, the group is poisoned and its
 //!   peers are told over TCP. Making the communicator (`ncclCommInitRank`, which waits for
 //!   every member) is bounded by the same timeout, and by a peer's failure seen on the mesh.
-//! - The collectives on tensors are in `tensors`; the differentiable ops of [`crate::ops`]
-//!   call them for CUDA inputs (their `cuda_fwd`), with the same backward rules.
+//! - The collectives on tensors are in `tensors`; `crate::cuda` calls them for the plain
+//!   collectives and the differentiable ops of [`crate::ops`] (their `cuda_fwd`), with the
+//!   same backward rules.
 
 mod tensors;
 
-pub(crate) use tensors::{all_gather, all_reduce, all_to_all, broadcast, device_barrier, forward, reduce, reduce_scatter, Kind};
+pub(crate) use tensors::forward;
 
 use std::ffi::{c_char, CStr};
 use std::mem::MaybeUninit;

@@ -1,6 +1,7 @@
-//! The collectives on CUDA tensors through NCCL: the plain ones ([`ProcessGroup`]'s tensor
-//! methods call them for CUDA inputs) and [`forward`], the `cuda_fwd` of the differentiable
-//! ops. Each checks its call over TCP, then moves the data with NCCL on the device's stream.
+//! The collectives on CUDA tensors through NCCL: [`forward`] runs one for a group whose CUDA
+//! path is `nccl` (`crate::cuda` dispatches the plain collectives and the `cuda_fwd` of the
+//! differentiable ops here). Each checks its call over TCP, then moves the data with NCCL on
+//! the device's stream.
 //!
 //! Uneven sizes: all_gather pads every rank's rows to the largest count, gathers, and
 //! compacts on the device; reduce_scatter with uneven blocks all-reduces and keeps its block;
@@ -10,107 +11,22 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc;
 use candle_core::cuda::CudaDType;
-use candle_core::{CudaStorage, CustomOp1, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, Layout, Result, Shape};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{result, NcclType};
-use std::sync::OnceLock;
 
 use super::{comm_for, nccl_op};
+use crate::cuda::{cuda, Out};
 use crate::dispatch::unsupported_dtype;
 use crate::error::{DistError, DistResult};
 use crate::group::ProcessGroup;
+use crate::host_ops::Kind;
 use crate::mesh::OpCode;
-use crate::reduce::{Elem, ReduceOp};
-
-/// Which collective a CUDA call runs.
-#[derive(Clone, Debug)]
-pub(crate) enum Kind {
-    /// Element-wise reduction, result on every rank.
-    AllReduce(ReduceOp),
-    /// Concatenation along dim 0 (sizes may differ).
-    AllGather,
-    /// Reduction, then rank r keeps `rows[r]` rows of dim 0.
-    ReduceScatter(ReduceOp, Vec<usize>),
-    /// Rank `root`'s tensor everywhere.
-    Broadcast(usize),
-    /// Reduction to `root`; the others keep their input.
-    Reduce(ReduceOp, usize),
-    /// `rows[j]` rows of dim 0 to rank j.
-    AllToAll(Vec<usize>),
-}
-
-/// A CUDA collective as a Candle op without backward, so that its output stays on the device.
-struct Plain {
-    pg: ProcessGroup,
-    kind: Kind,
-    /// Rows per rank learned by the call (all_gather: each rank's; all_to_all: received).
-    sizes: OnceLock<Vec<usize>>,
-}
-
-impl CustomOp1 for Plain {
-    fn name(&self) -> &'static str {
-        "allgrad.nccl"
-    }
-    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("the NCCL backend runs collectives of CUDA tensors only")
-    }
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let (out, shape, sizes) = forward(&self.pg, &self.kind, s, l)?;
-        if let Some(sizes) = sizes {
-            let _ = self.sizes.set(sizes);
-        }
-        Ok((out, shape))
-    }
-}
-
-fn plain(pg: &ProcessGroup, x: &Tensor, kind: Kind) -> Result<(Tensor, Vec<usize>)> {
-    let op = Plain { pg: pg.clone(), kind, sizes: OnceLock::new() };
-    let out = x.contiguous()?.apply_op1_no_bwd(&op)?;
-    Ok((out, op.sizes.into_inner().unwrap_or_default()))
-}
-
-/// All-reduces a CUDA tensor.
-pub(crate) fn all_reduce(pg: &ProcessGroup, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-    Ok(plain(pg, x, Kind::AllReduce(op))?.0)
-}
-/// Gathers a CUDA tensor along dim 0; returns every rank's dim-0 size too.
-pub(crate) fn all_gather(pg: &ProcessGroup, x: &Tensor) -> Result<(Tensor, Vec<usize>)> {
-    plain(pg, x, Kind::AllGather)
-}
-/// Reduce-scatters a CUDA tensor along dim 0 into blocks of `rows[r]` rows.
-pub(crate) fn reduce_scatter(pg: &ProcessGroup, x: &Tensor, op: ReduceOp, rows: &[usize]) -> Result<Tensor> {
-    Ok(plain(pg, x, Kind::ReduceScatter(op, rows.to_vec()))?.0)
-}
-/// Broadcasts rank `root`'s CUDA tensor.
-pub(crate) fn broadcast(pg: &ProcessGroup, x: &Tensor, root: usize) -> Result<Tensor> {
-    Ok(plain(pg, x, Kind::Broadcast(root))?.0)
-}
-/// Reduces CUDA tensors to rank `root`.
-pub(crate) fn reduce(pg: &ProcessGroup, x: &Tensor, root: usize, op: ReduceOp) -> Result<Tensor> {
-    Ok(plain(pg, x, Kind::Reduce(op, root))?.0)
-}
-/// Sends `rows[j]` rows of a CUDA tensor to rank j; returns the rows received per rank too.
-pub(crate) fn all_to_all(pg: &ProcessGroup, x: &Tensor, rows: &[usize]) -> Result<(Tensor, Vec<usize>)> {
-    plain(pg, x, Kind::AllToAll(rows.to_vec()))
-}
-
-/// Waits until every rank's `device` has reached this point (an NCCL all_reduce of one
-/// element, waited for); on the CPU, [`ProcessGroup::barrier`].
-pub(crate) fn device_barrier(pg: &ProcessGroup, device: &Device) -> Result<()> {
-    if !device.is_cuda() {
-        return Ok(pg.barrier()?);
-    }
-    all_reduce(pg, &Tensor::zeros(1, candle_core::DType::F32, device)?, ReduceOp::Sum).map(|_| ())
-}
+use crate::reduce::Elem;
 
 /// Runs `kind` on the CUDA storage `s` (layout `l`, contiguous); returns the output, its shape
 /// and, for all_gather and all_to_all, the rows per rank.
-pub(crate) fn forward(
-    pg: &ProcessGroup,
-    kind: &Kind,
-    s: &CudaStorage,
-    l: &Layout,
-) -> Result<(CudaStorage, Shape, Option<Vec<usize>>)> {
+pub(crate) fn forward(pg: &ProcessGroup, kind: &Kind, s: &CudaStorage, l: &Layout) -> Result<Out> {
     crate::with_elem_type!(s.dtype(), T => typed::<T>(pg, kind, s, l), d => Err(unsupported_dtype(d).into()))
 }
 
@@ -123,12 +39,6 @@ fn shape_of(rows: usize, rest: &[usize]) -> Shape {
     d.extend_from_slice(rest);
     Shape::from(d)
 }
-
-fn cuda<T>(r: std::result::Result<T, cudarc::driver::DriverError>, what: &str) -> DistResult<T> {
-    r.map_err(|e| DistError::Invalid(format!("CUDA failed in {what}: {e:?}")))
-}
-
-type Out = (CudaStorage, Shape, Option<Vec<usize>>);
 
 fn typed<T>(pg: &ProcessGroup, kind: &Kind, s: &CudaStorage, l: &Layout) -> Result<Out>
 where

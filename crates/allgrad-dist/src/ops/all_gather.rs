@@ -2,10 +2,11 @@
 
 use std::sync::OnceLock;
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{on_cpu_slice, on_host};
+use super::on_host;
 use crate::group::ProcessGroup;
+use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// Concatenates every rank's `x` along dim 0, in rank order. Ranks may differ in dim-0 size;
@@ -33,19 +34,12 @@ impl CustomOp1 for AllGather {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let dims = l.dims();
-        on_cpu_slice!(s, l, T, v => {
-            let (out, sizes) = self.pg.all_gather_rows(v, dims[0], &dims[1..])?;
-            let mut shape = vec![sizes.iter().sum::<usize>()];
-            shape.extend_from_slice(&dims[1..]);
-            let _ = self.sizes.set(sizes);
-            Ok((T::to_cpu_storage_owned(out), Shape::from(shape)))
-        })
+        super::host_fwd(&self.pg, Kind::AllGather, s, l, Some(&self.sizes))
     }
 
-    #[cfg(feature = "nccl")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::nccl_fwd(&self.pg, crate::nccl::Kind::AllGather, s, l, Some(&self.sizes))
+        super::cuda_fwd(&self.pg, Kind::AllGather, s, l, Some(&self.sizes))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -1,9 +1,10 @@
 //! Differentiable all_reduce for every reduction operator.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{on_cpu_slice, on_host, reduction_grad};
+use super::{on_host, reduction_grad};
 use crate::group::ProcessGroup;
+use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// Element-wise reduction of `x` over all ranks; every rank gets the same result.
@@ -29,16 +30,12 @@ impl CustomOp1 for AllReduce {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        on_cpu_slice!(s, l, T, v => {
-            let mut out = v.to_vec();
-            self.pg.all_reduce_slice(&mut out, self.op)?;
-            Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
-        })
+        super::host_fwd(&self.pg, Kind::AllReduce(self.op), s, l, None)
     }
 
-    #[cfg(feature = "nccl")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::nccl_fwd(&self.pg, crate::nccl::Kind::AllReduce(self.op), s, l, None)
+        super::cuda_fwd(&self.pg, Kind::AllReduce(self.op), s, l, None)
     }
 
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

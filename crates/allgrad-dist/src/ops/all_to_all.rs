@@ -2,10 +2,11 @@
 
 use std::sync::OnceLock;
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{on_cpu_slice, on_host};
+use super::on_host;
 use crate::group::ProcessGroup;
+use crate::host_ops::Kind;
 
 /// Splits dim 0 of `x` into W equal blocks (dim 0 must be divisible by W) and sends block j
 /// to rank j; returns the blocks received, in rank order.
@@ -52,19 +53,12 @@ impl CustomOp1 for AllToAll {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let dims = l.dims();
-        on_cpu_slice!(s, l, T, v => {
-            let (out, recv) = self.pg.all_to_all_rows(v, &self.send_sizes, &dims[1..])?;
-            let mut shape = vec![recv.iter().sum::<usize>()];
-            shape.extend_from_slice(&dims[1..]);
-            let _ = self.recv_sizes.set(recv);
-            Ok((T::to_cpu_storage_owned(out), Shape::from(shape)))
-        })
+        super::host_fwd(&self.pg, Kind::AllToAll(self.send_sizes.clone()), s, l, Some(&self.recv_sizes))
     }
 
-    #[cfg(feature = "nccl")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::nccl_fwd(&self.pg, crate::nccl::Kind::AllToAll(self.send_sizes.clone()), s, l, Some(&self.recv_sizes))
+        super::cuda_fwd(&self.pg, Kind::AllToAll(self.send_sizes.clone()), s, l, Some(&self.recv_sizes))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

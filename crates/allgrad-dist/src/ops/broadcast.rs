@@ -1,9 +1,10 @@
 //! Differentiable broadcast.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{on_cpu_slice, on_host};
+use super::on_host;
 use crate::group::ProcessGroup;
+use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// Returns rank `src`'s `x` on every rank (every rank passes a tensor of the same shape).
@@ -29,16 +30,12 @@ impl CustomOp1 for Broadcast {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        on_cpu_slice!(s, l, T, v => {
-            let mut out = v.to_vec();
-            self.pg.broadcast_slice(&mut out, self.src)?;
-            Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
-        })
+        super::host_fwd(&self.pg, Kind::Broadcast(self.src), s, l, None)
     }
 
-    #[cfg(feature = "nccl")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::nccl_fwd(&self.pg, crate::nccl::Kind::Broadcast(self.src), s, l, None)
+        super::cuda_fwd(&self.pg, Kind::Broadcast(self.src), s, l, None)
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

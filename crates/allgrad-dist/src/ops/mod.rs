@@ -51,11 +51,11 @@
 //! one rank is skipped by that rank's backward while the others wait for it (they fail at
 //! the timeout, naming the call).
 //!
-//! Inputs may be non-contiguous, of any float dtype, on any device: CUDA tensors go through
-//! NCCL on their device when allgrad is built with the `nccl` feature (same backward rules;
-//! the backward's collectives run on the gradients' device), other non-CPU tensors are
-//! staged through host memory by the CPU backend. When the input does not track gradients
-//! the op is a plain collective.
+//! Inputs may be non-contiguous, of any float dtype, on any device: CUDA tensors take their
+//! group's CUDA path ([`crate::gpu`]: NCCL on the device, or staged through a pinned host
+//! buffer and the CPU backend), with the same backward rules (the backward's collectives run
+//! on the gradients' device); other non-CPU tensors are staged through host memory by the
+//! CPU backend. When the input does not track gradients the op is a plain collective.
 
 mod all_gather;
 mod all_reduce;
@@ -69,32 +69,20 @@ pub use all_to_all::{all_to_all, all_to_all_sizes};
 pub use broadcast::broadcast;
 pub use reduce_scatter::reduce_scatter;
 
-use candle_core::{Device, Result, Tensor};
+use std::sync::OnceLock;
+
+use candle_core::{CpuStorage, Device, Layout, Result, Shape, Tensor, WithDType};
 
 use crate::group::ProcessGroup;
+use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
-/// Runs `$body` with `$v` the contiguous slice of a CPU storage and `$T` its element type.
-macro_rules! on_cpu_slice {
-    ($storage:expr, $layout:expr, $T:ident, $v:ident => $body:expr) => {{
-        let storage: &candle_core::CpuStorage = $storage;
-        let (start, end) =
-            $layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("collective input is not contiguous".into()))?;
-        crate::with_elem_type!(candle_core::backend::BackendStorage::dtype(storage), $T => {
-            let $v: &[$T] = &storage.as_slice::<$T>()?[start..end];
-            $body
-        }, d => Err(crate::dispatch::unsupported_dtype(d).into()))
-    }};
-}
-pub(crate) use on_cpu_slice;
-
-/// Applies a collective's custom op to `x`: directly on the CPU and, with the `nccl`
-/// feature, on CUDA (the op's `cuda_fwd` runs NCCL); tensors of other devices are staged
-/// through host memory (the copies are differentiable, so gradients flow back to the original
-/// device).
+/// Applies a collective's custom op to `x`: directly on the CPU and on CUDA (the op's
+/// `cuda_fwd` takes the group's CUDA path); tensors of other devices are staged through host
+/// memory (the copies are differentiable, so gradients flow back to the original device).
 pub(crate) fn on_host(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let x = x.contiguous()?;
-    if x.device().is_cpu() || (cfg!(feature = "nccl") && x.device().is_cuda()) {
+    if x.device().is_cpu() || x.device().is_cuda() {
         f(&x)
     } else {
         let dev = x.device().clone();
@@ -102,17 +90,38 @@ pub(crate) fn on_host(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> 
     }
 }
 
-/// The `cuda_fwd` of the differentiable ops: runs `kind` through NCCL and records the rows
-/// per rank it learned (all_gather, all_to_all) in `sizes`.
-#[cfg(feature = "nccl")]
-pub(crate) fn nccl_fwd(
+/// The `cpu_fwd` of the differentiable ops: runs `kind` on the CPU backend and records the
+/// rows per rank it learned (all_gather, all_to_all) in `sizes`.
+pub(crate) fn host_fwd(
     pg: &ProcessGroup,
-    kind: crate::nccl::Kind,
+    kind: Kind,
+    s: &CpuStorage,
+    l: &Layout,
+    sizes: Option<&OnceLock<Vec<usize>>>,
+) -> Result<(CpuStorage, Shape)> {
+    let (start, end) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("collective input is not contiguous".into()))?;
+    crate::with_elem_type!(candle_core::backend::BackendStorage::dtype(s), T => {
+        let v: &[T] = &s.as_slice::<T>()?[start..end];
+        let out = crate::host_ops::run(pg, &kind, v, l.dims())?;
+        if let (Some(cell), Some(learned)) = (sizes, out.sizes) {
+            let _ = cell.set(learned);
+        }
+        Ok((T::to_cpu_storage_owned(out.data), Shape::from(out.dims)))
+    }, d => Err(crate::dispatch::unsupported_dtype(d).into()))
+}
+
+/// The `cuda_fwd` of the differentiable ops: runs `kind` through the group's CUDA path and
+/// records the rows per rank it learned (all_gather, all_to_all) in `sizes`.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_fwd(
+    pg: &ProcessGroup,
+    kind: Kind,
     s: &candle_core::CudaStorage,
-    l: &candle_core::Layout,
-    sizes: Option<&std::sync::OnceLock<Vec<usize>>>,
-) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
-    let (out, shape, learned) = crate::nccl::forward(pg, &kind, s, l)?;
+    l: &Layout,
+    sizes: Option<&OnceLock<Vec<usize>>>,
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    let (out, shape, learned) = crate::cuda::forward(pg, &kind, s, l)?;
     if let (Some(cell), Some(v)) = (sizes, learned) {
         let _ = cell.set(v);
     }

@@ -1,9 +1,10 @@
 //! Differentiable reduce_scatter along dim 0.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{on_cpu_slice, on_host, reduction_grad};
+use super::{on_host, reduction_grad};
 use crate::group::ProcessGroup;
+use crate::host_ops::Kind;
 use crate::reduce::ReduceOp;
 
 /// Reduces `x` element-wise over all ranks and returns this rank's block of dim 0, which is
@@ -32,33 +33,26 @@ struct ReduceScatter {
     op: ReduceOp,
 }
 
+impl ReduceScatter {
+    /// W equal blocks of dim 0.
+    fn kind(&self, l: &Layout) -> Kind {
+        let w = self.pg.world_size();
+        Kind::ReduceScatter(self.op, vec![l.dims()[0] / w; w])
+    }
+}
+
 impl CustomOp1 for ReduceScatter {
     fn name(&self) -> &'static str {
         "allgrad.reduce_scatter"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let dims = l.dims();
-        let w = self.pg.world_size();
-        let block_rows = dims[0] / w;
-        let row: usize = dims[1..].iter().product();
-        on_cpu_slice!(s, l, T, v => {
-            let out = self.pg.reduce_scatter_slice(v, self.op, &vec![block_rows * row; w])?;
-            let mut shape = vec![block_rows];
-            shape.extend_from_slice(&dims[1..]);
-            Ok((T::to_cpu_storage_owned(out), Shape::from(shape)))
-        })
+        super::host_fwd(&self.pg, self.kind(l), s, l, None)
     }
 
-    #[cfg(feature = "nccl")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::nccl_fwd(
-            &self.pg,
-            crate::nccl::Kind::ReduceScatter(self.op, vec![l.dims()[0] / self.pg.world_size(); self.pg.world_size()]),
-            s,
-            l,
-            None,
-        )
+        super::cuda_fwd(&self.pg, self.kind(l), s, l, None)
     }
 
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -1,4 +1,4 @@
-//! Dropout with masks drawn from keyed random streams (DESIGN §3).
+//! Dropout with masks drawn from keyed random streams (ARCHITECTURE.md, "Why W ranks equal one").
 //!
 //! A mask entry depends only on `(seed, step, global sample index, view, layer, site,
 //! position)` and the entry's place within that position, never on the rank, the sample's

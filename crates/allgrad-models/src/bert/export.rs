@@ -97,7 +97,7 @@ pub fn export_hf_folder(
         obj.insert("model_type".into(), serde_json::json!("bert"));
     }
     write(&out.join("config.json"), &serde_json::to_string_pretty(&config).expect("JSON values serialise"))?;
-    candle_core::safetensors::save(&tensors, out.join("model.safetensors"))?;
+    crate::save_safetensors(&tensors, &out.join("model.safetensors"))?;
     for f in TOKENIZER_FILES {
         let from = source.join(f);
         if from.is_file() {

@@ -16,7 +16,7 @@
 //! # The gradient rule, and insightface's `* world_size`
 //!
 //! The loss is the same number on every rank (the global-batch mean). With the sum-rule
-//! collectives (DESIGN §2) the backward of rank r yields `W · ∂L/∂x_r`; the trainer's 1/W
+//! collectives (the sum rule, docs/gradient-convention.md) the backward of rank r yields `W · ∂L/∂x_r`; the trainer's 1/W
 //! gives the single-process gradient for the centres (which are not communicated) and, after
 //! the DDP sum, for the backbone. insightface's `arcface_torch` reaches the same numbers by
 //! another route: its cross-entropy's backward gives each rank `∂L/∂z_r` (not W times it),

@@ -52,7 +52,7 @@ fn present(name: &str, files: &[&Path]) -> bool {
     match files.iter().find(|f| !f.is_file()) {
         None => true,
         Some(f) => {
-            tracing::warn!("simcse evaluation: {name} skipped: {} is absent", f.display());
+            tracing::warn!(target: allgrad_dist::JOB_LOG, "simcse evaluation: {name} skipped: {} is absent", f.display());
             false
         }
     }
@@ -113,7 +113,9 @@ impl Evaluator {
             let e = embed_shared(model, tokenizer, pooling, &set.texts, self.batch, pg)?;
             match rated_spearman(&cosine_matrix(&e, &e)?, set) {
                 Some(s) => out.push((name.to_string(), s)),
-                None => tracing::warn!("simcse evaluation: {name} undefined (constant similarities or ratings)"),
+                None => {
+                    tracing::warn!(target: allgrad_dist::JOB_LOG, "simcse evaluation: {name} undefined (constant similarities or ratings)")
+                }
             }
         }
         Ok(out)

@@ -30,18 +30,18 @@ pub fn to_f64_vec(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
 }
 
-/// Largest |a - b| divided by max(1, largest |b|).
+/// Norm-wise relative error `‖a − b‖₂ / ‖b‖₂` of `a` against the reference `b`
+/// (`allgrad_testkit::close::rel_err`: rounding makes an element's error proportional to the
+/// terms summed into it, not to the element, so a whole tensor is measured against its norm).
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims(), "shape mismatch");
-    let (a, b) = (to_f64_vec(a), to_f64_vec(b));
-    let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    a.iter().zip(&b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    allgrad_testkit::close::rel_err(&to_f64_vec(a), &to_f64_vec(b))
 }
 
-/// Panics with `what` and the error when `a` and `b` differ by more than `tol` (relative).
+/// Panics with `what` and the error when [`rel_err`] of `a` against `b` exceeds `tol`.
 pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
-    let e = rel_err(a, b);
-    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
+    assert_eq!(a.dims(), b.dims(), "{what}: shape mismatch");
+    allgrad_testkit::close::assert_rel(&to_f64_vec(a), &to_f64_vec(b), tol, what);
 }
 
 /// Tolerance for comparing two implementations in a dtype.

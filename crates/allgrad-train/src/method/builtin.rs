@@ -151,11 +151,24 @@ impl ImageMethod {
 impl Method for ImageMethod {
     type Sections = ContrastiveSections;
 
+    fn path_keys(&self) -> &'static [&'static str] {
+        &["data.dir"]
+    }
+
     fn validate(&self, s: &ContrastiveSections, _run: &RunConfig, _world_size: usize) -> Result<(), SectionError> {
         expect_kind(self.name, "data.kind", "images", s.data.kind())?;
         expect_kind(self.name, "model.kind", "resnet", s.model.kind())?;
         let loss = self.loss(s);
         expect_kind(self.name, "loss.kind", self.default_loss.kind(), loss.kind())?;
+        if let DataConfig::Images(d) = &s.data {
+            let knn = &d.knn;
+            if knn.k == 0 {
+                return Err(SectionError::new("data.knn.k", "must be at least 1 (the neighbours that vote)"));
+            }
+            if !(knn.temperature > 0.0 && knn.temperature.is_finite()) {
+                return Err(SectionError::new("data.knn.temperature", format!("must be positive, got {}", knn.temperature)));
+            }
+        }
         check_loss(&loss)
     }
 

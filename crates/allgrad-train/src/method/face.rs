@@ -39,6 +39,10 @@ fn key_of(e: ModelError) -> SectionError {
 impl Method for Face {
     type Sections = FaceSections;
 
+    fn path_keys(&self) -> &'static [&'static str] {
+        &["data.dir"]
+    }
+
     fn validate(&self, s: &FaceSections, _run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
         s.head.validate().map_err(key_of)?;
         s.model.validate().map_err(key_of)?;

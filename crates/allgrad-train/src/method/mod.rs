@@ -58,6 +58,7 @@ use std::path::Path;
 use allgrad_models::Objective;
 use candle_core::Device;
 use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use crate::config::{ConfigError, RunConfig, TRAINER_KEYS};
 
@@ -65,8 +66,18 @@ use crate::config::{ConfigError, RunConfig, TRAINER_KEYS};
 /// [`Objective`] it builds. See the module docs.
 pub trait Method: Send + Sync + 'static {
     /// The method's own top-level sections of a run config, as one serde type whose fields
-    /// are the keys (use `#[serde(deny_unknown_fields)]`).
-    type Sections: DeserializeOwned;
+    /// are the keys (use `#[serde(deny_unknown_fields)]`). `train --print-config` shows them
+    /// with their defaults through `Serialize`.
+    type Sections: DeserializeOwned + Serialize;
+
+    /// The dotted keys of the method's sections whose values are filesystem paths
+    /// (`data.dir`, `model.dir`). [`Registry::load`] resolves the relative ones: a value
+    /// written in the config file against the file's folder, a `--set` value against the
+    /// current directory; the run's `config.yaml` then records them absolute, so the run
+    /// (and `export-hf --run`) works from any folder.
+    fn path_keys(&self) -> &'static [&'static str] {
+        &[]
+    }
 
     /// Checks the sections against each other, the trainer's sections and the world size.
     /// The error names the key path and the numbers.
@@ -98,9 +109,29 @@ trait AnyMethod: Send + Sync {
     fn check(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError>;
     fn validate(&self, name: &str, cfg: &RunConfig, world_size: usize, path: &Path) -> Result<(), ConfigError>;
     fn objective(&self, name: &str, cfg: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>>;
+    fn path_keys(&self) -> &'static [&'static str];
+    fn resolved(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<serde_yaml::Mapping, ConfigError>;
 }
 
 impl<M: Method> AnyMethod for M {
+    fn path_keys(&self) -> &'static [&'static str] {
+        Method::path_keys(self)
+    }
+
+    fn resolved(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<serde_yaml::Mapping, ConfigError> {
+        let sections = sections::<M>(name, cfg, path)?;
+        match serde_yaml::to_value(&sections) {
+            Ok(serde_yaml::Value::Mapping(m)) => Ok(m),
+            Ok(other) => Err(ConfigError::Invalid {
+                path: path.into(),
+                msg: format!("method `{name}`: its sections serialise to {other:?}, not a mapping of keys"),
+            }),
+            Err(e) => {
+                Err(ConfigError::Invalid { path: path.into(), msg: format!("method `{name}`: serialising its sections: {e}") })
+            }
+        }
+    }
+
     fn check(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError> {
         sections::<M>(name, cfg, path).map(|_| ())
     }
@@ -185,10 +216,13 @@ impl Registry {
         self.parse(&text, path, overrides)
     }
 
-    /// As [`Registry::load`], from text; `path` is only used in messages.
+    /// As [`Registry::load`], from text; `path` names the file in messages, and its folder is
+    /// where relative paths in `text` are taken from.
+    /// Relative paths are resolved against `path`'s folder (see [`Method::path_keys`]).
     pub fn parse(&self, text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
-        let cfg = RunConfig::parse_sections(text, path, overrides)?;
-        self.get(&cfg, path)?.check(&cfg.method, &cfg, path)?;
+        let path_keys = |method: &str| self.methods.get(method).map_or(&[][..], |m| m.path_keys());
+        let cfg = RunConfig::parse_sections(text, path, overrides, &path_keys)?;
+        self.get(&cfg, path)?.check(&cfg.method, &cfg, path).map_err(|e| e.blamed_on(overrides))?;
         Ok(cfg)
     }
 
@@ -197,6 +231,14 @@ impl Registry {
     pub fn validate(&self, cfg: &RunConfig, world_size: usize, path: &Path) -> Result<(), ConfigError> {
         cfg.validate_trainer(world_size, path)?;
         self.get(cfg, path)?.validate(&cfg.method, cfg, world_size, path)
+    }
+
+    /// The config at `path` with `overrides`, as YAML with every default filled in, the
+    /// trainer's sections and the method's (`train --print-config`).
+    pub fn resolved_yaml(&self, path: &Path, overrides: &[String]) -> Result<String, ConfigError> {
+        let mut cfg = self.load(path, overrides)?;
+        cfg.sections = self.get(&cfg, path)?.resolved(&cfg.method, &cfg, path)?;
+        Ok(cfg.to_yaml())
     }
 
     /// The objective of a (validated) config, on `device`.

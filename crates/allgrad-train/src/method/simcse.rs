@@ -67,7 +67,14 @@ fn need_file(key: &str, path: &Path, what: &str) -> Result<(), SectionError> {
     if path.is_file() {
         return Ok(());
     }
-    Err(SectionError::new(key, format!("{} does not exist ({what})", path.display())))
+    Err(SectionError::new(
+        key,
+        format!(
+            "{} does not exist ({what}; a relative path in a config file is taken from the file's folder, one given \
+             with --set from the current directory)",
+            path.display()
+        ),
+    ))
 }
 
 /// `simcse`; see the module docs.
@@ -75,6 +82,10 @@ pub struct SimCseMethod;
 
 impl Method for SimCseMethod {
     type Sections = SimCseSections;
+
+    fn path_keys(&self) -> &'static [&'static str] {
+        &["data.sentences", "data.triplets", "model.dir", "eval.retrieval", "eval.similarity_dir", "eval.sts"]
+    }
 
     fn validate(&self, s: &SimCseSections, run: &RunConfig, _world_size: usize) -> Result<(), SectionError> {
         let d = &s.data;

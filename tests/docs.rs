@@ -1,0 +1,235 @@
+//! The documentation cannot go stale unnoticed: every relative link in the README, the docs
+//! and the other Markdown files of the repository points at a file (and heading) that
+//! exists; every flag quoted with one of allgrad's commands (`train`, `launch`, `embed`,
+//! `export-hf`) is one that command's `--help` lists; every script and config a document
+//! names exists. (That the scripts the documents run are executable is `tests/scripts.rs`.)
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The repository's Markdown files, outside build output and the vendored crate.
+fn markdown_files() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if p.is_dir() {
+                if !["target", ".git", "third_party", "runs", "models", "node_modules"].contains(&name.as_str()) {
+                    walk(&p, out);
+                }
+            } else if name.ends_with(".md") {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo(), &mut out);
+    out.sort();
+    out
+}
+
+/// A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as `-`.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut fenced = false;
+    text.lines()
+        .filter(|l| {
+            if l.starts_with("```") {
+                fenced = !fenced;
+            }
+            !fenced && l.starts_with('#')
+        })
+        .map(|l| slug(l.trim_start_matches('#')))
+        .collect()
+}
+
+/// `[text](target)` links outside code.
+fn links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+        }
+        if fenced {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(i) = rest.find("](") {
+            let after = &rest[i + 2..];
+            let Some(end) = after.find(')') else { break };
+            out.push(after[..end].to_string());
+            rest = &after[end..];
+        }
+    }
+    out
+}
+
+#[test]
+fn relative_links_point_at_files_and_headings_that_exist() {
+    let files = markdown_files();
+    assert!(files.iter().any(|f| f.ends_with("README.md")), "{files:?}");
+    let mut broken = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for link in links(&text) {
+            if link.contains("://") || link.starts_with("mailto:") {
+                continue;
+            }
+            let (path, anchor) = link.split_once('#').map_or((link.as_str(), None), |(p, a)| (p, Some(a)));
+            let target = if path.is_empty() { file.clone() } else { file.parent().unwrap().join(path) };
+            if !target.exists() {
+                broken.push(format!("{}: {link} (no {})", file.display(), target.display()));
+                continue;
+            }
+            if let Some(a) = anchor.filter(|_| target.extension().is_some_and(|e| e == "md")) {
+                if !anchors(&std::fs::read_to_string(&target).unwrap()).contains(a) {
+                    broken.push(format!("{}: {link} (no heading #{a} in {})", file.display(), target.display()));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// Code in a Markdown text: fenced blocks and inline `code` spans.
+fn code(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut block = None::<String>;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            match block.take() {
+                Some(b) => out.push(b),
+                None => block = Some(String::new()),
+            }
+            continue;
+        }
+        if let Some(b) = block.as_mut() {
+            b.push_str(line);
+            b.push('\n');
+            continue;
+        }
+        let mut parts = line.split('`');
+        parts.next();
+        while let Some(span) = parts.next() {
+            out.push(span.to_string());
+            parts.next();
+        }
+    }
+    out
+}
+
+/// The long flags each of our commands' `--help` lists.
+fn help_flags() -> BTreeMap<&'static str, BTreeSet<String>> {
+    let bins = [
+        ("train", env!("CARGO_BIN_EXE_train")),
+        ("launch", env!("CARGO_BIN_EXE_launch")),
+        ("embed", env!("CARGO_BIN_EXE_embed")),
+        ("export-hf", env!("CARGO_BIN_EXE_export-hf")),
+    ];
+    bins.iter()
+        .map(|(name, exe)| {
+            let out = Command::new(exe).arg("--help").output().unwrap();
+            assert!(out.status.success(), "{name} --help failed");
+            let help = String::from_utf8_lossy(&out.stdout).into_owned();
+            let flags = help
+                .split(|c: char| c.is_whitespace() || c == ',' || c == '=' || c == '[' || c == ']')
+                .filter(|t| t.starts_with("--"))
+                .map(|t| t.trim_end_matches(|c: char| !c.is_alphanumeric()).to_string())
+                .collect();
+            (*name, flags)
+        })
+        .collect()
+}
+
+/// Programs after which a flag is not ours to check.
+const OTHER_PROGRAMS: &[&str] = &[
+    "torchrun",
+    "srun",
+    "sbatch",
+    "cargo",
+    "python",
+    "python3",
+    "sudo",
+    "pip",
+    "ip",
+    "nvidia-smi",
+    "bench_simclr_step",
+    "bench_conv",
+];
+
+#[test]
+fn flags_quoted_with_our_commands_exist_and_named_scripts_and_configs_are_there() {
+    let flags = help_flags();
+    let mut bad = Vec::new();
+    for file in markdown_files() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for snippet in code(&text) {
+            let mut current: Option<&str> = None;
+            let mut previous = "";
+            for token in snippet.split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == '"') {
+                // `cargo build --bin train`: a name after these flags is not a command line.
+                let named_by_flag = ["--bin", "--example", "-p", "--package"].contains(&previous);
+                previous = token;
+                let token =
+                    token.trim_matches(|c: char| c == ',' || c == ';' || c == '`' || c == '.' && !token.starts_with("./"));
+                if token.is_empty() {
+                    continue;
+                }
+                if ["|", "&&", "||", ";", "\\"].contains(&token) {
+                    current = None;
+                    continue;
+                }
+                let base = token.rsplit('/').next().unwrap_or(token);
+                if let Some(name) = flags.keys().find(|n| **n == base).filter(|_| !named_by_flag) {
+                    current = Some(name);
+                    continue;
+                }
+                if OTHER_PROGRAMS.contains(&base) || token.starts_with("scripts/") || token.ends_with(".py") {
+                    current = None;
+                }
+                if let (Some(name), Some(flag)) = (current, token.strip_prefix("--").map(|_| token.split('=').next().unwrap())) {
+                    if flag.len() > 2
+                        && flag[2..].chars().all(|c| c.is_ascii_lowercase() || c == '-')
+                        && !flags[name].contains(flag)
+                    {
+                        bad.push(format!("{}: `{name} {flag}`: not in `{name} --help`", file.display()));
+                    }
+                }
+                for prefix in ["scripts/", "configs/"] {
+                    if let Some(i) = token.find(prefix) {
+                        let path = &token[i..];
+                        let path = path.trim_end_matches(|c: char| !(c.is_alphanumeric() || c == '_'));
+                        if path.contains('*') || path.contains('<') || path.ends_with('/') || path == prefix.trim_end_matches('/')
+                        {
+                            continue;
+                        }
+                        if !repo().join(path).exists() {
+                            bad.push(format!("{}: {path} does not exist", file.display()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    bad.sort();
+    bad.dedup();
+    assert!(bad.is_empty(), "stale commands in the docs:\n{}", bad.join("\n"));
+}

@@ -1,0 +1,172 @@
+//! The defining test on a GPU: W ranks on the GPU end where 1 rank on the GPU does, at the
+//! same global batch, through `launch` and the shipped configs (shortened with `--set`):
+//! SimCLR (SyncBatchNorm), BarlowTwins, SimCSE unsupervised and supervised (a small BERT from
+//! a random initialisation; all-MiniLM-L6-v2 where scripts/get_minilm.sh has fetched it), the
+//! face head (negative-class sampling on, class-sharded) and vectors. Each runs 3 optimizer
+//! steps at W = 1 and W = 2 (and W = 3 for the face head: shards of 667, 667 and 666
+//! classes), and again at W = 1 on the CPU; every parameter, batch-norm buffer and assembled
+//! head shard of the final checkpoints, and every logged loss, is compared.
+//!
+//! Precision: f64, compared at ‖a − b‖/‖b‖ <= 1e-10 per tensor (tensors of RMS below 1e-3,
+//! which hold rounding noise where a gradient is zero by construction, at 1e-13 RMS absolute:
+//! `gpu_common::rel_norm`). Where the f64 run fails on the
+//! GPU (an op Candle's CUDA backend lacks in f64), the method is compared in f32 at 1e-5
+//! instead, and the test prints the f64 run's error: that line says which and why.
+//!
+//! Ranks on one GPU share it: collectives take the host path ([`allgrad_dist::gpu`]); with
+//! two GPUs or more, W = 2 goes through NCCL (when built with `nccl`). The run's log says which
+//! (`collectives of CUDA tensors take the ... path`); the test prints it.
+//!
+//! Without a GPU (or in a build without the `cuda` feature) every test prints why it skipped
+//! (`allgrad_testkit::skip`); with ALLGRAD_REQUIRE_GPU=1 that is a failure.
+//! ALLGRAD_GPU_TEST_DEVICE=cpu runs everything on the CPU, to check the harness.
+
+mod common;
+mod gpu_common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use gpu_common::{compare, launched_train, read_run, repo_root, target, Target, Trained};
+
+/// Says that `test` did not run and why, through the workspace's skip (a failure instead
+/// where the machine should provide the need: a GPU under ALLGRAD_REQUIRE_GPU=1).
+fn skip(test: &str, reason: &str, gpu: bool) {
+    let need = if gpu { allgrad_testkit::Need::Gpu } else { allgrad_testkit::Need::MiniLm };
+    allgrad_testkit::skip(need, &format!("{test}: {reason}"));
+}
+
+/// Every run's limit (a watchdog kills it and fails the test).
+const LIMIT: Duration = Duration::from_secs(600);
+
+/// The settings every run gets: 3 steps at global batch 24 (divisible by 1, 2 and 3), no
+/// evaluation, a checkpoint at the end only, a loss line per step.
+fn common_sets(device: &str, dtype: &str) -> Vec<String> {
+    [
+        format!("device={device}"),
+        format!("dtype={dtype}"),
+        "train.global_batch=24".into(),
+        "train.max_steps=3".into(),
+        "train.eval=false".into(),
+        "checkpoint.every=0".into(),
+        "checkpoint.keep_last=1".into(),
+        "log.every=1".into(),
+        "log.progress=quiet".into(),
+        "log.plot=false".into(),
+    ]
+    .to_vec()
+}
+
+/// Runs `config` with `sets` on `w` ranks on `device`; the run's stderr on failure.
+fn train(
+    dir: &Path,
+    tag: &str,
+    w: usize,
+    device: &str,
+    dtype: &str,
+    config: &str,
+    sets: &[&str],
+) -> Result<(Trained, String), String> {
+    let out = dir.join(tag);
+    let mut all = common_sets(device, dtype);
+    all.extend(sets.iter().map(|s| s.to_string()));
+    let mut cmd = launched_train(w, config, &all, &out);
+    cmd.env("ALLGRAD_TIMEOUT_S", "300");
+    let (o, took) = common::run_with_watchdog(&mut cmd, LIMIT);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    if !o.status.success() {
+        return Err(format!("{tag} failed ({:?}):\n{err}", o.status));
+    }
+    let path = err.lines().find(|l| l.contains("collectives of CUDA tensors take")).unwrap_or("").trim().to_string();
+    eprintln!("  {tag}: {w} rank(s) on {device} in {:.1} s {path}", took.as_secs_f64());
+    Ok((read_run(&out), path))
+}
+
+/// W ranks vs 1 on the target, and 1 on the CPU vs 1 on the target (see the module docs).
+fn equivalence(test: &str, config: &str, sets: &[&str], world_sizes: &[usize]) {
+    let t = match target() {
+        Ok(t) => t,
+        Err(reason) => return skip(test, &reason, true),
+    };
+    if t == Target::CpuHarness {
+        eprintln!("{test}: ALLGRAD_GPU_TEST_DEVICE=cpu: every run on the CPU; this checks the harness, not the GPU");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let dev = t.device();
+    // f64 where the GPU runs it; else f32, saying why.
+    let (dtype, tol, one) = match train(dir.path(), "w1-f64", 1, dev, "f64", config, sets) {
+        Ok((run, _)) => ("f64", 1e-10, run),
+        Err(e) => {
+            let why = e.lines().rev().find(|l| l.contains("error")).unwrap_or("(no error line)").trim().to_string();
+            eprintln!("{test}: the f64 run failed on {dev}, so this method is compared in f32 at 1e-5: {why}");
+            let (run, _) = train(dir.path(), "w1-f32", 1, dev, "f32", config, sets).unwrap_or_else(|e| panic!("{test}: {e}"));
+            ("f32", 1e-5, run)
+        }
+    };
+    let moved = one.losses.windows(2).any(|p| p[0].1 != p[1].1);
+    assert!(moved && one.losses.len() == 3, "{test}: the losses must be 3 and change: {:?}", one.losses);
+    for &w in world_sizes {
+        let (many, path) =
+            train(dir.path(), &format!("w{w}-{dtype}"), w, dev, dtype, config, sets).unwrap_or_else(|e| panic!("{test}: {e}"));
+        let (worst, at) = compare(&format!("{test}: W={w} vs W=1 on {dev}"), &many, &one, tol).unwrap_or_else(|e| panic!("{e}"));
+        println!("{test}: W={w} == W=1 on {dev} ({dtype}, {tol:e}): largest relative difference {worst:.2e} ({at}) {path}");
+    }
+    if dev != "cpu" {
+        let (cpu, _) = train(dir.path(), &format!("cpu-w1-{dtype}"), 1, "cpu", dtype, config, sets)
+            .unwrap_or_else(|e| panic!("{test}: {e}"));
+        let (worst, at) =
+            compare(&format!("{test}: W=1 on cuda vs W=1 on cpu"), &one, &cpu, tol).unwrap_or_else(|e| panic!("{e}"));
+        println!("{test}: W=1 on cuda == W=1 on cpu ({dtype}, {tol:e}): largest relative difference {worst:.2e} ({at})");
+    }
+}
+
+#[test]
+fn simclr_with_sync_batch_norm_on_2_ranks_equals_1_rank() {
+    equivalence("simclr", "configs/simclr.yaml", &[], &[2]);
+}
+
+#[test]
+fn barlowtwins_on_2_ranks_equals_1_rank() {
+    equivalence("barlowtwins", "configs/barlowtwins.yaml", &[], &[2]);
+}
+
+/// SGD for SimCSE's comparisons instead of the configs' AdamW: AdamW divides each gradient by
+/// its running RMS, so a gradient that is zero by construction (attention's key bias: the
+/// softmax ignores a shift common to all keys) becomes a full step of size lr in the
+/// direction of its rounding noise, which differs between any two runs (measured: the key
+/// biases of a 2-rank and a 1-rank run on the CPU 1.0 apart, relatively). SGD leaves such
+/// noise at its own size.
+const SIMCSE_SGD: &str = "optim={kind: sgd, lr: 0.05, momentum: 0.9}";
+
+/// The small BERT committed for the tests, from a random initialisation, trained with SGD.
+const SMALL_BERT: [&str; 4] =
+    ["model.dir=crates/allgrad-models/tests/data/tiny-bert", "model.pretrained=false", "model.max_len=16", SIMCSE_SGD];
+
+#[test]
+fn simcse_unsupervised_small_random_bert_on_2_ranks_equals_1_rank() {
+    equivalence("simcse", "configs/simcse.yaml", &SMALL_BERT, &[2]);
+}
+
+#[test]
+fn simcse_supervised_small_random_bert_on_2_ranks_equals_1_rank() {
+    equivalence("simcse_sup", "configs/simcse_sup.yaml", &SMALL_BERT, &[2]);
+}
+
+#[test]
+fn simcse_minilm_on_2_ranks_equals_1_rank() {
+    let test = "simcse_minilm";
+    if !repo_root().join("data/models/all-MiniLM-L6-v2/model.safetensors").is_file() {
+        return skip(test, "data/models/all-MiniLM-L6-v2 is absent (scripts/get_minilm.sh fetches it)", false);
+    }
+    equivalence(test, "configs/simcse.yaml", &["model.max_len=16", SIMCSE_SGD], &[2]);
+}
+
+#[test]
+fn face_head_with_sampling_on_2_and_3_ranks_equals_1_rank() {
+    equivalence("face", "configs/face.yaml", &["head.sample_rate=0.5"], &[2, 3]);
+}
+
+#[test]
+fn vectors_on_2_ranks_equals_1_rank() {
+    equivalence("vectors", "configs/vectors.yaml", &[], &[2]);
+}

@@ -1,0 +1,181 @@
+//! The scripts users are told to run can be run: every script with a `#!` line is executable,
+//! and every `scripts/...` path that the documentation (README, docs/, ARCHITECTURE.md, the
+//! READMEs of scripts/, data/ and third_party/, the configs' comments, the scripts' own
+//! headers) writes as a command exists, has a `#!` line and is executable. A script committed
+//! without its run bit fails on a fresh clone with "Permission denied".
+//!
+//! A command is a path at the start of a line or of a code span, or after `;`, `&&`, `|`,
+//! `$ `, `$(`, `> ` (a quoted line), `sudo ` or `VAR=value ` assignments; `python3 scripts/x.py`
+//! and `. scripts/x.sh` run through an interpreter and need no run bit, and a code span that
+//! only names a file (`` (`scripts/x.sh`: ...) ``) is no command.
+//!
+//! And `scripts/gpu_ci.sh` on a machine without a GPU says why, in its report too, and exits 0,
+//! or 1 under ALLGRAD_REQUIRE_GPU=1.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn executable(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.permissions().mode() & 0o111 != 0)
+}
+
+fn has_shebang(p: &Path) -> bool {
+    std::fs::read(p).is_ok_and(|b| b.starts_with(b"#!"))
+}
+
+/// The documents that tell users what to run.
+fn documents() -> Vec<PathBuf> {
+    let r = root();
+    let mut docs: Vec<PathBuf> = ["README.md", "ARCHITECTURE.md", "scripts/README.md", "third_party/README.md"]
+        .iter()
+        .map(|f| r.join(f))
+        .filter(|p| p.exists())
+        .collect();
+    for (dir, ext) in [("docs", "md"), ("configs", "yaml"), ("scripts", "sh")] {
+        if let Ok(entries) = std::fs::read_dir(r.join(dir)) {
+            docs.extend(entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == ext)));
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(r.join("data")) {
+        docs.extend(entries.flatten().map(|e| e.path().join("README.md")).filter(|p| p.exists()));
+    }
+    docs.sort();
+    docs
+}
+
+/// The `scripts/...` paths of `text` written as commands (see the module docs), with their
+/// line numbers.
+fn commands(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let mut from = 0;
+        while let Some(at) = line[from..].find("scripts/") {
+            let start = from + at;
+            from = start + "scripts/".len();
+            let name: String =
+                line[from..].chars().take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')).collect();
+            if !(name.ends_with(".sh") || name.ends_with(".py")) {
+                continue;
+            }
+            // `scripts/x.sh`: or (`scripts/x.sh`) names a file; it is no command.
+            let after = &line[from + name.len()..];
+            let named = line[..start].ends_with('`') && (after.starts_with("`:") || after.starts_with("`)"));
+            if !named && starts_a_command(&line[..start]) {
+                out.push((n + 1, format!("scripts/{name}")));
+            }
+        }
+    }
+    out
+}
+
+/// Whether a path preceded by `before` (on its line) is the program of a command.
+fn starts_a_command(before: &str) -> bool {
+    // Strip `VAR=value ` assignments and `sudo ` going backwards.
+    let mut b = before.trim_end_matches(' ');
+    loop {
+        let word_start = b.rfind([' ', '`', ';', '(']).map(|i| i + 1).unwrap_or(0);
+        let word = &b[word_start..];
+        let is_assignment = word
+            .split_once('=')
+            .is_some_and(|(k, _)| !k.is_empty() && k.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'));
+        if word == "sudo" || is_assignment {
+            b = b[..word_start].trim_end_matches(' ');
+            continue;
+        }
+        break;
+    }
+    let b = b.trim_start_matches(['#', '/']); // a comment's leader, in scripts and YAML
+    let t = b.trim();
+    t.is_empty() || ["`", ";", "&&", "$", ">", "|", "$("].iter().any(|end| t.ends_with(end))
+}
+
+#[test]
+fn every_script_with_a_shebang_is_executable() {
+    let mut bad = Vec::new();
+    for e in std::fs::read_dir(root().join("scripts")).unwrap().flatten() {
+        let p = e.path();
+        if p.is_file() && has_shebang(&p) && !executable(&p) {
+            bad.push(p.strip_prefix(root()).unwrap().display().to_string());
+        }
+    }
+    bad.sort();
+    assert!(bad.is_empty(), "scripts with a #! line but no run bit (git update-index --chmod=+x FILE): {bad:?}");
+}
+
+#[test]
+fn every_script_the_documents_tell_users_to_run_is_executable() {
+    let mut checked = 0;
+    let mut bad = Vec::new();
+    for doc in documents() {
+        let text = std::fs::read_to_string(&doc).unwrap();
+        for (line, script) in commands(&text) {
+            checked += 1;
+            let p = root().join(&script);
+            let problem = if !p.is_file() {
+                "does not exist"
+            } else if !has_shebang(&p) {
+                "has no #! line"
+            } else if !executable(&p) {
+                "is not executable"
+            } else {
+                continue;
+            };
+            bad.push(format!("{}:{line}: {script} {problem}", doc.strip_prefix(root()).unwrap().display()));
+        }
+    }
+    assert!(checked >= 10, "only {checked} script commands found in the documents: is the scan broken?");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+#[test]
+fn the_scan_finds_commands_and_leaves_interpreted_and_prose_mentions_alone() {
+    let text = "run `scripts/a.sh` then\n\
+                ALLGRAD_REQUIRE_GPU=1 scripts/b.sh\n\
+                `sudo scripts/c.sh x`; scripts/d.py && scripts/e.sh\n\
+                # scripts/f.sh DIR\n\
+                > scripts/g.sh\n\
+                python3 scripts/h.py, . scripts/i.sh, values from scripts/j.py, x=$(scripts/k.sh)\n\
+                the toolchain (`scripts/l.sh`: pinned), the module (`scripts/m.py`), the wheels (scripts/n.sh)\n";
+    let found: Vec<String> = commands(text).into_iter().map(|(_, s)| s).collect();
+    let want = ["a.sh", "b.sh", "c.sh", "d.py", "e.sh", "f.sh", "g.sh", "k.sh"].map(|s| format!("scripts/{s}"));
+    assert_eq!(found, want);
+}
+
+/// Runs scripts/gpu_ci.sh with `smi` in nvidia-smi's place; its exit code, stderr and report.
+fn gpu_ci_without_a_gpu(smi: &str, require: bool) -> (Option<i32>, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.md");
+    let out = std::process::Command::new(root().join("scripts/gpu_ci.sh"))
+        .env("ALLGRAD_NVIDIA_SMI", smi)
+        .env("ALLGRAD_GPU_OUT", dir.path())
+        .env("ALLGRAD_GPU_REPORT", &report)
+        .env("ALLGRAD_REQUIRE_GPU", if require { "1" } else { "0" })
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(&report).unwrap_or_default();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned(), report)
+}
+
+#[test]
+fn gpu_ci_without_a_gpu_says_why_and_exits_0_or_1_when_a_gpu_is_required() {
+    let dir = tempfile::tempdir().unwrap();
+    // An nvidia-smi that lists no GPU (a driver without devices).
+    let empty = dir.path().join("nvidia-smi-without-gpus");
+    std::fs::write(&empty, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for (smi, why) in
+        [("allgrad-no-such-nvidia-smi", "no allgrad-no-such-nvidia-smi on PATH"), (empty.to_str().unwrap(), "lists no GPU")]
+    {
+        let (code, err, report) = gpu_ci_without_a_gpu(smi, false);
+        assert_eq!(code, Some(0), "{err}");
+        assert!(err.contains("SKIPPED") && err.contains(why), "{err}");
+        assert!(report.contains("| all | skipped |") && report.contains(why), "{report}");
+        let (code, err, _) = gpu_ci_without_a_gpu(smi, true);
+        assert_eq!(code, Some(1), "{err}");
+        assert!(err.contains("FAILED") && err.contains(why) && err.contains("ALLGRAD_REQUIRE_GPU=1"), "{err}");
+    }
+}
