@@ -136,7 +136,11 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.threads > 0 && args.steps > 0 && args.batch > 0, "--threads, --steps and --batch must be positive");
     anyhow::ensure!(matches!(args.depth, 18 | 50), "--depth must be 18 or 50, not {}", args.depth);
-    anyhow::ensure!(matches!(args.precision.as_str(), "full" | "bf16"), "--precision must be full or bf16, not {}", args.precision);
+    anyhow::ensure!(
+        matches!(args.precision.as_str(), "full" | "bf16"),
+        "--precision must be full or bf16, not {}",
+        args.precision
+    );
     let bf16 = args.precision == "bf16";
     for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
         std::env::set_var(var, args.threads.to_string());

@@ -10,7 +10,7 @@ use allgrad::train::optim::{OptimConfig, Optimizer};
 use allgrad::train::params::ParamStore;
 use candle_core::Var;
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Linear, Module};
+use candle_nn::Linear;
 
 use crate::machine::Usage;
 use crate::report::{sample, Sample};
@@ -48,6 +48,8 @@ impl AllgradStep {
     }
 
     /// The same step with its forward under bf16 autocast, as the trainer runs `precision: bf16`.
+    // Used by bench_step_memory; bench_simclr_step, which shares this file, times f32 only.
+    #[allow(dead_code)]
     pub fn bf16(mut self, on: bool) -> Self {
         self.bf16 = on;
         self

@@ -163,11 +163,14 @@ fn batch_norm_takes_bf16_activations_with_f32_parameters_and_returns_f32_paramet
     }
 }
 
+/// An op of one or two tensors (the second ignored by the one-input ops).
+type BinaryOp = dyn Fn(&Tensor, &Tensor) -> Result<Tensor>;
+
 #[test]
 fn element_wise_ops_on_bf16_are_one_rounding_of_the_f64_result() {
     let (a, a64) = bf16_pair(&[2, 3, 6, 5], 1, 3.0);
     let (b, b64) = bf16_pair(&[2, 3, 6, 5], 2, 3.0);
-    let cases: [(&str, Box<dyn Fn(&Tensor, &Tensor) -> Result<Tensor>>); 6] = [
+    let cases: [(&str, Box<BinaryOp>); 6] = [
         ("relu", Box::new(|a, _| relu(a))),
         ("add_relu", Box::new(add_relu)),
         ("gelu_erf", Box::new(|a, _| gelu_erf(a))),
