@@ -6,6 +6,15 @@ two implementations alternate step by step in one invocation (`scripts/bench_sim
 
     python3 scripts/bench_simclr_step.py --batch 64 --steps 3      # a quick look, alone
     python3 scripts/bench_simclr_step.py --batch 64 --worker       # serve the driver
+    python3 scripts/bench_simclr_step.py --batch 64 --memory --steps 2   # peak memory
+
+With `--memory` it prints one line `MEM side=pytorch ... setup= fwd= peak=` (MiB): the resident
+set (VmRSS) once the model, optimizer and input exist (after one step of a separate model at
+--warmup-batch, so that the libraries' code the step runs is resident, and what that step
+freed returned to the system with malloc_trim), the resident set at
+the end of the first step's forward, and the peak resident set (VmHWM, reset after the setup through
+/proc/self/clear_refs) over --steps steps; `scripts/bench_step_memory.sh` prints it beside
+allgrad's (`crates/allgrad-bench/src/bin/bench_step_memory.rs`).
 
 Worker protocol: one command per line on stdin (`step`, `layers`, `quit`), one answer line on
 stdout per command: `STEP wall= user= sys= minflt= fwd= bwd= opt=` (seconds, faults; user, sys
@@ -18,6 +27,7 @@ imported, to OMP_NUM_THREADS and MKL_NUM_THREADS. PyTorch installs with `pip ins
 (kept out of CI); without it this exits with status 2.
 """
 import argparse
+import ctypes
 import os
 import resource
 import sys
@@ -38,6 +48,22 @@ def parse_args():
     )
     ap.add_argument("--steps", type=int, default=3, help="timed steps when run alone")
     ap.add_argument("--worker", action="store_true", help="serve step/layers/quit commands on stdin")
+    ap.add_argument(
+        "--warmup-batch",
+        type=int,
+        default=2,
+        help="with --memory: before the setup, one step of a separate model at this batch (0: none)",
+    )
+    ap.add_argument(
+        "--autocast",
+        action="store_true",
+        help="the forward under torch.autocast(bfloat16), the loss in f32 (allgrad's precision: bf16)",
+    )
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure the resident set over --steps steps and print one MEM line (scripts/bench_step_memory.sh)",
+    )
     return ap.parse_args()
 
 
@@ -137,12 +163,15 @@ class Step:
         # On a GPU, phase boundaries wait for the device (as allgrad's side does).
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def run(self):
+    def run(self, probe=lambda phase: None):
         start = usage()
-        z = self.proj(self.enc(self.x))
+        with torch.autocast(self.x.device.type, dtype=torch.bfloat16, enabled=ARGS.autocast):
+            z = self.proj(self.enc(self.x))
+        z = z.float()
         loss = nt_xent(z[: self.b], z[self.b :], 0.5)
         self.sync()
         t_fwd = time.perf_counter()
+        probe("fwd")
         self.opt.zero_grad()
         loss.backward()
         self.sync()
@@ -244,11 +273,42 @@ def layer_times(batch, width):
     return lines
 
 
+def status_mib(field):
+    """A kB field of /proc/self/status, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory(step):
+    """The MEM line of `--memory` (see the module docs)."""
+    setup = status_mib("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak resident set to the current one (Linux 4.0 and later)
+    at_fwd = []
+    for _ in range(ARGS.steps):
+        step.run(lambda phase: at_fwd.append(status_mib("VmRSS:")) if phase == "fwd" and not at_fwd else None)
+    print(f"MEM side=pytorch depth={ARGS.depth} batch={ARGS.batch} precision={'bf16' if ARGS.autocast else 'full'} "
+          f"threads={torch.get_num_threads()} "
+          f"steps={ARGS.steps} warmup_batch={ARGS.warmup_batch} setup={setup:.0f} fwd={at_fwd[0]:.0f} peak={status_mib('VmHWM:'):.0f} "
+          f"torch={torch.__version__}", flush=True)
+
+
 def main():
     torch.set_num_threads(ARGS.threads)
     if ARGS.device == "cuda":
         torch.backends.cudnn.allow_tf32 = ARGS.tf32
         torch.backends.cuda.matmul.allow_tf32 = ARGS.tf32
+    if ARGS.memory:
+        if ARGS.warmup_batch > 0:
+            # Faults in the libraries' code and first allocations, which are not the step's.
+            Step(ARGS.warmup_batch, ARGS.width, ARGS.depth, ARGS.device).run()
+            # What it freed goes back to the system (glibc), as allgrad's side does.
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        memory(Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device))
+        return
     step = Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device)
     if not ARGS.worker:
         for _ in range(ARGS.steps + 1):  # the first step warms up

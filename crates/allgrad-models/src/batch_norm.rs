@@ -12,13 +12,15 @@
 //! result SyncBatchNorm all-reduces, the normalisation pass, and a two-pass closed-form
 //! backward whose `[2, C]` per-channel sums go through one more all_reduce (the sum rule).
 //! Elsewhere the same function is composed from the per-channel passes, the differentiable
-//! all_reduce and the activation.
+//! all_reduce and the activation. bf16 activations (autocast) take the fused op with the f32
+//! parameters; the statistics, the running statistics and the parameters' gradients stay f32
+//! (the moments f64).
 
 use std::sync::{Arc, Mutex};
 
 use allgrad_dist::{all_reduce, ProcessGroup, ReduceOp};
 pub use allgrad_nn::BnTail;
-use allgrad_nn::{add_relu, channel_affine, channel_moments, relu, BnStats, ChannelSum};
+use allgrad_nn::{add_relu, channel_affine, channel_moments, relu, BnBranch, BnStats, ChannelSum};
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -100,8 +102,7 @@ impl BatchNorm {
         if x.rank() < 2 || x.dim(1)? != c {
             return fail(ModelError::BatchNormInput { channels: c, shape: x.dims().to_vec() });
         }
-        let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && self.weight.dtype() == x.dtype();
-        if fused {
+        if self.fused_for(x) {
             return self.forward_fused(x, mode, tail);
         }
         let (mean, var) = if mode.train {
@@ -115,7 +116,7 @@ impl BatchNorm {
             let n = count[0] as f64;
             let mean = (moments.get(0)? / n)?;
             let var = ((moments.get(1)? / n)? - mean.sqr()?)?.relu()?;
-            self.update_running(&mean, &var, n, x.dtype())?;
+            self.update_running(&mean, &var, n)?;
             (mean, var)
         } else {
             self.running.lock().unwrap_or_else(|p| p.into_inner()).clone()
@@ -131,12 +132,54 @@ impl BatchNorm {
             BnTail::Identity => Ok(y),
             BnTail::Relu => relu(&y),
             BnTail::AddRelu(skip) => add_relu(&y, skip),
+            BnTail::AddBnRelu(_) => candle_core::bail!(
+                "batch norm {}: a normalised shortcut is added through BatchNorm::forward_add_shortcut",
+                self.name
+            ),
         }
+    }
+
+    /// `relu(self(x) + shortcut(x_shortcut))`: a residual connection whose shortcut is batch
+    /// normalised by `shortcut` (a ResNet's downsampling shortcut). On the CPU (f32/f64) one
+    /// fused op ([`allgrad_nn::BnTail::AddBnRelu`]) that keeps only both inputs and the output
+    /// for the backward, never the shortcut's normalised values; elsewhere the shortcut's
+    /// batch norm, then [`BnTail::AddRelu`]. Both compute the same function and gradient, and
+    /// update both layers' running statistics.
+    pub fn forward_add_shortcut(&self, x: &Tensor, mode: Mode, shortcut: &BatchNorm, x_shortcut: &Tensor) -> Result<Tensor> {
+        let c = self.weight.dim(0)?;
+        if x.rank() < 2 || x.dim(1)? != c {
+            return fail(ModelError::BatchNormInput { channels: c, shape: x.dims().to_vec() });
+        }
+        if !(self.fused_for(x) && shortcut.fused_for(x_shortcut) && x.dims() == x_shortcut.dims()) {
+            let skip = shortcut.forward(x_shortcut, mode)?;
+            return self.forward_then(x, mode, BnTail::AddRelu(&skip));
+        }
+        // The shortcut's statistics first, as in the composed order.
+        let shortcut_stats = shortcut.stats(x_shortcut, mode)?;
+        let stats = self.stats(x, mode)?;
+        let branch =
+            BnBranch { x: x_shortcut, weight: &shortcut.weight, bias: &shortcut.bias, stats: &shortcut_stats, eps: shortcut.eps };
+        allgrad_nn::batch_norm(x, &self.weight, &self.bias, &stats, self.eps, BnTail::AddBnRelu(&branch))
+    }
+
+    /// Whether `x` takes the fused CPU op: f32/f64 with parameters of its dtype, or bf16
+    /// activations (autocast) with f32 parameters.
+    fn fused_for(&self, x: &Tensor) -> bool {
+        let w = self.weight.dtype();
+        x.device().is_cpu()
+            && (matches!(x.dtype(), DType::F32 | DType::F64) && w == x.dtype() || x.dtype() == DType::BF16 && w == DType::F32)
     }
 
     /// The CPU path: statistics from one untracked moments pass (summed over ranks with
     /// `sync`), then the fused op, whose backward sums its per-channel sums over the same ranks.
     fn forward_fused(&self, x: &Tensor, mode: Mode, tail: BnTail) -> Result<Tensor> {
+        let stats = self.stats(x, mode)?;
+        allgrad_nn::batch_norm(x, &self.weight, &self.bias, &stats, self.eps, tail)
+    }
+
+    /// The statistics the fused op normalises `x` with: in training the batch's (over every
+    /// rank's batch with `sync`, the running statistics updated), else the running ones.
+    fn stats(&self, x: &Tensor, mode: Mode) -> Result<BnStats> {
         let c = self.weight.dim(0)?;
         let stats = if mode.train {
             let mut moments = channel_moments(&x.detach())?.flatten_all()?.to_vec1::<f64>()?;
@@ -151,7 +194,7 @@ impl BatchNorm {
             let var: Vec<f64> =
                 moments[c..].iter().zip(&mean).map(|(s2, m)| s2 / n - m * m).map(|v| if v < 0.0 { 0.0 } else { v }).collect();
             let dev = x.device();
-            self.update_running(&Tensor::new(mean.as_slice(), dev)?, &Tensor::new(var.as_slice(), dev)?, n, x.dtype())?;
+            self.update_running(&Tensor::new(mean.as_slice(), dev)?, &Tensor::new(var.as_slice(), dev)?, n)?;
             let sum_over_ranks: Option<ChannelSum> = self.sync.then(|| {
                 let pg = mode.pg.clone();
                 Arc::new(move |s: &mut [f64]| Ok(pg.all_reduce_slice(s, ReduceOp::Sum)?)) as ChannelSum
@@ -162,12 +205,14 @@ impl BatchNorm {
             let host = |t: &Tensor| t.to_dtype(DType::F64)?.to_vec1::<f64>();
             BnStats::Fixed { mean: host(&mean)?, var: host(&var)? }
         };
-        allgrad_nn::batch_norm(x, &self.weight, &self.bias, &stats, self.eps, tail)
+        Ok(stats)
     }
 
     /// Folds a batch's (global) mean and biased variance over `n` values into the running
-    /// statistics, with the unbiased variance as PyTorch does.
-    fn update_running(&self, mean: &Tensor, var: &Tensor, n: f64, dt: DType) -> Result<()> {
+    /// statistics (kept in the parameters' dtype, also for bf16 activations), with the unbiased
+    /// variance as PyTorch does.
+    fn update_running(&self, mean: &Tensor, var: &Tensor, n: f64) -> Result<()> {
+        let dt = self.weight.dtype();
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?.to_dtype(dt)?;
         let mean_d = mean.detach().to_dtype(dt)?;

@@ -101,7 +101,10 @@ impl LossConfig {
 
     /// [`LossConfig::compute`] with the queue of past batches' keys ([`LossConfig::new_queue`]),
     /// which it reads and then updates; `None` exactly when the config has no `queue`.
+    /// bf16 embeddings (autocast) are cast to f32 first: the logits, the loss and what it
+    /// communicates are f32.
     pub fn compute_queued(&self, z1: &Tensor, z2: &Tensor, queue: Option<&mut KeyQueue>, pg: &ProcessGroup) -> Result<Tensor> {
+        let (z1, z2) = (&allgrad_nn::autocast::full(z1)?, &allgrad_nn::autocast::full(z2)?);
         match (self, queue) {
             (&LossConfig::NtXent { temperature, tile: None, queue: None }, None) => nt_xent(z1, z2, temperature, pg),
             (&LossConfig::NtXent { temperature, tile: Some(tile), queue: None }, None) => nt_xent_tiled(z1, z2, temperature, tile, pg),

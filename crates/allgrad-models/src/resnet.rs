@@ -70,18 +70,19 @@ enum Block {
 impl Block {
     fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let (Block::Basic { down, .. } | Block::Bottleneck { down, .. }) = self;
-        // The shortcut first: the last batch norm of the block takes it in its fused
-        // `relu(bn(·) + skip)`.
-        let skip = match down {
-            Some(d) => d.forward(x, mode, BnTail::Identity)?,
-            None => x.clone(),
+        // The shortcut's convolution first (as torchvision orders the layers); the last batch
+        // norm of the block adds the shortcut in its fused `relu(bn(·) + skip)`, and a
+        // downsampling shortcut's batch norm is fused into it too (`forward_add_shortcut`), so
+        // that its output is never stored.
+        let shortcut = down.as_ref().map(|d| Ok::<_, candle_core::Error>((d, d.conv.forward(x)?))).transpose()?;
+        let (last, h) = match self {
+            Block::Basic { a, b, .. } => (b, a.forward(x, mode, BnTail::Relu)?),
+            Block::Bottleneck { a, b, c, .. } => (c, b.forward(&a.forward(x, mode, BnTail::Relu)?, mode, BnTail::Relu)?),
         };
-        let tail = BnTail::AddRelu(&skip);
-        match self {
-            Block::Basic { a, b, .. } => b.forward(&a.forward(x, mode, BnTail::Relu)?, mode, tail),
-            Block::Bottleneck { a, b, c, .. } => {
-                c.forward(&b.forward(&a.forward(x, mode, BnTail::Relu)?, mode, BnTail::Relu)?, mode, tail)
-            }
+        let pre = last.conv.forward(&h)?;
+        match shortcut {
+            Some((d, xd)) => last.bn.forward_add_shortcut(&pre, mode, &d.bn, &xd),
+            None => last.bn.forward_then(&pre, mode, BnTail::AddRelu(x)),
         }
     }
 }

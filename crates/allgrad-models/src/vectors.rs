@@ -7,7 +7,7 @@
 
 use allgrad_dist::ProcessGroup;
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use candle_nn::{Linear, Module, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::fail;
@@ -92,7 +92,8 @@ impl VectorContrastive {
 
     fn encode(&self, x: &Tensor) -> Result<Tensor> {
         let (l1, l2) = self.layers.as_ref().ok_or(ModelError::NotBuilt { objective: "vectors" })?;
-        l2.forward(&l1.forward(x)?.relu()?)
+        let dense = allgrad_nn::autocast::linear_module;
+        dense(l2, &dense(l1, x)?.relu()?)
     }
 }
 

@@ -17,14 +17,14 @@
 
 use std::borrow::Cow;
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
+use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
 
 fn fast_path(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+    cpu_float(t)
 }
 
 /// `out[i] = max(a[i] + b[i], 0)` (`b` absent: `max(a[i], 0)`), in parallel.

@@ -21,7 +21,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, matmul, zeros, Float, MatRef};
+use crate::cpu::{contiguous, cpu_float, matmul, narrow, widen, zeros, Float, MatRef};
 use crate::error::{fail, NnError};
 
 const OP: &str = "attention";
@@ -51,18 +51,27 @@ impl Dims {
 /// - `dropout`: an optional scaled keep mask `[b, heads, len, len]` multiplied into the
 ///   probabilities (a constant).
 ///
-/// Returns the context `[b, len, h]`. On the CPU (f32/f64) a fused kernel, differentiable in
-/// `qkv`; elsewhere [`attention_composed`].
+/// Returns the context `[b, len, h]`. On the CPU (f32/f64, and bf16 computed in f32 with an f32
+/// bias and mask) a fused kernel, differentiable in `qkv`; elsewhere [`attention_composed`].
 ///
 /// # Errors
 /// When the shapes do not fit together (`3·h` not divisible into `heads`, a bias or mask of
 /// another shape), or the dtypes or devices differ.
 pub fn attention(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>) -> Result<Tensor> {
     let dims = check(qkv, key_bias, heads, dropout)?;
-    if qkv.device().is_cpu() && matches!(qkv.dtype(), DType::F32 | DType::F64) {
-        return qkv.apply_op1(AttentionOp { consts: Consts::new(key_bias, dropout), dims });
+    if cpu_float(qkv) {
+        // With bf16 projections (autocast) the kernel computes in f32: f32 constants.
+        let consts = if qkv.dtype() == DType::BF16 {
+            let mask = dropout.map(|m| m.to_dtype(DType::F32)).transpose()?;
+            Consts::new(&key_bias.to_dtype(DType::F32)?, mask.as_ref())
+        } else {
+            Consts::new(key_bias, dropout)
+        };
+        return qkv.apply_op1(AttentionOp { consts, dims });
     }
-    composed(qkv, key_bias, dims, dropout)
+    let key_bias = key_bias.to_dtype(qkv.dtype())?;
+    let mask = dropout.map(|m| m.to_dtype(qkv.dtype())).transpose()?;
+    composed(qkv, &key_bias, dims, mask.as_ref())
 }
 
 /// [`attention`] written with Candle's differentiable ops (the path for other devices and
@@ -73,7 +82,9 @@ pub fn attention(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<
 /// As [`attention`].
 pub fn attention_composed(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>) -> Result<Tensor> {
     let dims = check(qkv, key_bias, heads, dropout)?;
-    composed(qkv, key_bias, dims, dropout)
+    let key_bias = key_bias.to_dtype(qkv.dtype())?;
+    let mask = dropout.map(|m| m.to_dtype(qkv.dtype())).transpose()?;
+    composed(qkv, &key_bias, dims, mask.as_ref())
 }
 
 fn composed(qkv: &Tensor, key_bias: &Tensor, dims: Dims, dropout: Option<&Tensor>) -> Result<Tensor> {
@@ -128,7 +139,9 @@ fn check(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>
     }
     let others = [Some(key_bias), dropout];
     let dtypes: Vec<DType> = [Some(qkv)].into_iter().chain(others).flatten().map(Tensor::dtype).collect();
-    if dtypes.iter().any(|d| *d != qkv.dtype()) {
+    // bf16 projections (autocast) take the model's f32 constants.
+    let fits = |d: &DType| *d == qkv.dtype() || (qkv.dtype() == DType::BF16 && *d == DType::F32);
+    if !dtypes.iter().all(fits) {
         return fail(NnError::DTypeMismatch { op: OP, what: "qkv, key bias and dropout mask", dtypes });
     }
     if others.into_iter().flatten().any(|t| !t.device().same_device(qkv.device())) {
@@ -183,6 +196,11 @@ impl CustomOp1 for AttentionOp {
         let out = match s {
             CpuStorage::F32(x) => CpuStorage::F32(self.consts.with(|b, m| Ok(forward(&contiguous(x, l), b, m, dims)))?),
             CpuStorage::F64(x) => CpuStorage::F64(self.consts.with(|b, m| Ok(forward(&contiguous(x, l), b, m, dims)))?),
+            // bf16 (autocast): computed in f32, the context rounded to bf16 (see `float_kernel`).
+            CpuStorage::BF16(x) => {
+                let x = widen(&contiguous(x, l));
+                CpuStorage::BF16(narrow(self.consts.with(|b, m| Ok(forward::<f32>(&x, b, m, dims)))?))
+            }
             other => {
                 return fail(NnError::UnsupportedDType { op: OP, dtype: candle_core::backend::BackendStorage::dtype(other) })
             }
@@ -220,6 +238,10 @@ impl CustomOp2 for AttentionBackward {
             }
             (CpuStorage::F64(x), CpuStorage::F64(g)) => {
                 CpuStorage::F64(self.consts.with(|b, m| Ok(backward(&contiguous(x, l1), &contiguous(g, l2), b, m, dims)))?)
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
+                let (x, g) = (widen(&contiguous(x, l1)), widen(&contiguous(g, l2)));
+                CpuStorage::BF16(narrow(self.consts.with(|b, m| Ok(backward::<f32>(&x, &g, b, m, dims)))?))
             }
             (other, _) => {
                 return fail(NnError::UnsupportedDType { op: OP, dtype: candle_core::backend::BackendStorage::dtype(other) })

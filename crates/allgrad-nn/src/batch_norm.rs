@@ -1,5 +1,6 @@
 //! Batch normalisation as one fused CPU op, with the ReLU, or the residual `relu(· + skip)`,
-//! that follows it in a ResNet folded in.
+//! that follows it in a ResNet folded in, or a residual whose shortcut is itself batch
+//! normalised (`relu(bn(x) + bn'(x'))`, a ResNet's downsampling shortcut).
 //!
 //! Composed from [`crate::channel_moments`], [`crate::channel_affine`] and a separate ReLU, a
 //! training step's batch norm makes three passes over the activation forward (statistics,
@@ -15,6 +16,11 @@
 //! ```text
 //! ∂x = a·(g' − Σg'/N − x̂·Σ(g'·x̂)/N)      ∂γ = Σ g'·x̂      ∂β = Σ g'      ∂skip = g'
 //! ```
+//!
+//! With a normalised shortcut ([`BnTail::AddBnRelu`]) `y = max(a·x + b + a'·x' + b', 0)`, and each
+//! branch gets its `∂x` by the formula above with its own `a`, `x̂` and sums, from the one masked
+//! `g'`. Only the two inputs and `y` are kept for the backward: the shortcut's normalised values,
+//! which a separate batch norm would keep as its output, are never stored.
 //!
 //! The sums in `∂x` run over the same values as the statistics: with SyncBatchNorm, over every
 //! rank's batch. The caller's [`ChannelSum`] sums the two per-channel partial sums over ranks
@@ -32,7 +38,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use rayon::prelude::*;
 
 use crate::channel::geometry;
-use crate::cpu::{contiguous, float_kernel, has_avx2, run_split, zeros, Float, SplitKernel, GRAIN};
+use crate::cpu::{contiguous, cpu_float, float_kernel, has_avx2, run_split_keeping_f32, zeros, Float, SplitKernel, GRAIN};
 use crate::error::{fail, NnError};
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
@@ -74,11 +80,37 @@ pub enum BnTail<'a> {
     Relu,
     /// `y = max(γ·x̂ + β + skip, 0)`: a residual connection and its activation.
     AddRelu(&'a Tensor),
+    /// `y = max(γ·x̂ + β + γ'·x̂' + β', 0)`: a residual connection whose shortcut is itself batch
+    /// normalised (`x̂'` from the [`BnBranch`]'s input and statistics), fused so that the
+    /// shortcut's normalised values are never stored.
+    AddBnRelu(&'a BnBranch<'a>),
 }
 
-/// The resolved constants of one call, shared by its forward and backward ops.
-struct Plan {
-    c: usize,
+/// The normalised shortcut of [`BnTail::AddBnRelu`]: its input (shaped like the main input),
+/// its per-channel `weight` (γ') and `bias` (β'), its statistics and its eps, with the same
+/// rules as [`batch_norm`]'s own.
+#[derive(Clone, Copy)]
+pub struct BnBranch<'a> {
+    /// The shortcut's input, `[N, C, ...]` like the main input.
+    pub x: &'a Tensor,
+    /// γ', one per channel.
+    pub weight: &'a Tensor,
+    /// β', one per channel.
+    pub bias: &'a Tensor,
+    /// The shortcut's statistics (its backward sums go through their own `sum_over_ranks`).
+    pub stats: &'a BnStats,
+    /// Added to the shortcut's variance.
+    pub eps: f64,
+}
+
+impl std::fmt::Debug for BnBranch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BnBranch").field("x", &self.x.shape()).field("eps", &self.eps).finish_non_exhaustive()
+    }
+}
+
+/// One normalisation's resolved constants.
+struct Norm {
     mean: Vec<f64>,
     inv_std: Vec<f64>,
     /// `a = γ/σ` and `b = β − μ·a` per channel, in f64.
@@ -86,8 +118,20 @@ struct Plan {
     shift: Vec<f64>,
     /// Batch statistics: the count and the cross-rank sum.
     batch: Option<(f64, Option<ChannelSum>)>,
+}
+
+/// The resolved constants of one call, shared by its forward and backward ops.
+struct Plan {
+    c: usize,
+    main: Norm,
+    /// The normalised shortcut of [`BnTail::AddBnRelu`].
+    branch: Option<Norm>,
     relu: bool,
+    /// A plain skip input ([`BnTail::AddRelu`]).
     skip: bool,
+    /// bf16 activations: each normalisation's output is rounded to bf16 before a residual sum,
+    /// as an unfused bf16 batch norm stores it (then the sum is rounded, as a bf16 addition).
+    round_bf16: bool,
 }
 
 fn stats_error<T>(what: String) -> Result<T> {
@@ -97,18 +141,73 @@ fn stats_error<T>(what: String) -> Result<T> {
 /// Batch normalisation of `x` (`[N, C, ...]`) with per-channel `weight` (γ) and `bias` (β),
 /// normalised by `stats` with `eps` added to the variance, followed by `tail`; fused and
 /// parallel on the CPU for f32/f64, with the closed-form backward of the module docs (for
-/// `x`, `weight`, `bias` and the skip input).
+/// `x`, `weight`, `bias` and the skip input, or the shortcut's input and parameters). A bf16
+/// `x` (autocast) takes f32 `weight` and `bias`: computed in f32, the output and `∂x` rounded
+/// to bf16, `∂γ` and `∂β` f32.
 ///
 /// `y = tail(a·x + b)` with `a = γ/sqrt(var + eps)` and `b = β − mean·a` computed in f64 and
-/// rounded to `x`'s dtype: the same arithmetic as `channel_affine(x, a, b)`.
+/// rounded to `x`'s dtype: the same arithmetic as `channel_affine(x, a, b)`. With
+/// [`BnTail::AddBnRelu`] the shortcut's `a'·x' + b'` is rounded the same way and added, so the
+/// result equals a separate batch norm of the shortcut followed by [`BnTail::AddRelu`].
 ///
 /// # Errors
 /// When `x` is not `[N, C, ...]`, `weight`, `bias` or the statistics are not one per channel,
-/// the skip input is not shaped like `x`, the dtypes differ, `eps` is negative, the count is
-/// not positive, or `x` is not an f32/f64 CPU tensor ([`NnError::BatchNormOffCpu`]: compose
-/// [`crate::channel_moments`] and [`crate::channel_affine`] there).
+/// the skip or shortcut input is not shaped like `x`, the dtypes differ, `eps` is negative, the
+/// count is not positive, or `x` is not an f32/f64/bf16 CPU tensor ([`NnError::BatchNormOffCpu`]:
+/// compose [`crate::channel_moments`] and [`crate::channel_affine`] there).
 pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64, tail: BnTail) -> Result<Tensor> {
     let (_, c, _) = geometry(x.dims(), "batch_norm")?;
+    if !cpu_float(x) {
+        return fail(NnError::BatchNormOffCpu { dtype: x.dtype(), device: format!("{:?}", x.device().location()) });
+    }
+    let main = resolve(x, c, weight, bias, stats, eps)?;
+    let third = match tail {
+        BnTail::AddRelu(s) => Some(check_like_x(x, s, "batch_norm (skip)")?),
+        BnTail::AddBnRelu(b) => Some(check_like_x(x, b.x, "batch_norm (shortcut)")?),
+        _ => None,
+    };
+    let branch = match tail {
+        BnTail::AddBnRelu(b) => Some(resolve(x, c, b.weight, b.bias, b.stats, b.eps)?),
+        _ => None,
+    };
+    let plan = Arc::new(Plan {
+        c,
+        main,
+        branch,
+        relu: !matches!(tail, BnTail::Identity),
+        skip: matches!(tail, BnTail::AddRelu(_)),
+        round_bf16: x.dtype() == DType::BF16,
+    });
+    // The parameters travel as one [2, C] input ([4, C] with a shortcut: γ, β, γ', β') so
+    // that one op returns all their gradients.
+    let gb = match tail {
+        BnTail::AddBnRelu(b) => Tensor::stack(&[weight, bias, b.weight, b.bias], 0)?,
+        _ => Tensor::stack(&[weight, bias], 0)?,
+    };
+    let x = x.contiguous()?;
+    match third {
+        None => x.apply_op2(&gb, Forward(plan)),
+        Some(t) => x.apply_op3(&gb, &t.contiguous()?, ForwardSkip(plan)),
+    }
+}
+
+/// `t` (a skip or shortcut input) checked against `x`: same shape, dtype and device.
+fn check_like_x<'a>(x: &Tensor, t: &'a Tensor, op: &'static str) -> Result<&'a Tensor> {
+    if t.dims() != x.dims() {
+        return fail(NnError::ShapeMismatch { op, shapes: vec![x.shape().clone(), t.shape().clone()] });
+    }
+    if t.dtype() != x.dtype() {
+        return fail(NnError::DTypeMismatch { op: "batch_norm", what: "x and skip", dtypes: vec![x.dtype(), t.dtype()] });
+    }
+    if !t.device().same_device(x.device()) {
+        return fail(NnError::DeviceMismatch { op: "batch_norm" });
+    }
+    Ok(t)
+}
+
+/// One normalisation's parameters and statistics checked against `c` channels of `x`, and its
+/// constants.
+fn resolve(x: &Tensor, c: usize, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64) -> Result<Norm> {
     if weight.dims() != [c] || bias.dims() != [c] {
         return fail(NnError::ParamShape {
             op: "batch_norm",
@@ -117,31 +216,12 @@ pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, e
             expected: format!("x has {c} channels"),
         });
     }
-    if weight.dtype() != x.dtype() || bias.dtype() != x.dtype() {
+    // bf16 activations (autocast) are normalised with the f32 parameters.
+    let fits = |d: DType| d == x.dtype() || (x.dtype() == DType::BF16 && d == DType::F32);
+    if !(fits(weight.dtype()) && bias.dtype() == weight.dtype()) {
         let dtypes = vec![x.dtype(), weight.dtype(), bias.dtype()];
         return fail(NnError::DTypeMismatch { op: "batch_norm", what: "x, weight and bias", dtypes });
     }
-    if !(x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)) {
-        return fail(NnError::BatchNormOffCpu { dtype: x.dtype(), device: format!("{:?}", x.device().location()) });
-    }
-    let skip = match tail {
-        BnTail::AddRelu(s) => {
-            if s.dims() != x.dims() {
-                return fail(NnError::ShapeMismatch {
-                    op: "batch_norm (skip)",
-                    shapes: vec![x.shape().clone(), s.shape().clone()],
-                });
-            }
-            if s.dtype() != x.dtype() {
-                return fail(NnError::DTypeMismatch { op: "batch_norm", what: "x and skip", dtypes: vec![x.dtype(), s.dtype()] });
-            }
-            if !s.device().same_device(x.device()) {
-                return fail(NnError::DeviceMismatch { op: "batch_norm" });
-            }
-            Some(s)
-        }
-        _ => None,
-    };
     if !(eps >= 0.0 && eps.is_finite()) {
         return stats_error(format!("eps must be finite and non-negative, got {eps}"));
     }
@@ -163,39 +243,35 @@ pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, e
     let inv_std: Vec<f64> = var.iter().map(|v| (v + eps).sqrt().recip()).collect();
     let scale: Vec<f64> = gamma.iter().zip(&inv_std).map(|(g, s)| g * s).collect();
     let shift: Vec<f64> = beta.iter().zip(mean.iter().zip(&scale)).map(|(b, (m, a))| b - m * a).collect();
-    let plan = Arc::new(Plan {
-        c,
-        mean: mean.clone(),
-        inv_std,
-        scale,
-        shift,
-        batch,
-        relu: !matches!(tail, BnTail::Identity),
-        skip: skip.is_some(),
-    });
-    // γ and β travel as one [2, C] input so that one op returns both gradients.
-    let gb = Tensor::stack(&[weight, bias], 0)?;
-    let x = x.contiguous()?;
-    match skip {
-        None => x.apply_op2(&gb, Forward(plan)),
-        Some(s) => x.apply_op3(&gb, &s.contiguous()?, ForwardSkip(plan)),
-    }
+    Ok(Norm { mean: mean.clone(), inv_std, scale, shift, batch })
 }
 
-/// `out = tail(a[c]·x + b[c])`, parallel over runs of whole rows.
-fn forward_kernel<T: Float>(x: &[T], skip: Option<&[T]>, p: &Plan, inner: usize) -> Vec<T> {
+/// `out = tail(a[c]·x + b[c])` (`third`: the skip input, or the shortcut's input), parallel
+/// over runs of whole rows.
+fn forward_kernel<T: Float>(x: &[T], third: Option<&[T]>, p: &Plan, inner: usize) -> Vec<T> {
     let mut out = zeros(x.len());
     if out.is_empty() {
         return out;
     }
-    let a: Vec<T> = p.scale.iter().map(|&v| T::from_f64(v)).collect();
-    let b: Vec<T> = p.shift.iter().map(|&v| T::from_f64(v)).collect();
+    let rounded = |v: &[f64]| -> Vec<T> { v.iter().map(|&v| T::from_f64(v)).collect() };
+    let (a, b) = (rounded(&p.main.scale), rounded(&p.main.shift));
+    let branch = p.branch.as_ref().map(|n| (rounded(&n.scale), rounded(&n.shift)));
     let rows = (GRAIN / inner).max(1);
     let split = out.len() > rows * inner;
     crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
     let avx2 = has_avx2();
     out.par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
-        let task = ForwardTask { x, skip, a: &a, b: &b, relu: p.relu, inner, start: t * rows * inner };
+        let task = ForwardTask {
+            x,
+            skip: third,
+            a: &a,
+            b: &b,
+            branch: branch.as_ref().map(|(a, b)| (a.as_slice(), b.as_slice())),
+            relu: p.relu,
+            round_bf16: p.round_bf16,
+            inner,
+            start: t * rows * inner,
+        };
         if avx2 {
             // SAFETY: the CPU has the features `forward_rows_avx2` is compiled for.
             unsafe { forward_rows_avx2(&task, o) }
@@ -209,10 +285,15 @@ fn forward_kernel<T: Float>(x: &[T], skip: Option<&[T]>, p: &Plan, inner: usize)
 /// What one task of [`forward_kernel`] reads: its output rows start at element `start`.
 struct ForwardTask<'a, T> {
     x: &'a [T],
+    /// The skip input, or with `branch` the shortcut's input.
     skip: Option<&'a [T]>,
     a: &'a [T],
     b: &'a [T],
+    /// The shortcut's `(a', b')`.
+    branch: Option<(&'a [T], &'a [T])>,
     relu: bool,
+    /// Round each normalisation's output to bf16 before the residual sum (see [`Plan`]).
+    round_bf16: bool,
     inner: usize,
     start: usize,
 }
@@ -233,6 +314,27 @@ fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
         let (s, t) = (task.a[ch], task.b[ch]);
         let xs = &task.x[at..at + inner];
         match (task.skip, task.relu) {
+            (Some(sk), _) if task.round_bf16 => {
+                let ss = &sk[at..at + inner];
+                let round = |v: T| T::from_f64(half::bf16::from_f64(v.to_f64()).to_f64());
+                for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
+                    let z = match task.branch {
+                        Some((a2, b2)) => round(v * s + t) + round(w * a2[ch] + b2[ch]),
+                        None => round(v * s + t) + w,
+                    };
+                    *o = if z > zero { z } else { zero };
+                }
+            }
+            (Some(sk), _) if task.branch.is_some() => {
+                let (a2, b2) = task.branch.expect("checked");
+                let (s2, t2) = (a2[ch], b2[ch]);
+                let ss = &sk[at..at + inner];
+                for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
+                    // As `bn(x) + bn'(x')` with each batch norm's output rounded to T.
+                    let z = v * s + t + (w * s2 + t2);
+                    *o = if z > zero { z } else { zero };
+                }
+            }
             (Some(sk), _) => {
                 let ss = &sk[at..at + inner];
                 for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
@@ -256,16 +358,23 @@ const LANES: usize = 8;
 
 /// Per channel, this rank's `(Σ g', Σ g'·(x − μ))` in f64, each channel summed by one task in a
 /// fixed order.
-fn channel_sums<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inner: usize) -> Vec<(f64, f64)> {
+fn channel_sums<T: Float>(
+    g: &[T],
+    x: &[T],
+    y: &[T],
+    mean: &[f64],
+    relu: bool,
+    (n, c, inner): (usize, usize, usize),
+) -> Vec<(f64, f64)> {
     let avx2 = has_avx2();
-    (0..p.c)
+    (0..c)
         .into_par_iter()
-        .map(|ch| match (avx2, p.relu) {
+        .map(|ch| match (avx2, relu) {
             // SAFETY: `has_avx2` checked the CPU for the features these copies are compiled for.
-            (true, true) => unsafe { channel_sum_avx2::<T, true>(g, x, y, p.mean[ch], (n, p.c, inner), ch) },
-            (true, false) => unsafe { channel_sum_avx2::<T, false>(g, x, y, p.mean[ch], (n, p.c, inner), ch) },
-            (false, true) => channel_sum::<T, true>(g, x, y, p.mean[ch], (n, p.c, inner), ch),
-            (false, false) => channel_sum::<T, false>(g, x, y, p.mean[ch], (n, p.c, inner), ch),
+            (true, true) => unsafe { channel_sum_avx2::<T, true>(g, x, y, mean[ch], (n, c, inner), ch) },
+            (true, false) => unsafe { channel_sum_avx2::<T, false>(g, x, y, mean[ch], (n, c, inner), ch) },
+            (false, true) => channel_sum::<T, true>(g, x, y, mean[ch], (n, c, inner), ch),
+            (false, false) => channel_sum::<T, false>(g, x, y, mean[ch], (n, c, inner), ch),
         })
         .collect()
 }
@@ -320,19 +429,54 @@ fn channel_sum<T: Float, const RELU: bool>(
     (s1.iter().sum(), s2.iter().sum())
 }
 
-/// The backward: `[∂x, ∂[γ; β], ∂skip (with a skip input)]`, in `x`'s dtype.
-fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inner: usize) -> Result<Vec<Vec<T>>> {
+/// The backward: `[∂x, ∂[γ; β], ∂skip (with a skip input)]`, or with a normalised shortcut
+/// `[∂x, ∂[γ; β; γ'; β'], ∂x']`, in `x`'s dtype (`third`: the shortcut's input).
+fn backward_kernel<T: Float>(
+    g: &[T],
+    x: &[T],
+    y: &[T],
+    third: Option<&[T]>,
+    p: &Plan,
+    n: usize,
+    inner: usize,
+) -> Result<Vec<Vec<T>>> {
+    let dims = (n, p.c, inner);
+    let (dx, dskip, mut dgb) = norm_backward(g, x, y, &p.main, p.relu, p.skip, dims)?;
+    match (&p.branch, third) {
+        (Some(branch), Some(xs)) => {
+            // The same masked g' flows into the shortcut; its own x̂' and sums give ∂x'.
+            let (dxs, _, dgbs) = norm_backward(g, xs, y, branch, p.relu, false, dims)?;
+            dgb.extend(dgbs);
+            Ok(vec![dx, dgb, dxs])
+        }
+        _ => Ok([vec![dx, dgb], dskip.into_iter().collect()].concat()),
+    }
+}
+
+/// `(∂x, ∂skip when asked, ∂[γ; β])` of one normalisation.
+type NormGrads<T> = (Vec<T>, Option<Vec<T>>, Vec<T>);
+
+/// One normalisation's backward from `g` and the op's output `y` (the ReLU's mask with
+/// `relu`): `(∂x, ∂skip when asked, ∂[γ; β])`.
+fn norm_backward<T: Float>(
+    g: &[T],
+    x: &[T],
+    y: &[T],
+    norm: &Norm,
+    relu: bool,
+    want_skip: bool,
+    (n, c, inner): (usize, usize, usize),
+) -> Result<NormGrads<T>> {
     let zero = T::from_f64(0.0);
     let len = x.len();
-    let c = p.c;
-    let sums = channel_sums(g, x, y, p, n, inner);
+    let sums = channel_sums(g, x, y, &norm.mean, relu, (n, c, inner));
     // ∂x = k·g' + c1·(x − μ_T) + c0 per channel, with μ_T the mean rounded to T (x − μ_T loses
     // nothing when x is near the mean; c0 carries the rounding of μ).
     let mut k = vec![zero; c];
     let mut c1 = vec![zero; c];
     let mut c0 = vec![zero; c];
-    let mu_t: Vec<T> = p.mean.iter().map(|&m| T::from_f64(m)).collect();
-    match &p.batch {
+    let mu_t: Vec<T> = norm.mean.iter().map(|&m| T::from_f64(m)).collect();
+    match &norm.batch {
         Some((count, sum_over_ranks)) => {
             let mut global: Vec<f64> = sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect();
             if let Some(reduce) = sum_over_ranks {
@@ -340,19 +484,19 @@ fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inne
             }
             for ch in 0..c {
                 let (g1, g2) = (global[ch], global[c + ch]);
-                let (a, is) = (p.scale[ch], p.inv_std[ch]);
+                let (a, is) = (norm.scale[ch], norm.inv_std[ch]);
                 let lin = -a * is * is * g2 / count;
                 k[ch] = T::from_f64(a);
                 c1[ch] = T::from_f64(lin);
-                c0[ch] = T::from_f64(-a * g1 / count + lin * (mu_t[ch].to_f64() - p.mean[ch]));
+                c0[ch] = T::from_f64(-a * g1 / count + lin * (mu_t[ch].to_f64() - norm.mean[ch]));
             }
         }
-        None => k.iter_mut().zip(&p.scale).for_each(|(k, &a)| *k = T::from_f64(a)),
+        None => k.iter_mut().zip(&norm.scale).for_each(|(k, &a)| *k = T::from_f64(a)),
     }
-    let (mut dx, mut dskip, mut dgb) = (zeros(len), zeros(if p.skip { len } else { 0 }), zeros(2 * c));
+    let (mut dx, mut dskip, mut dgb) = (zeros(len), zeros(if want_skip { len } else { 0 }), zeros(2 * c));
     // ∂γ = Σ g'·(x − μ)/σ and ∂β = Σ g' over this rank's values.
     for (ch, s) in sums.iter().enumerate() {
-        dgb[ch] = T::from_f64(s.1 * p.inv_std[ch]);
+        dgb[ch] = T::from_f64(s.1 * norm.inv_std[ch]);
         dgb[c + ch] = T::from_f64(s.0);
     }
     if len > 0 {
@@ -360,7 +504,7 @@ fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inne
         let chunk = rows * inner;
         let split = len > chunk;
         crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
-        let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu: p.relu, inner };
+        let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu, inner };
         let avx2 = has_avx2();
         let run = |start: usize, dxc: &mut [T], dsc: Option<&mut [T]>| {
             if avx2 {
@@ -370,7 +514,7 @@ fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inne
                 backward_rows(&coef, start, dxc, dsc)
             }
         };
-        if p.skip {
+        if want_skip {
             dx.par_chunks_mut(chunk)
                 .zip(dskip.par_chunks_mut(chunk))
                 .enumerate()
@@ -379,11 +523,7 @@ fn backward_kernel<T: Float>(g: &[T], x: &[T], y: &[T], p: &Plan, n: usize, inne
             dx.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| run(t * chunk, dxc, None));
         }
     }
-    let mut out = vec![dx, dgb];
-    if p.skip {
-        out.push(dskip);
-    }
-    Ok(out)
+    Ok((dx, want_skip.then_some(dskip), dgb))
 }
 
 /// What [`backward_rows`] reads: the inputs and the per-channel coefficients of
@@ -431,11 +571,15 @@ fn backward_rows<T: Float>(coef: &RowCoefficients<'_, T>, start: usize, dx: &mut
 /// The forward without a skip input: `(x, [γ; β])`.
 struct Forward(Arc<Plan>);
 
-/// The forward with a skip input: `(x, [γ; β], skip)`.
+/// The forward with a third input: `(x, [γ; β], skip)`, or with a normalised shortcut
+/// `(x, [γ; β; γ'; β'], x')`.
 struct ForwardSkip(Arc<Plan>);
 
 /// The backward's kernel on `(∂y, x, y)`.
 struct Backward(Arc<Plan>);
+
+/// The backward's kernel with a normalised shortcut, on `(∂y, x, y, x')`.
+struct BackwardBranch(Arc<Plan>);
 
 impl CustomOp2 for Forward {
     fn name(&self) -> &'static str {
@@ -449,14 +593,18 @@ impl CustomOp2 for Forward {
     }
 
     fn bwd(&self, x: &Tensor, gb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, _, dgb) = backward(&self.0, x, gb, y, g)?;
+        let (dx, dgb, _) = backward(&self.0, x, gb, None, y, g)?;
         Ok((Some(dx), Some(dgb)))
     }
 }
 
 impl CustomOp3 for ForwardSkip {
     fn name(&self) -> &'static str {
-        "allgrad-batch-norm-add-relu"
+        if self.0.branch.is_some() {
+            "allgrad-batch-norm-add-batch-norm-relu"
+        } else {
+            "allgrad-batch-norm-add-relu"
+        }
     }
 
     fn cpu_fwd(
@@ -478,25 +626,39 @@ impl CustomOp3 for ForwardSkip {
         &self,
         x: &Tensor,
         gb: &Tensor,
-        _skip: &Tensor,
+        third: &Tensor,
         y: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dskip, dgb) = backward(&self.0, x, gb, y, g)?;
-        Ok((Some(dx), Some(dgb), dskip))
+        let (dx, dgb, dthird) = backward(&self.0, x, gb, Some(third), y, g)?;
+        Ok((Some(dx), Some(dgb), dthird))
     }
 }
 
-/// Runs the backward kernel: `(∂x, ∂skip, ∂[γ; β])`.
-fn backward(plan: &Arc<Plan>, x: &Tensor, gb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Tensor, Option<Tensor>, Tensor)> {
+/// Runs the backward kernel: `(∂x, ∂gb, ∂third)` with `∂third` the skip's gradient (a plain
+/// skip) or the shortcut input's (a normalised shortcut).
+fn backward(
+    plan: &Arc<Plan>,
+    x: &Tensor,
+    gb: &Tensor,
+    third: Option<&Tensor>,
+    y: &Tensor,
+    g: &Tensor,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let g = g.detach().to_dtype(x.dtype())?;
     let mut shapes = vec![x.shape().clone(), gb.shape().clone()];
-    if plan.skip {
+    if plan.skip || plan.branch.is_some() {
         shapes.push(x.shape().clone());
     }
-    let mut grads = run_split(&Backward(plan.clone()), [&g, x, y], &shapes)?.into_iter();
+    // With bf16 activations and f32 parameters, the parameters' gradients stay f32.
+    let keep_f32 = [false, gb.dtype() == DType::F32 && x.dtype() == DType::BF16, false];
+    let grads = match (&plan.branch, third) {
+        (Some(_), Some(t)) => run_split_keeping_f32(&BackwardBranch(plan.clone()), [&g, x, y, &t.detach()], &shapes, &keep_f32)?,
+        _ => run_split_keeping_f32(&Backward(plan.clone()), [&g, x, y], &shapes, &keep_f32)?,
+    };
+    let mut grads = grads.into_iter();
     let (Some(dx), Some(dgb)) = (grads.next(), grads.next()) else { unreachable!("one gradient per shape") };
-    Ok((dx, grads.next(), dgb))
+    Ok((dx, dgb, grads.next()))
 }
 
 impl SplitKernel<3> for Backward {
@@ -504,6 +666,16 @@ impl SplitKernel<3> for Backward {
 
     fn run<T: Float>(&self, [(g, lg), (x, lx), (y, ly)]: [(&[T], &Layout); 3]) -> Result<Vec<Vec<T>>> {
         let (n, _, inner) = geometry(lx.dims(), "batch_norm")?;
-        backward_kernel(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), &self.0, n, inner)
+        backward_kernel(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), None, &self.0, n, inner)
+    }
+}
+
+impl SplitKernel<4> for BackwardBranch {
+    const OP: &'static str = "batch_norm backward";
+
+    fn run<T: Float>(&self, [(g, lg), (x, lx), (y, ly), (xs, ls)]: [(&[T], &Layout); 4]) -> Result<Vec<Vec<T>>> {
+        let (n, _, inner) = geometry(lx.dims(), "batch_norm")?;
+        let xs = contiguous(xs, ls);
+        backward_kernel(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), Some(&xs), &self.0, n, inner)
     }
 }

@@ -17,7 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, has_avx2, zeros, Float};
+use crate::cpu::{contiguous, cpu_float, float_kernel, has_avx2, widen, zeros, Float};
 use crate::error::{fail, NnError};
 
 /// `(n, c, inner)` of an `[N, C, ...]` shape.
@@ -120,6 +120,7 @@ impl CustomOp1 for Moments {
         let out = match s {
             CpuStorage::F32(v) => CpuStorage::F64(run(&contiguous(v, l), n, c, inner)),
             CpuStorage::F64(v) => CpuStorage::F64(run(&contiguous(v, l), n, c, inner)),
+            CpuStorage::BF16(v) => CpuStorage::F64(run(&widen(&contiguous(v, l)), n, c, inner)),
             _ => return fail(NnError::UnsupportedDType { op: "channel_moments", dtype: s.dtype() }),
         };
         Ok((out, Shape::from((2, c))))
@@ -140,7 +141,7 @@ impl CustomOp1 for Moments {
 /// docs.
 pub fn channel_moments(x: &Tensor) -> Result<Tensor> {
     let (_, c, _) = geometry(x.dims(), "channel_moments")?;
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+    if cpu_float(x) {
         return x.contiguous()?.apply_op1(Moments);
     }
     let flat = x.transpose(0, 1)?.contiguous()?.reshape((c, ()))?.to_dtype(DType::F64)?;
@@ -216,6 +217,9 @@ impl CustomOp2 for GradDots {
         let out = match (sg, sx) {
             (CpuStorage::F32(g), CpuStorage::F32(x)) => run(&contiguous(g, lg), &contiguous(x, lx), n, c, inner),
             (CpuStorage::F64(g), CpuStorage::F64(x)) => run(&contiguous(g, lg), &contiguous(x, lx), n, c, inner),
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
+                run(&widen(&contiguous(g, lg)), &widen(&contiguous(x, lx)), n, c, inner)
+            }
             _ => return fail(NnError::UnsupportedDType { op: "channel_affine backward", dtype: sg.dtype() }),
         };
         Ok((CpuStorage::F64(out), Shape::from((2, c))))
@@ -234,7 +238,7 @@ pub fn channel_affine(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
             expected: format!("x has {c} channels"),
         });
     }
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && a.dtype() == x.dtype() && b.dtype() == x.dtype() {
+    if cpu_float(x) && a.dtype() == x.dtype() && b.dtype() == x.dtype() {
         return x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, Affine);
     }
     let shape: Vec<usize> = (0..x.rank()).map(|d| if d == 1 { c } else { 1 }).collect();

@@ -11,7 +11,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 
 use crate::conv_cpu::{conv_bwd, conv_fwd};
-use crate::cpu::{contiguous, float_kernel, run_split, Float, SplitKernel};
+use crate::cpu::{bf16_values, bf16_with_f32, contiguous, cpu_float, float_kernel, narrow, run_split, widen, Float, SplitKernel};
 use crate::error::{fail, NnError};
 use crate::im2col::ConvGeom;
 
@@ -77,7 +77,7 @@ fn geometry(x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<ConvGeom> {
     if ekh > ph || ekw > pw {
         return fail(NnError::ConvKernelTooLarge { kh, kw, dilation, span_h: ekh, span_w: ekw, h, w: wd, padding });
     }
-    if x.dtype() != w.dtype() {
+    if x.dtype() != w.dtype() && !bf16_with_f32(x, w) {
         return fail(NnError::DTypeMismatch { op: "conv2d", what: "input and weight", dtypes: vec![x.dtype(), w.dtype()] });
     }
     if !x.device().same_device(w.device()) {
@@ -100,11 +100,11 @@ fn geometry(x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<ConvGeom> {
     })
 }
 
-/// Whether `x` takes this module's kernels: f32 or f64 on the CPU, or (feature `cudnn`) on a
-/// CUDA device through cuDNN.
+/// Whether `x` takes this module's kernels: f32, f64 or bf16 (computed in f32) on the CPU, or
+/// f32 or f64 (feature `cudnn`) on a CUDA device through cuDNN.
 fn fast_path(x: &Tensor) -> bool {
-    let device = x.device().is_cpu() || (cfg!(feature = "cudnn") && x.device().is_cuda());
-    device && matches!(x.dtype(), DType::F32 | DType::F64)
+    let cuda = cfg!(feature = "cudnn") && x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::F64);
+    cpu_float(x) || cuda
 }
 
 /// 2-D convolution of `x` (batch, channels, height, width) with `w`
@@ -120,10 +120,19 @@ fn fast_path(x: &Tensor) -> bool {
 /// Gradient convention: this op is local to the rank; its backward returns ∂L/∂x and ∂L/∂w of
 /// whatever scalar the caller differentiates, with no cross-rank scaling.
 ///
+/// Under [`crate::autocast::Autocast::bf16`] the input is cast to bf16 and the result is bf16.
+/// On the CPU the f32 weight enters the kernel rounded to bf16, the convolution is computed in
+/// f32 and its output rounded; the backward computes in f32 from the same bf16 values and
+/// returns `∂x` in bf16 and `∂w` in f32 (unrounded: better than a bf16 weight gradient, and the
+/// same on W ranks as on one). Elsewhere the weight is cast to bf16 too. A bf16 input with an
+/// f32 weight is computed this way without the guard as well.
+///
 /// # Errors
 /// When the ranks, channel counts, groups or sizes do not fit together; the message names the
 /// shapes.
 pub fn conv2d(x: &Tensor, w: &Tensor, params: ConvParams) -> Result<Tensor> {
+    let x = &crate::autocast::operand(x)?;
+    let w = &if bf16_with_f32(x, w) { w.clone() } else { crate::autocast::operand(w)? };
     let g = geometry(x, w, &params)?;
     if !fast_path(x) {
         return x.conv2d(w, params.padding, params.stride, params.dilation, params.groups);
@@ -166,6 +175,13 @@ pub fn conv2d_backward(
     }
     if !fast_path(x) {
         return candle_backward(x, w, grad, &params, want_input, want_weight);
+    }
+    if bf16_with_f32(x, w) {
+        // The f32 kernel on the forward's bf16 values: ∂x rounded to bf16, ∂w kept f32.
+        let bf16_values = |t: &Tensor| t.detach().to_dtype(DType::F32);
+        let (xf, wf, gf) = (bf16_values(x)?, w.detach().to_dtype(DType::BF16)?.to_dtype(DType::F32)?, bf16_values(grad)?);
+        let g = conv2d_backward(&xf, &wf, &gf, params, want_input, want_weight)?;
+        return Ok(ConvGrads { input: g.input.map(|t| t.to_dtype(DType::BF16)).transpose()?, weight: g.weight });
     }
     let x = if x.device().is_cuda() { x.detach().contiguous()? } else { x.detach() };
     let (w, grad) = (w.detach().contiguous()?, grad.detach().contiguous()?);
@@ -238,6 +254,11 @@ impl CustomOp2 for Conv2dOp {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = &self.g;
         let shape = Shape::from((g.n, g.o, g.oh, g.ow));
+        if let (CpuStorage::BF16(x), CpuStorage::F32(w)) = (s1, s2) {
+            // A bf16 input with an f32 weight (autocast): the weight as its bf16 values.
+            let (x, w) = (widen(x), bf16_values(&contiguous(w, l2)));
+            return Ok((CpuStorage::BF16(narrow(conv_fwd(&x, l1, &w, g))), shape));
+        }
         let out = float_kernel!("conv2d", s1 => x, s2 => w; conv_fwd(x, l1, &contiguous(w, l2), g));
         Ok((out, shape))
     }
@@ -388,7 +409,8 @@ impl Module for Conv2d {
         let y = conv2d(x, &self.weight, self.params)?;
         match &self.bias {
             None => Ok(y),
-            Some(b) => y.broadcast_add(&b.reshape((1, b.elem_count(), 1, 1))?),
+            // In the output's dtype (bf16 under autocast).
+            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?.reshape((1, b.elem_count(), 1, 1))?),
         }
     }
 }

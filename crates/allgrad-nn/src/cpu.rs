@@ -6,6 +6,7 @@ use std::ops::Deref;
 
 use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
 use gemm::Parallelism;
+use half::bf16;
 
 use crate::error::{fail, NnError};
 
@@ -195,15 +196,59 @@ impl<T: Float> Drop for Scratch<T> {
     }
 }
 
-/// Runs a kernel on CPU storages that all hold f32 or all f64: binds each `storage => slice`,
-/// evaluates `body` (a `Vec` of the same float type) and wraps it in the matching
-/// `CpuStorage`; any other combination returns [`crate::NnError::UnsupportedDType`] for `op`
-/// from the enclosing function. The one float dispatch of the CPU kernels.
+/// Whether `t` takes the CPU kernels: a CPU tensor of f32, f64 or bf16 (bf16 computed in f32,
+/// see [`float_kernel`]).
+pub(crate) fn cpu_float(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16)
+}
+
+/// `v` widened to f32 (exact), in parallel.
+pub(crate) fn widen(v: &[bf16]) -> Vec<f32> {
+    use half::slice::HalfFloatSliceExt;
+    use rayon::prelude::*;
+    let mut out = zeros::<f32>(v.len());
+    out.par_chunks_mut(GRAIN).zip(v.par_chunks(GRAIN)).for_each(|(o, i)| i.convert_to_f32_slice(o));
+    out
+}
+
+/// `v` rounded to bf16 precision and kept as f32 (an f32 parameter as a bf16 operand).
+pub(crate) fn bf16_values(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// Whether `x` is a bf16 activation used with an f32 parameter `p` on the CPU: the parameter
+/// enters the kernel rounded to bf16 ([`bf16_values`]) and its gradient comes back f32.
+pub(crate) fn bf16_with_f32(x: &Tensor, p: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::BF16 && p.dtype() == DType::F32
+}
+
+/// `v` rounded to bf16 (to nearest, ties to even), in parallel.
+pub(crate) fn narrow(v: Vec<f32>) -> Vec<bf16> {
+    use half::slice::HalfFloatSliceExt;
+    use rayon::prelude::*;
+    let mut out = vec![bf16::ZERO; v.len()];
+    out.par_chunks_mut(GRAIN).zip(v.par_chunks(GRAIN)).for_each(|(o, i)| o.convert_from_f32_slice(i));
+    out
+}
+
+/// Runs a kernel on CPU storages that all hold f32, all f64 or all bf16: binds each
+/// `storage => slice`, evaluates `body` (a `Vec` of the same float type) and wraps it in the
+/// matching `CpuStorage`; any other combination returns [`crate::NnError::UnsupportedDType`]
+/// for `op` from the enclosing function. The one float dispatch of the CPU kernels.
+///
+/// bf16 storages (autocast, [`crate::autocast`]) are widened to f32 (exactly), the body runs
+/// in f32, and its result is rounded to bf16: the arithmetic of PyTorch's CPU kernels for bf16
+/// tensors, which compute in f32 and round what they store.
 macro_rules! float_kernel {
     ($op:expr, $first:ident => $fv:ident $(, $s:ident => $v:ident)* ; $body:expr) => {
         match ($first, $($s,)*) {
             (candle_core::CpuStorage::F32($fv), $(candle_core::CpuStorage::F32($v),)*) => candle_core::CpuStorage::F32($body),
             (candle_core::CpuStorage::F64($fv), $(candle_core::CpuStorage::F64($v),)*) => candle_core::CpuStorage::F64($body),
+            (candle_core::CpuStorage::BF16($fv), $(candle_core::CpuStorage::BF16($v),)*) => {
+                let $fv = &$crate::cpu::widen($fv);
+                $(let $v = &$crate::cpu::widen($v);)*
+                candle_core::CpuStorage::BF16($crate::cpu::narrow($body))
+            }
             _ => {
                 let dtype = candle_core::backend::BackendStorage::dtype($first);
                 return $crate::error::fail($crate::error::NnError::UnsupportedDType { op: $op, dtype });
@@ -397,10 +442,25 @@ pub(crate) trait SplitKernel<const N: usize> {
 /// gradient as it is only when it owns its whole buffer, and copies a narrow out (else a small
 /// `∂W` would keep the whole `∂x` buffer alive), so a flat output costs a copy of every gradient,
 /// activation-sized ones included, per layer and step.
+///
+/// bf16 inputs (all of them) are widened to f32, the kernel runs in f32 and each output is
+/// rounded to bf16; see [`run_split_keeping_f32`] for outputs that stay f32.
 pub(crate) fn run_split<const N: usize, K: SplitKernel<N>>(
     kernel: &K,
     inputs: [&Tensor; N],
     shapes: &[Shape],
+) -> Result<Vec<Tensor>> {
+    run_split_keeping_f32(kernel, inputs, shapes, &[])
+}
+
+/// [`run_split`], where with bf16 inputs the outputs `keep_f32[i]` stay f32 (the gradients of
+/// f32 parameters used with bf16 activations: batch norm's `∂γ`, `∂β`); with f32 or f64 inputs
+/// it is [`run_split`].
+pub(crate) fn run_split_keeping_f32<const N: usize, K: SplitKernel<N>>(
+    kernel: &K,
+    inputs: [&Tensor; N],
+    shapes: &[Shape],
+    keep_f32: &[bool],
 ) -> Result<Vec<Tensor>> {
     fn go<T: Float, const N: usize, K: SplitKernel<N>, G: Deref<Target = Storage>>(
         kernel: &K,
@@ -425,6 +485,32 @@ pub(crate) fn run_split<const N: usize, K: SplitKernel<N>>(
     match dtype {
         DType::F32 => go::<f32, N, K, _>(kernel, &guards, shapes),
         DType::F64 => go::<f64, N, K, _>(kernel, &guards, shapes),
+        DType::BF16 => {
+            let mut wide = Vec::with_capacity(N);
+            for (storage, _) in &guards {
+                match &**storage {
+                    Storage::Cpu(c) => wide.push(widen(c.as_slice::<bf16>()?)),
+                    _ => return fail(NnError::DeviceMismatch { op: K::OP }),
+                }
+            }
+            let slices: Vec<(&[f32], &Layout)> = wide.iter().zip(&guards).map(|(w, (_, l))| (w.as_slice(), *l)).collect();
+            let Ok(inputs) = <[(&[f32], &Layout); N]>::try_from(slices) else { unreachable!("one slice per input") };
+            let outputs = kernel.run(inputs)?;
+            assert_eq!(outputs.len(), shapes.len(), "allgrad-nn internal error: {} returned the wrong number of outputs", K::OP);
+            drop(wide);
+            outputs
+                .into_iter()
+                .zip(shapes)
+                .enumerate()
+                .map(|(i, (v, s))| {
+                    if keep_f32.get(i).copied().unwrap_or(false) {
+                        Tensor::from_vec(v, s.clone(), &Device::Cpu)
+                    } else {
+                        Tensor::from_vec(narrow(v), s.clone(), &Device::Cpu)
+                    }
+                })
+                .collect()
+        }
         dtype => fail(NnError::UnsupportedDType { op: K::OP, dtype }),
     }
 }

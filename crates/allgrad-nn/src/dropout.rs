@@ -6,10 +6,10 @@
 //! Here `y = x·mask (+ r)` is one parallel pass; the backward gives `∂x = g·mask` and `∂r = g`,
 //! and nothing to the mask, which is a constant (drawn by the caller, e.g. from keyed streams).
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
+use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
 
 /// `out[i] = x[i]·m[i] (+ r[i])`, in parallel.
@@ -105,7 +105,7 @@ pub fn dropout_mask(x: &Tensor, mask: &Tensor, residual: Option<&Tensor>) -> Res
         return fail(NnError::DeviceMismatch { op: "dropout_mask" });
     }
     let mask = mask.detach();
-    if !(x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)) {
+    if !cpu_float(x) {
         let y = (x * mask)?;
         return match residual {
             Some(r) => y + r,

@@ -130,7 +130,7 @@ pub enum NnError {
         expected: String,
     },
     /// A CPU kernel got a dtype it has no implementation for (a bug: the ops dispatch only
-    /// f32/f64 to the kernels).
+    /// f32/f64/bf16 to the kernels).
     #[error("{op}: unsupported dtype {dtype:?}")]
     UnsupportedDType {
         /// The kernel.
@@ -204,8 +204,8 @@ pub enum NnError {
         /// The input's device.
         device: String,
     },
-    /// The fused batch norm off the CPU or for a dtype other than f32/f64.
-    #[error("batch_norm: the fused op runs on the CPU for f32/f64 (got {dtype:?} on {device}); compose channel_moments and channel_affine elsewhere")]
+    /// The fused batch norm off the CPU or for a dtype other than f32/f64/bf16.
+    #[error("batch_norm: the fused op runs on the CPU for f32/f64/bf16 (got {dtype:?} on {device}); compose channel_moments and channel_affine elsewhere")]
     BatchNormOffCpu {
         /// The input's dtype.
         dtype: DType,

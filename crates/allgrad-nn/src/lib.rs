@@ -32,11 +32,14 @@
 //! - [`channel_moments`], [`channel_affine`]: the two passes of batch normalisation over
 //!   `[N, C, ...]` tensors, fused, with backward (sums in f64).
 //! - [`batch_norm`]: the whole batch-norm layer (and a following ReLU or residual
-//!   `relu(· + skip)`) as one op on the CPU, with the statistics given by the caller (summed
-//!   over ranks for SyncBatchNorm) and a closed-form two-pass backward.
+//!   `relu(· + skip)`, or a residual whose shortcut is batch normalised too) as one op on the
+//!   CPU, with the statistics given by the caller (summed over ranks for SyncBatchNorm) and a
+//!   closed-form two-pass backward.
 //!
-//! On devices other than the CPU, and for dtypes other than f32/f64, each op falls back to the
-//! equivalent Candle op or a composition of differentiable Candle ops, so models run anywhere.
+//! On devices other than the CPU, and for dtypes other than f32/f64/bf16, each op falls back
+//! to the equivalent Candle op or a composition of differentiable Candle ops, so models run
+//! anywhere. bf16 CPU tensors compute in f32 and store bf16; [`autocast`] runs convolutions and
+//! dense layers in bf16 beside f32 parameters (PyTorch's `torch.autocast`).
 //!
 //! Misuse (shapes, parameters, dtypes) fails with an [`NnError`] naming the numbers, wrapped in
 //! `candle_core::Error` as the ops return `candle_core::Result`.
@@ -66,6 +69,7 @@
 
 mod activation;
 mod attention;
+pub mod autocast;
 mod batch_norm;
 mod channel;
 mod conv;
@@ -89,7 +93,7 @@ mod winograd;
 
 pub use activation::{add_relu, gelu_erf, relu};
 pub use attention::{attention, attention_composed};
-pub use batch_norm::{batch_norm, BnStats, BnTail, ChannelSum};
+pub use batch_norm::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use dropout::dropout_mask;

@@ -16,7 +16,10 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, matmul, run_split, zeros, Float, MatRef, SplitKernel};
+use crate::cpu::{
+    bf16_values, bf16_with_f32, contiguous, cpu_float, float_kernel, matmul, narrow, run_split, widen, zeros, Float, MatRef,
+    SplitKernel,
+};
 use crate::error::{fail, NnError};
 
 /// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`, checked.
@@ -86,10 +89,18 @@ impl Linear {
         let [(sx, lx), (sw, lw), (sb, lb)] = s;
         let d = dims(lx.dims(), lw.dims(), "linear")?;
         let bias = self.bias;
-        let out = float_kernel!("linear", sx => x, sw => w, sb => b; {
-            let b: Option<Cow<[_]>> = bias.then(|| contiguous(b, lb));
-            forward_kernel(&contiguous(x, lx), &contiguous(w, lw), b.as_deref(), d)
-        });
+        let out = match (sx, sw, sb) {
+            // A bf16 input with f32 parameters (autocast): the parameters as their bf16 values.
+            (CpuStorage::BF16(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                let (x, w) = (widen(&contiguous(x, lx)), bf16_values(&contiguous(w, lw)));
+                let b = bias.then(|| bf16_values(&contiguous(b, lb)));
+                CpuStorage::BF16(narrow(forward_kernel(&x, &w, b.as_deref(), d)))
+            }
+            _ => float_kernel!("linear", sx => x, sw => w, sb => b; {
+                let b: Option<Cow<[_]>> = bias.then(|| contiguous(b, lb));
+                forward_kernel(&contiguous(x, lx), &contiguous(w, lw), b.as_deref(), d)
+            }),
+        };
         let mut shape = lx.dims().to_vec();
         *shape.last_mut().expect("checked by dims") = d.2;
         Ok((out, Shape::from(shape)))
@@ -101,6 +112,13 @@ impl Linear {
         *expected.last_mut().expect("checked by dims") = out;
         if g.dims() != expected.as_slice() {
             return fail(NnError::GradShape { op: "linear", got: g.shape().clone(), expected });
+        }
+        if bf16_with_f32(x, w) {
+            // The f32 kernel on the forward's bf16 values: ∂x rounded to bf16, ∂W and ∂b f32.
+            let (xf, gf) = (x.detach().to_dtype(DType::F32)?, g.detach().to_dtype(DType::BF16)?.to_dtype(DType::F32)?);
+            let wf = w.detach().to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+            let (dx, dw, db) = Linear::grads(&xf, &wf, &gf)?;
+            return Ok((dx.to_dtype(DType::BF16)?, dw, db));
         }
         let g = g.detach().to_dtype(x.dtype())?;
         let shapes = [x.shape().clone(), w.shape().clone(), Shape::from(out)];
@@ -170,12 +188,23 @@ impl SplitKernel<3> for LinearBackward {
 
 /// `y = x·Wᵀ + b` over the last dimension of `x` (`[.., in]`, any leading dimensions), with
 /// `weight` `[out, in]` and `bias` `[out]` as in PyTorch's `Linear`; see the module docs. On
-/// the CPU (f32/f64) one GEMM with the bias folded in and a one-op backward; elsewhere
-/// Candle's `matmul` and `broadcast_add`.
+/// the CPU (f32/f64, and bf16 computed in f32) one GEMM with the bias folded in and a one-op
+/// backward; elsewhere Candle's `matmul` and `broadcast_add`. Under
+/// [`crate::autocast::Autocast::bf16`] the input is cast to bf16 and the result is bf16; on the
+/// CPU the f32 weight and bias enter the kernel rounded to bf16 and their gradients come back
+/// f32 (computed in f32 from the bf16 values, unrounded), elsewhere they are cast to bf16. A
+/// bf16 input with f32 parameters is computed this way without the guard as well.
 ///
 /// # Errors
 /// When the shapes do not fit together, or the dtypes or devices differ.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let x = &crate::autocast::operand(x)?;
+    // On the CPU a bf16 input takes the f32 parameters as they are (see above).
+    let keep = bf16_with_f32(x, weight);
+    let cast = |t: &Tensor| if keep { Ok(t.clone()) } else { crate::autocast::operand(t) };
+    let weight = &cast(weight)?;
+    let bias = bias.map(cast).transpose()?;
+    let bias = bias.as_ref();
     let (rows, inp, out) = dims(x.dims(), weight.dims(), "linear")?;
     if let Some(b) = bias {
         if b.dims() != [out] {
@@ -188,14 +217,15 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         }
     }
     let dtypes: Vec<DType> = [Some(x), Some(weight), bias].into_iter().flatten().map(|t| t.dtype()).collect();
-    if dtypes.iter().any(|d| *d != x.dtype()) {
+    let param_dtype = if keep { DType::F32 } else { x.dtype() };
+    if dtypes[1..].iter().any(|d| *d != param_dtype) {
         return fail(NnError::DTypeMismatch { op: "linear", what: "input, weight and bias", dtypes });
     }
     let same_device = weight.device().same_device(x.device()) && bias.is_none_or(|b| b.device().same_device(x.device()));
     if !same_device {
         return fail(NnError::DeviceMismatch { op: "linear" });
     }
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+    if cpu_float(x) {
         return match bias {
             Some(b) => x.apply_op3(weight, b, Linear { bias: true }),
             None => x.apply_op2(weight, Linear { bias: false }),

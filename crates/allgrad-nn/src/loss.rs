@@ -4,7 +4,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, zeros, Float};
+use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float};
 use crate::error::{fail, NnError};
 use crate::softmax::{max_and_sum_exp, rows_per_task};
 
@@ -51,7 +51,7 @@ pub fn per_row_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor
     if k == 0 && n > 0 {
         return fail(NnError::NoClasses { shape: logits.shape().clone() });
     }
-    if logits.device().is_cpu() && matches!(logits.dtype(), DType::F32 | DType::F64) {
+    if cpu_float(logits) {
         return logits.apply_op2(targets, CrossEntropyOp);
     }
     // Elsewhere: check the targets on the host, then gather the log-probabilities.

@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, run_split, zeros, Float, SplitKernel};
+use crate::cpu::{contiguous, cpu_float, float_kernel, run_split, zeros, Float, SplitKernel};
 use crate::error::{fail, NnError};
 
 /// `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension of `x`, with the
@@ -37,6 +37,10 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result
             expected: format!("both must be ({d},), the last dimension of the input {:?}", x.shape()),
         });
     }
+    if x.dtype() == DType::BF16 && gamma.dtype() == DType::F32 && beta.dtype() == DType::F32 {
+        // A bf16 input with f32 parameters (autocast): normalised in f32, rounded back.
+        return layer_norm(&x.to_dtype(DType::F32)?, gamma, beta, eps)?.to_dtype(DType::BF16);
+    }
     if gamma.dtype() != x.dtype() || beta.dtype() != x.dtype() {
         return fail(NnError::DTypeMismatch {
             op: "layer_norm",
@@ -47,7 +51,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result
     if eps.is_nan() || eps < 0.0 {
         return fail(NnError::NegativeEps { eps });
     }
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+    if cpu_float(x) {
         x.apply_op3(gamma, beta, LayerNormOp { eps })
     } else {
         layer_norm_composed(x, gamma, beta, eps)

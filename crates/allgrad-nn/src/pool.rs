@@ -6,10 +6,10 @@
 //! gradients when the kernel does not divide the input, and divides max-pool gradients by the
 //! kernel area.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, ToUsize2};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, ToUsize2};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, zeros, Float, Strides4};
+use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float, Strides4};
 use crate::error::{fail, NnError};
 
 /// How output positions map to input windows along one axis.
@@ -112,7 +112,7 @@ fn fixed_geometry(
 }
 
 fn fast_path(x: &Tensor) -> bool {
-    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
+    cpu_float(x)
 }
 
 /// 2-D max pooling over `(batch, channels, height, width)` with `kernel`, `stride` and

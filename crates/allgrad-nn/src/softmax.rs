@@ -2,10 +2,10 @@
 //! `candle_nn::ops::softmax_last_dim` is a custom op without backward, so gradients silently
 //! stop there.)
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, float_kernel, zeros, Float};
+use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float};
 use crate::error::{fail, NnError};
 
 /// `softmax(x)_i = exp(x_i - max x) / Σ_j exp(x_j - max x)` over the last dimension.
@@ -47,7 +47,7 @@ fn apply(x: &Tensor, kind: Kind) -> Result<Tensor> {
             shape: x.shape().clone(),
         });
     }
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+    if cpu_float(x) {
         return x.apply_op1(SoftmaxOp { kind });
     }
     match kind {

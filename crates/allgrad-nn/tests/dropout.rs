@@ -55,10 +55,25 @@ fn values_and_gradients_match_a_plain_computation() {
 
 #[test]
 fn other_dtypes_fall_back_to_candle() {
+    // f16 (bf16 has a CPU kernel of its own, below).
+    let x = rand_tensor(&[4, 6], 5, DType::F32).to_dtype(DType::F16).unwrap();
+    let m = rand_tensor(&[4, 6], 6, DType::F32).to_dtype(DType::F16).unwrap();
+    let r = rand_tensor(&[4, 6], 7, DType::F32).to_dtype(DType::F16).unwrap();
+    assert_eq!(to_f64_vec(&dropout_mask(&x, &m, Some(&r)).unwrap()), to_f64_vec(&((&x * &m).unwrap() + &r).unwrap()));
+}
+
+#[test]
+fn bf16_is_computed_in_f32_and_rounded_once() {
+    // The product of two bf16 values is exact in f32, the sum rounds once in f32, and the
+    // result once to bf16 (Candle's bf16 ops would round the product to bf16 first).
     let x = rand_tensor(&[4, 6], 5, DType::F32).to_dtype(DType::BF16).unwrap();
     let m = rand_tensor(&[4, 6], 6, DType::F32).to_dtype(DType::BF16).unwrap();
     let r = rand_tensor(&[4, 6], 7, DType::F32).to_dtype(DType::BF16).unwrap();
-    assert_eq!(to_f64_vec(&dropout_mask(&x, &m, Some(&r)).unwrap()), to_f64_vec(&((&x * &m).unwrap() + &r).unwrap()));
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let want = ((f32_of(&x) * f32_of(&m)).unwrap() + f32_of(&r)).unwrap().to_dtype(DType::BF16).unwrap();
+    let got = dropout_mask(&x, &m, Some(&r)).unwrap();
+    assert_eq!(got.dtype(), DType::BF16);
+    assert_eq!(to_f64_vec(&got), to_f64_vec(&want));
 }
 
 #[test]

@@ -3,7 +3,9 @@
 //! against a plain f64 computation, gradients shared between tensors, contiguous results of
 //! strided gradients, gradients that are views into a larger buffer stored in a buffer of their
 //! own, and the errors of a gradient with the wrong shape or dtype; and that a multi-gradient
-//! backward (`conv2d_backward`) hands over buffers the store keeps without a copy.
+//! backward (`conv2d_backward`) hands over buffers the store keeps without a copy. And the
+//! second change, `Tensor::backward_release`: each node is freed once its gradient is passed
+//! on, what the caller still holds survives, and the gradients equal those of `backward`.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor, Var};
 
@@ -137,4 +139,97 @@ fn conv2d_backward_returns_each_gradient_in_a_buffer_of_its_own() {
     let (dx, dw) = (grads.input.unwrap(), grads.weight.unwrap());
     assert_eq!((dx.dims(), dw.dims()), (x.dims(), w.dims()));
     assert_eq!((storage_len(&dx), storage_len(&dw)), (x.elem_count(), w.elem_count()));
+}
+
+/// The identity, which sets `dropped` when the op is dropped (with the node that holds it) and,
+/// in its backward, records in `seen` whether `watch` (another op's flag) was set by then.
+struct Watched {
+    dropped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    watch: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    seen: std::sync::Arc<std::sync::Mutex<Option<bool>>>,
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.dropped.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl CustomOp1 for Watched {
+    fn name(&self) -> &'static str {
+        "watched-identity"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        match s {
+            CpuStorage::F64(v) => {
+                Ok((CpuStorage::F64(v[l.start_offset()..l.start_offset() + l.shape().elem_count()].to_vec()), l.shape().clone()))
+            }
+            _ => candle_core::bail!("f64 only"),
+        }
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if let Some(w) = &self.watch {
+            *self.seen.lock().unwrap() = Some(w.load(std::sync::atomic::Ordering::SeqCst));
+        }
+        Ok(Some(grad.clone()))
+    }
+}
+
+/// `loss = Σ c·second(first(x)²)` with two [`Watched`] identities: returns the loss, whether
+/// `second`'s node was gone when `first`'s backward ran (read through the returned cell), and
+/// `first`'s and `second`'s drop flags.
+#[allow(clippy::type_complexity)]
+fn watched_graph(
+    x: &Var,
+) -> (Tensor, std::sync::Arc<std::sync::Mutex<Option<bool>>>, [std::sync::Arc<std::sync::atomic::AtomicBool>; 2]) {
+    use std::sync::{atomic::AtomicBool, Arc, Mutex};
+    let flags = [Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false))];
+    let seen = Arc::new(Mutex::new(None));
+    let first = Watched { dropped: flags[0].clone(), watch: Some(flags[1].clone()), seen: seen.clone() };
+    let second = Watched { dropped: flags[1].clone(), watch: None, seen: seen.clone() };
+    let y = x.as_tensor().apply_op1(first).unwrap().sqr().unwrap().apply_op1(second).unwrap();
+    let c = Tensor::from_vec(vec![1.5, -2.0, 0.25], 3, &Device::Cpu).unwrap();
+    ((y * c).unwrap().sum_all().unwrap(), seen, flags)
+}
+
+#[test]
+fn backward_release_frees_each_node_once_its_gradient_is_passed_on() {
+    let x = var(&[0.5, -1.0, 3.0], &[3]);
+    // ∂x = 2·c·x.
+    let expected = vec![1.5, 4.0, 1.5];
+    let (loss, seen, flags) = watched_graph(&x);
+    let grads = loss.backward_release().unwrap();
+    assert_eq!(values(grads.get(x.as_tensor()).unwrap()), expected);
+    assert_eq!(*seen.lock().unwrap(), Some(true), "the later node was still alive when the earlier one's backward ran");
+    assert!(flags.iter().all(|f| f.load(std::sync::atomic::Ordering::SeqCst)), "the graph outlived backward_release");
+
+    // `backward` keeps the graph (the caller holds the loss) and gives the same gradient.
+    let (loss, seen, flags) = watched_graph(&x);
+    let grads = loss.backward().unwrap();
+    assert_eq!(values(grads.get(x.as_tensor()).unwrap()), expected);
+    assert_eq!(*seen.lock().unwrap(), Some(false));
+    assert!(!flags[1].load(std::sync::atomic::Ordering::SeqCst));
+    drop(loss);
+    assert!(flags.iter().all(|f| f.load(std::sync::atomic::Ordering::SeqCst)));
+}
+
+#[test]
+fn backward_release_keeps_what_the_caller_still_holds() {
+    // The caller keeps an intermediate: it (and the graph below it) survives, with its value,
+    // and the gradients equal those of `backward`.
+    let xs = [0.5, -1.25, 2.0, 3.5];
+    let x = var(&xs, &[4]);
+    let c = Tensor::from_vec(vec![1.0, -2.0, 0.25, 4.0], 4, &Device::Cpu).unwrap();
+    let y = ((x.as_tensor() * x.as_tensor()).unwrap() + x.as_tensor()).unwrap();
+    let loss = ((&y * &c).unwrap().sum_all().unwrap() + x.as_tensor().sum_all().unwrap()).unwrap();
+    let kept = loss.backward().unwrap();
+    let released = loss.backward_release().unwrap();
+    assert_eq!(values(released.get(x.as_tensor()).unwrap()), values(kept.get(x.as_tensor()).unwrap()));
+    let expected: Vec<f64> = xs.iter().map(|x| x * x + x).collect();
+    assert_eq!(values(&y), expected);
+    // y still has its graph: a second backward through it works.
+    let again = y.sum_all().unwrap().backward_release().unwrap();
+    assert_eq!(values(again.get(x.as_tensor()).unwrap()), xs.iter().map(|x| 2.0 * x + 1.0).collect::<Vec<_>>());
 }

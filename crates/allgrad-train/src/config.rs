@@ -13,9 +13,10 @@
 //! log: { every: 10 }
 //! ```
 //!
-//! The trainer owns `seed`, `device`, `dtype`, `dist`, `method`, `optim`, `schedule`,
-//! `train`, `checkpoint` and `log`; every other top-level section (`data`, `model`, `loss`, ...)
-//! belongs to the method that `method:` names, which reads it (see [`crate::method`]).
+//! The trainer owns `seed`, `device`, `dtype`, `precision`, `dist`, `method`, `optim`,
+//! `schedule`, `train`, `checkpoint` and `log`; every other top-level section (`data`,
+//! `model`, `loss`, ...) belongs to the method that `method:` names, which reads it (see
+//! [`crate::method`]).
 //! [`RunConfig::load`], [`RunConfig::parse`] and [`RunConfig::validate`] know the built-in
 //! methods; with your own, call the [`crate::method::Registry`] methods of the same
 //! names.
@@ -33,12 +34,13 @@ use crate::checkpoint::CheckpointConfig;
 use crate::method::Registry;
 use crate::metrics::LogConfig;
 use crate::optim::OptimConfig;
+pub use crate::precision::ComputePrecision;
 use crate::schedule::ScheduleConfig;
 use crate::train_section::TrainSection;
 
 /// The top-level keys the trainer owns; every other one belongs to the method.
-pub const TRAINER_KEYS: [&str; 10] =
-    ["seed", "device", "dtype", "dist", "method", "optim", "schedule", "train", "checkpoint", "log"];
+pub const TRAINER_KEYS: [&str; 11] =
+    ["seed", "device", "dtype", "precision", "dist", "method", "optim", "schedule", "train", "checkpoint", "log"];
 
 /// A whole run: the trainer's sections, typed, and the method's, raw.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -49,9 +51,13 @@ pub struct RunConfig {
     /// Where tensors live.
     #[serde(default)]
     pub device: DeviceKind,
-    /// Precision of parameters and compute.
+    /// Precision of parameters (and of compute with `precision: full`).
     #[serde(default)]
     pub dtype: Precision,
+    /// Compute precision of the training step: `full` (in `dtype`) or `bf16` (autocast beside
+    /// f32 parameters; see [`crate::precision`]).
+    #[serde(default)]
+    pub precision: ComputePrecision,
     /// Which GPU each rank uses and how collectives of CUDA tensors move their data.
     #[serde(default, skip_serializing_if = "DistSection::is_default")]
     pub dist: DistSection,
@@ -336,6 +342,7 @@ impl RunConfig {
             return Err(bad("log.every must be at least 1".into()));
         }
         self.optim.validate().map_err(bad)?;
+        self.precision.check_dtype(self.candle_dtype()).map_err(bad)?;
         if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             return Err(bad(NO_GPU.into()));
         }
@@ -525,6 +532,19 @@ mod tests {
         let c = parse(BASE, &["device=cuda"]).unwrap();
         assert_eq!(c.device, DeviceKind::Cuda);
         c.validate(2, Path::new("run.yaml")).unwrap();
+    }
+
+    #[test]
+    fn precision_bf16_with_f64_parameters_is_an_error_naming_both_keys() {
+        let c = parse(BASE, &["precision=bf16"]).unwrap();
+        assert_eq!(c.precision, ComputePrecision::Bf16);
+        c.validate(1, Path::new("run.yaml")).unwrap();
+        let c = parse(BASE, &["precision=bf16", "dtype=f64"]).unwrap();
+        let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.starts_with("run.yaml: precision: bf16") && e.contains("dtype: f32") && e.contains("not dtype: f64"), "{e}");
+        let e = parse(BASE, &["precision=fp16"]).unwrap_err().to_string();
+        assert!(e.contains("at `precision`") && e.contains("fp16") && e.contains("full") && e.contains("bf16"), "{e}");
+        assert_eq!(parse(BASE, &[]).unwrap().precision, ComputePrecision::Full);
     }
 
     #[test]

@@ -152,7 +152,7 @@ pub fn cached_gradients(
         return Err(TrainError::Setup(format!("the objective's loss must be a scalar, got shape {:?}", loss.dims())));
     }
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    let store = (loss / loss_divisor)?.backward()?;
+    let store = (loss / loss_divisor)?.backward_release()?;
     add_grads(params, &store, grads)?;
     let g = store.get(cached.as_tensor()).cloned().ok_or_else(|| {
         TrainError::Setup("loss_of_embeddings does not depend on the embeddings it was given: nothing to cache".into())
@@ -165,7 +165,8 @@ pub fn cached_gradients(
         let z = emb.embed(batch, r.clone(), pg)?;
         let first = cached.as_tensor().narrow(0, r.start, r.len())?;
         check_replay(&z, &first, k, r, batch.step)?;
-        let store = (z * g.narrow(0, r.start, r.len())?)?.sum_all()?.backward()?;
+        // The chunk's graph is freed during its backward (`backward_release`).
+        let store = (z * g.narrow(0, r.start, r.len())?)?.sum_all()?.backward_release()?;
         add_grads(params, &store, grads)?;
     }
     Ok(value)

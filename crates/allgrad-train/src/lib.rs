@@ -26,6 +26,7 @@ pub mod optim;
 mod optim_fused;
 mod optim_lazy;
 pub mod params;
+pub mod precision;
 pub mod run;
 pub mod run_dir;
 pub mod schedule;

@@ -71,6 +71,7 @@ pub fn trainer_config(cfg: &RunConfig, device: Device, settings: Settings) -> Tr
     TrainerConfig {
         seed: cfg.seed,
         dtype: cfg.candle_dtype(),
+        precision: cfg.precision,
         device,
         train: cfg.train.clone(),
         optim: cfg.optim.clone(),

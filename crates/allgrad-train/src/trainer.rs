@@ -20,6 +20,7 @@ use crate::error::{TrainError, TrainResult};
 use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
 use crate::optim::{OptimConfig, Optimizer, RowUpdate};
 use crate::params::ParamStore;
+use crate::precision::ComputePrecision;
 use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
 use crate::step_grads::StepGrads;
@@ -32,6 +33,8 @@ pub struct TrainerConfig {
     pub seed: u64,
     /// Precision of parameters.
     pub dtype: DType,
+    /// Compute precision of the training step (bf16 autocast needs f32 parameters).
+    pub precision: ComputePrecision,
     /// Device of parameters.
     pub device: Device,
     /// Batch and length.
@@ -89,6 +92,8 @@ impl Trainer {
         out_dir: Option<PathBuf>,
         resume: bool,
     ) -> TrainResult<Self> {
+        cfg.precision.check_dtype(cfg.dtype).map_err(TrainError::Setup)?;
+        cfg.precision.check_device(&cfg.device)?;
         let store = ParamStore::new(cfg.seed);
         objective.bind(&pg)?;
         objective.build(store.var_builder(cfg.dtype, &cfg.device))?;
@@ -330,6 +335,9 @@ impl Trainer {
         for indices in &micro_batches {
             let batch = Batch { indices, epoch, step: self.step, seed: self.cfg.seed };
             if let Some(chunk) = self.cfg.train.cache_chunk {
+                // Autocast covers both passes' forwards (the backward passes follow the dtypes
+                // their forwards recorded).
+                let _autocast = self.cfg.precision.autocast();
                 let mut grads = step_grads.take_dense(&self.params)?;
                 let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);
                 loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
@@ -350,12 +358,17 @@ impl Trainer {
                     }
                 }
             }
-            let loss = self.objective.loss(&batch, &self.pg)?;
+            let loss = {
+                let _autocast = self.cfg.precision.autocast();
+                self.objective.loss(&batch, &self.pg)?
+            };
             if loss.rank() != 0 {
                 return Err(TrainError::Setup(format!("the objective's loss must be a scalar, got shape {:?}", loss.dims())));
             }
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            let g = (loss / (w * acc) as f64)?.backward()?;
+            // The scaled loss takes the graph over: the backward frees each activation once its
+            // gradient has been passed on, as PyTorch's does.
+            let g = (loss / (w * acc) as f64)?.backward_release()?;
             step_grads.add(&self.params, &self.sharded, self.objective.as_ref(), &g)?;
         }
         let (mut grads, row_ids) = step_grads.finish(&self.params)?;

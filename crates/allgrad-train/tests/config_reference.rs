@@ -5,7 +5,7 @@
 //!
 //! The configs are the shipped ones in `configs/` and variants of them that reach the kinds
 //! those do not use (optimizers, losses, data formats, face data, models and margins, gradient
-//! caching).
+//! caching, bf16 precision).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -41,6 +41,7 @@ fn configs() -> Vec<(PathBuf, Vec<String>)> {
         ("vectors.yaml", &["train.cache_chunk=16", "train.accumulate=2", "train.max_steps=4"]),
         ("vectors.yaml", &["train.clip_grad_norm=1.0", "train.on_nonfinite=skip", "log.progress=quiet"]),
         ("vectors.yaml", &["dtype=f64", "device=cpu", "schedule.decay=constant"]),
+        ("simclr.yaml", &["precision=bf16"]),
         ("vectors.yaml", &["dist={cuda_collectives: host, device_ids: [0, 0]}"]),
         ("simclr.yaml", &["data.format=cifar10", "data.augment.crop=null"]),
         ("simclr.yaml", &["data.format=folder", "data.folder={color: gray, skip_corrupt: true}"]),

@@ -69,6 +69,7 @@ fn train(w: usize, dtype: DType, supervised: bool, steps: usize) -> Run {
     let cfg = TrainerConfig {
         seed: 17,
         dtype,
+        precision: Default::default(),
         device: Device::Cpu,
         train: TrainSection {
             global_batch: 12,

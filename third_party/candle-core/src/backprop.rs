@@ -163,10 +163,24 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
-        let sorted_nodes = self.sorted_nodes();
+        self.clone().backward_release()
+    }
+
+    /// As [`Tensor::backward`], but the graph is taken over: each node is released as soon as
+    /// its gradient has been passed on to its inputs, so that the activations its op kept are
+    /// freed during the backward pass (as far as nothing else holds them) instead of when the
+    /// last handle to the loss is dropped.
+    pub fn backward_release(self) -> Result<GradStore> {
         let mut grads = GradStore::new();
-        grads.insert(self, self.ones_like()?.contiguous()?);
-        for node in sorted_nodes.iter() {
+        grads.insert(&self, self.ones_like()?.contiguous()?);
+        // Owned handles, last node first: `pop` hands out the nodes in the order `backward`
+        // visits them, and each is dropped at the end of its turn. Its consumers, visited
+        // before it, are gone by then.
+        let mut pending: Vec<Tensor> = self.sorted_nodes().into_iter().rev().cloned().collect();
+        drop(self);
+        while let Some(owned) = pending.pop() {
+            // The same type as the `for node in sorted_nodes.iter()` the body was written for.
+            let node = &&owned;
             if node.is_variable() {
                 continue;
             }
@@ -688,6 +702,12 @@ impl Tensor {
                     }
                 };
             }
+            // A gradient computed from the graph's nodes (`grad.mul(rhs)`, and the gradients
+            // of constants that nothing consumes) is itself tracked and would keep those nodes
+            // alive in the store; detached, it holds only its values.
+            if !do_not_detach {
+                grads.detach_tracked();
+            }
         }
         Ok(grads)
     }
@@ -727,6 +747,16 @@ impl GradStore {
     /// Create a new gradient store
     fn new() -> Self {
         Self::default()
+    }
+
+    /// Replaces every stored gradient that carries a backward op by its detached value (see
+    /// `Tensor::backward_release`). (allgrad patch.)
+    fn detach_tracked(&mut self) {
+        for g in self.0.values_mut() {
+            if g.op().is_some() {
+                *g = g.detach();
+            }
+        }
     }
 
     /// Get the gradient tensor corresponding to the given tensor id

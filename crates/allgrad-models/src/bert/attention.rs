@@ -67,7 +67,7 @@ impl SelfAttention {
         let out = self.output.forward(&ctx)?;
         let sum = match dropout {
             Some(key) => key.apply_residual(&out, x, self.hidden_dropout, layer, Site::AttentionOutput)?,
-            None => (out + x)?,
+            None => (super::dropout::promote_to(&out, x)? + x)?,
         };
         self.norm.forward(&sum)
     }

@@ -48,6 +48,17 @@ fn draw(rng: &mut crate::rng::KeyedRng, p: f64, scale: f64) -> f64 {
     }
 }
 
+/// `x` in `residual`'s dtype when it is bf16 beside an f32 residual (a dense layer's output
+/// under autocast), otherwise `x`: PyTorch's type promotion of their sum, which keeps BERT's
+/// residual stream f32.
+pub(crate) fn promote_to(x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+    if x.dtype() == DType::BF16 && residual.dtype() == DType::F32 {
+        x.to_dtype(DType::F32)
+    } else {
+        Ok(x.clone())
+    }
+}
+
 impl DropoutKey {
     fn stream(&self, row: usize, layer: usize, site: Site, position: usize) -> crate::rng::KeyedRng {
         let (sample, view) = self.rows[row];
@@ -71,8 +82,10 @@ impl DropoutKey {
     }
 
     /// `dropout(x) + residual`, fused: the same mask as [`DropoutKey::apply`] (a plain sum when
-    /// `p` is 0).
+    /// `p` is 0). A bf16 `x` (a dense layer under autocast) with an f32 residual is promoted
+    /// to f32 first, as PyTorch promotes the sum: the residual stream stays f32.
     pub fn apply_residual(&self, x: &Tensor, residual: &Tensor, p: f64, layer: usize, site: Site) -> Result<Tensor> {
+        let x = &promote_to(x, residual)?;
         if p == 0.0 {
             return x + residual;
         }

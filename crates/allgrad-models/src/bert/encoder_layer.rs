@@ -39,7 +39,7 @@ impl EncoderLayer {
         let y = self.output.forward(&allgrad_nn::gelu_erf(&self.intermediate.forward(&a)?)?)?;
         let sum = match dropout {
             Some(key) => key.apply_residual(&y, &a, self.dropout, layer, Site::FeedForward)?,
-            None => (y + a)?,
+            None => (super::dropout::promote_to(&y, &a)? + a)?,
         };
         self.norm.forward(&sum)
     }

@@ -269,6 +269,8 @@ impl FaceHead {
     /// The loss of the global batch (the same on every rank): `emb` `[b, D]` this rank's
     /// embeddings (unnormalised), `labels` their global class ids, `step` keys the sampling.
     pub fn loss(&mut self, emb: &Tensor, labels: &[usize], seed: u64, step: usize, pg: &ProcessGroup) -> Result<Tensor> {
+        // bf16 embeddings (autocast): the logits and the loss in f32.
+        let emb = &allgrad_nn::autocast::full(emb)?;
         let (b, d) = emb.dims2()?;
         if d != self.dim || labels.len() != b {
             return Err(ModelError::HeadInput(format!(

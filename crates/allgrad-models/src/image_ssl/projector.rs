@@ -2,7 +2,7 @@
 //! projector itself.
 
 use candle_core::{Result, Tensor};
-use candle_nn::{Linear, Module, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::batch_norm::{BatchNorm, BnTail, Mode};
@@ -91,7 +91,7 @@ impl Projector {
         let mut h = x.clone();
         let n = self.layers.len();
         for (i, (lin, bn)) in self.layers.iter().enumerate() {
-            h = lin.forward(&h)?;
+            h = allgrad_nn::autocast::linear_module(lin, &h)?;
             let hidden = i + 1 < n;
             h = match (bn, hidden) {
                 (Some(bn), true) => bn.forward_then(&h, mode, BnTail::Relu)?,

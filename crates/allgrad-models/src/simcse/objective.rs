@@ -203,6 +203,8 @@ impl EmbeddingObjective for SimCse {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        // bf16 embeddings (autocast): the logits and the loss in f32.
+        let z = &allgrad_nn::autocast::full(z)?;
         let view = |v: usize| z.i((.., v));
         let (a, p) = (view(0)?, view(1)?);
         let SimCseLoss { temperature: t, hard_negative_weight: w, tile, .. } = self.loss_cfg;

@@ -54,6 +54,7 @@ pub fn trainer_config(train: TrainSection, optim: OptimConfig) -> TrainerConfig 
     TrainerConfig {
         seed: 5,
         dtype: DType::F64,
+        precision: Default::default(),
         device: Device::Cpu,
         train,
         optim,

@@ -10,7 +10,7 @@ use allgrad::train::optim::{OptimConfig, Optimizer};
 use allgrad::train::params::ParamStore;
 use candle_core::Var;
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Linear, Module};
+use candle_nn::Linear;
 
 use crate::machine::Usage;
 use crate::report::{sample, Sample};
@@ -29,6 +29,8 @@ pub struct AllgradStep {
     params: Vec<(String, Var)>,
     sgd: Optimizer,
     x: Tensor,
+    /// The forward under bf16 autocast (`precision: bf16`), the loss in f32.
+    bf16: bool,
 }
 
 impl AllgradStep {
@@ -42,23 +44,49 @@ impl AllgradStep {
         let params = store.vars();
         let sgd = Optimizer::new(OptimConfig::Sgd { lr: 0.1, momentum: 0.0, nesterov: false, weight_decay: 0.0 });
         let x = Tensor::randn(0f32, 1.0, (2 * batch, 3, 32, 32), dev)?;
-        Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, params, sgd, x })
+        Ok(AllgradStep { batch, pg: ProcessGroup::single(), enc, p1, p2, params, sgd, x, bf16: false })
     }
 
-    /// One step: forward (encoder, projector, loss), backward, SGD update; the wall time
-    /// also covers freeing the graph and the gradients.
+    /// The same step with its forward under bf16 autocast, as the trainer runs `precision: bf16`.
+    // Used by bench_step_memory; bench_simclr_step, which shares this file, times f32 only.
+    #[allow(dead_code)]
+    pub fn bf16(mut self, on: bool) -> Self {
+        self.bf16 = on;
+        self
+    }
+
+    /// One step: forward (encoder, projector, loss), backward (which frees the graph as it
+    /// goes), SGD update; the wall time also covers freeing the gradients.
     pub fn run(&mut self) -> anyhow::Result<Sample> {
+        self.run_probed(&mut |_| {})
+    }
+
+    /// [`AllgradStep::run`], calling `probe` at the end of each phase (`"fwd"`, `"bwd"`,
+    /// `"opt"`) while that phase's tensors are alive (the memory benchmark reads its figures
+    /// there).
+    pub fn run_probed(&mut self, probe: &mut dyn FnMut(&'static str)) -> anyhow::Result<Sample> {
         let start = Usage::now();
         let b = self.batch;
-        let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
-        let z = self.p2.forward(&allgrad_nn::relu(&self.p1.forward(&h)?)?)?;
-        let loss = nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, 0.5, &self.pg)?;
+        // Only the loss holds the graph, so that the backward releases it as it goes (as the
+        // trainer's step does).
+        let loss = {
+            let z = {
+                let _autocast = self.bf16.then(allgrad_nn::autocast::Autocast::bf16);
+                let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
+                let dense = allgrad_nn::autocast::linear_module;
+                dense(&self.p2, &allgrad_nn::relu(&dense(&self.p1, &h)?)?)?
+            };
+            let z = allgrad_nn::autocast::full(&z)?;
+            nt_xent(&z.narrow(0, 0, b)?, &z.narrow(0, b, b)?, 0.5, &self.pg)?
+        };
         let dev = self.x.device();
         dev.synchronize()?;
         let t_fwd = Instant::now();
-        let grads = loss.backward()?;
+        probe("fwd");
+        let grads = loss.backward_release()?;
         dev.synchronize()?;
         let t_bwd = Instant::now();
+        probe("bwd");
         let g: Vec<Tensor> = self
             .params
             .iter()
@@ -67,7 +95,8 @@ impl AllgradStep {
         self.sgd.step(&self.params, &g, &vec![false; g.len()], 0.1, &self.pg)?;
         dev.synchronize()?;
         let t_opt = Instant::now();
-        drop((grads, loss, z, h));
+        probe("opt");
+        drop(grads);
         let end = Usage::now();
         let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
         Ok(sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]))

@@ -43,13 +43,14 @@ impl AllgradStep {
     }
 
     /// One step: forward (both views in one batch, dropout masks of this step, loss),
-    /// backward, AdamW update; the wall time also covers freeing the graph and the gradients.
+    /// backward (which frees the graph as it goes), AdamW update; the wall time also covers
+    /// freeing the gradients.
     pub fn run(&mut self) -> anyhow::Result<Sample> {
         let start = Usage::now();
         let batch = Batch { indices: &self.indices, epoch: 0, step: self.step, seed: 0 };
         let loss = self.objective.loss(&batch, &self.pg)?;
         let t_fwd = Instant::now();
-        let grads = loss.backward()?;
+        let grads = loss.backward_release()?;
         let t_bwd = Instant::now();
         let g = self
             .params
@@ -59,7 +60,7 @@ impl AllgradStep {
         let sharded = vec![false; g.len()];
         self.optimizer.step(&self.params, &g, &sharded, LR, &self.pg)?;
         let t_opt = Instant::now();
-        drop((g, grads, loss));
+        drop((g, grads));
         self.step += 1;
         let end = Usage::now();
         let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
