@@ -166,8 +166,9 @@ fn a_tile_of_zero_or_on_a_loss_without_a_tiled_form_is_refused_naming_the_key() 
     let e = RunConfig::parse(&vectors_config("{kind: nt_xent}", &[]).to_yaml(), Path::new("t.yaml"), &["loss.tile=-4".into()])
         .unwrap_err()
         .to_string();
-    // The loss section is tagged by `kind`, so serde reports the section, not the field.
-    assert!(e.contains("at `loss`") && e.contains("integer `-4`, expected usize"), "{e}");
+    // A bad `--set` value names its key and blames the command line, not the config file.
+    assert!(e.contains("--set loss.tile=-4: at `loss.tile`") && e.contains("integer `-4`, expected usize"), "{e}");
+    assert!(e.contains("the value comes from the command line"), "{e}");
     let e = validate(vectors_config("{kind: nt_xent, queue: 3}", &[]));
     assert!(e.starts_with("tiled.yaml: at `loss.queue`: loss.queue = 3 needs loss.tile"), "{e}");
     let e = validate(vectors_config("{kind: nt_xent, tile: 8, queue: 0}", &[]));
