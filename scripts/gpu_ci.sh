@@ -210,6 +210,17 @@ part() {
         result=failed
         why="exit code $rc: $(grep -m 1 -E 'panicked|error' "$log" | cut -c1-300 || true)"
         failed=1
+    elif [[ $name == bench_* ]]; then
+        # A benchmark is no test: it passes when it ran and printed its table; the why is the
+        # ratio (allgrad median / PyTorch median) of each batch's wall time.
+        local ratios
+        ratios=$(awk '/^== batch/ {b = $3} /^wall s/ {printf "%sbatch %s: %s", sep, b, $NF; sep = ", "}' "$log")
+        if [ -n "$ratios" ]; then
+            result=passed why="${took} s; step time allgrad / PyTorch: $ratios"
+        else
+            result=failed why="no step table in the log"
+            failed=1
+        fi
     elif [ "$ntests" -eq 0 ]; then
         result=failed why="no test ran (a binary built without the cuda feature?)"
         failed=1
