@@ -162,11 +162,12 @@ impl BatchNorm {
         allgrad_nn::batch_norm(x, &self.weight, &self.bias, &stats, self.eps, BnTail::AddBnRelu(&branch))
     }
 
-    /// Whether `x` takes the fused CPU op: f32/f64 with parameters of its dtype, or bf16
-    /// activations (autocast) with f32 parameters.
+    /// Whether `x` takes the fused op: on a device with allgrad-nn's fused kernels (the CPU, or
+    /// CUDA with feature `cuda`, [`allgrad_nn::has_fused_kernels`]), f32/f64 with parameters of
+    /// its dtype, or bf16 activations (autocast) with f32 parameters.
     fn fused_for(&self, x: &Tensor) -> bool {
         let w = self.weight.dtype();
-        x.device().is_cpu()
+        allgrad_nn::has_fused_kernels(x)
             && (matches!(x.dtype(), DType::F32 | DType::F64) && w == x.dtype() || x.dtype() == DType::BF16 && w == DType::F32)
     }
 
