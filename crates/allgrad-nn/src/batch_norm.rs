@@ -31,6 +31,12 @@
 //!
 //! Sums are accumulated in f64 per channel in a fixed order, so results do not depend on
 //! scheduling.
+//!
+//! On CUDA (feature `cuda`) the same op runs as CUDA kernels (`crate::cuda`): the forward is
+//! one kernel, the backward one kernel for the per-channel sums (copied to the host, where the
+//! coefficients are computed by the same code as on the CPU and summed over ranks), one for
+//! `∂x` and, with a skip input, the ReLU's backward kernel for `∂skip`. It saves the same
+//! tensors as on the CPU.
 
 use std::sync::Arc;
 
@@ -158,7 +164,7 @@ fn stats_error<T>(what: String) -> Result<T> {
 
 /// Batch normalisation of `x` (`[N, C, ...]`) with per-channel `weight` (γ) and `bias` (β),
 /// normalised by `stats` with `eps` added to the variance, followed by `tail`; fused and
-/// parallel on the CPU for f32/f64, with the closed-form backward of the module docs (for
+/// parallel on the CPU for f32/f64 (and CUDA kernels with feature `cuda`), with the closed-form backward of the module docs (for
 /// `x`, `weight`, `bias` and the skip input, or the shortcut's input and parameters). A bf16
 /// `x` (autocast) takes f32 `weight` and `bias`: computed in f32, the output and `∂x` rounded
 /// to bf16, `∂γ` and `∂β` f32.
@@ -171,8 +177,9 @@ fn stats_error<T>(what: String) -> Result<T> {
 /// # Errors
 /// When `x` is not `[N, C, ...]`, `weight`, `bias` or the statistics are not one per channel,
 /// the skip or shortcut input is not shaped like `x`, the dtypes differ, `eps` is negative, the
-/// count is not positive, or `x` is not an f32/f64/bf16 CPU tensor ([`NnError::BatchNormOffCpu`]:
-/// compose [`crate::channel_moments`] and [`crate::channel_affine`] there).
+/// count is not positive, or `x` is not an f32/f64/bf16 tensor on a device with the fused
+/// kernels ([`crate::has_fused_kernels`]; [`NnError::BatchNormOffCpu`]: compose
+/// [`crate::channel_moments`] and [`crate::channel_affine`] there).
 pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64, tail: BnTail) -> Result<Tensor> {
     let (_, c, _) = geometry(x.dims(), "batch_norm")?;
     if !fused_float(x) {

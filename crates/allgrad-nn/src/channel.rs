@@ -10,8 +10,9 @@
 //!   `db[c] = Σ g` (again accumulated in f64).
 //!
 //! Everything in between (means, variances, scales) acts on `[C]` tensors and is cheap to
-//! differentiate with ordinary Candle ops. On devices other than the CPU and for dtypes other
-//! than f32/f64 both ops fall back to compositions of differentiable Candle ops.
+//! differentiate with ordinary Candle ops. [`channel_moments`] is one kernel on CUDA too
+//! (feature `cuda`). On other devices and for dtypes other than f32/f64/bf16 (and for
+//! [`channel_affine`] on CUDA) the ops fall back to compositions of differentiable Candle ops.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
