@@ -6,14 +6,16 @@
 //!
 //! Built only with the `cuda` feature; it needs a GPU (`scripts/gpu_ci.sh`). Without one it
 //! skips, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which makes that
-//! a failure. With ALLGRAD_CUDA_FUSED=0 the CUDA side is Candle's composed ops instead of the
-//! kernels, and the same comparisons hold.
+//! a failure. It compares the kernels, so it refuses to run with ALLGRAD_CUDA_FUSED=0 (then
+//! `batch_norm` refuses CUDA inputs, and `relu` is Candle's, whose derivative at 0 is 1).
 #![cfg(feature = "cuda")]
 
 use allgrad_nn::{add_relu, batch_norm, channel_moments, relu, BnBranch, BnStats, BnTail};
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 fn gpu() -> Option<Device> {
+    let off = std::env::var("ALLGRAD_CUDA_FUSED").is_ok_and(|v| v.trim() == "0");
+    assert!(!off, "ALLGRAD_CUDA_FUSED=0 turns off the CUDA kernels this test compares with the CPU kernels: unset it");
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
