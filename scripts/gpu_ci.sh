@@ -17,6 +17,9 @@
 #     GPU) (crates/allgrad-dist/tests/nccl_ops.rs);
 #  2. cudnn_conv: conv2d and both its gradients through cuDNN vs the CPU kernels
 #     (crates/allgrad-nn/tests/conv_cuda.rs), when the build has the `cudnn` feature;
+#     fused_ops: allgrad-nn's CUDA kernels for ReLU, add+ReLU, channel moments and batch norm
+#     with its tails, outputs and gradients vs the CPU kernels, f64 1e-10, f32 1e-5
+#     (crates/allgrad-nn/tests/fused_cuda.rs);
 #  3. equivalence_images, equivalence_text: every method through `launch` and the shipped
 #     configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the GPU == 1
 #     rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR, BarlowTwins and
@@ -46,7 +49,7 @@ require="${ALLGRAD_REQUIRE_GPU:-0}"
 mkdir -p "$out" "$(dirname "$report")"
 out=$(cd "$out" && pwd)
 failed=0
-all_parts="collectives cudnn_conv equivalence_images equivalence_text fault_drill bench_r18 bench_r50"
+all_parts="collectives cudnn_conv fused_ops equivalence_images equivalence_text fault_drill bench_r18 bench_r50"
 parts="${ALLGRAD_GPU_PARTS:-$all_parts}"
 parts="${parts//,/ }"
 for p in $parts; do
@@ -254,6 +257,14 @@ if want cudnn_conv; then
         part cudnn_conv "conv2d and both gradients through cuDNN vs the CPU kernels" "$bin/conv_cuda" $t
     else
         md "| cudnn_conv | skipped | the binaries were built without the cudnn feature |"
+    fi
+fi
+if want fused_ops; then
+    if [ -x "$bin/fused_cuda" ]; then
+        # shellcheck disable=SC2086
+        part fused_ops "ReLU, add+ReLU, channel moments, batch norm (every tail): CUDA kernels vs the CPU kernels" "$bin/fused_cuda" $t
+    else
+        md "| fused_ops | skipped | $bin has no fused_cuda (built by an older scripts/build_cuda_bins.sh) |"
     fi
 fi
 # The equivalence tests in two parts, each well under the limit.

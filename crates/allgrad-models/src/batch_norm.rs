@@ -7,7 +7,8 @@
 //! values, so they are identical on every rank. With `sync: false` each rank normalises with
 //! its own batch (plain BatchNorm: W-rank runs then differ from 1-rank runs).
 //!
-//! On the CPU (f32/f64) the layer, and the ReLU or residual `relu(· + skip)` that follows it
+//! On the CPU (f32/f64), and on CUDA with feature `cuda` (allgrad-nn's CUDA kernels, unless
+//! `ALLGRAD_CUDA_FUSED=0`), the layer, and the ReLU or residual `relu(· + skip)` that follows it
 //! (`forward_then`), is allgrad-nn's one fused op: a moments pass (sums in f64) whose `[2, C]`
 //! result SyncBatchNorm all-reduces, the normalisation pass, and a two-pass closed-form
 //! backward whose `[2, C]` per-channel sums go through one more all_reduce (the sum rule).
@@ -93,7 +94,7 @@ impl BatchNorm {
     }
 
     /// Normalises `x`, then applies `tail` (a ReLU, or the residual `relu(· + skip)`). On the
-    /// CPU in f32/f64 the layer and its tail are one fused op ([`allgrad_nn::batch_norm`]: two
+    /// CPU in f32/f64 (and on CUDA with allgrad-nn's kernels) the layer and its tail are one fused op ([`allgrad_nn::batch_norm`]: two
     /// passes each way); elsewhere they are composed from the per-channel passes, the
     /// differentiable all_reduce and the activation. Both compute the same function and
     /// gradient.
@@ -140,8 +141,8 @@ impl BatchNorm {
     }
 
     /// `relu(self(x) + shortcut(x_shortcut))`: a residual connection whose shortcut is batch
-    /// normalised by `shortcut` (a ResNet's downsampling shortcut). On the CPU (f32/f64) one
-    /// fused op ([`allgrad_nn::BnTail::AddBnRelu`]) that keeps only both inputs and the output
+    /// normalised by `shortcut` (a ResNet's downsampling shortcut). On the CPU (f32/f64), and
+    /// on CUDA with allgrad-nn's kernels, one fused op ([`allgrad_nn::BnTail::AddBnRelu`]) that keeps only both inputs and the output
     /// for the backward, never the shortcut's normalised values; elsewhere the shortcut's
     /// batch norm, then [`BnTail::AddRelu`]. Both compute the same function and gradient, and
     /// update both layers' running statistics.
@@ -162,15 +163,16 @@ impl BatchNorm {
         allgrad_nn::batch_norm(x, &self.weight, &self.bias, &stats, self.eps, BnTail::AddBnRelu(&branch))
     }
 
-    /// Whether `x` takes the fused CPU op: f32/f64 with parameters of its dtype, or bf16
-    /// activations (autocast) with f32 parameters.
+    /// Whether `x` takes the fused op: on a device with allgrad-nn's fused kernels (the CPU, or
+    /// CUDA with feature `cuda`, [`allgrad_nn::has_fused_kernels`]), f32/f64 with parameters of
+    /// its dtype, or bf16 activations (autocast) with f32 parameters.
     fn fused_for(&self, x: &Tensor) -> bool {
         let w = self.weight.dtype();
-        x.device().is_cpu()
+        allgrad_nn::has_fused_kernels(x)
             && (matches!(x.dtype(), DType::F32 | DType::F64) && w == x.dtype() || x.dtype() == DType::BF16 && w == DType::F32)
     }
 
-    /// The CPU path: statistics from one untracked moments pass (summed over ranks with
+    /// The fused path: statistics from one untracked moments pass (summed over ranks with
     /// `sync`), then the fused op, whose backward sums its per-channel sums over the same ranks.
     fn forward_fused(&self, x: &Tensor, mode: Mode, tail: BnTail) -> Result<Tensor> {
         let stats = self.stats(x, mode)?;

@@ -20,12 +20,8 @@ use std::borrow::Cow;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float, GRAIN};
+use crate::cpu::{contiguous, cpu_float, dense, float_kernel, fused_float, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
-
-fn fast_path(t: &Tensor) -> bool {
-    cpu_float(t)
-}
 
 /// `out[i] = max(a[i] + b[i], 0)` (`b` absent: `max(a[i], 0)`), in parallel.
 fn relu_kernel<T: Float>(a: &[T], b: Option<&[T]>) -> Vec<T> {
@@ -70,6 +66,11 @@ impl CustomOp1 for Relu {
         Ok((out, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::relu(s, l, None)
+    }
+
     fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(masked(y, g)?))
     }
@@ -85,6 +86,17 @@ impl CustomOp2 for AddRelu {
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = float_kernel!("add_relu", sa => a, sb => b; relu_kernel(&contiguous(a, la), Some(&contiguous(b, lb))));
         Ok((out, la.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sa: &candle_core::CudaStorage,
+        la: &Layout,
+        sb: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::relu(sa, la, Some((sb, lb)))
     }
 
     fn bwd(&self, _a: &Tensor, _b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -108,10 +120,23 @@ impl CustomOp2 for Mask {
         });
         Ok((out, ly.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sy: &candle_core::CudaStorage,
+        ly: &Layout,
+        sg: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::relu_backward(sy, ly, sg, lg)
+    }
 }
 
-fn masked(y: &Tensor, g: &Tensor) -> Result<Tensor> {
-    y.detach().apply_op2_no_bwd(&g.detach().to_dtype(y.dtype())?, &Mask)
+/// `g` where `y > 0`, else 0, untracked: the ReLU's backward from its output `y` (also the
+/// gradient of batch norm's skip input).
+pub(crate) fn masked(y: &Tensor, g: &Tensor) -> Result<Tensor> {
+    dense(&y.detach())?.apply_op2_no_bwd(&dense(&g.detach().to_dtype(y.dtype())?)?, &Mask)
 }
 
 /// `out[i] = x[i]/2 · (1 + erf(x[i]/√2))`, in parallel.
@@ -182,24 +207,26 @@ impl CustomOp2 for GeluGrad {
 /// with an exact one-pass backward; see the module docs. Elsewhere the same formula composed
 /// from Candle's `erf`, whose backward is exact.
 pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
-    if !fast_path(x) {
+    if !cpu_float(x) {
         let half = x.affine(0.5, 0.0)?;
         return half * x.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?.affine(1.0, 1.0)?;
     }
     x.apply_op1(Gelu)
 }
 
-/// `max(x, 0)`, fused and parallel on the CPU (f32/f64), with a one-pass backward (derivative
-/// 0 at 0); Candle's `relu` elsewhere.
+/// `max(x, 0)`, fused and parallel on the CPU (f32/f64/bf16) and one kernel on CUDA (feature
+/// `cuda`), with a one-pass backward (derivative 0 at 0) that keeps only the output; Candle's
+/// `relu` elsewhere.
 pub fn relu(x: &Tensor) -> Result<Tensor> {
-    if !fast_path(x) {
+    if !fused_float(x) {
         return x.relu();
     }
-    x.apply_op1(Relu)
+    dense(x)?.apply_op1(Relu)
 }
 
-/// `max(a + b, 0)` in one pass (a residual connection and its activation), with a one-pass
-/// backward giving both inputs the same gradient; `(a + b).relu()` off the fast path.
+/// `max(a + b, 0)` in one pass (a residual connection and its activation; one kernel on CUDA
+/// with feature `cuda`), with a one-pass backward giving both inputs the same gradient;
+/// `(a + b).relu()` off the fast path.
 ///
 /// # Errors
 /// When `a` and `b` differ in shape or dtype.
@@ -210,8 +237,8 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.dtype() != b.dtype() {
         return fail(NnError::DTypeMismatch { op: "add_relu", what: "a and b", dtypes: vec![a.dtype(), b.dtype()] });
     }
-    if !fast_path(a) || !b.device().same_device(a.device()) {
+    if !fused_float(a) || !b.device().same_device(a.device()) {
         return (a + b)?.relu();
     }
-    a.apply_op2(b, AddRelu)
+    dense(a)?.apply_op2(&dense(b)?, AddRelu)
 }

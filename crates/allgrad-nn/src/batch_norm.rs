@@ -31,6 +31,12 @@
 //!
 //! Sums are accumulated in f64 per channel in a fixed order, so results do not depend on
 //! scheduling.
+//!
+//! On CUDA (feature `cuda`) the same op runs as CUDA kernels (`crate::cuda`): the forward is
+//! one kernel, the backward one kernel for the per-channel sums (copied to the host, where the
+//! coefficients are computed by the same code as on the CPU and summed over ranks), one for
+//! `∂x` and, with a skip input, the ReLU's backward kernel for `∂skip`. It saves the same
+//! tensors as on the CPU.
 
 use std::sync::Arc;
 
@@ -38,7 +44,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use rayon::prelude::*;
 
 use crate::channel::geometry;
-use crate::cpu::{contiguous, cpu_float, float_kernel, has_avx2, run_split_keeping_f32, zeros, Float, SplitKernel, GRAIN};
+use crate::cpu::{contiguous, float_kernel, fused_float, has_avx2, run_split_keeping_f32, zeros, Float, SplitKernel, GRAIN};
 use crate::error::{fail, NnError};
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
@@ -134,13 +140,31 @@ struct Plan {
     round_bf16: bool,
 }
 
+#[cfg(feature = "cuda")]
+impl Plan {
+    /// The CUDA forward kernel's description of this plan.
+    fn cuda_forward(&self) -> crate::cuda::BnForward<'_> {
+        let mode = match (&self.branch, self.skip, self.relu) {
+            (Some(_), _, _) => 3,
+            (None, true, _) => 2,
+            (None, false, true) => 1,
+            (None, false, false) => 0,
+        };
+        crate::cuda::BnForward {
+            ab: (&self.main.scale, &self.main.shift),
+            branch: self.branch.as_ref().map(|b| (b.scale.as_slice(), b.shift.as_slice())),
+            mode,
+        }
+    }
+}
+
 fn stats_error<T>(what: String) -> Result<T> {
     fail(NnError::BatchNormStats { what })
 }
 
 /// Batch normalisation of `x` (`[N, C, ...]`) with per-channel `weight` (γ) and `bias` (β),
 /// normalised by `stats` with `eps` added to the variance, followed by `tail`; fused and
-/// parallel on the CPU for f32/f64, with the closed-form backward of the module docs (for
+/// parallel on the CPU for f32/f64 (and CUDA kernels with feature `cuda`), with the closed-form backward of the module docs (for
 /// `x`, `weight`, `bias` and the skip input, or the shortcut's input and parameters). A bf16
 /// `x` (autocast) takes f32 `weight` and `bias`: computed in f32, the output and `∂x` rounded
 /// to bf16, `∂γ` and `∂β` f32.
@@ -153,11 +177,12 @@ fn stats_error<T>(what: String) -> Result<T> {
 /// # Errors
 /// When `x` is not `[N, C, ...]`, `weight`, `bias` or the statistics are not one per channel,
 /// the skip or shortcut input is not shaped like `x`, the dtypes differ, `eps` is negative, the
-/// count is not positive, or `x` is not an f32/f64/bf16 CPU tensor ([`NnError::BatchNormOffCpu`]:
-/// compose [`crate::channel_moments`] and [`crate::channel_affine`] there).
+/// count is not positive, or `x` is not an f32/f64/bf16 tensor on a device with the fused
+/// kernels ([`crate::has_fused_kernels`]; [`NnError::BatchNormOffCpu`]: compose
+/// [`crate::channel_moments`] and [`crate::channel_affine`] there).
 pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64, tail: BnTail) -> Result<Tensor> {
     let (_, c, _) = geometry(x.dims(), "batch_norm")?;
-    if !cpu_float(x) {
+    if !fused_float(x) {
         return fail(NnError::BatchNormOffCpu { dtype: x.dtype(), device: format!("{:?}", x.device().location()) });
     }
     let main = resolve(x, c, weight, bias, stats, eps)?;
@@ -467,38 +492,11 @@ fn norm_backward<T: Float>(
     want_skip: bool,
     (n, c, inner): (usize, usize, usize),
 ) -> Result<NormGrads<T>> {
-    let zero = T::from_f64(0.0);
     let len = x.len();
     let sums = channel_sums(g, x, y, &norm.mean, relu, (n, c, inner));
-    // ∂x = k·g' + c1·(x − μ_T) + c0 per channel, with μ_T the mean rounded to T (x − μ_T loses
-    // nothing when x is near the mean; c0 carries the rounding of μ).
-    let mut k = vec![zero; c];
-    let mut c1 = vec![zero; c];
-    let mut c0 = vec![zero; c];
-    let mu_t: Vec<T> = norm.mean.iter().map(|&m| T::from_f64(m)).collect();
-    match &norm.batch {
-        Some((count, sum_over_ranks)) => {
-            let mut global: Vec<f64> = sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect();
-            if let Some(reduce) = sum_over_ranks {
-                reduce(&mut global)?;
-            }
-            for ch in 0..c {
-                let (g1, g2) = (global[ch], global[c + ch]);
-                let (a, is) = (norm.scale[ch], norm.inv_std[ch]);
-                let lin = -a * is * is * g2 / count;
-                k[ch] = T::from_f64(a);
-                c1[ch] = T::from_f64(lin);
-                c0[ch] = T::from_f64(-a * g1 / count + lin * (mu_t[ch].to_f64() - norm.mean[ch]));
-            }
-        }
-        None => k.iter_mut().zip(&norm.scale).for_each(|(k, &a)| *k = T::from_f64(a)),
-    }
-    let (mut dx, mut dskip, mut dgb) = (zeros(len), zeros(if want_skip { len } else { 0 }), zeros(2 * c));
-    // ∂γ = Σ g'·(x − μ)/σ and ∂β = Σ g' over this rank's values.
-    for (ch, s) in sums.iter().enumerate() {
-        dgb[ch] = T::from_f64(s.1 * norm.inv_std[ch]);
-        dgb[c + ch] = T::from_f64(s.0);
-    }
+    let Coefficients { k, c1, c0, mu: mu_t, dgb: dgb_wide } = coefficients::<T>(norm, &sums)?;
+    let (mut dx, mut dskip) = (zeros(len), zeros(if want_skip { len } else { 0 }));
+    let dgb: Vec<T> = dgb_wide.iter().map(|&v| T::from_f64(v)).collect();
     if len > 0 {
         let rows = (GRAIN / inner).max(1);
         let chunk = rows * inner;
@@ -524,6 +522,55 @@ fn norm_backward<T: Float>(
         }
     }
     Ok((dx, want_skip.then_some(dskip), dgb))
+}
+
+/// One normalisation's backward constants: the per-channel coefficients of
+/// `∂x = k·g' + c1·(x − μ_T) + c0` rounded to `T` (`mu`: the mean rounded to `T`), and
+/// `∂[γ; β]` in f64.
+struct Coefficients<T> {
+    k: Vec<T>,
+    c1: Vec<T>,
+    c0: Vec<T>,
+    mu: Vec<T>,
+    dgb: Vec<f64>,
+}
+
+/// The [`Coefficients`] of `norm` from this rank's per-channel `(Σ g', Σ g'·(x − μ))`, which
+/// batch statistics sum over ranks first (`sum_over_ranks`); shared by the CPU and CUDA
+/// backward.
+fn coefficients<T: Float>(norm: &Norm, sums: &[(f64, f64)]) -> Result<Coefficients<T>> {
+    let c = sums.len();
+    let zero = T::from_f64(0.0);
+    // ∂x = k·g' + c1·(x − μ_T) + c0 per channel, with μ_T the mean rounded to T (x − μ_T loses
+    // nothing when x is near the mean; c0 carries the rounding of μ).
+    let mut k = vec![zero; c];
+    let mut c1 = vec![zero; c];
+    let mut c0 = vec![zero; c];
+    let mu_t: Vec<T> = norm.mean.iter().map(|&m| T::from_f64(m)).collect();
+    match &norm.batch {
+        Some((count, sum_over_ranks)) => {
+            let mut global: Vec<f64> = sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect();
+            if let Some(reduce) = sum_over_ranks {
+                reduce(&mut global)?;
+            }
+            for ch in 0..c {
+                let (g1, g2) = (global[ch], global[c + ch]);
+                let (a, is) = (norm.scale[ch], norm.inv_std[ch]);
+                let lin = -a * is * is * g2 / count;
+                k[ch] = T::from_f64(a);
+                c1[ch] = T::from_f64(lin);
+                c0[ch] = T::from_f64(-a * g1 / count + lin * (mu_t[ch].to_f64() - norm.mean[ch]));
+            }
+        }
+        None => k.iter_mut().zip(&norm.scale).for_each(|(k, &a)| *k = T::from_f64(a)),
+    }
+    // ∂γ = Σ g'·(x − μ)/σ and ∂β = Σ g' over this rank's values.
+    let mut dgb = vec![0f64; 2 * c];
+    for (ch, s) in sums.iter().enumerate() {
+        dgb[ch] = s.1 * norm.inv_std[ch];
+        dgb[c + ch] = s.0;
+    }
+    Ok(Coefficients { k, c1, c0, mu: mu_t, dgb })
 }
 
 /// What [`backward_rows`] reads: the inputs and the per-channel coefficients of
@@ -592,6 +639,17 @@ impl CustomOp2 for Forward {
         Ok((out, lx.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        _sgb: &candle_core::CudaStorage,
+        _lgb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.0.cuda_forward().run(sx, lx, None)
+    }
+
     fn bwd(&self, x: &Tensor, gb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dgb, _) = backward(&self.0, x, gb, None, y, g)?;
         Ok((Some(dx), Some(dgb)))
@@ -622,6 +680,19 @@ impl CustomOp3 for ForwardSkip {
         Ok((out, lx.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        _sgb: &candle_core::CudaStorage,
+        _lgb: &Layout,
+        ss: &candle_core::CudaStorage,
+        ls: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.0.cuda_forward().run(sx, lx, Some((ss, ls)))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -645,6 +716,10 @@ fn backward(
     y: &Tensor,
     g: &Tensor,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return backward_cuda(plan, x, gb, third, y, g);
+    }
     let g = g.detach().to_dtype(x.dtype())?;
     let mut shapes = vec![x.shape().clone(), gb.shape().clone()];
     if plan.skip || plan.branch.is_some() {
@@ -659,6 +734,54 @@ fn backward(
     let mut grads = grads.into_iter();
     let (Some(dx), Some(dgb)) = (grads.next(), grads.next()) else { unreachable!("one gradient per shape") };
     Ok((dx, dgb, grads.next()))
+}
+
+/// [`backward`] on CUDA: per normalisation one kernel for the per-channel sums, copied to the
+/// host (summed over ranks there, as on the CPU), the [`coefficients`], and one kernel for
+/// `∂x`; a skip input's gradient is the ReLU's backward kernel.
+#[cfg(feature = "cuda")]
+fn backward_cuda(
+    plan: &Arc<Plan>,
+    x: &Tensor,
+    gb: &Tensor,
+    third: Option<&Tensor>,
+    y: &Tensor,
+    g: &Tensor,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let g = g.detach().to_dtype(x.dtype())?.contiguous()?;
+    let (x, y) = (x.detach(), y.detach());
+    let (dx, mut dgb) = norm_backward_cuda(&g, &x, &y, &plan.main, plan.relu)?;
+    let dthird = match (&plan.branch, third) {
+        (Some(branch), Some(t)) => {
+            let (dxs, dgbs) = norm_backward_cuda(&g, &t.detach(), &y, branch, plan.relu)?;
+            dgb.extend(dgbs);
+            Some(dxs)
+        }
+        _ if plan.skip => Some(crate::activation::masked(&y, &g)?),
+        _ => None,
+    };
+    // Rounded as the CPU kernel rounds them: to its compute type (f32 for bf16), then to the
+    // parameters' dtype.
+    let wide = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    let dgb = Tensor::from_vec(dgb, gb.shape(), &candle_core::Device::Cpu)?.to_dtype(wide)?.to_dtype(gb.dtype())?;
+    Ok((dx, dgb.to_device(x.device())?, dthird))
+}
+
+/// One normalisation's `(∂x, ∂[γ; β] in f64)` on CUDA.
+#[cfg(feature = "cuda")]
+fn norm_backward_cuda(g: &Tensor, x: &Tensor, y: &Tensor, norm: &Norm, relu: bool) -> Result<(Tensor, Vec<f64>)> {
+    use crate::cuda::{BnBackwardDx, BnBackwardSums};
+    let sums = g.apply_op3_no_bwd(x, y, &BnBackwardSums { mean: norm.mean.clone(), relu })?.to_vec2::<f64>()?;
+    let sums: Vec<(f64, f64)> = sums[0].iter().copied().zip(sums[1].iter().copied()).collect();
+    fn wide<T: Float>(c: Coefficients<T>) -> ([Vec<f64>; 4], Vec<f64>) {
+        let w = |v: Vec<T>| v.into_iter().map(|v| v.to_f64()).collect::<Vec<f64>>();
+        ([w(c.k), w(c.c1), w(c.c0), w(c.mu)], c.dgb)
+    }
+    // The coefficients in the kernel's compute type: f64 for f64, f32 for f32 and bf16.
+    let (coef, dgb) =
+        if x.dtype() == DType::F64 { wide(coefficients::<f64>(norm, &sums)?) } else { wide(coefficients::<f32>(norm, &sums)?) };
+    let dx = g.apply_op3_no_bwd(x, y, &BnBackwardDx { coef, relu })?;
+    Ok((dx, dgb))
 }
 
 impl SplitKernel<3> for Backward {

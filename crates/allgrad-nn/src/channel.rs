@@ -10,14 +10,15 @@
 //!   `db[c] = Σ g` (again accumulated in f64).
 //!
 //! Everything in between (means, variances, scales) acts on `[C]` tensors and is cheap to
-//! differentiate with ordinary Candle ops. On devices other than the CPU and for dtypes other
-//! than f32/f64 both ops fall back to compositions of differentiable Candle ops.
+//! differentiate with ordinary Candle ops. [`channel_moments`] is one kernel on CUDA too
+//! (feature `cuda`). On other devices and for dtypes other than f32/f64/bf16 (and for
+//! [`channel_affine`] on CUDA) the ops fall back to compositions of differentiable Candle ops.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, float_kernel, has_avx2, widen, zeros, Float};
+use crate::cpu::{contiguous, cpu_float, float_kernel, fused_float, has_avx2, widen, zeros, Float};
 use crate::error::{fail, NnError};
 
 /// `(n, c, inner)` of an `[N, C, ...]` shape.
@@ -126,6 +127,11 @@ impl CustomOp1 for Moments {
         Ok((out, Shape::from((2, c))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::channel_moments(s, l)
+    }
+
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         // d/dx (Σx·g₀ + Σx²·g₁) = g₀ + 2x·g₁, per channel.
         let g = g.to_dtype(x.dtype())?;
@@ -138,10 +144,10 @@ impl CustomOp1 for Moments {
 /// Per-channel `[Σx, Σx²]` of an `[N, C, ...]` tensor, as a `[2, C]` f64 tensor (whatever
 /// the input's dtype: `Σx²/n − mean²` cancels digits when the mean is large beside the
 /// deviation, and f32 moments would leave that difference to f32 rounding); see the module
-/// docs.
+/// docs. One pass on the CPU and one kernel on CUDA (feature `cuda`).
 pub fn channel_moments(x: &Tensor) -> Result<Tensor> {
     let (_, c, _) = geometry(x.dims(), "channel_moments")?;
-    if cpu_float(x) {
+    if fused_float(x) {
         return x.contiguous()?.apply_op1(Moments);
     }
     let flat = x.transpose(0, 1)?.contiguous()?.reshape((c, ()))?.to_dtype(DType::F64)?;

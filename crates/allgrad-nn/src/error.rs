@@ -204,8 +204,9 @@ pub enum NnError {
         /// The input's device.
         device: String,
     },
-    /// The fused batch norm off the CPU or for a dtype other than f32/f64/bf16.
-    #[error("batch_norm: the fused op runs on the CPU for f32/f64/bf16 (got {dtype:?} on {device}); compose channel_moments and channel_affine elsewhere")]
+    /// The fused batch norm on a device without its kernels (see
+    /// [`crate::has_fused_kernels`]) or for a dtype other than f32/f64/bf16.
+    #[error("batch_norm: the fused op runs for f32/f64/bf16 on the CPU, and on CUDA in builds with feature `cuda` unless ALLGRAD_CUDA_FUSED=0 (got {dtype:?} on {device}); compose channel_moments and channel_affine elsewhere")]
     BatchNormOffCpu {
         /// The input's dtype.
         dtype: DType,

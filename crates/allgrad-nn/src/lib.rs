@@ -36,9 +36,12 @@
 //!   CPU, with the statistics given by the caller (summed over ranks for SyncBatchNorm) and a
 //!   closed-form two-pass backward.
 //!
-//! On devices other than the CPU, and for dtypes other than f32/f64/bf16, each op falls back
-//! to the equivalent Candle op or a composition of differentiable Candle ops, so models run
-//! anywhere. bf16 CPU tensors compute in f32 and store bf16; [`autocast`] runs convolutions and
+//! With feature `cuda`, [`relu`], [`add_relu`], [`channel_moments`] and [`batch_norm`] (with
+//! its tails) have CUDA kernels too, compiled to PTX at build time, each one kernel per pass and
+//! saving what its CPU twin saves (`ALLGRAD_CUDA_FUSED=0` turns them off; see
+//! [`has_fused_kernels`]). On other devices, and for dtypes other than f32/f64/bf16, each op
+//! falls back to the equivalent Candle op or a composition of differentiable Candle ops, so
+//! models run anywhere. bf16 CPU tensors compute in f32 and store bf16; [`autocast`] runs convolutions and
 //! dense layers in bf16 beside f32 parameters (PyTorch's `torch.autocast`).
 //!
 //! Misuse (shapes, parameters, dtypes) fails with an [`NnError`] naming the numbers, wrapped in
@@ -77,6 +80,8 @@ mod conv_cpu;
 #[cfg(feature = "cudnn")]
 mod conv_cudnn;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod dropout;
 mod error;
 mod im2col;
@@ -96,6 +101,7 @@ pub use attention::{attention, attention_composed};
 pub use batch_norm::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
+pub use cpu::has_fused_kernels;
 pub use dropout::dropout_mask;
 pub use error::NnError;
 pub use linear::linear;

@@ -1,0 +1,195 @@
+// allgrad-nn's fused element-wise kernels on CUDA: ReLU and add+ReLU with their backward,
+// per-channel moments, and batch norm's forward (with its tails) and backward. Each is the
+// CUDA twin of a CPU kernel in src/activation.rs, src/channel.rs or src/batch_norm.rs and
+// evaluates the same expressions in the same order (compiled with --fmad=false, so no
+// multiply-add is contracted where the CPU rounds twice). bf16 tensors are computed in f32 and
+// rounded to bf16 when stored, as the CPU kernels do. Per-channel sums are f64, each channel
+// reduced by one block in a fixed order (deterministic, but not the CPU's order).
+//
+// Exported names end in _f32, _f64 or _bf16 (the tensor's dtype). Per-channel coefficient
+// arrays are in the compute type: f32 for f32 and bf16 tensors, f64 for f64.
+#include <cuda_bf16.h>
+#include <stddef.h>
+
+template <typename T> struct Compute { typedef T type; };
+template <> struct Compute<__nv_bfloat16> { typedef float type; };
+
+template <typename T> struct IsBf16 { static const bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static const bool value = true; };
+
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ double widen(double v) { return v; }
+__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(double* p, double v) { *p = v; }
+// Round to nearest, ties to even: the rounding of the CPU kernels' bf16 outputs.
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// v rounded to bf16 and widened back (exact), as an unfused bf16 op stores its output.
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+#define GRID_STRIDE(i, n) \
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)blockDim.x * gridDim.x)
+
+// out = max(a + b, 0) (has_b) or max(a, 0); NaN gives 0, as on the CPU.
+template <typename T>
+__device__ void relu_fwd(size_t n, const T* a, const T* b, int has_b, T* out) {
+    typedef typename Compute<T>::type C;
+    const C zero = C(0);
+    GRID_STRIDE(i, n) {
+        C s = widen(a[i]);
+        if (has_b) s = s + widen(b[i]);
+        store(out + i, s > zero ? s : zero);
+    }
+}
+
+// out = g where y > 0, else 0.
+template <typename T>
+__device__ void relu_bwd(size_t n, const T* y, const T* g, T* out) {
+    typedef typename Compute<T>::type C;
+    const C zero = C(0);
+    GRID_STRIDE(i, n) { store(out + i, widen(y[i]) > zero ? widen(g[i]) : zero); }
+}
+
+// Block size of the per-channel reductions (a power of two).
+#define SUM_THREADS 256
+
+// Sums the block's partial sums s1[], s2[] in a fixed tree order; thread 0 writes them to
+// out[ch] and out[c + ch].
+__device__ void block_sums(double* s1, double* s2, double* out, size_t c, size_t ch) {
+    for (int stride = SUM_THREADS / 2; stride > 0; stride /= 2) {
+        __syncthreads();
+        if (threadIdx.x < stride) {
+            s1[threadIdx.x] += s1[threadIdx.x + stride];
+            s2[threadIdx.x] += s2[threadIdx.x + stride];
+        }
+    }
+    if (threadIdx.x == 0) {
+        out[ch] = s1[0];
+        out[c + ch] = s2[0];
+    }
+}
+
+// One block per channel of an [n, c, inner] tensor: out = [Σx (c values), Σx² (c values)] in f64.
+template <typename T>
+__device__ void channel_moments(size_t n, size_t c, size_t inner, const T* x, double* out) {
+    __shared__ double s1[SUM_THREADS];
+    __shared__ double s2[SUM_THREADS];
+    const size_t ch = blockIdx.x;
+    double a1 = 0.0, a2 = 0.0;
+    for (size_t k = threadIdx.x; k < n * inner; k += SUM_THREADS) {
+        const size_t at = ((k / inner) * c + ch) * inner + k % inner;
+        const double v = (double)widen(x[at]);
+        a1 += v;
+        a2 += v * v;
+    }
+    s1[threadIdx.x] = a1;
+    s2[threadIdx.x] = a2;
+    block_sums(s1, s2, out, c, ch);
+}
+
+// One block per channel: out = [Σg' (c values), Σg'·(x − mean[ch]) (c values)] in f64, with
+// g' = g masked by y > 0 when relu (batch norm's backward sums).
+template <typename T>
+__device__ void bn_backward_sums(size_t n, size_t c, size_t inner, const T* g, const T* x, const T* y,
+                                 const double* mean, int relu, double* out) {
+    __shared__ double s1[SUM_THREADS];
+    __shared__ double s2[SUM_THREADS];
+    const size_t ch = blockIdx.x;
+    const double mu = mean[ch];
+    double a1 = 0.0, a2 = 0.0;
+    for (size_t k = threadIdx.x; k < n * inner; k += SUM_THREADS) {
+        const size_t at = ((k / inner) * c + ch) * inner + k % inner;
+        const double gv = (double)widen(g[at]);
+        const double gp = (!relu || widen(y[at]) > 0) ? gv : 0.0;
+        a1 += gp;
+        a2 += gp * ((double)widen(x[at]) - mu);
+    }
+    s1[threadIdx.x] = a1;
+    s2[threadIdx.x] = a2;
+    block_sums(s1, s2, out, c, ch);
+}
+
+// Batch norm's forward over len elements of an [n, c, inner] tensor, with
+// u = a[ch]·x + b[ch]:
+//   mode 0: u;  mode 1: max(u, 0);  mode 2: max(u + third, 0) (a skip input);
+//   mode 3: max(u + (a2[ch]·third + b2[ch]), 0) (third: a normalised shortcut's input).
+// bf16: each normalisation's output is rounded to bf16 before the residual sum, as unfused
+// bf16 ops store it (the CPU kernel's round_bf16).
+template <typename T>
+__device__ void bn_forward(size_t len, size_t c, size_t inner, const T* x, const T* third,
+                           const typename Compute<T>::type* a, const typename Compute<T>::type* b,
+                           const typename Compute<T>::type* a2, const typename Compute<T>::type* b2, int mode,
+                           T* out) {
+    typedef typename Compute<T>::type C;
+    const C zero = C(0);
+    GRID_STRIDE(i, len) {
+        const size_t ch = (i / inner) % c;
+        const C v = widen(x[i]);
+        C z;
+        if (mode < 2) {
+            z = v * a[ch] + b[ch];
+            if (mode == 1) z = z > zero ? z : zero;
+        } else {
+            const C w = widen(third[i]);
+            if (IsBf16<T>::value) {
+                const C main = (C)round_bf16((float)(v * a[ch] + b[ch]));
+                z = mode == 3 ? main + (C)round_bf16((float)(w * a2[ch] + b2[ch])) : main + w;
+            } else if (mode == 3) {
+                z = v * a[ch] + b[ch] + (w * a2[ch] + b2[ch]);
+            } else {
+                z = v * a[ch] + b[ch] + w;
+            }
+            z = z > zero ? z : zero;
+        }
+        store(out + i, z);
+    }
+}
+
+// Batch norm's input gradient, dx = k[ch]·g' + c1[ch]·(x − mu[ch]) + c0[ch] with g' = g masked
+// by y > 0 when relu. (A skip input's gradient is relu_bwd's.)
+template <typename T>
+__device__ void bn_backward_dx(size_t len, size_t c, size_t inner, const T* g, const T* x, const T* y,
+                               const typename Compute<T>::type* k, const typename Compute<T>::type* c1,
+                               const typename Compute<T>::type* c0, const typename Compute<T>::type* mu, int relu,
+                               T* dx) {
+    typedef typename Compute<T>::type C;
+    const C zero = C(0);
+    GRID_STRIDE(i, len) {
+        const size_t ch = (i / inner) % c;
+        const C gp = (!relu || widen(y[i]) > zero) ? widen(g[i]) : zero;
+        store(dx + i, k[ch] * gp + c1[ch] * (widen(x[i]) - mu[ch]) + c0[ch]);
+    }
+}
+
+#define INSTANTIATE(T, SUF)                                                                                     \
+    extern "C" __global__ void relu_fwd_##SUF(size_t n, const T* a, const T* b, int has_b, T* out) {            \
+        relu_fwd<T>(n, a, b, has_b, out);                                                                       \
+    }                                                                                                           \
+    extern "C" __global__ void relu_bwd_##SUF(size_t n, const T* y, const T* g, T* out) {                      \
+        relu_bwd<T>(n, y, g, out);                                                                              \
+    }                                                                                                           \
+    extern "C" __global__ void channel_moments_##SUF(size_t n, size_t c, size_t inner, const T* x, double* out) { \
+        channel_moments<T>(n, c, inner, x, out);                                                                \
+    }                                                                                                           \
+    extern "C" __global__ void bn_backward_sums_##SUF(size_t n, size_t c, size_t inner, const T* g, const T* x,  \
+                                                      const T* y, const double* mean, int relu, double* out) {  \
+        bn_backward_sums<T>(n, c, inner, g, x, y, mean, relu, out);                                             \
+    }                                                                                                           \
+    extern "C" __global__ void bn_forward_##SUF(size_t len, size_t c, size_t inner, const T* x, const T* third,   \
+                                                const Compute<T>::type* a, const Compute<T>::type* b,           \
+                                                const Compute<T>::type* a2, const Compute<T>::type* b2,         \
+                                                int mode, T* out) {                                             \
+        bn_forward<T>(len, c, inner, x, third, a, b, a2, b2, mode, out);                                        \
+    }                                                                                                           \
+    extern "C" __global__ void bn_backward_dx_##SUF(size_t len, size_t c, size_t inner, const T* g, const T* x,  \
+                                                    const T* y, const Compute<T>::type* k,                      \
+                                                    const Compute<T>::type* c1, const Compute<T>::type* c0,     \
+                                                    const Compute<T>::type* mu, int relu, T* dx) {              \
+        bn_backward_dx<T>(len, c, inner, g, x, y, k, c1, c0, mu, relu, dx);                                     \
+    }
+
+INSTANTIATE(float, f32)
+INSTANTIATE(double, f64)
+INSTANTIATE(__nv_bfloat16, bf16)

@@ -1,0 +1,361 @@
+//! The CUDA twins of the fused element-wise CPU kernels (feature `cuda`): ReLU and
+//! `relu(a + b)` with their backward ([`crate::relu`], [`crate::add_relu`]), the per-channel
+//! moments ([`crate::channel_moments`]) and batch norm's forward with its tails and its
+//! backward ([`crate::batch_norm`]). Each op keeps on CUDA what it keeps on the CPU (the ReLU
+//! its output, batch norm its inputs and output), where Candle's CUDA ops would keep every
+//! intermediate of an unfused chain.
+//!
+//! The kernels (`fused.cu`) are compiled to PTX at build time (build.rs, nvcc through
+//! `cudaforge` as Candle builds its own) and loaded once per device through Candle's
+//! `CudaDevice::get_or_load_custom_func`; they run on the device's stream. f32, f64 and bf16
+//! (computed in f32, stored rounded to bf16, as on the CPU). Per-channel sums are f64, one
+//! block per channel in a fixed order.
+//!
+//! `ALLGRAD_CUDA_FUSED=0` (read once) turns them off: CUDA tensors then take the composed
+//! Candle ops as before, so a GPU session can compare the two.
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
+use half::bf16;
+
+use crate::error::{fail, NnError};
+
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// The name the PTX module is loaded under on each device.
+const MODULE: &str = "allgrad_nn_fused";
+
+/// Threads per block of the element-wise kernels (the reductions use their own, in fused.cu).
+const THREADS: u32 = 256;
+
+/// Whether the kernels are on (`ALLGRAD_CUDA_FUSED` is not `0`); read once.
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ALLGRAD_CUDA_FUSED").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether `t` takes the CUDA kernels: a CUDA tensor of f32, f64 or bf16, with the kernels on.
+pub(crate) fn takes(t: &Tensor) -> bool {
+    t.device().is_cuda() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16) && enabled()
+}
+
+/// `name` for the element type of `dt` (`relu_fwd_f32`, ...), loaded on `dev` (launched on
+/// `dev.cuda_stream()`, the stream of its tensors).
+fn func(dev: &CudaDevice, name: &str, dt: DType, op: &'static str) -> Result<CudaFunction> {
+    let suffix = match dt {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::BF16 => "bf16",
+        dtype => return fail(NnError::UnsupportedDType { op, dtype }),
+    };
+    Ok(dev.get_or_load_custom_func(&format!("{name}_{suffix}"), MODULE, ptx::FUSED)?.into_cuda_function())
+}
+
+/// A grid-stride launch over `n` elements.
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One block per channel (the per-channel sums; fused.cu's `SUM_THREADS` threads each).
+fn per_channel(c: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (c as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// The elements of a contiguous layout of `s` (every caller makes its inputs contiguous).
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, op: &'static str) -> Result<CudaView<'a, T>> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
+        None => candle_core::bail!("allgrad-nn internal error: {op} on CUDA was given a non-contiguous input"),
+    }
+}
+
+/// A fresh output of `n` elements; every kernel writes all of them.
+fn output<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: the kernel launched next writes every element before anything reads one.
+    unsafe { dev.alloc::<T>(n.max(1)) }
+}
+
+/// Runs `$body` with `$t` bound to the element type of `$dt` and `$c` to its compute type (f32
+/// for f32 and bf16, f64 for f64).
+macro_rules! by_dtype {
+    ($dt:expr, $op:expr, <$t:ident, $c:ident> $body:expr) => {
+        match $dt {
+            DType::F32 => {
+                type $t = f32;
+                #[allow(dead_code)]
+                type $c = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                #[allow(dead_code)]
+                type $c = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                #[allow(dead_code)]
+                type $c = f32;
+                $body
+            }
+            dtype => return fail(NnError::UnsupportedDType { op: $op, dtype }),
+        }
+    };
+}
+
+/// `max(a + b, 0)` (`b` absent: `max(a, 0)`): the forward of [`crate::relu`] and
+/// [`crate::add_relu`].
+pub(crate) fn relu(a: &CudaStorage, la: &Layout, b: Option<(&CudaStorage, &Layout)>) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "relu";
+    let dev = &a.device;
+    let n = la.shape().elem_count();
+    let f = func(dev, "relu_fwd", a.dtype(), OP)?;
+    let out = by_dtype!(a.dtype(), OP, <T, C> {
+        let out = output::<T>(dev, n)?;
+        let av = view::<T>(a, la, OP)?;
+        let bv = match b {
+            Some((b, lb)) => view::<T>(b, lb, OP)?,
+            None => view::<T>(a, la, OP)?,
+        };
+        let has_b = i32::from(b.is_some());
+        if n > 0 {
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+            builder.arg(&n).arg(&av).arg(&bv).arg(&has_b).arg(&out);
+            // SAFETY: the kernel reads `n` elements of `a` (and `b`, the same size, checked by
+            // the caller) and writes `n` of `out`; the argument types match its signature.
+            unsafe { builder.launch(elementwise(n)) }.w()?;
+        }
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, la.shape().clone()))
+}
+
+/// `g` where `y > 0`, else 0: the ReLU's backward (`y` the forward's output).
+pub(crate) fn relu_backward(y: &CudaStorage, ly: &Layout, g: &CudaStorage, lg: &Layout) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "relu backward";
+    let dev = &y.device;
+    let n = ly.shape().elem_count();
+    if lg.shape().elem_count() != n {
+        return fail(NnError::ShapeMismatch { op: OP, shapes: vec![ly.shape().clone(), lg.shape().clone()] });
+    }
+    let f = func(dev, "relu_bwd", y.dtype(), OP)?;
+    let out = by_dtype!(y.dtype(), OP, <T, C> {
+        let out = output::<T>(dev, n)?;
+        let (yv, gv) = (view::<T>(y, ly, OP)?, view::<T>(g, lg, OP)?);
+        if n > 0 {
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+            builder.arg(&n).arg(&yv).arg(&gv).arg(&out);
+            // SAFETY: `y`, `g` and `out` hold `n` elements each, of the kernel's types.
+            unsafe { builder.launch(elementwise(n)) }.w()?;
+        }
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, ly.shape().clone()))
+}
+
+/// `(n, c, inner)` of an `[N, C, ...]` layout.
+fn geometry(l: &Layout, op: &'static str) -> Result<(usize, usize, usize)> {
+    crate::channel::geometry(l.dims(), op)
+}
+
+/// Per channel `[Σx; Σx²]` as an f64 `[2, C]` storage: [`crate::channel_moments`].
+pub(crate) fn channel_moments(x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "channel_moments";
+    let dev = &x.device;
+    let (n, c, inner) = geometry(lx, OP)?;
+    let f = func(dev, "channel_moments", x.dtype(), OP)?;
+    let out = dev.alloc_zeros::<f64>((2 * c).max(1))?;
+    by_dtype!(x.dtype(), OP, <T, C> {
+        let xv = view::<T>(x, lx, OP)?;
+        if c > 0 {
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+            builder.arg(&n).arg(&c).arg(&inner).arg(&xv).arg(&out);
+            // SAFETY: `x` holds n·c·inner elements; `out` 2c f64 values, one block per channel.
+            unsafe { builder.launch(per_channel(c)) }.w()?;
+        }
+    });
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, c))))
+}
+
+/// Batch norm's forward: `tail(a[c]·x + b[c])`, where `tail` is `mode` 0 (none), 1 (ReLU), 2
+/// (`max(· + third, 0)`, a skip input) or 3 (`max(· + a2[c]·third + b2[c], 0)`, a normalised
+/// shortcut); `a`, `b`, `a2`, `b2` already rounded to the compute type (exact in f64).
+pub(crate) struct BnForward<'a> {
+    /// The per-channel scale and shift.
+    pub ab: (&'a [f64], &'a [f64]),
+    /// The shortcut's scale and shift (mode 3).
+    pub branch: Option<(&'a [f64], &'a [f64])>,
+    /// 0 to 3, as above.
+    pub mode: i32,
+}
+
+impl BnForward<'_> {
+    /// The output for `x` (and the skip or shortcut input `third`, modes 2 and 3).
+    pub fn run(&self, x: &CudaStorage, lx: &Layout, third: Option<(&CudaStorage, &Layout)>) -> Result<(CudaStorage, Shape)> {
+        const OP: &str = "batch_norm";
+        let dev = &x.device;
+        let (_, c, inner) = geometry(lx, OP)?;
+        let len = lx.shape().elem_count();
+        let f = func(dev, "bn_forward", x.dtype(), OP)?;
+        let out = by_dtype!(x.dtype(), OP, <T, C> {
+            let coef = |v: &[f64]| -> Result<CudaSlice<C>> {
+                let v: Vec<C> = v.iter().map(|&v| v as C).collect();
+                dev.clone_htod(&v)
+            };
+            let (a, b) = (coef(self.ab.0)?, coef(self.ab.1)?);
+            let (a2, b2) = match self.branch {
+                Some((a2, b2)) => (coef(a2)?, coef(b2)?),
+                None => (coef(self.ab.0)?, coef(self.ab.1)?),
+            };
+            let out = output::<T>(dev, len)?;
+            let xv = view::<T>(x, lx, OP)?;
+            let tv = match third {
+                Some((t, lt)) => view::<T>(t, lt, OP)?,
+                None => view::<T>(x, lx, OP)?,
+            };
+            if len > 0 {
+                let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+                builder.arg(&len).arg(&c).arg(&inner).arg(&xv).arg(&tv);
+                builder.arg(&a).arg(&b).arg(&a2).arg(&b2).arg(&self.mode).arg(&out);
+                // SAFETY: `x`, `third` and `out` hold `len` elements, the coefficients `c`
+                // values each, of the kernel's types.
+                unsafe { builder.launch(elementwise(len)) }.w()?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
+        Ok((out, lx.shape().clone()))
+    }
+}
+
+/// Batch norm's backward sums, per channel `[Σg'; Σg'·(x − mean)]` as an f64 `[2, C]` tensor
+/// (an untracked op on `(g, x, y)`; `g'` is `g` masked by `y > 0` with `relu`).
+pub(crate) struct BnBackwardSums {
+    /// The mean per channel.
+    pub mean: Vec<f64>,
+    /// Whether the tail had a ReLU.
+    pub relu: bool,
+}
+
+impl candle_core::CustomOp3 for BnBackwardSums {
+    fn name(&self) -> &'static str {
+        "allgrad-batch-norm-backward-sums"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        fail(NnError::DeviceMismatch { op: "batch_norm backward sums (CUDA only)" })
+    }
+
+    fn cuda_fwd(
+        &self,
+        g: &CudaStorage,
+        lg: &Layout,
+        x: &CudaStorage,
+        lx: &Layout,
+        y: &CudaStorage,
+        ly: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        const OP: &str = "batch_norm backward";
+        let dev = &x.device;
+        let (n, c, inner) = geometry(lx, OP)?;
+        let f = func(dev, "bn_backward_sums", x.dtype(), OP)?;
+        let mean = dev.clone_htod(&self.mean)?;
+        let relu = i32::from(self.relu);
+        let out = dev.alloc_zeros::<f64>((2 * c).max(1))?;
+        by_dtype!(x.dtype(), OP, <T, C> {
+            let (gv, xv, yv) = (view::<T>(g, lg, OP)?, view::<T>(x, lx, OP)?, view::<T>(y, ly, OP)?);
+            if c > 0 {
+                let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+                builder.arg(&n).arg(&c).arg(&inner).arg(&gv).arg(&xv).arg(&yv).arg(&mean).arg(&relu).arg(&out);
+                // SAFETY: `g`, `x`, `y` hold n·c·inner elements, `mean` c values and `out` 2c,
+                // one block per channel.
+                unsafe { builder.launch(per_channel(c)) }.w()?;
+            }
+        });
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, c))))
+    }
+}
+
+/// Batch norm's input gradient `∂x = k·g' + c1·(x − μ) + c0` per channel (an untracked op on
+/// `(g, x, y)`), the coefficients already rounded to the compute type (exact in f64).
+pub(crate) struct BnBackwardDx {
+    /// `k`, `c1`, `c0` and `μ` per channel.
+    pub coef: [Vec<f64>; 4],
+    /// Whether the tail had a ReLU (`g'` is `g` masked by `y > 0`).
+    pub relu: bool,
+}
+
+impl candle_core::CustomOp3 for BnBackwardDx {
+    fn name(&self) -> &'static str {
+        "allgrad-batch-norm-backward-dx"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        fail(NnError::DeviceMismatch { op: "batch_norm backward dx (CUDA only)" })
+    }
+
+    fn cuda_fwd(
+        &self,
+        g: &CudaStorage,
+        lg: &Layout,
+        x: &CudaStorage,
+        lx: &Layout,
+        y: &CudaStorage,
+        ly: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        const OP: &str = "batch_norm backward";
+        let dev = &x.device;
+        let (_, c, inner) = geometry(lx, OP)?;
+        let len = lx.shape().elem_count();
+        let f = func(dev, "bn_backward_dx", x.dtype(), OP)?;
+        let relu = i32::from(self.relu);
+        let out = by_dtype!(x.dtype(), OP, <T, C> {
+            let up = |v: &[f64]| -> Result<CudaSlice<C>> {
+                let v: Vec<C> = v.iter().map(|&v| v as C).collect();
+                dev.clone_htod(&v)
+            };
+            let [k, c1, c0, mu] = &self.coef;
+            let (k, c1, c0, mu) = (up(k)?, up(c1)?, up(c0)?, up(mu)?);
+            let out = output::<T>(dev, len)?;
+            let (gv, xv, yv) = (view::<T>(g, lg, OP)?, view::<T>(x, lx, OP)?, view::<T>(y, ly, OP)?);
+            if len > 0 {
+                let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+                builder.arg(&len).arg(&c).arg(&inner).arg(&gv).arg(&xv).arg(&yv);
+                builder.arg(&k).arg(&c1).arg(&c0).arg(&mu).arg(&relu).arg(&out);
+                // SAFETY: `g`, `x`, `y` and `out` hold `len` elements, the coefficients `c`
+                // values each, of the kernel's types.
+                unsafe { builder.launch(elementwise(len)) }.w()?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
+        Ok((out, lx.shape().clone()))
+    }
+}

@@ -1,0 +1,196 @@
+//! The fused element-wise ops' CUDA kernels (feature `cuda`) against their CPU kernels:
+//! `relu`, `add_relu`, `channel_moments` and `batch_norm` with every tail (none, ReLU, skip
+//! add + ReLU, normalised shortcut add + ReLU) under batch and fixed statistics, outputs and
+//! every gradient, on odd shapes (and a strided input), in f64 (relative 1e-10) and f32
+//! (relative 1e-5), and bf16 activations with f32 parameters (autocast).
+//!
+//! Built only with the `cuda` feature; it needs a GPU (`scripts/gpu_ci.sh`). Without one it
+//! skips, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which makes that
+//! a failure. It compares the kernels, so it refuses to run with ALLGRAD_CUDA_FUSED=0 (then
+//! `batch_norm` refuses CUDA inputs, and `relu` is Candle's, whose derivative at 0 is 1).
+#![cfg(feature = "cuda")]
+
+use allgrad_nn::{add_relu, batch_norm, channel_moments, relu, BnBranch, BnStats, BnTail};
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+fn gpu() -> Option<Device> {
+    let off = std::env::var("ALLGRAD_CUDA_FUSED").is_ok_and(|v| v.trim() == "0");
+    assert!(!off, "ALLGRAD_CUDA_FUSED=0 turns off the CUDA kernels this test compares with the CPU kernels: unset it");
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            // A failure instead where a GPU is required (ALLGRAD_REQUIRE_GPU=1).
+            allgrad_testkit::skip(allgrad_testkit::Need::Gpu, &format!("no CUDA device ({e})"));
+            None
+        }
+    }
+}
+
+/// Deterministic values in [-1, 1), different for every position and `salt`.
+fn values(n: usize, salt: u64) -> Vec<f64> {
+    (0..n as u64)
+        .map(|i| {
+            let h = (i.wrapping_add(salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            ((h >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// A tracked tensor of `dims` with values from `salt` (scaled and shifted), of dtype `dt` on `dev`.
+fn var(dev: &Device, dt: DType, dims: &[usize], salt: u64, scale: f64, shift: f64) -> Result<Var> {
+    let v: Vec<f64> = values(dims.iter().product(), salt).iter().map(|v| v * scale + shift).collect();
+    Var::from_tensor(&Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(dt)?.to_device(dev)?)
+}
+
+fn host(t: &Tensor) -> Result<Vec<f64>> {
+    t.flatten_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_vec1()
+}
+
+/// `Σ y ⊙ c` for a fixed `c`: a loss whose gradient with respect to `y` is `c`.
+fn loss(y: &Tensor, salt: u64) -> Result<Tensor> {
+    let c =
+        Tensor::from_vec(values(y.elem_count(), salt), y.shape(), &Device::Cpu)?.to_dtype(y.dtype())?.to_device(y.device())?;
+    (y * c)?.sum_all()
+}
+
+fn check(what: &str, gpu: &[f64], cpu: &[f64], rel: f64) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    let scale = cpu.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-300);
+    let worst = gpu.iter().zip(cpu).map(|(g, c)| (g - c).abs()).fold(0f64, f64::max);
+    assert!(worst <= rel * scale, "{what}: max |CUDA - CPU| = {worst:e} > {rel:e} x max |CPU| = {scale:e}");
+}
+
+/// Output, ∂a and ∂b of `relu(a)` (`add`: `add_relu(a, b)`) on `dev`; `a` is a transposed
+/// (strided) view.
+fn run_relu(dev: &Device, dt: DType, add: bool) -> Result<Vec<Vec<f64>>> {
+    let a = var(dev, dt, &[3, 7, 5, 9], 1, 1.0, 0.1)?;
+    let b = var(dev, dt, &[3, 5, 7, 9], 2, 1.0, 0.0)?;
+    let at = a.as_tensor().transpose(1, 2)?;
+    let y = if add { add_relu(&at, b.as_tensor())? } else { relu(&at)? };
+    let grads = loss(&y, 3)?.backward()?;
+    let mut out = vec![host(&y)?, host(grads.get(&a).expect("a is tracked"))?];
+    if add {
+        out.push(host(grads.get(&b).expect("b is tracked"))?);
+    }
+    Ok(out)
+}
+
+#[test]
+fn relu_and_add_relu_on_cuda_equal_the_cpu_kernels() {
+    let Some(dev) = gpu() else { return };
+    // Both sides compute max(a + b, 0) in the same precision (bf16: in f32, rounded to nearest
+    // even once), so the tolerances could be 0; the project's usual ones are kept for f64/f32.
+    for (dt, rel) in [(DType::F64, 1e-10), (DType::F32, 1e-5), (DType::BF16, 0.0)] {
+        for add in [false, true] {
+            let name = if add { "add_relu" } else { "relu" };
+            let cpu = run_relu(&Device::Cpu, dt, add).unwrap();
+            let cuda = run_relu(&dev, dt, add).unwrap();
+            for (i, part) in ["output", "∂a", "∂b"].iter().take(cpu.len()).enumerate() {
+                check(&format!("{name} {dt:?} {part}"), &cuda[i], &cpu[i], rel);
+            }
+        }
+    }
+}
+
+#[test]
+fn channel_moments_on_cuda_equal_the_cpu_kernel() {
+    let Some(dev) = gpu() else { return };
+    for dims in [[3usize, 5, 7, 9].as_slice(), &[5, 3], &[2, 6, 1, 33]] {
+        for dt in [DType::F64, DType::F32, DType::BF16] {
+            let run = |d: &Device| -> Result<Vec<f64>> {
+                let x = var(d, dt, dims, 4, 2.0, 3.0)?;
+                host(&channel_moments(x.as_tensor())?)
+            };
+            // The sums are f64 on both sides, of the same (exactly widened) values, in another
+            // order: f64 rounding only, whatever the input's dtype.
+            check(&format!("channel_moments {dims:?} {dt:?}"), &run(&dev).unwrap(), &run(&Device::Cpu).unwrap(), 1e-10);
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Tail {
+    Identity,
+    Relu,
+    AddRelu,
+    AddBnRelu,
+}
+
+/// Batch statistics of `x` (biased variance over `N·inner` values per channel), computed in
+/// f64 on the host: the same constants for both devices.
+fn batch_stats(x: &Var) -> Result<BnStats> {
+    let dims = x.dims().to_vec();
+    let (n, c, inner) = (dims[0], dims[1], dims[2..].iter().product::<usize>());
+    let v = host(x.as_tensor())?;
+    let count = (n * inner) as f64;
+    let (mut mean, mut var) = (vec![0f64; c], vec![0f64; c]);
+    for ch in 0..c {
+        let vals = (0..n).flat_map(|i| (0..inner).map(move |j| (i * c + ch) * inner + j)).map(|at| v[at]);
+        mean[ch] = vals.clone().sum::<f64>() / count;
+        var[ch] = vals.map(|x| (x - mean[ch]).powi(2)).sum::<f64>() / count;
+    }
+    Ok(BnStats::Batch { mean, var, count, sum_over_ranks: None })
+}
+
+/// Fixed statistics (as running ones would be), the same for both devices.
+fn fixed_stats(c: usize, salt: u64) -> BnStats {
+    let mean = values(c, salt).iter().map(|v| 0.3 * v).collect();
+    let var = values(c, salt + 1).iter().map(|v| 1.0 + 0.5 * v).collect();
+    BnStats::Fixed { mean, var }
+}
+
+/// Output and every gradient of `batch_norm(x) → tail` on `dev`: `[y, ∂x, ∂γ, ∂β]`, then `∂skip`
+/// or the shortcut's `[∂x', ∂γ', ∂β']`. Activations in `dt`, parameters in `pdt`.
+fn run_bn(dev: &Device, dt: DType, pdt: DType, dims: &[usize], tail: Tail, batch: bool) -> Result<Vec<Vec<f64>>> {
+    let c = dims[1];
+    let x = var(dev, dt, dims, 5, 1.5, 0.7)?;
+    let w = var(dev, pdt, &[c], 6, 0.5, 1.0)?;
+    let b = var(dev, pdt, &[c], 7, 0.5, 0.0)?;
+    let skip = var(dev, dt, dims, 8, 1.0, 0.0)?;
+    let (xs, ws, bs) =
+        (var(dev, dt, dims, 9, 0.8, -0.4)?, var(dev, pdt, &[c], 10, 0.5, 1.0)?, var(dev, pdt, &[c], 11, 0.5, 0.0)?);
+    let stats = if batch { batch_stats(&x)? } else { fixed_stats(c, 12) };
+    let shortcut_stats = if batch { batch_stats(&xs)? } else { fixed_stats(c, 14) };
+    let branch = BnBranch { x: xs.as_tensor(), weight: ws.as_tensor(), bias: bs.as_tensor(), stats: &shortcut_stats, eps: 1e-3 };
+    let t = match tail {
+        Tail::Identity => BnTail::Identity,
+        Tail::Relu => BnTail::Relu,
+        Tail::AddRelu => BnTail::AddRelu(skip.as_tensor()),
+        Tail::AddBnRelu => BnTail::AddBnRelu(&branch),
+    };
+    let y = batch_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), &stats, 1e-5, t)?;
+    let grads = loss(&y, 13)?.backward()?;
+    let g = |v: &Var| host(grads.get(v).expect("tracked input has a gradient"));
+    let mut out = vec![host(&y)?, g(&x)?, g(&w)?, g(&b)?];
+    match tail {
+        Tail::AddRelu => out.push(g(&skip)?),
+        Tail::AddBnRelu => out.extend([g(&xs)?, g(&ws)?, g(&bs)?]),
+        _ => {}
+    }
+    Ok(out)
+}
+
+#[test]
+fn batch_norm_with_every_tail_on_cuda_equals_the_cpu_kernels() {
+    let Some(dev) = gpu() else { return };
+    // bf16 activations with f32 parameters (autocast): both sides compute in f32 and round each
+    // stored value to bf16 once, but the f64 per-channel sums are added in another order, so
+    // a value of ∂x near a rounding boundary may land one bf16 step (2^-8 relative) apart.
+    let dtypes = [(DType::F64, DType::F64, 1e-10), (DType::F32, DType::F32, 1e-5), (DType::BF16, DType::F32, 2f64.powi(-7))];
+    for dims in [[3usize, 5, 7, 9].as_slice(), &[7, 3], &[2, 4, 1, 37]] {
+        for (dt, pdt, rel) in dtypes {
+            for tail in [Tail::Identity, Tail::Relu, Tail::AddRelu, Tail::AddBnRelu] {
+                for batch in [true, false] {
+                    let cpu = run_bn(&Device::Cpu, dt, pdt, dims, tail, batch).unwrap();
+                    let cuda = run_bn(&dev, dt, pdt, dims, tail, batch).unwrap();
+                    let parts = ["output", "∂x", "∂γ", "∂β", "∂skip or ∂x'", "∂γ'", "∂β'"];
+                    assert_eq!(cpu.len(), cuda.len());
+                    for (i, part) in parts.iter().take(cpu.len()).enumerate() {
+                        let what = format!("batch_norm {dims:?} {dt:?} {tail:?} batch statistics {batch}: {part}");
+                        check(&what, &cuda[i], &cpu[i], rel);
+                    }
+                }
+            }
+        }
+    }
+}
