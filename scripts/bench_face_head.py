@@ -240,6 +240,9 @@ def rank_main(rank, a, port):
         if rank == 0:
             shown = " ".join(f"loss{'' if k == 0 else k + 1}={v:.9f}" for k, v in enumerate(losses))
             print(f"face_head_check impl=torch world={w} {shown}", flush=True)
+        # Every rank leaves the group together: a rank that tears gloo down while another is
+        # still in a collective aborts the job (seen with 2 ranks and CosFace).
+        dist.barrier()
         dist.destroy_process_group()
         return
     init_mib = status_mib("VmRSS")

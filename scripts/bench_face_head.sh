@@ -133,7 +133,14 @@ if ((check)); then
             fi
             la=$(grep -o 'face_head_check.*' "$dir.allgrad.log")
             if ((torch)) && ! one_run torch "$w" "$check_classes" "$r" "$dir.torch.log" --margin "$m" --check "$dir"; then
-                echo "$w $m $r: PyTorch --check failed (log $dir.torch.log)"; failed=1; continue
+                # PyTorch 2.15's gloo can abort a rank while the processes exit ("terminate
+                # called without an active exception") after the losses were printed: those
+                # losses are still compared; a run that printed none fails the check.
+                if grep -q 'face_head_check' "$dir.torch.log"; then
+                    echo "$w $m $r: PyTorch exited abnormally after printing its losses (log $dir.torch.log); they are compared"
+                else
+                    echo "$w $m $r: PyTorch --check failed (log $dir.torch.log)"; failed=1; continue
+                fi
             fi
             lt=$( ((torch)) && grep -o 'face_head_check.*' "$dir.torch.log" || true)
             for key in loss loss2 loss3; do
