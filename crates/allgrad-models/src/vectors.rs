@@ -133,24 +133,11 @@ impl Objective for VectorContrastive {
 
     /// The queue of past keys (`loss.queue`), when it holds any.
     fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut out = Vec::new();
-        if let Some(q) = &self.queue {
-            q.save_into(&mut out)?;
-        }
-        Ok(out)
+        crate::tiled::queue_buffers(self.queue.as_ref())
     }
 
     fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        let rest = match &mut self.queue {
-            Some(q) => q.load_from(buffers)?,
-            None => buffers.clone(),
-        };
-        if let Some(name) = rest.keys().next() {
-            candle_core::bail!(
-                "the vectors objective has no buffer {name} (the checkpoint's loss.queue and the config's differ?)"
-            );
-        }
-        Ok(())
+        crate::tiled::load_queue_buffers(self.queue.as_mut(), buffers, "vectors")
     }
 
     fn evaluate(&mut self, _pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

@@ -94,7 +94,7 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Tensor};
 
 pub use pairs::Pairs;
-pub use queue::KeyQueue;
+pub use queue::{load_queue_buffers, queue_buffers, KeyQueue};
 
 use crate::losses::Temperature;
 use op::Kernel;

@@ -125,6 +125,30 @@ impl KeyQueue {
     }
 }
 
+/// `Objective::buffers` of an objective whose only buffer is its queue (`None`: no queue).
+pub fn queue_buffers(queue: Option<&KeyQueue>) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::new();
+    if let Some(q) = queue {
+        q.save_into(&mut out)?;
+    }
+    Ok(out)
+}
+
+/// `Objective::load_buffers` of an objective whose only buffer is its queue: any other
+/// buffer is an error naming it and `objective`.
+pub fn load_queue_buffers(queue: Option<&mut KeyQueue>, buffers: &HashMap<String, Tensor>, objective: &str) -> Result<()> {
+    let rest = match queue {
+        Some(q) => q.load_from(buffers)?,
+        None => buffers.clone(),
+    };
+    if let Some(name) = rest.keys().next() {
+        candle_core::bail!(
+            "the {objective} objective has no buffer {name} (the checkpoint's loss.queue and the config's differ?)"
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
