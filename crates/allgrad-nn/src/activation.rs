@@ -20,7 +20,7 @@ use std::borrow::Cow;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, dense, float_kernel, fused_float, zeros, Float, GRAIN};
+use crate::cpu::{contiguous, dense, float_kernel, fused_float, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
 
 /// `out[i] = max(a[i] + b[i], 0)` (`b` absent: `max(a[i], 0)`), in parallel.
@@ -181,8 +181,13 @@ impl CustomOp1 for Gelu {
         Ok((out, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::gelu(s, l)
+    }
+
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.detach().apply_op2_no_bwd(&g.detach().to_dtype(x.dtype())?, &GeluGrad)?))
+        Ok(Some(dense(&x.detach())?.apply_op2_no_bwd(&dense(&g.detach().to_dtype(x.dtype())?)?, &GeluGrad)?))
     }
 }
 
@@ -201,17 +206,29 @@ impl CustomOp2 for GeluGrad {
         });
         Ok((out, lx.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sg: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::gelu_backward(sx, lx, sg, lg)
+    }
 }
 
-/// GELU in its exact form, `x/2 · (1 + erf(x/√2))`, fused and parallel on the CPU (f32/f64)
-/// with an exact one-pass backward; see the module docs. Elsewhere the same formula composed
-/// from Candle's `erf`, whose backward is exact.
+/// GELU in its exact form, `x/2 · (1 + erf(x/√2))`, fused and parallel on the CPU (f32/f64/
+/// bf16) and one kernel on CUDA (feature `cuda`), with an exact one-pass backward; see the
+/// module docs. Elsewhere the same formula composed from Candle's `erf`, whose backward is
+/// exact.
 pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
-    if !cpu_float(x) {
+    if !fused_float(x) {
         let half = x.affine(0.5, 0.0)?;
         return half * x.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?.affine(1.0, 1.0)?;
     }
-    x.apply_op1(Gelu)
+    dense(x)?.apply_op1(Gelu)
 }
 
 /// `max(x, 0)`, fused and parallel on the CPU (f32/f64/bf16) and one kernel on CUDA (feature

@@ -101,9 +101,9 @@ fn geometry(x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<ConvGeom> {
 }
 
 /// Whether `x` takes this module's kernels: f32, f64 or bf16 (computed in f32) on the CPU, or
-/// f32 or f64 (feature `cudnn`) on a CUDA device through cuDNN.
+/// f32, f64 or bf16 (computed in f32) on a CUDA device through cuDNN (feature `cudnn`).
 fn fast_path(x: &Tensor) -> bool {
-    let cuda = cfg!(feature = "cudnn") && x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::F64);
+    let cuda = cfg!(feature = "cudnn") && x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::F64 | DType::BF16);
     cpu_float(x) || cuda
 }
 
@@ -113,8 +113,9 @@ fn fast_path(x: &Tensor) -> bool {
 ///
 /// On the CPU with f32 or f64 this is im2col + GEMM, parallel over the batch, and its backward
 /// returns both the input and the weight gradient (each only when the tensor is tracked), again
-/// as GEMMs. On CUDA with f32 or f64 in a build with the `cudnn` feature, the forward and both
-/// gradients are cuDNN calls (plain f32 math, no TF32). Other devices and dtypes fall back to
+/// as GEMMs. On CUDA with f32, f64 or bf16 in a build with the `cudnn` feature, the forward and
+/// both gradients are cuDNN calls (plain f32 math, no TF32 unless [`crate::set_tf32`] allows
+/// it; bf16 computed in f32 on the tensor cores). Other devices and dtypes fall back to
 /// Candle's `conv2d` (and its backward).
 ///
 /// Gradient convention: this op is local to the rank; its backward returns ∂L/∂x and ∂L/∂w of
@@ -124,8 +125,9 @@ fn fast_path(x: &Tensor) -> bool {
 /// On the CPU the f32 weight enters the kernel rounded to bf16, the convolution is computed in
 /// f32 and its output rounded; the backward computes in f32 from the same bf16 values and
 /// returns `∂x` in bf16 and `∂w` in f32 (unrounded: better than a bf16 weight gradient, and the
-/// same on W ranks as on one). Elsewhere the weight is cast to bf16 too. A bf16 input with an
-/// f32 weight is computed this way without the guard as well.
+/// same on W ranks as on one). On CUDA the weight is cast to bf16 too and cuDNN returns both
+/// gradients in bf16 (the cast's backward widens `∂w` to f32). A bf16 input with an f32 weight
+/// on the CPU is computed this way without the guard as well.
 ///
 /// # Errors
 /// When the ranks, channel counts, groups or sizes do not fit together; the message names the

@@ -6,11 +6,15 @@
 //! transposed-convolution kernel (one thread per input element looping over the kernel),
 //! several times slower than the forward; this path replaces it.
 //!
-//! Precision: f32 runs with `CUDNN_FMA_MATH`, i.e. plain f32 arithmetic, never TF32 (cuDNN's
-//! default math allows TF32 on Ampere and later). Results are f32 results, comparable with
-//! the CPU kernels at f32 tolerance; f64 is supported too. cuDNN picks each algorithm by its
-//! heuristics, so the weight gradient's summation order (and its last bits) may differ from
-//! the CPU's and between algorithms.
+//! Precision: f32 runs with `CUDNN_FMA_MATH`, i.e. plain f32 arithmetic, never TF32, unless
+//! [`crate::set_tf32`] allows TF32 (`CUDNN_DEFAULT_MATH`, which permits it on Ampere and
+//! later). Plain-f32 results are comparable with the CPU kernels at f32 tolerance; f64 is
+//! supported too. bf16 (autocast) stores bf16 and computes in f32 (cuDNN's
+//! `PSEUDO_BFLOAT16_CONFIG`: a bf16 input, weight and output, an f32 convolution descriptor)
+//! with tensor cores allowed (`CUDNN_TENSOR_OP_MATH`); its weight gradient is bf16, widened to
+//! the f32 master weight's gradient by the autocast cast's backward (PyTorch's autocast does
+//! the same). cuDNN picks each algorithm by its heuristics, so the weight gradient's summation
+//! order (and its last bits) may differ from the CPU's and between algorithms.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -24,6 +28,7 @@ use candle_core::cuda::cudarc::cudnn::{
 use candle_core::cuda::cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use candle_core::cuda::{CudaDType, DeviceId};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, WithDType};
+use half::bf16;
 
 use crate::im2col::ConvGeom;
 
@@ -44,19 +49,53 @@ fn handle(dev: &CudaDevice) -> Result<Arc<Cudnn>> {
 }
 
 /// The descriptors of one convolution: x (n, c, h, w), w (o, c / groups, kh, kw),
-/// y (n, o, oh, ow), all contiguous NCHW.
-struct Descs<T: CudnnDataType> {
-    conv: ConvDescriptor<T>,
-    x: TensorDescriptor<T>,
-    w: FilterDescriptor<T>,
-    y: TensorDescriptor<T>,
+/// y (n, o, oh, ow), all contiguous NCHW, of data type `X`; the convolution computes in `C`.
+struct Descs<X: CudnnDataType, C: CudnnDataType> {
+    conv: ConvDescriptor<C>,
+    x: TensorDescriptor<X>,
+    w: FilterDescriptor<X>,
+    y: TensorDescriptor<X>,
 }
 
-fn descs<T: CudnnDataType>(cudnn: &Arc<Cudnn>, g: &ConvGeom) -> Result<Descs<T>> {
+/// A data type cuDNN convolves, with the type it computes in and the math it may use.
+trait ConvType: CudaDType + CudnnDataType + DeviceRepr + ValidAsZeroBits + WithDType {
+    /// The convolution descriptor's type: the type itself, f32 for bf16.
+    type Compute: CudnnDataType;
+    /// `CUDNN_FMA_MATH` (no tensor cores), `CUDNN_DEFAULT_MATH` (TF32 allowed) or
+    /// `CUDNN_TENSOR_OP_MATH` (bf16 tensor cores).
+    fn math() -> sys::cudnnMathType_t;
+}
+
+impl ConvType for f64 {
+    type Compute = f64;
+    fn math() -> sys::cudnnMathType_t {
+        sys::cudnnMathType_t::CUDNN_FMA_MATH
+    }
+}
+
+impl ConvType for f32 {
+    type Compute = f32;
+    fn math() -> sys::cudnnMathType_t {
+        if crate::tf32() {
+            sys::cudnnMathType_t::CUDNN_DEFAULT_MATH
+        } else {
+            sys::cudnnMathType_t::CUDNN_FMA_MATH
+        }
+    }
+}
+
+impl ConvType for bf16 {
+    type Compute = f32;
+    fn math() -> sys::cudnnMathType_t {
+        sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH
+    }
+}
+
+fn descs<T: ConvType>(cudnn: &Arc<Cudnn>, g: &ConvGeom) -> Result<Descs<T, T::Compute>> {
     let i = |v: usize| v as i32;
     let wrap = candle_core::Error::wrap;
     let mut conv = cudnn
-        .create_conv2d::<T>(
+        .create_conv2d::<T::Compute>(
             [i(g.pad), i(g.pad)],
             [i(g.stride), i(g.stride)],
             [i(g.dil), i(g.dil)],
@@ -64,7 +103,7 @@ fn descs<T: CudnnDataType>(cudnn: &Arc<Cudnn>, g: &ConvGeom) -> Result<Descs<T>>
         )
         .map_err(wrap)?;
     conv.set_group_count(i(g.groups)).map_err(wrap)?;
-    conv.set_math_type(sys::cudnnMathType_t::CUDNN_FMA_MATH).map_err(wrap)?;
+    conv.set_math_type(T::math()).map_err(wrap)?;
     let nchw = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
     Ok(Descs {
         x: cudnn.create_4d_tensor::<T>(nchw, [i(g.n), i(g.c), i(g.h), i(g.w)]).map_err(wrap)?,
@@ -87,18 +126,13 @@ pub(crate) fn forward(g: &ConvGeom, x: &CudaStorage, lx: &Layout, w: &CudaStorag
     let out = match x.dtype() {
         DType::F32 => run_forward::<f32>(g, x, lx, w, lw)?,
         DType::F64 => run_forward::<f64>(g, x, lx, w, lw)?,
-        dt => candle_core::bail!("allgrad conv2d (cuDNN): {dt:?} is not supported (f32, f64)"),
+        DType::BF16 => run_forward::<bf16>(g, x, lx, w, lw)?,
+        dt => candle_core::bail!("allgrad conv2d (cuDNN): {dt:?} is not supported (f32, f64, bf16)"),
     };
     Ok((out, shape))
 }
 
-fn run_forward<T: CudaDType + CudnnDataType + DeviceRepr + ValidAsZeroBits + WithDType>(
-    g: &ConvGeom,
-    x: &CudaStorage,
-    lx: &Layout,
-    w: &CudaStorage,
-    lw: &Layout,
-) -> Result<CudaStorage> {
+fn run_forward<T: ConvType>(g: &ConvGeom, x: &CudaStorage, lx: &Layout, w: &CudaStorage, lw: &Layout) -> Result<CudaStorage> {
     let dev = &x.device;
     let cudnn = handle(dev)?;
     let d = descs::<T>(&cudnn, g)?;
@@ -128,7 +162,8 @@ pub(crate) fn backward(
     let (out, len) = match x.dtype() {
         DType::F32 => parts.run::<f32>()?,
         DType::F64 => parts.run::<f64>()?,
-        dt => candle_core::bail!("allgrad conv2d backward (cuDNN): {dt:?} is not supported (f32, f64)"),
+        DType::BF16 => parts.run::<bf16>()?,
+        dt => candle_core::bail!("allgrad conv2d backward (cuDNN): {dt:?} is not supported (f32, f64, bf16)"),
     };
     Ok((out, Shape::from(len)))
 }
@@ -146,7 +181,7 @@ struct Parts<'a> {
 }
 
 impl Parts<'_> {
-    fn run<T: CudaDType + CudnnDataType + DeviceRepr + ValidAsZeroBits + WithDType>(&self) -> Result<(CudaStorage, usize)> {
+    fn run<T: ConvType>(&self) -> Result<(CudaStorage, usize)> {
         let g = self.g;
         let dev = &self.x.device;
         let cudnn = handle(dev)?;

@@ -36,8 +36,9 @@
 //!   CPU, with the statistics given by the caller (summed over ranks for SyncBatchNorm) and a
 //!   closed-form two-pass backward.
 //!
-//! With feature `cuda`, [`relu`], [`add_relu`], [`channel_moments`] and [`batch_norm`] (with
-//! its tails) have CUDA kernels too, compiled to PTX at build time, each one kernel per pass and
+//! With feature `cuda`, [`relu`], [`add_relu`], [`gelu_erf`], [`channel_moments`] and
+//! [`batch_norm`] (with its tails) have CUDA kernels too, as has the optimizer's in-place update
+//! (`optim_cuda`), compiled to PTX at build time, each one kernel per pass and
 //! saving what its CPU twin saves (`ALLGRAD_CUDA_FUSED=0` turns them off; see
 //! [`has_fused_kernels`]). On other devices, and for dtypes other than f32/f64/bf16, each op
 //! falls back to the equivalent Candle op or a composition of differentiable Candle ops, so
@@ -82,6 +83,10 @@ mod conv_cudnn;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+/// The optimizer's in-place updates of CUDA parameters, one kernel per pass (feature `cuda`):
+/// allgrad-train's fused SGD and AdamW run them on GPU parameters.
+#[cfg(feature = "cuda")]
+pub use cuda::optim as optim_cuda;
 mod dropout;
 mod error;
 mod im2col;
@@ -92,6 +97,7 @@ mod pool;
 mod softmax;
 #[cfg(test)]
 mod test_data;
+mod tf32;
 mod trace;
 mod vmath;
 mod winograd;
@@ -109,6 +115,7 @@ pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};
+pub use tf32::{set_tf32, tf32};
 #[doc(hidden)]
 pub use trace::{kernel_paths, KernelPaths};
 /// `v ← e^v` over an f32 slice, vectorised (AVX2 where the CPU has it); relative error a few

@@ -1,7 +1,9 @@
 //! `conv2d` on CUDA through cuDNN (feature `cudnn`) against the CPU kernels: the output and
 //! both gradients (through autograd, and through `conv2d_backward` called alone) for strides 1 and
 //! 2, padding, dilation, 1x1 and 7x7 kernels and groups, in f64 (relative 1e-10) and f32
-//! (relative 1e-5, cuDNN's plain-f32 math).
+//! (relative 1e-5, cuDNN's plain-f32 math); then bf16 (autocast's type: f32 compute, bf16
+//! results) and f32 with TF32 allowed, each element within the rounding bound of its format
+//! around an f64 computation on the same inputs.
 //!
 //! Built only with the `cudnn` feature; it needs a GPU (`scripts/gpu_ci.sh`). Without one it
 //! skips, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which makes that
@@ -34,10 +36,33 @@ fn values(n: usize, salt: u64) -> Vec<f64> {
 
 /// Output, ∂x and ∂w of `Σ conv2d(x, w) ⊙ c` on `dev`, as f64 host vectors.
 fn run(dev: &Device, dt: DType, xs: &[usize], ws: &[usize], p: ConvParams) -> Result<[Vec<f64>; 5]> {
-    let x = Var::from_tensor(&Tensor::from_vec(values(xs.iter().product(), 1), xs, &Device::Cpu)?.to_dtype(dt)?.to_device(dev)?)?;
-    let w = Var::from_tensor(&Tensor::from_vec(values(ws.iter().product(), 2), ws, &Device::Cpu)?.to_dtype(dt)?.to_device(dev)?)?;
+    run_on(dev, dt, xs, ws, p, Inputs::Plain)
+}
+
+/// Which values [`run_on`] convolves: [`values`] cast to the run's dtype, [`values`] rounded to
+/// bf16 first (the inputs a bf16 run sees, for an f64 reference), or their magnitudes (an f64
+/// run on them gives `Σ |x| |w|` per output, the scale of a rounding bound).
+#[derive(Clone, Copy, PartialEq)]
+enum Inputs {
+    Plain,
+    Bf16,
+    Magnitudes,
+}
+
+fn run_on(dev: &Device, dt: DType, xs: &[usize], ws: &[usize], p: ConvParams, inputs: Inputs) -> Result<[Vec<f64>; 5]> {
+    let make = |n: usize, salt: u64, shape: &[usize]| -> Result<Tensor> {
+        let mut v = values(n, salt);
+        if inputs == Inputs::Magnitudes {
+            v.iter_mut().for_each(|x| *x = x.abs());
+        }
+        let t = Tensor::from_vec(v, shape, &Device::Cpu)?;
+        let t = if inputs == Inputs::Bf16 { t.to_dtype(DType::BF16)? } else { t };
+        t.to_dtype(dt)?.to_device(dev)
+    };
+    let x = Var::from_tensor(&make(xs.iter().product(), 1, xs)?)?;
+    let w = Var::from_tensor(&make(ws.iter().product(), 2, ws)?)?;
     let y = conv2d(x.as_tensor(), w.as_tensor(), p)?;
-    let c = Tensor::from_vec(values(y.elem_count(), 3), y.shape(), &Device::Cpu)?.to_dtype(dt)?.to_device(dev)?;
+    let c = make(y.elem_count(), 3, y.dims())?;
     let grads = (&y * &c)?.sum_all()?.backward()?;
     let host = |t: &Tensor| -> Result<Vec<f64>> { t.flatten_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_vec1() };
     // The plain-function backward, called directly, as well as through autograd.
@@ -45,6 +70,21 @@ fn run(dev: &Device, dt: DType, xs: &[usize], ws: &[usize], p: ConvParams) -> Re
     let (gx, gw) = (grads.get(&x).expect("x is tracked"), grads.get(&w).expect("w is tracked"));
     let (dx, dw) = (direct.input.expect("input asked for"), direct.weight.expect("weight asked for"));
     Ok([host(&y)?, host(gx)?, host(gw)?, host(&dx)?, host(&dw)?])
+}
+
+/// Each element of `gpu` within `rel · |exact| + acc · scale` of `exact`, where `scale` is the
+/// element's `Σ |x| |w|` (the rounding bound of a format with unit roundoff `rel` for the
+/// result and `acc` for the accumulation).
+fn check_bound(what: &str, gpu: &[f64], exact: &[f64], scale: &[f64], rel: f64, acc: f64) {
+    assert_eq!(gpu.len(), exact.len(), "{what}: lengths");
+    for (i, ((g, e), s)) in gpu.iter().zip(exact).zip(scale).enumerate() {
+        let bound = rel * e.abs() + acc * s + 1e-30;
+        assert!(
+            (g - e).abs() <= bound,
+            "{what}: element {i}: CUDA {g:e}, exact {e:e}: |difference| {:e} > bound {bound:e}",
+            (g - e).abs()
+        );
+    }
 }
 
 fn check(what: &str, gpu: &[f64], cpu: &[f64], rel: f64) {
@@ -82,5 +122,48 @@ fn cudnn_conv2d_and_its_gradients_equal_the_cpu_kernels() {
             }
             eprintln!("{name} {dt:?}: CUDA (cuDNN) equals the CPU kernels");
         }
+    }
+}
+
+#[test]
+fn cudnn_bf16_and_tf32_stay_within_their_rounding_bounds() {
+    let Some(dev) = gpu() else { return };
+    let p = |stride, padding, dilation, groups| ConvParams { stride, padding, dilation, groups };
+    let cases: [(&str, [usize; 4], [usize; 4], ConvParams); 3] = [
+        ("3x3 stride 1 pad 1", [4, 16, 12, 12], [16, 16, 3, 3], p(1, 1, 1, 1)),
+        ("1x1 stride 2 (a shortcut)", [4, 16, 8, 8], [32, 16, 1, 1], p(2, 0, 1, 1)),
+        ("7x7 stride 2 pad 3 (a stem)", [2, 3, 20, 20], [8, 3, 7, 7], p(2, 3, 1, 1)),
+    ];
+    let parts =
+        ["output", "input gradient", "weight gradient", "conv2d_backward's input gradient", "conv2d_backward's weight gradient"];
+    for (name, xs, ws, params) in cases {
+        let scale = run_on(&Device::Cpu, DType::F64, &xs, &ws, params, Inputs::Magnitudes).unwrap();
+        // bf16: the inputs are exactly bf16 values; cuDNN multiplies them exactly in f32,
+        // accumulates in f32 (at most (n - 1) · 2^-24 · Σ |terms| for n terms: 2^-12 covers the
+        // longest sum here, 576 terms of a weight gradient, with room for the algorithm's
+        // order) and rounds the result to bf16 (unit roundoff 2^-8).
+        let exact = run_on(&Device::Cpu, DType::F64, &xs, &ws, params, Inputs::Bf16).unwrap();
+        let cuda = run_on(&dev, DType::BF16, &xs, &ws, params, Inputs::Bf16).unwrap();
+        for (i, part) in parts.iter().enumerate() {
+            check_bound(&format!("{name} bf16 {part}"), &cuda[i], &exact[i], &scale[i], 2f64.powi(-8), 2f64.powi(-12));
+        }
+        eprintln!("{name} bf16: CUDA (cuDNN) within bf16 rounding of the f64 result");
+        // TF32: each f32 input rounded to a 10-bit mantissa (2^-11 each, so 2^-10 for a
+        // product) before an f32 accumulation; the result is f32.
+        allgrad_nn::set_tf32(true);
+        let tf32 = run_on(&dev, DType::F32, &xs, &ws, params, Inputs::Plain);
+        allgrad_nn::set_tf32(false);
+        let (tf32, exact) = (tf32.unwrap(), run_on(&Device::Cpu, DType::F64, &xs, &ws, params, Inputs::Plain).unwrap());
+        for (i, part) in parts.iter().enumerate() {
+            check_bound(
+                &format!("{name} f32 + TF32 {part}"),
+                &tf32[i],
+                &exact[i],
+                &scale[i],
+                2f64.powi(-24),
+                2f64.powi(-10) + 2f64.powi(-12),
+            );
+        }
+        eprintln!("{name} f32 with TF32: CUDA (cuDNN) within TF32 rounding of the f64 result");
     }
 }

@@ -1,5 +1,5 @@
 //! The fused element-wise ops' CUDA kernels (feature `cuda`) against their CPU kernels:
-//! `relu`, `add_relu`, `channel_moments` and `batch_norm` with every tail (none, ReLU, skip
+//! `relu`, `add_relu`, `gelu_erf`, `channel_moments` and `batch_norm` with every tail (none, ReLU, skip
 //! add + ReLU, normalised shortcut add + ReLU) under batch and fixed statistics, outputs and
 //! every gradient, on odd shapes (and a strided input), in f64 (relative 1e-10) and f32
 //! (relative 1e-5), and bf16 activations with f32 parameters (autocast).
@@ -10,7 +10,7 @@
 //! `batch_norm` refuses CUDA inputs, and `relu` is Candle's, whose derivative at 0 is 1).
 #![cfg(feature = "cuda")]
 
-use allgrad_nn::{add_relu, batch_norm, channel_moments, relu, BnBranch, BnStats, BnTail};
+use allgrad_nn::{add_relu, batch_norm, channel_moments, gelu_erf, relu, BnBranch, BnStats, BnTail};
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 fn gpu() -> Option<Device> {
@@ -88,6 +88,29 @@ fn relu_and_add_relu_on_cuda_equal_the_cpu_kernels() {
             for (i, part) in ["output", "∂a", "∂b"].iter().take(cpu.len()).enumerate() {
                 check(&format!("{name} {dt:?} {part}"), &cuda[i], &cpu[i], rel);
             }
+        }
+    }
+}
+
+#[test]
+fn gelu_on_cuda_equals_the_cpu_kernel() {
+    let Some(dev) = gpu() else { return };
+    // f64: CUDA's erf and exp against the CPU's, both within a few ulp. f32: the CPU's erf is a
+    // vectorised formula (absolute error below 3e-7), CUDA's erff within 2 ulp. bf16: both
+    // compute in f32 and round once, so a value near a rounding boundary may land one bf16 step
+    // (2^-8 relative) apart.
+    for (dt, rel) in [(DType::F64, 1e-10), (DType::F32, 1e-5), (DType::BF16, 2f64.powi(-7))] {
+        let run = |dev: &Device| -> Result<Vec<Vec<f64>>> {
+            // Values over [-4, 4] (the tails, where erf saturates) through a strided view.
+            let x = var(dev, dt, &[5, 7, 33], 7, 4.0, 0.0)?;
+            let xt = x.as_tensor().transpose(0, 2)?;
+            let y = gelu_erf(&xt)?;
+            let grads = loss(&y, 8)?.backward()?;
+            Ok(vec![host(&y)?, host(grads.get(&x).expect("x is tracked"))?])
+        };
+        let (cpu, cuda) = (run(&Device::Cpu).unwrap(), run(&dev).unwrap());
+        for (i, part) in ["output", "∂x"].iter().enumerate() {
+            check(&format!("gelu_erf {dt:?} {part}"), &cuda[i], &cpu[i], rel);
         }
     }
 }

@@ -54,8 +54,9 @@ pub struct RunConfig {
     /// Precision of parameters (and of compute with `precision: full`).
     #[serde(default)]
     pub dtype: Precision,
-    /// Compute precision of the training step: `full` (in `dtype`) or `bf16` (autocast beside
-    /// f32 parameters; see [`crate::precision`]).
+    /// Compute precision of the training step: `full` (in `dtype`), `tf32` (f32 with TF32
+    /// tensor-core products on CUDA) or `bf16` (autocast beside f32 parameters; see
+    /// [`crate::precision`]).
     #[serde(default)]
     pub precision: ComputePrecision,
     /// Which GPU each rank uses and how collectives of CUDA tensors move their data.
@@ -543,7 +544,14 @@ mod tests {
         let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
         assert!(e.starts_with("run.yaml: precision: bf16") && e.contains("dtype: f32") && e.contains("not dtype: f64"), "{e}");
         let e = parse(BASE, &["precision=fp16"]).unwrap_err().to_string();
-        assert!(e.contains("at `precision`") && e.contains("fp16") && e.contains("full") && e.contains("bf16"), "{e}");
+        assert!(
+            e.contains("at `precision`") && e.contains("fp16") && e.contains("full") && e.contains("tf32") && e.contains("bf16"),
+            "{e}"
+        );
+        assert_eq!(parse(BASE, &["precision=tf32"]).unwrap().precision, ComputePrecision::Tf32);
+        let e =
+            parse(BASE, &["precision=tf32", "dtype=f64"]).unwrap().validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        assert!(e.starts_with("run.yaml: precision: tf32") && e.contains("not dtype: f64"), "{e}");
         assert_eq!(parse(BASE, &[]).unwrap().precision, ComputePrecision::Full);
     }
 

@@ -6,11 +6,16 @@
 //! in-place custom ops), element by element with the composed path's formulas in the
 //! parameter's dtype, rows in parallel; rows masked out (Partial FC's unsampled classes) are
 //! not touched at all, so a step that samples a tenth of a million-class head costs a tenth of
-//! the work and no copy. LARS, other dtypes, other devices and non-contiguous tensors keep the
-//! composed path in `optim.rs`. State slots are owned by the optimizer (a checkpoint reads them
-//! between steps), so rewriting them in place is safe.
+//! the work and no copy. On CUDA (feature `cuda`) each pass is one kernel of
+//! `allgrad_nn::optim_cuda` with the same expressions (no row mask there: Partial FC's masked
+//! updates of a CUDA head take the composed path; `ALLGRAD_CUDA_FUSED=0` turns the kernels off).
+//! LARS, other dtypes, other devices and non-contiguous tensors keep the composed path in
+//! `optim.rs`. State slots are owned by the optimizer (a checkpoint reads them between steps),
+//! so rewriting them in place is safe.
 
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, WithDType};
 use rayon::prelude::*;
 
@@ -19,15 +24,25 @@ use crate::optim::OptimConfig;
 /// Elements per parallel task when no row mask splits the tensor.
 const GRAIN: usize = 1 << 14;
 
-/// Whether the fused path takes this parameter: SGD or AdamW, a contiguous CPU f32/f64 tensor
-/// and a gradient of its shape and dtype (checked before any state slot is made).
+/// Whether the fused path takes this parameter: SGD or AdamW, a contiguous f32/f64 tensor on
+/// the CPU (or on CUDA with the kernels on) and a gradient of its shape, dtype and device
+/// (checked before any state slot is made).
 pub(crate) fn applies(cfg: &OptimConfig, w: &Tensor, g: &Tensor) -> bool {
     !matches!(cfg, OptimConfig::Lars { .. }) && matches!(w.dtype(), DType::F32 | DType::F64) && fits(w, w) && fits(g, w)
 }
 
-/// `x` is a contiguous CPU tensor of `w`'s dtype and shape.
+/// `x` is a contiguous tensor of `w`'s dtype, shape and device, on a device with kernels.
 fn fits(x: &Tensor, w: &Tensor) -> bool {
-    x.device().is_cpu() && x.dtype() == w.dtype() && x.dims() == w.dims() && x.is_contiguous()
+    has_kernels(x) && x.device().same_device(w.device()) && x.dtype() == w.dtype() && x.dims() == w.dims() && x.is_contiguous()
+}
+
+/// The CPU, or CUDA with `allgrad_nn::optim_cuda`'s kernels on.
+fn has_kernels(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return allgrad_nn::optim_cuda::optimizer_kernels_on();
+    }
+    x.device().is_cpu()
 }
 
 /// Updates `w` (the parameter's own tensor) and `slots` (one per `optim::slot_names(cfg)`,
@@ -43,7 +58,7 @@ pub(crate) fn update(
     lr: f64,
     t: i32,
 ) -> Result<bool> {
-    if !applies(cfg, w, g) || !slots.iter().all(|s| fits(s, w)) {
+    if !applies(cfg, w, g) || !slots.iter().all(|s| fits(s, w)) || (rows.is_some() && !w.device().is_cpu()) {
         return Ok(false);
     }
     let n = w.elem_count();
@@ -171,6 +186,11 @@ impl InplaceOp2 for Moment<'_> {
         both_floats!(s1, l1, [s2, l2], |m, g| self.apply(m, g));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<()> {
+        allgrad_nn::optim_cuda::adam_moment(s1, l1, s2, l2, self.beta, self.squared)
+    }
 }
 
 /// `w ← w − lr·(m̂ / (√v̂ + ε) + wd·w)` with `m̂ = m / bc1`, `v̂ = v / bc2`.
@@ -212,6 +232,26 @@ impl InplaceOp3 for Adam<'_> {
     ) -> Result<()> {
         both_floats!(s1, l1, [s2, l2, s3, l3], |w, m, v| self.apply(w, m, v));
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        let c = allgrad_nn::optim_cuda::AdamCoefficients {
+            bc1: self.bc1,
+            bc2: self.bc2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            lr: self.lr,
+        };
+        allgrad_nn::optim_cuda::adam_step(s1, l1, (s2, l2), (s3, l3), c)
     }
 }
 
@@ -262,6 +302,31 @@ impl InplaceOp3 for Sgd<'_> {
         both_floats!(s1, l1, [s2, l2, s3, l3], |w, g, b| self.apply(w, g, b));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        allgrad_nn::optim_cuda::sgd_step(s1, l1, (s2, l2), (s3, l3), self.coefficients())
+    }
+}
+
+impl Sgd<'_> {
+    #[cfg(feature = "cuda")]
+    fn coefficients(&self) -> allgrad_nn::optim_cuda::SgdCoefficients {
+        allgrad_nn::optim_cuda::SgdCoefficients {
+            momentum: self.momentum,
+            nesterov: self.nesterov,
+            weight_decay: self.weight_decay,
+            lr: self.lr,
+        }
+    }
 }
 
 /// The momentum buffer of [`Sgd`]: `buf ← μ·buf + g + wd·w`, on `(buf, g, w)`.
@@ -294,5 +359,18 @@ impl InplaceOp3 for SgdMomentum<'_, '_> {
         }
         both_floats!(s1, l1, [s2, l2, s3, l3], |b, g, w| apply(sgd, b, g, w));
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        allgrad_nn::optim_cuda::sgd_momentum(s1, l1, (s2, l2), (s3, l3), self.0.coefficients())
     }
 }

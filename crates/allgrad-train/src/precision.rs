@@ -1,4 +1,9 @@
-//! The `precision` key: full precision, or bf16 autocast of the training step.
+//! The `precision` key: full precision, TF32 on a GPU, or bf16 autocast of the training step.
+//!
+//! With `precision: tf32` the step is f32 throughout, but f32 matrix products and convolutions
+//! on CUDA may use the tensor cores' TF32 format (inputs rounded to a 10-bit mantissa, sums in
+//! f32), as PyTorch's `allow_tf32` flags allow ([`allgrad_nn::set_tf32`]); on the CPU it is
+//! `full` (there is no TF32 there). Needs `dtype: f32`.
 //!
 //! With `precision: bf16` the trainer runs each step's forward under
 //! [`allgrad_nn::autocast::Autocast::bf16`]: convolutions and dense layers compute in bf16, and
@@ -26,6 +31,9 @@ pub enum ComputePrecision {
     /// Everything in the parameters' dtype (`dtype`).
     #[default]
     Full,
+    /// f32, with TF32 tensor-core matrix products and convolutions on CUDA (see the module
+    /// docs). Needs `dtype: f32`.
+    Tf32,
     /// bf16 autocast of the forward, f32 parameters, optimizer state, statistics, losses and
     /// gradients (see the module docs). Needs `dtype: f32`.
     Bf16,
@@ -34,30 +42,36 @@ pub enum ComputePrecision {
 impl ComputePrecision {
     /// Checks the precision against the parameters' dtype; the message names both keys.
     pub fn check_dtype(self, dtype: DType) -> Result<(), String> {
-        if self == ComputePrecision::Bf16 && dtype != DType::F32 {
-            let name = format!("{dtype:?}").to_lowercase();
-            return Err(format!(
+        let name = format!("{dtype:?}").to_lowercase();
+        match self {
+            ComputePrecision::Bf16 if dtype != DType::F32 => Err(format!(
                 "precision: bf16 computes in bf16 beside f32 master weights: it needs dtype: f32, not dtype: {name} \
                  (use precision: full for {name} runs)"
-            ));
+            )),
+            ComputePrecision::Tf32 if dtype != DType::F32 => Err(format!(
+                "precision: tf32 is a mode of f32 arithmetic: it needs dtype: f32, not dtype: {name} \
+                 (use precision: full for {name} runs)"
+            )),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
-    /// Checks that `device` can compute in this precision: every CPU can; a CUDA device needs
-    /// compute capability 8.0 or newer for bf16.
+    /// Checks that `device` can compute in this precision: every CPU can (tf32 is f32 there); a
+    /// CUDA device needs compute capability 8.0 or newer for bf16 and tf32.
     pub fn check_device(self, device: &Device) -> TrainResult<()> {
         if self == ComputePrecision::Full {
             return Ok(());
         }
         #[cfg(feature = "cuda")]
+        let key = if self == ComputePrecision::Tf32 { "tf32" } else { "bf16" };
+        #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = device {
             let (major, minor) = d.cuda_stream().context().compute_capability().map_err(|e| {
-                crate::error::TrainError::Setup(format!("precision: bf16: cannot read the GPU's compute capability: {e}"))
+                crate::error::TrainError::Setup(format!("precision: {key}: cannot read the GPU's compute capability: {e}"))
             })?;
             if major < 8 {
                 return Err(crate::error::TrainError::Setup(format!(
-                    "precision: bf16 needs a GPU of compute capability 8.0 or newer (Ampere); this one is {major}.{minor}: \
+                    "precision: {key} needs a GPU of compute capability 8.0 or newer (Ampere); this one is {major}.{minor}: \
                      use precision: full"
                 )));
             }
@@ -66,12 +80,18 @@ impl ComputePrecision {
         Ok(())
     }
 
-    /// The autocast guard of this precision for the current thread (`None`: full precision).
+    /// The autocast guard of this precision for the current thread (`None`: no autocast).
     pub fn autocast(self) -> Option<allgrad_nn::autocast::Autocast> {
         match self {
-            ComputePrecision::Full => None,
+            ComputePrecision::Full | ComputePrecision::Tf32 => None,
             ComputePrecision::Bf16 => Some(allgrad_nn::autocast::Autocast::bf16()),
         }
+    }
+
+    /// Sets the process-wide TF32 switch ([`allgrad_nn::set_tf32`]) to this precision: on for
+    /// `tf32`, off otherwise. The trainer calls it at start.
+    pub fn apply_tf32(self) {
+        allgrad_nn::set_tf32(self == ComputePrecision::Tf32);
     }
 }
 
@@ -88,8 +108,22 @@ mod tests {
     }
 
     #[test]
-    fn every_cpu_computes_in_bf16() {
+    fn tf32_needs_f32_parameters_and_the_message_names_both_keys() {
+        assert!(ComputePrecision::Tf32.check_dtype(DType::F32).is_ok());
+        let e = ComputePrecision::Tf32.check_dtype(DType::F64).unwrap_err();
+        assert!(e.contains("precision: tf32") && e.contains("dtype: f32") && e.contains("dtype: f64"), "{e}");
+    }
+
+    #[test]
+    fn every_cpu_computes_in_bf16_and_tf32() {
         ComputePrecision::Bf16.check_device(&Device::Cpu).unwrap();
+        ComputePrecision::Tf32.check_device(&Device::Cpu).unwrap();
+    }
+
+    #[test]
+    fn tf32_has_no_autocast_guard() {
+        assert!(ComputePrecision::Tf32.autocast().is_none());
+        assert_eq!(allgrad_nn::autocast::compute_dtype(), None);
     }
 
     #[test]

@@ -94,6 +94,7 @@ impl Trainer {
     ) -> TrainResult<Self> {
         cfg.precision.check_dtype(cfg.dtype).map_err(TrainError::Setup)?;
         cfg.precision.check_device(&cfg.device)?;
+        cfg.precision.apply_tf32();
         let store = ParamStore::new(cfg.seed);
         objective.bind(&pg)?;
         objective.build(store.var_builder(cfg.dtype, &cfg.device))?;

@@ -1,5 +1,6 @@
 // allgrad-nn's fused element-wise kernels on CUDA: ReLU and add+ReLU with their backward,
-// per-channel moments, and batch norm's forward (with its tails) and backward. Each is the
+// GELU with its backward, per-channel moments, and batch norm's forward (with its tails) and
+// backward. Each is the
 // CUDA twin of a CPU kernel in src/activation.rs, src/channel.rs or src/batch_norm.rs and
 // evaluates the same expressions in the same order (compiled with --fmad=false, so no
 // multiply-add is contracted where the CPU rounds twice). bf16 tensors are computed in f32 and
@@ -163,7 +164,42 @@ __device__ void bn_backward_dx(size_t len, size_t c, size_t inner, const T* g, c
     }
 }
 
+__device__ __forceinline__ float erf_c(float v) { return erff(v); }
+__device__ __forceinline__ double erf_c(double v) { return erf(v); }
+__device__ __forceinline__ float exp_c(float v) { return expf(v); }
+__device__ __forceinline__ double exp_c(double v) { return exp(v); }
+
+// GELU, exact form: out = (1/2·x)·(1 + erf(x·(1/√2))), as the CPU kernel (src/activation.rs)
+// evaluates it. The CPU's f32 erf is a vectorised formula (absolute error below 3e-7), CUDA's
+// erff is within 2 ulp: the two agree to f32 tolerance, and f64 to the last bits.
+template <typename T>
+__device__ void gelu_fwd(size_t n, const T* x, T* out) {
+    typedef typename Compute<T>::type C;
+    const C half = C(0.5), one = C(1), r = C(0.7071067811865476);
+    GRID_STRIDE(i, n) {
+        const C v = widen(x[i]);
+        store(out + i, half * v * (one + erf_c(v * r)));
+    }
+}
+
+// GELU's backward from its input: dx = g·((1/2)·(1 + erf(x/√2)) + x·e^(−x²/2)·(1/√(2π))).
+template <typename T>
+__device__ void gelu_bwd(size_t n, const T* x, const T* g, T* out) {
+    typedef typename Compute<T>::type C;
+    const C half = C(0.5), one = C(1), r = C(0.7071067811865476);
+    const C neg_half = C(-0.5), inv_sqrt_2pi = C(0.3989422804014327);
+    GRID_STRIDE(i, n) {
+        const C v = widen(x[i]);
+        const C e = exp_c(neg_half * v * v);
+        store(out + i, widen(g[i]) * (half * (one + erf_c(v * r)) + v * e * inv_sqrt_2pi));
+    }
+}
+
 #define INSTANTIATE(T, SUF)                                                                                     \
+    extern "C" __global__ void gelu_fwd_##SUF(size_t n, const T* x, T* out) { gelu_fwd<T>(n, x, out); }        \
+    extern "C" __global__ void gelu_bwd_##SUF(size_t n, const T* x, const T* g, T* out) {                      \
+        gelu_bwd<T>(n, x, g, out);                                                                              \
+    }                                                                                                           \
     extern "C" __global__ void relu_fwd_##SUF(size_t n, const T* a, const T* b, int has_b, T* out) {            \
         relu_fwd<T>(n, a, b, has_b, out);                                                                       \
     }                                                                                                           \

@@ -1,5 +1,6 @@
 //! The CUDA twins of the fused element-wise CPU kernels (feature `cuda`): ReLU and
-//! `relu(a + b)` with their backward ([`crate::relu`], [`crate::add_relu`]), the per-channel
+//! `relu(a + b)` with their backward ([`crate::relu`], [`crate::add_relu`]), exact GELU with
+//! its backward ([`crate::gelu_erf`]), the per-channel
 //! moments ([`crate::channel_moments`]) and batch norm's forward with its tails and its
 //! backward ([`crate::batch_norm`]). Each op keeps on CUDA what it keeps on the CPU (the ReLU
 //! its output, batch norm its inputs and output), where Candle's CUDA ops would keep every
@@ -23,6 +24,8 @@ use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor}
 use half::bf16;
 
 use crate::error::{fail, NnError};
+
+pub mod optim;
 
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
@@ -160,6 +163,51 @@ pub(crate) fn relu_backward(y: &CudaStorage, ly: &Layout, g: &CudaStorage, lg: &
         CudaStorage::wrap_cuda_slice(out, dev.clone())
     });
     Ok((out, ly.shape().clone()))
+}
+
+/// Exact GELU, `x/2 · (1 + erf(x/√2))`: the forward of [`crate::gelu_erf`].
+pub(crate) fn gelu(x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "gelu_erf";
+    let dev = &x.device;
+    let n = lx.shape().elem_count();
+    let f = func(dev, "gelu_fwd", x.dtype(), OP)?;
+    let out = by_dtype!(x.dtype(), OP, <T, C> {
+        let out = output::<T>(dev, n)?;
+        let xv = view::<T>(x, lx, OP)?;
+        if n > 0 {
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+            builder.arg(&n).arg(&xv).arg(&out);
+            // SAFETY: `x` and `out` hold `n` elements each, of the kernel's types.
+            unsafe { builder.launch(elementwise(n)) }.w()?;
+        }
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, lx.shape().clone()))
+}
+
+/// GELU's input gradient from its input `x` and `g` = ∂L/∂y.
+pub(crate) fn gelu_backward(x: &CudaStorage, lx: &Layout, g: &CudaStorage, lg: &Layout) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "gelu_erf backward";
+    let dev = &x.device;
+    let n = lx.shape().elem_count();
+    if lg.shape().elem_count() != n {
+        return fail(NnError::ShapeMismatch { op: OP, shapes: vec![lx.shape().clone(), lg.shape().clone()] });
+    }
+    let f = func(dev, "gelu_bwd", x.dtype(), OP)?;
+    let out = by_dtype!(x.dtype(), OP, <T, C> {
+        let out = output::<T>(dev, n)?;
+        let (xv, gv) = (view::<T>(x, lx, OP)?, view::<T>(g, lg, OP)?);
+        if n > 0 {
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+            builder.arg(&n).arg(&xv).arg(&gv).arg(&out);
+            // SAFETY: `x`, `g` and `out` hold `n` elements each, of the kernel's types.
+            unsafe { builder.launch(elementwise(n)) }.w()?;
+        }
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, lx.shape().clone()))
 }
 
 /// `(n, c, inner)` of an `[N, C, ...]` layout.
