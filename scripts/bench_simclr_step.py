@@ -17,8 +17,9 @@ the end of the first step's forward, and the peak resident set (VmHWM, reset aft
 allgrad's (`crates/allgrad-bench/src/bin/bench_step_memory.rs`).
 
 Worker protocol: one command per line on stdin (`step`, `layers`, `quit`), one answer line on
-stdout per command: `STEP wall= user= sys= minflt= fwd= bwd= opt=` (seconds, faults; user, sys
-and minor faults from getrusage(RUSAGE_SELF), i.e. all threads of this process), or one
+stdout per command: `STEP wall= user= sys= minflt= fwd= bwd= opt= [gpu_peak=]` (seconds,
+faults; user, sys and minor faults from getrusage(RUSAGE_SELF), i.e. all threads of this
+process; on CUDA `gpu_peak`, torch.cuda.max_memory_allocated() over the step in MiB), or one
 `LAYER kind= count= fwd= bwd=` line per layer type followed by `DONE`. The first line is
 `READY torch=<version> threads=<n>`.
 
@@ -164,6 +165,9 @@ class Step:
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run(self, probe=lambda phase: None):
+        cuda = self.x.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = usage()
         with torch.autocast(self.x.device.type, dtype=torch.bfloat16, enabled=ARGS.autocast):
             z = self.proj(self.enc(self.x))
@@ -182,8 +186,10 @@ class Step:
         del z, loss
         end = usage()
         wall, user, sys_, flt = (e - s for e, s in zip(end, start))
+        # On a GPU: the peak of the caching allocator's allocated bytes during the step, in MiB.
+        peak = f" gpu_peak={torch.cuda.max_memory_allocated() / 2**20:.1f}" if cuda else ""
         return (f"STEP wall={wall:.6f} user={user:.6f} sys={sys_:.6f} minflt={flt} "
-                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f}")
+                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f}{peak}")
 
 
 def resnet18_layers(width):

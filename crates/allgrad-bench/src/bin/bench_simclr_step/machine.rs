@@ -76,3 +76,51 @@ pub fn summary(values: &[f64]) -> Option<(f64, f64, f64)> {
     let med = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
     Some((v[0], med, v[n - 1]))
 }
+
+/// Peak device memory of a step on CUDA: the high watermark of the memory pool Candle's
+/// allocations come from (cudarc allocates with `cuMemAllocAsync` from the device's current
+/// pool), reset before the step and read after it, in MiB: the bytes of live allocations
+/// (tensors, cuDNN and cuBLAS workspaces), the figure PyTorch's
+/// `torch.cuda.max_memory_allocated` gives of its caching allocator. `None` on the CPU, on a
+/// build without CUDA, or where the pool cannot be read.
+pub mod device_peak {
+    use candle_core::Device;
+
+    #[cfg(feature = "cuda")]
+    fn pool(dev: &Device) -> Option<candle_core::cuda::cudarc::driver::sys::CUmemoryPool> {
+        use candle_core::cuda::cudarc::driver::result;
+        let Device::Cuda(d) = dev else { return None };
+        // SAFETY: the CUdevice comes from the live context of Candle's device.
+        unsafe { result::device::get_mem_pool(d.cuda_stream().context().cu_device()) }.ok()
+    }
+
+    #[cfg(feature = "cuda")]
+    pub fn reset(dev: &Device) {
+        use candle_core::cuda::cudarc::driver::{result, sys};
+        if let Some(p) = pool(dev) {
+            let mut zero: u64 = 0;
+            // SAFETY: a valid pool; USED_MEM_HIGH takes a cuuint64_t (only 0 resets it).
+            let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+            let _ = unsafe { result::mem_pool::set_attribute(p, attr, (&mut zero as *mut u64).cast()) };
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    pub fn read(dev: &Device) -> Option<f64> {
+        use candle_core::cuda::cudarc::driver::{result, sys};
+        let p = pool(dev)?;
+        let mut high: u64 = 0;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: a valid pool; USED_MEM_HIGH writes a cuuint64_t.
+        unsafe { result::mem_pool::get_attribute(p, attr, (&mut high as *mut u64).cast()) }.ok()?;
+        Some(high as f64 / (1u64 << 20) as f64)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    pub fn reset(_: &Device) {}
+
+    #[cfg(not(feature = "cuda"))]
+    pub fn read(_: &Device) -> Option<f64> {
+        None
+    }
+}

@@ -57,6 +57,10 @@ struct Args {
     /// ResNet depth: 18 or 50.
     #[arg(long, default_value_t = 18)]
     depth: usize,
+    /// `full` (f32), `tf32` (f32 with TF32 GEMMs and convolutions, CUDA only) or `bf16` (the
+    /// forward under bf16 autocast on both sides, the loss in f32; allgrad's `precision: bf16`).
+    #[arg(long, default_value = "full")]
+    precision: String,
     /// 1-minute load average above which the machine counts as busy.
     #[arg(long, default_value_t = 0.5)]
     busy_load: f64,
@@ -69,6 +73,20 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.threads > 0 && args.rounds > 0 && args.width > 0, "--threads, --rounds and --width must be positive");
     anyhow::ensure!(matches!(args.device.as_str(), "cpu" | "cuda"), "--device must be cpu or cuda, not {:?}", args.device);
     anyhow::ensure!(matches!(args.depth, 18 | 50), "--depth must be 18 or 50, not {}", args.depth);
+    anyhow::ensure!(
+        matches!(args.precision.as_str(), "full" | "tf32" | "bf16"),
+        "--precision must be full, tf32 or bf16, not {:?}",
+        args.precision
+    );
+    anyhow::ensure!(
+        args.precision != "tf32" || args.device == "cuda",
+        "--precision tf32 is a CUDA mode: pass --device cuda (on the CPU it is full)"
+    );
+    anyhow::ensure!(
+        args.precision != "bf16" || args.breakdown_rounds == 0,
+        "the layer breakdown times f32 layers: pass --breakdown-rounds 0 with --precision bf16"
+    );
+    allgrad_nn::set_tf32(args.precision == "tf32");
     anyhow::ensure!(
         args.device == "cpu" || args.breakdown_rounds == 0,
         "the layer breakdown runs on the CPU only: pass --breakdown-rounds 0"
@@ -83,30 +101,28 @@ fn main() -> anyhow::Result<()> {
 
 fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
     println!(
-        "\n== batch {batch} ({} views), ResNet-{}, width {}, {} rounds, on {}",
+        "\n== batch {batch} ({} views), ResNet-{}, width {}, {} rounds, on {}, precision {}",
         2 * batch,
         args.depth,
         args.width,
         args.rounds,
-        args.device
+        args.device,
+        args.precision
     );
     let device = if args.device == "cuda" { candle_core::Device::new_cuda(0)? } else { candle_core::Device::Cpu };
-    let mut ours = AllgradStep::new(batch, args.width, args.depth, &device)?;
-    let mut peer = if args.no_torch {
-        None
-    } else {
-        Peer::spawn(
-            python,
-            "scripts/bench_simclr_step.py",
-            batch,
-            &[
-                ("width", args.width.to_string()),
-                ("depth", args.depth.to_string()),
-                ("threads", args.threads.to_string()),
-                ("device", args.device.clone()),
-            ],
-        )?
-    };
+    let mut ours = AllgradStep::new(batch, args.width, args.depth, &device)?.bf16(args.precision == "bf16");
+    let mut options = vec![
+        ("width", args.width.to_string()),
+        ("depth", args.depth.to_string()),
+        ("threads", args.threads.to_string()),
+        ("device", args.device.clone()),
+    ];
+    match args.precision.as_str() {
+        "tf32" => options.push(("tf32", String::new())),
+        "bf16" => options.push(("autocast", String::new())),
+        _ => {}
+    }
+    let mut peer = if args.no_torch { None } else { Peer::spawn(python, "scripts/bench_simclr_step.py", batch, &options)? };
     let (a, b) = alternate(args.rounds, python, || ours.run(), peer.as_mut())?;
     if args.breakdown_rounds > 0 {
         let (mut la, mut lb) = (Vec::new(), Vec::new());

@@ -42,8 +42,12 @@ impl Peer {
         let built = format!("{}/{script}", env!("CARGO_MANIFEST_DIR"));
         let script = if std::path::Path::new(&built).exists() { built } else { script.to_string() };
         let mut args = vec!["--worker".to_string(), "--batch".to_string(), batch.to_string()];
+        // An empty value passes a flag (`--tf32`) alone.
         for (name, value) in options {
-            args.extend([format!("--{name}"), value.clone()]);
+            args.push(format!("--{name}"));
+            if !value.is_empty() {
+                args.push(value.clone());
+            }
         }
         let mut child = match Command::new(python).arg(&script).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn() {
             Ok(c) => c,

@@ -54,9 +54,14 @@ pub fn print_steps(a: &[Sample], b: &[Sample]) {
         ("system CPU s", "sys", 1.0),
         ("minor page faults (x1000)", "minflt", 1e-3),
         ("others' CPU s meanwhile", "others", 1.0),
+        ("peak device memory MiB", "gpu_peak", 1.0),
     ];
     for (label, key, scale) in rows {
         let (sa, sb) = (stat(a, key), stat(b, key));
+        if sa.is_none() && sb.is_none() {
+            // A figure neither side measured (device memory on the CPU).
+            continue;
+        }
         let ratio = match (sa, sb) {
             (Some((_, x, _)), Some((_, y, _))) if y > 0.0 => format!("{:.2}x", x / y),
             _ => "-".into(),
@@ -64,7 +69,8 @@ pub fn print_steps(a: &[Sample], b: &[Sample]) {
         println!("{label:<28} {}   {}   {ratio:>7}", cell(sa, scale), cell(sb, scale));
     }
     println!(
-        "(ratio: allgrad median / PyTorch median; others' CPU: busy CPU seconds of the machine minus the stepping process's own)"
+        "(ratio: allgrad median / PyTorch median; others' CPU: busy CPU seconds of the machine minus the stepping process's own; \
+         peak device memory: allgrad's memory-pool high watermark, PyTorch's max_memory_allocated, over each step)"
     );
     let others: f64 = [a, b].iter().filter_map(|s| Some(stat(s, "others")?.1 / stat(s, "wall")?.1)).fold(0.0, f64::max);
     if others > OTHERS_BUSY {

@@ -48,8 +48,6 @@ impl AllgradStep {
     }
 
     /// The same step with its forward under bf16 autocast, as the trainer runs `precision: bf16`.
-    // Used by bench_step_memory; bench_simclr_step, which shares this file, times f32 only.
-    #[allow(dead_code)]
     pub fn bf16(mut self, on: bool) -> Self {
         self.bf16 = on;
         self
@@ -65,6 +63,7 @@ impl AllgradStep {
     /// `"opt"`) while that phase's tensors are alive (the memory benchmark reads its figures
     /// there).
     pub fn run_probed(&mut self, probe: &mut dyn FnMut(&'static str)) -> anyhow::Result<Sample> {
+        crate::machine::device_peak::reset(self.x.device());
         let start = Usage::now();
         let b = self.batch;
         // Only the loss holds the graph, so that the backward releases it as it goes (as the
@@ -99,6 +98,11 @@ impl AllgradStep {
         drop(grads);
         let end = Usage::now();
         let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
-        Ok(sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]))
+        let mut s =
+            sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]);
+        if let Some(mib) = crate::machine::device_peak::read(dev) {
+            s.insert("gpu_peak".into(), mib);
+        }
+        Ok(s)
     }
 }

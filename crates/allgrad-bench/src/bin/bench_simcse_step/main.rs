@@ -1,5 +1,6 @@
 //! One unsupervised SimCSE training step of a BERT encoder (all-MiniLM-L6-v2 by default) on
-//! the CPU, allgrad against PyTorch in ONE invocation: `batch` sentences encoded twice (two
+//! the CPU or a GPU (`--device cuda`, in f32, TF32 or bf16 autocast: `--precision`), allgrad
+//! against PyTorch in ONE invocation: `batch` sentences encoded twice (two
 //! dropout masks, dropout on), mean pooling, MLP head, InfoNCE (temperature 0.05), backward,
 //! AdamW. PyTorch runs as a child process (`scripts/bench_simcse_step.py --worker`,
 //! interpreter from `PYTHON`, default `python3`); the two alternate step by step (A B A B ...)
@@ -58,6 +59,14 @@ struct Args {
     /// allgrad only.
     #[arg(long)]
     no_torch: bool,
+    /// Where both implementations run: `cpu`, or `cuda` (GPU 0; allgrad built with
+    /// `--features cuda`, PyTorch with CUDA).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// `full` (f32), `tf32` (f32 with TF32 GEMMs, CUDA only) or `bf16` (the forward under bf16
+    /// autocast on both sides; allgrad's `precision: bf16`).
+    #[arg(long, default_value = "full")]
+    precision: String,
     /// 1-minute load average above which the machine counts as busy.
     #[arg(long, default_value_t = 0.5)]
     busy_load: f64,
@@ -68,6 +77,17 @@ fn main() -> anyhow::Result<()> {
     allgrad::tune_allocator();
     let args = Args::parse();
     anyhow::ensure!(args.threads > 0 && args.rounds > 0, "--threads and --rounds must be positive");
+    anyhow::ensure!(matches!(args.device.as_str(), "cpu" | "cuda"), "--device must be cpu or cuda, not {:?}", args.device);
+    anyhow::ensure!(
+        matches!(args.precision.as_str(), "full" | "tf32" | "bf16"),
+        "--precision must be full, tf32 or bf16, not {:?}",
+        args.precision
+    );
+    anyhow::ensure!(
+        args.precision != "tf32" || args.device == "cuda",
+        "--precision tf32 is a CUDA mode: pass --device cuda (on the CPU it is full)"
+    );
+    allgrad_nn::set_tf32(args.precision == "tf32");
     anyhow::ensure!(args.max_len >= 2, "--max-len must be at least 2 ([CLS] and [SEP])");
     anyhow::ensure!(
         args.model.join("model.safetensors").is_file(),
@@ -93,13 +113,16 @@ fn main() -> anyhow::Result<()> {
 fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<()> {
     let batch = sentences.len();
     println!(
-        "\n== batch {batch} ({} sequences of at most {} tokens), {}, dropout on, {} rounds",
+        "\n== batch {batch} ({} sequences of at most {} tokens), {}, dropout on, {} rounds, on {}, precision {}",
         2 * batch,
         args.max_len,
         args.model.display(),
-        args.rounds
+        args.rounds,
+        args.device,
+        args.precision
     );
-    let mut ours = AllgradStep::new(&args.model, sentences.to_vec(), args.max_len)?;
+    let device = if args.device == "cuda" { candle_core::Device::new_cuda(0)? } else { candle_core::Device::Cpu };
+    let mut ours = AllgradStep::new(&args.model, sentences.to_vec(), args.max_len, &device, args.precision == "bf16")?;
     // The worker gets absolute paths: it may resolve relative ones from another folder.
     let abs = |p: &PathBuf| std::fs::canonicalize(p).map(|p| p.display().to_string());
     let mut peer = if args.no_torch {
@@ -114,6 +137,8 @@ fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<
                 ("model", abs(&args.model)?),
                 ("sentences", abs(&args.sentences)?),
                 ("max-len", args.max_len.to_string()),
+                ("device", args.device.clone()),
+                ("precision", args.precision.clone()),
             ],
         )?
     };

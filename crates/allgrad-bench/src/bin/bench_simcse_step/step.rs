@@ -19,7 +19,9 @@ const LR: f64 = 3e-5;
 
 /// The `simcse` method's objective (mean pooling, MLP head, temperature 0.05) on the BERT of a
 /// Hugging Face folder with its dropout (on), over `batch` fixed sentences, and the trainer's
-/// AdamW (weight decay 0): the step `scripts/bench_simcse_step.py` runs in PyTorch.
+/// AdamW (weight decay 0), on the CPU or a GPU, the forward optionally under bf16 autocast (as
+/// the trainer runs `precision: bf16`): the step `scripts/bench_simcse_step.py` runs in
+/// PyTorch. On a GPU every phase boundary waits for the device.
 pub struct AllgradStep {
     objective: SimCse,
     params: Vec<(String, Var)>,
@@ -27,30 +29,40 @@ pub struct AllgradStep {
     indices: Vec<usize>,
     pg: ProcessGroup,
     step: usize,
+    device: Device,
+    bf16: bool,
 }
 
 impl AllgradStep {
-    pub fn new(model_dir: &Path, sentences: Vec<String>, max_len: usize) -> anyhow::Result<Self> {
+    pub fn new(model_dir: &Path, sentences: Vec<String>, max_len: usize, device: &Device, bf16: bool) -> anyhow::Result<Self> {
         let batch = sentences.len();
         let model =
             SimCseModel { dir: model_dir.to_path_buf(), pretrained: true, pooling: Pooling::Mean, mlp_head: true, max_len };
-        let mut objective = SimCse::new(model, SimCseLoss::default(), SimCseData::Sentences(sentences), Device::Cpu, DType::F32)?;
+        let data = SimCseData::Sentences(sentences);
+        let mut objective = SimCse::new(model, SimCseLoss::default(), data, device.clone(), DType::F32)?;
         let store = ParamStore::new(0);
-        objective.build(store.var_builder(DType::F32, &Device::Cpu))?;
+        objective.build(store.var_builder(DType::F32, device))?;
         let optimizer = Optimizer::new(OptimConfig::Adamw { lr: LR, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 });
         let (params, indices) = (store.vars(), (0..batch).collect());
-        Ok(AllgradStep { objective, params, optimizer, indices, pg: ProcessGroup::single(), step: 0 })
+        let pg = ProcessGroup::single();
+        Ok(AllgradStep { objective, params, optimizer, indices, pg, step: 0, device: device.clone(), bf16 })
     }
 
     /// One step: forward (both views in one batch, dropout masks of this step, loss),
     /// backward (which frees the graph as it goes), AdamW update; the wall time also covers
     /// freeing the gradients.
     pub fn run(&mut self) -> anyhow::Result<Sample> {
+        crate::machine::device_peak::reset(&self.device);
         let start = Usage::now();
         let batch = Batch { indices: &self.indices, epoch: 0, step: self.step, seed: 0 };
-        let loss = self.objective.loss(&batch, &self.pg)?;
+        let loss = {
+            let _autocast = self.bf16.then(allgrad_nn::autocast::Autocast::bf16);
+            self.objective.loss(&batch, &self.pg)?
+        };
+        self.device.synchronize()?;
         let t_fwd = Instant::now();
         let grads = loss.backward_release()?;
+        self.device.synchronize()?;
         let t_bwd = Instant::now();
         let g = self
             .params
@@ -59,11 +71,17 @@ impl AllgradStep {
             .collect::<anyhow::Result<Vec<Tensor>>>()?;
         let sharded = vec![false; g.len()];
         self.optimizer.step(&self.params, &g, &sharded, LR, &self.pg)?;
+        self.device.synchronize()?;
         let t_opt = Instant::now();
         drop((g, grads));
         self.step += 1;
         let end = Usage::now();
         let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
-        Ok(sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]))
+        let mut s =
+            sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]);
+        if let Some(mib) = crate::machine::device_peak::read(&self.device) {
+            s.insert("gpu_peak".into(), mib);
+        }
+        Ok(s)
     }
 }
