@@ -10,7 +10,10 @@
 //! only names a file (`` (`scripts/x.sh`: ...) ``) is no command.
 //!
 //! And `scripts/gpu_ci.sh` on a machine without a GPU says why, in its report too, and exits 0,
-//! or 1 under ALLGRAD_REQUIRE_GPU=1.
+//! or 1 under ALLGRAD_REQUIRE_GPU=1; with a stand-in GPU and stand-in binaries its report
+//! judges each part as the GPU session would (tests by their results, benchmarks by their step
+//! table, once per precision, saying when a benchmark flagged a busy machine), so that the
+//! harness is checked here rather than on a GPU machine's scarce time.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -178,4 +181,86 @@ fn gpu_ci_without_a_gpu_says_why_and_exits_0_or_1_when_a_gpu_is_required() {
         assert_eq!(code, Some(1), "{err}");
         assert!(err.contains("FAILED") && err.contains(why) && err.contains("ALLGRAD_REQUIRE_GPU=1"), "{err}");
     }
+}
+
+/// Writes an executable shell script `name` with `body` into `dir`.
+fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+#[test]
+fn gpu_ci_judges_tests_by_their_results_and_benchmarks_by_their_table_per_precision() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d, bin) = (dir.path(), dir.path().join("bin"));
+    std::fs::create_dir(&bin).unwrap();
+    // A stand-in nvidia-smi with one GPU of compute capability 9.0.
+    let smi = script(
+        d,
+        "nvidia-smi",
+        r#"case "$*" in
+  *compute_cap*) echo "9.0" ;;
+  *memory.total*) echo "Stand-in GPU, 1 MiB, 0.0, 9.0" ;;
+  *) echo "Stand-in GPU" ;;
+esac"#,
+    );
+    // A Python whose torch "has CUDA" (gpu_ci.sh only asks it that).
+    let python = script(d, "python", "exit 0");
+    let passing = "echo 'test result: ok. 2 passed; 0 failed; 0 ignored'";
+    for name in ["train", "launch", "nccl_ops", "gpu_equivalence", "gpu_faults"] {
+        script(&bin, name, passing);
+    }
+    script(&bin, "optim_cuda", "echo 'test result: FAILED. 1 passed; 1 failed; 0 ignored'; echo 'panicked at optim'; exit 101");
+    // A step benchmark that logs its arguments and prints a table per batch, flagging the bf16
+    // run as taken on a busy machine.
+    script(
+        &bin,
+        "bench_simclr_step",
+        &format!(
+            r#"echo "$*" >> {log}
+p=; prev=; for a in "$@"; do [ "$prev" = --precision ] && p=$a; prev=$a; done
+for b in 256 1024; do echo "== batch $b (2 views), ResNet-18, on cuda, precision $p"; echo "wall s  0.1 0.1 0.1  0.05 0.05 0.05  2.00x"; done
+[ "$p" = bf16 ] && echo "WARNING: other processes used 34% of a CPU during the steps (median): these timings are not figures"
+exit 0"#,
+            log = d.join("bench_args.txt").display()
+        ),
+    );
+    let report = d.join("report.md");
+    let out = std::process::Command::new(root().join("scripts/gpu_ci.sh"))
+        .env("ALLGRAD_NVIDIA_SMI", &smi)
+        .env("ALLGRAD_GPU_OUT", d.join("out"))
+        .env("ALLGRAD_GPU_REPORT", &report)
+        .env("ALLGRAD_GPU_BIN", &bin)
+        .env("ALLGRAD_GPU_PARTS", "collectives,fused_optim,bench_r18")
+        .env("ALLGRAD_GPU_BENCH_PRECISIONS", "full bf16")
+        .env("PYTHON", &python)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let report = std::fs::read_to_string(&report).unwrap();
+    // The failing test part fails the run.
+    assert_eq!(out.status.code(), Some(1), "{err}\n{report}");
+    let row = |part: &str| {
+        report
+            .lines()
+            .find(|l| l.starts_with(&format!("| {part}")))
+            .unwrap_or_else(|| panic!("no row {part}:\n{report}"))
+            .to_string()
+    };
+    assert!(row("collectives").contains("| passed |") && row("collectives").contains("2 test(s)"), "{report}");
+    assert!(row("fused_optim").contains("| failed |") && row("fused_optim").contains("exit code 101"), "{report}");
+    let bench = row("bench_r18");
+    assert!(bench.contains("| passed |"), "{bench}");
+    for want in ["batch 256 full: 2.00x", "batch 1024 full: 2.00x", "batch 256 bf16: 2.00x", "batch 1024 bf16: 2.00x"] {
+        assert!(bench.contains(want), "{want} missing: {bench}");
+    }
+    assert!(bench.contains("1 warning(s) of a busy machine: not figures"), "{bench}");
+    // One run per precision, each on CUDA with its precision.
+    let args = std::fs::read_to_string(d.join("bench_args.txt")).unwrap();
+    let runs: Vec<&str> = args.lines().collect();
+    assert_eq!(runs.len(), 2, "{args}");
+    assert!(runs[0].starts_with("--device cuda --precision full --depth 18") && runs[0].ends_with("256 1024"), "{args}");
+    assert!(runs[1].starts_with("--device cuda --precision bf16 --depth 18"), "{args}");
 }
