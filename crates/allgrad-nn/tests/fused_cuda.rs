@@ -11,6 +11,7 @@
 #![cfg(feature = "cuda")]
 
 use allgrad_nn::{add_relu, batch_norm, channel_moments, gelu_erf, relu, BnBranch, BnStats, BnTail};
+use allgrad_testkit::hashed_values as values;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 fn gpu() -> Option<Device> {
@@ -24,16 +25,6 @@ fn gpu() -> Option<Device> {
             None
         }
     }
-}
-
-/// Deterministic values in [-1, 1), different for every position and `salt`.
-fn values(n: usize, salt: u64) -> Vec<f64> {
-    (0..n as u64)
-        .map(|i| {
-            let h = (i.wrapping_add(salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))).wrapping_mul(0xD1B5_4A32_D192_ED03);
-            ((h >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 /// A tracked tensor of `dims` with values from `salt` (scaled and shifted), of dtype `dt` on `dev`.

@@ -10,6 +10,7 @@
 //! - [`process`]: waiting for child processes under a watchdog that kills the child's whole
 //!   process group and fails the test with a message, for every multi-process test.
 //! - [`close`]: the one definition of "relative error" the tests use.
+//! - [`hashed_values`]: deterministic test data that differs at every position and per salt.
 
 #![warn(missing_docs)]
 
@@ -17,6 +18,17 @@ pub mod close;
 pub mod process;
 
 use std::io::Write;
+
+/// `n` deterministic values in [-1, 1), different for every position and `salt` (a hash of the
+/// two: no two tensors of a test share a pattern, and no RNG state is needed).
+pub fn hashed_values(n: usize, salt: u64) -> Vec<f64> {
+    (0..n as u64)
+        .map(|i| {
+            let h = (i.wrapping_add(salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            ((h >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        })
+        .collect()
+}
 
 /// Something a test needs from the machine it runs on, and that some machines lack.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

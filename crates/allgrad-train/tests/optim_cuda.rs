@@ -11,6 +11,7 @@
 #![cfg(feature = "cuda")]
 
 use allgrad_dist::ProcessGroup;
+use allgrad_testkit::hashed_values as values;
 use allgrad_train::optim::{OptimConfig, Optimizer};
 use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -22,16 +23,6 @@ fn gpu() -> Option<Device> {
             None
         }
     }
-}
-
-/// Deterministic values in [-1, 1), different for every position and `salt`.
-fn values(n: usize, salt: u64) -> Vec<f64> {
-    (0..n as u64)
-        .map(|i| {
-            let h = (i.wrapping_add(salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))).wrapping_mul(0xD1B5_4A32_D192_ED03);
-            ((h >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 const SHAPES: [&[usize]; 3] = [&[17, 33], &[257], &[1]];

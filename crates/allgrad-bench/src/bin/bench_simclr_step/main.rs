@@ -71,22 +71,12 @@ fn main() -> anyhow::Result<()> {
     allgrad::tune_allocator();
     let args = Args::parse();
     anyhow::ensure!(args.threads > 0 && args.rounds > 0 && args.width > 0, "--threads, --rounds and --width must be positive");
-    anyhow::ensure!(matches!(args.device.as_str(), "cpu" | "cuda"), "--device must be cpu or cuda, not {:?}", args.device);
     anyhow::ensure!(matches!(args.depth, 18 | 50), "--depth must be 18 or 50, not {}", args.depth);
-    anyhow::ensure!(
-        matches!(args.precision.as_str(), "full" | "tf32" | "bf16"),
-        "--precision must be full, tf32 or bf16, not {:?}",
-        args.precision
-    );
-    anyhow::ensure!(
-        args.precision != "tf32" || args.device == "cuda",
-        "--precision tf32 is a CUDA mode: pass --device cuda (on the CPU it is full)"
-    );
+    report::device_and_precision(&args.device, &args.precision)?;
     anyhow::ensure!(
         args.precision != "bf16" || args.breakdown_rounds == 0,
         "the layer breakdown times f32 layers: pass --breakdown-rounds 0 with --precision bf16"
     );
-    allgrad_nn::set_tf32(args.precision == "tf32");
     anyhow::ensure!(
         args.device == "cpu" || args.breakdown_rounds == 0,
         "the layer breakdown runs on the CPU only: pass --breakdown-rounds 0"

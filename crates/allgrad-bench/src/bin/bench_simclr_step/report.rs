@@ -133,3 +133,16 @@ pub fn session(threads: usize, busy_load: f64, batches: impl FnOnce(&str) -> any
     println!("total {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }
+
+/// Checks the step benchmarks' `--device` (`cpu` or `cuda`) and `--precision` (`full`, `tf32`
+/// on CUDA, or `bf16`), and sets the process's TF32 switch from the latter.
+pub fn device_and_precision(device: &str, precision: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(matches!(device, "cpu" | "cuda"), "--device must be cpu or cuda, not {device:?}");
+    anyhow::ensure!(matches!(precision, "full" | "tf32" | "bf16"), "--precision must be full, tf32 or bf16, not {precision:?}");
+    anyhow::ensure!(
+        precision != "tf32" || device == "cuda",
+        "--precision tf32 is a CUDA mode: pass --device cuda (on the CPU it is full)"
+    );
+    allgrad_nn::set_tf32(precision == "tf32");
+    Ok(())
+}

@@ -77,17 +77,7 @@ fn main() -> anyhow::Result<()> {
     allgrad::tune_allocator();
     let args = Args::parse();
     anyhow::ensure!(args.threads > 0 && args.rounds > 0, "--threads and --rounds must be positive");
-    anyhow::ensure!(matches!(args.device.as_str(), "cpu" | "cuda"), "--device must be cpu or cuda, not {:?}", args.device);
-    anyhow::ensure!(
-        matches!(args.precision.as_str(), "full" | "tf32" | "bf16"),
-        "--precision must be full, tf32 or bf16, not {:?}",
-        args.precision
-    );
-    anyhow::ensure!(
-        args.precision != "tf32" || args.device == "cuda",
-        "--precision tf32 is a CUDA mode: pass --device cuda (on the CPU it is full)"
-    );
-    allgrad_nn::set_tf32(args.precision == "tf32");
+    report::device_and_precision(&args.device, &args.precision)?;
     anyhow::ensure!(args.max_len >= 2, "--max-len must be at least 2 ([CLS] and [SEP])");
     anyhow::ensure!(
         args.model.join("model.safetensors").is_file(),
