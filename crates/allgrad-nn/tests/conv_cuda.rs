@@ -14,6 +14,14 @@ use allgrad_nn::{conv2d, conv2d_backward, ConvParams};
 use allgrad_testkit::hashed_values as values;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
+/// The tests of this file one at a time: the TF32 test turns a process-wide switch on, under
+/// which the plain-f32 comparison (1e-5) would fail.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
@@ -87,6 +95,7 @@ fn check(what: &str, gpu: &[f64], cpu: &[f64], rel: f64) {
 
 #[test]
 fn cudnn_conv2d_and_its_gradients_equal_the_cpu_kernels() {
+    let _serial = serial();
     let Some(dev) = gpu() else { return };
     let p = |stride, padding, dilation, groups| ConvParams { stride, padding, dilation, groups };
     let cases: [(&str, [usize; 4], [usize; 4], ConvParams); 6] = [
@@ -118,6 +127,7 @@ fn cudnn_conv2d_and_its_gradients_equal_the_cpu_kernels() {
 
 #[test]
 fn cudnn_bf16_and_tf32_stay_within_their_rounding_bounds() {
+    let _serial = serial();
     let Some(dev) = gpu() else { return };
     let p = |stride, padding, dilation, groups| ConvParams { stride, padding, dilation, groups };
     let cases: [(&str, [usize; 4], [usize; 4], ConvParams); 3] = [
