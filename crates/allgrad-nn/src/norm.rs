@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, float_kernel, run_split, zeros, Float, SplitKernel};
+use crate::cpu::{contiguous, cpu_float, cuda_float, dense, float_kernel, run_split, zeros, Float, SplitKernel};
 use crate::error::{fail, NnError};
 
 /// `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension of `x`, with the
@@ -13,8 +13,9 @@ use crate::error::{fail, NnError};
 /// is the last dimension of `x`.
 ///
 /// On the CPU with f32/f64 the forward and the backward are fused kernels, parallel over rows;
-/// the backward returns ∂x, ∂gamma and ∂beta. Elsewhere this is a composition of
-/// differentiable Candle ops (computed in f32 for f16/bf16 inputs).
+/// the backward returns ∂x, ∂gamma and ∂beta. On CUDA (feature `cuda`) with f32/f64 they are
+/// CUDA kernels (one block per row; `ALLGRAD_CUDA_FUSED=0` turns them off). Elsewhere this is
+/// a composition of differentiable Candle ops (computed in f32 for f16/bf16 inputs).
 ///
 /// # Errors
 /// When `x` has rank 0, `gamma` or `beta` are not `(d,)`, or the dtypes differ.
@@ -53,6 +54,8 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result
     }
     if cpu_float(x) {
         x.apply_op3(gamma, beta, LayerNormOp { eps })
+    } else if cuda_float(x) && matches!(x.dtype(), DType::F32 | DType::F64) {
+        dense(x)?.apply_op3(&dense(gamma)?, &dense(beta)?, LayerNormOp { eps })
     } else {
         layer_norm_composed(x, gamma, beta, eps)
     }
@@ -179,6 +182,19 @@ impl CustomOp3 for LayerNormOp {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::layer_norm(s1, l1, (s2, l2), (s3, l3), self.eps)
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -187,10 +203,52 @@ impl CustomOp3 for LayerNormOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if x.device().is_cuda() {
+            // One flat [∂x; ∂gamma; ∂beta] from the CUDA kernels.
+            let (rows_d, d) = (x.elem_count(), gamma.elem_count());
+            let grad = grad.to_dtype(x.dtype())?.contiguous()?;
+            let flat = x.detach().apply_op3_no_bwd(&gamma.detach(), &grad, &LayerNormBackward { eps: self.eps })?;
+            let dx = flat.narrow(0, 0, rows_d)?.reshape(x.shape())?;
+            let (dgamma, dbeta) = (flat.narrow(0, rows_d, d)?, flat.narrow(0, rows_d + d, d)?);
+            return Ok((x.track_op().then_some(dx), gamma.track_op().then_some(dgamma), beta.track_op().then_some(dbeta)));
+        }
         let shapes = [x.shape().clone(), gamma.shape().clone(), gamma.shape().clone()];
         let grads = run_split(&LayerNormBackward { eps: self.eps }, [x, gamma, grad], &shapes)?;
         let Ok([dx, dgamma, dbeta]) = <[Tensor; 3]>::try_from(grads) else { unreachable!("three shapes, three gradients") };
         Ok((x.track_op().then_some(dx), gamma.track_op().then_some(dgamma), beta.track_op().then_some(dbeta)))
+    }
+}
+
+/// On CUDA the backward's kernels write the flat `[∂x; ∂gamma; ∂beta]` (on the CPU the
+/// backward runs through `run_split`).
+impl CustomOp3 for LayerNormBackward {
+    fn name(&self) -> &'static str {
+        "allgrad-layer-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("allgrad-nn internal error: the CPU layer_norm backward runs through `run_split`")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::layer_norm_backward(s1, l1, (s2, l2), (s3, l3), self.eps)
     }
 }
 

@@ -1,5 +1,5 @@
 //! The fused element-wise ops' CUDA kernels (feature `cuda`) against their CPU kernels:
-//! `relu`, `add_relu`, `gelu_erf`, `channel_moments` and `batch_norm` with every tail (none, ReLU, skip
+//! `relu`, `add_relu`, `gelu_erf`, `layer_norm`, `channel_moments` and `batch_norm` with every tail (none, ReLU, skip
 //! add + ReLU, normalised shortcut add + ReLU) under batch and fixed statistics, outputs and
 //! every gradient, on odd shapes (and a strided input), in f64 (relative 1e-10) and f32
 //! (relative 1e-5), and bf16 activations with f32 parameters (autocast).
@@ -10,7 +10,7 @@
 //! `batch_norm` refuses CUDA inputs, and `relu` is Candle's, whose derivative at 0 is 1).
 #![cfg(feature = "cuda")]
 
-use allgrad_nn::{add_relu, batch_norm, channel_moments, gelu_erf, relu, BnBranch, BnStats, BnTail};
+use allgrad_nn::{add_relu, batch_norm, channel_moments, gelu_erf, layer_norm, relu, BnBranch, BnStats, BnTail};
 use allgrad_testkit::hashed_values as values;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -102,6 +102,33 @@ fn gelu_on_cuda_equals_the_cpu_kernel() {
         let (cpu, cuda) = (run(&Device::Cpu).unwrap(), run(&dev).unwrap());
         for (i, part) in ["output", "∂x"].iter().enumerate() {
             check(&format!("gelu_erf {dt:?} {part}"), &cuda[i], &cpu[i], rel);
+        }
+    }
+}
+
+#[test]
+fn layer_norm_on_cuda_equals_the_cpu_kernel() {
+    let Some(dev) = gpu() else { return };
+    // Row sums in a block's tree order on CUDA, sequentially on the CPU: equal to f64 / f32
+    // tolerance. Rows shorter and longer than a block (256 threads), and a strided input.
+    for (dt, rel) in [(DType::F64, 1e-10), (DType::F32, 1e-5)] {
+        for (dims, strided) in [(&[6usize, 37][..], false), (&[3, 5, 384], false), (&[2, 1000], false), (&[40, 3, 7], true)] {
+            let run = |dev: &Device| -> Result<Vec<Vec<f64>>> {
+                let x = var(dev, dt, dims, 11, 2.0, 0.5)?;
+                let d = if strided { dims[1] } else { *dims.last().unwrap() };
+                let gamma = var(dev, dt, &[d], 12, 1.0, 1.0)?;
+                let beta = var(dev, dt, &[d], 13, 1.0, 0.0)?;
+                // The strided case normalises over dim 1 of x, moved last by a transpose.
+                let xt = if strided { x.as_tensor().transpose(1, 2)? } else { x.as_tensor().clone() };
+                let y = layer_norm(&xt, gamma.as_tensor(), beta.as_tensor(), 1e-5)?;
+                let grads = loss(&y, 14)?.backward()?;
+                let g = |v: &Var| host(grads.get(v).expect("tracked"));
+                Ok(vec![host(&y)?, g(&x)?, g(&gamma)?, g(&beta)?])
+            };
+            let (cpu, cuda) = (run(&Device::Cpu).unwrap(), run(&dev).unwrap());
+            for (i, part) in ["output", "∂x", "∂γ", "∂β"].iter().enumerate() {
+                check(&format!("layer_norm {dims:?} strided {strided} {dt:?} {part}"), &cuda[i], &cpu[i], rel);
+            }
         }
     }
 }

@@ -1,6 +1,6 @@
 // allgrad-nn's fused element-wise kernels on CUDA: ReLU and add+ReLU with their backward,
-// GELU with its backward, per-channel moments, and batch norm's forward (with its tails) and
-// backward. Each is the
+// GELU with its backward, per-channel moments, batch norm's forward (with its tails) and
+// backward, and layer norm's forward and backward. Each is the
 // CUDA twin of a CPU kernel in src/activation.rs, src/channel.rs or src/batch_norm.rs and
 // evaluates the same expressions in the same order (compiled with --fmad=false, so no
 // multiply-add is contracted where the CPU rounds twice). bf16 tensors are computed in f32 and
@@ -229,3 +229,115 @@ __device__ void gelu_bwd(size_t n, const T* x, const T* g, T* out) {
 INSTANTIATE(float, f32)
 INSTANTIATE(double, f64)
 INSTANTIATE(__nv_bfloat16, bf16)
+
+// Layer norm over rows of d values (src/norm.rs's CPU kernels, in the tensor's type T, f32 or
+// f64): one block per row, its sums reduced over the block in a fixed tree order (not the CPU's
+// sequential order: the two agree to f32 / f64 tolerance).
+#define LN_THREADS 256
+
+__device__ __forceinline__ float sqrt_c(float v) { return sqrtf(v); }
+__device__ __forceinline__ double sqrt_c(double v) { return sqrt(v); }
+
+// The sum of every thread's v over the block (blockDim.x == LN_THREADS), on every thread.
+template <typename T>
+__device__ T ln_block_sum(T v, T* shared) {
+    shared[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = LN_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
+        __syncthreads();
+    }
+    const T total = shared[0];
+    __syncthreads();
+    return total;
+}
+
+// Row r's mean and 1/sqrt(var + eps) (biased variance, two passes), as the CPU's `moments`.
+template <typename T>
+__device__ void ln_moments(const T* xr, size_t d, T eps, T* shared, T* mean, T* rstd) {
+    T s = T(0);
+    for (size_t i = threadIdx.x; i < d; i += blockDim.x) s += xr[i];
+    const T m = ln_block_sum(s, shared) / (T)d;
+    T ss = T(0);
+    for (size_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const T c = xr[i] - m;
+        ss += c * c;
+    }
+    *mean = m;
+    *rstd = T(1) / sqrt_c(ln_block_sum(ss, shared) / (T)d + eps);
+}
+
+// y = (x − mean)·rstd·γ + β per row.
+template <typename T>
+__device__ void layer_norm_fwd(size_t rows, size_t d, const T* x, const T* gamma, const T* beta, T eps, T* y) {
+    __shared__ T shared[LN_THREADS];
+    for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * d;
+        T mean, rstd;
+        ln_moments(xr, d, eps, shared, &mean, &rstd);
+        for (size_t i = threadIdx.x; i < d; i += blockDim.x) y[r * d + i] = (xr[i] - mean) * rstd * gamma[i] + beta[i];
+    }
+}
+
+// ∂x per row, with x̂ = (x − mean)·rstd and ĝ = ∂y·γ: rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)); each row's
+// mean and rstd go to stats[2r], stats[2r + 1] for the column sums.
+template <typename T>
+__device__ void layer_norm_bwd_rows(size_t rows, size_t d, const T* x, const T* gamma, const T* gy, T eps, T inv_d,
+                                    T* dx, T* stats) {
+    __shared__ T shared[LN_THREADS];
+    for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * d;
+        const T* gr = gy + r * d;
+        T mean, rstd;
+        ln_moments(xr, d, eps, shared, &mean, &rstd);
+        T a = T(0), b = T(0);
+        for (size_t i = threadIdx.x; i < d; i += blockDim.x) {
+            const T xhat = (xr[i] - mean) * rstd;
+            const T gh = gr[i] * gamma[i];
+            a += gh;
+            b += gh * xhat;
+        }
+        a = ln_block_sum(a, shared) * inv_d;
+        b = ln_block_sum(b, shared) * inv_d;
+        for (size_t i = threadIdx.x; i < d; i += blockDim.x) {
+            const T xhat = (xr[i] - mean) * rstd;
+            dx[r * d + i] = rstd * (gr[i] * gamma[i] - a - xhat * b);
+        }
+        if (threadIdx.x == 0) {
+            stats[2 * r] = mean;
+            stats[2 * r + 1] = rstd;
+        }
+    }
+}
+
+// ∂γ[j] = Σ_rows ∂y·x̂ and ∂β[j] = Σ_rows ∂y, one thread per column, rows in order.
+template <typename T>
+__device__ void layer_norm_bwd_cols(size_t rows, size_t d, const T* x, const T* gy, const T* stats, T* dgamma, T* dbeta) {
+    for (size_t j = blockIdx.x * (size_t)blockDim.x + threadIdx.x; j < d; j += (size_t)blockDim.x * gridDim.x) {
+        T dg = T(0), db = T(0);
+        for (size_t r = 0; r < rows; ++r) {
+            const T g = gy[r * d + j];
+            dg += g * ((x[r * d + j] - stats[2 * r]) * stats[2 * r + 1]);
+            db += g;
+        }
+        dgamma[j] = dg;
+        dbeta[j] = db;
+    }
+}
+
+#define LAYER_NORM(T, SUF)                                                                                      \
+    extern "C" __global__ void layer_norm_fwd_##SUF(size_t rows, size_t d, const T* x, const T* gamma,          \
+                                                    const T* beta, T eps, T* y) {                               \
+        layer_norm_fwd<T>(rows, d, x, gamma, beta, eps, y);                                                     \
+    }                                                                                                           \
+    extern "C" __global__ void layer_norm_bwd_rows_##SUF(size_t rows, size_t d, const T* x, const T* gamma,     \
+                                                         const T* gy, T eps, T inv_d, T* dx, T* stats) {        \
+        layer_norm_bwd_rows<T>(rows, d, x, gamma, gy, eps, inv_d, dx, stats);                                   \
+    }                                                                                                           \
+    extern "C" __global__ void layer_norm_bwd_cols_##SUF(size_t rows, size_t d, const T* x, const T* gy,        \
+                                                         const T* stats, T* dgamma, T* dbeta) {                 \
+        layer_norm_bwd_cols<T>(rows, d, x, gy, stats, dgamma, dbeta);                                           \
+    }
+
+LAYER_NORM(float, f32)
+LAYER_NORM(double, f64)

@@ -1,6 +1,7 @@
 //! The CUDA twins of the fused element-wise CPU kernels (feature `cuda`): ReLU and
 //! `relu(a + b)` with their backward ([`crate::relu`], [`crate::add_relu`]), exact GELU with
-//! its backward ([`crate::gelu_erf`]), the per-channel
+//! its backward ([`crate::gelu_erf`]), layer norm with its backward ([`crate::layer_norm`], f32
+//! and f64), the per-channel
 //! moments ([`crate::channel_moments`]) and batch norm's forward with its tails and its
 //! backward ([`crate::batch_norm`]). Each op keeps on CUDA what it keeps on the CPU (the ReLU
 //! its output, batch norm its inputs and output), where Candle's CUDA ops would keep every
@@ -208,6 +209,98 @@ pub(crate) fn gelu_backward(x: &CudaStorage, lx: &Layout, g: &CudaStorage, lg: &
         CudaStorage::wrap_cuda_slice(out, dev.clone())
     });
     Ok((out, lx.shape().clone()))
+}
+
+/// Threads per block of the layer-norm row kernels (fused.cu's `LN_THREADS`).
+const LN_THREADS: u32 = 256;
+
+/// One block per row (at most 65,535 blocks, each then takes several rows).
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows.clamp(1, 65_535) as u32, 1, 1), block_dim: (LN_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// `(rows, d)` of a layer norm's input, and its dtype's kernel suffix: f32 or f64.
+fn ln_geometry(lx: &Layout, dt: DType, op: &'static str) -> Result<(usize, usize)> {
+    if !matches!(dt, DType::F32 | DType::F64) {
+        return fail(NnError::UnsupportedDType { op, dtype: dt });
+    }
+    let d = lx.dims().last().copied().unwrap_or(1);
+    Ok((if d == 0 { 0 } else { lx.shape().elem_count() / d }, d))
+}
+
+/// Layer norm over the last dimension: the forward of [`crate::layer_norm`] (f32, f64).
+pub(crate) fn layer_norm(
+    x: &CudaStorage,
+    lx: &Layout,
+    (g, lg): (&CudaStorage, &Layout),
+    (b, lb): (&CudaStorage, &Layout),
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "layer_norm";
+    let dev = &x.device;
+    let (rows, d) = ln_geometry(lx, x.dtype(), OP)?;
+    let f = func(dev, "layer_norm_fwd", x.dtype(), OP)?;
+    let out = by_dtype!(x.dtype(), OP, <T, C> {
+        let out = output::<T>(dev, rows * d)?;
+        let (xv, gv, bv) = (view::<T>(x, lx, OP)?, view::<T>(g, lg, OP)?, view::<T>(b, lb, OP)?);
+        let eps = <T as candle_core::WithDType>::from_f64(eps);
+        if rows * d > 0 {
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+            builder.arg(&rows).arg(&d).arg(&xv).arg(&gv).arg(&bv).arg(&eps).arg(&out);
+            // SAFETY: `x` and `out` hold rows·d elements, `gamma` and `beta` d each, of T; one
+            // block of LN_THREADS threads per row, as the kernel's reductions assume.
+            unsafe { builder.launch(per_row(rows)) }.w()?;
+        }
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, lx.shape().clone()))
+}
+
+/// Layer norm's backward as one flat storage `[∂x (rows·d); ∂gamma (d); ∂beta (d)]`, from the
+/// input `x`, `gamma` and `gy` = ∂L/∂y (all contiguous).
+pub(crate) fn layer_norm_backward(
+    x: &CudaStorage,
+    lx: &Layout,
+    (g, lg): (&CudaStorage, &Layout),
+    (gy, lgy): (&CudaStorage, &Layout),
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "layer_norm backward";
+    let dev = &x.device;
+    let (rows, d) = ln_geometry(lx, x.dtype(), OP)?;
+    if lgy.shape().elem_count() != rows * d {
+        return fail(NnError::ShapeMismatch { op: OP, shapes: vec![lx.shape().clone(), lgy.shape().clone()] });
+    }
+    let (frows, fcols) = (func(dev, "layer_norm_bwd_rows", x.dtype(), OP)?, func(dev, "layer_norm_bwd_cols", x.dtype(), OP)?);
+    let out = by_dtype!(x.dtype(), OP, <T, C> {
+        let n = rows * d + 2 * d;
+        // Zeros: with no rows the gradients of gamma and beta are 0.
+        let mut out = dev.alloc_zeros::<T>(n.max(1))?;
+        let stats = output::<T>(dev, 2 * rows)?;
+        let (xv, gv, gyv) = (view::<T>(x, lx, OP)?, view::<T>(g, lg, OP)?, view::<T>(gy, lgy, OP)?);
+        let wd = |v: f64| <T as candle_core::WithDType>::from_f64(v);
+        let (eps, inv_d) = (wd(eps), wd(1.0 / d.max(1) as f64));
+        if rows * d > 0 {
+            let stream = dev.cuda_stream();
+            {
+                let mut dx = out.slice_mut(0..rows * d);
+                let mut builder = stream.launch_builder(&frows);
+                builder.arg(&rows).arg(&d).arg(&xv).arg(&gv).arg(&gyv).arg(&eps).arg(&inv_d).arg(&mut dx).arg(&stats);
+                // SAFETY: `x`, `gy` and `dx` hold rows·d elements, `gamma` d, `stats` 2·rows, of
+                // T; one block of LN_THREADS threads per row.
+                unsafe { builder.launch(per_row(rows)) }.w()?;
+            }
+            let (_, mut rest) = out.split_at_mut(rows * d);
+            let (mut dgamma, mut dbeta) = rest.split_at_mut(d);
+            let mut builder = stream.launch_builder(&fcols);
+            builder.arg(&rows).arg(&d).arg(&xv).arg(&gyv).arg(&stats).arg(&mut dgamma).arg(&mut dbeta);
+            // SAFETY: as above; `dgamma` and `dbeta` hold d elements each, one thread per column.
+            unsafe { builder.launch(elementwise(d)) }.w()?;
+        }
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, Shape::from(rows * d + 2 * d)))
 }
 
 /// `(n, c, inner)` of an `[N, C, ...]` layout.
