@@ -224,10 +224,12 @@ part() {
         failed=1
     elif [[ $name == bench_* ]]; then
         # A benchmark is no test: it passes when it ran and printed its table; the why is the
-        # ratio (allgrad median / PyTorch median) of each batch's wall time, per precision, and
-        # whether the benchmark flagged the machine as busy.
+        # ratio (allgrad median / PyTorch median) of each batch's wall time and peak device
+        # memory, per precision, and whether the benchmark flagged the machine as busy.
         local ratios flagged
-        ratios=$(awk '/^== batch/ {b = $3; p = $NF} /^wall s/ {printf "%sbatch %s %s: %s", sep, b, p, $NF; sep = ", "}' "$log")
+        ratios=$(awk '/^== batch/ {b = $3; p = $NF}
+            /^wall s/ {printf "%sbatch %s %s: %s", sep, b, p, $NF; sep = ", "}
+            /^peak device memory/ {printf " (memory %s)", $NF}' "$log")
         flagged=$(grep -c '^WARNING' "$log" || true)
         [ "${flagged:-0}" -gt 0 ] && ratios="$ratios; $flagged warning(s) of a busy machine: not figures"
         if [ -n "$ratios" ]; then
@@ -255,7 +257,7 @@ part() {
         echo "\`$*\` (log: $log)"
         echo
         echo '```'
-        grep -E '==|equals the CPU backend|SIGKILLed|compared in f32|SKIPPED|panicked|test result|median|ratio|allgrad|pytorch|PyTorch|harness' "$log" | grep -v '^running' | head -n 60 || true
+        grep -E '==|equals the CPU backend|SIGKILLed|compared in f32|SKIPPED|panicked|test result|median|ratio|allgrad|pytorch|PyTorch|harness|^wall s|^peak device memory' "$log" | grep -v '^running' | head -n 150 || true
         echo '```'
     } >>"$details"
 }

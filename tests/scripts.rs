@@ -221,7 +221,7 @@ esac"#,
         &format!(
             r#"echo "$*" >> {log}
 p=; prev=; for a in "$@"; do [ "$prev" = --precision ] && p=$a; prev=$a; done
-for b in 256 1024; do echo "== batch $b (2 views), ResNet-18, on cuda, precision $p"; echo "wall s  0.1 0.1 0.1  0.05 0.05 0.05  2.00x"; done
+for b in 256 1024; do echo "== batch $b (2 views), ResNet-18, on cuda, precision $p"; echo "wall s  0.1 0.1 0.1  0.05 0.05 0.05  2.00x"; echo "peak device memory MiB  80 80 80  100 100 100  0.80x"; done
 [ "$p" = bf16 ] && echo "WARNING: other processes used 34% of a CPU during the steps (median): these timings are not figures"
 exit 0"#,
             log = d.join("bench_args.txt").display()
@@ -253,7 +253,12 @@ exit 0"#,
     assert!(row("fused_optim").contains("| failed |") && row("fused_optim").contains("exit code 101"), "{report}");
     let bench = row("bench_r18");
     assert!(bench.contains("| passed |"), "{bench}");
-    for want in ["batch 256 full: 2.00x", "batch 1024 full: 2.00x", "batch 256 bf16: 2.00x", "batch 1024 bf16: 2.00x"] {
+    for want in [
+        "batch 256 full: 2.00x (memory 0.80x)",
+        "batch 1024 full: 2.00x (memory 0.80x)",
+        "batch 256 bf16: 2.00x (memory 0.80x)",
+        "batch 1024 bf16: 2.00x (memory 0.80x)",
+    ] {
         assert!(bench.contains(want), "{want} missing: {bench}");
     }
     assert!(bench.contains("1 warning(s) of a busy machine: not figures"), "{bench}");

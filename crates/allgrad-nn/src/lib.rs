@@ -36,8 +36,8 @@
 //!   CPU, with the statistics given by the caller (summed over ranks for SyncBatchNorm) and a
 //!   closed-form two-pass backward.
 //!
-//! With feature `cuda`, [`relu`], [`add_relu`], [`gelu_erf`], [`channel_moments`] and
-//! [`batch_norm`] (with its tails) have CUDA kernels too, as has the optimizer's in-place update
+//! With feature `cuda`, [`relu`], [`add_relu`], [`gelu_erf`], [`layer_norm`] (f32, f64),
+//! [`channel_moments`] and [`batch_norm`] (with its tails) have CUDA kernels too, as has the optimizer's in-place update
 //! (`optim_cuda`), compiled to PTX at build time, each one kernel per pass and
 //! saving what its CPU twin saves (`ALLGRAD_CUDA_FUSED=0` turns them off; see
 //! [`has_fused_kernels`]). On other devices, and for dtypes other than f32/f64/bf16, each op

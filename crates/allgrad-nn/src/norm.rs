@@ -203,18 +203,19 @@ impl CustomOp3 for LayerNormOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if x.device().is_cuda() {
+        let kernel = LayerNormBackward { eps: self.eps };
+        let (dx, dgamma, dbeta) = if x.device().is_cuda() {
             // One flat [∂x; ∂gamma; ∂beta] from the CUDA kernels.
             let (rows_d, d) = (x.elem_count(), gamma.elem_count());
             let grad = grad.to_dtype(x.dtype())?.contiguous()?;
-            let flat = x.detach().apply_op3_no_bwd(&gamma.detach(), &grad, &LayerNormBackward { eps: self.eps })?;
-            let dx = flat.narrow(0, 0, rows_d)?.reshape(x.shape())?;
-            let (dgamma, dbeta) = (flat.narrow(0, rows_d, d)?, flat.narrow(0, rows_d + d, d)?);
-            return Ok((x.track_op().then_some(dx), gamma.track_op().then_some(dgamma), beta.track_op().then_some(dbeta)));
-        }
-        let shapes = [x.shape().clone(), gamma.shape().clone(), gamma.shape().clone()];
-        let grads = run_split(&LayerNormBackward { eps: self.eps }, [x, gamma, grad], &shapes)?;
-        let Ok([dx, dgamma, dbeta]) = <[Tensor; 3]>::try_from(grads) else { unreachable!("three shapes, three gradients") };
+            let flat = x.detach().apply_op3_no_bwd(&gamma.detach(), &grad, &kernel)?;
+            (flat.narrow(0, 0, rows_d)?.reshape(x.shape())?, flat.narrow(0, rows_d, d)?, flat.narrow(0, rows_d + d, d)?)
+        } else {
+            let shapes = [x.shape().clone(), gamma.shape().clone(), gamma.shape().clone()];
+            let grads = run_split(&kernel, [x, gamma, grad], &shapes)?;
+            let Ok([dx, dgamma, dbeta]) = <[Tensor; 3]>::try_from(grads) else { unreachable!("three shapes, three gradients") };
+            (dx, dgamma, dbeta)
+        };
         Ok((x.track_op().then_some(dx), gamma.track_op().then_some(dgamma), beta.track_op().then_some(dbeta)))
     }
 }

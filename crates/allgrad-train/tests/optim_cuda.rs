@@ -2,8 +2,8 @@
 //! decay) and AdamW (with and without decoupled weight decay) take allgrad-nn's in-place
 //! kernels there, one per pass; after five steps of the same gradients each parameter and
 //! state slot equals the CPU optimizer's (f64 1e-10, f32 1e-5, relative to the largest
-//! magnitude; the kernels evaluate the CPU's expressions in its order, so they agree far
-//! closer). A parameter of each of three shapes (a matrix, a vector, a scalar-like 1-element
+//! magnitude; the kernels evaluate the CPU's expressions in its order, so they are meant to
+//! agree far closer). A parameter of each of three shapes (a matrix, a vector, a scalar-like 1-element
 //! tensor); LARS, which keeps the composed path, is included as a check of the fallback.
 //!
 //! Built only with the `cuda` feature; it needs a GPU (`scripts/gpu_ci.sh`). Without one it

@@ -171,7 +171,7 @@ __device__ __forceinline__ double exp_c(double v) { return exp(v); }
 
 // GELU, exact form: out = (1/2·x)·(1 + erf(x·(1/√2))), as the CPU kernel (src/activation.rs)
 // evaluates it. The CPU's f32 erf is a vectorised formula (absolute error below 3e-7), CUDA's
-// erff is within 2 ulp: the two agree to f32 tolerance, and f64 to the last bits.
+// erff is within 2 ulp: the two agree to f32 tolerance, and f64 to a few ulp.
 template <typename T>
 __device__ void gelu_fwd(size_t n, const T* x, T* out) {
     typedef typename Compute<T>::type C;

@@ -219,7 +219,7 @@ fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.clamp(1, 65_535) as u32, 1, 1), block_dim: (LN_THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// `(rows, d)` of a layer norm's input, and its dtype's kernel suffix: f32 or f64.
+/// `(rows, d)` of a layer norm's input, whose dtype must be f32 or f64 (the kernels').
 fn ln_geometry(lx: &Layout, dt: DType, op: &'static str) -> Result<(usize, usize)> {
     if !matches!(dt, DType::F32 | DType::F64) {
         return fail(NnError::UnsupportedDType { op, dtype: dt });

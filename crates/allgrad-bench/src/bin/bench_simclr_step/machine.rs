@@ -82,7 +82,8 @@ pub fn summary(values: &[f64]) -> Option<(f64, f64, f64)> {
 /// pool), reset before the step and read after it, in MiB: the bytes of live allocations
 /// (tensors, cuDNN and cuBLAS workspaces), the figure PyTorch's
 /// `torch.cuda.max_memory_allocated` gives of its caching allocator. `None` on the CPU, on a
-/// build without CUDA, or where the pool cannot be read.
+/// build without CUDA, where the context allocates without pools (`cuMemAlloc`: the pool would
+/// read 0), or where the pool cannot be read.
 pub mod device_peak {
     use candle_core::Device;
 
@@ -90,8 +91,12 @@ pub mod device_peak {
     fn pool(dev: &Device) -> Option<candle_core::cuda::cudarc::driver::sys::CUmemoryPool> {
         use candle_core::cuda::cudarc::driver::result;
         let Device::Cuda(d) = dev else { return None };
+        let ctx = d.cuda_stream().context().clone();
+        if !ctx.has_async_alloc() {
+            return None;
+        }
         // SAFETY: the CUdevice comes from the live context of Candle's device.
-        unsafe { result::device::get_mem_pool(d.cuda_stream().context().cu_device()) }.ok()
+        unsafe { result::device::get_mem_pool(ctx.cu_device()) }.ok()
     }
 
     #[cfg(feature = "cuda")]
