@@ -1,5 +1,5 @@
 //! The launcher and ranks as processes: the torchrun environment, a failing rank stopping
-//! the job with its exit code, a killed rank making the others fail with its name, Ctrl-C
+//! the job with its exit code (after the others had a moment to end and report on their own), a killed rank making the others fail with its name, Ctrl-C
 //! reaching every rank, and no process left behind in any of these cases; a program that
 //! cannot start reported as such; no shared-memory file left by a rank killed while its group
 //! was being set up; and, on a terminal, rank 0 drawing there (the trainer's progress bar).
@@ -62,6 +62,22 @@ fn a_failing_rank_stops_the_job_with_its_exit_code_and_leaves_no_process() {
     assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 exited with code 3"));
     assert_eq!(processes_matching(&format!("sleep {marker}")), 0, "ranks left behind");
+}
+
+#[test]
+fn after_a_failure_the_other_ranks_may_end_on_their_own_and_say_why() {
+    // As `train` does with a config error: rank 1 exits at once without a word, rank 0 reports
+    // the error a moment later. Stopped at once, rank 0 would never print it.
+    let script = "if [ \"$RANK\" = 1 ]; then exit 2; fi; sleep 0.3; echo 'the reason, from rank 0' >&2; exit 2";
+    let (out, elapsed) = run_with_watchdog(
+        Command::new(launch_bin()).args(["--nproc-per-node", "2", "sh", "-c", script]),
+        Duration::from_secs(60),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("rank 1 exited with code 2"), "{err}");
+    assert!(err.contains("[rank0]: the reason, from rank 0"), "{err}");
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
 }
 
 #[test]

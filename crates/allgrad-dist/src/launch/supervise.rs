@@ -1,5 +1,9 @@
 //! Watching the ranks until they all end: the first failure (or a signal to the launcher)
-//! stops the others, SIGTERM first and SIGKILL after the grace period.
+//! stops the others, SIGTERM first and SIGKILL after the grace period. After a failure the
+//! others first get [`SETTLE`] to end on their own: ranks that fail for the same reason then
+//! report it themselves (`train` prints an error that is the same on every rank, a config
+//! error, on rank 0 only; stopped at once, rank 0 could be killed before it printed, leaving
+//! only "rank 1 exited with code 2"), and the survivors of a dead peer name it.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, ExitStatus};
@@ -9,6 +13,9 @@ use super::signals::SignalGuard;
 use super::Outcome;
 
 const POLL: Duration = Duration::from_millis(20);
+
+/// How long the other ranks may take to end on their own after one failed, before SIGTERM.
+const SETTLE: Duration = Duration::from_secs(1);
 
 /// The exit code of a status, 128 + the signal number for a process killed by a signal.
 pub(crate) fn code_of(status: ExitStatus) -> i32 {
@@ -48,6 +55,10 @@ pub(crate) fn supervise(children: &mut [(usize, Child)], signals: &SignalGuard, 
         }
         if let Some((rank, code, _)) = failed {
             eprintln!("launch: rank {rank} exited with code {code}; stopping the other ranks");
+            let deadline = Instant::now() + SETTLE;
+            while Instant::now() < deadline && signals.received().is_none() && any_running(children) {
+                std::thread::sleep(POLL);
+            }
             stop_all(children, grace);
             return Outcome::RankFailed { rank, code };
         }
@@ -56,6 +67,11 @@ pub(crate) fn supervise(children: &mut [(usize, Child)], signals: &SignalGuard, 
         }
         std::thread::sleep(POLL);
     }
+}
+
+/// Whether a rank has not exited yet.
+fn any_running(children: &mut [(usize, Child)]) -> bool {
+    children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None)))
 }
 
 /// SIGTERM to every running rank's process group, then SIGKILL to those left after `grace`;
@@ -73,7 +89,7 @@ pub(crate) fn stop_all(children: &mut [(usize, Child)], grace: Duration) {
     };
     signal_all(children, libc::SIGTERM);
     let deadline = Instant::now() + grace;
-    while Instant::now() < deadline && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+    while Instant::now() < deadline && any_running(children) {
         std::thread::sleep(POLL);
     }
     signal_all(children, libc::SIGKILL);
