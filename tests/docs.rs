@@ -2,7 +2,10 @@
 //! and the other Markdown files of the repository points at a file (and heading) that
 //! exists; every flag quoted with one of allgrad's commands (`train`, `launch`, `embed`,
 //! `export-hf`) is one that command's `--help` lists; every script and config a document
-//! names exists. (That the scripts the documents run are executable is `tests/scripts.rs`.)
+//! names exists; every `--set key=` in the README and docs/ names a key of the configuration
+//! reference (docs/configuration.md); every figure row of the README's performance table has
+//! its command in docs/performance.md. (That the scripts the documents run are executable is
+//! `tests/scripts.rs`.)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -232,4 +235,94 @@ fn flags_quoted_with_our_commands_exist_and_named_scripts_and_configs_are_there(
     bad.sort();
     bad.dedup();
     assert!(bad.is_empty(), "stale commands in the docs:\n{}", bad.join("\n"));
+}
+
+/// The keys of the configuration reference: the first cell of its tables, `| `key` |`.
+fn reference_keys() -> BTreeSet<String> {
+    let text = std::fs::read_to_string(repo().join("docs/configuration.md")).unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|rest| rest.split_once('`').map(|(k, _)| k.to_string()))
+        .collect()
+}
+
+/// The keys of `--set key=value` in `text` (the value may be quoted: `--set "key={...}"`).
+fn set_keys(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("--set ") {
+        rest = &rest[i + "--set ".len()..];
+        let token = rest.trim_start_matches(['"', '\'']);
+        if let Some((key, _)) = token.split_once('=') {
+            if key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.') && !key.is_empty() {
+                out.push(key.to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_set_key_in_the_readme_and_docs_is_a_key_of_the_configuration_reference() {
+    let keys = reference_keys();
+    assert!(keys.len() > 50 && keys.contains("train.global_batch") && keys.contains("dist.device_ids"), "{keys:?}");
+    // Placeholders of the syntax itself, and the key of the example's own method (not allgrad's).
+    let placeholders = ["key", "key.path"];
+    let example = std::fs::read_to_string(repo().join("examples/custom_loss.rs")).unwrap();
+    let mut docs = vec![repo().join("README.md")];
+    docs.extend(markdown_files().into_iter().filter(|p| p.parent() == Some(&repo().join("docs"))));
+    let (mut checked, mut bad) = (0, Vec::new());
+    for file in docs {
+        for key in set_keys(&std::fs::read_to_string(&file).unwrap()) {
+            checked += 1;
+            let ok = keys.contains(&key)
+                || placeholders.contains(&key.as_str())
+                || (key == "points.tile" && example.contains("points") && example.contains("tile"));
+            if !ok {
+                bad.push(format!("{}: --set {key}=: not a key of docs/configuration.md", file.display()));
+            }
+        }
+    }
+    assert!(checked >= 10, "only {checked} --set keys found: is the scan broken?");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    assert_eq!(set_keys("a `--set optim.lr=0.5 --set \"optim={kind: sgd}\"` b --set x y"), ["optim.lr", "optim"]);
+}
+
+/// The first cell of each row of the table under `heading` in `text` (header and rule left out).
+fn table_rows(text: &str, heading: &str) -> Vec<(String, String)> {
+    let mut rows = Vec::new();
+    let mut inside = false;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            inside = line.trim_start_matches('#').trim() == heading;
+            continue;
+        }
+        if inside && line.starts_with("| ") && !line.starts_with("|---") {
+            let cells: Vec<&str> = line.trim_matches('|').split(" | ").map(str::trim).collect();
+            rows.push((cells[0].to_string(), cells.get(1).unwrap_or(&"").to_string()));
+        }
+    }
+    // The header row.
+    if !rows.is_empty() {
+        rows.remove(0);
+    }
+    rows
+}
+
+#[test]
+fn every_figure_of_the_readme_performance_table_has_its_command_in_docs_performance() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let performance = std::fs::read_to_string(repo().join("docs/performance.md")).unwrap();
+    let figures = table_rows(&readme, "Performance");
+    assert!(figures.len() >= 5, "the README's performance table: {figures:?}");
+    let commands: BTreeMap<String, String> = table_rows(&performance, "The README's figures").into_iter().collect();
+    let mut bad = Vec::new();
+    for (what, _) in &figures {
+        match commands.get(what) {
+            None => bad.push(format!("README row `{what}` is not in docs/performance.md's \"The README's figures\"")),
+            Some(c) if !c.contains("scripts/") => bad.push(format!("`{what}`: no scripts/ command in docs/performance.md: {c}")),
+            Some(_) => {}
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
 }

@@ -12,8 +12,10 @@
 //! And `scripts/gpu_ci.sh` on a machine without a GPU says why, in its report too, and exits 0,
 //! or 1 under ALLGRAD_REQUIRE_GPU=1; with a stand-in GPU and stand-in binaries its report
 //! judges each part as the GPU session would (tests by their results, benchmarks by their step
-//! table, once per precision, saying when a benchmark flagged a busy machine), so that the
-//! harness is checked here rather than on a GPU machine's scarce time.
+//! table, once per precision, saying when a benchmark flagged a busy machine), and under
+//! ALLGRAD_REQUIRE_GPU=1 fails every part that cannot run (a missing test binary, missing
+//! PyTorch or weights, a test that skips) where it would otherwise leave a "skipped" row, so
+//! that the harness is checked here rather than on a GPU machine's scarce time.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -268,4 +270,84 @@ exit 0"#,
     assert_eq!(runs.len(), 2, "{args}");
     assert!(runs[0].starts_with("--device cuda --precision full --depth 18") && runs[0].ends_with("256 1024"), "{args}");
     assert!(runs[1].starts_with("--device cuda --precision bf16 --depth 18"), "{args}");
+}
+
+#[test]
+fn gpu_ci_under_require_gpu_fails_every_part_that_cannot_run_instead_of_skipping_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d, bin) = (dir.path(), dir.path().join("bin"));
+    std::fs::create_dir(&bin).unwrap();
+    let smi = script(
+        d,
+        "nvidia-smi",
+        r#"case "$*" in
+  *compute_cap*) echo "9.0" ;;
+  *memory.total*) echo "Stand-in GPU, 1 MiB, 0.0, 9.0" ;;
+  *) echo "Stand-in GPU" ;;
+esac"#,
+    );
+    // A Python without PyTorch: no peer for the benchmarks.
+    let python = script(d, "python", "exit 1");
+    let passing = "echo 'test result: ok. 2 passed; 0 failed; 0 ignored'";
+    for name in ["train", "launch", "nccl_ops", "gpu_faults", "bench_simclr_step"] {
+        script(&bin, name, passing);
+    }
+    // The equivalence tests run, but one skips (the MiniLM weights are absent).
+    script(
+        &bin,
+        "gpu_equivalence",
+        "echo 'SKIPPED gpu_equivalence::simcse_minilm_on_2_ranks_equals_1_rank [minilm]: simcse_minilm: data/models/all-MiniLM-L6-v2 is absent (runs when: ...)'\n\
+         echo 'test result: ok. 4 passed; 0 failed; 0 ignored'",
+    );
+    // No conv_cuda, fused_cuda or optim_cuda: a build without cudnn, or an older one.
+    let run = |require: bool| {
+        let report = d.join(format!("report-{require}.md"));
+        let out = std::process::Command::new(root().join("scripts/gpu_ci.sh"))
+            .env("ALLGRAD_NVIDIA_SMI", &smi)
+            .env("ALLGRAD_GPU_OUT", d.join(format!("out-{require}")))
+            .env("ALLGRAD_GPU_REPORT", &report)
+            .env("ALLGRAD_GPU_BIN", &bin)
+            .env("ALLGRAD_GPU_PARTS", "collectives,cudnn_conv,fused_ops,fused_optim,equivalence_text,bench_r18")
+            .env("ALLGRAD_REQUIRE_GPU", if require { "1" } else { "0" })
+            .env("PYTHON", &python)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), err, std::fs::read_to_string(&report).unwrap())
+    };
+    let row = |report: &str, part: &str| {
+        report
+            .lines()
+            .find(|l| l.starts_with(&format!("| {part}")))
+            .unwrap_or_else(|| panic!("no row {part}:\n{report}"))
+            .to_string()
+    };
+    let left_out = ["cudnn_conv", "fused_ops", "fused_optim", "equivalence_text", "bench_r18, bench_r50, bench_simcse"];
+    // Without ALLGRAD_REQUIRE_GPU: skipped rows, and the run passes.
+    let (code, err, report) = run(false);
+    assert_eq!(code, Some(0), "{err}\n{report}");
+    assert!(row(&report, "collectives").contains("| passed |"), "{report}");
+    for part in left_out {
+        let r = row(&report, part);
+        assert!(r.contains("| skipped |") || r.contains("| passed |"), "{part}: {r}");
+    }
+    assert!(
+        row(&report, "cudnn_conv").contains("| skipped |") && row(&report, "cudnn_conv").contains("no conv_cuda"),
+        "{report}"
+    );
+    // With it: every part that could not run fails, saying why, and so does the run.
+    let (code, err, report) = run(true);
+    assert_eq!(code, Some(1), "{err}\n{report}");
+    assert!(row(&report, "collectives").contains("| passed |"), "{report}");
+    for (part, why) in [
+        ("cudnn_conv", "no conv_cuda"),
+        ("fused_ops", "no fused_cuda"),
+        ("fused_optim", "no optim_cuda"),
+        ("equivalence_text", "1 of 4 test(s) skipped"),
+        ("bench_r18, bench_r50, bench_simcse", "cannot import PyTorch"),
+    ] {
+        let r = row(&report, part);
+        assert!(r.contains("| failed |") && r.contains(why), "{part}: {r}");
+    }
+    assert!(!report.contains("| skipped |"), "{report}");
 }

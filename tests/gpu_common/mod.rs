@@ -179,16 +179,15 @@ fn losses(run_dir: &Path) -> Vec<(usize, f64)> {
 /// comparison is purely relative.
 pub const ZERO_SCALE_RMS: f64 = 1e-3;
 
-/// ‖a − b‖ / max(‖b‖, √n · [`ZERO_SCALE_RMS`]).
+/// ‖a − b‖ / max(‖b‖, √n · [`ZERO_SCALE_RMS`]) (`allgrad_testkit::close::rel_err_floor`).
 pub fn rel_norm(a: &[f64], b: &[f64]) -> f64 {
-    let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
-    let n: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
-    d / n.max((b.len() as f64).sqrt() * ZERO_SCALE_RMS)
+    allgrad_testkit::close::rel_err_floor(a, b, (b.len() as f64).sqrt() * ZERO_SCALE_RMS)
 }
 
 /// Compares two runs tensor by tensor (norm-wise relative error, see [`rel_norm`]) and loss by
-/// loss (relative); returns the largest error and where, or a message naming the first
-/// tensor over `tol`.
+/// loss (element-wise, `allgrad_testkit::close::elem_rel_err`); returns the largest error and
+/// where, or a message naming the first tensor over `tol`. Each error is reported
+/// (`ALLGRAD_TEST_ERRORS=1`).
 pub fn compare(what: &str, got: &Trained, want: &Trained, tol: f64) -> Result<(f64, String), String> {
     if got.step != want.step {
         return Err(format!("{what}: checkpoint at step {} vs {}", got.step, want.step));
@@ -204,6 +203,7 @@ pub fn compare(what: &str, got: &Trained, want: &Trained, tol: f64) -> Result<(f
             return Err(format!("{what}: {name} has {} values vs {}", a.len(), b.len()));
         }
         let e = rel_norm(a, b);
+        allgrad_testkit::close::report(&format!("{what}: {name}"), e, tol);
         if e.is_nan() || e > tol {
             let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
             return Err(format!(
@@ -223,7 +223,8 @@ pub fn compare(what: &str, got: &Trained, want: &Trained, tol: f64) -> Result<(f
         return Err(format!("{what}: losses {:?} vs {:?}", got.losses, want.losses));
     }
     for ((s1, l1), (s2, l2)) in got.losses.iter().zip(&want.losses) {
-        let e = (l1 - l2).abs() / l2.abs().max(f64::MIN_POSITIVE);
+        let (e, _) = allgrad_testkit::close::elem_rel_err(&[*l1], &[*l2], f64::MIN_POSITIVE);
+        allgrad_testkit::close::report(&format!("{what}: loss of step {s1}"), e, tol);
         if s1 != s2 || e.is_nan() || e > tol {
             return Err(format!("{what}: step {s1} loss {l1} vs step {s2} loss {l2} (relative {e:.3e} > {tol:e})"));
         }

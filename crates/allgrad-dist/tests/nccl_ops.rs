@@ -10,14 +10,12 @@
 //! ranks of one communicator on one GPU: ncclInvalidUsage), and with two GPUs W = 2 runs
 //! through NCCL. Nothing skips on a machine with a GPU.
 //!
-//! Built with the `cuda` feature; it runs on a GPU machine (`scripts/gpu_ci.sh`), never in
-//! this repository's CPU CI. Without a GPU it prints why it skipped, and fails with
+//! It needs the `cuda` feature and a GPU machine (`scripts/gpu_ci.sh`). Without either (the
+//! repository's CPU CI) every test prints why it skipped, by name, and fails with
 //! ALLGRAD_REQUIRE_GPU=1.
-#![cfg(feature = "cuda")]
 
 use allgrad_dist::gpu::{cuda_ordinal, CudaCollectives, CudaPath};
 use allgrad_dist::{all_gather, all_reduce, all_to_all_sizes, broadcast, reduce_scatter, ProcessGroup, ReduceOp, ThreadWorld};
-use candle_core::cuda::cudarc::driver::CudaContext;
 use candle_core::{Device, Result, Tensor, Var};
 
 type Op<'a> = &'a (dyn Fn(&Tensor, &ProcessGroup) -> Result<Tensor> + Sync);
@@ -25,12 +23,26 @@ type Op<'a> = &'a (dyn Fn(&Tensor, &ProcessGroup) -> Result<Tensor> + Sync);
 /// The number of visible CUDA devices; `None`, after printing why the test skips, when there
 /// is none. With ALLGRAD_REQUIRE_GPU=1 a skip is a failure.
 fn gpus(test: &str) -> Option<usize> {
-    let n = CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0);
+    if !cfg!(feature = "cuda") {
+        skip(test, "this test binary was built without the `cuda` feature");
+        return None;
+    }
+    let n = device_count();
     if n == 0 {
         skip(test, "no CUDA device is visible");
         return None;
     }
     Some(n)
+}
+
+#[cfg(feature = "cuda")]
+fn device_count() -> usize {
+    candle_core::cuda::cudarc::driver::CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_count() -> usize {
+    0
 }
 
 /// Says that `test` did not run and why, through the workspace's skip (a failure instead
@@ -96,11 +108,10 @@ fn run(
 }
 
 fn assert_close(name: &str, w: usize, what: &str, gpu: &[f64], cpu: &[f64]) {
-    assert_eq!(gpu.len(), cpu.len(), "{name} W={w} {what}: lengths");
-    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
-        // Relative error per element, with a floor of 1e-300 only against exact zeros.
-        assert!((g - c).abs() <= 1e-10 * c.abs().max(1e-300), "{name} W={w} {what}[{i}]: CUDA {g} vs CPU {c}");
-    }
+    // Element-wise (each element a sum of exact inputs, rounded on its own scale; an exact
+    // zero must stay exact), through `allgrad_testkit::close`.
+    let what = format!("{name} W={w} {what}: CUDA vs CPU");
+    allgrad_testkit::close::assert_elem_rel(gpu, cpu, 1e-10, f64::MIN_POSITIVE, &what);
 }
 
 fn check(name: &str, rows: &(dyn Fn(usize, usize) -> usize + Sync), op: Op<'_>) {

@@ -36,9 +36,12 @@ pub mod resnet;
 pub mod rng;
 pub mod simcse;
 pub mod tiled;
+mod trace;
 pub mod vectors;
 
 pub use error::ModelError;
 pub use face::RowRange;
 pub use files::save_safetensors;
 pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective, SparseRows};
+#[doc(hidden)]
+pub use trace::{tiled_paths, TiledPaths};

@@ -125,6 +125,14 @@ pub trait Objective: Send {
         Ok(Vec::new())
     }
 
+    /// The number of samples of every global micro-batch this run will see
+    /// (`train.global_batch / train.accumulate`), told by the trainer before a checkpoint's
+    /// buffers are loaded: an objective whose buffers depend on it (a queue of past keys)
+    /// checks them against it. Default: nothing to check.
+    fn expect_batch(&mut self, _global_micro_batch: usize) -> Result<()> {
+        Ok(())
+    }
+
     /// Non-trainable state by name (batch-norm running statistics, ...), saved in every
     /// checkpoint beside the parameters. Default: none. An objective with buffers should keep
     /// them identical on every rank (SyncBatchNorm does, by construction); the trainer saves

@@ -131,6 +131,11 @@ impl Objective for VectorContrastive {
         Some(self)
     }
 
+    /// The queue (`loss.queue`) holds both views' keys of a global micro-batch.
+    fn expect_batch(&mut self, global_micro_batch: usize) -> Result<()> {
+        self.queue.as_mut().map_or(Ok(()), |q| q.expect_rows(2 * global_micro_batch))
+    }
+
     /// The queue of past keys (`loss.queue`), when it holds any.
     fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
         crate::tiled::queue_buffers(self.queue.as_ref())

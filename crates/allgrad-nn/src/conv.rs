@@ -273,6 +273,7 @@ impl CustomOp2 for Conv2dOp {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        count_cudnn(candle_core::backend::BackendStorage::dtype(s1));
         crate::conv_cudnn::forward(&self.g, s1, l1, s2, l2)
     }
 
@@ -321,8 +322,20 @@ impl CustomOp3 for Conv2dBackward {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        count_cudnn(candle_core::backend::BackendStorage::dtype(s1));
         crate::conv_cudnn::backward(&self.g, (self.want_input, self.want_weight), (s1, l1), (s2, l2), (s3, l3))
     }
+}
+
+/// Counts a conv2d pass through cuDNN (`crate::kernel_paths`), and whether it was an f32 pass
+/// with TF32 allowed.
+#[cfg(feature = "cudnn")]
+fn count_cudnn(dtype: candle_core::DType) {
+    let tf32 = dtype == candle_core::DType::F32 && crate::tf32();
+    crate::trace::count(|p| {
+        p.conv_cudnn += 1;
+        p.conv_cudnn_tf32 += u64::from(tf32);
+    });
 }
 
 /// A 2-D convolution layer: a weight, an optional bias and its [`ConvParams`], applied with

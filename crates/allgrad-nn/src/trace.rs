@@ -19,6 +19,10 @@ pub struct KernelPaths {
     pub batch_norm_split: u64,
     /// Batch-norm kernel calls run as one task.
     pub batch_norm_whole: u64,
+    /// conv2d passes (forward or backward) through cuDNN (feature `cudnn`, CUDA tensors).
+    pub conv_cudnn: u64,
+    /// Of those, f32 passes with TF32 allowed (`crate::set_tf32`): cuDNN may use tensor cores.
+    pub conv_cudnn_tf32: u64,
 }
 
 thread_local! {

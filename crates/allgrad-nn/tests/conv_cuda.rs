@@ -5,12 +5,17 @@
 //! results) and f32 with TF32 allowed, each element within the rounding bound of its format
 //! around an f64 computation on the same inputs.
 //!
-//! Built only with the `cudnn` feature; it needs a GPU (`scripts/gpu_ci.sh`). Without one it
-//! skips, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which makes that
-//! a failure.
-#![cfg(feature = "cudnn")]
+//! Every CUDA run is checked to have gone through cuDNN (`allgrad_nn::kernel_paths`), and the
+//! TF32 runs to have had TF32 allowed and to differ from plain f32 by more than f32 rounding
+//! (on a 64-channel case, where cuDNN takes tensor cores): a TF32 switch that never reached
+//! cuDNN would pass the rounding bound but not this.
+//!
+//! It needs the `cudnn` feature and a GPU (`scripts/gpu_ci.sh`). Without either, every test
+//! skips by name, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which
+//! makes that a failure.
 
-use allgrad_nn::{conv2d, conv2d_backward, ConvParams};
+use allgrad_nn::{conv2d, conv2d_backward, kernel_paths, ConvParams, KernelPaths};
+use allgrad_testkit::close::{assert_rel, rel_err, report};
 use allgrad_testkit::hashed_values as values;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -23,6 +28,10 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn gpu() -> Option<Device> {
+    if !cfg!(feature = "cudnn") {
+        allgrad_testkit::skip(allgrad_testkit::Need::Gpu, "this test binary was built without the `cudnn` feature");
+        return None;
+    }
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
@@ -37,6 +46,17 @@ fn gpu() -> Option<Device> {
 fn run(dev: &Device, dt: DType, xs: &[usize], ws: &[usize], p: ConvParams) -> Result<[Vec<f64>; 5]> {
     run_on(dev, dt, xs, ws, p, Inputs::Plain)
 }
+
+/// The conv2d passes through cuDNN since `before` (this thread's counts): all, and those of
+/// f32 with TF32 allowed.
+fn cudnn_since(before: KernelPaths) -> (u64, u64) {
+    let now = kernel_paths();
+    (now.conv_cudnn - before.conv_cudnn, now.conv_cudnn_tf32 - before.conv_cudnn_tf32)
+}
+
+/// A run on CUDA is a forward, the backward through autograd and `conv2d_backward` called
+/// alone: three passes, each through cuDNN.
+const PASSES: u64 = 3;
 
 /// Which values [`run_on`] convolves: [`values`] cast to the run's dtype, [`values`] rounded to
 /// bf16 first (the inputs a bf16 run sees, for an f64 reference), or their magnitudes (an f64
@@ -76,6 +96,14 @@ fn run_on(dev: &Device, dt: DType, xs: &[usize], ws: &[usize], p: ConvParams, in
 /// result and `acc` for the accumulation).
 fn check_bound(what: &str, gpu: &[f64], exact: &[f64], scale: &[f64], rel: f64, acc: f64) {
     assert_eq!(gpu.len(), exact.len(), "{what}: lengths");
+    // The largest |difference| / bound, reported as an error against a tolerance of 1.
+    let worst = gpu
+        .iter()
+        .zip(exact)
+        .zip(scale)
+        .map(|((g, e), s)| (g - e).abs() / (rel * e.abs() + acc * s + 1e-30))
+        .fold(0f64, f64::max);
+    report(&format!("{what}: |difference| / rounding bound"), worst, 1.0);
     for (i, ((g, e), s)) in gpu.iter().zip(exact).zip(scale).enumerate() {
         let bound = rel * e.abs() + acc * s + 1e-30;
         assert!(
@@ -86,11 +114,9 @@ fn check_bound(what: &str, gpu: &[f64], exact: &[f64], scale: &[f64], rel: f64, 
     }
 }
 
+/// Norm-wise relative error within `rel` (`allgrad_testkit::close`).
 fn check(what: &str, gpu: &[f64], cpu: &[f64], rel: f64) {
-    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
-    let scale = cpu.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-300);
-    let worst = gpu.iter().zip(cpu).map(|(g, c)| (g - c).abs()).fold(0f64, f64::max);
-    assert!(worst <= rel * scale, "{what}: max |CUDA - CPU| = {worst:e} > {rel:e} x max |CPU| = {scale:e}");
+    assert_rel(gpu, cpu, rel, what);
 }
 
 #[test]
@@ -109,7 +135,9 @@ fn cudnn_conv2d_and_its_gradients_equal_the_cpu_kernels() {
     for (name, xs, ws, params) in cases {
         for (dt, rel) in [(DType::F64, 1e-10), (DType::F32, 1e-5)] {
             let cpu = run(&Device::Cpu, dt, &xs, &ws, params).unwrap();
+            let before = kernel_paths();
             let cuda = run(&dev, dt, &xs, &ws, params).unwrap();
+            assert_eq!(cudnn_since(before), (PASSES, 0), "{name} {dt:?}: conv2d passes through cuDNN (all, TF32)");
             let parts = [
                 "output",
                 "input gradient",
@@ -130,11 +158,14 @@ fn cudnn_bf16_and_tf32_stay_within_their_rounding_bounds() {
     let _serial = serial();
     let Some(dev) = gpu() else { return };
     let p = |stride, padding, dilation, groups| ConvParams { stride, padding, dilation, groups };
-    let cases: [(&str, [usize; 4], [usize; 4], ConvParams); 3] = [
+    let cases: [(&str, [usize; 4], [usize; 4], ConvParams); 4] = [
         ("3x3 stride 1 pad 1", [4, 16, 12, 12], [16, 16, 3, 3], p(1, 1, 1, 1)),
         ("1x1 stride 2 (a shortcut)", [4, 16, 8, 8], [32, 16, 1, 1], p(2, 0, 1, 1)),
         ("7x7 stride 2 pad 3 (a stem)", [2, 3, 20, 20], [8, 3, 7, 7], p(2, 3, 1, 1)),
+        (TF32_CASE, [8, 64, 16, 16], [64, 64, 3, 3], p(1, 1, 1, 1)),
     ];
+    // Whether some part of the 64-channel case differed from plain f32 beyond f32 rounding.
+    let mut tf32_seen = false;
     let parts =
         ["output", "input gradient", "weight gradient", "conv2d_backward's input gradient", "conv2d_backward's weight gradient"];
     for (name, xs, ws, params) in cases {
@@ -152,9 +183,14 @@ fn cudnn_bf16_and_tf32_stay_within_their_rounding_bounds() {
         // TF32: each f32 input rounded to a 10-bit mantissa (2^-11 each, so 2^-10 for a
         // product) before an f32 accumulation; the result is f32.
         allgrad_nn::set_tf32(true);
+        let before = kernel_paths();
         let tf32 = run_on(&dev, DType::F32, &xs, &ws, params, Inputs::Plain);
+        let passes = cudnn_since(before);
         allgrad_nn::set_tf32(false);
+        assert_eq!(passes, (PASSES, PASSES), "{name} f32 + TF32: conv2d passes through cuDNN (all, TF32 allowed)");
         let (tf32, exact) = (tf32.unwrap(), run_on(&Device::Cpu, DType::F64, &xs, &ws, params, Inputs::Plain).unwrap());
+        // The same inputs in plain f32 on the GPU: within f32's own rounding of the exact result.
+        let plain = run_on(&dev, DType::F32, &xs, &ws, params, Inputs::Plain).unwrap();
         for (i, part) in parts.iter().enumerate() {
             check_bound(
                 &format!("{name} f32 + TF32 {part}"),
@@ -164,7 +200,27 @@ fn cudnn_bf16_and_tf32_stay_within_their_rounding_bounds() {
                 2f64.powi(-24),
                 2f64.powi(-10) + 2f64.powi(-12),
             );
+            // TF32 rounds each input to 10 mantissa bits: about 1e-4 of error norm-wise where
+            // plain f32 has about 1e-7. An error above 1e-5 (the f32 tolerance) and ten times
+            // plain f32's can only come from TF32 arithmetic.
+            let (e_tf32, e_f32) = (rel_err(&tf32[i], &exact[i]), rel_err(&plain[i], &exact[i]));
+            report(&format!("{name} {part}: TF32 error"), e_tf32, TF32_SEEN);
+            report(&format!("{name} {part}: plain f32 error"), e_f32, 1e-5);
+            assert!(e_f32 <= 1e-5, "{name} {part}: plain f32 on CUDA is {e_f32:e} from the exact result");
+            if name == TF32_CASE && e_tf32 > TF32_SEEN && e_tf32 > 10.0 * e_f32 {
+                tf32_seen = true;
+            }
         }
         eprintln!("{name} f32 with TF32: CUDA (cuDNN) within TF32 rounding of the f64 result");
     }
+    assert!(
+        tf32_seen,
+        "{TF32_CASE}: with TF32 allowed, no part differed from plain f32 by more than {TF32_SEEN:e}: TF32 did not run"
+    );
 }
+
+/// The case on which TF32 must show (64 channels: cuDNN takes tensor-core algorithms there).
+const TF32_CASE: &str = "3x3 64 channels";
+
+/// The norm-wise error above which a result was computed with TF32 (the f32 tolerance).
+const TF32_SEEN: f64 = 1e-5;

@@ -4,17 +4,21 @@
 //! every gradient, on odd shapes (and a strided input), in f64 (relative 1e-10) and f32
 //! (relative 1e-5), and bf16 activations with f32 parameters (autocast).
 //!
-//! Built only with the `cuda` feature; it needs a GPU (`scripts/gpu_ci.sh`). Without one it
-//! skips, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which makes that
-//! a failure. It compares the kernels, so it refuses to run with ALLGRAD_CUDA_FUSED=0 (then
-//! `batch_norm` refuses CUDA inputs, and `relu` is Candle's, whose derivative at 0 is 1).
-#![cfg(feature = "cuda")]
+//! It needs the `cuda` feature and a GPU (`scripts/gpu_ci.sh`). Without either every test
+//! skips by name, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which
+//! makes that a failure. It compares the kernels, so it refuses to run with
+//! ALLGRAD_CUDA_FUSED=0 (then `batch_norm` refuses CUDA inputs, and `relu` is Candle's, whose
+//! derivative at 0 is 1).
 
 use allgrad_nn::{add_relu, batch_norm, channel_moments, gelu_erf, layer_norm, relu, BnBranch, BnStats, BnTail};
 use allgrad_testkit::hashed_values as values;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 fn gpu() -> Option<Device> {
+    if !cfg!(feature = "cuda") {
+        allgrad_testkit::skip(allgrad_testkit::Need::Gpu, "this test binary was built without the `cuda` feature");
+        return None;
+    }
     let off = std::env::var("ALLGRAD_CUDA_FUSED").is_ok_and(|v| v.trim() == "0");
     assert!(!off, "ALLGRAD_CUDA_FUSED=0 turns off the CUDA kernels this test compares with the CPU kernels: unset it");
     match Device::new_cuda(0) {
@@ -44,11 +48,9 @@ fn loss(y: &Tensor, salt: u64) -> Result<Tensor> {
     (y * c)?.sum_all()
 }
 
+/// Norm-wise relative error within `rel` (`allgrad_testkit::close`).
 fn check(what: &str, gpu: &[f64], cpu: &[f64], rel: f64) {
-    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
-    let scale = cpu.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-300);
-    let worst = gpu.iter().zip(cpu).map(|(g, c)| (g - c).abs()).fold(0f64, f64::max);
-    assert!(worst <= rel * scale, "{what}: max |CUDA - CPU| = {worst:e} > {rel:e} x max |CPU| = {scale:e}");
+    allgrad_testkit::close::assert_rel(gpu, cpu, rel, what);
 }
 
 /// Output, ∂a and ∂b of `relu(a)` (`add`: `add_relu(a, b)`) on `dev`; `a` is a transposed

@@ -11,13 +11,19 @@
 //!   measure where each element is a correctly rounded value of its own (a collective's sum
 //!   of exact inputs, a closed-form value), or where every element matters on its own scale.
 //!
-//! Neither has a floor of 1, which would make a "relative" tolerance absolute for values below
+//! - [`rel_err_floor`], norm-wise with an explicit floor on `‖want‖₂`: for a tensor that may be
+//!   zero by construction (a parameter whose gradient is zero holds only rounding noise, which
+//!   differs between any two runs), where the floor says how large a tensor must be to be
+//!   measured relatively.
+//!
+//! None has a floor of 1, which would make a "relative" tolerance absolute for values below
 //! one (a gradient of size 1e-3 checked "at 1e-10" would be checked at 1e-7 relative).
 //! NaN anywhere gives an infinite error.
 //!
-//! With `ALLGRAD_TEST_ERRORS=1` every check through [`assert_rel`], [`assert_elem_rel`] or
-//! [`report`] prints `ERROR <test>: <what>: <error> (tolerance <tol>)` to stderr: the measured
-//! errors behind the tolerances' comments (`cargo test ... 2>&1 | grep '^ERROR'`).
+//! With `ALLGRAD_TEST_ERRORS=1` every check through [`assert_rel`], [`assert_rel_floor`],
+//! [`assert_elem_rel`] or [`report`] prints `ERROR <test>: <what>: <error> (tolerance <tol>)` to
+//! stderr: the measured errors behind the tolerances' comments
+//! (`cargo test ... 2>&1 | grep '^ERROR'`).
 
 /// `‖got − want‖₂ / ‖want‖₂` over all elements: 0 when they are equal (both zero included),
 /// infinite when `want` is all zeros and `got` is not, or when either holds a NaN.
@@ -44,6 +50,26 @@ pub fn rel_err(got: &[f64], want: &[f64]) -> f64 {
         f64::INFINITY
     } else {
         (diff / norm).sqrt()
+    }
+}
+
+/// `‖got − want‖₂ / max(‖want‖₂, floor)`: [`rel_err`] for tensors above `floor` in norm, the
+/// absolute error divided by `floor` below it. NaN anywhere gives an infinite error.
+///
+/// # Panics
+/// When the lengths differ.
+pub fn rel_err_floor(got: &[f64], want: &[f64], floor: f64) -> f64 {
+    assert_eq!(got.len(), want.len(), "rel_err_floor: {} elements against {}", got.len(), want.len());
+    if got.iter().chain(want).any(|x| x.is_nan()) {
+        return f64::INFINITY;
+    }
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+    let diff = norm(&mut got.iter().zip(want).map(|(g, w)| g - w));
+    let size = norm(&mut want.iter().copied()).max(floor);
+    if diff == 0.0 {
+        0.0
+    } else {
+        diff / size
     }
 }
 
@@ -87,6 +113,14 @@ pub fn assert_rel(got: &[f64], want: &[f64], tol: f64, what: &str) {
     assert!(e <= tol, "{what}: relative error (norm-wise) {e:e} > {tol:e}");
 }
 
+/// Fails with `what`, the error, the tolerance and the floor when [`rel_err_floor`] exceeds
+/// `tol`.
+pub fn assert_rel_floor(got: &[f64], want: &[f64], tol: f64, floor: f64, what: &str) {
+    let e = rel_err_floor(got, want, floor);
+    report(what, e, tol);
+    assert!(e <= tol, "{what}: relative error (norm-wise, floor {floor:e}) {e:e} > {tol:e}");
+}
+
 /// Fails with `what`, the element, the error and the tolerance when [`elem_rel_err`] exceeds
 /// `tol`.
 pub fn assert_elem_rel(got: &[f64], want: &[f64], tol: f64, floor: f64, what: &str) {
@@ -128,5 +162,15 @@ mod tests {
         assert_eq!(elem_rel_err(&[0.0], &[0.0], f64::MIN_POSITIVE).0, 0.0);
         assert!(elem_rel_err(&[1e-30], &[0.0], f64::MIN_POSITIVE).0 > 1e250);
         assert_eq!(elem_rel_err(&[], &[], 1.0), (0.0, 0));
+        assert_eq!(rel_err_floor(&[f64::NAN], &[1.0], 1.0), f64::INFINITY);
+    }
+
+    #[test]
+    fn the_floor_applies_only_below_it() {
+        // Above the floor: the plain norm-wise error.
+        assert!((rel_err_floor(&[3.0, 4.0 + 5e-8], &[3.0, 4.0], 1e-3) - 1e-8).abs() < 1e-15);
+        // Noise of 1e-17 in a tensor that is zero by construction, against a floor of 1e-3.
+        assert!((rel_err_floor(&[1e-17, 0.0], &[-1e-17, 0.0], 1e-3) - 2e-14).abs() < 1e-20);
+        assert_eq!(rel_err_floor(&[0.0], &[0.0], 1e-3), 0.0);
     }
 }

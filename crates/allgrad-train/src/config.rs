@@ -141,6 +141,20 @@ impl DistSection {
     }
 }
 
+/// The GPU features a binary was built with, against which `device` and `dist` are checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Build {
+    /// The `cuda` feature.
+    pub cuda: bool,
+    /// The `nccl` feature.
+    pub nccl: bool,
+}
+
+impl Build {
+    /// This binary's features.
+    pub const THIS: Build = Build { cuda: cfg!(feature = "cuda"), nccl: cfg!(feature = "nccl") };
+}
+
 /// Why `device: cuda` is refused.
 pub const NO_GPU: &str = "device: cuda, but this binary was built without GPU support (the `cuda` feature): \
      build it with `--features cuda,nccl` (needs nvcc and CUDA), or use device: cpu";
@@ -344,26 +358,34 @@ impl RunConfig {
         }
         self.optim.validate().map_err(bad)?;
         self.precision.check_dtype(self.candle_dtype()).map_err(bad)?;
-        if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
-            return Err(bad(NO_GPU.into()));
-        }
-        self.validate_dist().map_err(bad)
+        self.validate_device(Build::THIS).map_err(bad)
     }
 
-    /// Checks the `dist` section against `device` and the build.
-    fn validate_dist(&self) -> Result<(), String> {
+    /// Checks `device` and the `dist` section against each other and against `build` (the
+    /// features this binary was built with: [`Build::THIS`]; tests pass the others).
+    pub(crate) fn validate_device(&self, build: Build) -> Result<(), String> {
+        if self.device == DeviceKind::Cuda && !build.cuda {
+            return Err(NO_GPU.into());
+        }
         let d = &self.dist;
-        if let Some(ids) = &d.device_ids {
-            if self.device != DeviceKind::Cuda {
-                return Err(format!(
-                    "dist.device_ids = {ids:?} names CUDA devices, but device is cpu: set device: cuda, or remove it"
-                ));
+        // Every `dist` key is about CUDA devices: on the CPU each is refused alike, rather than
+        // one refused and another silently ignored.
+        if self.device != DeviceKind::Cuda {
+            let set = match (&d.device_ids, d.cuda_collectives) {
+                (Some(ids), _) => Some(format!("dist.device_ids = {ids:?} names CUDA devices")),
+                (None, Some(c)) => Some(format!("dist.cuda_collectives = {c} sets how CUDA tensors are reduced")),
+                (None, None) => None,
+            };
+            if let Some(what) = set {
+                return Err(format!("{what}, but device is cpu: set device: cuda, or remove it"));
             }
+        }
+        if let Some(ids) = &d.device_ids {
             if ids.is_empty() {
                 return Err("dist.device_ids is empty: give one CUDA device per local rank, or remove it".into());
             }
         }
-        if self.device == DeviceKind::Cuda && d.cuda_collectives == Some(CudaCollectives::Nccl) && !cfg!(feature = "nccl") {
+        if self.device == DeviceKind::Cuda && d.cuda_collectives == Some(CudaCollectives::Nccl) && !build.nccl {
             return Err("dist.cuda_collectives = nccl, but this binary was built without the `nccl` feature: \
                         build it with `--features cuda,nccl`, or use auto or host"
                 .into());
@@ -527,12 +549,22 @@ mod tests {
         );
     }
 
+    /// The builds `validate_device` is checked against, whatever this test binary's features:
+    /// the checks of a CUDA build run in CPU CI too (they need no device).
+    const CPU_BUILD: Build = Build { cuda: false, nccl: false };
+    const CUDA_BUILD: Build = Build { cuda: true, nccl: false };
+    const NCCL_BUILD: Build = Build { cuda: true, nccl: true };
+
     #[test]
-    #[cfg(feature = "cuda")]
     fn device_cuda_is_accepted_by_a_cuda_build() {
         let c = parse(BASE, &["device=cuda"]).unwrap();
         assert_eq!(c.device, DeviceKind::Cuda);
-        c.validate(2, Path::new("run.yaml")).unwrap();
+        c.validate_device(CUDA_BUILD).unwrap();
+        c.validate_device(NCCL_BUILD).unwrap();
+        assert_eq!(c.validate_device(CPU_BUILD).unwrap_err(), NO_GPU);
+        // `validate` checks against this binary's own features.
+        assert_eq!(Build::THIS, Build { cuda: cfg!(feature = "cuda"), nccl: cfg!(feature = "nccl") });
+        assert_eq!(c.validate(2, Path::new("run.yaml")).is_ok(), cfg!(feature = "cuda"));
     }
 
     #[test]
@@ -578,27 +610,32 @@ mod tests {
     }
 
     #[test]
-    fn device_ids_without_a_gpu_or_empty_are_refused_at_load() {
+    fn every_dist_key_on_the_cpu_is_refused_at_load_naming_it() {
         let e = parse(BASE, &["dist.device_ids=[0]"]).unwrap().validate(1, Path::new("run.yaml")).unwrap_err().to_string();
         assert!(e.starts_with("run.yaml: dist.device_ids = [0] names CUDA devices, but device is cpu"), "{e}");
-        // A run on the CPU ignores the mode of CUDA collectives.
-        parse(BASE, &["dist.cuda_collectives=nccl"]).unwrap().validate(1, Path::new("run.yaml")).unwrap();
+        for mode in ["auto", "nccl", "host"] {
+            let c = parse(BASE, &[&format!("dist.cuda_collectives={mode}")]).unwrap();
+            let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("run.yaml: dist.cuda_collectives = {mode} sets how CUDA tensors are reduced")), "{e}");
+            assert!(e.contains("but device is cpu: set device: cuda, or remove it"), "{e}");
+        }
+        parse(BASE, &[]).unwrap().validate(1, Path::new("run.yaml")).unwrap();
     }
 
     #[test]
-    #[cfg(feature = "cuda")]
     fn an_empty_device_list_is_refused_at_load() {
         let c = parse(BASE, &["dist.device_ids=[]", "device=cuda"]).unwrap();
-        let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        let e = c.validate_device(CUDA_BUILD).unwrap_err();
         assert!(e.contains("dist.device_ids is empty"), "{e}");
     }
 
     #[test]
-    #[cfg(all(feature = "cuda", not(feature = "nccl")))]
     fn nccl_in_a_build_without_it_is_refused_at_load() {
         let c = parse(BASE, &["dist.cuda_collectives=nccl", "device=cuda"]).unwrap();
-        let e = c.validate(1, Path::new("run.yaml")).unwrap_err().to_string();
+        let e = c.validate_device(CUDA_BUILD).unwrap_err();
         assert!(e.contains("dist.cuda_collectives = nccl") && e.contains("--features cuda,nccl"), "{e}");
+        c.validate_device(NCCL_BUILD).unwrap();
+        parse(BASE, &["dist.cuda_collectives=host", "device=cuda"]).unwrap().validate_device(CUDA_BUILD).unwrap();
     }
 
     #[test]

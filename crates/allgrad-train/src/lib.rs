@@ -33,6 +33,7 @@ pub mod schedule;
 pub mod settings;
 pub mod shards;
 mod step_grads;
+mod trace;
 pub mod train_section;
 pub mod trainer;
 
@@ -40,5 +41,7 @@ pub use config::RunConfig;
 pub use error::{TrainError, TrainResult};
 pub use method::{Method, Registry};
 pub use settings::Settings;
+#[doc(hidden)]
+pub use trace::{optim_paths, OptimPaths};
 pub use train_section::{NonFinite, TrainSection};
 pub use trainer::{Summary, Trainer, TrainerConfig};

@@ -245,6 +245,7 @@ impl Optimizer {
             return Ok(());
         }
         behind.iter().for_each(|r| done[*r as usize] = to);
+        crate::trace::count(|c| c.replayed_rows += behind.len() as u64);
         let rule = Rule::of(&self.cfg).ok_or_else(|| candle_core::Error::Msg("lazy update under LARS".into()))?;
         let w = p.as_tensor();
         let slots: Vec<Tensor> = slot_names(&self.cfg).iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
@@ -260,6 +261,7 @@ impl Optimizer {
         if rows.is_empty() {
             return Ok(());
         }
+        crate::trace::count(|c| c.replayed_rows += rows.len() as u64);
         let w = p.as_tensor();
         let slots: Vec<Tensor> = slot_names(&self.cfg).iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
         lazy::bring_up(rule, w, &slots, Behind { rows: &rows, from: &from }, to, None, &self.lrs)
@@ -287,11 +289,17 @@ impl Optimizer {
             for r in rows {
                 done[*r as usize] = t;
             }
+            let (caught_up, left) = (from.iter().filter(|f| **f < t - 1).count(), n - rows.len());
+            crate::trace::count(|c| {
+                c.replayed_rows += caught_up as u64;
+                c.deferred_rows += left as u64;
+            });
             lazy::bring_up(rule, w, &slots, Behind { rows, from: &from }, t, Some(g), &self.lrs)?;
         }
         for (slot, value) in names.iter().zip(slots) {
             self.set_slot(name, slot, value);
         }
+        crate::trace::count(|c| c.lazy_updates += 1);
         Ok(true)
     }
 
@@ -376,6 +384,7 @@ impl Optimizer {
                         continue;
                     }
                     // The dense update of the gradient scattered into zeros.
+                    crate::trace::count(|c| c.sparse_as_dense += 1);
                     self.flush_param(name, p, step - 1)?;
                     let dense = match ids.is_empty() {
                         true => w.zeros_like()?,
@@ -409,9 +418,12 @@ impl Optimizer {
                     for (slot, value) in names.iter().zip(slots) {
                         self.set_slot(name, slot, value);
                     }
+                    let cuda = w.device().is_cuda();
+                    crate::trace::count(|c| if cuda { c.fused_cuda += 1 } else { c.fused_cpu += 1 });
                     continue;
                 }
             }
+            crate::trace::count(|c| c.composed += 1);
             let mask = match &row_mask {
                 Some(m) => Some(row_mask_tensor(m, w)?),
                 None => None,

@@ -112,6 +112,8 @@ impl Trainer {
         let w = pg.world_size();
         let t = &cfg.train;
         t.micro_batch(w).map_err(TrainError::Setup)?;
+        // Before any buffer is loaded: a saved queue of past keys is checked against it.
+        objective.expect_batch(t.global_batch / t.accumulate)?;
         crate::grad_cache::check_setup(t, w, objective.as_mut())?;
         let sampler = DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle);
         let per_epoch = sampler.steps_per_epoch();
@@ -331,6 +333,19 @@ impl Trainer {
         let global = self.sampler.global_batch(epoch, pos).to_vec();
         let micro_batches: Vec<Vec<usize>> = self.cfg.train.micro_batches(&global, rank, w).map(<[usize]>::to_vec).collect();
 
+        // A skipped step leaves no trace: the objective's buffers (a queue of past keys, which
+        // the loss has already pushed this step's keys into; batch-norm statistics) are copied
+        // here and put back when the step is skipped.
+        let kept = match self.cfg.train.on_nonfinite {
+            NonFinite::Skip => Some(
+                self.objective
+                    .buffers()?
+                    .into_iter()
+                    .map(|(n, t)| Ok((n, t.copy()?)))
+                    .collect::<Result<std::collections::HashMap<String, Tensor>>>()?,
+            ),
+            NonFinite::Error => None,
+        };
         let mut step_grads = StepGrads::new(self.params.len());
         let mut loss_sum = 0f64;
         for indices in &micro_batches {
@@ -392,7 +407,12 @@ impl Trainer {
             let err = TrainError::NonFinite { what, step: self.step + 1, loss, grad_norm, parameter };
             return match self.cfg.train.on_nonfinite {
                 NonFinite::Error => Err(err),
-                NonFinite::Skip => Ok(StepOutcome::Skipped(format!("non-finite {what} at step {} (loss {loss})", self.step + 1))),
+                NonFinite::Skip => {
+                    if let Some(kept) = kept {
+                        self.objective.load_buffers(&kept)?;
+                    }
+                    Ok(StepOutcome::Skipped(format!("non-finite {what} at step {} (loss {loss})", self.step + 1)))
+                }
             };
         }
         if let Some(max) = self.cfg.train.clip_grad_norm {

@@ -1,21 +1,29 @@
 //! The optimizer on CUDA parameters (feature `cuda`): SGD (plain, momentum, Nesterov, weight
 //! decay) and AdamW (with and without decoupled weight decay) take allgrad-nn's in-place
 //! kernels there, one per pass; after five steps of the same gradients each parameter and
-//! state slot equals the CPU optimizer's (f64 1e-10, f32 1e-5, relative to the largest
-//! magnitude; the kernels evaluate the CPU's expressions in its order, so they are meant to
-//! agree far closer). A parameter of each of three shapes (a matrix, a vector, a scalar-like 1-element
-//! tensor); LARS, which keeps the composed path, is included as a check of the fallback.
+//! state slot equals the CPU optimizer's (f64 1e-10, f32 1e-5, norm-wise through
+//! `allgrad_testkit::close`; the kernels evaluate the CPU's expressions in its order, so they
+//! are meant to agree far closer). A parameter of each of three shapes (a matrix, a vector, a
+//! scalar-like 1-element tensor); LARS, which keeps the composed path, is included as a check
+//! of the fallback. Every update is checked to have taken the path it is meant to
+//! (`allgrad_train::optim_paths`): the CUDA kernels for SGD and AdamW on CUDA (under
+//! ALLGRAD_CUDA_FUSED=0, which turns them off, the test fails saying so), the composed path for
+//! LARS.
 //!
-//! Built only with the `cuda` feature; it needs a GPU (`scripts/gpu_ci.sh`). Without one it
-//! skips, saying why, unless ALLGRAD_REQUIRE_GPU=1, which makes that a failure.
-#![cfg(feature = "cuda")]
+//! It needs the `cuda` feature and a GPU (`scripts/gpu_ci.sh`). Without either it skips by
+//! name, saying why, unless ALLGRAD_REQUIRE_GPU=1, which makes that a failure.
 
 use allgrad_dist::ProcessGroup;
 use allgrad_testkit::hashed_values as values;
 use allgrad_train::optim::{OptimConfig, Optimizer};
+use allgrad_train::{optim_paths, OptimPaths};
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 fn gpu() -> Option<Device> {
+    if !cfg!(feature = "cuda") {
+        allgrad_testkit::skip(allgrad_testkit::Need::Gpu, "this test binary was built without the `cuda` feature");
+        return None;
+    }
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
@@ -28,8 +36,8 @@ fn gpu() -> Option<Device> {
 const SHAPES: [&[usize]; 3] = [&[17, 33], &[257], &[1]];
 
 /// Five steps of `cfg` on `dev` in `dt` with gradients that differ per step; the parameters and
-/// every state slot afterwards, as f64 host vectors in name order.
-fn run(cfg: &OptimConfig, dev: &Device, dt: DType) -> Result<Vec<(String, Vec<f64>)>> {
+/// every state slot afterwards, as f64 host vectors in name order, and the optimizer's paths.
+fn run(cfg: &OptimConfig, dev: &Device, dt: DType) -> Result<(Vec<(String, Vec<f64>)>, OptimPaths)> {
     let to = |v: Vec<f64>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dt)?.to_device(dev);
     let params: Vec<(String, Var)> = SHAPES
         .iter()
@@ -38,6 +46,7 @@ fn run(cfg: &OptimConfig, dev: &Device, dt: DType) -> Result<Vec<(String, Vec<f6
         .collect::<Result<_>>()?;
     let mut opt = Optimizer::new(cfg.clone());
     let pg = ProcessGroup::single();
+    let before = optim_paths();
     for step in 0..5u64 {
         let grads: Vec<Tensor> = SHAPES
             .iter()
@@ -47,6 +56,7 @@ fn run(cfg: &OptimConfig, dev: &Device, dt: DType) -> Result<Vec<(String, Vec<f6
         opt.step(&params, &grads, &[false; 3], 0.05 * (step + 1) as f64, &pg)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     }
+    let paths = optim_paths().since(before);
     let host = |t: &Tensor| -> Result<Vec<f64>> { t.flatten_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_vec1() };
     let mut out = Vec::new();
     for (name, v) in &params {
@@ -55,8 +65,11 @@ fn run(cfg: &OptimConfig, dev: &Device, dt: DType) -> Result<Vec<(String, Vec<f6
     for (key, t) in opt.state() {
         out.push((key.clone(), host(t)?));
     }
-    Ok(out)
+    Ok((out, paths))
 }
+
+/// Parameter updates in a run: 5 steps of 3 parameters.
+const UPDATES: u64 = 15;
 
 #[test]
 fn sgd_and_adamw_on_cuda_equal_the_cpu_optimizer() {
@@ -77,17 +90,25 @@ fn sgd_and_adamw_on_cuda_equal_the_cpu_optimizer() {
     ];
     for (name, cfg) in configs {
         for (dt, rel) in [(DType::F64, 1e-10), (DType::F32, 1e-5)] {
-            let cpu = run(&cfg, &Device::Cpu, dt).unwrap();
-            let cuda = run(&cfg, &dev, dt).unwrap();
+            let (cpu, _) = run(&cfg, &Device::Cpu, dt).unwrap();
+            let (cuda, paths) = run(&cfg, &dev, dt).unwrap();
+            let lars = matches!(cfg, OptimConfig::Lars { .. });
+            let want = if lars {
+                OptimPaths { composed: UPDATES, ..Default::default() }
+            } else {
+                OptimPaths { fused_cuda: UPDATES, ..Default::default() }
+            };
+            assert_eq!(
+                paths, want,
+                "{name} {dt:?}: the optimizer's paths on CUDA (ALLGRAD_CUDA_FUSED=0 turns the kernels off: unset it)"
+            );
             assert_eq!(
                 cpu.iter().map(|(k, _)| k).collect::<Vec<_>>(),
                 cuda.iter().map(|(k, _)| k).collect::<Vec<_>>(),
                 "{name} {dt:?}: the same parameters and state slots"
             );
             for ((key, c), (_, g)) in cpu.iter().zip(&cuda) {
-                let scale = c.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-300);
-                let worst = c.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
-                assert!(worst <= rel * scale, "{name} {dt:?} {key}: max |CUDA - CPU| = {worst:e} > {rel:e} x {scale:e}");
+                allgrad_testkit::close::assert_rel(g, c, rel, &format!("{name} {dt:?} {key}: CUDA vs CPU"));
             }
             eprintln!("{name} {dt:?}: the CUDA optimizer equals the CPU's");
         }

@@ -160,3 +160,86 @@ fn non_finite_loss_stops_the_run_naming_the_step_or_is_skipped() {
     let summaries = run_threads(2, |pg| Ok(run::build(&skip, pg, None, false)?.train()?)).unwrap();
     assert!(summaries[0].skipped > 0 && summaries[0].steps == 5, "{:?}", summaries[0]);
 }
+
+/// A tiny objective with a queue of past keys (`loss.queue`): a linear map of fixed vectors,
+/// two views each, NT-Xent tiled against the queue; the embeddings of step `poisoned` are NaN
+/// (as a diverging step's would be), so that step's keys, pushed into the queue by its loss,
+/// are NaN.
+struct Queued {
+    w: Option<candle_core::Tensor>,
+    queue: allgrad_models::tiled::KeyQueue,
+    poisoned: usize,
+}
+
+impl allgrad_models::Objective for Queued {
+    fn build(&mut self, vb: candle_nn::VarBuilder) -> candle_core::Result<()> {
+        self.w = Some(vb.get_with_hints((6, 4), "w", candle_nn::init::DEFAULT_KAIMING_NORMAL)?);
+        Ok(())
+    }
+    fn num_samples(&self) -> usize {
+        48
+    }
+    fn loss(&mut self, batch: &allgrad_models::Batch, pg: &ProcessGroup) -> candle_core::Result<candle_core::Tensor> {
+        let view = |v: u64| -> candle_core::Result<candle_core::Tensor> {
+            let rows: Vec<f32> = batch
+                .indices
+                .iter()
+                .flat_map(|&i| allgrad_testkit::hashed_values(6, i as u64 + 100 * v))
+                .map(|x| x as f32)
+                .collect();
+            let x = candle_core::Tensor::from_vec(rows, (batch.indices.len(), 6), &candle_core::Device::Cpu)?;
+            let z = x.matmul(self.w.as_ref().expect("built"))?;
+            if batch.step + 1 == self.poisoned {
+                z * f64::NAN
+            } else {
+                Ok(z)
+            }
+        };
+        allgrad_models::losses::nt_xent_tiled_queued(&view(1)?, &view(2)?, 0.5, 4, &mut self.queue, pg)
+    }
+    fn buffers(&self) -> candle_core::Result<Vec<(String, candle_core::Tensor)>> {
+        allgrad_models::tiled::queue_buffers(Some(&self.queue))
+    }
+    fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, candle_core::Tensor>) -> candle_core::Result<()> {
+        allgrad_models::tiled::load_queue_buffers(Some(&mut self.queue), buffers, "queued")
+    }
+}
+
+fn bits(named: Vec<(String, candle_core::Tensor)>) -> BTreeMap<String, Vec<u32>> {
+    let flat = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    named.iter().map(|(n, t)| (n.clone(), flat(t).iter().map(|x| x.to_bits()).collect())).collect()
+}
+
+#[test]
+fn a_skipped_step_leaves_the_queue_of_past_keys_as_it_was() {
+    // Step 3's keys are NaN: with train.on_nonfinite: skip the step is skipped and the queue
+    // (2 batches) holds steps 1 and 2's keys after it, as before it; steps 4 to 6 are finite.
+    // Without the roll-back, step 3's NaN keys would make steps 4 and 5 non-finite too.
+    let cfg = config(&["optim={kind: sgd, lr: 0.1}", "train.on_nonfinite=skip", "train.max_steps=6"]);
+    run_threads(2, |pg| {
+        let trainer_cfg = allgrad_train::TrainerConfig {
+            seed: cfg.seed,
+            dtype: candle_core::DType::F32,
+            precision: Default::default(),
+            device: candle_core::Device::Cpu,
+            train: allgrad_train::TrainSection { global_batch: 8, epochs: 1, ..cfg.train.clone() },
+            optim: cfg.optim.clone(),
+            schedule: Default::default(),
+            checkpoint: Default::default(),
+            log: cfg.log.clone(),
+            settings: Default::default(),
+        };
+        let queue = allgrad_models::tiled::KeyQueue::new(2)?;
+        let objective = Queued { w: None, queue, poisoned: 3 };
+        let mut t = allgrad_train::Trainer::new(trainer_cfg, Box::new(objective), pg, None, false)?;
+        assert_eq!(t.train_until(2)?.skipped, 0);
+        let before = bits(t.buffers()?);
+        assert_eq!(before["loss.queue"].len(), 2 * 16 * 4, "two batches of 16 keys of width 4");
+        assert_eq!(t.train_until(3)?.skipped, 1, "step 3 (NaN keys) was not skipped");
+        assert_eq!(bits(t.buffers()?), before, "the skipped step changed the queue");
+        let rest = t.train_until(6)?;
+        assert!(rest.skipped == 0 && rest.last_loss.is_finite(), "after the skipped step: {rest:?}");
+        Ok(())
+    })
+    .unwrap();
+}

@@ -155,6 +155,11 @@ impl Objective for TwoViewMethod {
         self.images.evaluate(pg)
     }
 
+    /// The queue (`loss.queue`) holds both views' keys of a global micro-batch.
+    fn expect_batch(&mut self, global_micro_batch: usize) -> Result<()> {
+        self.queue.as_mut().map_or(Ok(()), |q| q.expect_rows(2 * global_micro_batch))
+    }
+
     /// The batch norms' running statistics, and the queue of past keys (`loss.queue`).
     fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = self.images.buffers()?;

@@ -146,6 +146,13 @@ impl Objective for SimCse {
         Some(self)
     }
 
+    /// The queue (`loss.queue`) holds a global micro-batch's positives, and with supervised
+    /// data its hard negatives after them.
+    fn expect_batch(&mut self, global_micro_batch: usize) -> Result<()> {
+        let rows = if self.supervised { 2 * global_micro_batch } else { global_micro_batch };
+        self.queue.as_mut().map_or(Ok(()), |q| q.expect_rows(rows))
+    }
+
     /// The queue of past keys (`loss.queue`), when it holds any.
     fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
         crate::tiled::queue_buffers(self.queue.as_ref())

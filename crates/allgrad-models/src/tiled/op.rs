@@ -65,8 +65,14 @@ pub(super) fn apply(
     let k = all_keys(keys, extra.as_ref())?;
     let n_grad = keys.dim(0)?;
     let (value, lse) = match &kernel {
-        Kernel::FusedDot => fused_forward(&q, &k, &p, &pairs, tile)?,
-        Kernel::Blocks(scores) => blocks_forward(&q, &k, &p, &pairs, scores.as_ref(), tile)?,
+        Kernel::FusedDot => {
+            crate::trace::count(|c| c.fused_forward += 1);
+            fused_forward(&q, &k, &p, &pairs, tile)?
+        }
+        Kernel::Blocks(scores) => {
+            crate::trace::count(|c| c.blocks_forward += 1);
+            blocks_forward(&q, &k, &p, &pairs, scores.as_ref(), tile)?
+        }
     };
     let value = Tensor::new(value, queries.device())?.to_dtype(queries.dtype())?;
     let op = TiledCrossEntropy { kernel, pairs: Arc::new(pairs), tile, value, lse, extra, n_grad };
@@ -168,8 +174,12 @@ impl CustomOp3 for TiledCrossEntropy {
         let k = all_keys(keys, self.extra.as_ref())?;
         let n_grad = self.n_grad;
         let [dq, dk, dp] = match &self.kernel {
-            Kernel::FusedDot => fused_backward(&q, &k, n_grad, &p, &self.pairs, self.tile, &self.lse, g, need)?,
+            Kernel::FusedDot => {
+                crate::trace::count(|c| c.fused_backward += 1);
+                fused_backward(&q, &k, n_grad, &p, &self.pairs, self.tile, &self.lse, g, need)?
+            }
             Kernel::Blocks(scores) => {
+                crate::trace::count(|c| c.blocks_backward += 1);
                 blocks_backward(&q, &k, n_grad, &p, &self.pairs, scores.as_ref(), self.tile, &self.lse, g, need)?
             }
         };
@@ -367,7 +377,18 @@ fn blocks_forward(
         let mut pos = Tensor::zeros(tq, dtype, device)?;
         for cols in blocks(n, tile) {
             let kj = k.narrow(0, cols.start, cols.len())?;
-            let s = with_specials(&block_scores(scores, &qi, &kj, p)?, pairs, &rows, &cols)?;
+            let raw = block_scores(scores, &qi, &kj, p)?;
+            // The block's queries, keys and parameters come detached: logits that still carry
+            // a graph depend on something else that needs a gradient (a `Var` the function
+            // captured), which the backward could not reach.
+            if raw.track_op() {
+                return fail(ModelError::TiledInput(
+                    "the scores function's logits depend on a tensor that needs a gradient other than its queries, keys \
+                     and params (a captured Var?); it would get no gradient: pass it through params instead"
+                        .into(),
+                ));
+            }
+            let s = with_specials(&raw, pairs, &rows, &cols)?;
             if let Some(t) = target_logits(&s, pairs, &rows, &cols)? {
                 pos = (pos + t)?;
             }

@@ -23,6 +23,8 @@ use crate::ModelError;
 pub struct KeyQueue {
     batches: usize,
     queued: VecDeque<Tensor>,
+    /// The rows of every batch this run will push ([`KeyQueue::expect_rows`]), when known.
+    rows: Option<usize>,
 }
 
 impl KeyQueue {
@@ -37,7 +39,29 @@ impl KeyQueue {
                 msg: "loss.queue = 0: it is a number of past batches, at least 1".into(),
             });
         }
-        Ok(KeyQueue { batches, queued: VecDeque::new() })
+        Ok(KeyQueue { batches, queued: VecDeque::new(), rows: None })
+    }
+
+    /// Says how many keys each batch of this run will have (the objective knows it from the
+    /// global micro-batch): a saved queue whose batches have another number is refused when
+    /// loaded ([`KeyQueue::load`]), or now when it is already loaded, naming both numbers,
+    /// rather than at the first push of the resumed run.
+    pub fn expect_rows(&mut self, rows: usize) -> Result<()> {
+        self.rows = Some(rows);
+        match self.queued.front() {
+            Some(first) => self.check_rows(first.dim(0)?),
+            None => Ok(()),
+        }
+    }
+
+    fn check_rows(&self, saved: usize) -> Result<()> {
+        match self.rows {
+            Some(rows) if rows != saved => fail(ModelError::TiledInput(format!(
+                "the saved queue of past keys (loss.queue) holds batches of {saved} keys, but this run's batches have \
+                 {rows}: train.global_batch or train.accumulate changed since the checkpoint was written"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// How many batches it keeps.
@@ -103,6 +127,7 @@ impl KeyQueue {
                 b.dims()
             )));
         }
+        self.check_rows(b.dim(1)?)?;
         for i in 0..b.dim(0)? {
             self.queued.push_back(b.get(i)?.contiguous()?);
         }
@@ -179,5 +204,28 @@ mod tests {
         assert!(q.push(&Tensor::zeros((3, 3), candle_core::DType::F64, &Device::Cpu).unwrap()).is_err());
         assert!(KeyQueue::new(1).unwrap().load(q.buffer().unwrap().as_ref()).is_err(), "2 batches into a queue of 1");
         assert!(KeyQueue::new(0).unwrap_err().to_string().contains("loss.queue = 0"));
+    }
+
+    #[test]
+    fn a_saved_queue_of_another_batch_size_is_refused_when_loaded_naming_both_numbers() {
+        let mut q = KeyQueue::new(2).unwrap();
+        q.push(&batch(1.0)).unwrap();
+        let saved = q.buffer().unwrap();
+        let want = "holds batches of 2 keys, but this run's batches have 4";
+        // Told first, then loaded.
+        let mut r = KeyQueue::new(2).unwrap();
+        r.expect_rows(4).unwrap();
+        let e = r.load(saved.as_ref()).unwrap_err().to_string();
+        assert!(e.contains(want) && e.contains("train.global_batch"), "{e}");
+        // Loaded first, then told.
+        let mut r = KeyQueue::new(2).unwrap();
+        r.load(saved.as_ref()).unwrap();
+        let e = r.expect_rows(4).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+        // The same number loads.
+        let mut r = KeyQueue::new(2).unwrap();
+        r.expect_rows(2).unwrap();
+        r.load(saved.as_ref()).unwrap();
+        assert_eq!(r.len(), 1);
     }
 }
