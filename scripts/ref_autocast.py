@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference losses of fixed batches under PyTorch's bf16 autocast, for allgrad's
+"""Reference losses and gradients of fixed batches under PyTorch's bf16 autocast, for allgrad's
 `precision: bf16` (`crates/allgrad-models/tests/autocast_reference.rs` pastes the output).
 
     python3 scripts/ref_autocast.py
@@ -23,6 +23,13 @@ list), batch norm, ReLU, pooling, GELU and attention (`scaled_dot_product_attent
 their bf16 inputs; the residual sums of BERT with its f32 residual stream promote to f32.
 The loss itself runs with autocast off on the embeddings cast to f32 (`z.float()`): the
 logits and the loss in f32, as allgrad's losses compute them.
+
+Gradients: the loss's gradient with respect to every parameter that gets one, summarised per
+parameter (in name order) as its projection on a closed-form direction,
+    sum_j grad[j] * noise(0.53 j + 0.017 h + 2.5),  h = FNV-1a-64(name) mod 1000,
+one number per parameter tensor (the full gradients are too many to paste; a wrong gradient of
+any tensor changes its projection), in f64, f32 and under autocast (the parameters stay f32,
+so their gradients come back f32).
 
 Closed-form values, with noise(t) = 2 frac(43758.5453 sin t) - 1 (in [-1, 1), random-looking:
 smooth closed forms make features nearly equal across samples, and batch norm then magnifies
@@ -170,36 +177,68 @@ def info_nce(z, t):
     return F.cross_entropy(logits, torch.arange(z.shape[0]))
 
 
+def projections(params):
+    """Each parameter's gradient projected on its closed-form direction, in name order."""
+    out = []
+    for name in sorted(params):
+        g = params[name].grad
+        if g is None:
+            continue
+        g = g.double().flatten()
+        h = fnv1a(name)
+        u = torch.tensor([noise(0.53 * j + 0.017 * h + 2.5) for j in range(g.numel())], dtype=torch.float64)
+        out.append(float(g @ u))
+    return out
+
+
+def loss_and_projections(params, run):
+    """`run(params)`'s loss (a scalar tensor) and its gradients' projections."""
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    loss = run(params)
+    loss.backward()
+    return loss.item(), projections(params)
+
+
 def main():
     torch.manual_seed(0)
     torch.set_num_threads(1)
     out = []
     p64 = resnet_params()
     x64 = images(torch.float64)
-    losses = {}
-    with torch.no_grad():
-        losses["RESNET_F64"] = nt_xent(resnet_embeddings(p64, x64), 0.5).item()
-        p32 = {k: v.float() for k, v in p64.items()}
-        x32 = x64.float()
-        losses["RESNET_F32"] = nt_xent(resnet_embeddings(p32, x32), 0.5).item()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            z = resnet_embeddings(p32, x32)
-        assert z.dtype == torch.bfloat16
-        losses["RESNET_BF16"] = nt_xent(z.float(), 0.5).item()
+    p32 = {k: v.float() for k, v in p64.items()}
+    x32 = x64.float()
+    results = {}
 
-        w32 = {k: v.float() for k, v in load_file(os.path.join(TINY, "model.safetensors")).items()}
-        w64 = {k: v.double() for k, v in w32.items()}
-        longest = max(len(r) for r in ROWS)
-        ids = torch.tensor([r + [0] * (longest - len(r)) for r in ROWS])
-        mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in ROWS])
-        losses["BERT_F64"] = info_nce(bert_embeddings(w64, ids, mask), 0.05).item()
-        losses["BERT_F32"] = info_nce(bert_embeddings(w32, ids, mask), 0.05).item()
+    def resnet_bf16(p):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            z = bert_embeddings(w32, ids, mask)
-        losses["BERT_BF16"] = info_nce(z.float(), 0.05).item()
+            z = resnet_embeddings(p, x32)
+        assert z.dtype == torch.bfloat16
+        return nt_xent(z.float(), 0.5)
+
+    results["RESNET_F64"] = loss_and_projections(p64, lambda p: nt_xent(resnet_embeddings(p, x64), 0.5))
+    results["RESNET_F32"] = loss_and_projections(p32, lambda p: nt_xent(resnet_embeddings(p, x32), 0.5))
+    results["RESNET_BF16"] = loss_and_projections(p32, resnet_bf16)
+
+    w32 = {k: v.float() for k, v in load_file(os.path.join(TINY, "model.safetensors")).items()}
+    w64 = {k: v.double() for k, v in w32.items()}
+    longest = max(len(r) for r in ROWS)
+    ids = torch.tensor([r + [0] * (longest - len(r)) for r in ROWS])
+    mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in ROWS])
+
+    def bert_bf16(w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = bert_embeddings(w, ids, mask)
+        return info_nce(z.float(), 0.05)
+
+    results["BERT_F64"] = loss_and_projections(w64, lambda w: info_nce(bert_embeddings(w, ids, mask), 0.05))
+    results["BERT_F32"] = loss_and_projections(w32, lambda w: info_nce(bert_embeddings(w, ids, mask), 0.05))
+    results["BERT_BF16"] = loss_and_projections(w32, bert_bf16)
     out.append(f"// python3 scripts/ref_autocast.py  (torch {torch.__version__})")
-    for k, v in losses.items():
-        out.append(f"const {k}: f64 = {v!r};")
+    for k, (loss, _) in results.items():
+        out.append(f"const {k}: f64 = {loss!r};")
+    for k, (_, proj) in results.items():
+        values = ", ".join(repr(v) for v in proj)
+        out.append(f"const {k}_GRAD: [f64; {len(proj)}] = [{values}];")
     print("\n".join(out))
 
 

@@ -3,7 +3,9 @@
 //! different lengths) equals the plain step on 1, 2 and 3 ranks and the 1-rank plain step at
 //! the same global batch, unsupervised and supervised; a chunk's replay is bitwise equal to
 //! its first embedding. With `loss.tile` (the tiled InfoNCE), with and without caching, the
-//! steps equal the untiled plain one-rank step.
+//! steps equal the untiled plain one-rank step. Unsupervised SimCSE with a queue of past keys
+//! (`loss.queue`) trains the same on 1, 2 and 3 ranks, with and without caching, the queue
+//! included.
 
 mod cache_support;
 
@@ -36,6 +38,11 @@ fn simcse(supervised: bool) -> candle_core::Result<SimCse> {
 
 /// [`simcse`] with `loss.tile`.
 fn simcse_tiled(supervised: bool, tile: Option<usize>) -> candle_core::Result<SimCse> {
+    simcse_queued(supervised, tile, None)
+}
+
+/// [`simcse`] with `loss.tile` and `loss.queue`.
+fn simcse_queued(supervised: bool, tile: Option<usize>, queue: Option<usize>) -> candle_core::Result<SimCse> {
     let model = SimCseModel {
         dir: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../allgrad-models/tests/data/tiny-bert"),
         pretrained: !supervised,
@@ -48,7 +55,7 @@ fn simcse_tiled(supervised: bool, tile: Option<usize>) -> candle_core::Result<Si
     } else {
         SimCseData::Sentences((0..24).map(|i| sentence(i, 0)).collect())
     };
-    let loss = SimCseLoss { temperature: 0.05, hard_negative_weight: if supervised { 0.4 } else { 0.0 }, tile, queue: None };
+    let loss = SimCseLoss { temperature: 0.05, hard_negative_weight: if supervised { 0.4 } else { 0.0 }, tile, queue };
     SimCse::new(model, loss, data, Device::Cpu, DType::F64)
 }
 
@@ -98,6 +105,32 @@ fn tiled_simcse_with_and_without_caching_equals_the_untiled_plain_step_on_one_ra
             let what = format!("supervised {supervised}, W={w}, chunk {chunk:?}, tile {tile}");
             assert_same_steps(&tiled, &one, 1e-10, &NOISE_ONLY, &what);
         }
+    }
+}
+
+/// Unsupervised SimCSE with `loss.tile: 5` and `loss.queue: 2`: 3 steps on `w` ranks.
+fn run_queued(w: usize, chunk: Option<usize>, queue: Option<usize>) -> Outcome {
+    let sgd = OptimConfig::Sgd { lr: 0.05, momentum: 0.9, nesterov: false, weight_decay: 0.0 };
+    train(w, &trainer_config(section(12, 1, chunk), sgd), 3, || simcse_queued(false, Some(5), queue))
+}
+
+#[test]
+fn unsupervised_simcse_with_a_queue_of_past_keys_trains_the_same_on_1_2_3_ranks_with_and_without_caching() {
+    let one = run_queued(1, None, Some(2));
+    let without = run_queued(1, None, None);
+    // Step 1: the queue is empty; step 2: one past batch's keys are more negatives.
+    allgrad_testkit::close::assert_elem_rel(&one.losses[..1], &without.losses[..1], 1e-10, f64::MIN_POSITIVE, "step 1");
+    assert!(
+        (one.losses[1] - without.losses[1]).abs() > 1e-3,
+        "step 2: the queued keys did not change the loss: {:?}",
+        one.losses
+    );
+    // After 3 steps the queue holds the 2 newest batches: 12 positives each, 32 wide.
+    let queue = one.buffers.get("loss.queue").expect("the queue is among the buffers");
+    assert_eq!(queue.len(), 2 * 12 * 32);
+    for (w, chunk) in [(2, None), (3, Some(3))] {
+        let what = format!("queue 2, W={w}, chunk {chunk:?} vs W=1");
+        assert_same_steps(&run_queued(w, chunk, Some(2)), &one, 1e-10, &NOISE_ONLY, &what);
     }
 }
 

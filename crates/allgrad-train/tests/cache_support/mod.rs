@@ -106,20 +106,23 @@ pub fn max_rel_diff(a: &Named, b: &Named, floor: f64) -> (f64, String) {
     worst
 }
 
-/// Asserts that `run` did what `reference` did: the same per-step losses, the same update of
-/// every parameter (relative to the largest update of its tensor) and the same buffers, to
-/// `tol`. Parameters named in `skip` are left out (state why at the call).
+/// Asserts that `run` did what `reference` did: the same per-step losses (element-wise), the
+/// same update of every parameter and the same buffers (norm-wise per tensor), to `tol`,
+/// through `allgrad_testkit::close`. Parameters named in `skip` are left out (state why at the
+/// call).
 pub fn assert_same_steps(run: &Outcome, reference: &Outcome, tol: f64, skip: &[&str], what: &str) {
-    assert_eq!(run.losses.len(), reference.losses.len());
-    for (s, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
-        let d = (a - b).abs() / b.abs();
-        assert!(d <= tol, "{what}: step {} loss {a} vs {b} (rel. {d:.2e})", s + 1);
-    }
+    use allgrad_testkit::close::{assert_elem_rel, assert_rel};
+    assert_elem_rel(&run.losses, &reference.losses, tol, f64::MIN_POSITIVE, &format!("{what}: per-step losses"));
     let keep = |m: Named| -> Named { m.into_iter().filter(|(n, _)| !skip.iter().any(|s| n.ends_with(s))).collect() };
-    let (d, name) = max_rel_diff(&keep(run.updates()), &keep(reference.updates()), 1e-300);
-    assert!(d <= tol, "{what}: largest relative difference of parameter updates {d:.2e} in {name}");
-    let (d, name) = max_rel_diff(&run.buffers, &reference.buffers, 1e-300);
-    assert!(d <= tol, "{what}: largest relative difference of buffers {d:.2e} in {name}");
+    let (got, want) = (keep(run.updates()), keep(reference.updates()));
+    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{what}: parameters");
+    for (n, u) in &want {
+        assert_rel(&got[n], u, tol, &format!("{what}: update of {n}"));
+    }
+    assert_eq!(run.buffers.keys().collect::<Vec<_>>(), reference.buffers.keys().collect::<Vec<_>>(), "{what}: buffers");
+    for (n, b) in &reference.buffers {
+        assert_rel(&run.buffers[n], b, tol, &format!("{what}: buffer {n}"));
+    }
 }
 
 /// The largest relative update over all parameters: training moved them.
