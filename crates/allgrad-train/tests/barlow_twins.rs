@@ -8,7 +8,7 @@ mod common;
 
 use allgrad_dist::run_threads;
 use allgrad_train::run;
-use common::{image_config, max_rel_diff, params};
+use common::{assert_params_rel, image_config, params};
 
 const BARLOW: &str = "{kind: cross_correlation, lambda: 0.02, scale: 0.5}";
 
@@ -26,9 +26,7 @@ fn two_and_three_ranks_equal_one_rank_in_f64() {
     let cfg = config(&["dtype=f64", "optim.lr=0.05", "train.max_steps=4"]);
     let one = params(&cfg, 1);
     for w in [2, 3] {
-        let (d, name) = max_rel_diff(&params(&cfg, w), &one);
-        println!("f64 W={w}: {d:.2e} in {name}");
-        assert!(d <= 1e-12, "W={w}: largest relative difference {d:.2e} in {name}");
+        assert_params_rel(&params(&cfg, w), &one, 1e-12, &format!("f64 W={w} vs W=1"));
     }
 }
 
@@ -50,9 +48,7 @@ fn two_and_three_ranks_equal_one_rank_in_f32() {
     let one = params(&cfg, 1);
     let loss1 = run_loss(1);
     for w in [2, 3] {
-        let (d, name) = max_rel_diff(&params(&cfg, w), &one);
-        println!("f32 W={w}: {d:.2e} in {name}");
-        assert!(d <= 1e-5, "W={w}: largest relative difference {d:.2e} in {name}");
+        assert_params_rel(&params(&cfg, w), &one, 1e-5, &format!("f32 W={w} vs W=1"));
         let loss = run_loss(w);
         assert!((loss - loss1).abs() <= 1e-5 * loss1.abs(), "W={w}: last loss {loss} vs {loss1}");
     }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{image_config, max_rel_diff, params};
+use common::{assert_params_rel, image_config, max_rel_diff, params};
 
 const NT_XENT: &str = "{kind: nt_xent, temperature: 0.5}";
 const BARLOW: &str = "{kind: cross_correlation, lambda: 0.01}";
@@ -23,8 +23,7 @@ fn cached_image_run_with_one_chunk_per_micro_batch_equals_the_plain_run() {
     for (method, loss) in [("simclr", NT_XENT), ("barlowtwins", BARLOW)] {
         let plain = params(&config(method, loss, &[]), 1);
         for (w, chunk) in [(1, "train.cache_chunk=16"), (2, "train.cache_chunk=8")] {
-            let (d, name) = max_rel_diff(&params(&config(method, loss, &[chunk]), w), &plain);
-            assert!(d <= 1e-10, "{method} W={w} {chunk}: largest relative difference {d:.2e} in {name}");
+            assert_params_rel(&params(&config(method, loss, &[chunk]), w), &plain, 1e-10, &format!("{method} W={w} {chunk}"));
         }
     }
 }

@@ -115,12 +115,9 @@ fn assert_equivalent(dtype: DType, supervised: bool, tol: f64) {
     assert!(one.losses.iter().all(|l| l.is_finite() && *l > 0.1), "losses {:?}", one.losses);
     for w in [2, 3] {
         let run = train(w, dtype, supervised, 4);
-        for (s, (a, b)) in run.losses.iter().zip(&one.losses).enumerate() {
-            let d = (a - b).abs() / b.abs();
-            assert!(d <= tol, "W={w} step {}: loss {a} vs 1 rank {b} (rel. {d:.2e})", s + 1);
-        }
-        let (d, name) = max_rel_diff_floor(&comparable(&run.params), &comparable(&one.params), 1e-2);
-        assert!(d <= tol, "W={w}: largest relative parameter difference {d:.2e} in {name}");
+        let what = format!("{dtype:?} supervised {supervised} W={w} vs W=1");
+        allgrad_testkit::close::assert_elem_rel(&run.losses, &one.losses, tol, f64::MIN_POSITIVE, &format!("{what}: losses"));
+        common::assert_params_rel(&comparable(&run.params), &comparable(&one.params), tol, &what);
     }
 }
 

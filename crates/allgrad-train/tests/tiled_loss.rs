@@ -3,16 +3,18 @@
 //! (losses and parameters after each step, relative 1e-10) as the untiled plain step on one
 //! rank at the same global batch; SimCLR on images likewise on 2 ranks; a queue of past keys
 //! (`loss.queue`) trains the same on 1, 2 and 3 ranks, with and without caching, and a run
-//! with it resumes bitwise; and the config errors of `loss.tile` and `loss.queue` name the
-//! key, the value and the losses that have a tiled form.
+//! with it resumes bitwise, while resuming it with another global batch is refused naming both
+//! sizes; and the config errors of `loss.tile` and `loss.queue` name the key, the value and the
+//! losses that have a tiled form. Tolerances through `allgrad_testkit::close`.
 
 mod common;
 
 use std::path::Path;
 
 use allgrad_dist::run_threads;
+use allgrad_testkit::close::{assert_elem_rel, assert_rel};
 use allgrad_train::{run, RunConfig};
-use common::{image_config, max_rel_diff_floor, params};
+use common::{assert_params_rel, image_config, params};
 
 const TOL: f64 = 1e-10;
 
@@ -57,15 +59,12 @@ fn vectors_steps(cfg: &RunConfig, w: usize, steps: usize) -> (Vec<f64>, Vec<Vec<
     all.remove(0)
 }
 
+/// The same losses (element-wise) and parameters after each step (norm-wise, all parameters
+/// flattened), through `allgrad_testkit::close`.
 fn assert_same_run(got: &(Vec<f64>, Vec<Vec<f64>>), want: &(Vec<f64>, Vec<Vec<f64>>), what: &str) {
-    for (s, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
-        assert!((a - b).abs() <= TOL * b.abs(), "{what}: step {} loss {a} vs {b}", s + 1);
-    }
+    assert_elem_rel(&got.0, &want.0, TOL, f64::MIN_POSITIVE, &format!("{what}: losses"));
     for (s, (a, b)) in got.1.iter().zip(&want.1).enumerate() {
-        let scale = b.iter().fold(0f64, |m, v| m.max(v.abs()));
-        for (k, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!((x - y).abs() <= TOL * scale, "{what}: after step {}, parameter entry {k}: {x} vs {y}", s + 1);
-        }
+        assert_rel(a, b, TOL, &format!("{what}: parameters after step {}", s + 1));
     }
 }
 
@@ -93,8 +92,7 @@ fn tiled_simclr_on_two_ranks_equals_the_untiled_one_rank_run() {
     let sets = ["dtype=f64", "optim.lr=0.05", "train.max_steps=2"];
     let one = params(&image_config("simclr", "{kind: nt_xent, temperature: 0.5}", true, 16, &sets), 1);
     let tiled = params(&image_config("simclr", "{kind: nt_xent, temperature: 0.5, tile: 6}", true, 16, &sets), 2);
-    let (d, name) = max_rel_diff_floor(&tiled, &one, 1e-3);
-    assert!(d <= TOL, "largest relative difference {d:.2e} in {name}");
+    assert_params_rel(&tiled, &one, TOL, "tiled on 2 ranks vs untiled on 1");
 }
 
 #[test]
@@ -148,6 +146,22 @@ fn a_run_with_a_queue_resumes_bitwise() {
     for ((n, x), (m, y)) in straight.iter().zip(&resumed) {
         assert_eq!(n, m);
         assert!(x == y, "{n} differs after resuming");
+    }
+}
+
+#[test]
+fn resuming_a_queue_with_another_global_batch_is_refused_naming_both_sizes() {
+    let queued = "{kind: nt_xent, temperature: 0.2, tile: 7, queue: 2}";
+    let dir = tempfile::tempdir().unwrap();
+    state_after(&vectors_config(queued, &[]), dir.path(), 2, None);
+    // The saved queue holds batches of 2 x 24 keys; global batch 12 pushes 2 x 12.
+    let other = vectors_config(queued, &["train.global_batch=12"]);
+    let outcomes =
+        run_threads(2, |pg| Ok(run::build(&other, pg, Some(dir.path().to_path_buf()), true).err().map(|e| e.to_string())))
+            .unwrap();
+    for (rank, msg) in outcomes.iter().enumerate() {
+        let msg = msg.as_deref().unwrap_or_else(|| panic!("rank {rank} resumed a queue of another batch size"));
+        assert!(msg.contains("holds batches of 48 keys, but this run's batches have 24"), "rank {rank}: {msg}");
     }
 }
 

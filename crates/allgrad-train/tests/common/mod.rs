@@ -62,7 +62,18 @@ pub fn params_at(cfg: &RunConfig, w: usize, stops: &[usize]) -> Vec<Params> {
     all.remove(0)
 }
 
-/// Largest |a - b| / max(floor, largest |b| of the tensor), and where.
+/// Each tensor of `a` within `tol` of `b`'s, norm-wise (`allgrad_testkit::close::assert_rel`,
+/// reported with `ALLGRAD_TEST_ERRORS=1`): the tolerance checks of W ranks against one.
+pub fn assert_params_rel(a: &BTreeMap<String, Vec<f64>>, b: &BTreeMap<String, Vec<f64>>, tol: f64, what: &str) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: different parameter sets");
+    for (name, y) in b {
+        allgrad_testkit::close::assert_rel(&a[name], y, tol, &format!("{what}: {name}"));
+    }
+}
+
+/// Largest |a - b| / max(floor, largest |b| of the tensor), and where: how far training moved
+/// the parameters, or how far apart two runs that should differ are (not a tolerance check:
+/// those go through [`assert_params_rel`]).
 pub fn max_rel_diff_floor(a: &BTreeMap<String, Vec<f64>>, b: &BTreeMap<String, Vec<f64>>, floor: f64) -> (f64, String) {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "different parameter sets");
     let mut worst = (0f64, String::new());
