@@ -131,14 +131,9 @@ fn distributed(cfg: &HeadConfig, w: usize) -> (f64, Vec<f64>, Vec<f64>) {
     (loss, out.iter().flat_map(|o| o.1.clone()).collect(), out.iter().flat_map(|o| o.2.clone()).collect())
 }
 
+/// Norm-wise within `tol` (`allgrad_testkit::close`).
 fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
-    let worst = got.iter().zip(want).fold(0f64, |m, (a, b)| m.max((a - b).abs())) / scale;
-    allgrad_testkit::close::report(what, worst, tol);
-    for (k, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!((a - b).abs() <= tol * scale, "{what}[{k}]: {a} vs {b} (scale {scale})");
-    }
+    allgrad_testkit::close::assert_rel(got, want, tol, what);
 }
 
 fn check_against_plain(margin: MarginConfig, rate: f64) {

@@ -143,7 +143,7 @@ fn evaluation_on_2_and_3_ranks_equals_1_rank_and_absent_files_are_skipped() {
     for w in [2, 3] {
         for rank_figures in run(w) {
             for ((n, a), (_, b)) in rank_figures.iter().zip(&one) {
-                assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "W={w} {n}: {a} vs {b}");
+                allgrad_testkit::close::assert_elem_rel(&[*a], &[*b], 1e-12, f64::MIN_POSITIVE, &format!("W={w} {n}"));
             }
         }
     }

@@ -34,9 +34,7 @@ fn values_and_gradients_match_a_plain_computation() {
                 // One multiply (and one add) in the dtype: exact against the f64 values rounded once.
                 let tol = if dtype == DType::F64 { 1e-15 } else { 1e-6 };
                 let close = |a: &[f64], b: &[f64], name: &str| {
-                    for (i, (a, b)) in a.iter().zip(b).enumerate() {
-                        assert!((a - b).abs() <= tol * b.abs().max(1.0), "{name} {what}: element {i}: {a} vs {b}");
-                    }
+                    allgrad_testkit::close::assert_rel(a, b, tol, &format!("{name} {what}"));
                 };
                 close(&to_f64_vec(&y), &want_y, "y");
                 close(&to_f64_vec(&view(grads.get(&x).unwrap())), &want_dx, "dx");

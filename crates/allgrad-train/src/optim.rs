@@ -648,24 +648,10 @@ mod tests {
                 }
                 let got: Vec<f64> = w.as_tensor().flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap();
                 let tol = if dtype == DType::F64 { 1e-13 } else { 2e-6 };
-                for k in 0..n {
-                    assert!(
-                        (got[k] - rw[k]).abs() <= tol * rw[k].abs().max(1.0),
-                        "{cfg:?} {dtype:?} element {k}: {} vs {}",
-                        got[k],
-                        rw[k]
-                    );
-                }
+                allgrad_testkit::close::assert_rel(&got, &rw, tol, &format!("{cfg:?} {dtype:?} parameter"));
                 if let Some(slot) = opt.state().get("w/momentum").or(opt.state().get("w/exp_avg")) {
                     let s: Vec<f64> = slot.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap();
-                    for k in 0..n {
-                        assert!(
-                            (s[k] - m[k]).abs() <= tol * m[k].abs().max(1.0),
-                            "{cfg:?} {dtype:?} slot element {k}: {} vs {}",
-                            s[k],
-                            m[k]
-                        );
-                    }
+                    allgrad_testkit::close::assert_rel(&s, &m, tol, &format!("{cfg:?} {dtype:?} first state slot"));
                 }
             }
         }

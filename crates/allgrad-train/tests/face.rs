@@ -64,20 +64,12 @@ fn train(cfg: &RunConfig, w: usize, dir: Option<&Path>, resume: bool, stops: &[u
     Run { losses: per_rank[0].0.clone(), params }
 }
 
-fn max_rel(a: &BTreeMap<String, Vec<f64>>, b: &BTreeMap<String, Vec<f64>>) -> (f64, String) {
+/// Each parameter of `a` within `tol` of `b`'s, norm-wise (`allgrad_testkit::close`).
+fn assert_params(a: &BTreeMap<String, Vec<f64>>, b: &BTreeMap<String, Vec<f64>>, tol: f64, what: &str) {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    let mut worst = (0f64, String::new());
     for (n, y) in b {
-        assert_eq!(a[n].len(), y.len(), "{n}");
-        let scale = y.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
-        for (p, q) in a[n].iter().zip(y) {
-            let d = (p - q).abs() / scale;
-            if d > worst.0 || d.is_nan() {
-                worst = (d, n.clone());
-            }
-        }
+        allgrad_testkit::close::assert_rel(&a[n], y, tol, &format!("{what}: {n}"));
     }
-    worst
 }
 
 fn assert_equivalent(margin: &str, rate: f64, dtype: &str, tol: f64) {
@@ -87,11 +79,9 @@ fn assert_equivalent(margin: &str, rate: f64, dtype: &str, tol: f64) {
     assert!(one.losses.iter().all(|l| l.is_finite() && *l > 0.0), "{:?}", one.losses);
     for w in [2, 3] {
         let run = train(&cfg, w, None, false, &stops);
-        for (s, (a, b)) in run.losses.iter().zip(&one.losses).enumerate() {
-            assert!((a - b).abs() <= tol * b.abs(), "{margin} rate {rate} W={w} step {}: loss {a} vs {b}", s + 1);
-        }
-        let (d, name) = max_rel(&run.params, &one.params);
-        assert!(d <= tol, "{margin} rate {rate} W={w}: parameter difference {d:.2e} in {name}");
+        let what = format!("{margin} rate {rate} W={w} vs W=1");
+        allgrad_testkit::close::assert_elem_rel(&run.losses, &one.losses, tol, f64::MIN_POSITIVE, &format!("{what}: losses"));
+        assert_params(&run.params, &one.params, tol, &what);
     }
     // The run trained: the loss fell and the centres moved.
     assert!(one.losses[3] < one.losses[0], "{margin} rate {rate}: losses {:?}", one.losses);
@@ -199,6 +189,5 @@ fn a_two_rank_checkpoint_resumes_on_three_ranks_with_the_centres_re_sharded() {
     // And the run goes on as an uninterrupted one (momentum re-sharded too).
     let full = train(&cfg, 2, None, false, &[4]);
     let resumed = train(&cfg, 3, Some(dir.path()), true, &[4]);
-    let (d, name) = max_rel(&resumed.params, &full.params);
-    assert!(d <= 1e-10, "resumed on 3 ranks vs uninterrupted on 2: {d:.2e} in {name}");
+    assert_params(&resumed.params, &full.params, 1e-10, "resumed on 3 ranks vs uninterrupted on 2");
 }

@@ -41,14 +41,12 @@ fn final_params(cfg: &RunConfig, w: usize) -> Params {
     all.into_iter().next().unwrap()
 }
 
-fn assert_close(a: &Params, b: &Params, rel: f32, what: &str) {
+/// Each parameter within `rel` norm-wise (`allgrad_testkit::close`).
+fn assert_close(a: &Params, b: &Params, rel: f64, what: &str) {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let wide = |v: &[f32]| -> Vec<f64> { v.iter().map(|x| f64::from(*x)).collect() };
     for (name, x) in a {
-        let y = &b[name];
-        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
-        for (i, (p, q)) in x.iter().zip(y).enumerate() {
-            assert!((p - q).abs() <= rel * scale, "{what}: {name}[{i}] = {p} vs {q} (scale {scale})");
-        }
+        allgrad_testkit::close::assert_rel(&wide(x), &wide(&b[name]), rel, &format!("{what}: {name}"));
     }
 }
 
