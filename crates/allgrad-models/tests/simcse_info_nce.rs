@@ -111,7 +111,7 @@ fn tiled_info_nce_and_a_learned_temperature_match_pytorch() {
 }
 
 fn assert_close(got: f64, want: f64, what: &str) {
-    assert!((got - want).abs() <= 1e-10 * want.abs(), "{what}: {got} vs PyTorch {want}");
+    allgrad_testkit::close::assert_elem_rel(&[got], &[want], 1e-10, f64::MIN_POSITIVE, &format!("{what} vs PyTorch"));
 }
 
 /// The global-batch InfoNCE of public SimCSE code, computed on every rank from a gather

@@ -15,9 +15,8 @@ pub(crate) fn data(n: usize, seed: u64) -> Vec<f64> {
         .collect()
 }
 
-/// The largest difference between `a` and `b`, relative to `b`'s largest magnitude (at least 1).
+/// The norm-wise relative error of `a` against `b` (`allgrad_testkit::close::rel_err`).
 pub(crate) fn max_rel<T: Float>(a: &[T], b: &[T]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(1.0f64, |m, v| m.max(v.to_f64().abs()));
-    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x.to_f64() - y.to_f64()).abs())) / scale
+    let wide = |v: &[T]| -> Vec<f64> { v.iter().map(|x| x.to_f64()).collect() };
+    allgrad_testkit::close::rel_err(&wide(a), &wide(b))
 }
