@@ -37,7 +37,10 @@ const SHAPES: [&[usize]; 3] = [&[17, 33], &[257], &[1]];
 
 /// Five steps of `cfg` on `dev` in `dt` with gradients that differ per step; the parameters and
 /// every state slot afterwards, as f64 host vectors in name order, and the optimizer's paths.
-fn run(cfg: &OptimConfig, dev: &Device, dt: DType) -> Result<(Vec<(String, Vec<f64>)>, OptimPaths)> {
+/// Tensors by name, as f64 host vectors.
+type Named = Vec<(String, Vec<f64>)>;
+
+fn run(cfg: &OptimConfig, dev: &Device, dt: DType) -> Result<(Named, OptimPaths)> {
     let to = |v: Vec<f64>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dt)?.to_device(dev);
     let params: Vec<(String, Var)> = SHAPES
         .iter()
