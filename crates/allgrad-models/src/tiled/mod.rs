@@ -107,7 +107,8 @@ pub trait TileScores: Send + Sync + 'static {
     /// (`[tk, d]`), with the parameters `params` (the tensor given to
     /// [`tiled_cross_entropy`]). Must be differentiable in all three (Candle ops) unless
     /// [`TileScores::backward`] is implemented, and depend on nothing else that needs a
-    /// gradient: only `q`, `k` and `params` receive one.
+    /// gradient: only `q`, `k` and `params` receive one, and logits that carry a graph of
+    /// something else (a `Var` the function captured) are an error: pass it in `params`.
     fn scores(&self, q: &Tensor, k: &Tensor, params: &Tensor) -> Result<Tensor>;
 
     /// Whether [`TileScores::backward`] is implemented. When it is not (the default), the
