@@ -89,6 +89,7 @@ mod cuda;
 pub use cuda::optim as optim_cuda;
 mod dropout;
 mod error;
+pub mod finalize;
 mod im2col;
 mod linear;
 mod loss;
@@ -99,6 +100,7 @@ mod softmax;
 mod test_data;
 mod tf32;
 mod trace;
+pub mod transfer;
 mod vmath;
 mod winograd;
 
@@ -110,12 +112,14 @@ pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use cpu::has_fused_kernels;
 pub use dropout::dropout_mask;
 pub use error::NnError;
+pub use finalize::{batch_moments, batch_statistics, TensorSum};
 pub use linear::linear;
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};
 pub use tf32::{set_tf32, tf32};
+pub use trace::{host_traffic, HostTraffic};
 #[doc(hidden)]
 pub use trace::{kernel_paths, KernelPaths};
 /// `v ← e^v` over an f32 slice, vectorised (AVX2 where the CPU has it); relative error a few

@@ -7,8 +7,9 @@
 // rounded to bf16 when stored, as the CPU kernels do. Per-channel sums are f64, each channel
 // reduced by one block in a fixed order (deterministic, but not the CPU's order).
 //
-// Exported names end in _f32, _f64 or _bf16 (the tensor's dtype). Per-channel coefficient
-// arrays are in the compute type: f32 for f32 and bf16 tensors, f64 for f64.
+// Exported names end in _f32, _f64 or _bf16 (the tensor's dtype). Batch norm's per-channel
+// coefficients are read from the f64 tables of the finalize ops (finalize.cu) and converted to
+// the compute type (f32 for f32 and bf16 tensors, f64 for f64) in the kernel.
 #include <cuda_bf16.h>
 #include <stddef.h>
 
@@ -113,34 +114,36 @@ __device__ void bn_backward_sums(size_t n, size_t c, size_t inner, const T* g, c
 }
 
 // Batch norm's forward over len elements of an [n, c, inner] tensor, with
-// u = a[ch]·x + b[ch]:
+// u = a[ch]·x + b[ch], a and b rows 2 and 3 of the coefficients table coef (coef2: the
+// shortcut's, mode 3):
 //   mode 0: u;  mode 1: max(u, 0);  mode 2: max(u + third, 0) (a skip input);
 //   mode 3: max(u + (a2[ch]·third + b2[ch]), 0) (third: a normalised shortcut's input).
 // bf16: each normalisation's output is rounded to bf16 before the residual sum, as unfused
 // bf16 ops store it (the CPU kernel's round_bf16).
 template <typename T>
-__device__ void bn_forward(size_t len, size_t c, size_t inner, const T* x, const T* third,
-                           const typename Compute<T>::type* a, const typename Compute<T>::type* b,
-                           const typename Compute<T>::type* a2, const typename Compute<T>::type* b2, int mode,
-                           T* out) {
+__device__ void bn_forward(size_t len, size_t c, size_t inner, const T* x, const T* third, const double* coef,
+                           const double* coef2, int mode, T* out) {
     typedef typename Compute<T>::type C;
     const C zero = C(0);
+    const double *a = coef + 2 * c, *b = coef + 3 * c, *a2 = coef2 + 2 * c, *b2 = coef2 + 3 * c;
     GRID_STRIDE(i, len) {
         const size_t ch = (i / inner) % c;
         const C v = widen(x[i]);
         C z;
+        const C ac = (C)a[ch], bc = (C)b[ch];
         if (mode < 2) {
-            z = v * a[ch] + b[ch];
+            z = v * ac + bc;
             if (mode == 1) z = z > zero ? z : zero;
         } else {
             const C w = widen(third[i]);
+            const C a2c = (C)a2[ch], b2c = (C)b2[ch];
             if (IsBf16<T>::value) {
-                const C main = (C)round_bf16((float)(v * a[ch] + b[ch]));
-                z = mode == 3 ? main + (C)round_bf16((float)(w * a2[ch] + b2[ch])) : main + w;
+                const C main = (C)round_bf16((float)(v * ac + bc));
+                z = mode == 3 ? main + (C)round_bf16((float)(w * a2c + b2c)) : main + w;
             } else if (mode == 3) {
-                z = v * a[ch] + b[ch] + (w * a2[ch] + b2[ch]);
+                z = v * ac + bc + (w * a2c + b2c);
             } else {
-                z = v * a[ch] + b[ch] + w;
+                z = v * ac + bc + w;
             }
             z = z > zero ? z : zero;
         }
@@ -149,18 +152,18 @@ __device__ void bn_forward(size_t len, size_t c, size_t inner, const T* x, const
 }
 
 // Batch norm's input gradient, dx = k[ch]·g' + c1[ch]·(x − mu[ch]) + c0[ch] with g' = g masked
-// by y > 0 when relu. (A skip input's gradient is relu_bwd's.)
+// by y > 0 when relu; k, c1, c0, mu are rows 0-3 of the backward table (already rounded to the
+// compute type, so the conversion is exact). (A skip input's gradient is relu_bwd's.)
 template <typename T>
 __device__ void bn_backward_dx(size_t len, size_t c, size_t inner, const T* g, const T* x, const T* y,
-                               const typename Compute<T>::type* k, const typename Compute<T>::type* c1,
-                               const typename Compute<T>::type* c0, const typename Compute<T>::type* mu, int relu,
-                               T* dx) {
+                               const double* table, int relu, T* dx) {
     typedef typename Compute<T>::type C;
     const C zero = C(0);
     GRID_STRIDE(i, len) {
         const size_t ch = (i / inner) % c;
         const C gp = (!relu || widen(y[i]) > zero) ? widen(g[i]) : zero;
-        store(dx + i, k[ch] * gp + c1[ch] * (widen(x[i]) - mu[ch]) + c0[ch]);
+        const C k = (C)table[ch], c1 = (C)table[c + ch], c0 = (C)table[2 * c + ch], mu = (C)table[3 * c + ch];
+        store(dx + i, k * gp + c1 * (widen(x[i]) - mu) + c0);
     }
 }
 
@@ -214,16 +217,12 @@ __device__ void gelu_bwd(size_t n, const T* x, const T* g, T* out) {
         bn_backward_sums<T>(n, c, inner, g, x, y, mean, relu, out);                                             \
     }                                                                                                           \
     extern "C" __global__ void bn_forward_##SUF(size_t len, size_t c, size_t inner, const T* x, const T* third,   \
-                                                const Compute<T>::type* a, const Compute<T>::type* b,           \
-                                                const Compute<T>::type* a2, const Compute<T>::type* b2,         \
-                                                int mode, T* out) {                                             \
-        bn_forward<T>(len, c, inner, x, third, a, b, a2, b2, mode, out);                                        \
+                                                const double* coef, const double* coef2, int mode, T* out) {    \
+        bn_forward<T>(len, c, inner, x, third, coef, coef2, mode, out);                                         \
     }                                                                                                           \
     extern "C" __global__ void bn_backward_dx_##SUF(size_t len, size_t c, size_t inner, const T* g, const T* x,  \
-                                                    const T* y, const Compute<T>::type* k,                      \
-                                                    const Compute<T>::type* c1, const Compute<T>::type* c0,     \
-                                                    const Compute<T>::type* mu, int relu, T* dx) {              \
-        bn_backward_dx<T>(len, c, inner, g, x, y, k, c1, c0, mu, relu, dx);                                     \
+                                                    const T* y, const double* table, int relu, T* dx) {         \
+        bn_backward_dx<T>(len, c, inner, g, x, y, table, relu, dx);                                             \
     }
 
 INSTANTIATE(float, f32)

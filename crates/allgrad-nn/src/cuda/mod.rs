@@ -26,6 +26,7 @@ use half::bf16;
 
 use crate::error::{fail, NnError};
 
+pub(crate) mod finalize;
 pub mod optim;
 
 mod ptx {
@@ -113,6 +114,7 @@ macro_rules! by_dtype {
         }
     };
 }
+pub(crate) use by_dtype;
 
 /// `max(a + b, 0)` (`b` absent: `max(a, 0)`): the forward of [`crate::relu`] and
 /// [`crate::add_relu`].
@@ -328,175 +330,53 @@ pub(crate) fn channel_moments(x: &CudaStorage, lx: &Layout) -> Result<(CudaStora
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, c))))
 }
 
+/// A held f64 table's elements on the device (a contiguous tensor held by an op, read in its
+/// storage: no copy), given to `f` with the slice.
+pub(crate) fn with_table<R>(t: &Tensor, f: impl FnOnce(CudaView<'_, f64>) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*storage else {
+        return fail(NnError::DeviceMismatch { op: "batch_norm (a table off the CUDA device)" });
+    };
+    f(view::<f64>(s, layout, "batch_norm table")?)
+}
+
 /// Batch norm's forward: `tail(a[c]·x + b[c])`, where `tail` is `mode` 0 (none), 1 (ReLU), 2
 /// (`max(· + third, 0)`, a skip input) or 3 (`max(· + a2[c]·third + b2[c], 0)`, a normalised
-/// shortcut); `a`, `b`, `a2`, `b2` already rounded to the compute type (exact in f64).
-pub(crate) struct BnForward<'a> {
-    /// The per-channel scale and shift.
-    pub ab: (&'a [f64], &'a [f64]),
-    /// The shortcut's scale and shift (mode 3).
-    pub branch: Option<(&'a [f64], &'a [f64])>,
-    /// 0 to 3, as above.
-    pub mode: i32,
-}
-
-impl BnForward<'_> {
-    /// The output for `x` (and the skip or shortcut input `third`, modes 2 and 3).
-    pub fn run(&self, x: &CudaStorage, lx: &Layout, third: Option<(&CudaStorage, &Layout)>) -> Result<(CudaStorage, Shape)> {
-        const OP: &str = "batch_norm";
-        let dev = &x.device;
-        let (_, c, inner) = geometry(lx, OP)?;
-        let len = lx.shape().elem_count();
-        let f = func(dev, "bn_forward", x.dtype(), OP)?;
-        let out = by_dtype!(x.dtype(), OP, <T, C> {
-            let coef = |v: &[f64]| -> Result<CudaSlice<C>> {
-                let v: Vec<C> = v.iter().map(|&v| v as C).collect();
-                dev.clone_htod(&v)
-            };
-            let (a, b) = (coef(self.ab.0)?, coef(self.ab.1)?);
-            let (a2, b2) = match self.branch {
-                Some((a2, b2)) => (coef(a2)?, coef(b2)?),
-                None => (coef(self.ab.0)?, coef(self.ab.1)?),
-            };
-            let out = output::<T>(dev, len)?;
-            let xv = view::<T>(x, lx, OP)?;
-            let tv = match third {
-                Some((t, lt)) => view::<T>(t, lt, OP)?,
-                None => view::<T>(x, lx, OP)?,
-            };
-            if len > 0 {
-                let stream = dev.cuda_stream();
-            let mut builder = stream.launch_builder(&f);
-                builder.arg(&len).arg(&c).arg(&inner).arg(&xv).arg(&tv);
-                builder.arg(&a).arg(&b).arg(&a2).arg(&b2).arg(&self.mode).arg(&out);
-                // SAFETY: `x`, `third` and `out` hold `len` elements, the coefficients `c`
-                // values each, of the kernel's types.
-                unsafe { builder.launch(elementwise(len)) }.w()?;
-            }
-            CudaStorage::wrap_cuda_slice(out, dev.clone())
-        });
-        Ok((out, lx.shape().clone()))
-    }
-}
-
-/// Batch norm's backward sums, per channel `[Σg'; Σg'·(x − mean)]` as an f64 `[2, C]` tensor
-/// (an untracked op on `(g, x, y)`; `g'` is `g` masked by `y > 0` with `relu`).
-pub(crate) struct BnBackwardSums {
-    /// The mean per channel.
-    pub mean: Vec<f64>,
-    /// Whether the tail had a ReLU.
-    pub relu: bool,
-}
-
-impl candle_core::CustomOp3 for BnBackwardSums {
-    fn name(&self) -> &'static str {
-        "allgrad-batch-norm-backward-sums"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CpuStorage, Shape)> {
-        fail(NnError::DeviceMismatch { op: "batch_norm backward sums (CUDA only)" })
-    }
-
-    fn cuda_fwd(
-        &self,
-        g: &CudaStorage,
-        lg: &Layout,
-        x: &CudaStorage,
-        lx: &Layout,
-        y: &CudaStorage,
-        ly: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        const OP: &str = "batch_norm backward";
-        let dev = &x.device;
-        let (n, c, inner) = geometry(lx, OP)?;
-        let f = func(dev, "bn_backward_sums", x.dtype(), OP)?;
-        let mean = dev.clone_htod(&self.mean)?;
-        let relu = i32::from(self.relu);
-        let out = dev.alloc_zeros::<f64>((2 * c).max(1))?;
-        by_dtype!(x.dtype(), OP, <T, C> {
-            let (gv, xv, yv) = (view::<T>(g, lg, OP)?, view::<T>(x, lx, OP)?, view::<T>(y, ly, OP)?);
-            if c > 0 {
-                let stream = dev.cuda_stream();
-            let mut builder = stream.launch_builder(&f);
-                builder.arg(&n).arg(&c).arg(&inner).arg(&gv).arg(&xv).arg(&yv).arg(&mean).arg(&relu).arg(&out);
-                // SAFETY: `g`, `x`, `y` hold n·c·inner elements, `mean` c values and `out` 2c,
-                // one block per channel.
-                unsafe { builder.launch(per_channel(c)) }.w()?;
-            }
-        });
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, c))))
-    }
-}
-
-/// Batch norm's input gradient `∂x = k·g' + c1·(x − μ) + c0` per channel (an untracked op on
-/// `(g, x, y)`), the coefficients already rounded to the compute type (exact in f64).
-pub(crate) struct BnBackwardDx {
-    /// `k`, `c1`, `c0` and `μ` per channel.
-    pub coef: [Vec<f64>; 4],
-    /// Whether the tail had a ReLU (`g'` is `g` masked by `y > 0`).
-    pub relu: bool,
-}
-
-impl candle_core::CustomOp3 for BnBackwardDx {
-    fn name(&self) -> &'static str {
-        "allgrad-batch-norm-backward-dx"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CpuStorage, Shape)> {
-        fail(NnError::DeviceMismatch { op: "batch_norm backward dx (CUDA only)" })
-    }
-
-    fn cuda_fwd(
-        &self,
-        g: &CudaStorage,
-        lg: &Layout,
-        x: &CudaStorage,
-        lx: &Layout,
-        y: &CudaStorage,
-        ly: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        const OP: &str = "batch_norm backward";
-        let dev = &x.device;
-        let (_, c, inner) = geometry(lx, OP)?;
-        let len = lx.shape().elem_count();
-        let f = func(dev, "bn_backward_dx", x.dtype(), OP)?;
-        let relu = i32::from(self.relu);
-        let out = by_dtype!(x.dtype(), OP, <T, C> {
-            let up = |v: &[f64]| -> Result<CudaSlice<C>> {
-                let v: Vec<C> = v.iter().map(|&v| v as C).collect();
-                dev.clone_htod(&v)
-            };
-            let [k, c1, c0, mu] = &self.coef;
-            let (k, c1, c0, mu) = (up(k)?, up(c1)?, up(c0)?, up(mu)?);
-            let out = output::<T>(dev, len)?;
-            let (gv, xv, yv) = (view::<T>(g, lg, OP)?, view::<T>(x, lx, OP)?, view::<T>(y, ly, OP)?);
-            if len > 0 {
-                let stream = dev.cuda_stream();
-            let mut builder = stream.launch_builder(&f);
-                builder.arg(&len).arg(&c).arg(&inner).arg(&gv).arg(&xv).arg(&yv);
-                builder.arg(&k).arg(&c1).arg(&c0).arg(&mu).arg(&relu).arg(&out);
-                // SAFETY: `g`, `x`, `y` and `out` hold `len` elements, the coefficients `c`
-                // values each, of the kernel's types.
-                unsafe { builder.launch(elementwise(len)) }.w()?;
-            }
-            CudaStorage::wrap_cuda_slice(out, dev.clone())
-        });
-        Ok((out, lx.shape().clone()))
-    }
+/// shortcut); `a`, `b` are rows 2 and 3 of the coefficients table `coef` (`coef2`: the
+/// shortcut's), converted to the compute type in the kernel.
+pub(crate) fn bn_forward(
+    x: &CudaStorage,
+    lx: &Layout,
+    third: Option<(&CudaStorage, &Layout)>,
+    coef: &Tensor,
+    coef2: Option<&Tensor>,
+    mode: i32,
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "batch_norm";
+    let dev = &x.device;
+    let (_, c, inner) = geometry(lx, OP)?;
+    let len = lx.shape().elem_count();
+    let f = func(dev, "bn_forward", x.dtype(), OP)?;
+    let out = with_table(coef, |cv| {
+        with_table(coef2.unwrap_or(coef), |cv2| {
+            Ok(by_dtype!(x.dtype(), OP, <T, C> {
+                let out = output::<T>(dev, len)?;
+                let xv = view::<T>(x, lx, OP)?;
+                let tv = match third {
+                    Some((t, lt)) => view::<T>(t, lt, OP)?,
+                    None => view::<T>(x, lx, OP)?,
+                };
+                if len > 0 {
+                    let stream = dev.cuda_stream();
+                    let mut builder = stream.launch_builder(&f);
+                    builder.arg(&len).arg(&c).arg(&inner).arg(&xv).arg(&tv).arg(&cv).arg(&cv2).arg(&mode).arg(&out);
+                    // SAFETY: `x`, `third` and `out` hold `len` elements of T, the tables 4c + 1
+                    // f64 values each (checked when they were made).
+                    unsafe { builder.launch(elementwise(len)) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }))
+        })
+    })?;
+    Ok((out, lx.shape().clone()))
 }
