@@ -195,7 +195,7 @@ impl BatchNorm {
         }
         let c = self.weight.dim(0)?;
         let stats = if mode.train {
-            let mut moments = channel_moments(&x.detach())?.flatten_all()?.to_vec1::<f64>()?;
+            let mut moments = allgrad_nn::transfer::read_vec::<f64>(&channel_moments(&x.detach())?)?;
             let mut count = [(x.elem_count() / c) as i64];
             if self.sync {
                 mode.pg.all_reduce_slice(&mut moments, ReduceOp::Sum)?;
@@ -215,7 +215,7 @@ impl BatchNorm {
             BnStats::Batch { mean, var, count: n, sum_over_ranks }
         } else {
             let (mean, var) = self.running.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let host = |t: &Tensor| t.to_dtype(DType::F64)?.to_vec1::<f64>();
+            let host = allgrad_nn::transfer::read_f64;
             BnStats::Fixed { mean: host(&mean)?, var: host(&var)? }
         };
         Ok(stats)

@@ -191,8 +191,8 @@ pub fn conv2d_backward(
     if !want_input && !want_weight {
         return Ok(grads);
     }
-    let kernel = Conv2dBackward { g, want_input, want_weight };
     if x.device().is_cpu() {
+        let kernel = Conv2dBackward { g, want_input, want_weight };
         // Each gradient in a buffer of its own (see `run_split`).
         let empty = || Shape::from(0usize);
         let shapes =
@@ -202,15 +202,15 @@ pub fn conv2d_backward(
         grads.weight = out.next().filter(|_| want_weight);
         return Ok(grads);
     }
-    let flat = x.apply_op3_no_bwd(&w, &grad, &kernel)?;
-    let mut at = 0;
+    // On CUDA one call per gradient, each into a buffer of its own (the gradient store keeps it
+    // without a copy, as `run_split`'s on the CPU).
     if want_input {
-        let len = g.n * g.in_img();
-        grads.input = Some(flat.narrow(0, at, len)?.reshape(x.shape())?);
-        at += len;
+        let k = Conv2dBackward { g, want_input: true, want_weight: false };
+        grads.input = Some(x.apply_op3_no_bwd(&w, &grad, &k)?.reshape(x.shape())?);
     }
     if want_weight {
-        grads.weight = Some(flat.narrow(0, at, g.weight_len())?.reshape(w.shape())?);
+        let k = Conv2dBackward { g, want_input: false, want_weight: true };
+        grads.weight = Some(x.apply_op3_no_bwd(&w, &grad, &k)?.reshape(w.shape())?);
     }
     Ok(grads)
 }

@@ -82,6 +82,11 @@ pub(crate) fn channel_backward(
 /// When `x` is not `[N, C, ...]`.
 pub fn batch_moments(x: &Tensor) -> Result<Tensor> {
     let (n, _, inner) = geometry(x.dims(), "batch_moments")?;
+    #[cfg(feature = "cuda")]
+    if crate::cpu::cuda_float(x) {
+        // One two-stage reduction that also writes the count.
+        return x.detach().contiguous()?.apply_op1_no_bwd(&CudaMoments);
+    }
     let sums = crate::channel_moments(&x.detach())?.flatten_all()?;
     let count = Tensor::full((n * inner) as f64, 1, x.device())?;
     Tensor::cat(&[&sums, &count], 0)
@@ -126,6 +131,25 @@ pub(crate) fn with_cpu_f64<R>(t: &Tensor, f: impl FnOnce(&[f64]) -> R) -> Result
     match layout.contiguous_offsets() {
         Some((a, b)) => Ok(f(&all[a..b])),
         None => candle_core::bail!("allgrad-nn internal error: a batch-norm table is not contiguous"),
+    }
+}
+
+/// `[Σx; Σx²; n]` of a CUDA tensor in one reduction (the CPU composes [`crate::channel_moments`]).
+#[cfg(feature = "cuda")]
+struct CudaMoments;
+
+#[cfg(feature = "cuda")]
+impl CustomOp1 for CudaMoments {
+    fn name(&self) -> &'static str {
+        "allgrad-batch-moments"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        fail(NnError::DeviceMismatch { op: "batch_moments (the CUDA reduction on a CPU tensor)" })
+    }
+
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::batch_moments(s, l)
     }
 }
 

@@ -80,9 +80,14 @@ mod conv;
 mod conv_cpu;
 #[cfg(feature = "cudnn")]
 mod conv_cudnn;
+mod conv_plan;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+/// Keeps the CUDA memory pool's memory between steps (feature `cuda`; the trainer calls it for
+/// its device).
+#[cfg(feature = "cuda")]
+pub use cuda::keep_pool_memory;
 /// The optimizer's in-place updates of CUDA parameters, one kernel per pass (feature `cuda`):
 /// allgrad-train's fused SGD and AdamW run them on GPU parameters.
 #[cfg(feature = "cuda")]

@@ -8,8 +8,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
+use half::bf16;
 
-use super::{by_dtype, elementwise, func, geometry, output, per_channel, view, with_table};
+use super::{by_dtype, channel_reduce, elementwise, func, geometry, output, view, with_table, Reduce};
 use crate::error::{fail, NnError};
 
 /// The name the finalize PTX module is loaded under on each device.
@@ -77,36 +78,19 @@ pub(crate) fn coefficients(
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(4 * c + 1)))
 }
 
-/// This rank's backward sums `[Σg'; Σg'·(x − mean)]` (2C, f64), the mean read from `coef`.
+/// This rank's backward sums `[Σg'; Σg'·(x − mean)]` (2C, f64), the mean read from `coef`
+/// (the two-stage reduction of [`super::channel_reduce`]).
 pub(crate) fn backward_sums(
     coef: &Tensor,
     relu: bool,
-    (g, lg): (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
     (x, lx): (&CudaStorage, &Layout),
-    (y, ly): (&CudaStorage, &Layout),
+    y: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Shape)> {
     const OP: &str = "batch_norm backward";
-    let dev = &x.device;
-    let (n, c, inner) = geometry(lx, OP)?;
-    let f = func(dev, "bn_backward_sums", x.dtype(), OP)?;
-    let relu = i32::from(relu);
-    // Zeros: with no channels nothing is launched.
-    let out = dev.alloc_zeros::<f64>((2 * c).max(1))?;
-    with_table(coef, |mean| {
-        by_dtype!(x.dtype(), OP, <T, C> {
-            let (gv, xv, yv) = (view::<T>(g, lg, OP)?, view::<T>(x, lx, OP)?, view::<T>(y, ly, OP)?);
-            if c > 0 {
-                let stream = dev.cuda_stream();
-                let mut builder = stream.launch_builder(&f);
-                builder.arg(&n).arg(&c).arg(&inner).arg(&gv).arg(&xv).arg(&yv).arg(&mean).arg(&relu).arg(&out);
-                // SAFETY: `g`, `x`, `y` hold n·c·inner elements, `mean` (the table's first row) c
-                // values and `out` 2c; one block per channel.
-                unsafe { builder.launch(per_channel(c)) }.w()?;
-            }
-        });
-        Ok(())
-    })?;
-    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(2 * c)))
+    let (_, c, _) = geometry(lx, OP)?;
+    let out = with_table(coef, |mean| channel_reduce(x, lx, Reduce::BackwardSums { g, y, mean, relu }, false, OP))?;
+    Ok((CudaStorage::wrap_cuda_slice(out, x.device.clone()), Shape::from(2 * c)))
 }
 
 /// `(global sums, local sums, coefficients)` → the backward table (6C).
