@@ -135,12 +135,12 @@ fn sync_batch_norm_on_the_device_path_equals_the_host_path_and_one_rank_and_read
                 }
             }
             // Parameter gradients: this rank's sums; over the ranks, the whole batch's.
-            for i in 3..7 {
+            for (i, name) in NAMES.iter().enumerate().take(7).skip(3) {
                 if one[0].0[i].is_empty() {
                     continue;
                 }
                 let sum: Vec<f64> = (0..C).map(|c| dev.iter().map(|d| d.0[i][c]).sum()).collect();
-                assert_rel(&sum, &one[0].0[i], 1e-10, &format!("{tail:?} W={w}: {} summed over ranks vs W=1", NAMES[i]));
+                assert_rel(&sum, &one[0].0[i], 1e-10, &format!("{tail:?} W={w}: {name} summed over ranks vs W=1"));
             }
         }
     }

@@ -197,7 +197,7 @@ impl Plan {
 
     /// The forward's scale and shift `(a, b)` per channel (and the shortcut's), as f64 slices
     /// given to `f`: the host vectors, or the device tables of CPU tensors read in place.
-    fn with_affine<R>(&self, f: impl FnOnce((&[f64], &[f64]), Option<(&[f64], &[f64])>) -> R) -> Result<R> {
+    fn with_affine<R>(&self, f: impl FnOnce(Affine<'_>, Option<Affine<'_>>) -> R) -> Result<R> {
         let c = self.c;
         match &self.consts {
             Consts::Host { main, branch } => {
@@ -271,6 +271,7 @@ fn stats_error<T>(what: String) -> Result<T> {
 /// kernels ([`crate::has_fused_kernels`]; [`NnError::BatchNormOffCpu`]: compose
 /// [`crate::channel_moments`] and [`crate::channel_affine`] there).
 pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64, tail: BnTail) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("batch_norm", crate::trace::Pass::Forward, x.device());
     let (_, c, _) = geometry(x.dims(), "batch_norm")?;
     if !fused_float(x) {
         return fail(NnError::BatchNormOffCpu { dtype: x.dtype(), device: format!("{:?}", x.device().location()) });
@@ -444,13 +445,16 @@ fn resolve_device(x: &Tensor, c: usize, gb: &Tensor, stats: &BnStats, eps: f64) 
     Ok(DeviceNorm { coef, batch })
 }
 
+/// One normalisation's per-channel scale and shift `(a, b)`.
+type Affine<'a> = (&'a [f64], &'a [f64]);
+
 /// `out = tail(a[c]·x + b[c])` (`third`: the skip input, or the shortcut's input), parallel
 /// over runs of whole rows; `ab` the scale and shift per channel, `ab2` the shortcut's.
 fn forward_kernel<T: Float>(
     x: &[T],
     third: Option<&[T]>,
     p: &Plan,
-    (ab, ab2): ((&[f64], &[f64]), Option<(&[f64], &[f64])>),
+    (ab, ab2): (Affine<'_>, Option<Affine<'_>>),
     inner: usize,
 ) -> Vec<T> {
     let mut out = zeros(x.len());
@@ -850,6 +854,7 @@ impl CustomOp2 for Forward {
     }
 
     fn bwd(&self, x: &Tensor, gb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("batch_norm", crate::trace::Pass::Backward, x.device());
         let (dx, dgb, _) = backward(&self.0, x, gb, None, y, g)?;
         Ok((Some(dx), Some(dgb)))
     }
@@ -903,6 +908,7 @@ impl CustomOp3 for ForwardSkip {
         y: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("batch_norm", crate::trace::Pass::Backward, x.device());
         let (dx, dgb, dthird) = backward(&self.0, x, gb, Some(third), y, g)?;
         Ok((Some(dx), Some(dgb), dthird))
     }

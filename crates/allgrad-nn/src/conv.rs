@@ -133,6 +133,7 @@ fn fast_path(x: &Tensor) -> bool {
 /// When the ranks, channel counts, groups or sizes do not fit together; the message names the
 /// shapes.
 pub fn conv2d(x: &Tensor, w: &Tensor, params: ConvParams) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("conv", crate::trace::Pass::Forward, x.device());
     let x = &crate::autocast::operand(x)?;
     let w = &if bf16_with_f32(x, w) { w.clone() } else { crate::autocast::operand(w)? };
     let g = geometry(x, w, &params)?;
@@ -277,6 +278,7 @@ impl CustomOp2 for Conv2dOp {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("conv", crate::trace::Pass::Backward, x.device());
         let p = ConvParams { stride: self.g.stride, padding: self.g.pad, dilation: self.g.dil, groups: self.g.groups };
         let grads = conv2d_backward(x, w, grad, p, x.track_op(), w.track_op())?;
         Ok((grads.input, grads.weight))

@@ -107,7 +107,7 @@ pub fn batch_statistics(moments: &Tensor) -> Result<Tensor> {
 /// The channel count `C` of a flat f64 table of `rows·C + extra` values.
 pub(crate) fn table_channels(t: &Tensor, rows: usize, extra: usize, what: &str) -> Result<usize> {
     let len = t.elem_count();
-    if t.dtype() != DType::F64 || t.rank() != 1 || len < extra || (len - extra) % rows != 0 {
+    if t.dtype() != DType::F64 || t.rank() != 1 || len < extra || !(len - extra).is_multiple_of(rows) {
         return fail(NnError::BatchNormStats {
             what: format!(
                 "{what}: expected a flat f64 tensor of {rows}·C{} values, got {:?} {:?}",

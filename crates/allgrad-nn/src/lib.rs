@@ -124,7 +124,7 @@ pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};
 pub use tf32::{set_tf32, tf32};
-pub use trace::{host_traffic, HostTraffic};
+pub use trace::{host_traffic, set_op_timing, take_op_times, HostTraffic, OpTime, Pass};
 #[doc(hidden)]
 pub use trace::{kernel_paths, KernelPaths};
 /// `v ← e^v` over an f32 slice, vectorised (AVX2 where the CPU has it); relative error a few

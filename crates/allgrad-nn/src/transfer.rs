@@ -57,12 +57,6 @@ fn count_upload(dev: &Device) {
     }
 }
 
-/// Counts one upload made without a tensor (a kernel argument copied with `clone_htod`).
-#[cfg(feature = "cuda")]
-pub(crate) fn counted_upload(dev: &Device) {
-    count_upload(dev)
-}
-
 /// Counts one cuDNN heuristic query.
 #[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
 pub(crate) fn count_heuristic_query() {

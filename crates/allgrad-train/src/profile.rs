@@ -9,11 +9,15 @@
 //! device's stream and a region's time is the device's time between its two events (read once,
 //! at the end of the step: profiling costs one wait per step); with profiling off the regions'
 //! traffic is still counted and the times are the host's launch time.
+//!
+//! With profiling on, the passes of allgrad-nn's ops are timed too, by kind (`conv`,
+//! `batch_norm`, `relu`, `linear`, `pool`, `layer_norm`, `attention`, `gelu`; forward and
+//! backward; [`allgrad_nn::set_op_timing`]), and the table lists them under the regions.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use allgrad_nn::{host_traffic, HostTraffic};
+use allgrad_nn::{host_traffic, HostTraffic, OpTime, Pass};
 use candle_core::Device;
 
 /// The regions of a step, in order.
@@ -77,25 +81,49 @@ type Event = candle_core::cuda::cudarc::driver::CudaEvent;
 #[cfg(not(feature = "cuda"))]
 type Event = ();
 
+/// A region of the current step: name, host seconds, traffic, start and end events.
+type Entry = (&'static str, f64, HostTraffic, Option<(Event, Event)>);
+
 /// Marks regions and keeps the last step's profile and the totals.
 pub(crate) struct StepProfiler {
     /// Record CUDA events (profiling on a CUDA device).
     device: Option<Device>,
-    /// This step's regions so far: (name, host seconds, traffic, start and end events).
-    current: Vec<(&'static str, f64, HostTraffic, Option<(Event, Event)>)>,
+    /// This step's regions so far.
+    current: Vec<Entry>,
     last: StepProfile,
     /// The first step (allocations, cuDNN plans, per-shape constants), kept out of the totals
     /// once a second step has run.
     first: Option<StepProfile>,
     totals: BTreeMap<&'static str, (f64, HostTraffic)>,
     steps: usize,
+    /// Time the ops' passes (profiling on).
+    ops: bool,
+    /// The ops' times of the last step, and their totals (after the first step).
+    ops_last: Vec<OpTime>,
+    ops_totals: BTreeMap<(&'static str, Pass), (f64, u64)>,
 }
 
 impl StepProfiler {
-    /// A profiler; `events`: time regions with CUDA events when `device` is a CUDA device.
-    pub fn new(device: &Device, events: bool) -> Self {
-        let device = (events && device.is_cuda()).then(|| device.clone());
-        StepProfiler { device, current: Vec::new(), last: StepProfile::default(), first: None, totals: BTreeMap::new(), steps: 0 }
+    /// A profiler; `profiling`: time regions with CUDA events when `device` is a CUDA device,
+    /// and the ops' passes (the trainer turns [`allgrad_nn::set_op_timing`] on for its thread).
+    pub fn new(device: &Device, profiling: bool) -> Self {
+        let device = (profiling && device.is_cuda()).then(|| device.clone());
+        StepProfiler {
+            device,
+            current: Vec::new(),
+            last: StepProfile::default(),
+            first: None,
+            totals: BTreeMap::new(),
+            steps: 0,
+            ops: profiling,
+            ops_last: Vec::new(),
+            ops_totals: BTreeMap::new(),
+        }
+    }
+
+    /// The ops' times of the last step (empty unless profiling).
+    pub fn last_ops(&self) -> &[OpTime] {
+        &self.ops_last
     }
 
     fn event(&self) -> Option<Event> {
@@ -137,6 +165,16 @@ impl StepProfiler {
             };
             step.add(name, seconds, traffic);
         }
+        if self.ops {
+            self.ops_last = allgrad_nn::take_op_times();
+            if self.first.is_some() {
+                for o in &self.ops_last {
+                    let t = self.ops_totals.entry((o.kind, o.pass)).or_default();
+                    t.0 += o.seconds;
+                    t.1 += o.calls;
+                }
+            }
+        }
         if self.first.is_none() {
             self.first = Some(step.clone());
         } else {
@@ -153,6 +191,9 @@ impl StepProfiler {
     /// Drops a step begun but not finished (an error).
     pub fn abandon_step(&mut self) {
         self.current.clear();
+        if self.ops {
+            allgrad_nn::take_op_times();
+        }
     }
 
     /// The last finished step's profile.
@@ -203,6 +244,24 @@ impl StepProfiler {
             all.uploads as f64 / n,
             all.heuristic_queries as f64 / n
         );
+        let ops: Vec<OpTime> = if self.steps > 0 {
+            self.ops_totals.iter().map(|(&(kind, pass), &(seconds, calls))| OpTime { kind, pass, seconds, calls }).collect()
+        } else {
+            self.ops_last.clone()
+        };
+        if !ops.is_empty() {
+            out += &format!("{:<14} {:>10} {:>6} {:>8}\n", "op, pass", "ms/step", "share", "calls");
+            for OpTime { kind, pass, seconds: s, calls } in ops {
+                let pass = if pass == Pass::Forward { "fwd" } else { "bwd" };
+                out += &format!(
+                    "{:<14} {:>10.3} {:>5.1}% {:>8.1}\n",
+                    format!("{kind} {pass}"),
+                    s / n * 1e3,
+                    if total > 0.0 { 100.0 * s / total } else { 0.0 },
+                    calls as f64 / n
+                );
+            }
+        }
         out
     }
 }

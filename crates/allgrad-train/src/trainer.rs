@@ -215,6 +215,12 @@ impl Trainer {
         self.profiler.last()
     }
 
+    /// The ops' times of the last step, by kind and pass (empty unless profiling:
+    /// `train --profile`, `ALLGRAD_PROFILE=1`).
+    pub fn last_op_times(&self) -> &[allgrad_nn::OpTime] {
+        self.profiler.last_ops()
+    }
+
     /// The regions' totals over the steps so far, as a table (what `train --profile` prints).
     pub fn profile_table(&self) -> String {
         self.profiler.table()
@@ -231,7 +237,14 @@ impl Trainer {
     pub fn train_until(&mut self, stop: usize) -> TrainResult<Summary> {
         // ALLGRAD_DEVICE_PATH=1: this thread's CPU tensors take the device path for the run.
         let was = self.cfg.settings.device_path.then(|| allgrad_nn::transfer::set_device_path(true));
+        // Profiling: the ops' passes of this thread are timed too.
+        if self.cfg.settings.profile {
+            allgrad_nn::set_op_timing(true);
+        }
         let out = self.train_until_inner(stop);
+        if self.cfg.settings.profile {
+            allgrad_nn::set_op_timing(false);
+        }
         if let Some(was) = was {
             allgrad_nn::transfer::set_device_path(was);
         }
@@ -510,9 +523,9 @@ impl Trainer {
             (local, shard)
         };
         let grad_norm = (rep + shard)?.sqrt()?;
-        // The found-inf flag: 1 where both are finite (x − x is 0 only for finite x).
+        // The found-inf flag: 1 where both are finite (x·0 is 0 only for finite x).
         let zero = full(0.0)?;
-        let ok = ((&loss - &loss)? + (&grad_norm - &grad_norm)?)?.eq(&zero)?;
+        let ok = (loss.affine(0.0, 0.0)? + grad_norm.affine(0.0, 0.0)?)?.eq(&zero)?;
         if let Some(max) = self.cfg.train.clip_grad_norm {
             let max_t = full(max)?;
             let scale = grad_norm.gt(&max_t)?.where_cond(&max_t.div(&(&grad_norm + 1e-6)?)?, &full(1.0)?)?;

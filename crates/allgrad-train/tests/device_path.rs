@@ -153,3 +153,35 @@ fn a_non_finite_step_is_skipped_on_the_device_as_on_the_host_and_read_once() {
     .to_string();
     assert!(err.contains("non-finite") && err.contains("at step"), "{err}");
 }
+
+#[test]
+fn the_profile_times_each_layer_kind_forward_and_backward() {
+    // `train --profile` on the CPU: wall-clock regions and the ops' passes by kind.
+    let cfg = common::image_config("simclr", NT_XENT, true, 24, &["train.max_steps=2"]);
+    let settings = allgrad_train::Settings { profile: true, ..Default::default() };
+    let (ops, table) = run_threads(1, |pg| {
+        let mut t = run::build_with(&allgrad_train::Registry::builtin(), &cfg, pg, None, false, settings.clone())?;
+        t.train_until(2)?;
+        Ok((t.last_op_times().to_vec(), t.profile_table()))
+    })
+    .unwrap()
+    .remove(0);
+    use allgrad_nn::Pass;
+    let get = |kind: &str, pass: Pass| ops.iter().find(|o| o.kind == kind && o.pass == pass).cloned();
+    // (This model's ReLUs are fused into its batch norms, its dense layers are Candle's.)
+    for kind in ["conv", "batch_norm", "pool"] {
+        let (f, b) = (get(kind, Pass::Forward), get(kind, Pass::Backward));
+        let (f, b) =
+            (f.unwrap_or_else(|| panic!("no {kind} forward in {ops:?}")), b.unwrap_or_else(|| panic!("no {kind} backward")));
+        assert!(f.calls > 0 && f.seconds > 0.0 && b.seconds > 0.0, "{f:?} {b:?}");
+        assert!(table.contains(&format!("{kind} fwd")) && table.contains(&format!("{kind} bwd")), "{table}");
+    }
+    // Every convolution and batch norm of the forward has its backward.
+    for kind in ["conv", "batch_norm"] {
+        assert_eq!(get(kind, Pass::Forward).unwrap().calls, get(kind, Pass::Backward).unwrap().calls, "{kind}: {ops:?}");
+    }
+    assert!(table.contains("over 1 step(s) (after the first), wall-clock"), "{table}");
+    for region in ["forward", "backward", "gradient sync", "optimizer"] {
+        assert!(table.lines().any(|l| l.starts_with(region)), "no {region} in {table}");
+    }
+}

@@ -460,26 +460,29 @@ pub(crate) fn bn_forward(
     let (_, c, inner) = geometry(lx, OP)?;
     let len = lx.shape().elem_count();
     let f = func(dev, "bn_forward", x.dtype(), OP)?;
-    let out = with_table(coef, |cv| {
-        with_table(coef2.unwrap_or(coef), |cv2| {
-            Ok(by_dtype!(x.dtype(), OP, <T, C> {
-                let out = output::<T>(dev, len)?;
-                let xv = view::<T>(x, lx, OP)?;
-                let tv = match third {
-                    Some((t, lt)) => view::<T>(t, lt, OP)?,
-                    None => view::<T>(x, lx, OP)?,
-                };
-                if len > 0 {
-                    let stream = dev.cuda_stream();
-                    let mut builder = stream.launch_builder(&f);
-                    builder.arg(&len).arg(&c).arg(&inner).arg(&xv).arg(&tv).arg(&cv).arg(&cv2).arg(&mode).arg(&out);
-                    // SAFETY: `x`, `third` and `out` hold `len` elements of T, the tables 4c + 1
-                    // f64 values each (checked when they were made).
-                    unsafe { builder.launch(elementwise(len)) }.w()?;
-                }
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }))
-        })
+    let launch = |cv: &CudaView<'_, f64>, cv2: &CudaView<'_, f64>| -> Result<CudaStorage> {
+        Ok(by_dtype!(x.dtype(), OP, <T, C> {
+            let out = output::<T>(dev, len)?;
+            let xv = view::<T>(x, lx, OP)?;
+            let tv = match third {
+                Some((t, lt)) => view::<T>(t, lt, OP)?,
+                None => view::<T>(x, lx, OP)?,
+            };
+            if len > 0 {
+                let stream = dev.cuda_stream();
+                let mut builder = stream.launch_builder(&f);
+                builder.arg(&len).arg(&c).arg(&inner).arg(&xv).arg(&tv).arg(cv).arg(cv2).arg(&mode).arg(&out);
+                // SAFETY: `x`, `third` and `out` hold `len` elements of T, the tables 4c + 1
+                // f64 values each (checked when they were made).
+                unsafe { builder.launch(elementwise(len)) }.w()?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }))
+    };
+    // Each table's storage is locked once (the shortcut's is another tensor).
+    let out = with_table(coef, |cv| match coef2 {
+        Some(c2) => with_table(c2, |cv2| launch(&cv, &cv2)),
+        None => launch(&cv, &cv),
     })?;
     Ok((out, lx.shape().clone()))
 }
