@@ -5,7 +5,7 @@
 //! Each op has a CPU twin and a CUDA kernel (`cuda/finalize.cu`, feature `cuda`) that evaluate
 //! the same f64 expressions in the same order (no contraction into fused multiply-adds), and
 //! the host path of [`crate::batch_norm`] computes with the same functions
-//! ([`channel_statistics`], [`channel_constants`], [`channel_backward`]): the device path
+//! (`channel_statistics`, `channel_constants`, `channel_backward`): the device path
 //! (CUDA, or the CPU with [`crate::transfer::set_device_path`]) gives the host path's values.
 //!
 //! The tables, all f64 and flat, `C` values per row:

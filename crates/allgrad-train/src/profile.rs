@@ -3,7 +3,7 @@
 //!
 //! The trainer marks the same regions in every step (`forward`, `backward`, `gradient sync`,
 //! `optimizer`, `read`: see [`REGIONS`]); [`crate::Trainer::last_step_profile`] returns the
-//! last step's and [`StepProfiler::table`] the totals over the steps so far. On the CPU a
+//! last step's and [`crate::Trainer::profile_table`] the totals over the steps so far. On the CPU a
 //! region's time is wall-clock. On CUDA the host runs ahead of the device, so with profiling on
 //! (`train --profile`, or `ALLGRAD_PROFILE=1`) each mark also records a CUDA event on the
 //! device's stream and a region's time is the device's time between its two events (read once,
