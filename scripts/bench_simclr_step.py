@@ -7,6 +7,12 @@ two implementations alternate step by step in one invocation (`scripts/bench_sim
     python3 scripts/bench_simclr_step.py --batch 64 --steps 3      # a quick look, alone
     python3 scripts/bench_simclr_step.py --batch 64 --worker       # serve the driver
     python3 scripts/bench_simclr_step.py --batch 64 --memory --steps 2   # peak memory
+    python3 scripts/bench_simclr_step.py --device cuda --batch 256 --profile  # torch.profiler's key averages
+
+With `--profile` it runs two warm-up steps, then `--steps` steps under torch.profiler (CPU and,
+on CUDA, CUDA activities) and prints its key averages, sorted by device time on CUDA (host
+time on the CPU), the top 30 rows: the per-op view to set beside allgrad's region profile
+(`scripts/gpu_profile.sh`).
 
 With `--memory` it prints one line `MEM side=pytorch ... setup= fwd= peak=` (MiB): the resident
 set (VmRSS) once the model, optimizer and input exist (after one step of a separate model at
@@ -49,6 +55,7 @@ def parse_args():
     )
     ap.add_argument("--steps", type=int, default=3, help="timed steps when run alone")
     ap.add_argument("--worker", action="store_true", help="serve step/layers/quit commands on stdin")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler's key averages of --steps steps")
     ap.add_argument(
         "--warmup-batch",
         type=int,
@@ -316,6 +323,19 @@ def main():
         memory(Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device))
         return
     step = Step(ARGS.batch, ARGS.width, ARGS.depth, ARGS.device)
+    if ARGS.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(2):
+            step.run()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ARGS.device == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(ARGS.steps):
+                print(step.run(), flush=True)
+        key = "self_cuda_time_total" if ARGS.device == "cuda" else "self_cpu_time_total"
+        print(f"torch.profiler key averages over {ARGS.steps} step(s), by {key}:")
+        print(prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
+        return
     if not ARGS.worker:
         for _ in range(ARGS.steps + 1):  # the first step warms up
             print(step.run(), flush=True)

@@ -18,10 +18,13 @@
 #  2. cudnn_conv: conv2d and both its gradients through cuDNN vs the CPU kernels
 #     (crates/allgrad-nn/tests/conv_cuda.rs), when the build has the `cudnn` feature;
 #     fused_ops: allgrad-nn's CUDA kernels for ReLU, add+ReLU, channel moments and batch norm
-#     with its tails, outputs and gradients vs the CPU kernels, f64 1e-10, f32 1e-5
-#     (crates/allgrad-nn/tests/fused_cuda.rs); fused_optim: SGD and AdamW on CUDA parameters
-#     (allgrad-nn's in-place optimizer kernels) vs the CPU optimizer after five steps, f64
-#     1e-10, f32 1e-5 (crates/allgrad-train/tests/optim_cuda.rs);
+#     with its tails, outputs and gradients vs the CPU kernels, f64 1e-10, f32 1e-5, batch
+#     norm's finalize kernels and its device path (statistics bit for bit; no host read or
+#     upload), the two-stage reductions (crates/allgrad-nn/tests/fused_cuda.rs); fused_optim:
+#     SGD and AdamW on CUDA parameters (allgrad-nn's in-place optimizer kernels) vs the CPU
+#     optimizer after five steps, f64 1e-10, f32 1e-5, and their guard (a zero found-inf flag
+#     skips the update) (crates/allgrad-train/tests/optim_cuda.rs); cudnn_conv also checks
+#     that cuDNN plans are cached (a repeat asks no heuristic);
 #  3. equivalence_images, equivalence_text: every method through `launch` and the shipped
 #     configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the GPU == 1
 #     rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR, BarlowTwins and

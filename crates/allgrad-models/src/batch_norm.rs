@@ -16,12 +16,20 @@
 //! all_reduce and the activation. bf16 activations (autocast) take the fused op with the f32
 //! parameters; the statistics, the running statistics and the parameters' gradients stay f32
 //! (the moments f64).
+//!
+//! On CUDA (and on the CPU with [`allgrad_nn::transfer::set_device_path`]) the fused path keeps
+//! everything on the device: the moments `[Σx; Σx²; n]` ([`allgrad_nn::batch_moments`]) are
+//! all-reduced as a tensor (through NCCL, or the group's host path), the statistics and the
+//! running statistics come from the finalize op ([`allgrad_nn::batch_statistics`]) and tensor
+//! ops, and the backward's sums are all-reduced as a tensor too: the forward and backward never
+//! wait for the GPU. On the CPU without it (the default) the same numbers are computed on the
+//! host.
 
 use std::sync::{Arc, Mutex};
 
 use allgrad_dist::{all_reduce, ProcessGroup, ReduceOp};
 pub use allgrad_nn::BnTail;
-use allgrad_nn::{add_relu, channel_affine, channel_moments, relu, BnBranch, BnStats, ChannelSum};
+use allgrad_nn::{add_relu, channel_affine, channel_moments, relu, BnBranch, BnStats, ChannelSum, TensorSum};
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -182,9 +190,12 @@ impl BatchNorm {
     /// The statistics the fused op normalises `x` with: in training the batch's (over every
     /// rank's batch with `sync`, the running statistics updated), else the running ones.
     fn stats(&self, x: &Tensor, mode: Mode) -> Result<BnStats> {
+        if allgrad_nn::transfer::takes_device_path(x.device()) {
+            return self.stats_on_device(x, mode);
+        }
         let c = self.weight.dim(0)?;
         let stats = if mode.train {
-            let mut moments = channel_moments(&x.detach())?.flatten_all()?.to_vec1::<f64>()?;
+            let mut moments = allgrad_nn::transfer::read_vec::<f64>(&channel_moments(&x.detach())?)?;
             let mut count = [(x.elem_count() / c) as i64];
             if self.sync {
                 mode.pg.all_reduce_slice(&mut moments, ReduceOp::Sum)?;
@@ -204,19 +215,47 @@ impl BatchNorm {
             BnStats::Batch { mean, var, count: n, sum_over_ranks }
         } else {
             let (mean, var) = self.running.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let host = |t: &Tensor| t.to_dtype(DType::F64)?.to_vec1::<f64>();
+            let host = allgrad_nn::transfer::read_f64;
             BnStats::Fixed { mean: host(&mean)?, var: host(&var)? }
         };
         Ok(stats)
+    }
+
+    /// [`BatchNorm::stats`] on the device path: the moments all-reduced as a tensor with
+    /// `sync`, the statistics table from the finalize op, the running statistics updated by
+    /// tensor ops, the backward's sums all-reduced as tensors; no value crosses to the host.
+    fn stats_on_device(&self, x: &Tensor, mode: Mode) -> Result<BnStats> {
+        if !mode.train {
+            let (mean, var) = self.running_stats();
+            return Ok(BnStats::FixedOnDevice { mean, var });
+        }
+        let c = self.weight.dim(0)?;
+        let mut moments = allgrad_nn::batch_moments(x)?;
+        if self.sync {
+            moments = mode.pg.all_reduce(&moments, ReduceOp::Sum)?;
+        }
+        let table = allgrad_nn::batch_statistics(&moments)?;
+        self.fold_running(&table.narrow(0, 0, c)?, &table.narrow(0, 2 * c, c)?)?;
+        let sum_over_ranks: Option<TensorSum> = self.sync.then(|| {
+            let pg = mode.pg.clone();
+            Arc::new(move |t: &Tensor| pg.all_reduce(t, ReduceOp::Sum)) as TensorSum
+        });
+        Ok(BnStats::BatchOnDevice { table, sum_over_ranks })
     }
 
     /// Folds a batch's (global) mean and biased variance over `n` values into the running
     /// statistics (kept in the parameters' dtype, also for bf16 activations), with the unbiased
     /// variance as PyTorch does.
     fn update_running(&self, mean: &Tensor, var: &Tensor, n: f64) -> Result<()> {
+        self.fold_running(mean, &(var.detach() * (n / (n - 1.0).max(1.0)))?)
+    }
+
+    /// Folds a batch's mean and unbiased variance into the running statistics:
+    /// `running ← (1 − momentum)·running + momentum·batch`, in the parameters' dtype.
+    fn fold_running(&self, mean: &Tensor, unbiased: &Tensor) -> Result<()> {
         let dt = self.weight.dtype();
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?.to_dtype(dt)?;
+        let unbiased = unbiased.detach().to_dtype(dt)?;
         let mean_d = mean.detach().to_dtype(dt)?;
         let m = self.momentum;
         *running = (((&running.0 * (1.0 - m))? + (mean_d * m)?)?, ((&running.1 * (1.0 - m))? + (unbiased * m)?)?);

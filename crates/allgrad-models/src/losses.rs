@@ -1,7 +1,7 @@
 //! Distributed contrastive losses, written with the differentiable collectives.
 
 use allgrad_dist::{all_gather, all_reduce, ProcessGroup, ReduceOp};
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use crate::error::fail;
@@ -274,6 +274,35 @@ fn nt_xent_columns(b: usize, offset: usize, total: usize) -> (impl Fn(usize) -> 
     (me, positive)
 }
 
+/// NT-Xent's per-shape constants on `device`: the `[2b, 2B]` mask (−∞ on each anchor's own
+/// column, 0 elsewhere, in `dtype`) and the `[2b, 1]` column of each anchor's positive. Built
+/// and uploaded once per (b, offset, B, dtype, device) and kept (the last few shapes): a step
+/// uploads nothing for them (at batch 1024 the mask is 16 MiB).
+fn nt_xent_constants(b: usize, offset: usize, total: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+    type Entry = ((usize, usize, usize, DType), Device, (Tensor, Tensor));
+    static CACHE: std::sync::Mutex<Vec<Entry>> = std::sync::Mutex::new(Vec::new());
+    const KEPT: usize = 16;
+    let key = (b, offset, total, dtype);
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, _, t)) = cache.iter().find(|(k, d, _)| *k == key && d.same_device(device)) {
+        return Ok(t.clone());
+    }
+    // Anchor i (view 1) is column offset+i; anchor b+i (view 2) is column B+offset+i.
+    let (me, positive) = nt_xent_columns(b, offset, total);
+    let mut mask = vec![0f32; 2 * b * 2 * total];
+    for a in 0..2 * b {
+        mask[a * 2 * total + me(a)] = f32::NEG_INFINITY;
+    }
+    let mask = allgrad_nn::transfer::upload(mask, (2 * b, 2 * total), device)?.to_dtype(dtype)?;
+    let pos_idx: Vec<u32> = (0..2 * b).map(|a| positive(a) as u32).collect();
+    let pos_idx = allgrad_nn::transfer::upload(pos_idx, (2 * b, 1), device)?;
+    if cache.len() >= KEPT {
+        cache.remove(0);
+    }
+    cache.push((key, device.clone(), (mask.clone(), pos_idx.clone())));
+    Ok((mask, pos_idx))
+}
+
 /// NT-Xent (normalised temperature-scaled cross entropy) over the GLOBAL batch, in the
 /// local-loss form: this rank's 2b anchors (both views of its b samples) are scored against
 /// all 2B candidates of every rank, so the logits are (2b x 2B) and memory per rank falls
@@ -298,15 +327,7 @@ pub fn nt_xent(z1: &Tensor, z2: &Tensor, temperature: impl Into<Temperature>, pg
     let anchors = Tensor::cat(&[&z1, &z2], 0)?; // [2b, d]
     let logits = temperature.divide(&anchors.matmul(&candidates.t()?)?)?; // [2b, 2B]
 
-    // Anchor i (view 1) is column offset+i; anchor b+i (view 2) is column B+offset+i.
-    let (me, positive) = nt_xent_columns(b, offset, total);
-    let mut mask = vec![0f32; 2 * b * 2 * total];
-    for a in 0..2 * b {
-        mask[a * 2 * total + me(a)] = f32::NEG_INFINITY;
-    }
-    let mask = Tensor::from_vec(mask, (2 * b, 2 * total), logits.device())?.to_dtype(logits.dtype())?;
-    let pos_idx: Vec<u32> = (0..2 * b).map(|a| positive(a) as u32).collect();
-    let pos_idx = Tensor::from_vec(pos_idx, (2 * b, 1), logits.device())?;
+    let (mask, pos_idx) = nt_xent_constants(b, offset, total, logits.dtype(), logits.device())?;
     let pos = logits.gather(&pos_idx, 1)?.squeeze(1)?;
     let lse = logsumexp(&(logits + mask)?)?;
     (lse - pos)?.sum_all()? * (pg.world_size() as f64 / (2 * total) as f64)

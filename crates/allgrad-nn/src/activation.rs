@@ -72,6 +72,7 @@ impl CustomOp1 for Relu {
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let _timer = crate::trace::OpTimer::start("relu", crate::trace::Pass::Backward, y.device());
         Ok(Some(masked(y, g)?))
     }
 }
@@ -100,6 +101,7 @@ impl CustomOp2 for AddRelu {
     }
 
     fn bwd(&self, _a: &Tensor, _b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("relu", crate::trace::Pass::Backward, y.device());
         let d = masked(y, g)?;
         Ok((Some(d.clone()), Some(d)))
     }
@@ -187,6 +189,7 @@ impl CustomOp1 for Gelu {
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let _timer = crate::trace::OpTimer::start("gelu", crate::trace::Pass::Backward, x.device());
         Ok(Some(dense(&x.detach())?.apply_op2_no_bwd(&dense(&g.detach().to_dtype(x.dtype())?)?, &GeluGrad)?))
     }
 }
@@ -224,6 +227,7 @@ impl CustomOp2 for GeluGrad {
 /// module docs. Elsewhere the same formula composed from Candle's `erf`, whose backward is
 /// exact.
 pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("gelu", crate::trace::Pass::Forward, x.device());
     if !fused_float(x) {
         let half = x.affine(0.5, 0.0)?;
         return half * x.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?.affine(1.0, 1.0)?;
@@ -235,6 +239,7 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
 /// `cuda`), with a one-pass backward (derivative 0 at 0) that keeps only the output; Candle's
 /// `relu` elsewhere.
 pub fn relu(x: &Tensor) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("relu", crate::trace::Pass::Forward, x.device());
     if !fused_float(x) {
         return x.relu();
     }
@@ -248,6 +253,7 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
 /// # Errors
 /// When `a` and `b` differ in shape or dtype.
 pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("relu", crate::trace::Pass::Forward, a.device());
     if a.dims() != b.dims() {
         return fail(NnError::ShapeMismatch { op: "add_relu", shapes: vec![a.shape().clone(), b.shape().clone()] });
     }

@@ -58,6 +58,7 @@ impl Dims {
 /// When the shapes do not fit together (`3·h` not divisible into `heads`, a bias or mask of
 /// another shape), or the dtypes or devices differ.
 pub fn attention(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("attention", crate::trace::Pass::Forward, qkv.device());
     let dims = check(qkv, key_bias, heads, dropout)?;
     if cpu_float(qkv) {
         // With bf16 projections (autocast) the kernel computes in f32: f32 constants.
@@ -209,6 +210,7 @@ impl CustomOp1 for AttentionOp {
     }
 
     fn bwd(&self, qkv: &Tensor, _ctx: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let _timer = crate::trace::OpTimer::start("attention", crate::trace::Pass::Backward, qkv.device());
         let Dims { b, len, .. } = self.dims;
         let expected = vec![b, len, self.dims.hidden()];
         if grad.dims() != expected.as_slice() {

@@ -32,11 +32,17 @@
 //! Sums are accumulated in f64 per channel in a fixed order, so results do not depend on
 //! scheduling.
 //!
-//! On CUDA (feature `cuda`) the same op runs as CUDA kernels (`crate::cuda`): the forward is
-//! one kernel, the backward one kernel for the per-channel sums (copied to the host, where the
-//! coefficients are computed by the same code as on the CPU and summed over ranks), one for
-//! `∂x` and, with a skip input, the ReLU's backward kernel for `∂skip`. It saves the same
-//! tensors as on the CPU.
+//! **Host path and device path.** With statistics given as host values ([`BnStats::Batch`],
+//! [`BnStats::Fixed`]) on the CPU, the per-channel constants are computed on the host and the
+//! backward is one split kernel. With statistics in tensors ([`BnStats::BatchOnDevice`],
+//! [`BnStats::FixedOnDevice`]), on CUDA (feature `cuda`), or on the CPU with
+//! [`crate::transfer::set_device_path`], everything between the reductions stays in tensors on
+//! the device, computed by the finalize ops ([`crate::finalize`]): the forward is the
+//! coefficients op and one kernel; the backward one kernel for the per-channel sums, their
+//! cross-rank sum as a tensor ([`TensorSum`]), the backward-coefficients op, one kernel for `∂x`
+//! and, with a skip input, the ReLU's backward kernel for `∂skip`. No value is read to the host.
+//! Both paths evaluate the same expressions (shared per-channel functions, CUDA kernels without
+//! contraction), and save the same tensors.
 
 use std::sync::Arc;
 
@@ -46,6 +52,9 @@ use rayon::prelude::*;
 use crate::channel::geometry;
 use crate::cpu::{contiguous, float_kernel, fused_float, has_avx2, run_split_keeping_f32, zeros, Float, SplitKernel, GRAIN};
 use crate::error::{fail, NnError};
+use crate::finalize::{
+    channel_backward, channel_constants, table_channels, with_cpu_f64, BackwardCoefficients, Coefficients, Dx, Sums, TensorSum,
+};
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
 /// (an all_reduce with `Sum`); called once per backward of a synchronised [`batch_norm`], on
@@ -75,6 +84,31 @@ pub enum BnStats {
         /// Variance per channel.
         var: Vec<f64>,
     },
+    /// Batch statistics in a tensor on `x`'s device, never read to the host: the
+    /// `[mean; var; unbiased var; n]` table of [`crate::batch_statistics`] (over every rank's
+    /// batch with SyncBatchNorm). Differentiated like [`BnStats::Batch`]; `sum_over_ranks` sums
+    /// the backward's per-channel sums over the same ranks, as a tensor on the device.
+    BatchOnDevice {
+        /// The statistics table (flat f64, `3C + 1` values).
+        table: Tensor,
+        /// The cross-rank sum of the backward (see [`TensorSum`]).
+        sum_over_ranks: Option<TensorSum>,
+    },
+    /// Constant statistics in tensors on `x`'s device (the running ones, in evaluation), one
+    /// value per channel each, of any float dtype.
+    FixedOnDevice {
+        /// Mean per channel.
+        mean: Tensor,
+        /// Variance per channel.
+        var: Tensor,
+    },
+}
+
+impl BnStats {
+    /// Whether the statistics are tensors on the device (the device path).
+    fn on_device(&self) -> bool {
+        matches!(self, BnStats::BatchOnDevice { .. } | BnStats::FixedOnDevice { .. })
+    }
 }
 
 /// What follows the normalisation inside [`batch_norm`].
@@ -126,12 +160,25 @@ struct Norm {
     batch: Option<(f64, Option<ChannelSum>)>,
 }
 
+/// One normalisation's constants on the device path: the coefficients table
+/// `[mean; 1/σ; a; b; n]` (flat f64, `4C + 1`) on the tensors' device.
+struct DeviceNorm {
+    coef: Tensor,
+    /// Batch statistics (differentiated), with the cross-rank sum of the backward.
+    batch: Option<Option<TensorSum>>,
+}
+
+/// Where one call's constants live: host vectors (host path) or device tables (device path);
+/// `branch` is the normalised shortcut of [`BnTail::AddBnRelu`].
+enum Consts {
+    Host { main: Norm, branch: Option<Norm> },
+    Device { main: DeviceNorm, branch: Option<DeviceNorm> },
+}
+
 /// The resolved constants of one call, shared by its forward and backward ops.
 struct Plan {
     c: usize,
-    main: Norm,
-    /// The normalised shortcut of [`BnTail::AddBnRelu`].
-    branch: Option<Norm>,
+    consts: Consts,
     relu: bool,
     /// A plain skip input ([`BnTail::AddRelu`]).
     skip: bool,
@@ -140,20 +187,63 @@ struct Plan {
     round_bf16: bool,
 }
 
-#[cfg(feature = "cuda")]
 impl Plan {
-    /// The CUDA forward kernel's description of this plan.
-    fn cuda_forward(&self) -> crate::cuda::BnForward<'_> {
-        let mode = match (&self.branch, self.skip, self.relu) {
-            (Some(_), _, _) => 3,
-            (None, true, _) => 2,
-            (None, false, true) => 1,
-            (None, false, false) => 0,
-        };
-        crate::cuda::BnForward {
-            ab: (&self.main.scale, &self.main.shift),
-            branch: self.branch.as_ref().map(|b| (b.scale.as_slice(), b.shift.as_slice())),
-            mode,
+    fn has_branch(&self) -> bool {
+        match &self.consts {
+            Consts::Host { branch, .. } => branch.is_some(),
+            Consts::Device { branch, .. } => branch.is_some(),
+        }
+    }
+
+    /// The forward's scale and shift `(a, b)` per channel (and the shortcut's), as f64 slices
+    /// given to `f`: the host vectors, or the device tables of CPU tensors read in place.
+    fn with_affine<R>(&self, f: impl FnOnce(Affine<'_>, Option<Affine<'_>>) -> R) -> Result<R> {
+        let c = self.c;
+        match &self.consts {
+            Consts::Host { main, branch } => {
+                Ok(f((&main.scale, &main.shift), branch.as_ref().map(|b| (b.scale.as_slice(), b.shift.as_slice()))))
+            }
+            Consts::Device { main, branch: None } => with_cpu_f64(&main.coef, |m| f((&m[2 * c..3 * c], &m[3 * c..4 * c]), None)),
+            Consts::Device { main, branch: Some(b) } => with_cpu_f64(&main.coef, |m| {
+                with_cpu_f64(&b.coef, |s| f((&m[2 * c..3 * c], &m[3 * c..4 * c]), Some((&s[2 * c..3 * c], &s[3 * c..4 * c]))))
+            })?,
+        }
+    }
+
+    /// The host constants (the host path's backward).
+    fn host(&self) -> Result<(&Norm, Option<&Norm>)> {
+        match &self.consts {
+            Consts::Host { main, branch } => Ok((main, branch.as_ref())),
+            Consts::Device { .. } => {
+                candle_core::bail!("allgrad-nn internal error: batch_norm's host backward on the device path")
+            }
+        }
+    }
+
+    /// The CUDA forward kernel's mode: 0 (no tail), 1 (ReLU), 2 (skip), 3 (normalised shortcut).
+    #[cfg(feature = "cuda")]
+    fn cuda_mode(&self) -> i32 {
+        match (self.has_branch(), self.skip, self.relu) {
+            (true, _, _) => 3,
+            (false, true, _) => 2,
+            (false, false, true) => 1,
+            (false, false, false) => 0,
+        }
+    }
+
+    /// The CUDA forward on the device path.
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        third: Option<(&candle_core::CudaStorage, &Layout)>,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match &self.consts {
+            Consts::Device { main, branch } => {
+                crate::cuda::bn_forward(x, lx, third, &main.coef, branch.as_ref().map(|b| &b.coef), self.cuda_mode())
+            }
+            Consts::Host { .. } => candle_core::bail!("allgrad-nn internal error: batch_norm on CUDA with host constants"),
         }
     }
 }
@@ -181,34 +271,51 @@ fn stats_error<T>(what: String) -> Result<T> {
 /// kernels ([`crate::has_fused_kernels`]; [`NnError::BatchNormOffCpu`]: compose
 /// [`crate::channel_moments`] and [`crate::channel_affine`] there).
 pub fn batch_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64, tail: BnTail) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("batch_norm", crate::trace::Pass::Forward, x.device());
     let (_, c, _) = geometry(x.dims(), "batch_norm")?;
     if !fused_float(x) {
         return fail(NnError::BatchNormOffCpu { dtype: x.dtype(), device: format!("{:?}", x.device().location()) });
     }
-    let main = resolve(x, c, weight, bias, stats, eps)?;
+    check_params(x, c, weight, bias, eps)?;
     let third = match tail {
         BnTail::AddRelu(s) => Some(check_like_x(x, s, "batch_norm (skip)")?),
-        BnTail::AddBnRelu(b) => Some(check_like_x(x, b.x, "batch_norm (shortcut)")?),
+        BnTail::AddBnRelu(b) => {
+            check_params(x, c, b.weight, b.bias, b.eps)?;
+            Some(check_like_x(x, b.x, "batch_norm (shortcut)")?)
+        }
         _ => None,
     };
-    let branch = match tail {
-        BnTail::AddBnRelu(b) => Some(resolve(x, c, b.weight, b.bias, b.stats, b.eps)?),
-        _ => None,
-    };
-    let plan = Arc::new(Plan {
-        c,
-        main,
-        branch,
-        relu: !matches!(tail, BnTail::Identity),
-        skip: matches!(tail, BnTail::AddRelu(_)),
-        round_bf16: x.dtype() == DType::BF16,
-    });
     // The parameters travel as one [2, C] input ([4, C] with a shortcut: γ, β, γ', β') so
     // that one op returns all their gradients.
     let gb = match tail {
         BnTail::AddBnRelu(b) => Tensor::stack(&[weight, bias, b.weight, b.bias], 0)?,
         _ => Tensor::stack(&[weight, bias], 0)?,
     };
+    let branch = match tail {
+        BnTail::AddBnRelu(b) => Some(b),
+        _ => None,
+    };
+    let device =
+        crate::transfer::takes_device_path(x.device()) || stats.on_device() || branch.is_some_and(|b| b.stats.on_device());
+    let consts = if device {
+        let gb = gb.detach();
+        Consts::Device {
+            main: resolve_device(x, c, &gb.narrow(0, 0, 2)?, stats, eps)?,
+            branch: branch.map(|b| resolve_device(x, c, &gb.narrow(0, 2, 2)?, b.stats, b.eps)).transpose()?,
+        }
+    } else {
+        Consts::Host {
+            main: resolve(c, weight, bias, stats, eps)?,
+            branch: branch.map(|b| resolve(c, b.weight, b.bias, b.stats, b.eps)).transpose()?,
+        }
+    };
+    let plan = Arc::new(Plan {
+        c,
+        consts,
+        relu: !matches!(tail, BnTail::Identity),
+        skip: matches!(tail, BnTail::AddRelu(_)),
+        round_bf16: x.dtype() == DType::BF16,
+    });
     let x = x.contiguous()?;
     match third {
         None => x.apply_op2(&gb, Forward(plan)),
@@ -230,9 +337,8 @@ fn check_like_x<'a>(x: &Tensor, t: &'a Tensor, op: &'static str) -> Result<&'a T
     Ok(t)
 }
 
-/// One normalisation's parameters and statistics checked against `c` channels of `x`, and its
-/// constants.
-fn resolve(x: &Tensor, c: usize, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64) -> Result<Norm> {
+/// One normalisation's parameters checked against `c` channels of `x`, and its eps.
+fn check_params(x: &Tensor, c: usize, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<()> {
     if weight.dims() != [c] || bias.dims() != [c] {
         return fail(NnError::ParamShape {
             op: "batch_norm",
@@ -250,37 +356,114 @@ fn resolve(x: &Tensor, c: usize, weight: &Tensor, bias: &Tensor, stats: &BnStats
     if !(eps >= 0.0 && eps.is_finite()) {
         return stats_error(format!("eps must be finite and non-negative, got {eps}"));
     }
+    Ok(())
+}
+
+/// A batch count checked: positive and finite.
+fn check_count(count: f64) -> Result<()> {
+    if !(count > 0.0 && count.is_finite()) {
+        return stats_error(format!("the statistics' count must be positive, got {count}"));
+    }
+    Ok(())
+}
+
+/// One normalisation's host constants from host statistics (checked against `c` channels).
+fn resolve(c: usize, weight: &Tensor, bias: &Tensor, stats: &BnStats, eps: f64) -> Result<Norm> {
     let (mean, var, batch) = match stats {
         BnStats::Batch { mean, var, count, sum_over_ranks } => {
-            if !(*count > 0.0 && count.is_finite()) {
-                return stats_error(format!("the statistics' count must be positive, got {count}"));
-            }
+            check_count(*count)?;
             (mean, var, Some((*count, sum_over_ranks.clone())))
         }
         BnStats::Fixed { mean, var } => (mean, var, None),
+        BnStats::BatchOnDevice { .. } | BnStats::FixedOnDevice { .. } => {
+            candle_core::bail!("allgrad-nn internal error: device statistics on batch_norm's host path")
+        }
     };
     if mean.len() != c || var.len() != c {
         return stats_error(format!("{} means and {} variances given for {c} channels", mean.len(), var.len()));
     }
-    let gamma = weight.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-    let beta = bias.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    // The parameters of a CPU tensor on the host path: reading them copies nothing off a device.
+    let gamma = crate::transfer::read_f64(weight)?;
+    let beta = crate::transfer::read_f64(bias)?;
     // As BatchNorm has always computed them: 1/sqrt(var + eps), a = γ·that, b = β − mean·a.
-    let inv_std: Vec<f64> = var.iter().map(|v| (v + eps).sqrt().recip()).collect();
-    let scale: Vec<f64> = gamma.iter().zip(&inv_std).map(|(g, s)| g * s).collect();
-    let shift: Vec<f64> = beta.iter().zip(mean.iter().zip(&scale)).map(|(b, (m, a))| b - m * a).collect();
+    let (mut inv_std, mut scale, mut shift) = (vec![0.0; c], vec![0.0; c], vec![0.0; c]);
+    for ch in 0..c {
+        [inv_std[ch], scale[ch], shift[ch]] = channel_constants(mean[ch], var[ch], gamma[ch], beta[ch], eps);
+    }
     Ok(Norm { mean: mean.clone(), inv_std, scale, shift, batch })
 }
 
+/// One normalisation's device constants: its statistics as a table on `x`'s device (host
+/// statistics are uploaded, a host cross-rank sum wrapped), then the coefficients op with
+/// `gb` (`[2, C]`: γ; β, untracked).
+fn resolve_device(x: &Tensor, c: usize, gb: &Tensor, stats: &BnStats, eps: f64) -> Result<DeviceNorm> {
+    use crate::transfer::upload;
+    let dev = x.device();
+    let host_table = |mean: &[f64], var: &[f64], count: f64| -> Result<Tensor> {
+        if mean.len() != c || var.len() != c {
+            return stats_error(format!("{} means and {} variances given for {c} channels", mean.len(), var.len()));
+        }
+        upload([mean, var, var, &[count]].concat(), 3 * c + 1, dev)
+    };
+    let (table, batch) = match stats {
+        BnStats::BatchOnDevice { table, sum_over_ranks } => {
+            let have = table_channels(table, 3, 1, "batch_norm's statistics table")?;
+            if have != c {
+                return stats_error(format!("a statistics table for {have} channels given for {c}"));
+            }
+            if !table.device().same_device(dev) {
+                return fail(NnError::DeviceMismatch { op: "batch_norm (statistics table)" });
+            }
+            (table.contiguous()?, Some(sum_over_ranks.clone()))
+        }
+        BnStats::FixedOnDevice { mean, var } => {
+            if mean.dims() != [c] || var.dims() != [c] {
+                return stats_error(format!(
+                    "statistics of shapes {:?} and {:?} given for {c} channels",
+                    mean.dims(),
+                    var.dims()
+                ));
+            }
+            let (m, v) = (mean.to_dtype(DType::F64)?, var.to_dtype(DType::F64)?);
+            (Tensor::cat(&[&m, &v, &v, &Tensor::zeros(1, DType::F64, dev)?], 0)?, None)
+        }
+        BnStats::Batch { mean, var, count, sum_over_ranks } => {
+            check_count(*count)?;
+            let sum = sum_over_ranks.clone().map(|f| {
+                // The host sum of a host caller: its sums cross to the host and back.
+                Arc::new(move |t: &Tensor| {
+                    let mut v = crate::transfer::read_vec::<f64>(t)?;
+                    f(&mut v)?;
+                    upload(v, t.shape(), t.device())
+                }) as TensorSum
+            });
+            (host_table(mean, var, *count)?, Some(sum))
+        }
+        BnStats::Fixed { mean, var } => (host_table(mean, var, 0.0)?, None),
+    };
+    let coef = table.apply_op2_no_bwd(&gb.contiguous()?, &Coefficients { eps })?;
+    Ok(DeviceNorm { coef, batch })
+}
+
+/// One normalisation's per-channel scale and shift `(a, b)`.
+type Affine<'a> = (&'a [f64], &'a [f64]);
+
 /// `out = tail(a[c]·x + b[c])` (`third`: the skip input, or the shortcut's input), parallel
-/// over runs of whole rows.
-fn forward_kernel<T: Float>(x: &[T], third: Option<&[T]>, p: &Plan, inner: usize) -> Vec<T> {
+/// over runs of whole rows; `ab` the scale and shift per channel, `ab2` the shortcut's.
+fn forward_kernel<T: Float>(
+    x: &[T],
+    third: Option<&[T]>,
+    p: &Plan,
+    (ab, ab2): (Affine<'_>, Option<Affine<'_>>),
+    inner: usize,
+) -> Vec<T> {
     let mut out = zeros(x.len());
     if out.is_empty() {
         return out;
     }
     let rounded = |v: &[f64]| -> Vec<T> { v.iter().map(|&v| T::from_f64(v)).collect() };
-    let (a, b) = (rounded(&p.main.scale), rounded(&p.main.shift));
-    let branch = p.branch.as_ref().map(|n| (rounded(&n.scale), rounded(&n.shift)));
+    let (a, b) = (rounded(ab.0), rounded(ab.1));
+    let branch = ab2.map(|(a2, b2)| (rounded(a2), rounded(b2)));
     let rows = (GRAIN / inner).max(1);
     let split = out.len() > rows * inner;
     crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
@@ -383,7 +566,7 @@ const LANES: usize = 8;
 
 /// Per channel, this rank's `(Σ g', Σ g'·(x − μ))` in f64, each channel summed by one task in a
 /// fixed order.
-fn channel_sums<T: Float>(
+pub(crate) fn channel_sums<T: Float>(
     g: &[T],
     x: &[T],
     y: &[T],
@@ -466,8 +649,9 @@ fn backward_kernel<T: Float>(
     inner: usize,
 ) -> Result<Vec<Vec<T>>> {
     let dims = (n, p.c, inner);
-    let (dx, dskip, mut dgb) = norm_backward(g, x, y, &p.main, p.relu, p.skip, dims)?;
-    match (&p.branch, third) {
+    let (main, branch) = p.host()?;
+    let (dx, dskip, mut dgb) = norm_backward(g, x, y, main, p.relu, p.skip, dims)?;
+    match (branch, third) {
         (Some(branch), Some(xs)) => {
             // The same masked g' flows into the shortcut; its own x̂' and sums give ∂x'.
             let (dxs, _, dgbs) = norm_backward(g, xs, y, branch, p.relu, false, dims)?;
@@ -494,7 +678,7 @@ fn norm_backward<T: Float>(
 ) -> Result<NormGrads<T>> {
     let len = x.len();
     let sums = channel_sums(g, x, y, &norm.mean, relu, (n, c, inner));
-    let Coefficients { k, c1, c0, mu: mu_t, dgb: dgb_wide } = coefficients::<T>(norm, &sums)?;
+    let HostCoefficients { k, c1, c0, mu: mu_t, dgb: dgb_wide } = coefficients::<T>(norm, &sums)?;
     let (mut dx, mut dskip) = (zeros(len), zeros(if want_skip { len } else { 0 }));
     let dgb: Vec<T> = dgb_wide.iter().map(|&v| T::from_f64(v)).collect();
     if len > 0 {
@@ -527,7 +711,7 @@ fn norm_backward<T: Float>(
 /// One normalisation's backward constants: the per-channel coefficients of
 /// `∂x = k·g' + c1·(x − μ_T) + c0` rounded to `T` (`mu`: the mean rounded to `T`), and
 /// `∂[γ; β]` in f64.
-struct Coefficients<T> {
+struct HostCoefficients<T> {
     k: Vec<T>,
     c1: Vec<T>,
     c0: Vec<T>,
@@ -535,42 +719,58 @@ struct Coefficients<T> {
     dgb: Vec<f64>,
 }
 
-/// The [`Coefficients`] of `norm` from this rank's per-channel `(Σ g', Σ g'·(x − μ))`, which
+/// The [`HostCoefficients`] of `norm` from this rank's per-channel `(Σ g', Σ g'·(x − μ))`, which
 /// batch statistics sum over ranks first (`sum_over_ranks`); shared by the CPU and CUDA
 /// backward.
-fn coefficients<T: Float>(norm: &Norm, sums: &[(f64, f64)]) -> Result<Coefficients<T>> {
+fn coefficients<T: Float>(norm: &Norm, sums: &[(f64, f64)]) -> Result<HostCoefficients<T>> {
     let c = sums.len();
     let zero = T::from_f64(0.0);
-    // ∂x = k·g' + c1·(x − μ_T) + c0 per channel, with μ_T the mean rounded to T (x − μ_T loses
-    // nothing when x is near the mean; c0 carries the rounding of μ).
-    let mut k = vec![zero; c];
-    let mut c1 = vec![zero; c];
-    let mut c0 = vec![zero; c];
-    let mu_t: Vec<T> = norm.mean.iter().map(|&m| T::from_f64(m)).collect();
-    match &norm.batch {
+    // ∂x = k·g' + c1·(x − μ_T) + c0 per channel, with μ_T the mean rounded to T
+    // ([`channel_backward`], shared with the device path's finalize op).
+    let (mut k, mut c1, mut c0, mut mu) = (vec![zero; c], vec![zero; c], vec![zero; c], vec![zero; c]);
+    let mut dgb = vec![0f64; 2 * c];
+    let mut global: Vec<f64> = sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect();
+    let count = match &norm.batch {
         Some((count, sum_over_ranks)) => {
-            let mut global: Vec<f64> = sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect();
             if let Some(reduce) = sum_over_ranks {
                 reduce(&mut global)?;
             }
-            for ch in 0..c {
-                let (g1, g2) = (global[ch], global[c + ch]);
-                let (a, is) = (norm.scale[ch], norm.inv_std[ch]);
-                let lin = -a * is * is * g2 / count;
-                k[ch] = T::from_f64(a);
-                c1[ch] = T::from_f64(lin);
-                c0[ch] = T::from_f64(-a * g1 / count + lin * (mu_t[ch].to_f64() - norm.mean[ch]));
-            }
+            Some(*count)
         }
-        None => k.iter_mut().zip(&norm.scale).for_each(|(k, &a)| *k = T::from_f64(a)),
-    }
-    // ∂γ = Σ g'·(x − μ)/σ and ∂β = Σ g' over this rank's values.
-    let mut dgb = vec![0f64; 2 * c];
+        None => None,
+    };
+    let round = |v: f64| T::from_f64(v).to_f64();
     for (ch, s) in sums.iter().enumerate() {
-        dgb[ch] = s.1 * norm.inv_std[ch];
-        dgb[c + ch] = s.0;
+        let consts = (norm.mean[ch], norm.inv_std[ch], norm.scale[ch]);
+        let [kc, c1c, c0c, muc, dg, db] = channel_backward(round, consts, count, (global[ch], global[c + ch]), *s);
+        (k[ch], c1[ch], c0[ch], mu[ch]) = (T::from_f64(kc), T::from_f64(c1c), T::from_f64(c0c), T::from_f64(muc));
+        (dgb[ch], dgb[c + ch]) = (dg, db);
     }
-    Ok(Coefficients { k, c1, c0, mu: mu_t, dgb })
+    Ok(HostCoefficients { k, c1, c0, mu, dgb })
+}
+
+/// `∂x = k·g' + c1·(x − μ) + c0` per channel (`[k, c1, c0, μ]` rounded to `T`), parallel over
+/// runs of whole rows: the device path's `∂x` on the CPU (the host path computes the same in
+/// [`norm_backward`], with `∂skip` in the same pass).
+pub(crate) fn dx_kernel<T: Float>(g: &[T], x: &[T], y: &[T], [k, c1, c0, mu]: [&[T]; 4], relu: bool, inner: usize) -> Vec<T> {
+    let mut dx = zeros(x.len());
+    if dx.is_empty() {
+        return dx;
+    }
+    let chunk = (GRAIN / inner).max(1) * inner;
+    let split = x.len() > chunk;
+    crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
+    let coef = RowCoefficients { g, x, y, k, c1, c0, mu, relu, inner };
+    let avx2 = has_avx2();
+    dx.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| {
+        if avx2 {
+            // SAFETY: the CPU has the features `backward_rows_avx2` is compiled for.
+            unsafe { backward_rows_avx2(&coef, t * chunk, dxc, None) }
+        } else {
+            backward_rows(&coef, t * chunk, dxc, None)
+        }
+    });
+    dx
 }
 
 /// What [`backward_rows`] reads: the inputs and the per-channel coefficients of
@@ -635,7 +835,10 @@ impl CustomOp2 for Forward {
 
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, _sgb: &CpuStorage, _lgb: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, _, inner) = geometry(lx.dims(), "batch_norm")?;
-        let out = float_kernel!("batch_norm", sx => x; forward_kernel(&contiguous(x, lx), None, &self.0, inner));
+        let p = &self.0;
+        let out = p.with_affine(|ab, ab2| -> Result<CpuStorage> {
+            Ok(float_kernel!("batch_norm", sx => x; forward_kernel(&contiguous(x, lx), None, p, (ab, ab2), inner)))
+        })??;
         Ok((out, lx.shape().clone()))
     }
 
@@ -647,10 +850,11 @@ impl CustomOp2 for Forward {
         _sgb: &candle_core::CudaStorage,
         _lgb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.0.cuda_forward().run(sx, lx, None)
+        self.0.cuda_forward(sx, lx, None)
     }
 
     fn bwd(&self, x: &Tensor, gb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("batch_norm", crate::trace::Pass::Backward, x.device());
         let (dx, dgb, _) = backward(&self.0, x, gb, None, y, g)?;
         Ok((Some(dx), Some(dgb)))
     }
@@ -658,7 +862,7 @@ impl CustomOp2 for Forward {
 
 impl CustomOp3 for ForwardSkip {
     fn name(&self) -> &'static str {
-        if self.0.branch.is_some() {
+        if self.0.has_branch() {
             "allgrad-batch-norm-add-batch-norm-relu"
         } else {
             "allgrad-batch-norm-add-relu"
@@ -675,8 +879,11 @@ impl CustomOp3 for ForwardSkip {
         ls: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (_, _, inner) = geometry(lx.dims(), "batch_norm")?;
-        let out = float_kernel!("batch_norm", sx => x, ss => s;
-            forward_kernel(&contiguous(x, lx), Some(&contiguous(s, ls)), &self.0, inner));
+        let p = &self.0;
+        let out = p.with_affine(|ab, ab2| -> Result<CpuStorage> {
+            Ok(float_kernel!("batch_norm", sx => x, ss => s;
+                forward_kernel(&contiguous(x, lx), Some(&contiguous(s, ls)), p, (ab, ab2), inner)))
+        })??;
         Ok((out, lx.shape().clone()))
     }
 
@@ -690,7 +897,7 @@ impl CustomOp3 for ForwardSkip {
         ss: &candle_core::CudaStorage,
         ls: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.0.cuda_forward().run(sx, lx, Some((ss, ls)))
+        self.0.cuda_forward(sx, lx, Some((ss, ls)))
     }
 
     fn bwd(
@@ -701,13 +908,14 @@ impl CustomOp3 for ForwardSkip {
         y: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("batch_norm", crate::trace::Pass::Backward, x.device());
         let (dx, dgb, dthird) = backward(&self.0, x, gb, Some(third), y, g)?;
         Ok((Some(dx), Some(dgb), dthird))
     }
 }
 
-/// Runs the backward kernel: `(∂x, ∂gb, ∂third)` with `∂third` the skip's gradient (a plain
-/// skip) or the shortcut input's (a normalised shortcut).
+/// Runs the backward: `(∂x, ∂gb, ∂third)` with `∂third` the skip's gradient (a plain skip) or
+/// the shortcut input's (a normalised shortcut).
 fn backward(
     plan: &Arc<Plan>,
     x: &Tensor,
@@ -716,19 +924,18 @@ fn backward(
     y: &Tensor,
     g: &Tensor,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        return backward_cuda(plan, x, gb, third, y, g);
+    if let Consts::Device { main, branch } = &plan.consts {
+        return backward_device(plan, (main, branch.as_ref()), x, gb, third, y, g);
     }
     let g = g.detach().to_dtype(x.dtype())?;
     let mut shapes = vec![x.shape().clone(), gb.shape().clone()];
-    if plan.skip || plan.branch.is_some() {
+    if plan.skip || plan.has_branch() {
         shapes.push(x.shape().clone());
     }
     // With bf16 activations and f32 parameters, the parameters' gradients stay f32.
     let keep_f32 = [false, gb.dtype() == DType::F32 && x.dtype() == DType::BF16, false];
-    let grads = match (&plan.branch, third) {
-        (Some(_), Some(t)) => run_split_keeping_f32(&BackwardBranch(plan.clone()), [&g, x, y, &t.detach()], &shapes, &keep_f32)?,
+    let grads = match (plan.has_branch(), third) {
+        (true, Some(t)) => run_split_keeping_f32(&BackwardBranch(plan.clone()), [&g, x, y, &t.detach()], &shapes, &keep_f32)?,
         _ => run_split_keeping_f32(&Backward(plan.clone()), [&g, x, y], &shapes, &keep_f32)?,
     };
     let mut grads = grads.into_iter();
@@ -736,52 +943,51 @@ fn backward(
     Ok((dx, dgb, grads.next()))
 }
 
-/// [`backward`] on CUDA: per normalisation one kernel for the per-channel sums, copied to the
-/// host (summed over ranks there, as on the CPU), the [`coefficients`], and one kernel for
-/// `∂x`; a skip input's gradient is the ReLU's backward kernel.
-#[cfg(feature = "cuda")]
-fn backward_cuda(
+/// [`backward`] on the device path (CUDA, or CPU tensors with the device path on): per
+/// normalisation the per-channel sums op, their cross-rank sum as a tensor, the
+/// backward-coefficients op and the `∂x` op; a skip input's gradient is the ReLU's backward.
+/// Nothing is read to the host.
+fn backward_device(
     plan: &Arc<Plan>,
+    (main, branch): (&DeviceNorm, Option<&DeviceNorm>),
     x: &Tensor,
     gb: &Tensor,
     third: Option<&Tensor>,
     y: &Tensor,
     g: &Tensor,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let g = g.detach().to_dtype(x.dtype())?.contiguous()?;
-    let (x, y) = (x.detach(), y.detach());
-    let (dx, mut dgb) = norm_backward_cuda(&g, &x, &y, &plan.main, plan.relu)?;
-    let dthird = match (&plan.branch, third) {
+    use crate::cpu::dense;
+    let g = dense(&g.detach().to_dtype(x.dtype())?)?;
+    let (x, y) = (dense(&x.detach())?, dense(&y.detach())?);
+    let (dx, mut dgb) = norm_backward_device(&g, &x, &y, main, plan.relu)?;
+    let dthird = match (branch, third) {
         (Some(branch), Some(t)) => {
-            let (dxs, dgbs) = norm_backward_cuda(&g, &t.detach(), &y, branch, plan.relu)?;
-            dgb.extend(dgbs);
+            let (dxs, dgbs) = norm_backward_device(&g, &dense(&t.detach())?, &y, branch, plan.relu)?;
+            dgb = Tensor::cat(&[&dgb, &dgbs], 0)?;
             Some(dxs)
         }
         _ if plan.skip => Some(crate::activation::masked(&y, &g)?),
         _ => None,
     };
-    // Rounded as the CPU kernel rounds them: to its compute type (f32 for bf16), then to the
+    // Rounded as the host kernel rounds them: to its compute type (f32 for bf16), then to the
     // parameters' dtype.
     let wide = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    let dgb = Tensor::from_vec(dgb, gb.shape(), &candle_core::Device::Cpu)?.to_dtype(wide)?.to_dtype(gb.dtype())?;
-    Ok((dx, dgb.to_device(x.device())?, dthird))
+    let dgb = dgb.reshape(gb.shape())?.to_dtype(wide)?.to_dtype(gb.dtype())?;
+    Ok((dx, dgb, dthird))
 }
 
-/// One normalisation's `(∂x, ∂[γ; β] in f64)` on CUDA.
-#[cfg(feature = "cuda")]
-fn norm_backward_cuda(g: &Tensor, x: &Tensor, y: &Tensor, norm: &Norm, relu: bool) -> Result<(Tensor, Vec<f64>)> {
-    use crate::cuda::{BnBackwardDx, BnBackwardSums};
-    let sums = g.apply_op3_no_bwd(x, y, &BnBackwardSums { mean: norm.mean.clone(), relu })?.to_vec2::<f64>()?;
-    let sums: Vec<(f64, f64)> = sums[0].iter().copied().zip(sums[1].iter().copied()).collect();
-    fn wide<T: Float>(c: Coefficients<T>) -> ([Vec<f64>; 4], Vec<f64>) {
-        let w = |v: Vec<T>| v.into_iter().map(|v| v.to_f64()).collect::<Vec<f64>>();
-        ([w(c.k), w(c.c1), w(c.c0), w(c.mu)], c.dgb)
-    }
-    // The coefficients in the kernel's compute type: f64 for f64, f32 for f32 and bf16.
-    let (coef, dgb) =
-        if x.dtype() == DType::F64 { wide(coefficients::<f64>(norm, &sums)?) } else { wide(coefficients::<f32>(norm, &sums)?) };
-    let dx = g.apply_op3_no_bwd(x, y, &BnBackwardDx { coef, relu })?;
-    Ok((dx, dgb))
+/// One normalisation's `(∂x, ∂[γ; β] as flat f64)` on the device path.
+fn norm_backward_device(g: &Tensor, x: &Tensor, y: &Tensor, norm: &DeviceNorm, relu: bool) -> Result<(Tensor, Tensor)> {
+    let c = x.dim(1)?;
+    let local = g.apply_op3_no_bwd(x, y, &Sums { coef: norm.coef.clone(), relu })?;
+    let global = match &norm.batch {
+        Some(Some(sum)) => sum(&local)?,
+        _ => local.clone(),
+    };
+    let f32 = x.dtype() != DType::F64;
+    let table = global.apply_op3_no_bwd(&local, &norm.coef, &BackwardCoefficients { batch: norm.batch.is_some(), f32 })?;
+    let dx = g.apply_op3_no_bwd(x, y, &Dx { table: table.clone(), relu })?;
+    Ok((dx, table.narrow(0, 4 * c, 2 * c)?))
 }
 
 impl SplitKernel<3> for Backward {

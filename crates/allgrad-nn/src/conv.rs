@@ -133,6 +133,7 @@ fn fast_path(x: &Tensor) -> bool {
 /// When the ranks, channel counts, groups or sizes do not fit together; the message names the
 /// shapes.
 pub fn conv2d(x: &Tensor, w: &Tensor, params: ConvParams) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("conv", crate::trace::Pass::Forward, x.device());
     let x = &crate::autocast::operand(x)?;
     let w = &if bf16_with_f32(x, w) { w.clone() } else { crate::autocast::operand(w)? };
     let g = geometry(x, w, &params)?;
@@ -191,8 +192,8 @@ pub fn conv2d_backward(
     if !want_input && !want_weight {
         return Ok(grads);
     }
-    let kernel = Conv2dBackward { g, want_input, want_weight };
     if x.device().is_cpu() {
+        let kernel = Conv2dBackward { g, want_input, want_weight };
         // Each gradient in a buffer of its own (see `run_split`).
         let empty = || Shape::from(0usize);
         let shapes =
@@ -202,15 +203,15 @@ pub fn conv2d_backward(
         grads.weight = out.next().filter(|_| want_weight);
         return Ok(grads);
     }
-    let flat = x.apply_op3_no_bwd(&w, &grad, &kernel)?;
-    let mut at = 0;
+    // On CUDA one call per gradient, each into a buffer of its own (the gradient store keeps it
+    // without a copy, as `run_split`'s on the CPU).
     if want_input {
-        let len = g.n * g.in_img();
-        grads.input = Some(flat.narrow(0, at, len)?.reshape(x.shape())?);
-        at += len;
+        let k = Conv2dBackward { g, want_input: true, want_weight: false };
+        grads.input = Some(x.apply_op3_no_bwd(&w, &grad, &k)?.reshape(x.shape())?);
     }
     if want_weight {
-        grads.weight = Some(flat.narrow(0, at, g.weight_len())?.reshape(w.shape())?);
+        let k = Conv2dBackward { g, want_input: false, want_weight: true };
+        grads.weight = Some(x.apply_op3_no_bwd(&w, &grad, &k)?.reshape(w.shape())?);
     }
     Ok(grads)
 }
@@ -278,6 +279,7 @@ impl CustomOp2 for Conv2dOp {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("conv", crate::trace::Pass::Backward, x.device());
         let p = ConvParams { stride: self.g.stride, padding: self.g.pad, dilation: self.g.dil, groups: self.g.groups };
         let grads = conv2d_backward(x, w, grad, p, x.track_op(), w.track_op())?;
         Ok((grads.input, grads.weight))

@@ -80,15 +80,21 @@ mod conv;
 mod conv_cpu;
 #[cfg(feature = "cudnn")]
 mod conv_cudnn;
+mod conv_plan;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+/// Keeps the CUDA memory pool's memory between steps (feature `cuda`; the trainer calls it for
+/// its device).
+#[cfg(feature = "cuda")]
+pub use cuda::keep_pool_memory;
 /// The optimizer's in-place updates of CUDA parameters, one kernel per pass (feature `cuda`):
 /// allgrad-train's fused SGD and AdamW run them on GPU parameters.
 #[cfg(feature = "cuda")]
 pub use cuda::optim as optim_cuda;
 mod dropout;
 mod error;
+pub mod finalize;
 mod im2col;
 mod linear;
 mod loss;
@@ -99,6 +105,7 @@ mod softmax;
 mod test_data;
 mod tf32;
 mod trace;
+pub mod transfer;
 mod vmath;
 mod winograd;
 
@@ -110,12 +117,14 @@ pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use cpu::has_fused_kernels;
 pub use dropout::dropout_mask;
 pub use error::NnError;
+pub use finalize::{batch_moments, batch_statistics, TensorSum};
 pub use linear::linear;
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};
 pub use tf32::{set_tf32, tf32};
+pub use trace::{host_traffic, set_op_timing, take_op_times, HostTraffic, OpTime, Pass};
 #[doc(hidden)]
 pub use trace::{kernel_paths, KernelPaths};
 /// `v ← e^v` over an f32 slice, vectorised (AVX2 where the CPU has it); relative error a few

@@ -140,6 +140,7 @@ impl CustomOp2 for Linear {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("linear", crate::trace::Pass::Backward, x.device());
         let (dx, dw, _) = Linear::grads(x, w, g)?;
         Ok((Some(dx), Some(dw)))
     }
@@ -170,6 +171,7 @@ impl CustomOp3 for Linear {
         _y: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("linear", crate::trace::Pass::Backward, x.device());
         let (dx, dw, db) = Linear::grads(x, w, g)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
@@ -198,6 +200,7 @@ impl SplitKernel<3> for LinearBackward {
 /// # Errors
 /// When the shapes do not fit together, or the dtypes or devices differ.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("linear", crate::trace::Pass::Forward, x.device());
     let x = &crate::autocast::operand(x)?;
     // On the CPU a bf16 input takes the f32 parameters as they are (see above).
     let keep = bf16_with_f32(x, weight);

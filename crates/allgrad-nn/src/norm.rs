@@ -20,6 +20,7 @@ use crate::error::{fail, NnError};
 /// # Errors
 /// When `x` has rank 0, `gamma` or `beta` are not `(d,)`, or the dtypes differ.
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("layer_norm", crate::trace::Pass::Forward, x.device());
     let d = match x.dims().last() {
         Some(&d) => d,
         None => {
@@ -203,6 +204,7 @@ impl CustomOp3 for LayerNormOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _timer = crate::trace::OpTimer::start("layer_norm", crate::trace::Pass::Backward, x.device());
         let kernel = LayerNormBackward { eps: self.eps };
         let (dx, dgamma, dbeta) = if x.device().is_cuda() {
             // One flat [∂x; ∂gamma; ∂beta] from the CUDA kernels.

@@ -133,6 +133,7 @@ fn fast_path(x: &Tensor) -> bool {
 /// When the input is not rank 4, a size is zero, the padding exceeds half the kernel, or the
 /// kernel exceeds the padded input.
 pub fn max_pool2d(x: &Tensor, kernel: impl ToUsize2, stride: impl ToUsize2, padding: impl ToUsize2) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("pool", crate::trace::Pass::Forward, x.device());
     let (k, s, p) = (kernel.to_usize2(), stride.to_usize2(), padding.to_usize2());
     let g = fixed_geometry("max_pool2d", Kind::Max, x, k, s, p)?;
     if !fast_path(x) {
@@ -153,6 +154,7 @@ pub fn max_pool2d(x: &Tensor, kernel: impl ToUsize2, stride: impl ToUsize2, padd
 /// # Errors
 /// As [`max_pool2d`].
 pub fn avg_pool2d(x: &Tensor, kernel: impl ToUsize2, stride: impl ToUsize2, padding: impl ToUsize2) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("pool", crate::trace::Pass::Forward, x.device());
     let (k, s, p) = (kernel.to_usize2(), stride.to_usize2(), padding.to_usize2());
     let g = fixed_geometry("avg_pool2d", Kind::Avg, x, k, s, p)?;
     if !fast_path(x) {
@@ -172,6 +174,7 @@ pub fn avg_pool2d(x: &Tensor, kernel: impl ToUsize2, stride: impl ToUsize2, padd
 /// # Errors
 /// When the input is not rank 4, or an output size is zero or larger than the input's.
 pub fn adaptive_avg_pool2d(x: &Tensor, output: impl ToUsize2) -> Result<Tensor> {
+    let _timer = crate::trace::OpTimer::start("pool", crate::trace::Pass::Forward, x.device());
     let (oh, ow) = output.to_usize2();
     let (n, c, h, w) = dims4("adaptive_avg_pool2d", x)?;
     if oh == 0 || ow == 0 || oh > h || ow > w {
@@ -299,6 +302,7 @@ impl CustomOp1 for Pool2d {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let _timer = crate::trace::OpTimer::start("pool", crate::trace::Pass::Backward, x.device());
         let grad = grad.contiguous()?;
         Ok(Some(x.detach().apply_op2_no_bwd(&grad, &Pool2dBackward { g: self.g })?))
     }

@@ -224,3 +224,29 @@ const TF32_CASE: &str = "3x3 64 channels";
 
 /// The norm-wise error above which a result was computed with TF32 (the f32 tolerance).
 const TF32_SEEN: f64 = 1e-5;
+
+/// The plan cache on CUDA: the first forward and backward of a geometry ask cuDNN's heuristic
+/// once per direction (forward, input gradient, weight gradient), a repeat asks nothing and
+/// gives the same bits; another stride is a new plan. (The key logic itself is tested on any
+/// machine in `conv_plan.rs`.)
+#[test]
+fn cudnn_plans_are_cached_a_repeat_asks_no_heuristic_and_gives_the_same_bits() {
+    let _serial = serial();
+    let Some(dev) = gpu() else { return };
+    // A geometry no other test of this file uses, so this thread's first call builds its plans.
+    let (xs, ws) = ([3usize, 5, 13, 11], [6usize, 5, 3, 3]);
+    let p = ConvParams { padding: 1, ..Default::default() };
+    let queries = || allgrad_nn::host_traffic().heuristic_queries;
+    let q0 = queries();
+    let first = run(&dev, DType::F32, &xs, &ws, p).unwrap();
+    let q1 = queries();
+    let again = run(&dev, DType::F32, &xs, &ws, p).unwrap();
+    let q2 = queries();
+    assert_eq!(q1 - q0, 3, "one heuristic query per direction the first time");
+    assert_eq!(q2 - q1, 0, "a repeat must hit the plan cache");
+    for (a, b) in first.iter().zip(&again) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "a cached plan gave other bits");
+    }
+    run(&dev, DType::F32, &xs, &ws, ConvParams { stride: 2, ..p }).unwrap();
+    assert_eq!(queries() - q2, 3, "another stride is another plan");
+}

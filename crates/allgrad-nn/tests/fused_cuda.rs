@@ -112,9 +112,12 @@ fn gelu_on_cuda_equals_the_cpu_kernel() {
 fn layer_norm_on_cuda_equals_the_cpu_kernel() {
     let Some(dev) = gpu() else { return };
     // Row sums in a block's tree order on CUDA, sequentially on the CPU: equal to f64 / f32
-    // tolerance. Rows shorter and longer than a block (256 threads), and a strided input.
+    // tolerance. Rows shorter and longer than a block (256 threads), a strided input, and 300
+    // rows of 45 (five row parts of the columns' two-stage sums, a partial column tile).
     for (dt, rel) in [(DType::F64, 1e-10), (DType::F32, 1e-5)] {
-        for (dims, strided) in [(&[6usize, 37][..], false), (&[3, 5, 384], false), (&[2, 1000], false), (&[40, 3, 7], true)] {
+        for (dims, strided) in
+            [(&[6usize, 37][..], false), (&[3, 5, 384], false), (&[2, 1000], false), (&[40, 3, 7], true), (&[300, 45], false)]
+        {
             let run = |dev: &Device| -> Result<Vec<Vec<f64>>> {
                 let x = var(dev, dt, dims, 11, 2.0, 0.5)?;
                 let d = if strided { dims[1] } else { *dims.last().unwrap() };
@@ -236,4 +239,73 @@ fn batch_norm_with_every_tail_on_cuda_equals_the_cpu_kernels() {
             }
         }
     }
+}
+
+/// The finalize ops on CUDA (`cuda/finalize.cu`) against their CPU twins on the same moments:
+/// statistics bit for bit (the same f64 expressions, no contraction), and batch norm with
+/// device statistics (the coefficients and backward-coefficients kernels, the sums and `∂x`
+/// kernels reading the tables, the two-stage reductions with one and several parts per channel)
+/// against the CPU's device path, every tail, odd shapes; and with
+/// the device path the forward and backward make no host read or upload.
+#[test]
+fn the_finalize_ops_and_device_statistics_on_cuda_equal_the_cpu_twins() -> Result<()> {
+    use allgrad_nn::transfer::set_device_path;
+    use allgrad_nn::{batch_moments, batch_statistics, host_traffic};
+    let Some(dev) = gpu() else { return Ok(()) };
+    // Moments of one CPU tensor, run through the statistics op on each device.
+    let x = Tensor::from_vec(values(5 * 7 * 3 * 11, 31), (5, 7, 3, 11), &Device::Cpu)?;
+    let m = batch_moments(&x)?;
+    let on_cpu = host(&batch_statistics(&m)?)?;
+    let on_gpu = host(&batch_statistics(&m.to_device(&dev)?)?)?;
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&on_gpu), bits(&on_cpu), "the statistics kernel differs from its CPU twin");
+    for (dt, rel) in [(DType::F64, 1e-10), (DType::F32, 1e-5)] {
+        // [3, 5, 67, 71]: 14,271 values per channel, four parts of the two-stage reductions.
+        for dims in [&[3usize, 5, 7, 9][..], &[13, 6], &[2, 3, 1, 67], &[3, 5, 67, 71]] {
+            for tail in [Tail::Identity, Tail::Relu, Tail::AddRelu, Tail::AddBnRelu] {
+                let run = |d: &Device| -> Result<(Vec<Vec<f64>>, allgrad_nn::HostTraffic)> {
+                    let was = set_device_path(true);
+                    let c = dims[1];
+                    let x = var(d, dt, dims, 1, 2.0, 0.7)?;
+                    let s = var(d, dt, dims, 11, 1.5, -0.4)?;
+                    let (g1, b1) = (var(d, dt, &[c], 2, 0.5, 1.2)?, var(d, dt, &[c], 3, 0.5, 0.0)?);
+                    let (g2, b2) = (var(d, dt, &[c], 12, 0.5, 0.9)?, var(d, dt, &[c], 13, 0.5, 0.0)?);
+                    let before = host_traffic();
+                    let stats = |t: &Var| -> Result<BnStats> {
+                        Ok(BnStats::BatchOnDevice {
+                            table: batch_statistics(&batch_moments(t.as_tensor())?)?,
+                            sum_over_ranks: None,
+                        })
+                    };
+                    let (s1, s2) = (stats(&x)?, stats(&s)?);
+                    let branch =
+                        BnBranch { x: s.as_tensor(), weight: g2.as_tensor(), bias: b2.as_tensor(), stats: &s2, eps: 1e-5 };
+                    let t = match tail {
+                        Tail::Identity => BnTail::Identity,
+                        Tail::Relu => BnTail::Relu,
+                        Tail::AddRelu => BnTail::AddRelu(s.as_tensor()),
+                        Tail::AddBnRelu => BnTail::AddBnRelu(&branch),
+                    };
+                    let y = batch_norm(x.as_tensor(), g1.as_tensor(), b1.as_tensor(), &s1, 1e-5, t)?;
+                    let grads = loss(&y, 7)?.backward()?;
+                    let traffic = host_traffic() - before;
+                    set_device_path(was);
+                    let mut out = vec![host(&y)?];
+                    for v in [&x, &s, &g1, &b1, &g2, &b2] {
+                        if let Some(g) = grads.get(v.as_tensor()) {
+                            out.push(host(g)?);
+                        }
+                    }
+                    Ok((out, traffic))
+                };
+                let ((g, traffic), (c, _)) = (run(&dev)?, run(&Device::Cpu)?);
+                assert_eq!(traffic, Default::default(), "{dt:?} {dims:?} {tail:?}: the device path read or uploaded on CUDA");
+                assert_eq!(g.len(), c.len());
+                for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+                    check(&format!("{dt:?} {dims:?} {tail:?} output {i}"), a, b, rel);
+                }
+            }
+        }
+    }
+    Ok(())
 }

@@ -72,6 +72,11 @@ pub struct TrainArgs {
     /// List the methods this binary can train (the values of `method:`), and exit.
     #[arg(long)]
     pub list_methods: bool,
+    /// Time the regions of every step (forward, backward, gradient sync, optimizer, the read
+    /// of the figures; with CUDA events on a GPU) and count their host traffic; rank 0 prints
+    /// the table at the end (as `ALLGRAD_PROFILE=1`).
+    #[arg(long)]
+    pub profile: bool,
 }
 
 impl TrainArgs {
@@ -224,7 +229,8 @@ pub fn main_with(registry: Registry) -> i32 {
 /// directory and trains. A failing rank tells the others why before returning.
 pub fn run_with(registry: &Registry, args: &TrainArgs) -> Result<Outcome, CliError> {
     let config = args.config_path()?;
-    let settings = Settings::from_env().map_err(CliError::Settings)?;
+    let mut settings = Settings::from_env().map_err(CliError::Settings)?;
+    settings.profile |= args.profile;
     let cfg = registry.load(config, &args.set)?;
     let pg = ProcessGroup::from_env()?;
     registry.validate(&cfg, pg.world_size(), config)?;

@@ -27,6 +27,7 @@ mod optim_fused;
 mod optim_lazy;
 pub mod params;
 pub mod precision;
+pub mod profile;
 pub mod run;
 pub mod run_dir;
 pub mod schedule;

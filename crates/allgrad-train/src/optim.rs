@@ -188,6 +188,11 @@ fn sq_norm(t: &Tensor) -> Result<f64> {
     t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()
 }
 
+/// `Σ t²` in f64 as a scalar tensor on `t`'s device (no read).
+pub(crate) fn sq_norm_tensor(t: &Tensor) -> Result<Tensor> {
+    t.to_dtype(DType::F64)?.sqr()?.sum_all()
+}
+
 impl Optimizer {
     /// A fresh optimizer.
     pub fn new(cfg: OptimConfig) -> Self {
@@ -366,6 +371,53 @@ impl Optimizer {
         lr: f64,
         pg: &ProcessGroup,
     ) -> Result<()> {
+        self.step_impl(params, grads, sharded, rows, lr, pg, None)
+    }
+
+    /// As [`Optimizer::step_grads`] with every gradient dense ([`RowUpdate::All`]), guarded by
+    /// `ok`, a u8 flag on the parameters' device (the trainer's "loss and gradient norm are
+    /// finite"): where it is 0 no parameter or state slot changes (the fused kernels skip, the
+    /// composed path selects the old values back), so a non-finite step is skipped without the
+    /// host reading the flag first; [`Optimizer::undo_step`] then takes the step count back.
+    /// Returns false, changing nothing, where the guard does not apply (a row-sparse or
+    /// row-masked update, or rows with updates pending): the caller reads the flag first.
+    /// LARS's trust ratios are computed on the device here too (no read).
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_guarded(
+        &mut self,
+        params: &[(String, Var)],
+        grads: &[Tensor],
+        sharded: &[bool],
+        rows: &[RowUpdate],
+        lr: f64,
+        pg: &ProcessGroup,
+        ok: &Tensor,
+    ) -> Result<bool> {
+        if !self.lazy.is_empty() || rows.iter().any(|r| !matches!(r, RowUpdate::All)) {
+            return Ok(false);
+        }
+        self.step_impl(params, grads, sharded, rows, lr, pg, Some(ok))?;
+        Ok(true)
+    }
+
+    /// Takes back the step count of a [`Optimizer::step_guarded`] whose guard was 0 (the
+    /// update was skipped on the device), so the next update is numbered as if it had not run.
+    pub fn undo_step(&mut self) {
+        self.steps = self.steps.saturating_sub(1);
+        self.lrs.reset(self.steps);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn step_impl(
+        &mut self,
+        params: &[(String, Var)],
+        grads: &[Tensor],
+        sharded: &[bool],
+        rows: &[RowUpdate],
+        lr: f64,
+        pg: &ProcessGroup,
+        guard: Option<&Tensor>,
+    ) -> Result<()> {
         self.steps += 1;
         let step = self.steps;
         if self.lazy.is_empty() {
@@ -414,7 +466,7 @@ impl Optimizer {
                 let slots: Vec<Tensor> = names.iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
                 let row_flags = row_mask.as_deref();
                 // In place on the parameter's own storage (a detached view would share it too).
-                if crate::optim_fused::update(&cfg, p.as_tensor(), g, &slots, row_flags, lr, t)? {
+                if crate::optim_fused::update(&cfg, p.as_tensor(), g, &slots, row_flags, lr, t, guard)? {
                     for (slot, value) in names.iter().zip(slots) {
                         self.set_slot(name, slot, value);
                     }
@@ -424,9 +476,11 @@ impl Optimizer {
                 }
             }
             crate::trace::count(|c| c.composed += 1);
-            let mask = match &row_mask {
-                Some(m) => Some(row_mask_tensor(m, w)?),
-                None => None,
+            let mask = match (&row_mask, guard) {
+                (Some(m), _) => Some(row_mask_tensor(m, w)?),
+                // The guard over the whole tensor: every element keeps its old value when 0.
+                (None, Some(ok)) => Some(ok.reshape(vec![1; w.rank()])?.broadcast_as(w.shape())?),
+                (None, None) => None,
             };
             let prefix = format!("{name}/");
             let before: Vec<(String, Option<Tensor>)> = match mask {
@@ -453,13 +507,18 @@ impl Optimizer {
                         g.clone()
                     } else {
                         let d = if weight_decay > 0.0 { (g + (w * weight_decay)?)? } else { g.clone() };
-                        let mut norms = [sq_norm(w)?, sq_norm(&d)?];
-                        if sharded[i] {
-                            pg.all_reduce_slice(&mut norms, ReduceOp::Sum)?;
+                        if guard.is_some() {
+                            // On the device: the same arithmetic as below, as tensor ops.
+                            lars_trust_on_device(w, &d, sharded[i], trust_coefficient, pg)?
+                        } else {
+                            let mut norms = [sq_norm(w)?, sq_norm(&d)?];
+                            if sharded[i] {
+                                pg.all_reduce_slice(&mut norms, ReduceOp::Sum)?;
+                            }
+                            let (wn, dn) = (norms[0].sqrt(), norms[1].sqrt());
+                            let trust = if wn > 0.0 && dn > 0.0 { trust_coefficient * wn / dn } else { 1.0 };
+                            (d * trust)?
                         }
-                        let (wn, dn) = (norms[0].sqrt(), norms[1].sqrt());
-                        let trust = if wn > 0.0 && dn > 0.0 { trust_coefficient * wn / dn } else { 1.0 };
-                        (d * trust)?
                     };
                     let buf = ((self.slot(name, "momentum", w)? * momentum)? + &d)?;
                     self.set_slot(name, "momentum", buf.clone());
@@ -496,6 +555,22 @@ impl Optimizer {
         }
         Ok(())
     }
+}
+
+/// `d · trust` with LARS's trust ratio `tc·‖w‖/‖d‖` (1 where a norm is 0) computed on the
+/// device: the norms' squares summed over ranks for a sharded parameter (one collective of a
+/// device tensor), no value read to the host.
+fn lars_trust_on_device(w: &Tensor, d: &Tensor, sharded: bool, trust_coefficient: f64, pg: &ProcessGroup) -> Result<Tensor> {
+    let mut norms = Tensor::stack(&[sq_norm_tensor(w)?, sq_norm_tensor(d)?], 0)?;
+    if sharded {
+        norms = pg.all_reduce(&norms, ReduceOp::Sum)?;
+    }
+    let norms = norms.sqrt()?;
+    let (wn, dn) = (norms.get(0)?, norms.get(1)?);
+    let (zero, one) = (wn.zeros_like()?, wn.ones_like()?);
+    let ratio = ((&wn * trust_coefficient)? / &dn)?;
+    let trust = wn.gt(&zero)?.where_cond(&dn.gt(&zero)?.where_cond(&ratio, &one)?, &one)?;
+    d.broadcast_mul(&trust.to_dtype(d.dtype())?)
 }
 
 /// The state slots an optimizer keeps per parameter (SGD without momentum keeps none).
@@ -662,6 +737,55 @@ mod tests {
     /// stored gradients are detached, but a gradient computed from the variable is not). A
     /// tracked slot would hold the previous slot, the gradient and its whole step's graph, and
     /// each step would keep all earlier ones alive.
+    /// A guarded step ([`Optimizer::step_guarded`]) with the flag 1 equals the unguarded step
+    /// bit for bit (SGD with momentum and AdamW through the fused kernels, LARS composed with
+    /// its trust ratio computed on the device, SGD composed through an off-path f32/f64 mix);
+    /// with the flag 0 no parameter or state slot changes, and `undo_step` takes the step back.
+    #[test]
+    fn a_guarded_step_equals_the_plain_step_or_changes_nothing() {
+        let pg = ProcessGroup::single();
+        let cfgs = [
+            OptimConfig::Sgd { lr: 0.1, momentum: 0.9, nesterov: true, weight_decay: 0.05 },
+            OptimConfig::Adamw { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 },
+            OptimConfig::Lars { lr: 0.5, momentum: 0.9, weight_decay: 1e-4, trust_coefficient: 0.001, exclude_1d: true },
+        ];
+        for cfg in cfgs {
+            let make = |shape: &[usize]| {
+                let n: usize = shape.iter().product();
+                Var::from_vec((0..n).map(|k| k as f64 * 0.3 - 1.0).collect::<Vec<_>>(), shape, &Device::Cpu).unwrap()
+            };
+            let grads = [
+                Tensor::from_vec((0..12).map(|k| 0.5 - k as f64 * 0.07).collect::<Vec<_>>(), (4, 3), &Device::Cpu).unwrap(),
+                Tensor::from_vec(vec![0.25f64, -0.5, 0.75], 3, &Device::Cpu).unwrap(),
+            ];
+            let (a, b) = ([make(&[4, 3]), make(&[3])], [make(&[4, 3]), make(&[3])]);
+            let pa: Vec<(String, Var)> = vec![("w".into(), a[0].clone()), ("b".into(), a[1].clone())];
+            let pb: Vec<(String, Var)> = vec![("w".into(), b[0].clone()), ("b".into(), b[1].clone())];
+            let (mut oa, mut ob) = (Optimizer::new(cfg.clone()), Optimizer::new(cfg.clone()));
+            let flag = |v: u8| Tensor::new(&[v], &Device::Cpu).unwrap().reshape(()).unwrap();
+            let all = [RowUpdate::All, RowUpdate::All];
+            for _ in 0..2 {
+                oa.step(&pa, &grads, &[false, false], 1.0, &pg).unwrap();
+                assert!(ob.step_guarded(&pb, &grads, &[false, false], &all, 1.0, &pg, &flag(1)).unwrap());
+            }
+            for (x, y) in a.iter().zip(&b) {
+                assert_eq!(bits(x.as_tensor()), bits(y.as_tensor()), "{cfg:?}: a guarded step with the flag 1 differs");
+            }
+            let before: Vec<Vec<u64>> = b.iter().map(|v| bits(v.as_tensor())).collect();
+            let state: Vec<Vec<u64>> = ob.state().values().map(bits).collect();
+            assert!(ob.step_guarded(&pb, &grads, &[false, false], &all, 1.0, &pg, &flag(0)).unwrap());
+            assert_eq!(b.iter().map(|v| bits(v.as_tensor())).collect::<Vec<_>>(), before, "{cfg:?}: a skipped step moved");
+            assert_eq!(ob.state().values().map(bits).collect::<Vec<_>>(), state, "{cfg:?}: a skipped step changed the state");
+            assert_eq!(ob.steps, 3);
+            ob.undo_step();
+            assert_eq!(ob.steps, 2);
+            // A row-masked update cannot be guarded: nothing happens, the caller is told.
+            let masked = [RowUpdate::Only(vec![true, false, true, true]), RowUpdate::All];
+            assert!(!ob.step_guarded(&pb, &grads, &[false, false], &masked, 1.0, &pg, &flag(1)).unwrap());
+            assert_eq!(ob.steps, 2);
+        }
+    }
+
     #[test]
     fn state_slots_carry_no_graph_from_the_variable_or_the_gradient() {
         let pg = ProcessGroup::single();

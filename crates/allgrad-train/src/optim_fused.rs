@@ -10,7 +10,9 @@
 //! `allgrad_nn::optim_cuda` with the same expressions (no row mask there: Partial FC's masked
 //! updates of a CUDA head take the composed path; `ALLGRAD_CUDA_FUSED=0` turns the kernels off).
 //! LARS, other dtypes, other devices and non-contiguous tensors keep the composed path in
-//! `optim.rs`. State slots are owned by the optimizer (a checkpoint reads them between steps),
+//! `optim.rs`. A `guard` (the trainer's device-side "loss and gradient norm are finite" flag, a
+//! u8 scalar) makes every pass leave its operand unchanged when the flag is 0, on the CPU and
+//! in the CUDA kernels, so that a non-finite step is skipped without a read before the update. State slots are owned by the optimizer (a checkpoint reads them between steps),
 //! so rewriting them in place is safe.
 
 use candle_core::backend::BackendStorage;
@@ -48,7 +50,8 @@ fn has_kernels(x: &Tensor) -> bool {
 /// Updates `w` (the parameter's own tensor) and `slots` (one per `optim::slot_names(cfg)`,
 /// zeros when new) in place, and returns true; or returns false, touching nothing, when the
 /// fused path does not apply ([`applies`], and slots that fit). `rows` marks the rows (dim 0) to update (absent: all);
-/// `t` is the step number from 1.
+/// `t` is the step number from 1; `guard`: see the module docs.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn update(
     cfg: &OptimConfig,
     w: &Tensor,
@@ -57,6 +60,7 @@ pub(crate) fn update(
     rows: Option<&[bool]>,
     lr: f64,
     t: i32,
+    guard: Option<&Tensor>,
 ) -> Result<bool> {
     if !applies(cfg, w, g) || !slots.iter().all(|s| fits(s, w)) || (rows.is_some() && !w.device().is_cpu()) {
         return Ok(false);
@@ -68,7 +72,16 @@ pub(crate) fn update(
             candle_core::bail!("a row mask of {} rows for a parameter of shape {:?}", r.len(), w.dims());
         }
     }
-    let plan = Plan { chunk: if rows.is_some() { per_row.max(1) } else { GRAIN }, rows };
+    if let Some(g) = guard {
+        if g.dtype() != DType::U8 || g.elem_count() != 1 || !g.device().same_device(w.device()) {
+            candle_core::bail!(
+                "optimizer: the guard must be one u8 flag on the parameter's device, got {:?} {:?}",
+                g.dtype(),
+                g.dims()
+            );
+        }
+    }
+    let plan = Plan { chunk: if rows.is_some() { per_row.max(1) } else { GRAIN }, rows, guard };
     match *cfg {
         OptimConfig::Sgd { momentum, nesterov, weight_decay, .. } => {
             let op = Sgd { plan, momentum, nesterov, weight_decay, lr };
@@ -92,16 +105,31 @@ pub(crate) fn update(
     Ok(true)
 }
 
-/// How a tensor is cut into parallel tasks, and which tasks (rows) are skipped.
+/// How a tensor is cut into parallel tasks, which tasks (rows) are skipped, and the guard.
 #[derive(Clone, Copy)]
 struct Plan<'a> {
     chunk: usize,
     rows: Option<&'a [bool]>,
+    guard: Option<&'a Tensor>,
 }
 
 impl Plan<'_> {
-    /// Runs `f` over the kept chunks of `dst` with the matching chunks of `a` and `b`.
+    /// Whether the guard says skip (a CPU flag read in its storage; CPU ops only).
+    fn skipped(&self) -> bool {
+        let Some(g) = self.guard else { return false };
+        let (storage, layout) = g.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cpu(s) => s.as_slice::<u8>().map(|v| v[layout.start_offset()] == 0).unwrap_or(false),
+            _ => false,
+        }
+    }
+
+    /// Runs `f` over the kept chunks of `dst` with the matching chunks of `a` and `b` (nothing
+    /// when the guard says skip).
     fn run<T: WithDType>(&self, dst: &mut [T], a: &[T], b: &[T], f: impl Fn(&mut [T], &[T], &[T]) + Sync) {
+        if self.skipped() {
+            return;
+        }
         let c = self.chunk;
         dst.par_chunks_mut(c).zip(a.par_chunks(c)).zip(b.par_chunks(c)).enumerate().for_each(|(i, ((d, a), b))| {
             if self.rows.is_none_or(|r| r[i]) {
@@ -189,7 +217,7 @@ impl InplaceOp2 for Moment<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<()> {
-        allgrad_nn::optim_cuda::adam_moment(s1, l1, s2, l2, self.beta, self.squared)
+        allgrad_nn::optim_cuda::adam_moment(s1, l1, s2, l2, self.beta, self.squared, self.plan.guard)
     }
 }
 
@@ -251,7 +279,7 @@ impl InplaceOp3 for Adam<'_> {
             weight_decay: self.weight_decay,
             lr: self.lr,
         };
-        allgrad_nn::optim_cuda::adam_step(s1, l1, (s2, l2), (s3, l3), c)
+        allgrad_nn::optim_cuda::adam_step(s1, l1, (s2, l2), (s3, l3), c, self.plan.guard)
     }
 }
 
@@ -313,7 +341,7 @@ impl InplaceOp3 for Sgd<'_> {
         s3: &CudaStorage,
         l3: &Layout,
     ) -> Result<()> {
-        allgrad_nn::optim_cuda::sgd_step(s1, l1, (s2, l2), (s3, l3), self.coefficients())
+        allgrad_nn::optim_cuda::sgd_step(s1, l1, (s2, l2), (s3, l3), self.coefficients(), self.plan.guard)
     }
 }
 
@@ -371,6 +399,6 @@ impl InplaceOp3 for SgdMomentum<'_, '_> {
         s3: &CudaStorage,
         l3: &Layout,
     ) -> Result<()> {
-        allgrad_nn::optim_cuda::sgd_momentum(s1, l1, (s2, l2), (s3, l3), self.0.coefficients())
+        allgrad_nn::optim_cuda::sgd_momentum(s1, l1, (s2, l2), (s3, l3), self.0.coefficients(), self.0.plan.guard)
     }
 }

@@ -32,12 +32,15 @@ pub fn device(cfg: &RunConfig, pg: &ProcessGroup) -> TrainResult<Device> {
                 cfg.dist.device_ids.as_deref(),
             )
             .map_err(TrainError::Setup)?;
-            Device::new_cuda(ordinal).map_err(|e| {
+            let dev = Device::new_cuda(ordinal).map_err(|e| {
                 TrainError::Setup(format!(
                     "device: cuda: cannot open CUDA device {ordinal} (for LOCAL_RANK {}): {e}",
                     info.local_rank
                 ))
-            })
+            })?;
+            // Memory stays mapped between steps (the pool's release threshold).
+            allgrad_nn::keep_pool_memory(&dev);
+            Ok(dev)
         }
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda => {

@@ -6,6 +6,8 @@
 //! |---|---|
 //! | `ALLGRAD_FONT` | TrueType font for the labels of `loss.png` (default: DejaVu Sans where Debian installs it) |
 //! | `ALLGRAD_FAULT` | test hook: `checkpoint:<stage>` aborts the process at that stage of a checkpoint save (`model`, `optimizer`, `buffers`, `rename`) |
+//! | `ALLGRAD_PROFILE` | `1`: time the regions of every step (with CUDA events on a GPU) and print the table at the end (`train --profile`) |
+//! | `ALLGRAD_DEVICE_PATH` | `1`: a CPU run takes the code path CUDA tensors take (statistics and figures kept in tensors, one read per step; [`allgrad_nn::transfer`]), to count its host traffic on a machine without a GPU |
 //!
 //! (`ALLGRAD_LOG`, the log filter, is read by the `train` binary; the distributed layer reads
 //! its own variables.)
@@ -48,6 +50,19 @@ pub struct Settings {
     pub font: Option<PathBuf>,
     /// `ALLGRAD_FAULT=checkpoint:<stage>`.
     pub fault: Option<FaultStage>,
+    /// `ALLGRAD_PROFILE=1`.
+    pub profile: bool,
+    /// `ALLGRAD_DEVICE_PATH=1`.
+    pub device_path: bool,
+}
+
+/// A `0`/`1` switch (unset or empty: `false`), or an error naming the variable.
+fn switch(get: &impl Fn(&str) -> Option<String>, name: &str) -> Result<bool, TrainError> {
+    match get(name).as_deref().map(str::trim) {
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(v) => Err(TrainError::Setup(format!("{name}={v:?} must be 0 or 1"))),
+    }
 }
 
 impl Settings {
@@ -76,7 +91,8 @@ impl Settings {
                 )
             }
         };
-        Ok(Settings { font, fault })
+        let (profile, device_path) = (switch(&get, "ALLGRAD_PROFILE")?, switch(&get, "ALLGRAD_DEVICE_PATH")?);
+        Ok(Settings { font, fault, profile, device_path })
     }
 }
 
@@ -99,5 +115,9 @@ mod tests {
         assert_eq!(FaultStage::Buffers.name(), "buffers");
         let e = Settings::from_vars(|k| (k == "ALLGRAD_FAULT").then(|| "checkpoint:nope".into())).unwrap_err().to_string();
         assert!(e.contains("ALLGRAD_FAULT") && e.contains("model, optimizer, buffers, rename"), "{e}");
+        let on = Settings::from_vars(|k| matches!(k, "ALLGRAD_PROFILE" | "ALLGRAD_DEVICE_PATH").then(|| "1".into())).unwrap();
+        assert!(on.profile && on.device_path);
+        let e = Settings::from_vars(|k| (k == "ALLGRAD_PROFILE").then(|| "yes".into())).unwrap_err().to_string();
+        assert!(e.contains("ALLGRAD_PROFILE=\"yes\" must be 0 or 1"), "{e}");
     }
 }

@@ -5,6 +5,15 @@
 //! gradients across ranks, check for non-finite values, clip, and apply the optimizer.
 //! With the sum-rule collectives inside the loss, this makes a run on W ranks equal a run
 //! on one rank at the same global batch (docs/gradient-convention.md; ARCHITECTURE.md, "Why W ranks equal one").
+//!
+//! On a device (and on the CPU with `ALLGRAD_DEVICE_PATH=1`, [`allgrad_nn::transfer`]) the step
+//! never waits for the device before the optimizer's launches: the loss is accumulated and
+//! averaged over ranks as a tensor, the gradient norm, clipping and the non-finite check
+//! (a "found-inf" flag, as PyTorch's GradScaler keeps) are tensor ops, the optimizer skips its
+//! update where the flag says so, and the host reads the loss and the norm in ONE batched read
+//! after the update's launches. (A row-sparse or row-masked update cannot be skipped on the
+//! device: there the flag is read before it.) The regions of every step are timed and their
+//! host traffic counted ([`crate::profile`]).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -21,10 +30,14 @@ use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
 use crate::optim::{OptimConfig, Optimizer, RowUpdate};
 use crate::params::ParamStore;
 use crate::precision::ComputePrecision;
+use crate::profile::{StepProfile, StepProfiler};
 use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
 use crate::step_grads::StepGrads;
 use crate::train_section::{NonFinite, TrainSection};
+
+/// The objective's buffers by name, as kept before a step that may be skipped.
+type Buffers = std::collections::HashMap<String, Tensor>;
 
 /// What the trainer needs besides the objective.
 #[derive(Clone, Debug)]
@@ -79,6 +92,7 @@ pub struct Trainer {
     total_steps: usize,
     out_dir: Option<PathBuf>,
     metrics: Option<MetricsLog>,
+    profiler: StepProfiler,
 }
 
 impl Trainer {
@@ -177,7 +191,8 @@ impl Trainer {
             }
             _ => None,
         };
-        Ok(Trainer { cfg, pg, objective, params, sharded, optimizer, sampler, step, total_steps, out_dir, metrics })
+        let profiler = StepProfiler::new(&cfg.device, cfg.settings.profile);
+        Ok(Trainer { cfg, pg, objective, params, sharded, optimizer, sampler, step, total_steps, out_dir, metrics, profiler })
     }
 
     /// Parameters by name (sorted).
@@ -200,6 +215,22 @@ impl Trainer {
         self.total_steps
     }
 
+    /// The regions of the last step: their times and host traffic ([`crate::profile`]).
+    pub fn last_step_profile(&self) -> &StepProfile {
+        self.profiler.last()
+    }
+
+    /// The ops' times of the last step, by kind and pass (empty unless profiling:
+    /// `train --profile`, `ALLGRAD_PROFILE=1`).
+    pub fn last_op_times(&self) -> &[allgrad_nn::OpTime] {
+        self.profiler.last_ops()
+    }
+
+    /// The regions' totals over the steps so far, as a table (what `train --profile` prints).
+    pub fn profile_table(&self) -> String {
+        self.profiler.table()
+    }
+
     /// Trains to the end; see the module docs.
     pub fn train(&mut self) -> TrainResult<Summary> {
         self.train_until(self.total_steps)
@@ -209,6 +240,26 @@ impl Trainer {
     /// limit can run part of the schedule and `--resume` later, ending exactly where an
     /// uninterrupted run would.
     pub fn train_until(&mut self, stop: usize) -> TrainResult<Summary> {
+        // ALLGRAD_DEVICE_PATH=1: this thread's CPU tensors take the device path for the run.
+        let was = self.cfg.settings.device_path.then(|| allgrad_nn::transfer::set_device_path(true));
+        // Profiling: the ops' passes of this thread are timed too.
+        if self.cfg.settings.profile {
+            allgrad_nn::set_op_timing(true);
+        }
+        let out = self.train_until_inner(stop);
+        if self.cfg.settings.profile {
+            allgrad_nn::set_op_timing(false);
+        }
+        if let Some(was) = was {
+            allgrad_nn::transfer::set_device_path(was);
+        }
+        if self.cfg.settings.profile && self.pg.rank() == 0 {
+            println!("{}", self.profiler.table());
+        }
+        out
+    }
+
+    fn train_until_inner(&mut self, stop: usize) -> TrainResult<Summary> {
         let stop = stop.min(self.total_steps);
         let started = Instant::now();
         let started_at = self.step;
@@ -327,7 +378,17 @@ impl Trainer {
     }
 
     fn train_step(&mut self, epoch: usize, lr: f64) -> TrainResult<StepOutcome> {
+        let out = self.step_regions(epoch, lr);
+        match out {
+            Ok(_) => self.profiler.finish_step(),
+            Err(_) => self.profiler.abandon_step(),
+        }
+        out
+    }
+
+    fn step_regions(&mut self, epoch: usize, lr: f64) -> TrainResult<StepOutcome> {
         let (w, rank) = (self.pg.world_size(), self.pg.rank());
+        let on_device = allgrad_nn::transfer::takes_device_path(&self.cfg.device);
         let acc = self.cfg.train.accumulate;
         let pos = self.step % self.sampler.steps_per_epoch();
         let global = self.sampler.global_batch(epoch, pos).to_vec();
@@ -342,12 +403,14 @@ impl Trainer {
                     .buffers()?
                     .into_iter()
                     .map(|(n, t)| Ok((n, t.copy()?)))
-                    .collect::<Result<std::collections::HashMap<String, Tensor>>>()?,
+                    .collect::<Result<Buffers>>()?,
             ),
             NonFinite::Error => None,
         };
         let mut step_grads = StepGrads::new(self.params.len());
         let mut loss_sum = 0f64;
+        // The device path's loss: the micro-batches' losses summed on the device.
+        let mut loss_dev: Option<Tensor> = None;
         for indices in &micro_batches {
             let batch = Batch { indices, epoch, step: self.step, seed: self.cfg.seed };
             if let Some(chunk) = self.cfg.train.cache_chunk {
@@ -356,7 +419,9 @@ impl Trainer {
                 let _autocast = self.cfg.precision.autocast();
                 let mut grads = step_grads.take_dense(&self.params)?;
                 let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);
+                let m = self.profiler.mark();
                 loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
+                self.profiler.record("forward", m);
                 if let Some((name, _)) = self.params.iter().find(|(n, _)| self.objective.sparse_rows(n).is_some()) {
                     return Err(TrainError::Setup(format!(
                         "train.cache_chunk: the objective reads {name} row by row (a row-sparse gradient), which gradient \
@@ -374,6 +439,7 @@ impl Trainer {
                     }
                 }
             }
+            let m = self.profiler.mark();
             let loss = {
                 let _autocast = self.cfg.precision.autocast();
                 self.objective.loss(&batch, &self.pg)?
@@ -381,39 +447,38 @@ impl Trainer {
             if loss.rank() != 0 {
                 return Err(TrainError::Setup(format!("the objective's loss must be a scalar, got shape {:?}", loss.dims())));
             }
-            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            if on_device {
+                let l = loss.detach().to_dtype(DType::F64)?;
+                loss_dev = Some(match loss_dev {
+                    None => l,
+                    Some(sum) => (sum + l)?,
+                });
+            } else {
+                loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            }
+            self.profiler.record("forward", m);
+            let m = self.profiler.mark();
             // The scaled loss takes the graph over: the backward frees each activation once its
             // gradient has been passed on, as PyTorch's does.
             let g = (loss / (w * acc) as f64)?.backward_release()?;
             step_grads.add(&self.params, &self.sharded, self.objective.as_ref(), &g)?;
+            self.profiler.record("backward", m);
         }
         let (mut grads, row_ids) = step_grads.finish(&self.params)?;
+        let m = self.profiler.mark();
+        sync_gradients(&self.pg, &mut grads, &self.sharded, DEFAULT_BUCKET_BYTES)?;
+        self.profiler.record("gradient sync", m);
+        if let Some(loss_dev) = loss_dev {
+            return self.finish_on_device(loss_dev, grads, row_ids, lr, kept);
+        }
+        let m = self.profiler.mark();
         // The objective J = mean over ranks of the per-rank (micro-batch mean) losses.
         let mut loss = [loss_sum / acc as f64];
         self.pg.all_reduce_slice(&mut loss, ReduceOp::Avg)?;
         let loss = loss[0];
-
-        sync_gradients(&self.pg, &mut grads, &self.sharded, DEFAULT_BUCKET_BYTES)?;
         let grad_norm = self.global_grad_norm(&grads)?;
         if !loss.is_finite() || !grad_norm.is_finite() {
-            let mut parameter = None;
-            for ((name, _), g) in self.params.iter().zip(&grads) {
-                if !g.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?.is_finite() {
-                    parameter = Some(name.clone());
-                    break;
-                }
-            }
-            let what = if loss.is_finite() { "gradient" } else { "loss" };
-            let err = TrainError::NonFinite { what, step: self.step + 1, loss, grad_norm, parameter };
-            return match self.cfg.train.on_nonfinite {
-                NonFinite::Error => Err(err),
-                NonFinite::Skip => {
-                    if let Some(kept) = kept {
-                        self.objective.load_buffers(&kept)?;
-                    }
-                    Ok(StepOutcome::Skipped(format!("non-finite {what} at step {} (loss {loss})", self.step + 1)))
-                }
-            };
+            return self.non_finite(loss, grad_norm, &grads, kept);
         }
         if let Some(max) = self.cfg.train.clip_grad_norm {
             if grad_norm > max {
@@ -437,7 +502,109 @@ impl Trainer {
             })
             .collect();
         self.optimizer.step_grads(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
+        self.profiler.record("optimizer", m);
         Ok(StepOutcome::Applied { loss, grad_norm })
+    }
+
+    /// The rest of a step on the device path, from the summed micro-batch losses `loss_dev`
+    /// and the synchronised gradients: loss, norm, clipping and the finite check as tensor ops,
+    /// the optimizer guarded by the check, then one batched read of the loss and the norm.
+    fn finish_on_device(
+        &mut self,
+        loss_dev: Tensor,
+        mut grads: Vec<Tensor>,
+        row_ids: Vec<Option<Vec<u32>>>,
+        lr: f64,
+        kept: Option<Buffers>,
+    ) -> TrainResult<StepOutcome> {
+        let m = self.profiler.mark();
+        let dev = loss_dev.device().clone();
+        let (w, acc) = (self.pg.world_size(), self.cfg.train.accumulate);
+        // Constants made on the device (a fill, not an upload).
+        let full = |v: f64| Tensor::full(v, (), &dev);
+        // As the host path: loss_sum / acc, then the mean over ranks (a sum, then / W), and
+        // Σ g² in f64 per parameter in name order, the sharded ones summed over ranks.
+        let local = loss_dev.div(&full(acc as f64)?)?;
+        let (mut rep, mut shard) = (full(0.0)?, full(0.0)?);
+        for (g, sh) in grads.iter().zip(&self.sharded) {
+            let sq = crate::optim::sq_norm_tensor(g)?;
+            if *sh {
+                shard = (shard + sq)?;
+            } else {
+                rep = (rep + sq)?;
+            }
+        }
+        let any_sharded = self.sharded.iter().any(|s| *s);
+        let (loss, shard) = if w > 1 || any_sharded {
+            let summed = self.pg.all_reduce(&Tensor::stack(&[&local, &shard], 0)?, ReduceOp::Sum)?;
+            (summed.get(0)?.div(&full(w as f64)?)?, if any_sharded { summed.get(1)? } else { shard })
+        } else {
+            (local, shard)
+        };
+        let grad_norm = (rep + shard)?.sqrt()?;
+        // The found-inf flag: 1 where both are finite (x·0 is 0 only for finite x).
+        let zero = full(0.0)?;
+        let ok = (loss.affine(0.0, 0.0)? + grad_norm.affine(0.0, 0.0)?)?.eq(&zero)?;
+        if let Some(max) = self.cfg.train.clip_grad_norm {
+            let max_t = full(max)?;
+            let scale = grad_norm.gt(&max_t)?.where_cond(&max_t.div(&(&grad_norm + 1e-6)?)?, &full(1.0)?)?;
+            for g in grads.iter_mut() {
+                *g = g.broadcast_mul(&scale.to_dtype(g.dtype())?)?;
+            }
+        }
+        let rows: Vec<RowUpdate> = self
+            .params
+            .iter()
+            .zip(row_ids)
+            .map(|((n, _), ids)| match (ids, self.objective.updated_rows(n, self.step)) {
+                (Some(ids), keep) => RowUpdate::Sparse { rows: ids, keep_others: keep.is_some() },
+                (None, Some(mask)) => RowUpdate::Only(mask),
+                (None, None) => RowUpdate::All,
+            })
+            .collect();
+        let guarded = self.optimizer.step_guarded(&self.params, &grads, &self.sharded, &rows, lr, &self.pg, &ok)?;
+        if !guarded {
+            // A row-sparse update cannot be skipped on the device: the figures are read first.
+            let figures = allgrad_nn::transfer::read_batched(&[&loss, &grad_norm])?;
+            if figures.iter().all(|v| v.is_finite()) {
+                self.optimizer.step_grads(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
+            }
+        }
+        self.profiler.record("optimizer", m);
+        let m = self.profiler.mark();
+        let figures = allgrad_nn::transfer::read_batched(&[&loss, &grad_norm])?;
+        self.profiler.record("read", m);
+        let (loss, grad_norm) = (figures[0], figures[1]);
+        if loss.is_finite() && grad_norm.is_finite() {
+            return Ok(StepOutcome::Applied { loss, grad_norm });
+        }
+        if guarded {
+            // The update was skipped on the device; its number is taken back.
+            self.optimizer.undo_step();
+        }
+        self.non_finite(loss, grad_norm, &grads, kept)
+    }
+
+    /// A step whose loss or gradient norm is not finite: the error, or the skip of
+    /// `train.on_nonfinite: skip` (the update has not been applied; the objective's buffers
+    /// `kept` before the step are put back).
+    fn non_finite(&mut self, loss: f64, grad_norm: f64, grads: &[Tensor], kept: Option<Buffers>) -> TrainResult<StepOutcome> {
+        let what = if loss.is_finite() { "gradient" } else { "loss" };
+        if self.cfg.train.on_nonfinite == NonFinite::Skip {
+            if let Some(kept) = kept {
+                self.objective.load_buffers(&kept)?;
+            }
+            return Ok(StepOutcome::Skipped(format!("non-finite {what} at step {} (loss {loss})", self.step + 1)));
+        }
+        // The run stops: the first parameter whose gradient is not finite is named.
+        let mut parameter = None;
+        for ((name, _), g) in self.params.iter().zip(grads) {
+            if !allgrad_nn::transfer::read_scalar(&g.to_dtype(DType::F64)?.sum_all()?)?.is_finite() {
+                parameter = Some(name.clone());
+                break;
+            }
+        }
+        Err(TrainError::NonFinite { what, step: self.step + 1, loss, grad_norm, parameter })
     }
 
     /// L2 norm of all gradients: replicated ones are identical on every rank after the

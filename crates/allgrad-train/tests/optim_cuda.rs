@@ -117,3 +117,71 @@ fn sgd_and_adamw_on_cuda_equal_the_cpu_optimizer() {
         }
     }
 }
+
+/// The guarded step on CUDA ([`Optimizer::step_guarded`]): with the device-side flag 1 each
+/// optimizer equals its unguarded CUDA step bit for bit; with the flag 0 (a non-finite step)
+/// the kernels, and LARS's composed path, leave every parameter and state slot as it was.
+#[test]
+fn a_guarded_step_on_cuda_skips_on_a_zero_flag_and_equals_the_plain_step_otherwise() {
+    use allgrad_train::optim::RowUpdate;
+    let Some(dev) = gpu() else { return };
+    let configs = [
+        OptimConfig::Sgd { lr: 0.1, momentum: 0.9, nesterov: true, weight_decay: 5e-4 },
+        OptimConfig::Adamw { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.05 },
+        OptimConfig::Lars { lr: 0.1, momentum: 0.9, weight_decay: 1e-6, trust_coefficient: 0.001, exclude_1d: true },
+    ];
+    for cfg in configs {
+        for dt in [DType::F64, DType::F32] {
+            let to = |v: Vec<f64>, s: &[usize]| Tensor::from_vec(v, s, &Device::Cpu)?.to_dtype(dt)?.to_device(&dev);
+            let make = || -> Result<Vec<(String, Var)>> {
+                SHAPES
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| Ok((format!("p{i}"), Var::from_tensor(&to(values(s.iter().product(), i as u64), s)?)?)))
+                    .collect()
+            };
+            let (pa, pb) = (make().unwrap(), make().unwrap());
+            let grads: Vec<Tensor> = SHAPES
+                .iter()
+                .enumerate()
+                .map(|(i, s)| to(values(s.iter().product(), 50 + i as u64), s))
+                .collect::<Result<_>>()
+                .unwrap();
+            let (mut oa, mut ob) = (Optimizer::new(cfg.clone()), Optimizer::new(cfg.clone()));
+            let pg = ProcessGroup::single();
+            let flag = |v: u8| Tensor::new(&[v], &Device::Cpu).unwrap().reshape(()).unwrap().to_device(&dev).unwrap();
+            let all = [RowUpdate::All, RowUpdate::All, RowUpdate::All];
+            oa.step(&pa, &grads, &[false; 3], 0.1, &pg).unwrap();
+            assert!(ob.step_guarded(&pb, &grads, &[false; 3], &all, 0.1, &pg, &flag(1)).unwrap());
+            let bits = |t: &Tensor| -> Vec<u64> {
+                t.flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+                    .into_iter()
+                    .map(f64::to_bits)
+                    .collect()
+            };
+            for ((_, a), (_, b)) in pa.iter().zip(&pb) {
+                assert_eq!(bits(a.as_tensor()), bits(b.as_tensor()), "{cfg:?} {dt:?}: the guarded step with flag 1 differs");
+            }
+            let before: Vec<Vec<u64>> = pb.iter().map(|(_, v)| bits(v.as_tensor())).collect();
+            let state: Vec<Vec<u64>> = ob.state().values().map(bits).collect();
+            assert!(ob.step_guarded(&pb, &grads, &[false; 3], &all, 0.1, &pg, &flag(0)).unwrap());
+            assert_eq!(
+                pb.iter().map(|(_, v)| bits(v.as_tensor())).collect::<Vec<_>>(),
+                before,
+                "{cfg:?} {dt:?}: a skipped step moved"
+            );
+            assert_eq!(
+                ob.state().values().map(bits).collect::<Vec<_>>(),
+                state,
+                "{cfg:?} {dt:?}: a skipped step changed the state"
+            );
+        }
+    }
+}

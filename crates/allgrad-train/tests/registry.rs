@@ -157,6 +157,7 @@ fn a_user_registered_method_trains_through_the_train_library_entry() {
         stop_after: None,
         print_config: false,
         list_methods: false,
+        profile: false,
     };
     let out = run_with(&registry, &args(&[])).unwrap();
     assert_eq!((out.summary.steps, out.total_steps, out.world_size), (8, 8, 1));

@@ -738,9 +738,29 @@ fn owns_its_storage(t: &Tensor) -> bool {
             S::F64(v) => v.len(),
             S::F8E4M3(v) => v.len(),
         },
+        #[cfg(feature = "cuda")]
+        crate::Storage::Cuda(s) => cuda_len(s),
         _ => return false,
     };
     len == layout.shape().elem_count()
+}
+
+/// The element count of a CUDA storage's buffer.
+#[cfg(feature = "cuda")]
+fn cuda_len(s: &crate::CudaStorage) -> usize {
+    use crate::cuda_backend::CudaStorageSlice as S;
+    match &s.slice {
+        S::U8(v) | S::F6E2M3(v) | S::F6E3M2(v) | S::F4(v) | S::F8E8M0(v) => v.len(),
+        S::U32(v) => v.len(),
+        S::I16(v) => v.len(),
+        S::I32(v) => v.len(),
+        S::I64(v) => v.len(),
+        S::BF16(v) => v.len(),
+        S::F16(v) => v.len(),
+        S::F32(v) => v.len(),
+        S::F64(v) => v.len(),
+        S::F8E4M3(v) => v.len(),
+    }
 }
 
 impl GradStore {

@@ -149,7 +149,7 @@ impl TwoViewImages {
         let (c, h, w) = (views[0].channels, views[0].height, views[0].width);
         let n = views.len();
         let data: Vec<f32> = views.into_iter().flat_map(|v| v.data).collect();
-        Tensor::from_vec(data, (n, c, h, w), &self.device)?.to_dtype(self.dtype)
+        allgrad_nn::transfer::upload(data, (n, c, h, w), &self.device)?.to_dtype(self.dtype)
     }
 }
 

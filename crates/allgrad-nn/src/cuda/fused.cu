@@ -4,11 +4,12 @@
 // CUDA twin of a CPU kernel in src/activation.rs, src/channel.rs or src/batch_norm.rs and
 // evaluates the same expressions in the same order (compiled with --fmad=false, so no
 // multiply-add is contracted where the CPU rounds twice). bf16 tensors are computed in f32 and
-// rounded to bf16 when stored, as the CPU kernels do. Per-channel sums are f64, each channel
-// reduced by one block in a fixed order (deterministic, but not the CPU's order).
+// rounded to bf16 when stored, as the CPU kernels do. Per-channel sums are f64, in two stages
+// over a partition fixed by the shape (deterministic, but not the CPU's order).
 //
-// Exported names end in _f32, _f64 or _bf16 (the tensor's dtype). Per-channel coefficient
-// arrays are in the compute type: f32 for f32 and bf16 tensors, f64 for f64.
+// Exported names end in _f32, _f64 or _bf16 (the tensor's dtype). Batch norm's per-channel
+// coefficients are read from the f64 tables of the finalize ops (finalize.cu) and converted to
+// the compute type (f32 for f32 and bf16 tensors, f64 for f64) in the kernel.
 #include <cuda_bf16.h>
 #include <stddef.h>
 
@@ -56,9 +57,41 @@ __device__ void relu_bwd(size_t n, const T* y, const T* g, T* out) {
 // Block size of the per-channel reductions (a power of two).
 #define SUM_THREADS 256
 
-// Sums the block's partial sums s1[], s2[] in a fixed tree order; thread 0 writes them to
-// out[ch] and out[c + ch].
-__device__ void block_sums(double* s1, double* s2, double* out, size_t c, size_t ch) {
+// The two-stage per-channel reductions (channel moments, batch norm's backward sums): the m =
+// n·inner values of each channel are cut into `parts` chunks, a number fixed by the shape
+// (never by timing), so that small-channel layers still fill the GPU (ResNet's first stage has
+// 64 channels for 132 SMs). Stage 1: block (ch, part) sums its chunk, each thread a strided run,
+// then the block in a fixed tree; stage 2 (channel_finish): one thread per channel sums its
+// parts in order. The same inputs give the same bits on every run. I is the index type: 32-bit
+// where the tensor has fewer than 2^32 elements (no 64-bit division per element), else 64-bit.
+// sums = 0: [Σx, Σx²]; sums = 1: [Σg', Σg'·(x − mean[ch])] with g' = g masked by y > 0 when relu.
+template <typename T, typename I>
+__device__ void channel_partial(I c, I inner, I m, I parts, const T* x, const T* g, const T* y, const double* mean,
+                                int sums, int relu, double* partial) {
+    __shared__ double s1[SUM_THREADS];
+    __shared__ double s2[SUM_THREADS];
+    const I ch = blockIdx.x, part = blockIdx.y;
+    const I chunk = (m + parts - 1) / parts;
+    const I lo = part * chunk;
+    const I hi = lo + chunk < m ? lo + chunk : m;
+    const double mu = sums ? mean[ch] : 0.0;
+    double a1 = 0.0, a2 = 0.0;
+    for (I k = lo + threadIdx.x; k < hi; k += SUM_THREADS) {
+        const I img = k / inner;
+        const I at = (img * c + ch) * inner + (k - img * inner);
+        if (sums) {
+            const double gv = (double)widen(g[at]);
+            const double gp = (!relu || widen(y[at]) > 0) ? gv : 0.0;
+            a1 += gp;
+            a2 += gp * ((double)widen(x[at]) - mu);
+        } else {
+            const double v = (double)widen(x[at]);
+            a1 += v;
+            a2 += v * v;
+        }
+    }
+    s1[threadIdx.x] = a1;
+    s2[threadIdx.x] = a2;
     for (int stride = SUM_THREADS / 2; stride > 0; stride /= 2) {
         __syncthreads();
         if (threadIdx.x < stride) {
@@ -67,80 +100,57 @@ __device__ void block_sums(double* s1, double* s2, double* out, size_t c, size_t
         }
     }
     if (threadIdx.x == 0) {
-        out[ch] = s1[0];
-        out[c + ch] = s2[0];
+        partial[(size_t)ch * parts + part] = s1[0];
+        partial[((size_t)c + ch) * parts + part] = s2[0];
     }
 }
 
-// One block per channel of an [n, c, inner] tensor: out = [Σx (c values), Σx² (c values)] in f64.
-template <typename T>
-__device__ void channel_moments(size_t n, size_t c, size_t inner, const T* x, double* out) {
-    __shared__ double s1[SUM_THREADS];
-    __shared__ double s2[SUM_THREADS];
-    const size_t ch = blockIdx.x;
-    double a1 = 0.0, a2 = 0.0;
-    for (size_t k = threadIdx.x; k < n * inner; k += SUM_THREADS) {
-        const size_t at = ((k / inner) * c + ch) * inner + k % inner;
-        const double v = (double)widen(x[at]);
-        a1 += v;
-        a2 += v * v;
+// Stage 2: out[ch] and out[c + ch] are the sums of the channel's parts, in order; with
+// `count` >= 0, out[2c] = count (the moments' value count, [Σx; Σx²; n]).
+extern "C" __global__ void channel_finish(size_t c, size_t parts, const double* partial, double count, double* out) {
+    for (size_t ch = blockIdx.x * (size_t)blockDim.x + threadIdx.x; ch < c; ch += (size_t)blockDim.x * gridDim.x) {
+        double a1 = 0.0, a2 = 0.0;
+        for (size_t p = 0; p < parts; ++p) {
+            a1 += partial[ch * parts + p];
+            a2 += partial[(c + ch) * parts + p];
+        }
+        out[ch] = a1;
+        out[c + ch] = a2;
     }
-    s1[threadIdx.x] = a1;
-    s2[threadIdx.x] = a2;
-    block_sums(s1, s2, out, c, ch);
-}
-
-// One block per channel: out = [Σg' (c values), Σg'·(x − mean[ch]) (c values)] in f64, with
-// g' = g masked by y > 0 when relu (batch norm's backward sums).
-template <typename T>
-__device__ void bn_backward_sums(size_t n, size_t c, size_t inner, const T* g, const T* x, const T* y,
-                                 const double* mean, int relu, double* out) {
-    __shared__ double s1[SUM_THREADS];
-    __shared__ double s2[SUM_THREADS];
-    const size_t ch = blockIdx.x;
-    const double mu = mean[ch];
-    double a1 = 0.0, a2 = 0.0;
-    for (size_t k = threadIdx.x; k < n * inner; k += SUM_THREADS) {
-        const size_t at = ((k / inner) * c + ch) * inner + k % inner;
-        const double gv = (double)widen(g[at]);
-        const double gp = (!relu || widen(y[at]) > 0) ? gv : 0.0;
-        a1 += gp;
-        a2 += gp * ((double)widen(x[at]) - mu);
-    }
-    s1[threadIdx.x] = a1;
-    s2[threadIdx.x] = a2;
-    block_sums(s1, s2, out, c, ch);
+    if (count >= 0.0 && blockIdx.x == 0 && threadIdx.x == 0) out[2 * c] = count;
 }
 
 // Batch norm's forward over len elements of an [n, c, inner] tensor, with
-// u = a[ch]·x + b[ch]:
+// u = a[ch]·x + b[ch], a and b rows 2 and 3 of the coefficients table coef (coef2: the
+// shortcut's, mode 3):
 //   mode 0: u;  mode 1: max(u, 0);  mode 2: max(u + third, 0) (a skip input);
 //   mode 3: max(u + (a2[ch]·third + b2[ch]), 0) (third: a normalised shortcut's input).
 // bf16: each normalisation's output is rounded to bf16 before the residual sum, as unfused
 // bf16 ops store it (the CPU kernel's round_bf16).
 template <typename T>
-__device__ void bn_forward(size_t len, size_t c, size_t inner, const T* x, const T* third,
-                           const typename Compute<T>::type* a, const typename Compute<T>::type* b,
-                           const typename Compute<T>::type* a2, const typename Compute<T>::type* b2, int mode,
-                           T* out) {
+__device__ void bn_forward(size_t len, size_t c, size_t inner, const T* x, const T* third, const double* coef,
+                           const double* coef2, int mode, T* out) {
     typedef typename Compute<T>::type C;
     const C zero = C(0);
+    const double *a = coef + 2 * c, *b = coef + 3 * c, *a2 = coef2 + 2 * c, *b2 = coef2 + 3 * c;
     GRID_STRIDE(i, len) {
         const size_t ch = (i / inner) % c;
         const C v = widen(x[i]);
         C z;
+        const C ac = (C)a[ch], bc = (C)b[ch];
         if (mode < 2) {
-            z = v * a[ch] + b[ch];
+            z = v * ac + bc;
             if (mode == 1) z = z > zero ? z : zero;
         } else {
             const C w = widen(third[i]);
+            const C a2c = (C)a2[ch], b2c = (C)b2[ch];
             if (IsBf16<T>::value) {
-                const C main = (C)round_bf16((float)(v * a[ch] + b[ch]));
-                z = mode == 3 ? main + (C)round_bf16((float)(w * a2[ch] + b2[ch])) : main + w;
+                const C main = (C)round_bf16((float)(v * ac + bc));
+                z = mode == 3 ? main + (C)round_bf16((float)(w * a2c + b2c)) : main + w;
             } else if (mode == 3) {
-                z = v * a[ch] + b[ch] + (w * a2[ch] + b2[ch]);
+                z = v * ac + bc + (w * a2c + b2c);
             } else {
-                z = v * a[ch] + b[ch] + w;
+                z = v * ac + bc + w;
             }
             z = z > zero ? z : zero;
         }
@@ -149,18 +159,18 @@ __device__ void bn_forward(size_t len, size_t c, size_t inner, const T* x, const
 }
 
 // Batch norm's input gradient, dx = k[ch]·g' + c1[ch]·(x − mu[ch]) + c0[ch] with g' = g masked
-// by y > 0 when relu. (A skip input's gradient is relu_bwd's.)
+// by y > 0 when relu; k, c1, c0, mu are rows 0-3 of the backward table (already rounded to the
+// compute type, so the conversion is exact). (A skip input's gradient is relu_bwd's.)
 template <typename T>
 __device__ void bn_backward_dx(size_t len, size_t c, size_t inner, const T* g, const T* x, const T* y,
-                               const typename Compute<T>::type* k, const typename Compute<T>::type* c1,
-                               const typename Compute<T>::type* c0, const typename Compute<T>::type* mu, int relu,
-                               T* dx) {
+                               const double* table, int relu, T* dx) {
     typedef typename Compute<T>::type C;
     const C zero = C(0);
     GRID_STRIDE(i, len) {
         const size_t ch = (i / inner) % c;
         const C gp = (!relu || widen(y[i]) > zero) ? widen(g[i]) : zero;
-        store(dx + i, k[ch] * gp + c1[ch] * (widen(x[i]) - mu[ch]) + c0[ch]);
+        const C k = (C)table[ch], c1 = (C)table[c + ch], c0 = (C)table[2 * c + ch], mu = (C)table[3 * c + ch];
+        store(dx + i, k * gp + c1 * (widen(x[i]) - mu) + c0);
     }
 }
 
@@ -206,29 +216,32 @@ __device__ void gelu_bwd(size_t n, const T* x, const T* g, T* out) {
     extern "C" __global__ void relu_bwd_##SUF(size_t n, const T* y, const T* g, T* out) {                      \
         relu_bwd<T>(n, y, g, out);                                                                              \
     }                                                                                                           \
-    extern "C" __global__ void channel_moments_##SUF(size_t n, size_t c, size_t inner, const T* x, double* out) { \
-        channel_moments<T>(n, c, inner, x, out);                                                                \
-    }                                                                                                           \
-    extern "C" __global__ void bn_backward_sums_##SUF(size_t n, size_t c, size_t inner, const T* g, const T* x,  \
-                                                      const T* y, const double* mean, int relu, double* out) {  \
-        bn_backward_sums<T>(n, c, inner, g, x, y, mean, relu, out);                                             \
-    }                                                                                                           \
     extern "C" __global__ void bn_forward_##SUF(size_t len, size_t c, size_t inner, const T* x, const T* third,   \
-                                                const Compute<T>::type* a, const Compute<T>::type* b,           \
-                                                const Compute<T>::type* a2, const Compute<T>::type* b2,         \
-                                                int mode, T* out) {                                             \
-        bn_forward<T>(len, c, inner, x, third, a, b, a2, b2, mode, out);                                        \
+                                                const double* coef, const double* coef2, int mode, T* out) {    \
+        bn_forward<T>(len, c, inner, x, third, coef, coef2, mode, out);                                         \
     }                                                                                                           \
     extern "C" __global__ void bn_backward_dx_##SUF(size_t len, size_t c, size_t inner, const T* g, const T* x,  \
-                                                    const T* y, const Compute<T>::type* k,                      \
-                                                    const Compute<T>::type* c1, const Compute<T>::type* c0,     \
-                                                    const Compute<T>::type* mu, int relu, T* dx) {              \
-        bn_backward_dx<T>(len, c, inner, g, x, y, k, c1, c0, mu, relu, dx);                                     \
+                                                    const T* y, const double* table, int relu, T* dx) {         \
+        bn_backward_dx<T>(len, c, inner, g, x, y, table, relu, dx);                                             \
     }
 
 INSTANTIATE(float, f32)
 INSTANTIATE(double, f64)
 INSTANTIATE(__nv_bfloat16, bf16)
+
+#define PARTIAL(T, SUF, I, ISUF)                                                                                \
+    extern "C" __global__ void channel_partial_##SUF##_##ISUF(I c, I inner, I m, I parts, const T* x, const T* g, \
+                                                               const T* y, const double* mean, int sums, int relu, \
+                                                               double* partial) {                               \
+        channel_partial<T, I>(c, inner, m, parts, x, g, y, mean, sums, relu, partial);                          \
+    }
+
+PARTIAL(float, f32, unsigned int, u32)
+PARTIAL(double, f64, unsigned int, u32)
+PARTIAL(__nv_bfloat16, bf16, unsigned int, u32)
+PARTIAL(float, f32, unsigned long long, u64)
+PARTIAL(double, f64, unsigned long long, u64)
+PARTIAL(__nv_bfloat16, bf16, unsigned long long, u64)
 
 // Layer norm over rows of d values (src/norm.rs's CPU kernels, in the tensor's type T, f32 or
 // f64): one block per row, its sums reduced over the block in a fixed tree order (not the CPU's
@@ -310,15 +323,55 @@ __device__ void layer_norm_bwd_rows(size_t rows, size_t d, const T* x, const T* 
     }
 }
 
-// ∂γ[j] = Σ_rows ∂y·x̂ and ∂β[j] = Σ_rows ∂y, one thread per column, rows in order.
+// ∂γ[j] = Σ_rows ∂y·x̂ and ∂β[j] = Σ_rows ∂y in two stages over a partition fixed by the shape
+// (the same bits every run). Stage 1: block (column tile, row part) of LN_COLS x LN_ROWS threads
+// reads LN_COLS adjacent columns (coalesced) of its rows, each thread every LN_ROWS-th row of
+// the part in order; the LN_ROWS partial sums of a column are added in a fixed tree and written
+// to partial[part][j] (∂γ) and partial[parts + part][j] (∂β). Stage 2: each column sums its
+// parts in order.
+#define LN_COLS 32
+#define LN_ROWS 8
+
 template <typename T>
-__device__ void layer_norm_bwd_cols(size_t rows, size_t d, const T* x, const T* gy, const T* stats, T* dgamma, T* dbeta) {
-    for (size_t j = blockIdx.x * (size_t)blockDim.x + threadIdx.x; j < d; j += (size_t)blockDim.x * gridDim.x) {
-        T dg = T(0), db = T(0);
-        for (size_t r = 0; r < rows; ++r) {
+__device__ void layer_norm_bwd_cols_partial(size_t rows, size_t d, size_t parts, const T* x, const T* gy, const T* stats,
+                                            T* partial) {
+    __shared__ T sg[LN_ROWS][LN_COLS];
+    __shared__ T sb[LN_ROWS][LN_COLS];
+    const size_t j = blockIdx.x * (size_t)LN_COLS + threadIdx.x;
+    const size_t part = blockIdx.y;
+    const size_t chunk = (rows + parts - 1) / parts;
+    const size_t lo = part * chunk;
+    const size_t hi = lo + chunk < rows ? lo + chunk : rows;
+    T dg = T(0), db = T(0);
+    if (j < d) {
+        for (size_t r = lo + threadIdx.y; r < hi; r += LN_ROWS) {
             const T g = gy[r * d + j];
             dg += g * ((x[r * d + j] - stats[2 * r]) * stats[2 * r + 1]);
             db += g;
+        }
+    }
+    sg[threadIdx.y][threadIdx.x] = dg;
+    sb[threadIdx.y][threadIdx.x] = db;
+    for (int s = LN_ROWS / 2; s > 0; s /= 2) {
+        __syncthreads();
+        if (threadIdx.y < s) {
+            sg[threadIdx.y][threadIdx.x] += sg[threadIdx.y + s][threadIdx.x];
+            sb[threadIdx.y][threadIdx.x] += sb[threadIdx.y + s][threadIdx.x];
+        }
+    }
+    if (threadIdx.y == 0 && j < d) {
+        partial[part * d + j] = sg[0][threadIdx.x];
+        partial[(parts + part) * d + j] = sb[0][threadIdx.x];
+    }
+}
+
+template <typename T>
+__device__ void layer_norm_bwd_cols_finish(size_t d, size_t parts, const T* partial, T* dgamma, T* dbeta) {
+    for (size_t j = blockIdx.x * (size_t)blockDim.x + threadIdx.x; j < d; j += (size_t)blockDim.x * gridDim.x) {
+        T dg = T(0), db = T(0);
+        for (size_t p = 0; p < parts; ++p) {
+            dg += partial[p * d + j];
+            db += partial[(parts + p) * d + j];
         }
         dgamma[j] = dg;
         dbeta[j] = db;
@@ -334,9 +387,13 @@ __device__ void layer_norm_bwd_cols(size_t rows, size_t d, const T* x, const T* 
                                                          const T* gy, T eps, T inv_d, T* dx, T* stats) {        \
         layer_norm_bwd_rows<T>(rows, d, x, gamma, gy, eps, inv_d, dx, stats);                                   \
     }                                                                                                           \
-    extern "C" __global__ void layer_norm_bwd_cols_##SUF(size_t rows, size_t d, const T* x, const T* gy,        \
-                                                         const T* stats, T* dgamma, T* dbeta) {                 \
-        layer_norm_bwd_cols<T>(rows, d, x, gy, stats, dgamma, dbeta);                                           \
+    extern "C" __global__ void layer_norm_bwd_cols_partial_##SUF(size_t rows, size_t d, size_t parts, const T* x, \
+                                                                 const T* gy, const T* stats, T* partial) {     \
+        layer_norm_bwd_cols_partial<T>(rows, d, parts, x, gy, stats, partial);                                  \
+    }                                                                                                           \
+    extern "C" __global__ void layer_norm_bwd_cols_finish_##SUF(size_t d, size_t parts, const T* partial,        \
+                                                                T* dgamma, T* dbeta) {                          \
+        layer_norm_bwd_cols_finish<T>(d, parts, partial, dgamma, dbeta);                                        \
     }
 
 LAYER_NORM(float, f32)

@@ -10,8 +10,9 @@
 //! The kernels (`fused.cu`) are compiled to PTX at build time (build.rs, nvcc through
 //! `cudaforge` as Candle builds its own) and loaded once per device through Candle's
 //! `CudaDevice::get_or_load_custom_func`; they run on the device's stream. f32, f64 and bf16
-//! (computed in f32, stored rounded to bf16, as on the CPU). Per-channel sums are f64, one
-//! block per channel in a fixed order.
+//! (computed in f32, stored rounded to bf16, as on the CPU). Per-channel sums are f64, in two
+//! stages over a partition fixed by the shape (several blocks per channel, then the parts in
+//! order: the same bits every run).
 //!
 //! `ALLGRAD_CUDA_FUSED=0` (read once) turns them off: CUDA tensors then take the composed
 //! Candle ops as before, so a GPU session can compare the two.
@@ -26,6 +27,7 @@ use half::bf16;
 
 use crate::error::{fail, NnError};
 
+pub(crate) mod finalize;
 pub mod optim;
 
 mod ptx {
@@ -65,11 +67,6 @@ fn func(dev: &CudaDevice, name: &str, dt: DType, op: &'static str) -> Result<Cud
 fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
-}
-
-/// One block per channel (the per-channel sums; fused.cu's `SUM_THREADS` threads each).
-fn per_channel(c: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (c as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// The elements of a contiguous layout of `s` (every caller makes its inputs contiguous).
@@ -113,6 +110,7 @@ macro_rules! by_dtype {
         }
     };
 }
+pub(crate) use by_dtype;
 
 /// `max(a + b, 0)` (`b` absent: `max(a, 0)`): the forward of [`crate::relu`] and
 /// [`crate::add_relu`].
@@ -272,7 +270,12 @@ pub(crate) fn layer_norm_backward(
     if lgy.shape().elem_count() != rows * d {
         return fail(NnError::ShapeMismatch { op: OP, shapes: vec![lx.shape().clone(), lgy.shape().clone()] });
     }
-    let (frows, fcols) = (func(dev, "layer_norm_bwd_rows", x.dtype(), OP)?, func(dev, "layer_norm_bwd_cols", x.dtype(), OP)?);
+    let frows = func(dev, "layer_norm_bwd_rows", x.dtype(), OP)?;
+    let (fpart, ffinish) =
+        (func(dev, "layer_norm_bwd_cols_partial", x.dtype(), OP)?, func(dev, "layer_norm_bwd_cols_finish", x.dtype(), OP)?);
+    // Row parts of the columns' two-stage sums: about 64 rows per part, at most 64 parts (a
+    // function of the shape only).
+    let parts = rows.div_ceil(64).clamp(1, 64);
     let out = by_dtype!(x.dtype(), OP, <T, C> {
         let n = rows * d + 2 * d;
         // Zeros: with no rows the gradients of gamma and beta are 0.
@@ -291,11 +294,25 @@ pub(crate) fn layer_norm_backward(
                 // T; one block of LN_THREADS threads per row.
                 unsafe { builder.launch(per_row(rows)) }.w()?;
             }
+            let partial = output::<T>(dev, 2 * parts * d)?;
+            {
+                let mut builder = stream.launch_builder(&fpart);
+                builder.arg(&rows).arg(&d).arg(&parts).arg(&xv).arg(&gyv).arg(&stats).arg(&partial);
+                let cfg = LaunchConfig {
+                    grid_dim: (d.div_ceil(32) as u32, parts as u32, 1),
+                    block_dim: (32, 8, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: `x` and `gy` hold rows·d elements, `stats` 2·rows, `partial` 2·parts·d;
+                // block (tile, part) of 32 x 8 threads (fused.cu's LN_COLS x LN_ROWS) writes its
+                // columns' two partials of its part only.
+                unsafe { builder.launch(cfg) }.w()?;
+            }
             let (_, mut rest) = out.split_at_mut(rows * d);
             let (mut dgamma, mut dbeta) = rest.split_at_mut(d);
-            let mut builder = stream.launch_builder(&fcols);
-            builder.arg(&rows).arg(&d).arg(&xv).arg(&gyv).arg(&stats).arg(&mut dgamma).arg(&mut dbeta);
-            // SAFETY: as above; `dgamma` and `dbeta` hold d elements each, one thread per column.
+            let mut builder = stream.launch_builder(&ffinish);
+            builder.arg(&d).arg(&parts).arg(&partial).arg(&mut dgamma).arg(&mut dbeta);
+            // SAFETY: `partial` holds 2·parts·d elements, `dgamma` and `dbeta` d each.
             unsafe { builder.launch(elementwise(d)) }.w()?;
         }
         CudaStorage::wrap_cuda_slice(out, dev.clone())
@@ -308,56 +325,143 @@ fn geometry(l: &Layout, op: &'static str) -> Result<(usize, usize, usize)> {
     crate::channel::geometry(l.dims(), op)
 }
 
+/// Threads per block of the per-channel reductions (fused.cu's `SUM_THREADS`).
+const SUM_THREADS: usize = 256;
+
+/// Parts per channel of the two-stage reductions: about 16 values per thread of a part, at most
+/// 64 parts; a function of the shape only, so the summation order never changes between runs.
+pub(crate) fn reduction_parts(m: usize) -> usize {
+    m.div_ceil(SUM_THREADS * 16).clamp(1, 64)
+}
+
+/// What a two-stage per-channel reduction sums: the moments of `x`, or batch norm's backward
+/// sums of `(g, x, y)` around `mean` (the coefficients table's first row).
+pub(crate) enum Reduce<'a> {
+    Moments,
+    BackwardSums { g: (&'a CudaStorage, &'a Layout), y: (&'a CudaStorage, &'a Layout), mean: CudaView<'a, f64>, relu: bool },
+}
+
+/// Per channel `[Σa; Σb]` (`count`: then `n` appended, `[Σx; Σx²; n]`) of an `[n, c, inner]`
+/// tensor, in two stages over a fixed partition (fused.cu's `channel_partial`,
+/// `channel_finish`), as a fresh f64 buffer.
+pub(crate) fn channel_reduce(
+    x: &CudaStorage,
+    lx: &Layout,
+    what: Reduce<'_>,
+    count: bool,
+    op: &'static str,
+) -> Result<CudaSlice<f64>> {
+    let dev = &x.device;
+    let (n, c, inner) = geometry(lx, op)?;
+    let m = n * inner;
+    let parts = reduction_parts(m);
+    let out = output::<f64>(dev, (2 * c + usize::from(count)).max(1))?;
+    let small = n * c * inner < u32::MAX as usize;
+    // channel_partial_<dtype>_<u32|u64>: 32-bit indices below 2^32 elements.
+    let suffix = match x.dtype() {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::BF16 => "bf16",
+        dtype => return fail(NnError::UnsupportedDType { op, dtype }),
+    };
+    let name = format!("channel_partial_{suffix}_{}", if small { "u32" } else { "u64" });
+    let f = dev.get_or_load_custom_func(&name, MODULE, ptx::FUSED)?.into_cuda_function();
+    let finish = dev.get_or_load_custom_func("channel_finish", MODULE, ptx::FUSED)?.into_cuda_function();
+    let stream = dev.cuda_stream();
+    if c > 0 {
+        let partial = output::<f64>(dev, 2 * c * parts)?;
+        by_dtype!(x.dtype(), op, <T, C> {
+            let xv = view::<T>(x, lx, op)?;
+            let (gv, yv) = match &what {
+                Reduce::BackwardSums { g, y, .. } => (view::<T>(g.0, g.1, op)?, view::<T>(y.0, y.1, op)?),
+                Reduce::Moments => (view::<T>(x, lx, op)?, view::<T>(x, lx, op)?),
+            };
+            let (sums, relu) = match &what {
+                Reduce::BackwardSums { relu, .. } => (1i32, i32::from(*relu)),
+                Reduce::Moments => (0, 0),
+            };
+            let cfg = LaunchConfig { grid_dim: (c as u32, parts as u32, 1), block_dim: (SUM_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+            let mut b = stream.launch_builder(&f);
+            let (c32, inner32, m32, p32) = (c as u32, inner as u32, m as u32, parts as u32);
+            let (c64, inner64, m64, p64) = (c as u64, inner as u64, m as u64, parts as u64);
+            if small {
+                b.arg(&c32).arg(&inner32).arg(&m32).arg(&p32);
+            } else {
+                b.arg(&c64).arg(&inner64).arg(&m64).arg(&p64);
+            }
+            b.arg(&xv).arg(&gv).arg(&yv);
+            match &what {
+                Reduce::BackwardSums { mean, .. } => b.arg(mean),
+                // Not read (sums = 0): any device pointer.
+                Reduce::Moments => b.arg(&partial),
+            };
+            b.arg(&sums).arg(&relu).arg(&partial);
+            // SAFETY: `x` (and `g`, `y`) hold n·c·inner elements of T, `mean` c values, `partial`
+            // 2·c·parts; block (ch, part) writes its two partials only; the index type matches
+            // the kernel's (u32 below 2^32 elements).
+            unsafe { b.launch(cfg) }.w()?;
+        });
+        let cnt: f64 = if count { m as f64 } else { -1.0 };
+        let mut b = stream.launch_builder(&finish);
+        b.arg(&c).arg(&parts).arg(&partial).arg(&cnt).arg(&out);
+        // SAFETY: `partial` holds 2·c·parts f64 values, `out` 2c (+1 with the count).
+        unsafe {
+            b.launch(LaunchConfig { grid_dim: (c.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+        }
+        .w()?;
+    } else if count {
+        let cnt = m as f64;
+        let mut b = stream.launch_builder(&finish);
+        b.arg(&c).arg(&parts).arg(&out).arg(&cnt).arg(&out);
+        // SAFETY: with no channels the kernel only writes out[0], the count.
+        unsafe { b.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 }) }.w()?;
+    }
+    Ok(out)
+}
+
 /// Per channel `[Σx; Σx²]` as an f64 `[2, C]` storage: [`crate::channel_moments`].
 pub(crate) fn channel_moments(x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
-    const OP: &str = "channel_moments";
-    let dev = &x.device;
-    let (n, c, inner) = geometry(lx, OP)?;
-    let f = func(dev, "channel_moments", x.dtype(), OP)?;
-    let out = dev.alloc_zeros::<f64>((2 * c).max(1))?;
-    by_dtype!(x.dtype(), OP, <T, C> {
-        let xv = view::<T>(x, lx, OP)?;
-        if c > 0 {
-            let stream = dev.cuda_stream();
-            let mut builder = stream.launch_builder(&f);
-            builder.arg(&n).arg(&c).arg(&inner).arg(&xv).arg(&out);
-            // SAFETY: `x` holds n·c·inner elements; `out` 2c f64 values, one block per channel.
-            unsafe { builder.launch(per_channel(c)) }.w()?;
-        }
-    });
-    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, c))))
+    let (_, c, _) = geometry(lx, "channel_moments")?;
+    let out = channel_reduce(x, lx, Reduce::Moments, false, "channel_moments")?;
+    Ok((CudaStorage::wrap_cuda_slice(out, x.device.clone()), Shape::from((2, c))))
+}
+
+/// Per channel `[Σx; Σx²; n]` as a flat f64 storage of 2C + 1: [`crate::batch_moments`].
+pub(crate) fn batch_moments(x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
+    let (_, c, _) = geometry(lx, "batch_moments")?;
+    let out = channel_reduce(x, lx, Reduce::Moments, true, "batch_moments")?;
+    Ok((CudaStorage::wrap_cuda_slice(out, x.device.clone()), Shape::from(2 * c + 1)))
+}
+
+/// A held f64 table's elements on the device (a contiguous tensor held by an op, read in its
+/// storage: no copy), given to `f` with the slice.
+pub(crate) fn with_table<R>(t: &Tensor, f: impl FnOnce(CudaView<'_, f64>) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*storage else {
+        return fail(NnError::DeviceMismatch { op: "batch_norm (a table off the CUDA device)" });
+    };
+    f(view::<f64>(s, layout, "batch_norm table")?)
 }
 
 /// Batch norm's forward: `tail(a[c]·x + b[c])`, where `tail` is `mode` 0 (none), 1 (ReLU), 2
 /// (`max(· + third, 0)`, a skip input) or 3 (`max(· + a2[c]·third + b2[c], 0)`, a normalised
-/// shortcut); `a`, `b`, `a2`, `b2` already rounded to the compute type (exact in f64).
-pub(crate) struct BnForward<'a> {
-    /// The per-channel scale and shift.
-    pub ab: (&'a [f64], &'a [f64]),
-    /// The shortcut's scale and shift (mode 3).
-    pub branch: Option<(&'a [f64], &'a [f64])>,
-    /// 0 to 3, as above.
-    pub mode: i32,
-}
-
-impl BnForward<'_> {
-    /// The output for `x` (and the skip or shortcut input `third`, modes 2 and 3).
-    pub fn run(&self, x: &CudaStorage, lx: &Layout, third: Option<(&CudaStorage, &Layout)>) -> Result<(CudaStorage, Shape)> {
-        const OP: &str = "batch_norm";
-        let dev = &x.device;
-        let (_, c, inner) = geometry(lx, OP)?;
-        let len = lx.shape().elem_count();
-        let f = func(dev, "bn_forward", x.dtype(), OP)?;
-        let out = by_dtype!(x.dtype(), OP, <T, C> {
-            let coef = |v: &[f64]| -> Result<CudaSlice<C>> {
-                let v: Vec<C> = v.iter().map(|&v| v as C).collect();
-                dev.clone_htod(&v)
-            };
-            let (a, b) = (coef(self.ab.0)?, coef(self.ab.1)?);
-            let (a2, b2) = match self.branch {
-                Some((a2, b2)) => (coef(a2)?, coef(b2)?),
-                None => (coef(self.ab.0)?, coef(self.ab.1)?),
-            };
+/// shortcut); `a`, `b` are rows 2 and 3 of the coefficients table `coef` (`coef2`: the
+/// shortcut's), converted to the compute type in the kernel.
+pub(crate) fn bn_forward(
+    x: &CudaStorage,
+    lx: &Layout,
+    third: Option<(&CudaStorage, &Layout)>,
+    coef: &Tensor,
+    coef2: Option<&Tensor>,
+    mode: i32,
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "batch_norm";
+    let dev = &x.device;
+    let (_, c, inner) = geometry(lx, OP)?;
+    let len = lx.shape().elem_count();
+    let f = func(dev, "bn_forward", x.dtype(), OP)?;
+    let launch = |cv: &CudaView<'_, f64>, cv2: &CudaView<'_, f64>| -> Result<CudaStorage> {
+        Ok(by_dtype!(x.dtype(), OP, <T, C> {
             let out = output::<T>(dev, len)?;
             let xv = view::<T>(x, lx, OP)?;
             let tv = match third {
@@ -366,137 +470,38 @@ impl BnForward<'_> {
             };
             if len > 0 {
                 let stream = dev.cuda_stream();
-            let mut builder = stream.launch_builder(&f);
-                builder.arg(&len).arg(&c).arg(&inner).arg(&xv).arg(&tv);
-                builder.arg(&a).arg(&b).arg(&a2).arg(&b2).arg(&self.mode).arg(&out);
-                // SAFETY: `x`, `third` and `out` hold `len` elements, the coefficients `c`
-                // values each, of the kernel's types.
+                let mut builder = stream.launch_builder(&f);
+                builder.arg(&len).arg(&c).arg(&inner).arg(&xv).arg(&tv).arg(cv).arg(cv2).arg(&mode).arg(&out);
+                // SAFETY: `x`, `third` and `out` hold `len` elements of T, the tables 4c + 1
+                // f64 values each (checked when they were made).
                 unsafe { builder.launch(elementwise(len)) }.w()?;
             }
             CudaStorage::wrap_cuda_slice(out, dev.clone())
-        });
-        Ok((out, lx.shape().clone()))
-    }
+        }))
+    };
+    // Each table's storage is locked once (the shortcut's is another tensor).
+    let out = with_table(coef, |cv| match coef2 {
+        Some(c2) => with_table(c2, |cv2| launch(&cv, &cv2)),
+        None => launch(&cv, &cv),
+    })?;
+    Ok((out, lx.shape().clone()))
 }
 
-/// Batch norm's backward sums, per channel `[Σg'; Σg'·(x − mean)]` as an f64 `[2, C]` tensor
-/// (an untracked op on `(g, x, y)`; `g'` is `g` masked by `y > 0` with `relu`).
-pub(crate) struct BnBackwardSums {
-    /// The mean per channel.
-    pub mean: Vec<f64>,
-    /// Whether the tail had a ReLU.
-    pub relu: bool,
-}
-
-impl candle_core::CustomOp3 for BnBackwardSums {
-    fn name(&self) -> &'static str {
-        "allgrad-batch-norm-backward-sums"
+/// Makes the memory pool that `dev`'s allocations come from keep its memory between steps: its
+/// release threshold (0 by default, so the pool may hand memory back to the driver at every
+/// synchronisation and map it again in the next step) is set to the largest value. Returns
+/// whether the pool was set: false on the CPU, or where the context allocates without pools.
+pub fn keep_pool_memory(dev: &candle_core::Device) -> bool {
+    use candle_core::cuda::cudarc::driver::{result, sys};
+    let candle_core::Device::Cuda(d) = dev else { return false };
+    let ctx = d.cuda_stream().context().clone();
+    if !ctx.has_async_alloc() {
+        return false;
     }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CpuStorage, Shape)> {
-        fail(NnError::DeviceMismatch { op: "batch_norm backward sums (CUDA only)" })
-    }
-
-    fn cuda_fwd(
-        &self,
-        g: &CudaStorage,
-        lg: &Layout,
-        x: &CudaStorage,
-        lx: &Layout,
-        y: &CudaStorage,
-        ly: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        const OP: &str = "batch_norm backward";
-        let dev = &x.device;
-        let (n, c, inner) = geometry(lx, OP)?;
-        let f = func(dev, "bn_backward_sums", x.dtype(), OP)?;
-        let mean = dev.clone_htod(&self.mean)?;
-        let relu = i32::from(self.relu);
-        let out = dev.alloc_zeros::<f64>((2 * c).max(1))?;
-        by_dtype!(x.dtype(), OP, <T, C> {
-            let (gv, xv, yv) = (view::<T>(g, lg, OP)?, view::<T>(x, lx, OP)?, view::<T>(y, ly, OP)?);
-            if c > 0 {
-                let stream = dev.cuda_stream();
-            let mut builder = stream.launch_builder(&f);
-                builder.arg(&n).arg(&c).arg(&inner).arg(&gv).arg(&xv).arg(&yv).arg(&mean).arg(&relu).arg(&out);
-                // SAFETY: `g`, `x`, `y` hold n·c·inner elements, `mean` c values and `out` 2c,
-                // one block per channel.
-                unsafe { builder.launch(per_channel(c)) }.w()?;
-            }
-        });
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, c))))
-    }
-}
-
-/// Batch norm's input gradient `∂x = k·g' + c1·(x − μ) + c0` per channel (an untracked op on
-/// `(g, x, y)`), the coefficients already rounded to the compute type (exact in f64).
-pub(crate) struct BnBackwardDx {
-    /// `k`, `c1`, `c0` and `μ` per channel.
-    pub coef: [Vec<f64>; 4],
-    /// Whether the tail had a ReLU (`g'` is `g` masked by `y > 0`).
-    pub relu: bool,
-}
-
-impl candle_core::CustomOp3 for BnBackwardDx {
-    fn name(&self) -> &'static str {
-        "allgrad-batch-norm-backward-dx"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CpuStorage, Shape)> {
-        fail(NnError::DeviceMismatch { op: "batch_norm backward dx (CUDA only)" })
-    }
-
-    fn cuda_fwd(
-        &self,
-        g: &CudaStorage,
-        lg: &Layout,
-        x: &CudaStorage,
-        lx: &Layout,
-        y: &CudaStorage,
-        ly: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        const OP: &str = "batch_norm backward";
-        let dev = &x.device;
-        let (_, c, inner) = geometry(lx, OP)?;
-        let len = lx.shape().elem_count();
-        let f = func(dev, "bn_backward_dx", x.dtype(), OP)?;
-        let relu = i32::from(self.relu);
-        let out = by_dtype!(x.dtype(), OP, <T, C> {
-            let up = |v: &[f64]| -> Result<CudaSlice<C>> {
-                let v: Vec<C> = v.iter().map(|&v| v as C).collect();
-                dev.clone_htod(&v)
-            };
-            let [k, c1, c0, mu] = &self.coef;
-            let (k, c1, c0, mu) = (up(k)?, up(c1)?, up(c0)?, up(mu)?);
-            let out = output::<T>(dev, len)?;
-            let (gv, xv, yv) = (view::<T>(g, lg, OP)?, view::<T>(x, lx, OP)?, view::<T>(y, ly, OP)?);
-            if len > 0 {
-                let stream = dev.cuda_stream();
-            let mut builder = stream.launch_builder(&f);
-                builder.arg(&len).arg(&c).arg(&inner).arg(&gv).arg(&xv).arg(&yv);
-                builder.arg(&k).arg(&c1).arg(&c0).arg(&mu).arg(&relu).arg(&out);
-                // SAFETY: `g`, `x`, `y` and `out` hold `len` elements, the coefficients `c`
-                // values each, of the kernel's types.
-                unsafe { builder.launch(elementwise(len)) }.w()?;
-            }
-            CudaStorage::wrap_cuda_slice(out, dev.clone())
-        });
-        Ok((out, lx.shape().clone()))
-    }
+    // SAFETY: the CUdevice comes from the live context of Candle's device.
+    let Ok(pool) = (unsafe { result::device::get_mem_pool(ctx.cu_device()) }) else { return false };
+    let mut threshold: u64 = u64::MAX;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    // SAFETY: a valid pool; RELEASE_THRESHOLD takes a cuuint64_t.
+    unsafe { result::mem_pool::set_attribute(pool, attr, (&mut threshold as *mut u64).cast()) }.is_ok()
 }

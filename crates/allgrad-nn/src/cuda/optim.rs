@@ -6,11 +6,15 @@
 //! that a GPU update can equal the CPU's to the last bit; the GPU test
 //! (`crates/allgrad-train/tests/optim_cuda.rs`) checks it to f64 1e-10 and f32 1e-5. f32 and
 //! f64; contiguous operands of one length.
+//!
+//! Each takes a `guard`: `None`, or a one-element u8 tensor on the device (the trainer's
+//! "loss and gradient norm are finite" flag); a zero flag makes the kernel leave its operand
+//! unchanged, so a non-finite step is skipped on the device without a read before the update.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaView, PushKernelArg};
 use candle_core::cuda::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result, WithDType};
+use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor, WithDType};
 
 use super::{elementwise, enabled, view};
 use crate::error::{fail, NnError};
@@ -101,6 +105,17 @@ fn func(s: &CudaStorage, name: &str, op: &'static str) -> Result<candle_core::cu
     Ok(s.device.get_or_load_custom_func(&format!("{name}_{suffix}"), MODULE, super::ptx::OPTIM)?.into_cuda_function())
 }
 
+/// The guard's flag as a device view (checked: one u8 on the device), held while `f` launches.
+fn with_guard<R>(guard: Option<&Tensor>, op: &'static str, f: impl FnOnce(Option<CudaView<'_, u8>>) -> Result<R>) -> Result<R> {
+    let Some(t) = guard else { return f(None) };
+    if t.dtype() != DType::U8 || t.elem_count() != 1 {
+        candle_core::bail!("{op}: the guard must be one u8 flag, got {:?} {:?}", t.dtype(), t.dims());
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else { return fail(NnError::DeviceMismatch { op }) };
+    f(Some(view::<u8>(s, layout, op)?))
+}
+
 fn check_dtypes(op: &'static str, first: &CudaStorage, others: &[&CudaStorage]) -> Result<()> {
     if others.iter().any(|s| s.dtype() != first.dtype()) {
         let mut dtypes = vec![first.dtype()];
@@ -111,25 +126,42 @@ fn check_dtypes(op: &'static str, first: &CudaStorage, others: &[&CudaStorage]) 
 }
 
 /// AdamW's moment in place: `m ← β·m + (1−β)·g`, or `(1−β)·g²` when `squared`.
-pub fn adam_moment(m: &mut CudaStorage, lm: &Layout, g: &CudaStorage, lg: &Layout, beta: f64, squared: bool) -> Result<()> {
+pub fn adam_moment(
+    m: &mut CudaStorage,
+    lm: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    beta: f64,
+    squared: bool,
+    guard: Option<&Tensor>,
+) -> Result<()> {
     const OP: &str = "AdamW moment";
     check_dtypes(OP, m, &[g])?;
     let n = same_len(OP, lm, &[lg])?;
     let f = func(m, "adam_moment", OP)?;
     let stream = m.device.cuda_stream();
-    float_dtype!(m.dtype(), OP, <T> {
-        let gv: CudaView<T> = view::<T>(g, lg, OP)?;
-        let (b, one_b, sq) = (T::from_f64(beta), T::from_f64(1.0 - beta), i32::from(squared));
-        let mut mv = view_mut::<T>(m, lm, OP)?;
-        if n > 0 {
-            let mut builder = stream.launch_builder(&f);
-            builder.arg(&n).arg(&mut mv).arg(&gv).arg(&b).arg(&one_b).arg(&sq);
-            // SAFETY: `m` and `g` hold `n` elements of T each; the argument types match the
-            // kernel's signature.
-            unsafe { builder.launch(elementwise(n)) }.w()?;
-        }
-    });
-    Ok(())
+    with_guard(guard, OP, |ok| {
+        float_dtype!(m.dtype(), OP, <T> {
+            let gv: CudaView<T> = view::<T>(g, lg, OP)?;
+            let (b, one_b, sq) = (T::from_f64(beta), T::from_f64(1.0 - beta), i32::from(squared));
+            let mut mv = view_mut::<T>(m, lm, OP)?;
+            if n > 0 {
+                let mut builder = stream.launch_builder(&f);
+                builder.arg(&n).arg(&mut mv).arg(&gv).arg(&b).arg(&one_b).arg(&sq);
+                let guarded = i32::from(ok.is_some());
+                match &ok {
+                    Some(ok) => builder.arg(ok),
+                    // Not read (guarded = 0): any device pointer.
+                    None => builder.arg(&gv),
+                };
+                builder.arg(&guarded);
+                // SAFETY: `m` and `g` hold `n` elements of T each, `ok` one byte when guarded; the
+                // argument types match the kernel's signature.
+                unsafe { builder.launch(elementwise(n)) }.w()?;
+            }
+        });
+        Ok(())
+    })
 }
 
 /// AdamW's step in place: `w ← w − lr·(m̂ / (√v̂ + ε) + wd·w)`, `m̂ = m / bc1`, `v̂ = v / bc2`.
@@ -139,25 +171,35 @@ pub fn adam_step(
     (m, lm): (&CudaStorage, &Layout),
     (v, lv): (&CudaStorage, &Layout),
     c: AdamCoefficients,
+    guard: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "AdamW step";
     check_dtypes(OP, w, &[m, v])?;
     let n = same_len(OP, lw, &[lm, lv])?;
     let f = func(w, "adam_step", OP)?;
     let stream = w.device.cuda_stream();
-    float_dtype!(w.dtype(), OP, <T> {
-        let (mv, vv): (CudaView<T>, CudaView<T>) = (view::<T>(m, lm, OP)?, view::<T>(v, lv, OP)?);
-        let k = |x: f64| T::from_f64(x);
-        let (bc1, bc2, eps, wd, lr) = (k(c.bc1), k(c.bc2), k(c.eps), k(c.weight_decay), k(c.lr));
-        let mut wv = view_mut::<T>(w, lw, OP)?;
-        if n > 0 {
-            let mut builder = stream.launch_builder(&f);
-            builder.arg(&n).arg(&mut wv).arg(&mv).arg(&vv).arg(&bc1).arg(&bc2).arg(&eps).arg(&wd).arg(&lr);
-            // SAFETY: `w`, `m` and `v` hold `n` elements of T each; the argument types match.
-            unsafe { builder.launch(elementwise(n)) }.w()?;
-        }
-    });
-    Ok(())
+    with_guard(guard, OP, |ok| {
+        float_dtype!(w.dtype(), OP, <T> {
+            let (mv, vv): (CudaView<T>, CudaView<T>) = (view::<T>(m, lm, OP)?, view::<T>(v, lv, OP)?);
+            let k = |x: f64| T::from_f64(x);
+            let (bc1, bc2, eps, wd, lr) = (k(c.bc1), k(c.bc2), k(c.eps), k(c.weight_decay), k(c.lr));
+            let mut wv = view_mut::<T>(w, lw, OP)?;
+            if n > 0 {
+                let mut builder = stream.launch_builder(&f);
+                builder.arg(&n).arg(&mut wv).arg(&mv).arg(&vv).arg(&bc1).arg(&bc2).arg(&eps).arg(&wd).arg(&lr);
+                let guarded = i32::from(ok.is_some());
+                match &ok {
+                    Some(ok) => builder.arg(ok),
+                    None => builder.arg(&mv),
+                };
+                builder.arg(&guarded);
+                // SAFETY: `w`, `m` and `v` hold `n` elements of T each, `ok` one byte when guarded;
+                // the argument types match.
+                unsafe { builder.launch(elementwise(n)) }.w()?;
+            }
+        });
+        Ok(())
+    })
 }
 
 /// SGD's momentum buffer in place: `buf ← μ·buf + g + wd·w`.
@@ -167,24 +209,34 @@ pub fn sgd_momentum(
     (g, lg): (&CudaStorage, &Layout),
     (w, lw): (&CudaStorage, &Layout),
     c: SgdCoefficients,
+    guard: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "SGD momentum";
     check_dtypes(OP, buf, &[g, w])?;
     let n = same_len(OP, lb, &[lg, lw])?;
     let f = func(buf, "sgd_momentum", OP)?;
     let stream = buf.device.cuda_stream();
-    float_dtype!(buf.dtype(), OP, <T> {
-        let (gv, wv): (CudaView<T>, CudaView<T>) = (view::<T>(g, lg, OP)?, view::<T>(w, lw, OP)?);
-        let (mo, wd, decay) = (T::from_f64(c.momentum), T::from_f64(c.weight_decay), i32::from(c.weight_decay > 0.0));
-        let mut bv = view_mut::<T>(buf, lb, OP)?;
-        if n > 0 {
-            let mut builder = stream.launch_builder(&f);
-            builder.arg(&n).arg(&mut bv).arg(&gv).arg(&wv).arg(&mo).arg(&wd).arg(&decay);
-            // SAFETY: `buf`, `g` and `w` hold `n` elements of T each; the argument types match.
-            unsafe { builder.launch(elementwise(n)) }.w()?;
-        }
-    });
-    Ok(())
+    with_guard(guard, OP, |ok| {
+        float_dtype!(buf.dtype(), OP, <T> {
+            let (gv, wv): (CudaView<T>, CudaView<T>) = (view::<T>(g, lg, OP)?, view::<T>(w, lw, OP)?);
+            let (mo, wd, decay) = (T::from_f64(c.momentum), T::from_f64(c.weight_decay), i32::from(c.weight_decay > 0.0));
+            let mut bv = view_mut::<T>(buf, lb, OP)?;
+            if n > 0 {
+                let mut builder = stream.launch_builder(&f);
+                builder.arg(&n).arg(&mut bv).arg(&gv).arg(&wv).arg(&mo).arg(&wd).arg(&decay);
+                let guarded = i32::from(ok.is_some());
+                match &ok {
+                    Some(ok) => builder.arg(ok),
+                    None => builder.arg(&gv),
+                };
+                builder.arg(&guarded);
+                // SAFETY: `buf`, `g` and `w` hold `n` elements of T each, `ok` one byte when
+                // guarded; the argument types match.
+                unsafe { builder.launch(elementwise(n)) }.w()?;
+            }
+        });
+        Ok(())
+    })
 }
 
 /// SGD's step in place from `g` and the already updated momentum buffer (`buf`, ignored
@@ -196,24 +248,34 @@ pub fn sgd_step(
     (g, lg): (&CudaStorage, &Layout),
     (buf, lb): (&CudaStorage, &Layout),
     c: SgdCoefficients,
+    guard: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "SGD step";
     check_dtypes(OP, w, &[g, buf])?;
     let n = same_len(OP, lw, &[lg, lb])?;
     let f = func(w, "sgd_step", OP)?;
     let stream = w.device.cuda_stream();
-    float_dtype!(w.dtype(), OP, <T> {
-        let (gv, bv): (CudaView<T>, CudaView<T>) = (view::<T>(g, lg, OP)?, view::<T>(buf, lb, OP)?);
-        let k = |x: f64| T::from_f64(x);
-        let (mo, wd, lr) = (k(c.momentum), k(c.weight_decay), k(c.lr));
-        let flags = (i32::from(c.weight_decay > 0.0), i32::from(c.momentum > 0.0), i32::from(c.nesterov));
-        let mut wv = view_mut::<T>(w, lw, OP)?;
-        if n > 0 {
-            let mut builder = stream.launch_builder(&f);
-            builder.arg(&n).arg(&mut wv).arg(&gv).arg(&bv).arg(&mo).arg(&wd).arg(&lr).arg(&flags.0).arg(&flags.1).arg(&flags.2);
-            // SAFETY: `w`, `g` and `buf` hold `n` elements of T each; the argument types match.
-            unsafe { builder.launch(elementwise(n)) }.w()?;
-        }
-    });
-    Ok(())
+    with_guard(guard, OP, |ok| {
+        float_dtype!(w.dtype(), OP, <T> {
+            let (gv, bv): (CudaView<T>, CudaView<T>) = (view::<T>(g, lg, OP)?, view::<T>(buf, lb, OP)?);
+            let k = |x: f64| T::from_f64(x);
+            let (mo, wd, lr) = (k(c.momentum), k(c.weight_decay), k(c.lr));
+            let flags = (i32::from(c.weight_decay > 0.0), i32::from(c.momentum > 0.0), i32::from(c.nesterov));
+            let mut wv = view_mut::<T>(w, lw, OP)?;
+            if n > 0 {
+                let mut builder = stream.launch_builder(&f);
+                builder.arg(&n).arg(&mut wv).arg(&gv).arg(&bv).arg(&mo).arg(&wd).arg(&lr).arg(&flags.0).arg(&flags.1).arg(&flags.2);
+                let guarded = i32::from(ok.is_some());
+                match &ok {
+                    Some(ok) => builder.arg(ok),
+                    None => builder.arg(&gv),
+                };
+                builder.arg(&guarded);
+                // SAFETY: `w`, `g` and `buf` hold `n` elements of T each, `ok` one byte when
+                // guarded; the argument types match.
+                unsafe { builder.launch(elementwise(n)) }.w()?;
+            }
+        });
+        Ok(())
+    })
 }

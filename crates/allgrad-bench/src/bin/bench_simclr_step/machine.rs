@@ -121,6 +121,25 @@ pub mod device_peak {
         Some(high as f64 / (1u64 << 20) as f64)
     }
 
+    /// The memory the pool holds from the driver (`RESERVED_MEM_CURRENT`), in MiB: flat from
+    /// the second step on when the pool keeps its memory between steps
+    /// (`allgrad_nn::keep_pool_memory`).
+    #[cfg(feature = "cuda")]
+    pub fn reserved(dev: &Device) -> Option<f64> {
+        use candle_core::cuda::cudarc::driver::{result, sys};
+        let p = pool(dev)?;
+        let mut bytes: u64 = 0;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT;
+        // SAFETY: a valid pool; RESERVED_MEM_CURRENT writes a cuuint64_t.
+        unsafe { result::mem_pool::get_attribute(p, attr, (&mut bytes as *mut u64).cast()) }.ok()?;
+        Some(bytes as f64 / (1u64 << 20) as f64)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    pub fn reserved(_: &Device) -> Option<f64> {
+        None
+    }
+
     #[cfg(not(feature = "cuda"))]
     pub fn reset(_: &Device) {}
 

@@ -64,12 +64,20 @@ struct Args {
     /// 1-minute load average above which the machine counts as busy.
     #[arg(long, default_value_t = 0.5)]
     busy_load: f64,
+    /// On the CPU, run allgrad's step through the code path a GPU takes (statistics kept in
+    /// tensors; `allgrad_nn::transfer::set_device_path`), so that its host traffic is counted
+    /// as a GPU's would be.
+    #[arg(long)]
+    device_path: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     // As the train binary does (ALLGRAD_MALLOC_TUNE=0 measures without it).
     allgrad::tune_allocator();
     let args = Args::parse();
+    if args.device_path {
+        allgrad_nn::transfer::set_device_path(true);
+    }
     anyhow::ensure!(args.threads > 0 && args.rounds > 0 && args.width > 0, "--threads, --rounds and --width must be positive");
     anyhow::ensure!(matches!(args.depth, 18 | 50), "--depth must be 18 or 50, not {}", args.depth);
     report::device_and_precision(&args.device, &args.precision)?;
@@ -100,6 +108,9 @@ fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
         args.precision
     );
     let device = if args.device == "cuda" { candle_core::Device::new_cuda(0)? } else { candle_core::Device::Cpu };
+    // As `train` opens its device: the memory pool keeps its memory between steps.
+    #[cfg(feature = "cuda")]
+    allgrad_nn::keep_pool_memory(&device);
     let mut ours = AllgradStep::new(batch, args.width, args.depth, &device)?.bf16(args.precision == "bf16");
     let mut options = vec![
         ("width", args.width.to_string()),

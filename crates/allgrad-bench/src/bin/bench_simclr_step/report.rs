@@ -37,6 +37,18 @@ pub fn stat(samples: &[Sample], key: &str) -> Option<(f64, f64, f64)> {
     summary(&samples.iter().filter_map(|s| s.get(key).copied()).collect::<Vec<_>>())
 }
 
+/// Adds allgrad's host traffic of a step to its sample, from snapshots of
+/// [`allgrad_nn::host_traffic`] at its start and after its forward, backward and optimizer:
+/// device→host reads per phase, host→device uploads and cuDNN heuristic queries (on the CPU
+/// they count only with `--device-path`, the code path of a GPU).
+pub fn insert_traffic(s: &mut Sample, [start, fwd, bwd, opt]: [allgrad_nn::HostTraffic; 4]) {
+    s.insert("reads_fwd".into(), (fwd - start).reads as f64);
+    s.insert("reads_bwd".into(), (bwd - fwd).reads as f64);
+    s.insert("reads_opt".into(), (opt - bwd).reads as f64);
+    s.insert("uploads".into(), (opt - start).uploads as f64);
+    s.insert("cudnn_queries".into(), (opt - start).heuristic_queries as f64);
+}
+
 /// The step table: min / median / max of each figure for allgrad (`a`) and PyTorch (`b`),
 /// the ratio of medians, and a warning when other processes took CPU time meanwhile.
 pub fn print_steps(a: &[Sample], b: &[Sample]) {
@@ -55,6 +67,12 @@ pub fn print_steps(a: &[Sample], b: &[Sample]) {
         ("minor page faults (x1000)", "minflt", 1e-3),
         ("others' CPU s meanwhile", "others", 1.0),
         ("peak device memory MiB", "gpu_peak", 1.0),
+        ("device memory reserved MiB", "gpu_reserved", 1.0),
+        ("device reads, forward", "reads_fwd", 1.0),
+        ("device reads, backward", "reads_bwd", 1.0),
+        ("device reads, optimizer", "reads_opt", 1.0),
+        ("host uploads", "uploads", 1.0),
+        ("cuDNN heuristic queries", "cudnn_queries", 1.0),
     ];
     for (label, key, scale) in rows {
         let (sa, sb) = (stat(a, key), stat(b, key));
@@ -70,7 +88,8 @@ pub fn print_steps(a: &[Sample], b: &[Sample]) {
     }
     println!(
         "(ratio: allgrad median / PyTorch median; others' CPU: busy CPU seconds of the machine minus the stepping process's own; \
-         peak device memory: allgrad's memory-pool high watermark, PyTorch's max_memory_allocated, over each step)"
+         peak device memory: allgrad's memory-pool high watermark, PyTorch's max_memory_allocated, over each step; \
+         reads, uploads, cuDNN queries: allgrad's host traffic per step, each read a wait for the device)"
     );
     let others: f64 = [a, b].iter().filter_map(|s| Some(stat(s, "others")?.1 / stat(s, "wall")?.1)).fold(0.0, f64::max);
     if others > OTHERS_BUSY {

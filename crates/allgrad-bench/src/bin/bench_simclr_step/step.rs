@@ -64,6 +64,7 @@ impl AllgradStep {
     /// there).
     pub fn run_probed(&mut self, probe: &mut dyn FnMut(&'static str)) -> anyhow::Result<Sample> {
         crate::machine::device_peak::reset(self.x.device());
+        let traffic = allgrad_nn::host_traffic();
         let start = Usage::now();
         let b = self.batch;
         // Only the loss holds the graph, so that the backward releases it as it goes (as the
@@ -81,10 +82,12 @@ impl AllgradStep {
         let dev = self.x.device();
         dev.synchronize()?;
         let t_fwd = Instant::now();
+        let traffic_fwd = allgrad_nn::host_traffic();
         probe("fwd");
         let grads = loss.backward_release()?;
         dev.synchronize()?;
         let t_bwd = Instant::now();
+        let traffic_bwd = allgrad_nn::host_traffic();
         probe("bwd");
         let g: Vec<Tensor> = self
             .params
@@ -94,6 +97,7 @@ impl AllgradStep {
         self.sgd.step(&self.params, &g, &vec![false; g.len()], 0.1, &self.pg)?;
         dev.synchronize()?;
         let t_opt = Instant::now();
+        let traffic_opt = allgrad_nn::host_traffic();
         probe("opt");
         drop(grads);
         let end = Usage::now();
@@ -103,6 +107,10 @@ impl AllgradStep {
         if let Some(mib) = crate::machine::device_peak::read(dev) {
             s.insert("gpu_peak".into(), mib);
         }
+        if let Some(mib) = crate::machine::device_peak::reserved(dev) {
+            s.insert("gpu_reserved".into(), mib);
+        }
+        crate::report::insert_traffic(&mut s, [traffic, traffic_fwd, traffic_bwd, traffic_opt]);
         Ok(s)
     }
 }

@@ -112,6 +112,9 @@ fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<
         args.precision
     );
     let device = if args.device == "cuda" { candle_core::Device::new_cuda(0)? } else { candle_core::Device::Cpu };
+    // As `train` opens its device: the memory pool keeps its memory between steps.
+    #[cfg(feature = "cuda")]
+    allgrad_nn::keep_pool_memory(&device);
     let mut ours = AllgradStep::new(&args.model, sentences.to_vec(), args.max_len, &device, args.precision == "bf16")?;
     // The worker gets absolute paths: it may resolve relative ones from another folder.
     let abs = |p: &PathBuf| std::fs::canonicalize(p).map(|p| p.display().to_string());

@@ -53,6 +53,7 @@ impl AllgradStep {
     /// freeing the gradients.
     pub fn run(&mut self) -> anyhow::Result<Sample> {
         crate::machine::device_peak::reset(&self.device);
+        let traffic = allgrad_nn::host_traffic();
         let start = Usage::now();
         let batch = Batch { indices: &self.indices, epoch: 0, step: self.step, seed: 0 };
         let loss = {
@@ -61,9 +62,11 @@ impl AllgradStep {
         };
         self.device.synchronize()?;
         let t_fwd = Instant::now();
+        let traffic_fwd = allgrad_nn::host_traffic();
         let grads = loss.backward_release()?;
         self.device.synchronize()?;
         let t_bwd = Instant::now();
+        let traffic_bwd = allgrad_nn::host_traffic();
         let g = self
             .params
             .iter()
@@ -73,6 +76,7 @@ impl AllgradStep {
         self.optimizer.step(&self.params, &g, &sharded, LR, &self.pg)?;
         self.device.synchronize()?;
         let t_opt = Instant::now();
+        let traffic_opt = allgrad_nn::host_traffic();
         drop((g, grads));
         self.step += 1;
         let end = Usage::now();
@@ -82,6 +86,10 @@ impl AllgradStep {
         if let Some(mib) = crate::machine::device_peak::read(&self.device) {
             s.insert("gpu_peak".into(), mib);
         }
+        if let Some(mib) = crate::machine::device_peak::reserved(&self.device) {
+            s.insert("gpu_reserved".into(), mib);
+        }
+        crate::report::insert_traffic(&mut s, [traffic, traffic_fwd, traffic_bwd, traffic_opt]);
         Ok(s)
     }
 }
