@@ -158,3 +158,68 @@ fn four_steps_move_the_parameters() {
         assert!(d > 1e-3, "{kind:?}: 4 steps moved no parameter by more than {d:.2e} ({name})");
     }
 }
+
+#[test]
+fn a_pretrained_folder_starts_the_trainer_from_its_weights() {
+    // Every parameter of the trainer (the scalar logit_scale included) holds the folder's
+    // value before the first step: the checkpoint is copied into the seeded variables. The
+    // folder is data/clip-tiny with logit_scale 3.25, not the config's initial 2.6592, so that
+    // a scale left at its initial value fails.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(repo().join("data/clip-tiny").join(f), dir.join(f)).unwrap();
+    }
+    let mut weights = candle_core::safetensors::load(repo().join("data/clip-tiny/model.safetensors"), &Device::Cpu).unwrap();
+    weights.insert("logit_scale".into(), candle_core::Tensor::new(3.25f32, &Device::Cpu).unwrap());
+    candle_core::safetensors::save(&weights, dir.join("model.safetensors")).unwrap();
+    let model = ClipModelSection { dir: dir.clone(), pretrained: true, max_len: None, mean: None, std: None };
+    let cfg = TrainerConfig {
+        seed: 5,
+        dtype: DType::F32,
+        precision: Default::default(),
+        device: Device::Cpu,
+        train: TrainSection {
+            global_batch: 12,
+            epochs: 1,
+            max_steps: Some(0),
+            accumulate: 1,
+            clip_grad_norm: None,
+            on_nonfinite: Default::default(),
+            shuffle: true,
+            eval: false,
+            cache_chunk: None,
+        },
+        optim: OptimConfig::Adamw { lr: 3e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
+        schedule: ScheduleConfig::default(),
+        checkpoint: CheckpointConfig::default(),
+        log: LogConfig { progress: Progress::Quiet, plot: false, ..Default::default() },
+        settings: Default::default(),
+    };
+    let want = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let got = run_threads(1, |pg| {
+        let objective = Clip::new(&model, ClipLoss::default(), &data(), 5, Device::Cpu)?;
+        let t = Trainer::new(cfg.clone(), Box::new(objective), pg, None, false)?;
+        let mut params = BTreeMap::new();
+        for (n, v) in t.params() {
+            params.insert(n.clone(), v.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(params)
+    })
+    .unwrap()
+    .remove(0);
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "parameters {:?} vs the folder's {:?}",
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (name, v) in &got {
+        let w = want[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        if name == "logit_scale" {
+            assert_eq!(w, [3.25]);
+        }
+        assert_eq!(v, &w, "{name} differs from the folder's");
+    }
+}
