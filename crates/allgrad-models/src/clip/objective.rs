@@ -21,10 +21,11 @@ pub const OPENAI_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 /// See [`OPENAI_MEAN`].
 pub const OPENAI_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
 
-/// The evaluation data: test images with labels, prompts per class, retrieval captions.
+/// The evaluation data: the test split captioned with the held-out templates (images, labels
+/// and retrieval captions), and the prompts of every class.
 struct Evaluation {
     cfg: ClipEval,
-    images: Arc<IdxDataset>,
+    test: ClassCaptions,
     /// Token ids of every class's prompts.
     prompts: Vec<Vec<Vec<u32>>>,
     /// Token ids of the retrieval captions.
@@ -106,10 +107,10 @@ impl Clip {
             .iter()
             .map(|names| tokenize(&self.tokenizer, cfg.templates.iter().map(|t| Ok(t.replace("{}", &names[0])))))
             .collect::<Result<Vec<_>>>()?;
-        let held_out = ClassCaptions::new(images.clone(), data.classes.clone(), cfg.templates.clone(), 1, None)?;
-        let n = cfg.retrieval.min(held_out.len());
-        let captions = tokenize(&self.tokenizer, (0..n).map(|i| held_out.caption(i)))?;
-        self.eval = Some(Evaluation { cfg: cfg.clone(), images, prompts, captions });
+        let test = ClassCaptions::new(images, data.classes.clone(), cfg.templates.clone(), 1, None)?;
+        let n = cfg.retrieval.min(test.len());
+        let captions = tokenize(&self.tokenizer, (0..n).map(|i| test.caption(i)))?;
+        self.eval = Some(Evaluation { cfg: cfg.clone(), test, prompts, captions });
         Ok(self)
     }
 
@@ -215,11 +216,11 @@ impl Objective for Clip {
         let Some(ev) = &self.eval else { return Ok(Vec::new()) };
         let mut out = Vec::new();
         let b = ev.cfg.batch;
-        let test = ClassCaptions::new(ev.images.clone(), vec![vec!["-".into()]; ev.prompts.len()], vec!["{}".into()], 0, None)?;
+        let test = &ev.test;
         if ev.cfg.zero_shot > 0 {
             let n = ev.cfg.zero_shot.min(test.len());
             let idx: Vec<usize> = (0..n).collect();
-            let img = self.embed_shared(n, b, pg, |r| self.embed_images(&test, &idx[r]))?;
+            let img = self.embed_shared(n, b, pg, |r| self.embed_images(test, &idx[r]))?;
             // One direction per class: its prompts' normalised embeddings averaged.
             let mut classes = Vec::new();
             for p in &ev.prompts {
@@ -238,7 +239,7 @@ impl Objective for Clip {
         let n = ev.captions.len();
         if n > 0 {
             let idx: Vec<usize> = (0..n).collect();
-            let img = self.embed_shared(n, b, pg, |r| self.embed_images(&test, &idx[r]))?;
+            let img = self.embed_shared(n, b, pg, |r| self.embed_images(test, &idx[r]))?;
             let txt = self.embed_shared(n, b, pg, |r| self.embed_texts(&ev.captions[r]))?;
             let i2t = cosines(&img, &txt)?;
             let t2i = cosines(&txt, &img)?;
