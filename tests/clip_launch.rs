@@ -1,7 +1,7 @@
 //! `method: clip` as processes: `configs/clip.yaml` (shrunk: 36 pairs, global batch 12, 3
 //! steps, f64) on 2 and 3 ranks under `launch` ends with the parameters of 1 rank, for CLIP's
-//! loss (plain, and tiled with gradient caching) and SigLIP's ring form; `export-hf` writes the
-//! run as a Hugging Face CLIP folder that reads back to the trained parameters.
+//! loss (plain, and tiled with gradient caching) and SigLIP's (gathered and ring); `export-hf`
+//! writes the run as a Hugging Face CLIP folder that reads back to the trained parameters.
 
 mod common;
 
@@ -83,6 +83,7 @@ fn clip_and_siglip_on_2_and_3_launched_ranks_end_where_1_rank_does_and_export() 
     for (tag, extra) in [
         ("clip", vec!["loss={kind: clip}"]),
         ("clip-tiled-cached", vec!["loss={kind: clip, tile: 4}", "train.cache_chunk=2"]),
+        ("siglip-gather", vec!["loss={kind: siglip_gather}"]),
         ("siglip-ring", vec!["loss={kind: siglip_ring}"]),
     ] {
         let dir = |w: usize| d.path().join(format!("{tag}-w{w}"));

@@ -7,6 +7,9 @@
 //!   differences of those loops, gradients;
 //! - the logit scale's clamp at 100.
 
+// The plain references are formulas of (row, column): the loops index by both on purpose.
+#![allow(clippy::needless_range_loop)]
+
 use allgrad_dist::{run_threads, ProcessGroup};
 use allgrad_models::clip::{clip_loss, clip_loss_tiled, siglip_loss, siglip_loss_ring};
 use allgrad_testkit::close::assert_rel;
@@ -41,10 +44,12 @@ fn apply(form: Form, img: &Tensor, txt: &Tensor, s: &Tensor, b: &Tensor, pg: &Pr
     }
 }
 
-/// (mean over ranks of the losses, image gradient rows, text gradient rows, d scale, d bias)
-/// on W ranks, rank r holding rows `n r / W .. n (r + 1) / W`, each rank's backward scaled
-/// by 1/W as the trainer does.
-fn run(form: Form, w: usize, n: usize, scale: f64, bias: f64) -> (f64, Vec<f64>, Vec<f64>, f64, f64) {
+/// Mean over ranks of the losses, image gradient rows, text gradient rows, d scale, d bias.
+type Outcome = (f64, Vec<f64>, Vec<f64>, f64, f64);
+
+/// The [`Outcome`] on W ranks, rank r holding rows `n r / W .. n (r + 1) / W`, each rank's
+/// backward scaled by 1/W as the trainer does.
+fn run(form: Form, w: usize, n: usize, scale: f64, bias: f64) -> Outcome {
     let (img, txt) = (embeddings(n, 0.0), embeddings(n, 1.3));
     let out = run_threads(w, |pg| {
         let r = pg.rank();
@@ -59,7 +64,7 @@ fn run(form: Form, w: usize, n: usize, scale: f64, bias: f64) -> (f64, Vec<f64>,
         Ok((loss.to_scalar::<f64>()?, get(&i), get(&t), get(&s)[0], get(&b)[0]))
     })
     .unwrap();
-    let mut total = (0.0, Vec::new(), Vec::new(), 0.0, 0.0);
+    let mut total: Outcome = (0.0, Vec::new(), Vec::new(), 0.0, 0.0);
     for (l, gi, gt, gs, gb) in out {
         total.0 += l / w as f64;
         total.1.extend(gi);
@@ -70,7 +75,7 @@ fn run(form: Form, w: usize, n: usize, scale: f64, bias: f64) -> (f64, Vec<f64>,
     total
 }
 
-fn assert_same(got: &(f64, Vec<f64>, Vec<f64>, f64, f64), want: &(f64, Vec<f64>, Vec<f64>, f64, f64), tol: f64, what: &str) {
+fn assert_same(got: &Outcome, want: &Outcome, tol: f64, what: &str) {
     assert_rel(&[got.0], &[want.0], tol, &format!("{what}: loss"));
     assert_rel(&got.1, &want.1, tol, &format!("{what}: image gradients"));
     assert_rel(&got.2, &want.2, tol, &format!("{what}: text gradients"));

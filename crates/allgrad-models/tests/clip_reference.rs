@@ -51,8 +51,11 @@ fn flat(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
 }
 
+/// Image features, text features, logits, loss and token ids.
+type Outputs = (Vec<f64>, Vec<f64>, Vec<f64>, f64, Vec<Vec<u32>>);
+
 /// Features, logits and loss of the folder's model on the script's inputs, in f32.
-fn outputs(dir: &std::path::Path) -> (Vec<f64>, Vec<f64>, Vec<f64>, f64, Vec<Vec<u32>>) {
+fn outputs(dir: &std::path::Path) -> Outputs {
     let f = ClipFolder::open(dir).unwrap();
     let model = f.model(DType::F32, &Device::Cpu).unwrap();
     let tok = f.tokenizer(16).unwrap();

@@ -589,7 +589,7 @@ impl Mesh {
         self.exchange(&mut sends, &mut recvs, c.what)?;
         let esz = T::DTYPE.size_in_bytes() as u64;
         let fits = got.checked_mul(esz).is_some_and(|b| b <= max_bytes);
-        if !fits || (unit > 0 && got % unit as u64 != 0) {
+        if !fits || (unit > 0 && !got.is_multiple_of(unit as u64)) {
             return Err(self.fail(DistError::Protocol {
                 peer: src,
                 group: self.group.clone(),

@@ -247,7 +247,7 @@ impl TextTower {
             candle_core::bail!("clip text tower: token id {bad} is outside the vocabulary of {}", self.cfg.vocab_size);
         }
         let flat: Vec<u32> =
-            ids.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat(pad_id).take(len - r.len()))).collect();
+            ids.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(pad_id, len - r.len()))).collect();
         let h = self.cfg.hidden_size;
         let flat = Tensor::from_vec(flat, b * len, device)?;
         let x = self.tokens.index_select(&flat, 0)?.reshape((b, len, h))?;

@@ -88,7 +88,10 @@ impl Clip {
             mean: model.mean.clone().unwrap_or(mean),
             std: model.std.clone().unwrap_or(std),
         };
-        if pixels.mean.len() != v.num_channels || pixels.std.len() != v.num_channels || pixels.std.iter().any(|s| !(*s > 0.0)) {
+        if pixels.mean.len() != v.num_channels
+            || pixels.std.len() != v.num_channels
+            || pixels.std.iter().any(|s| !(s.is_finite() && *s > 0.0))
+        {
             candle_core::bail!("clip: model.mean and model.std need {} entries each, std positive", v.num_channels);
         }
         Ok(Clip { folder, weights, tokenizer, source, tokens, pixels, loss, net: None, device, eval: None })

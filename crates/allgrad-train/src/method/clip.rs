@@ -115,7 +115,7 @@ impl Method for ClipMethod {
                 }
             }
         }
-        if m.std.as_ref().is_some_and(|v| v.iter().any(|s| !(*s > 0.0))) {
+        if m.std.as_ref().is_some_and(|v| v.iter().any(|s| !(s.is_finite() && *s > 0.0))) {
             return Err(SectionError::new("model.std", "every entry must be positive"));
         }
         let l = &s.loss;
