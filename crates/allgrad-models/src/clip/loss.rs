@@ -138,9 +138,10 @@ pub fn siglip_loss(
 /// [`siglip_loss`] in the ring form: the text embeddings travel around the ranks
 /// ([`allgrad_dist::ring_shift`], a differentiable point-to-point exchange) and at each of the
 /// W steps every rank scores its images against the block it holds (its own texts first, the
-/// only block with positives). No rank ever holds more than one other rank's texts; the
-/// texts' gradient returns along the ring in the backward. The same loss and gradients as the
-/// all-gather form, to rounding.
+/// only block with positives); the texts' gradient returns along the ring in the backward. The
+/// same loss and gradients as the all-gather form, to rounding. Each rank talks to its two
+/// neighbours only; the blocks and their logits stay in the graph for the backward, so peak
+/// memory is the gather form's (a block-recomputing op would bound it to one block).
 pub fn siglip_loss_ring(
     images: &Tensor,
     texts: &Tensor,

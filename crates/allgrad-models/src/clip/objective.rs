@@ -105,12 +105,13 @@ impl Clip {
             candle_core::bail!("clip: eval.templates must not be empty and eval.batch must be at least 1");
         }
         let images = Arc::new(IdxDataset::open_dir(dir, Split::Test).map_err(|e| candle_core::Error::Msg(e.to_string()))?);
+        // Checks the class names (one non-empty list per class) and the templates first.
+        let test = ClassCaptions::new(images, data.classes.clone(), cfg.templates.clone(), 1, None)?;
         let prompts = data
             .classes
             .iter()
             .map(|names| tokenize(&self.tokenizer, cfg.templates.iter().map(|t| Ok(t.replace("{}", &names[0])))))
             .collect::<Result<Vec<_>>>()?;
-        let test = ClassCaptions::new(images, data.classes.clone(), cfg.templates.clone(), 1, None)?;
         let n = cfg.retrieval.min(test.len());
         let captions = tokenize(&self.tokenizer, (0..n).map(|i| test.caption(i)))?;
         self.eval = Some(Evaluation { cfg: cfg.clone(), test, prompts, captions });
