@@ -25,10 +25,10 @@
 #     optimizer after five steps, f64 1e-10, f32 1e-5, and their guard (a zero found-inf flag
 #     skips the update) (crates/allgrad-train/tests/optim_cuda.rs); cudnn_conv also checks
 #     that cuDNN plans are cached (a repeat asks no heuristic);
-#  3. equivalence_images, equivalence_text: every method through `launch` and the shipped
-#     configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the GPU == 1
-#     rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR, BarlowTwins and
-#     the face head; SimCSE and vectors;
+#  3. equivalence_images, equivalence_text, equivalence_clip: every method through `launch` and
+#     the shipped configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the
+#     GPU == 1 rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR,
+#     BarlowTwins and the face head; SimCSE and vectors; CLIP and SigLIP's ring form;
 #  4. fault_drill: a rank SIGKILLed while training on the GPU; the other fails within the
 #     timeout naming it; the last checkpoint loads (tests/gpu_faults.rs);
 #  5. bench_r18, bench_r50, bench_simcse: the training step beside PyTorch on the same GPU,
@@ -62,7 +62,7 @@ require="${ALLGRAD_REQUIRE_GPU:-0}"
 mkdir -p "$out" "$(dirname "$report")"
 out=$(cd "$out" && pwd)
 failed=0
-all_parts="collectives cudnn_conv fused_ops fused_optim equivalence_images equivalence_text fault_drill bench_r18 bench_r50 bench_simcse"
+all_parts="collectives cudnn_conv fused_ops fused_optim equivalence_images equivalence_text equivalence_clip fault_drill bench_r18 bench_r50 bench_simcse"
 parts="${ALLGRAD_GPU_PARTS:-$all_parts}"
 parts="${parts//,/ }"
 for p in $parts; do
@@ -309,13 +309,16 @@ if want fused_optim; then
         left_out fused_optim "$bin has no optim_cuda (built by an older scripts/build_cuda_bins.sh)"
     fi
 fi
-# The equivalence tests in two parts, each well under the limit.
+# The equivalence tests in three parts, each well under the limit.
 # shellcheck disable=SC2086
 want equivalence_images && part equivalence_images "SimCLR, BarlowTwins, face head: W ranks == 1 rank on the GPU, GPU == CPU" \
     "$bin/gpu_equivalence" $t simclr barlowtwins face
 # shellcheck disable=SC2086
 want equivalence_text && part equivalence_text "SimCSE (3 variants), vectors: W = 2 == W = 1 on the GPU, GPU == CPU" \
     "$bin/gpu_equivalence" $t simcse vectors
+# shellcheck disable=SC2086
+want equivalence_clip && part equivalence_clip "CLIP, SigLIP (ring): W = 2 == W = 1 on the GPU, GPU == CPU" \
+    "$bin/gpu_equivalence" $t clip_
 # shellcheck disable=SC2086
 want fault_drill && part fault_drill "a rank SIGKILLed on the GPU path" "$bin/gpu_faults" $t
 

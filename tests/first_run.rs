@@ -50,7 +50,7 @@ fn help_lists_examples_and_list_methods_names_the_builtin_ones() {
         "--list-methods",
     ]));
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout).lines().collect::<Vec<_>>(), ["barlowtwins", "face", "simclr", "simcse", "vectors"]);
+    assert_eq!(text(&out.stdout).lines().collect::<Vec<_>>(), ["barlowtwins", "clip", "face", "simclr", "simcse", "vectors"]);
     // A program that is nowhere: exit code 2 and what to do.
     let out = run(cmd(env!("CARGO_BIN_EXE_launch"), cwd.path()).args(["--nproc-per-node", "2", "trian", "--list-methods"]));
     assert_eq!(out.status.code(), Some(2));

@@ -2,7 +2,8 @@
 //! same global batch, through `launch` and the shipped configs (shortened with `--set`):
 //! SimCLR (SyncBatchNorm), BarlowTwins, SimCSE unsupervised and supervised (a small BERT from
 //! a random initialisation; all-MiniLM-L6-v2 where scripts/get_minilm.sh has fetched it), the
-//! face head (negative-class sampling on, class-sharded) and vectors. Each runs 3 optimizer
+//! face head (negative-class sampling on, class-sharded), vectors, and CLIP and SigLIP's ring
+//! form (the tiny CLIP architecture from a random initialisation). Each runs 3 optimizer
 //! steps at W = 1 and W = 2 (and W = 3 for the face head: shards of 667, 667 and 666
 //! classes), and again at W = 1 on the CPU; every parameter, batch-norm buffer and assembled
 //! head shard of the final checkpoints, and every logged loss, is compared.
@@ -167,4 +168,18 @@ fn face_head_with_sampling_on_2_and_3_ranks_equals_1_rank() {
 #[test]
 fn vectors_on_2_ranks_equals_1_rank() {
     equivalence("vectors", "configs/vectors.yaml", &[], &[2]);
+}
+
+/// CLIP from a fresh initialisation of the tiny architecture, with SGD for the reason of
+/// [`SIMCSE_SGD`] (the attention key biases).
+const CLIP_SGD: &str = "optim={kind: sgd, lr: 0.05, momentum: 0.9}";
+
+#[test]
+fn clip_on_2_ranks_equals_1_rank() {
+    equivalence("clip", "configs/clip.yaml", &[CLIP_SGD], &[2]);
+}
+
+#[test]
+fn clip_siglip_ring_on_2_ranks_equals_1_rank() {
+    equivalence("siglip_ring", "configs/clip.yaml", &["loss={kind: siglip_ring}", CLIP_SGD], &[2]);
 }

@@ -73,7 +73,9 @@ pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
 pub use gpu::{CudaCollectives, CudaPath};
 pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
-pub use ops::{all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter};
+pub use ops::{
+    all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, ppermute, reduce_scatter, ring_destinations, ring_shift,
+};
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
 pub use settings::Settings;
 pub use threads::{run_threads, ThreadWorld};

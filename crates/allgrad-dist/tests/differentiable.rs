@@ -5,16 +5,19 @@
 //! - finite differences (plain f64 loops, no Candle) for Prod with zeros and Max/Min with
 //!   and without ties;
 //! - the classic wrong variant (local slice of the gradient only) giving 1/W of the truth;
-//! - the world-size-invariance helper accepting a right loss and rejecting a wrong one.
+//! - the world-size-invariance helper accepting a right loss and rejecting a wrong one;
+//! - the point-to-point exchange (`ppermute`, `ring_shift`): W = 1..4, uneven shards, against
+//!   the simulation and against finite differences of a chain of shifts; bad permutations.
 //!
-//! One file for all ops (a little over 500 lines): they share the simulation harness.
+//! One file for all ops (about 700 lines): they share the simulation harness.
 
 // The references are formulas of (rank, index): the loops index by both on purpose.
 #![allow(clippy::needless_range_loop)]
 
 use allgrad_dist::testing::check_world_size_invariance;
 use allgrad_dist::{
-    all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, reduce_scatter, run_threads, ProcessGroup, ReduceOp,
+    all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, ppermute, reduce_scatter, ring_destinations, ring_shift,
+    run_threads, ProcessGroup, ReduceOp, ThreadWorld,
 };
 use allgrad_testkit::close::{assert_rel, report};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, Var, D};
@@ -613,5 +616,146 @@ fn invariance_helper_rejects_the_local_slice_gather() {
     for r in reports {
         let err = r.assert_close(1e-6).unwrap_err().to_string();
         assert!(err.contains("not world-size invariant"), "{err}");
+    }
+}
+
+// ------------------------------------------------------------------ point-to-point exchange
+
+/// Rows rank r holds in the exchange tests: uneven (1, 3, 2, 1, ...).
+fn p2p_rows(r: usize) -> usize {
+    1 + (2 * r) % 3
+}
+
+/// The rank that sends to `k` under `dst_of`.
+fn source_of(dst_of: &[usize], k: usize) -> usize {
+    dst_of.iter().position(|d| *d == k).unwrap()
+}
+
+/// The permutations tried at world size w: ring shifts by 1, -1 and 2, the reversal, and the
+/// identity.
+fn permutations(w: usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = [1, -1, 2].iter().map(|s| ring_destinations(w, *s)).collect();
+    out.push((0..w).rev().collect());
+    out.push((0..w).collect());
+    out
+}
+
+#[test]
+fn ppermute_every_permutation_with_uneven_shards_matches_simulation() {
+    for w in 1..=4 {
+        for perm in permutations(w) {
+            check_against_simulation(
+                w,
+                |r| tensor(70 + r as u64, &[p2p_rows(r), 3]),
+                |x, pg| ppermute(x, &perm, pg),
+                |xs, k| Ok(xs[source_of(&perm, k)].clone()),
+            );
+        }
+    }
+}
+
+#[test]
+fn ring_shift_is_a_shift_by_shift_ranks_and_chains() {
+    for w in 1..=4 {
+        // Rank k receives from k - 1, then the squares travel back two ranks: k ends with x_{k+1}².
+        check_against_simulation(
+            w,
+            |r| tensor(80 + r as u64, &[p2p_rows(r), 2]),
+            |x, pg| ring_shift(&ring_shift(x, 1, pg)?.sqr()?, -2, pg),
+            |xs, k| xs[(k + 1) % w].sqr(),
+        );
+    }
+}
+
+/// Σ_k L_k of the finite-difference test in plain f64: z_k = x_{s(k)}² where s(k) is the rank
+/// whose rows reach k after a shift by 1 and then the reversal; L_k = Σ_i c_{k,i} z_{k,i}.
+fn p2p_objective(xs: &[Vec<f64>]) -> f64 {
+    let w = xs.len();
+    let rev: Vec<usize> = (0..w).rev().collect();
+    let shift = ring_destinations(w, 1);
+    (0..w)
+        .map(|k| {
+            let mid = source_of(&rev, k);
+            let s = source_of(&shift, mid);
+            let c = values(4000 + k as u64, xs[s].len());
+            xs[s].iter().zip(&c).map(|(x, c)| c * x * x).sum::<f64>()
+        })
+        .sum()
+}
+
+#[test]
+fn ppermute_chain_matches_finite_differences() {
+    for w in 1..=4 {
+        let xs: Vec<Vec<f64>> = (0..w).map(|r| values(90 + r as u64, 2 * p2p_rows(r))).collect();
+        let got = run_threads(w, |pg| {
+            let r = pg.rank();
+            let x = Var::from_tensor(&Tensor::from_vec(xs[r].clone(), (p2p_rows(r), 2), &CPU)?)?;
+            let rev: Vec<usize> = (0..w).rev().collect();
+            let z = ppermute(&ring_shift(x.as_tensor(), 1, &pg)?, &rev, &pg)?.sqr()?;
+            let c = Tensor::from_vec(values(4000 + r as u64, z.elem_count()), z.shape(), &CPU)?;
+            Ok(flat(z.mul(&c)?.sum_all()?.backward()?.get(&x).unwrap()))
+        })
+        .unwrap();
+        // The objective is quadratic in each input: a central difference is exact but for the
+        // rounding of the two objective values (a few ulps of their scale, 4 at most here).
+        let h = 0.5;
+        for r in 0..w {
+            for i in 0..xs[r].len() {
+                let (mut plus, mut minus) = (xs.clone(), xs.clone());
+                plus[r][i] += h;
+                minus[r][i] -= h;
+                let fd = (p2p_objective(&plus) - p2p_objective(&minus)) / (2.0 * h);
+                let scale = xs.iter().flatten().map(|v| (v.abs() + h) * (v.abs() + h) * 2.0).sum::<f64>();
+                let tol = 4.0 * (2 * w * 6) as f64 * f64::EPSILON * scale / (2.0 * h);
+                assert!((got[r][i] - fd).abs() <= tol, "W={w} rank {r} element {i}: {} vs finite difference {fd}", got[r][i]);
+            }
+        }
+    }
+}
+
+#[test]
+fn ppermute_refuses_what_is_not_a_permutation_naming_it() {
+    let errs = run_threads(3, |pg| {
+        let x = Tensor::zeros((2, 2), DType::F64, &CPU)?;
+        let dup = ppermute(&x, &[1, 1, 0], &pg).unwrap_err().to_string();
+        let short = ppermute(&x, &[1, 0], &pg).unwrap_err().to_string();
+        let out = ppermute(&x, &[1, 2, 3], &pg).unwrap_err().to_string();
+        Ok([dup, short, out])
+    })
+    .unwrap();
+    for e in errs.iter().flatten() {
+        assert!(e.contains("must name each of the 3 ranks of the group exactly once"), "{e}");
+    }
+}
+
+#[test]
+fn ranks_that_disagree_on_the_permutation_fail_at_the_timeout_naming_it() {
+    // Rank 0 shifts by 1, the others by -1: rank 0 waits for rank 2, which sends to rank 1,
+    // which waits for rank 2 too; nobody gets what it expects. Every rank must fail within
+    // the timeout, its message naming the call and the permutation it was given.
+    let res = ThreadWorld::new(3).timeout(std::time::Duration::from_secs(3)).run(|pg| {
+        let x = Tensor::zeros((2, 2), DType::F64, &CPU)?;
+        let shift = if pg.rank() == 0 { 1 } else { -1 };
+        Ok(ring_shift(&x, shift, &pg).map(|_| ()).map_err(|e| e.to_string()))
+    });
+    let outcomes = res.unwrap();
+    for (r, o) in outcomes.iter().enumerate() {
+        let e = o.as_ref().expect_err("a rank finished a permutation its peers did not run");
+        assert!(e.contains("permute of 4 x F64") && e.contains("ranks to ["), "rank {r}: {e}");
+    }
+}
+
+#[test]
+fn ppermute_in_f32_moves_bits_unchanged() {
+    let got = run_threads(3, |pg| {
+        let x = Var::from_tensor(&tensor(95 + pg.rank() as u64, &[p2p_rows(pg.rank()), 2]).to_dtype(DType::F32)?)?;
+        let y = ring_shift(x.as_tensor(), 1, &pg)?;
+        let g = y.sum_all()?.backward()?.get(&x).unwrap().clone();
+        Ok((flat(&y), flat(&g), flat(x.as_tensor())))
+    })
+    .unwrap();
+    for k in 0..3 {
+        assert_eq!(got[k].0, got[(k + 2) % 3].2, "rank {k} holds rank {}'s values", (k + 2) % 3);
+        assert!(got[k].1.iter().all(|g| *g == 1.0), "rank {k}: {:?}", got[k].1);
     }
 }

@@ -21,11 +21,14 @@
 //!   and the same for a pairwise loss of your own.
 //! - [`bert`]: a BERT encoder (Hugging Face checkpoints and tokenizers, keyed dropout) and
 //!   [`simcse`]: SimCSE (InfoNCE losses, the objective, evaluation; `method: simcse` in allgrad-train).
+//! - [`clip`]: CLIP and SigLIP on image-caption pairs (a ViT and a causal text transformer,
+//!   losses over the global batch, Hugging Face folders in and out; `method: clip`).
 
 #![warn(missing_docs)]
 
 pub mod batch_norm;
 pub mod bert;
+pub mod clip;
 mod error;
 pub mod face;
 mod files;

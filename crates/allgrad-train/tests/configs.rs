@@ -3,7 +3,8 @@
 //! repository root, where the README's commands run) and its own model, except that the SimCSE
 //! configs' pretrained BERT (all-MiniLM-L6-v2, fetched by scripts/get_minilm.sh) is replaced by
 //! the committed tiny BERT; a second test steps the SimCSE configs on all-MiniLM-L6-v2 itself,
-//! and skips when it has not been fetched.
+//! and skips when it has not been fetched; a third runs the CLIP config's evaluation (zero-shot
+//! classification and retrieval) before and after a step.
 
 use std::path::{Path, PathBuf};
 
@@ -89,4 +90,32 @@ fn simcse_paths(cfg: &RunConfig, root: &Path) -> Vec<String> {
         }
     }
     sets
+}
+
+#[test]
+fn the_clip_config_evaluates_zero_shot_and_retrieval_before_and_after_a_step() {
+    // configs/clip.yaml's eval section as shipped, on fewer test images: the untrained figures
+    // (step 0) and those after one step are logged, each a fraction.
+    let path = root().join("configs/clip.yaml");
+    let sets: Vec<String> = [
+        "train.global_batch=8",
+        "train.max_steps=1",
+        "eval.zero_shot=40",
+        "eval.retrieval=20",
+        "log.progress=quiet",
+        "log.plot=false",
+    ]
+    .map(String::from)
+    .to_vec();
+    let cfg = RunConfig::load(&path, &sets).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(cfg.method, "clip");
+    let evals = run_threads(2, |pg| Ok(run::build(&cfg, pg, None, false)?.train()?.eval)).unwrap();
+    assert_eq!(evals[0], evals[1], "both ranks report the same figures");
+    let names: Vec<&str> = evals[0].iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        names,
+        ["zero_shot_top1", "image_to_text_r@1", "text_to_image_r@1", "image_to_text_r@5", "text_to_image_r@5"],
+        "{evals:?}"
+    );
+    assert!(evals[0].iter().all(|(_, v)| (0.0..=1.0).contains(v)), "{evals:?}");
 }

@@ -31,12 +31,12 @@ fn parse(sets: &[&str]) -> std::result::Result<RunConfig, allgrad_train::config:
 fn unknown_method_lists_the_registered_names() {
     let e = parse(&["method=simclear"]).unwrap_err().to_string();
     assert!(e.contains("run.yaml: at `method`: unknown method `simclear`"), "{e}");
-    assert!(e.contains("barlowtwins, face, simclr, simcse, vectors"), "{e}");
+    assert!(e.contains("barlowtwins, clip, face, simclr, simcse, vectors"), "{e}");
     // A user's registry lists its own names too.
     let mut mine = Registry::builtin();
     mine.register("points", Points::default());
     let e = mine.parse(VECTORS, Path::new("run.yaml"), &["method=pionts".into()]).unwrap_err().to_string();
-    assert!(e.contains("barlowtwins, face, points, simclr, simcse, vectors"), "{e}");
+    assert!(e.contains("barlowtwins, clip, face, points, simclr, simcse, vectors"), "{e}");
 }
 
 #[test]

@@ -564,6 +564,50 @@ impl Mesh {
         Ok((out, recv_counts))
     }
 
+    /// Sends `input` to rank `dst` and returns what rank `src` sent here, talking to those two
+    /// peers only: one round for the element counts (so blocks may differ in size), one for
+    /// the data. `unit` divides every block's length (a tensor's row length; 0 when rows are
+    /// empty). When `dst` is this rank the input is returned as it is.
+    pub(crate) fn permute<T: Elem>(
+        &mut self,
+        c: &Call,
+        input: &[T],
+        dst: usize,
+        src: usize,
+        unit: usize,
+        max_bytes: u64,
+    ) -> DistResult<Vec<T>> {
+        let r = self.rank;
+        if dst == r && src == r {
+            return Ok(input.to_vec());
+        }
+        let mine = [input.len() as u64];
+        let mut got = 0u64;
+        let header = |step| Header { dtype: 0, redop: 0, ..c.header::<u8>(step, 8) };
+        let mut sends = [SendOp { peer: dst, header: header(0), data: bytemuck::cast_slice(&mine) }];
+        let mut recvs = [RecvOp { peer: src, expect: header(0), data: bytemuck::bytes_of_mut(&mut got), acc: None }];
+        self.exchange(&mut sends, &mut recvs, c.what)?;
+        let esz = T::DTYPE.size_in_bytes() as u64;
+        let fits = got.checked_mul(esz).is_some_and(|b| b <= max_bytes);
+        if !fits || (unit > 0 && !got.is_multiple_of(unit as u64)) {
+            return Err(self.fail(DistError::Protocol {
+                peer: src,
+                group: self.group.clone(),
+                detail: format!(
+                    "permute: rank {src} announced {got} elements of {esz} bytes, which is not a whole number of rows of \
+                     {unit} or is over the limit of {max_bytes} bytes (ALLGRAD_MAX_MESSAGE_BYTES)"
+                ),
+            }));
+        }
+        let mut out = vec![T::zeroed(); got as usize];
+        let esz = esz as usize;
+        let mut sends = [SendOp { peer: dst, header: c.header::<T>(1, input.len() * esz), data: bytes(input) }];
+        let expect = c.header::<T>(1, out.len() * esz);
+        let mut recvs = [RecvOp { peer: src, expect, data: bytes_mut(&mut out), acc: None }];
+        self.exchange(&mut sends, &mut recvs, c.what)?;
+        Ok(out)
+    }
+
     /// Every rank waits for every other.
     pub(crate) fn barrier(&mut self, c: &Call) -> DistResult<()> {
         let (w, r) = (self.size(), self.rank);

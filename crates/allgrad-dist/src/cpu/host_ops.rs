@@ -27,6 +27,9 @@ pub(crate) enum Kind {
     Reduce(ReduceOp, usize),
     /// `rows[j]` rows of dim 0 to rank j.
     AllToAll(Vec<usize>),
+    /// The whole tensor to rank `dst_of[rank]` (a permutation of the ranks); the result is
+    /// the tensor of the rank that sends here.
+    Permute(Vec<usize>),
 }
 
 impl Kind {
@@ -81,6 +84,10 @@ pub(crate) fn run<T: Elem>(pg: &ProcessGroup, kind: &Kind, v: &[T], dims: &[usiz
         Kind::AllToAll(send) => {
             let (data, recv) = pg.all_to_all_rows(v, send, rest)?;
             Ok(HostOut { data, dims: with_rows(recv.iter().sum()), sizes: Some(recv) })
+        }
+        Kind::Permute(dst_of) => {
+            let (data, got) = pg.permute_rows(v, rows, dst_of, rest)?;
+            Ok(HostOut { data, dims: with_rows(got), sizes: None })
         }
         Kind::AllReduce(_) | Kind::Broadcast(_) | Kind::Reduce(..) => unreachable!("in-place kinds return above"),
     }
@@ -137,6 +144,7 @@ mod tests {
             "all_gather" => 1 + r,
             "reduce_scatter" => (0..w).map(|j| j + 1).sum(),
             "all_to_all" => (0..w).map(|j| (r + j) % 2 + 1).sum(),
+            "permute" => 1 + r % 2,
             _ => 2,
         }
     }
@@ -150,6 +158,7 @@ mod tests {
             "all_gather" => Kind::AllGather,
             "reduce_scatter" => Kind::ReduceScatter(ReduceOp::Sum, (0..w).map(|j| j + 1).collect()),
             "all_to_all" => Kind::AllToAll((0..w).map(|j| (r + j) % 2 + 1).collect()),
+            "permute" => Kind::Permute((0..w).map(|j| (j + 1) % w).collect()),
             _ => unreachable!(),
         }
     }
@@ -178,6 +187,8 @@ mod tests {
                     x[j][start..start + ((j + r) % 2 + 1) * 3].to_vec()
                 })
                 .collect(),
+            // A ring shift by one: rank r holds rank r - 1's rows.
+            "permute" => x[(r + w - 1) % w].clone(),
             _ => unreachable!(),
         }
     }
@@ -191,12 +202,14 @@ mod tests {
             Kind::AllGather => pg.all_gather(x)?,
             Kind::ReduceScatter(op, blocks) => pg.reduce_scatter_sizes(x, *op, blocks)?,
             Kind::AllToAll(send) => pg.all_to_all_sizes(x, send)?.0,
+            Kind::Permute(dst_of) => pg.permute(x, dst_of)?,
         })
     }
 
     #[test]
     fn staging_a_cpu_tensor_gives_the_bits_of_the_cpu_backend_and_of_a_serial_reference() {
-        let kinds = ["all_reduce", "all_reduce_max", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"];
+        let kinds =
+            ["all_reduce", "all_reduce_max", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "permute"];
         for w in 1..=4 {
             for kind in kinds {
                 let outs = run_threads(w, |pg| {

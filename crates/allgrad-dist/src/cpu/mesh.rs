@@ -40,6 +40,8 @@ pub(crate) enum OpCode {
     SendRecv = 8,
     /// The exchanges that set a new group up (host detection, shared memory).
     Setup = 9,
+    /// A permutation of the ranks' tensors: each rank sends to one rank, receives from one.
+    Permute = 10,
 }
 
 pub(crate) fn op_name(code: u8) -> &'static str {
@@ -53,6 +55,7 @@ pub(crate) fn op_name(code: u8) -> &'static str {
         7 => "all_to_all",
         8 => "send/recv",
         9 => "group setup",
+        10 => "permute",
         _ => "unknown op",
     }
 }

@@ -145,6 +145,46 @@ impl ProcessGroup {
         )
     }
 
+    /// Sends `data` to rank `dst_of[rank]` and returns what the rank whose entry names this
+    /// one sent here; `dst_of` is a permutation of the group's ranks, the same on every rank
+    /// (checked against the peers through `meta`, with the permutation itself). Data move
+    /// between those two peers only; lengths may differ from rank to rank, each a multiple of
+    /// `unit` elements (0: any length).
+    pub fn permute_slice<T: Elem>(&self, data: &[T], dst_of: &[usize], unit: usize, meta: &[u64]) -> DistResult<Vec<T>> {
+        let src = self.check_permutation(dst_of)?;
+        let dst = dst_of[self.rank()];
+        let max = self.inner.ctx.max_message_bytes;
+        let mut words = meta.to_vec();
+        words.extend(dst_of.iter().map(|d| *d as u64));
+        self.call(
+            OpCode::Permute,
+            None,
+            &words,
+            || format!("permute of {} x {:?} to rank {dst}, from rank {src} (ranks to {dst_of:?})", data.len(), T::DTYPE),
+            |m, c| m.permute(c, data, dst, src, unit, max),
+        )
+    }
+
+    /// Checks that `dst_of` sends every rank of the group to a distinct rank; returns the rank
+    /// that sends here.
+    pub(crate) fn check_permutation(&self, dst_of: &[usize]) -> DistResult<usize> {
+        let w = self.world_size();
+        let mut src = vec![usize::MAX; w];
+        for (from, &to) in dst_of.iter().enumerate() {
+            if to >= w || src[to] != usize::MAX {
+                break;
+            }
+            src[to] = from;
+        }
+        if dst_of.len() != w || src.contains(&usize::MAX) {
+            return Err(DistError::Invalid(format!(
+                "permute on {}: destinations {dst_of:?} must name each of the {w} ranks of the group exactly once",
+                self.name()
+            )));
+        }
+        Ok(src[self.rank()])
+    }
+
     /// Waits until every rank of the group has reached the barrier.
     pub fn barrier(&self) -> DistResult<()> {
         self.call(OpCode::Barrier, None, &[], || "barrier".to_string(), |m, c| m.barrier(c))

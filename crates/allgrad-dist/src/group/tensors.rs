@@ -192,6 +192,44 @@ impl ProcessGroup {
         Ok(self.all_to_all_sizes(x, &sizes)?.0)
     }
 
+    /// Sends `rows` rows of shape `rest` (row-major in `data`) to rank `dst_of[rank]`; returns
+    /// the rows received from the rank that sends here, and how many there are.
+    pub fn permute_rows<T: Elem>(
+        &self,
+        data: &[T],
+        rows: usize,
+        dst_of: &[usize],
+        rest: &[usize],
+    ) -> DistResult<(Vec<T>, usize)> {
+        let row: usize = rest.iter().product();
+        if row == 0 {
+            // Rows of zero elements: send the row count itself.
+            let got = self.permute_slice(&[rows as i64], dst_of, 1, &shape_words(rest))?;
+            return Ok((Vec::new(), got[0] as usize));
+        }
+        let out = self.permute_slice(data, dst_of, row, &shape_words(rest))?;
+        let n = out.len() / row;
+        Ok((out, n))
+    }
+
+    /// Sends `x` to rank `dst_of[rank]` and returns the tensor of the rank that sends here
+    /// (`dst_of` is a permutation of the ranks; dim 0 may differ from rank to rank, the other
+    /// dims may not). Not differentiable; see [`crate::ppermute`].
+    pub fn permute(&self, x: &Tensor, dst_of: &[usize]) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::gpu::cuda::permute(self, x, dst_of);
+        }
+        let (rows, rest) = split_first_dim(x, "permute")?;
+        dispatch!(x.dtype(), T => {
+            let v = x.flatten_all()?.to_vec1::<T>()?;
+            let (out, n) = self.permute_rows(&v, rows, dst_of, &rest)?;
+            let mut dims = vec![n];
+            dims.extend_from_slice(&rest);
+            Tensor::from_vec(out, dims, x.device())
+        })
+    }
+
     /// Sends a tensor to rank `dst` (which calls [`ProcessGroup::recv`] with the same shape and dtype).
     pub fn send(&self, x: &Tensor, dst: usize) -> candle_core::Result<()> {
         dispatch!(x.dtype(), T => {

@@ -17,6 +17,7 @@
 //! | `reduce_scatter(op)`   | as `all_reduce(op)` restricted to this rank's block: all_gather for Sum |
 //! | `broadcast(src)`       | reduce(Sum) of the gradients to `src`; zero on the other ranks    |
 //! | `all_to_all`           | the inverse all_to_all of the gradients                           |
+//! | `ppermute(dst_of)`     | the inverse permutation of the gradients (`ring_shift(k)`: a shift by `-k`) |
 //!
 //! The trainer scales every gradient by 1/W and sums replicated parameters across ranks
 //! (DDP's average); with that single rule a W-rank run equals a 1-rank run on the global
@@ -61,12 +62,14 @@ mod all_gather;
 mod all_reduce;
 mod all_to_all;
 mod broadcast;
+mod ppermute;
 mod reduce_scatter;
 
 pub use all_gather::all_gather;
 pub use all_reduce::all_reduce;
 pub use all_to_all::{all_to_all, all_to_all_sizes};
 pub use broadcast::broadcast;
+pub use ppermute::{ppermute, ring_destinations, ring_shift};
 pub use reduce_scatter::reduce_scatter;
 
 use std::sync::OnceLock;

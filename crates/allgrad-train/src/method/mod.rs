@@ -25,7 +25,8 @@
 //!
 //! The built-in methods are in [`Registry::builtin`]: `simclr`, `barlowtwins` (one two-view
 //! image method with different losses, [`allgrad_models::image_ssl::TwoViewMethod`]),
-//! `simcse` ([`simcse::SimCseMethod`]) and `vectors`. A user's own method plugs in from their own binary:
+//! `simcse` ([`simcse::SimCseMethod`]), `face`, `clip` ([`clip::ClipMethod`]: CLIP and
+//! SigLIP) and `vectors`. A user's own method plugs in from their own binary:
 //!
 //! ```no_run
 //! # use allgrad_train::method::{Method, Registry, SectionError};
@@ -48,6 +49,8 @@
 //! built-in ones, under `launch` too (`examples/custom_loss.rs`).
 
 pub mod builtin;
+pub mod clip;
+pub mod clip_export;
 pub mod face;
 pub mod simcse;
 pub mod simcse_export;
@@ -187,6 +190,7 @@ impl Registry {
         r.register("barlowtwins", builtin::ImageMethod::BARLOW_TWINS);
         r.register("vectors", builtin::Vectors);
         r.register("face", face::Face);
+        r.register("clip", clip::ClipMethod);
         r
     }
 

@@ -104,6 +104,11 @@ pub(crate) fn all_to_all(pg: &ProcessGroup, x: &Tensor, rows: &[usize]) -> Resul
     plain(pg, x, Kind::AllToAll(rows.to_vec()))
 }
 
+/// Sends a CUDA tensor to rank `dst_of[rank]`; returns the tensor received.
+pub(crate) fn permute(pg: &ProcessGroup, x: &Tensor, dst_of: &[usize]) -> Result<Tensor> {
+    Ok(plain(pg, x, Kind::Permute(dst_of.to_vec()))?.0)
+}
+
 /// Waits until every rank's `device` has reached this point: an all_reduce of one element
 /// on the device, waited for (through NCCL, or through the host, whose copies wait for the
 /// device's queued work).

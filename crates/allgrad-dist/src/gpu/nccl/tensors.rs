@@ -191,6 +191,17 @@ where
             }
             Ok(wrap(out, shape_of(blocks[pg.rank()], &rest), None))
         }
+        Kind::Permute(dst_of) => {
+            // Through NCCL a permutation is an all_to_all whose only non-empty block goes to
+            // `dst_of[rank]`: the row counts are exchanged over TCP, and NCCL moves the data
+            // between the two peers only (empty blocks post no send or receive).
+            pg.check_permutation(dst_of)?;
+            let (rows, _) = split(dims, "permute")?;
+            let mut send = vec![0; w];
+            send[dst_of[pg.rank()]] = rows;
+            let (out, shape, _) = typed::<T>(pg, &Kind::AllToAll(send), s, l)?;
+            Ok((out, shape, None))
+        }
         Kind::AllToAll(send_rows) => {
             let (rows, rest) = split(dims, "all_to_all")?;
             if send_rows.len() != w || send_rows.iter().sum::<usize>() != rows {

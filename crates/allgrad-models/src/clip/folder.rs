@@ -1,0 +1,228 @@
+//! Hugging Face CLIP folders in and out: `config.json`, `model.safetensors` (the names of
+//! `transformers`' `CLIPModel`) and `tokenizer.json`, read into a [`ClipModel`], and a trained
+//! model written back as a folder `CLIPModel.from_pretrained` loads.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Result, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder};
+use tokenizers::{Tokenizer, TruncationParams};
+
+use super::config::ClipConfig;
+use super::model::ClipModel;
+
+fn msg(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// CLIP's tokenizer (`tokenizer.json`): start and end-of-text tokens added, truncated to the
+/// text tower's context length (the end-of-text token kept last).
+#[derive(Clone)]
+pub struct ClipTokenizer {
+    inner: Tokenizer,
+    pad_id: u32,
+    max_len: usize,
+    eot_id: Option<u32>,
+}
+
+impl ClipTokenizer {
+    /// Reads `tokenizer.json`; sequences longer than `max_len` tokens are cut to `max_len`,
+    /// their last token replaced by the end-of-text token (so they are still pooled there).
+    /// Padding is `<|endoftext|>` when the vocabulary has it (as OpenAI's tokenizer pads),
+    /// else `<pad>`, else 0.
+    pub fn from_file(path: &Path, max_len: usize) -> Result<Self> {
+        if max_len < 2 {
+            candle_core::bail!("clip tokenizer: max_len must be at least 2 (start and end of text), got {max_len}");
+        }
+        let mut inner = Tokenizer::from_file(path).map_err(|e| msg(format!("reading tokenizer {}: {e}", path.display())))?;
+        inner
+            .with_truncation(Some(TruncationParams { max_length: max_len, ..Default::default() }))
+            .map_err(|e| msg(format!("tokenizer {}: truncation to {max_len}: {e}", path.display())))?;
+        inner.with_padding(None);
+        let eot_id = inner.token_to_id("<|endoftext|>");
+        let pad_id = eot_id.or_else(|| inner.token_to_id("<pad>")).unwrap_or(0);
+        Ok(ClipTokenizer { inner, pad_id, max_len, eot_id })
+    }
+
+    /// The id rows are padded with.
+    pub fn pad_id(&self) -> u32 {
+        self.pad_id
+    }
+
+    /// Token ids of `text`, start and end-of-text included, at most `max_len` of them.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, true).map_err(|e| msg(format!("tokenizing {text:?}: {e}")))?;
+        let mut ids = enc.get_ids().to_vec();
+        let full = ids.len() == self.max_len;
+        if let (Some(eot), Some(last), true) = (self.eot_id, ids.last_mut(), full) {
+            *last = eot;
+        }
+        Ok(ids)
+    }
+}
+
+/// The tensors of a `model.safetensors` by name.
+#[derive(Clone, Debug)]
+pub struct ClipWeights {
+    tensors: HashMap<String, Tensor>,
+    file: PathBuf,
+}
+
+impl ClipWeights {
+    /// Reads a `.safetensors` file onto the CPU.
+    pub fn read(file: &Path) -> Result<Self> {
+        let tensors = candle_core::safetensors::load(file, &Device::Cpu)
+            .map_err(|e| msg(format!("reading CLIP weights {}: {e}", file.display())))?;
+        Ok(ClipWeights { tensors, file: file.to_path_buf() })
+    }
+
+    fn tensor(&self, name: &str, shape: &Shape) -> Result<&Tensor> {
+        let t = self.tensors.get(name).ok_or_else(|| msg(format!("CLIP weights {}: no tensor {name}", self.file.display())))?;
+        if t.shape() != shape {
+            candle_core::bail!(
+                "CLIP weights {}: tensor {name} has shape {:?}, the config needs {:?}",
+                self.file.display(),
+                t.dims(),
+                shape.dims()
+            );
+        }
+        Ok(t)
+    }
+
+    /// A model of these weights alone (constants: inference).
+    pub fn model(&self, cfg: &ClipConfig, dtype: DType, device: &Device) -> Result<ClipModel> {
+        let backend = Pretrained { weights: self.clone(), into: None };
+        ClipModel::new(&VarBuilder::from_backend(Box::new(backend), dtype, device.clone()), cfg)
+    }
+
+    /// A model whose parameters are created through `vb` (the trainer's seeded variables)
+    /// and then overwritten with these weights: training starts from the checkpoint.
+    pub fn init_model(&self, cfg: &ClipConfig, vb: VarBuilder<'_>) -> Result<ClipModel> {
+        let (dtype, device) = (vb.dtype(), vb.device().clone());
+        let backend = Pretrained { weights: self.clone(), into: Some(vb) };
+        ClipModel::new(&VarBuilder::from_backend(Box::new(backend), dtype, device), cfg)
+    }
+}
+
+/// A VarBuilder backend reading [`ClipWeights`]; with `into`, each tensor is copied into the
+/// variable `into` creates under the same name.
+struct Pretrained<'a> {
+    weights: ClipWeights,
+    into: Option<VarBuilder<'a>>,
+}
+
+impl SimpleBackend for Pretrained<'_> {
+    fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let value = self.weights.tensor(name, &s)?.to_dtype(dtype)?.to_device(dev)?.contiguous()?;
+        match &self.into {
+            None => Ok(value),
+            Some(vb) => {
+                let target = vb.get_with_hints_dtype(s, name, h, dtype)?;
+                if target.rank() == 0 {
+                    // slice_set needs a dimension: a scalar goes through a view of one element.
+                    target.reshape(1)?.slice_set(&value.reshape(1)?, 0, 0)?;
+                } else {
+                    target.slice_set(&value, 0, 0)?;
+                }
+                Ok(target)
+            }
+        }
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        match self.weights.tensors.get(name) {
+            Some(t) => t.to_dtype(dtype)?.to_device(dev),
+            None => candle_core::bail!("CLIP weights {}: no tensor {name}", self.weights.file.display()),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.weights.tensors.contains_key(name)
+    }
+}
+
+/// A Hugging Face CLIP folder.
+#[derive(Clone, Debug)]
+pub struct ClipFolder {
+    /// The folder.
+    pub dir: PathBuf,
+    /// Its `config.json`.
+    pub config: ClipConfig,
+}
+
+impl ClipFolder {
+    /// Reads `config.json` of `dir` (weights and tokenizer are read when asked for).
+    pub fn open(dir: &Path) -> Result<Self> {
+        Ok(ClipFolder { dir: dir.to_path_buf(), config: ClipConfig::from_file(&dir.join("config.json"))? })
+    }
+
+    /// Its `model.safetensors`.
+    pub fn weights(&self) -> Result<ClipWeights> {
+        ClipWeights::read(&self.dir.join("model.safetensors"))
+    }
+
+    /// The model of its weights, for inference.
+    pub fn model(&self, dtype: DType, device: &Device) -> Result<ClipModel> {
+        self.weights()?.model(&self.config, dtype, device)
+    }
+
+    /// Its tokenizer, cutting at `max_len` tokens (at most the context length).
+    pub fn tokenizer(&self, max_len: usize) -> Result<ClipTokenizer> {
+        let limit = self.config.text_config.max_position_embeddings;
+        if max_len > limit {
+            candle_core::bail!(
+                "max_len {max_len} exceeds the text tower's max_position_embeddings {limit} ({})",
+                self.dir.display()
+            );
+        }
+        ClipTokenizer::from_file(&self.dir.join("tokenizer.json"), max_len)
+    }
+}
+
+/// Files of the source folder copied into an export when present (`tokenizer.json` must be).
+const COPIED: [&str; 6] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "preprocessor_config.json",
+];
+
+/// Writes the model whose parameters are `params` (Hugging Face names; other names are left
+/// out) as a folder `out` that `transformers`' `CLIPModel.from_pretrained` loads: `source`'s
+/// `config.json` and tokenizer files, and the parameters in f32 as `model.safetensors`. Every
+/// tensor the config needs must be present with its shape (checked by loading the folder back
+/// before returning).
+pub fn export_clip_folder(params: &HashMap<String, Tensor>, source: &Path, out: &Path) -> Result<()> {
+    let folder = ClipFolder::open(source)?;
+    std::fs::create_dir_all(out).map_err(|e| msg(format!("creating {}: {e}", out.display())))?;
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (name, t) in params {
+        if name.starts_with("vision_model.")
+            || name.starts_with("text_model.")
+            || name.ends_with("_projection.weight")
+            || name == "logit_scale"
+        {
+            tensors.insert(name.clone(), t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?);
+        }
+    }
+    std::fs::copy(source.join("config.json"), out.join("config.json"))
+        .map_err(|e| msg(format!("copying config.json to {}: {e}", out.display())))?;
+    for f in COPIED {
+        let from = source.join(f);
+        if from.is_file() {
+            std::fs::copy(&from, out.join(f))
+                .map_err(|e| msg(format!("copying {} to {}: {e}", from.display(), out.display())))?;
+        } else if f == "tokenizer.json" {
+            candle_core::bail!("export: {} has no tokenizer.json", source.display());
+        }
+    }
+    let file = out.join("model.safetensors");
+    crate::save_safetensors(&tensors, &file)?;
+    // Read back: every tensor the architecture needs, with its shape.
+    ClipWeights::read(&file)?.model(&folder.config, DType::F32, &Device::Cpu)?;
+    Ok(())
+}

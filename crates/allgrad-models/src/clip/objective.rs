@@ -1,0 +1,290 @@
+//! The CLIP / SigLIP objective: two towers embed each rank's pairs, one loss over the global
+//! batch trains them; evaluation by zero-shot classification and retrieval.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use allgrad_data::{IdxDataset, Split};
+use allgrad_dist::ProcessGroup;
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use candle_nn::{Init, VarBuilder};
+
+use super::data::{ClassCaptions, CsvPairs, PairSource, Pixels};
+use super::folder::{ClipFolder, ClipTokenizer, ClipWeights};
+use super::loss::{clip_loss, clip_loss_tiled, siglip_loss, siglip_loss_ring};
+use super::model::ClipModel;
+use super::settings::{ClipData, ClipEval, ClipLoss, ClipModelSection, LossKind};
+use crate::{Batch, EmbeddingObjective, Objective};
+
+/// OpenAI CLIP's per-channel mean and standard deviation of RGB inputs.
+pub const OPENAI_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+/// See [`OPENAI_MEAN`].
+pub const OPENAI_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
+
+/// The evaluation data: the test split captioned with the held-out templates (images, labels
+/// and retrieval captions), and the prompts of every class.
+struct Evaluation {
+    cfg: ClipEval,
+    test: ClassCaptions,
+    /// Token ids of every class's prompts.
+    prompts: Vec<Vec<Vec<u32>>>,
+    /// Token ids of the retrieval captions.
+    captions: Vec<Vec<u32>>,
+}
+
+/// CLIP or SigLIP (`loss.kind`) on image-caption pairs. Parameters: `transformers`' `CLIPModel`
+/// names, and `logit_bias` with SigLIP.
+pub struct Clip {
+    folder: ClipFolder,
+    weights: Option<ClipWeights>,
+    tokenizer: ClipTokenizer,
+    source: Arc<dyn PairSource>,
+    /// Every pair's caption as token ids.
+    tokens: Vec<Vec<u32>>,
+    pixels: Pixels,
+    loss: ClipLoss,
+    net: Option<(ClipModel, Option<Tensor>)>,
+    device: Device,
+    eval: Option<Evaluation>,
+}
+
+fn tokenize(tokenizer: &ClipTokenizer, texts: impl Iterator<Item = Result<String>>) -> Result<Vec<Vec<u32>>> {
+    texts.map(|t| tokenizer.encode(&t?)).collect()
+}
+
+impl Clip {
+    /// Reads the model folder and the pairs, tokenizes every caption (parameters come with
+    /// `build`). `seed` picks each class-captioned sample's template and name.
+    pub fn new(model: &ClipModelSection, loss: ClipLoss, data: &ClipData, seed: u64, device: Device) -> Result<Self> {
+        let folder = ClipFolder::open(&model.dir)?;
+        let max_len = model.max_len.unwrap_or(folder.config.text_config.max_position_embeddings);
+        let tokenizer = folder.tokenizer(max_len)?;
+        let weights = if model.pretrained { Some(folder.weights()?) } else { None };
+        if loss.tile == Some(0) {
+            candle_core::bail!("clip: loss.tile must be at least 1");
+        }
+        if loss.tile.is_some() && loss.kind != LossKind::Clip {
+            candle_core::bail!("clip: loss.tile applies to kind clip only (SigLIP's ring form bounds its blocks already)");
+        }
+        let source: Arc<dyn PairSource> = match (&data.csv, &data.images) {
+            (Some(csv), None) => Arc::new(CsvPairs::open(csv)?),
+            (None, Some(dir)) => {
+                let images =
+                    Arc::new(IdxDataset::open_dir(dir, Split::Train).map_err(|e| candle_core::Error::Msg(e.to_string()))?);
+                Arc::new(ClassCaptions::new(images, data.classes.clone(), data.templates.clone(), seed, data.limit)?)
+            }
+            _ => candle_core::bail!("clip: data needs exactly one of `csv` and `images`"),
+        };
+        let n = source.len().min(data.limit.unwrap_or(usize::MAX));
+        let tokens = tokenize(&tokenizer, (0..n).map(|i| source.caption(i)))?;
+        let v = &folder.config.vision_config;
+        let (mean, std) = match v.num_channels {
+            3 => (OPENAI_MEAN.to_vec(), OPENAI_STD.to_vec()),
+            c => (vec![0.5; c], vec![0.5; c]),
+        };
+        let pixels = Pixels {
+            channels: v.num_channels,
+            size: v.image_size,
+            mean: model.mean.clone().unwrap_or(mean),
+            std: model.std.clone().unwrap_or(std),
+        };
+        if pixels.mean.len() != v.num_channels
+            || pixels.std.len() != v.num_channels
+            || pixels.std.iter().any(|s| !(s.is_finite() && *s > 0.0))
+        {
+            candle_core::bail!("clip: model.mean and model.std need {} entries each, std positive", v.num_channels);
+        }
+        Ok(Clip { folder, weights, tokenizer, source, tokens, pixels, loss, net: None, device, eval: None })
+    }
+
+    /// Evaluates zero-shot classification and retrieval on the test split of `data.images`
+    /// (before training and after every epoch).
+    pub fn with_evaluation(mut self, data: &ClipData, cfg: &ClipEval) -> Result<Self> {
+        let Some(dir) = &data.images else { candle_core::bail!("clip: eval needs data.images (its test split and class names)") };
+        if cfg.templates.is_empty() || cfg.batch == 0 {
+            candle_core::bail!("clip: eval.templates must not be empty and eval.batch must be at least 1");
+        }
+        let images = Arc::new(IdxDataset::open_dir(dir, Split::Test).map_err(|e| candle_core::Error::Msg(e.to_string()))?);
+        // Checks the class names (one non-empty list per class) and the templates first.
+        let test = ClassCaptions::new(images, data.classes.clone(), cfg.templates.clone(), 1, None)?;
+        let prompts = data
+            .classes
+            .iter()
+            .map(|names| tokenize(&self.tokenizer, cfg.templates.iter().map(|t| Ok(t.replace("{}", &names[0])))))
+            .collect::<Result<Vec<_>>>()?;
+        let n = cfg.retrieval.min(test.len());
+        let captions = tokenize(&self.tokenizer, (0..n).map(|i| test.caption(i)))?;
+        self.eval = Some(Evaluation { cfg: cfg.clone(), test, prompts, captions });
+        Ok(self)
+    }
+
+    /// The model (after `build`).
+    pub fn model(&self) -> Result<&ClipModel> {
+        self.net.as_ref().map(|(m, _)| m).ok_or_else(|| candle_core::Error::Msg("clip used before build".into()))
+    }
+
+    /// The images of pairs `indices` as `[n, c, s, s]` f32.
+    fn images(&self, source: &dyn PairSource, indices: &[usize]) -> Result<Tensor> {
+        let p = &self.pixels;
+        let mut all = Vec::with_capacity(indices.len() * p.channels * p.size * p.size);
+        for &i in indices {
+            all.extend(p.chw(&source.image(i)?)?);
+        }
+        Tensor::from_vec(all, (indices.len(), p.channels, p.size, p.size), &self.device)
+    }
+
+    fn embed_images(&self, source: &dyn PairSource, indices: &[usize]) -> Result<Tensor> {
+        self.model()?.vision.forward(&self.images(source, indices)?)
+    }
+
+    fn embed_texts(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
+        self.model()?.text.forward(ids, self.tokenizer.pad_id(), &self.device)
+    }
+
+    /// Embeddings of `n` items, rank r embedding its contiguous share in chunks of `batch`,
+    /// gathered (no gradient): every rank gets all `n` rows.
+    fn embed_shared(
+        &self,
+        n: usize,
+        batch: usize,
+        pg: &ProcessGroup,
+        f: impl Fn(Range<usize>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let (w, r) = (pg.world_size(), pg.rank());
+        let (lo, hi) = (n * r / w, n * (r + 1) / w);
+        let mut parts = Vec::new();
+        for s in (lo..hi).step_by(batch.max(1)) {
+            parts.push(f(s..(s + batch).min(hi))?.detach());
+        }
+        let d = self.folder.config.projection_dim;
+        let mine = if parts.is_empty() {
+            Tensor::zeros((0, d), DType::F32, &self.device)?
+        } else {
+            Tensor::cat(&parts, 0)?.to_dtype(DType::F32)?
+        };
+        pg.all_gather(&mine)
+    }
+}
+
+/// Fraction of rows of `scores` (`[n, m]`) whose `target(i)` is among their `k` highest.
+fn recall_at(scores: &[Vec<f32>], target: impl Fn(usize) -> usize, k: usize) -> f64 {
+    let hits = scores
+        .iter()
+        .enumerate()
+        .filter(|(i, row)| {
+            let t = row[target(*i)];
+            // Ties count against the target: ranked after every equal score.
+            row.iter().filter(|s| **s >= t).count() <= k
+        })
+        .count();
+    hits as f64 / scores.len().max(1) as f64
+}
+
+fn cosines(a: &Tensor, b: &Tensor) -> Result<Vec<Vec<f32>>> {
+    let a = crate::losses::l2_normalize(a)?;
+    let b = crate::losses::l2_normalize(b)?;
+    a.matmul(&b.t()?)?.to_vec2::<f32>()
+}
+
+impl Objective for Clip {
+    fn build(&mut self, vb: VarBuilder) -> Result<()> {
+        let mut cfg = self.folder.config.clone();
+        let siglip = self.loss.kind != LossKind::Clip;
+        if siglip {
+            // SigLIP's own initial scale (a checkpoint's value wins when pretrained).
+            cfg.logit_scale_init_value = self.loss.siglip_scale_init;
+        }
+        let model = match &self.weights {
+            Some(w) => w.init_model(&cfg, vb.clone())?,
+            None => ClipModel::new(&vb, &cfg)?,
+        };
+        let bias =
+            if siglip { Some(vb.get_with_hints((), "logit_bias", Init::Const(self.loss.siglip_bias_init))?) } else { None };
+        self.net = Some((model, bias));
+        Ok(())
+    }
+
+    fn num_samples(&self) -> usize {
+        self.tokens.len()
+    }
+
+    fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        crate::loss_of_embedded_batch(self, batch, pg)
+    }
+
+    fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
+        Some(self)
+    }
+
+    fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
+        let Some(ev) = &self.eval else { return Ok(Vec::new()) };
+        let mut out = Vec::new();
+        let b = ev.cfg.batch;
+        let test = &ev.test;
+        if ev.cfg.zero_shot > 0 {
+            let n = ev.cfg.zero_shot.min(test.len());
+            let idx: Vec<usize> = (0..n).collect();
+            let img = self.embed_shared(n, b, pg, |r| self.embed_images(test, &idx[r]))?;
+            // One direction per class: its prompts' normalised embeddings averaged.
+            let mut classes = Vec::new();
+            for p in &ev.prompts {
+                let t = crate::losses::l2_normalize(&self.embed_texts(p)?.detach().to_dtype(DType::F32)?)?;
+                classes.push(t.mean(0)?);
+            }
+            let classes = Tensor::stack(&classes, 0)?;
+            let scores = cosines(&img, &classes)?;
+            let correct = (0..n).filter(|&i| {
+                let row = &scores[i];
+                let best = (0..row.len()).max_by(|a, b| row[*a].total_cmp(&row[*b])).unwrap_or(0);
+                test.label(i).map(|l| l == best).unwrap_or(false)
+            });
+            out.push(("zero_shot_top1".to_string(), correct.count() as f64 / n.max(1) as f64));
+        }
+        let n = ev.captions.len();
+        if n > 0 {
+            let idx: Vec<usize> = (0..n).collect();
+            let img = self.embed_shared(n, b, pg, |r| self.embed_images(test, &idx[r]))?;
+            let txt = self.embed_shared(n, b, pg, |r| self.embed_texts(&ev.captions[r]))?;
+            let i2t = cosines(&img, &txt)?;
+            let t2i = cosines(&txt, &img)?;
+            for k in [1, 5] {
+                out.push((format!("image_to_text_r@{k}"), recall_at(&i2t, |i| i, k)));
+                out.push((format!("text_to_image_r@{k}"), recall_at(&t2i, |i| i, k)));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Embeddings `[n, 2, d]`: each pair's image (0) and caption (1), projected, not normalised.
+impl EmbeddingObjective for Clip {
+    fn embed(&mut self, batch: &Batch, rows: Range<usize>, _pg: &ProcessGroup) -> Result<Tensor> {
+        let part = batch.part(rows);
+        let ids =
+            part.indices
+                .iter()
+                .map(|&i| {
+                    self.tokens.get(i).cloned().ok_or_else(|| {
+                        candle_core::Error::Msg(format!("clip: pair {i} out of range ({} pairs)", self.tokens.len()))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+        let img = self.embed_images(self.source.as_ref(), part.indices)?;
+        let txt = self.embed_texts(&ids)?;
+        Tensor::stack(&[&img, &txt], 1)
+    }
+
+    fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
+        let z = &allgrad_nn::autocast::full(z)?;
+        let (img, txt) = (z.i((.., 0))?, z.i((.., 1))?);
+        let (model, bias) = self.net.as_ref().ok_or_else(|| candle_core::Error::Msg("clip used before build".into()))?;
+        let s = &model.logit_scale;
+        match (self.loss.kind, self.loss.tile, bias) {
+            (LossKind::Clip, None, _) => clip_loss(&img, &txt, s, pg),
+            (LossKind::Clip, Some(tile), _) => clip_loss_tiled(&img, &txt, s, tile, pg),
+            (LossKind::SiglipGather, _, Some(b)) => siglip_loss(&img, &txt, s, b, pg),
+            (LossKind::SiglipRing, _, Some(b)) => siglip_loss_ring(&img, &txt, s, b, pg),
+            _ => candle_core::bail!("clip: SigLIP without its logit bias (built for another loss)"),
+        }
+    }
+}

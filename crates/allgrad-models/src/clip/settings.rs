@@ -1,0 +1,129 @@
+//! The run-config sections of `method: clip` (`data`, `model`, `loss`, `eval`), as serde
+//! types. Validation against files and the batch happens once, in the method
+//! (`allgrad-train`); the objective re-checks what it relies on.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Which loss trains the towers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// CLIP's symmetric InfoNCE over the global batch.
+    #[default]
+    Clip,
+    /// SigLIP's sigmoid loss, every text gathered at once.
+    SiglipGather,
+    /// SigLIP's sigmoid loss, the texts passed around a ring of point-to-point exchanges.
+    SiglipRing,
+}
+
+fn siglip_scale() -> f64 {
+    10f64.ln()
+}
+fn siglip_bias() -> f64 {
+    -10.0
+}
+
+/// The `loss` section.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClipLoss {
+    /// `clip` (default), `siglip_gather` or `siglip_ring`.
+    #[serde(default)]
+    pub kind: LossKind,
+    /// CLIP only: compute each direction's logits in `tile x tile` blocks (exact; memory
+    /// independent of the batch).
+    #[serde(default)]
+    pub tile: Option<usize>,
+    /// SigLIP only: the initial `logit_scale` (the log of the logits' multiplier; the paper's
+    /// ln 10). CLIP takes its initial value from the model's `config.json`.
+    #[serde(default = "siglip_scale")]
+    pub siglip_scale_init: f64,
+    /// SigLIP only: the initial logit bias `logit_bias` (the paper's −10).
+    #[serde(default = "siglip_bias")]
+    pub siglip_bias_init: f64,
+}
+
+impl Default for ClipLoss {
+    fn default() -> Self {
+        ClipLoss { kind: LossKind::Clip, tile: None, siglip_scale_init: siglip_scale(), siglip_bias_init: siglip_bias() }
+    }
+}
+
+/// The `model` section.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClipModelSection {
+    /// A Hugging Face CLIP folder: `config.json` (the architecture) and `tokenizer.json`;
+    /// `model.safetensors` too when `pretrained`.
+    pub dir: PathBuf,
+    /// Start from the folder's weights (default: false, a fresh model of its architecture).
+    #[serde(default)]
+    pub pretrained: bool,
+    /// Longest caption in tokens, start and end of text included (default: the text tower's
+    /// context length).
+    #[serde(default)]
+    pub max_len: Option<usize>,
+    /// Per-channel mean of the input standardisation (default: OpenAI CLIP's for 3
+    /// channels, 0.5 for 1).
+    #[serde(default)]
+    pub mean: Option<Vec<f32>>,
+    /// Per-channel standard deviation (default: OpenAI CLIP's for 3 channels, 0.5 for 1).
+    #[serde(default)]
+    pub std: Option<Vec<f32>>,
+}
+
+/// The `data` section: exactly one of `csv` and `images`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClipData {
+    /// A CSV of pairs, header `image,caption` (paths relative to the CSV's folder).
+    #[serde(default)]
+    pub csv: Option<PathBuf>,
+    /// An IDX folder (`train-images-idx3-ubyte.gz`, ...): its training split, captioned from
+    /// `classes` and `templates`.
+    #[serde(default)]
+    pub images: Option<PathBuf>,
+    /// With `images`: each class's names, its name first, then synonyms.
+    #[serde(default)]
+    pub classes: Vec<Vec<String>>,
+    /// With `images`: caption templates, each with one `{}` for a class name.
+    #[serde(default)]
+    pub templates: Vec<String>,
+    /// Use only the first `limit` pairs.
+    #[serde(default)]
+    pub limit: Option<usize>,
+}
+
+fn zero_shot() -> usize {
+    1000
+}
+fn retrieval() -> usize {
+    200
+}
+fn eval_batch() -> usize {
+    250
+}
+
+/// The `eval` section: zero-shot classification and image-text retrieval on the test split
+/// of `data.images`, before training and after every epoch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClipEval {
+    /// Prompt templates of zero-shot classification (each class's name in every one; the
+    /// normalised text embeddings averaged per class) and of the retrieval captions, which
+    /// also use the synonyms. Held out from `data.templates` for an honest test.
+    pub templates: Vec<String>,
+    /// Test images classified zero-shot (the first ones of the test split; 0: none).
+    #[serde(default = "zero_shot")]
+    pub zero_shot: usize,
+    /// Test pairs of the retrieval benchmark (image to text and text to image recall@1 and
+    /// @5; 0: none).
+    #[serde(default = "retrieval")]
+    pub retrieval: usize,
+    /// Images embedded per forward pass.
+    #[serde(default = "eval_batch")]
+    pub batch: usize,
+}
