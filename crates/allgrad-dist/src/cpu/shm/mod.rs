@@ -130,10 +130,11 @@ impl Segment {
     }
 
     fn map(fd: &Fd, len: usize, w: usize, rank: usize, slot: usize) -> io::Result<Segment> {
-        // Fault the pages in now rather than mid-collective.
-        #[cfg(target_os = "linux")]
-        let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
-        #[cfg(not(target_os = "linux"))]
+        // Pages are faulted in on first touch, not all at once (MAP_POPULATE): a rank touches
+        // its own slots and 1/W of the others', while populating the whole segment (up to
+        // 256 MiB, 65,536 pages) cost every rank the same work and page tables whatever W,
+        // W times over on a host of W ranks; the creator's posix_fallocate already reserved
+        // the memory, so a first touch cannot fail.
         let flags = libc::MAP_SHARED;
         // SAFETY: a fresh shared mapping of `len` bytes of a file at least that long; the
         // kernel picks the address.

@@ -24,8 +24,8 @@
 //! (waking a sleeping thread, often a halted virtual CPU, costs more than a short wait), then
 //! sleeps on a futex with a short timeout, and meanwhile watches the abort word of the segment
 //! (raised by a member that fails), its TCP connections (an ABORT frame, or a peer that died
-//! and whose connections closed) and the group's deadline; any of them poisons the group as on
-//! the TCP path.
+//! and whose connections closed; a window of them at each look, [`PEER_WINDOW`]) and the
+//! group's deadline; any of them poisons the group as on the TCP path.
 
 use std::ops::Range;
 use std::sync::atomic::{fence, Ordering};
@@ -48,6 +48,12 @@ const YIELD_FOR: Duration = Duration::from_millis(1);
 const NAP: Duration = Duration::from_millis(2);
 /// How often a waiter looks at its TCP connections for a failed or dead peer.
 const PEER_CHECK: Duration = Duration::from_millis(5);
+/// How many connections a waiter looks at each time: rank r's k-th look covers the peers
+/// r + 1 + k * PEER_WINDOW onwards, so that at every look exactly PEER_WINDOW ranks watch
+/// each peer and the first to see a dead one raises the segment's abort word for all. Looking
+/// at every connection costs a poll(2) over W - 1 descriptors per waiter and look, which for a
+/// thousand ranks on one host is more work than the collectives themselves.
+const PEER_WINDOW: usize = 64;
 
 impl Mesh {
     /// Whether a collective of `bytes` bytes takes the shared-memory path.
@@ -120,6 +126,7 @@ impl Mesh {
         }
         let deadline = start + self.timeout;
         let mut next_check = start + PEER_CHECK;
+        let mut window = self.rank + 1;
         let awake_until = start + YIELD_FOR;
         loop {
             if seg.passed(target) {
@@ -133,7 +140,9 @@ impl Mesh {
             }
             let now = Instant::now();
             if now >= next_check {
-                if let Some(e) = self.peer_failure(what) {
+                let failed = self.peer_failure_among(what, window, PEER_WINDOW);
+                window += PEER_WINDOW;
+                if let Some(e) = failed {
                     // A peer that passed this barrier may have finished and left already.
                     fence(Ordering::SeqCst);
                     if seg.passed(target) {
