@@ -163,6 +163,8 @@ fn accept_higher(
     let (tx, rx) = std::sync::mpsc::channel::<(TcpStream, String, DistResult<Hello>)>();
     let mut have = vec![false; n];
     let mut out = Vec::with_capacity(n - 1 - me);
+    // Handshakes being read on their threads.
+    let mut pending = 0usize;
     while out.len() < n - 1 - me {
         if stop.load(Ordering::SeqCst) {
             return Ok(out);
@@ -170,6 +172,7 @@ fn accept_higher(
         match listener.accept() {
             Ok((mut s, from)) => {
                 let tx = tx.clone();
+                pending += 1;
                 let limit = deadline.min(Instant::now() + HANDSHAKE_GRACE);
                 std::thread::spawn(move || {
                     let who = from.to_string();
@@ -185,6 +188,7 @@ fn accept_higher(
             Err(e) => return Err(DistError::io("accepting a data-plane connection", e)),
         }
         while let Ok((mut s, who, h)) = rx.try_recv() {
+            pending -= 1;
             let checked = h.and_then(|h| {
                 if h.service != Service::Data || !same_secret(&h.token, token) {
                     return Err(DistError::Unauthenticated { addr: who.clone(), detail: "wrong job token".into() });
@@ -216,10 +220,13 @@ fn accept_higher(
                     timeout,
                 });
             }
-            // Wakes at once for a new connection; handshakes read meanwhile are looked at
-            // within a millisecond.
+            // Wakes at once for a new connection. While handshakes are being read, their results
+            // are looked at every millisecond; otherwise the thread sleeps until a connection
+            // comes (or a tenth of a second passes, to see `stop`): a thousand ranks waiting
+            // for their peers to start must not each wake a thousand times a second.
+            let wait = if pending > 0 { Duration::from_millis(1) } else { Duration::from_millis(100) };
             let mut fds = [libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
-            let _ = wire::poll(&mut fds, Duration::from_millis(1));
+            let _ = wire::poll(&mut fds, wait.min(deadline.saturating_duration_since(Instant::now())));
         }
     }
     Ok(out)

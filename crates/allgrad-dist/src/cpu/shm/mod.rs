@@ -65,6 +65,9 @@ pub(crate) struct Segment {
     /// Barriers of any kind passed, counting the TCP exchanges that act as one (decides which
     /// set of slots the next piece uses).
     phase: u64,
+    /// Whether a waiter may spin and yield before it sleeps: only when every member can have
+    /// a CPU of its own (see `ops`).
+    pub(crate) busy_wait: bool,
 }
 
 // SAFETY: the segment owns its mapping (unmapped only in Drop) and holds no thread-bound
@@ -143,7 +146,7 @@ impl Segment {
             return Err(io::Error::last_os_error());
         }
         // Constructed first, so that the mapping is released on the error below too.
-        let seg = Segment { base: p.cast(), len, w, rank, slot, epoch: 0, phase: 0 };
+        let seg = Segment { base: p.cast(), len, w, rank, slot, epoch: 0, phase: 0, busy_wait: true };
         // Every region and control word is aligned because the base is (page-aligned on every
         // system this runs on); checked in every build, as the safety of the atomics and of
         // the element copies rests on it.

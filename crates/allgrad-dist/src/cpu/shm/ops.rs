@@ -22,7 +22,8 @@
 //!
 //! A rank waiting at a barrier spins briefly, then yields its CPU for up to a millisecond
 //! (waking a sleeping thread, often a halted virtual CPU, costs more than a short wait), then
-//! sleeps on a futex with a short timeout, and meanwhile watches the abort word of the segment
+//! sleeps on a futex with a short timeout (when the group has more members than the host has
+//! CPUs, it sleeps at once: spinning would take the CPU from the members it waits for), and meanwhile watches the abort word of the segment
 //! (raised by a member that fails), its TCP connections (an ABORT frame, or a peer that died
 //! and whose connections closed; a window of them at each look, [`PEER_WINDOW`]) and the
 //! group's deadline; any of them poisons the group as on the TCP path.
@@ -116,7 +117,10 @@ impl Mesh {
     fn shm_wait(&self, target: u32, what: &str) -> DistResult<()> {
         let seg = self.seg();
         let start = Instant::now();
-        while start.elapsed() < SPIN {
+        // With more members than CPUs, a waiter that spins or yields takes the CPU from the
+        // members it waits for: it sleeps at once.
+        let (spin, yield_for) = if seg.busy_wait { (SPIN, YIELD_FOR) } else { (Duration::ZERO, Duration::ZERO) };
+        while start.elapsed() < spin {
             for _ in 0..64 {
                 if seg.passed(target) {
                     return Ok(());
@@ -127,7 +131,7 @@ impl Mesh {
         let deadline = start + self.timeout;
         let mut next_check = start + PEER_CHECK;
         let mut window = self.rank + 1;
-        let awake_until = start + YIELD_FOR;
+        let awake_until = start + yield_for;
         loop {
             if seg.passed(target) {
                 return Ok(());

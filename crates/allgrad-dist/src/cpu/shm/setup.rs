@@ -200,7 +200,10 @@ impl Mesh {
         let all = seg.is_some() && peers.iter().all(|p| got[*p][0] == 1);
         if all {
             tracing::debug!("{}: large collectives go through shared memory ({slot}-byte slots)", self.group);
-            self.shm = seg;
+            self.shm = seg.map(|mut s| {
+                s.busy_wait = std::thread::available_parallelism().is_ok_and(|cpus| w <= cpus.get());
+                s
+            });
         }
         Ok(())
     }
