@@ -51,7 +51,7 @@ pub struct Settings {
     pub cuda_collectives: Option<CudaCollectives>,
     /// ALLGRAD_TREE_FROM: groups of at least this many ranks check every call's header and
     /// run barrier and small all_reduce, all_gather and reduce_scatter calls through a
-    /// binomial tree (2 log2(W) rounds, at most 2 + 2 log2(W) frames per rank) instead of
+    /// binomial tree (2 log2(W) rounds, at most 2 log2(W) frames per rank) instead of
     /// one round with every peer (2(W - 1) frames per rank).
     pub tree_from: usize,
 }

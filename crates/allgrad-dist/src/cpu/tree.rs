@@ -5,8 +5,8 @@
 //!
 //! The full-mesh versions in `collectives` send every peer a frame: W - 1 frames out and
 //! W - 1 in per rank and call, W(W - 1) in all, 1,047,552 per call at W = 1,024. Through the
-//! tree a rank sends and receives at most 2 + 2 log2(W) frames (its parent and its children,
-//! up and down), 4(W - 1) in all, in 2 log2(W) rounds instead of one; the round count
+//! tree a rank sends and receives at most 2 ceil(log2(W)) frames (its parent and its children,
+//! up and down), 2(W - 1) are sent in all, in 2 log2(W) rounds instead of one; the round count
 //! costs latency on small groups, which keep the full mesh.
 //!
 //! The tree is rooted at group rank 0: rank r's parent is r without its lowest set bit, its
