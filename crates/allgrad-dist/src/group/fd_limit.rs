@@ -41,12 +41,12 @@ pub(crate) fn ensure_room(group: &str, ranks: usize) -> DistResult<()> {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
         return Ok(());
     }
-    let (soft, hard) = (lim.rlim_cur as u64, lim.rlim_max as u64);
+    let (soft, hard): (u64, u64) = (lim.rlim_cur, lim.rlim_max);
     let add = ranks.saturating_sub(1) as u64 + 1;
     match plan(open, add, soft, hard) {
         Ok(None) => Ok(()),
         Ok(Some(new_soft)) => {
-            let raised = libc::rlimit { rlim_cur: new_soft as libc::rlim_t, rlim_max: lim.rlim_max };
+            let raised = libc::rlimit { rlim_cur: new_soft, rlim_max: lim.rlim_max };
             // SAFETY: setrlimit reads the struct it is given; raising the soft limit up to the
             // hard one needs no privilege.
             if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
