@@ -33,7 +33,15 @@ fn say(line: String) {
 /// What a child rank does (only when ALLGRAD_TEST_CHILD is set).
 #[test]
 fn child_rank() {
-    if std::env::var("ALLGRAD_TEST_CHILD").is_err() {
+    let Ok(mode) = std::env::var("ALLGRAD_TEST_CHILD") else { return };
+    if mode == "limits" {
+        // Run under a hard limit of LOW_FILES open files: a launcher of 64 ranks and a group
+        // of 2 ranks (which keeps 64 descriptors spare) are refused with the numbers.
+        let e = allgrad_dist::launch::launch(&allgrad_dist::launch::LaunchConfig::new(64, vec!["true".into()]))
+            .expect_err("64 ranks launched under a tiny file limit");
+        say(format!("launch: {e}"));
+        let e = allgrad_dist::ThreadWorld::new(2).run(|_| Ok(())).expect_err("a group formed under a tiny file limit");
+        say(format!("group: {e}"));
         return;
     }
     let pg = ProcessGroup::from_env().unwrap_or_else(|e| {
@@ -87,6 +95,37 @@ fn child_rank() {
 fn names_rank(msg: &str, r: usize) -> bool {
     let needle = format!("rank {r}");
     msg.match_indices(&needle).any(|(i, _)| !msg[i + needle.len()..].starts_with(|c: char| c.is_ascii_digit()))
+}
+
+/// The hard limit on open files of the `limits` child.
+const LOW_FILES: u64 = 40;
+
+#[test]
+fn too_low_a_limit_on_open_files_is_refused_at_start_with_the_numbers() {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["child_rank", "--exact", "--nocapture", "--test-threads=1"]).env("ALLGRAD_TEST_CHILD", "limits");
+    // SAFETY: only setrlimit, async-signal-safe, between fork and exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            let lim = libc::rlimit { rlim_cur: LOW_FILES, rlim_max: LOW_FILES };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let (out, _) = spawn(&mut cmd, "a child under a low file limit", Duration::from_secs(60)).wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let said = |what: &str| text.lines().find_map(|l| l.split_once(&format!("CHILD: {what}: ")).map(|(_, m)| m.to_string()));
+    let launch = said("launch").unwrap_or_else(|| panic!("{text}"));
+    for want in ["64 ranks need about", "at most 40", "hard limit 40", "ulimit -n 4096"] {
+        assert!(launch.contains(want), "{want:?} missing in {launch}");
+    }
+    let group = said("group").unwrap_or_else(|| panic!("{text}"));
+    for want in ["group world of 2 ranks needs about", "at most 40", "hard limit 40", "ulimit -n"] {
+        assert!(group.contains(want), "{want:?} missing in {group}");
+    }
 }
 
 #[test]

@@ -33,8 +33,29 @@ fn open_now() -> Option<u64> {
     std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count() as u64)
 }
 
-/// Makes room for the connections of group `group` of `ranks` ranks, or says why it cannot.
-pub(crate) fn ensure_room(group: &str, ranks: usize) -> DistResult<()> {
+/// Why a process cannot open the descriptors it is about to need.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Shortfall {
+    /// Descriptors open now.
+    pub open: u64,
+    /// Descriptors needed (open, to be opened, and [`SPARE`]).
+    pub need: u64,
+    /// The soft limit (ulimit -n).
+    pub soft: u64,
+    /// The hard limit.
+    pub hard: u64,
+}
+
+impl Shortfall {
+    /// A limit to suggest: a power of two above the need, at least 4096.
+    pub(crate) fn suggest(&self) -> u64 {
+        self.need.next_power_of_two().max(4096)
+    }
+}
+
+/// Makes room for `add` more descriptors in this process, raising the soft limit within the
+/// hard one when needed.
+pub(crate) fn make_room(add: u64) -> Result<(), Shortfall> {
     let Some(open) = open_now() else { return Ok(()) };
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes the struct it is given.
@@ -42,7 +63,6 @@ pub(crate) fn ensure_room(group: &str, ranks: usize) -> DistResult<()> {
         return Ok(());
     }
     let (soft, hard): (u64, u64) = (lim.rlim_cur, lim.rlim_max);
-    let add = ranks.saturating_sub(1) as u64 + 1;
     match plan(open, add, soft, hard) {
         Ok(None) => Ok(()),
         Ok(Some(new_soft)) => {
@@ -50,13 +70,18 @@ pub(crate) fn ensure_room(group: &str, ranks: usize) -> DistResult<()> {
             // SAFETY: setrlimit reads the struct it is given; raising the soft limit up to the
             // hard one needs no privilege.
             if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
-                return Err(too_few(group, ranks, open, open + add + SPARE, soft, hard));
+                return Err(Shortfall { open, need: open + add + SPARE, soft, hard });
             }
-            tracing::debug!("{group}: raised the soft limit on open files from {soft} to {new_soft} for {ranks} ranks");
+            tracing::debug!("raised the soft limit on open files from {soft} to {new_soft} for {add} more");
             Ok(())
         }
-        Err(need) => Err(too_few(group, ranks, open, need, soft, hard)),
+        Err(need) => Err(Shortfall { open, need, soft, hard }),
     }
+}
+
+/// Makes room for the connections of group `group` of `ranks` ranks, or says why it cannot.
+pub(crate) fn ensure_room(group: &str, ranks: usize) -> DistResult<()> {
+    make_room(ranks.saturating_sub(1) as u64 + 1).map_err(|s| too_few(group, ranks, s.open, s.need, s.soft, s.hard))
 }
 
 fn too_few(group: &str, ranks: usize, open: u64, need: u64, soft: u64, hard: u64) -> DistError {
@@ -66,7 +91,7 @@ fn too_few(group: &str, ranks: usize, open: u64, need: u64, soft: u64, hard: u64
          hard limit {hard}): raise the limit, e.g. `ulimit -n {}` in the shell that starts the job, or \
          LimitNOFILE= / limits.conf for services",
         ranks.saturating_sub(1),
-        need.next_power_of_two().max(4096)
+        Shortfall { open, need, soft, hard }.suggest()
     ))
 }
 

@@ -14,7 +14,7 @@
 mod checked;
 mod connect;
 mod cuda_path;
-mod fd_limit;
+pub(crate) mod fd_limit;
 mod slices;
 mod tensors;
 
