@@ -135,7 +135,10 @@ fn harness(args: &Args) -> Result<()> {
     let limit = Duration::from_secs_f64(args.time_limit_s);
     let start = Instant::now();
     let mut timed_out = false;
+    let slab_before = slab_kb();
+    let mut slab_max = slab_before;
     loop {
+        slab_max = slab_max.max(slab_kb());
         let running = nodes.iter_mut().filter_map(|c| matches!(c.try_wait(), Ok(None)).then_some(())).count();
         if running == 0 {
             break;
@@ -159,6 +162,13 @@ fn harness(args: &Args) -> Result<()> {
     }
     let row = summarise(&out, args, victim, timed_out, start.elapsed())?;
     println!("{row}");
+    if let (Some(a), Some(b)) = (slab_before, slab_max) {
+        // Host-wide too: the kernel's share of the job (sockets above all), plus whatever else ran.
+        println!(
+            "   the host's slab memory grew by up to {:.1} MiB during the job (kernel memory: sockets, ...)",
+            b.saturating_sub(a) as f64 / 1024.0
+        );
+    }
     if let (Some(a), Some(b)) = (listen_before, listen_counters()) {
         // Host-wide: other programs' connections count too.
         println!(
@@ -176,6 +186,11 @@ fn harness(args: &Args) -> Result<()> {
         let _ = std::fs::remove_dir_all(&out);
     }
     Ok(())
+}
+
+/// The kernel's slab memory (kB), from /proc/meminfo.
+fn slab_kb() -> Option<u64> {
+    field(&std::fs::read_to_string("/proc/meminfo").ok()?, "Slab:")
 }
 
 /// The kernel's TcpExt ListenOverflows and ListenDrops counters (connections refused because a
