@@ -227,6 +227,39 @@ fn a_departed_rank_fails_every_survivor_of_a_tree_all_reduce_naming_it() {
 }
 
 #[test]
+fn a_tree_group_on_one_host_sets_up_shared_memory_through_the_tree() {
+    if !shm_available() {
+        return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm: no shared memory to set up");
+    }
+    // The setup's three rounds through the tree: rank 0 of 8 exchanges with its children 1, 2
+    // and 4 only, 3 frames out and 3 in per round; with every peer it would be 7 + 7, 7, 7 + 7.
+    let w = 8;
+    let n = 100_003;
+    tree_world(w)
+        .shm(true)
+        .run(|pg| {
+            assert!(pg.shared_memory(), "rank {}: no shared memory", pg.rank());
+            if pg.rank() == 0 {
+                let c = pg.wire_counts();
+                assert_eq!((c.frames_sent, c.frames_received), (9, 9), "rank 0's setup frames");
+            }
+            let parts: Vec<Vec<f64>> = (0..w).map(|q| gen(DType::F32, Kind::General, q, 11, 0..n)).collect();
+            let y = pg.all_reduce(&tensor(DType::F32, &parts[pg.rank()], &[n]), ReduceOp::Sum)?;
+            assert_eq!(pg.all_reduce_paths().shared_memory, 1);
+            check(
+                "shared-memory all_reduce of a tree group",
+                &y,
+                DType::F32,
+                &[n],
+                true,
+                &fold(ReduceOp::Sum, DType::F32, &parts),
+            );
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
 fn below_the_threshold_small_calls_keep_the_one_round_full_mesh() {
     // The default threshold (32) leaves a 4-rank group on the direct path: W - 1 frames out
     // per call, and the tree counter untouched.
