@@ -91,8 +91,8 @@ EOF
 IFS=',' read -r -a WS <<< "$SIZES"
 for W in "${WS[@]}"; do
     echo
-    # allgrad: ranks plus the kernel's sockets, about 4 KiB for each of the W - 1 per rank.
-    PER=$(( ALLGRAD_MB + (W * 4) / 1024 + 1 ))
+    # allgrad: ranks plus the kernel's sockets, up to about 8 KiB for each of the W - 1 per rank.
+    PER=$(( ALLGRAD_MB + (W * 8) / 1024 + 1 ))
     if estimate_ok allgrad "$W" "$PER"; then
         "$BIN" --nproc "$W" --nnodes "$NNODES" --iters "$ITERS" --time-limit-s "$LIMIT" "${KILL[@]}" \
             --json "$OUT/scale.jsonl" --out "$OUT/allgrad-$W" 2> >(tail -n 20 >&2) || echo "   (harness exited with $?)"
