@@ -265,6 +265,13 @@ impl Mesh {
         self.peer_failure_among(what, 0, self.size())
     }
 
+    /// How many connections a rank that waits for something else (shared memory, NCCL) looks
+    /// at each time with [`Mesh::peer_failure_among`]: rank r's k-th look covers the peers
+    /// r + 1 + k * PEER_WINDOW onwards, so that at every look exactly PEER_WINDOW ranks watch
+    /// each peer. Looking at every connection costs a poll(2) over W - 1 descriptors per look,
+    /// which for a thousand ranks is more work than what they wait for.
+    pub(crate) const PEER_WINDOW: usize = 64;
+
     /// [`Mesh::peer_failure`] for `count` peers only, from group rank `first` on (modulo the
     /// group size): one poll(2) over a window of the connections instead of all W - 1.
     pub fn peer_failure_among(&self, what: &str, first: usize, count: usize) -> Option<DistError> {

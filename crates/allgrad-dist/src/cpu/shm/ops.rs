@@ -49,12 +49,9 @@ const YIELD_FOR: Duration = Duration::from_millis(1);
 const NAP: Duration = Duration::from_millis(2);
 /// How often a waiter looks at its TCP connections for a failed or dead peer.
 const PEER_CHECK: Duration = Duration::from_millis(5);
-/// How many connections a waiter looks at each time: rank r's k-th look covers the peers
-/// r + 1 + k * PEER_WINDOW onwards, so that at every look exactly PEER_WINDOW ranks watch
-/// each peer and the first to see a dead one raises the segment's abort word for all. Looking
-/// at every connection costs a poll(2) over W - 1 descriptors per waiter and look, which for a
-/// thousand ranks on one host is more work than the collectives themselves.
-const PEER_WINDOW: usize = 64;
+/// How many connections a waiter looks at each time ([`Mesh::PEER_WINDOW`]); the first to see
+/// a dead peer raises the segment's abort word for all.
+const PEER_WINDOW: usize = Mesh::PEER_WINDOW;
 
 impl Mesh {
     /// Whether a collective of `bytes` bytes takes the shared-memory path.
