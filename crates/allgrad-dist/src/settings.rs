@@ -12,6 +12,7 @@
 //! | `ALLGRAD_SHM` | 1 | `0` keeps this process's groups on TCP; `1` lets same-host groups use shared memory |
 //! | `ALLGRAD_SHM_SLOT_BYTES` | 1048576 | bytes each rank moves per shared-memory step (at least 4096; rounded down to pages) |
 //! | `ALLGRAD_CUDA_COLLECTIVES` | `auto` | `auto`, `nccl` or `host`: how collectives of CUDA tensors move their data ([`crate::gpu`]) |
+//! | `ALLGRAD_TREE_FROM` | 32 | groups of at least this many ranks check calls and run small collectives through a binomial tree (at least 2) |
 //!
 //! An empty value counts as unset. A value that does not parse is an error naming the
 //! variable and the value.
@@ -22,6 +23,7 @@ use std::time::Duration;
 
 use crate::cpu::shm::setup::{ShmConfig, DEFAULT_SLOT_BYTES};
 use crate::cpu::shm::SLOT_ALIGN;
+use crate::cpu::tree::TREE_FROM;
 use crate::error::{DistError, DistResult};
 use crate::gpu::CudaCollectives;
 use crate::rendezvous::env::DEFAULT_TIMEOUT;
@@ -47,6 +49,11 @@ pub struct Settings {
     /// ALLGRAD_CUDA_COLLECTIVES: the path of collectives of CUDA tensors, when set (`None`:
     /// `auto`, unless a run config's `dist.cuda_collectives` says otherwise).
     pub cuda_collectives: Option<CudaCollectives>,
+    /// ALLGRAD_TREE_FROM: groups of at least this many ranks check every call's header and
+    /// run barrier and small all_reduce, all_gather and reduce_scatter calls through a
+    /// binomial tree (2 log2(W) rounds, at most 2 log2(W) frames per rank) instead of
+    /// one round with every peer (2(W - 1) frames per rank).
+    pub tree_from: usize,
 }
 
 impl Default for Settings {
@@ -59,6 +66,7 @@ impl Default for Settings {
             shm: true,
             shm_slot_bytes: DEFAULT_SLOT_BYTES,
             cuda_collectives: None,
+            tree_from: TREE_FROM,
         }
     }
 }
@@ -100,6 +108,13 @@ impl Settings {
                 .ok()
                 .filter(|b| *b >= SLOT_ALIGN)
                 .ok_or_else(|| bad("ALLGRAD_SHM_SLOT_BYTES", v, &format!("a number of bytes of at least {SLOT_ALIGN}")))?;
+        }
+        if let Some(v) = get("ALLGRAD_TREE_FROM") {
+            s.tree_from = v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n >= 2)
+                .ok_or_else(|| bad("ALLGRAD_TREE_FROM", v, "a number of ranks of at least 2"))?;
         }
         if let Some(v) = get("ALLGRAD_CUDA_COLLECTIVES") {
             s.cuda_collectives = Some(v.parse().map_err(|e| DistError::Env(format!("ALLGRAD_CUDA_COLLECTIVES={v:?}: {e}")))?);
@@ -159,6 +174,7 @@ mod tests {
         assert_eq!((s.timeout, s.shm, s.shm_slot_bytes), (Duration::from_secs(300), true, 1 << 20));
         assert_eq!((s.max_message_bytes, s.bind_addr, s.job_token), (None, None, None));
         assert_eq!(s.cuda_collectives, None);
+        assert_eq!(s.tree_from, 32);
     }
 
     #[test]
@@ -171,6 +187,7 @@ mod tests {
             ("ALLGRAD_SHM", "0"),
             ("ALLGRAD_SHM_SLOT_BYTES", "65536"),
             ("ALLGRAD_CUDA_COLLECTIVES", "host"),
+            ("ALLGRAD_TREE_FROM", "5"),
         ]))
         .unwrap();
         assert_eq!(s.timeout, Duration::from_millis(2500));
@@ -180,6 +197,7 @@ mod tests {
         assert!(!s.shm);
         assert_eq!(s.shm_slot_bytes, 65536);
         assert_eq!(s.cuda_collectives, Some(CudaCollectives::Host));
+        assert_eq!(s.tree_from, 5);
     }
 
     #[test]
@@ -193,6 +211,8 @@ mod tests {
             ("ALLGRAD_SHM_SLOT_BYTES", "12"),
             ("ALLGRAD_SHM_SLOT_BYTES", "1M"),
             ("ALLGRAD_CUDA_COLLECTIVES", "gloo"),
+            ("ALLGRAD_TREE_FROM", "1"),
+            ("ALLGRAD_TREE_FROM", "many"),
         ] {
             let e = Settings::from_vars(&vars(&[(k, v)])).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(&format!("{v:?}")), "{k}={v}: {e}");

@@ -45,6 +45,7 @@ pub struct ThreadWorld {
     cuda_collectives: Option<CudaCollectives>,
     /// A rank that runs with shared memory off while the others have it on (tests).
     declining: Option<usize>,
+    tree_from: Option<usize>,
 }
 
 impl ThreadWorld {
@@ -62,7 +63,15 @@ impl ThreadWorld {
             max_message_bytes: None,
             cuda_collectives: None,
             declining: None,
+            tree_from: None,
         }
+    }
+
+    /// Groups of at least `ranks` ranks take the binomial tree, overriding ALLGRAD_TREE_FROM
+    /// (tests run the tree on small worlds with 2).
+    pub fn tree_from(mut self, ranks: usize) -> Self {
+        self.tree_from = Some(ranks);
+        self
     }
 
     /// The mode every rank's groups choose their path for CUDA tensors with, overriding
@@ -133,6 +142,7 @@ impl ThreadWorld {
         settings.max_message_bytes = self.max_message_bytes.or(settings.max_message_bytes);
         settings.cuda_collectives = self.cuda_collectives.or(settings.cuda_collectives);
         settings.timeout = self.timeout;
+        settings.tree_from = self.tree_from.unwrap_or(settings.tree_from).max(2);
         let token = format!("threads-{:032x}", rand::random::<u128>());
         let server = if w > 1 { Some(StoreServer::start("127.0.0.1:0", &token)?) } else { None };
         let port = server.as_ref().map(|s| s.addr().port()).unwrap_or(crate::rendezvous::env::DEFAULT_MASTER_PORT);

@@ -6,7 +6,7 @@
 //! the size this rank expects, before any buffer is allocated.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
@@ -219,6 +219,75 @@ pub(crate) fn pollfd(stream: &TcpStream, events: libc::c_short) -> libc::pollfd 
     libc::pollfd { fd: stream.as_raw_fd(), events, revents: 0 }
 }
 
+/// Connections a listener queues before accepting them. The kernel caps it at
+/// `net.core.somaxconn` (4096 on current kernels). The standard library listens with 128: when
+/// a thousand ranks connect to rank 0's store or data plane at once, the connections past the
+/// queue lose their SYN and wait a second or more for its retransmission.
+pub(crate) const LISTEN_BACKLOG: libc::c_int = 4096;
+
+/// A TCP listener on `addr` (port 0: a free one) with [`LISTEN_BACKLOG`], address reuse as
+/// the standard library sets it, and close-on-exec.
+pub(crate) fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use std::os::fd::FromRawFd;
+    let (family, storage, len) = sockaddr(addr);
+    // SAFETY: plain syscalls on a socket this function creates and owns until it is handed to
+    // the TcpListener (or closed on error); `storage` outlives the bind call and `len` is its
+    // valid size for `family`.
+    unsafe {
+        let fd = libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fail = |fd| {
+            let e = std::io::Error::last_os_error();
+            libc::close(fd);
+            Err(e)
+        };
+        let one: libc::c_int = 1;
+        let opt = &one as *const libc::c_int as *const libc::c_void;
+        if libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, opt, std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+            != 0
+        {
+            return fail(fd);
+        }
+        if libc::bind(fd, &storage as *const libc::sockaddr_storage as *const libc::sockaddr, len) != 0 {
+            return fail(fd);
+        }
+        if libc::listen(fd, LISTEN_BACKLOG) != 0 {
+            return fail(fd);
+        }
+        Ok(TcpListener::from_raw_fd(fd))
+    }
+}
+
+/// `addr` as a C socket address: family, storage and length.
+fn sockaddr(addr: SocketAddr) -> (libc::c_int, libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero sockaddr_storage, sockaddr_in and sockaddr_in6 are valid values; the
+    // storage is then written as the one it has room for (it is larger and suitably aligned
+    // for both).
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    match addr {
+        SocketAddr::V4(a) => {
+            let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = a.port().to_be();
+            sin.sin_addr = libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) };
+            unsafe { std::ptr::write(&mut storage as *mut _ as *mut libc::sockaddr_in, sin) };
+            (libc::AF_INET, storage, std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t)
+        }
+        SocketAddr::V6(a) => {
+            let mut sin6: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+            sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sin6.sin6_port = a.port().to_be();
+            sin6.sin6_flowinfo = a.flowinfo();
+            sin6.sin6_addr = libc::in6_addr { s6_addr: a.ip().octets() };
+            sin6.sin6_scope_id = a.scope_id();
+            unsafe { std::ptr::write(&mut storage as *mut _ as *mut libc::sockaddr_in6, sin6) };
+            (libc::AF_INET6, storage, std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t)
+        }
+    }
+}
+
 /// Larger kernel socket buffers let a ring step stream without stalling on the peer.
 pub(crate) fn tune_data_socket(stream: &TcpStream) {
     let _ = stream.set_nodelay(true);
@@ -240,6 +309,26 @@ pub(crate) fn tune_data_socket(stream: &TcpStream) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listeners_queue_more_connections_than_the_standard_librarys_128() {
+        // Nothing accepts: every connection below the backlog still completes its handshake.
+        for addr in ["127.0.0.1:0", "[::1]:0"] {
+            let Ok(l) = listen(addr.parse().unwrap()) else { continue }; // no IPv6 here
+            let target = l.local_addr().unwrap();
+            assert_ne!(target.port(), 0);
+            let conns: Vec<TcpStream> = (0..200)
+                .map(|i| {
+                    TcpStream::connect_timeout(&target, Duration::from_millis(500))
+                        .unwrap_or_else(|e| panic!("connection {i} to {target}: {e}"))
+                })
+                .collect();
+            assert_eq!(conns.len(), 200);
+            // And they are accepted in order afterwards.
+            let (s, _) = l.accept().unwrap();
+            assert_eq!(s.peer_addr().unwrap(), conns[0].local_addr().unwrap());
+        }
+    }
 
     #[test]
     fn header_round_trips() {

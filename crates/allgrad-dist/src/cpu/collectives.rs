@@ -6,7 +6,9 @@
 //! along a fixed chain and then copied; broadcast = a segmented, pipelined chain. Either way
 //! every rank ends with bitwise-identical results. When every member of the group runs on this
 //! host, large all_reduce, all_gather and reduce_scatter calls go through shared memory
-//! instead (`shm::ops`).
+//! instead (`shm::ops`). Groups of ALLGRAD_TREE_FROM ranks or more (default 32) replace the
+//! one-round direct paths of all_reduce, all_gather, reduce_scatter and barrier by a binomial
+//! tree (`tree`), whose frames per call grow with log2(W) per rank instead of W.
 //!
 //! Longer than the project's ~500-line aim on purpose: the direct and ring variant of every
 //! collective share the `Call` state and the buffer helpers, and they are read side by side to
@@ -291,6 +293,10 @@ impl Mesh {
             self.paths.shared_memory += 1;
             return self.shm_all_reduce(c, op, buf).map_err(|e| self.fail(e));
         }
+        if self.tree_all_reduce_fits(n * esz, n) {
+            self.paths.tree += 1;
+            return self.tree_all_reduce(c, op, buf);
+        }
         if n * esz * (w - 1) <= DIRECT_BYTES || n < w {
             self.paths.direct += 1;
             let mut raw = self.take_scratch(n * w * esz);
@@ -354,6 +360,9 @@ impl Mesh {
         if self.use_shm(out.len() * esz) {
             return self.shm_all_gather_v(c, own, counts, out).map_err(|e| self.fail(e));
         }
+        if self.uses_tree() && out.len() * esz <= DIRECT_BYTES {
+            return self.tree_all_gather_v(c, counts, step0, out);
+        }
         if out.len() * esz <= DIRECT_BYTES {
             let mut sends: Vec<SendOp> = (0..w)
                 .filter(|p| *p != r)
@@ -390,6 +399,14 @@ impl Mesh {
         let n = blocks[r].len();
         if self.use_shm(input.len() * esz) && self.shm.as_ref().is_some_and(|s| s.slot_bytes() / esz >= w) {
             return self.shm_reduce_scatter_v(c, op, input, counts, out).map_err(|e| self.fail(e));
+        }
+        if self.uses_tree() && input.len() * esz <= DIRECT_BYTES {
+            // The whole input all-reduced through the tree, this rank's block kept.
+            self.paths.tree += 1;
+            let mut all = input.to_vec();
+            self.tree_all_reduce(c, op, &mut all)?;
+            out.copy_from_slice(&all[blocks[r].clone()]);
+            return Ok(());
         }
         if input.len() * esz <= DIRECT_BYTES {
             let mut raw = self.take_scratch(n * (w - 1) * esz);
@@ -612,6 +629,9 @@ impl Mesh {
     pub(crate) fn barrier(&mut self, c: &Call) -> DistResult<()> {
         let (w, r) = (self.size(), self.rank);
         let h = Header { dtype: 0, ..c.header::<u8>(0, 0) };
+        if self.uses_tree() {
+            return self.tree_agree(h, c.what);
+        }
         let mut sends: Vec<SendOp> = (0..w).filter(|p| *p != r).map(|p| SendOp { peer: p, header: h, data: &[] }).collect();
         let mut recvs: Vec<RecvOp> =
             (0..w).filter(|p| *p != r).map(|p| RecvOp { peer: p, expect: h, data: &mut [], acc: None }).collect();

@@ -132,6 +132,40 @@ pub(crate) struct Mesh {
     pub shm: Option<Segment>,
     /// How many all_reduce calls took each path (tests observe the path through it).
     pub paths: AllReducePaths,
+    /// Frames and poll(2) calls of this group so far (benchmarks count them).
+    pub counts: WireCounts,
+    /// Groups of at least this many ranks take the binomial tree (`tree`).
+    pub tree_from: usize,
+    /// Per peer, the send and receive of the exchange in progress and its slot in the poll
+    /// set, so that an exchange finds them without a search (it may have W - 1 of each).
+    index: Vec<PeerIndex>,
+}
+
+/// Where one peer's send, receive and pollfd sit in the exchange in progress.
+#[derive(Clone, Copy)]
+struct PeerIndex {
+    send: u32,
+    recv: u32,
+    fd: u32,
+}
+
+impl PeerIndex {
+    const NONE: u32 = u32::MAX;
+    const UNUSED: PeerIndex = PeerIndex { send: Self::NONE, recv: Self::NONE, fd: Self::NONE };
+}
+
+/// Frames this rank exchanged on one group's connections, and the poll(2) calls spent
+/// waiting for them: what a benchmark reads to count the messages a collective costs
+/// ([`crate::ProcessGroup::wire_counts`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WireCounts {
+    /// Frames sent (each with its header; payloads of any size).
+    pub frames_sent: u64,
+    /// Frames received.
+    pub frames_received: u64,
+    /// poll(2) calls made while exchanging frames.
+    pub polls: u64,
 }
 
 /// How many all_reduce calls of a group took each path: what tests read to see the path a
@@ -145,6 +179,9 @@ pub struct AllReducePaths {
     pub ring: u64,
     /// Large messages through the host's shared-memory segment.
     pub shared_memory: u64,
+    /// Small and medium messages in large groups: up and down a binomial tree (small
+    /// reduce_scatter calls of such groups, which run a tree all_reduce, count here too).
+    pub tree: u64,
 }
 
 impl Mesh {
@@ -161,6 +198,9 @@ impl Mesh {
             scratch: Vec::new(),
             shm: None,
             paths: AllReducePaths::default(),
+            counts: WireCounts::default(),
+            tree_from: crate::cpu::tree::TREE_FROM,
+            index: vec![PeerIndex::UNUSED; n],
         }
     }
 
@@ -225,11 +265,27 @@ impl Mesh {
     /// Looks, without blocking, for a peer that sent an ABORT frame or closed its connection;
     /// anything else waiting on a connection is left for the next exchange.
     pub fn peer_failure(&self, what: &str) -> Option<DistError> {
-        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.peers.len());
-        let mut fd_peer: Vec<usize> = Vec::with_capacity(self.peers.len());
-        for (p, s) in self.peers.iter().enumerate() {
-            if let Some(s) = s {
-                push_fd(&mut fds, &mut fd_peer, s, p, libc::POLLIN);
+        self.peer_failure_among(what, 0, self.size())
+    }
+
+    /// How many connections a rank that waits for something else (shared memory, NCCL) looks
+    /// at each time with [`Mesh::peer_failure_among`]: rank r's k-th look covers the peers
+    /// r + 1 + k * PEER_WINDOW onwards, so that at every look exactly PEER_WINDOW ranks watch
+    /// each peer. Looking at every connection costs a poll(2) over W - 1 descriptors per look,
+    /// which for a thousand ranks is more work than what they wait for.
+    pub(crate) const PEER_WINDOW: usize = 64;
+
+    /// [`Mesh::peer_failure`] for `count` peers only, from group rank `first` on (modulo the
+    /// group size): one poll(2) over a window of the connections instead of all W - 1.
+    pub fn peer_failure_among(&self, what: &str, first: usize, count: usize) -> Option<DistError> {
+        let w = self.size();
+        let count = count.min(w);
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(count);
+        let mut fd_peer: Vec<usize> = Vec::with_capacity(count);
+        for p in (0..count).map(|i| (first + i) % w) {
+            if let Some(s) = &self.peers[p] {
+                fds.push(wire::pollfd(s, libc::POLLIN));
+                fd_peer.push(p);
             }
         }
         match wire::poll(&mut fds, Duration::ZERO) {
@@ -300,8 +356,12 @@ impl Mesh {
     /// Sends header `h` (without payload) to every peer and checks theirs against it: ranks
     /// whose calls differ all fail with [`DistError::Mismatch`] naming both calls. Used where
     /// the data itself moves elsewhere (shared memory, NCCL), so that those paths keep the
-    /// TCP path's checks. Also a barrier: no rank returns before every peer has sent.
+    /// TCP path's checks. Also a barrier: no rank returns before every peer has sent. Large
+    /// groups check through a tree instead ([`Mesh::tree_agree`]).
     pub fn exchange_header(&mut self, h: Header, what: &str) -> DistResult<()> {
+        if self.uses_tree() {
+            return self.tree_agree(h, what);
+        }
         let (w, r) = (self.size(), self.rank);
         let mut sends: Vec<SendOp> = (0..w).filter(|p| *p != r).map(|p| SendOp { peer: p, header: h, data: &[] }).collect();
         let mut recvs: Vec<RecvOp> =
@@ -314,8 +374,29 @@ impl Mesh {
     /// error messages. On error the group is poisoned (see [`Mesh::fail`]).
     pub fn exchange(&mut self, sends: &mut [SendOp], recvs: &mut [RecvOp], what: &str) -> DistResult<()> {
         self.check_usable()?;
+        for (i, s) in sends.iter().enumerate() {
+            self.index[s.peer].send = i as u32;
+        }
+        for (i, r) in recvs.iter().enumerate() {
+            self.index[r.peer].recv = i as u32;
+        }
         let r = self.exchange_inner(sends, recvs, what);
+        for p in sends.iter().map(|s| s.peer).chain(recvs.iter().map(|r| r.peer)) {
+            self.index[p] = PeerIndex::UNUSED;
+        }
         r.map_err(|e| self.fail(e))
+    }
+
+    /// Adds `ev` to the peer's entry of the poll set, making one if it has none yet.
+    fn poll_for(&mut self, fds: &mut Vec<libc::pollfd>, fd_peer: &mut Vec<usize>, peer: usize, ev: libc::c_short) {
+        let k = self.index[peer].fd;
+        if k != PeerIndex::NONE {
+            fds[k as usize].events |= ev;
+        } else {
+            self.index[peer].fd = fds.len() as u32;
+            fds.push(wire::pollfd(self.stream(peer), ev));
+            fd_peer.push(peer);
+        }
     }
 
     fn exchange_inner(&mut self, sends: &mut [SendOp], recvs: &mut [RecvOp], what: &str) -> DistResult<()> {
@@ -329,19 +410,24 @@ impl Mesh {
         let mut fd_peer: Vec<usize> = Vec::with_capacity(fds.capacity());
 
         loop {
+            for &p in &fd_peer {
+                self.index[p].fd = PeerIndex::NONE;
+            }
             fds.clear();
             fd_peer.clear();
             for (i, s) in sends.iter().enumerate() {
                 if sent[i] < HEADER_LEN + s.data.len() {
-                    push_fd(&mut fds, &mut fd_peer, self.stream(s.peer), s.peer, libc::POLLOUT);
+                    self.poll_for(&mut fds, &mut fd_peer, s.peer, libc::POLLOUT);
                 }
             }
             for (i, r) in recvs.iter().enumerate() {
                 if !rs[i].done {
-                    push_fd(&mut fds, &mut fd_peer, self.stream(r.peer), r.peer, libc::POLLIN);
+                    self.poll_for(&mut fds, &mut fd_peer, r.peer, libc::POLLIN);
                 }
             }
             if fds.is_empty() {
+                self.counts.frames_sent += sends.len() as u64;
+                self.counts.frames_received += recvs.len() as u64;
                 return Ok(());
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -353,6 +439,7 @@ impl Mesh {
                     timeout: self.timeout,
                 });
             }
+            self.counts.polls += 1;
             if Instant::now() < busy_until {
                 // A peer a few microseconds behind is cheaper to wait for awake than asleep.
                 let ready = wire::poll(&mut fds, Duration::ZERO).map_err(|e| DistError::io(format!("poll in {what}"), e))?;
@@ -370,24 +457,23 @@ impl Mesh {
                     continue;
                 }
                 let peer = fd_peer[k];
+                let (si, ri) = (self.index[peer].send, self.index[peer].recv);
                 let readable = fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
                 let writable = fd.revents & (libc::POLLOUT | libc::POLLHUP | libc::POLLERR) != 0;
-                if readable {
-                    if let Some(i) = recvs.iter().position(|r| r.peer == peer) {
-                        if !rs[i].done {
-                            self.pump_recv(&mut recvs[i], &mut rs[i], what)?;
-                        }
+                if readable && ri != PeerIndex::NONE {
+                    let i = ri as usize;
+                    if !rs[i].done {
+                        self.pump_recv(&mut recvs[i], &mut rs[i], what)?;
                     }
                 }
-                if writable && fd.events & libc::POLLOUT != 0 {
-                    if let Some(i) = sends.iter().position(|s| s.peer == peer) {
-                        // Whether this rank is part-way through reading a frame from the same peer.
-                        let reading = recvs
-                            .iter()
-                            .zip(&rs)
-                            .any(|(r, st)| r.peer == peer && !st.done && (st.phase != Phase::Header || st.got > 0));
-                        self.pump_send(&sends[i], &send_frames[i], &mut sent[i], what, reading)?;
-                    }
+                if writable && fd.events & libc::POLLOUT != 0 && si != PeerIndex::NONE {
+                    let i = si as usize;
+                    // Whether this rank is part-way through reading a frame from the same peer.
+                    let reading = ri != PeerIndex::NONE && {
+                        let st = &rs[ri as usize];
+                        !st.done && (st.phase != Phase::Header || st.got > 0)
+                    };
+                    self.pump_send(&sends[i], &send_frames[i], &mut sent[i], what, reading)?;
                 }
             }
         }
@@ -584,15 +670,6 @@ struct RecvState {
 impl Default for RecvState {
     fn default() -> Self {
         RecvState { phase: Phase::Header, hdr: [0; HEADER_LEN], got: 0, reduced: 0, reason: Vec::new(), done: false }
-    }
-}
-
-fn push_fd(fds: &mut Vec<libc::pollfd>, fd_peer: &mut Vec<usize>, s: &TcpStream, peer: usize, ev: libc::c_short) {
-    if let Some(k) = fd_peer.iter().position(|p| *p == peer) {
-        fds[k].events |= ev;
-    } else {
-        fds.push(wire::pollfd(s, ev));
-        fd_peer.push(peer);
     }
 }
 

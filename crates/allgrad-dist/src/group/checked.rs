@@ -96,30 +96,39 @@ impl ProcessGroup {
 mod tests {
     use super::*;
     use crate::error::DistError;
-    use crate::threads::run_threads;
+    use crate::threads::{run_threads, ThreadWorld};
 
     /// Runs one checked call per rank, `(op, redop, shape)` chosen by rank; returns each
     /// rank's outcome: the group rank seen by the data path, or the error message.
     fn checked(w: usize, call_of: impl Fn(usize) -> (OpCode, Option<ReduceOp>, Vec<u64>) + Sync) -> Vec<Result<usize, String>> {
-        run_threads(w, |pg| {
-            let (op, redop, meta) = call_of(pg.rank());
-            let r = pg.call_checked::<f32, _>(op, redop, &meta, || format!("test call {op:?} {meta:?}"), |p| Ok(p.rank));
-            Ok(r.map_err(|e| {
-                let msg = e.to_string();
-                assert!(
-                    matches!(
-                        e,
-                        DistError::Mismatch { .. }
-                            | DistError::Poisoned { .. }
-                            | DistError::PeerAborted { .. }
-                            | DistError::PeerClosed { .. }
-                    ),
-                    "{msg}"
-                );
-                msg
-            }))
-        })
-        .unwrap()
+        checked_in(ThreadWorld::new(w), call_of)
+    }
+
+    /// [`checked`] in the given world.
+    fn checked_in(
+        world: ThreadWorld,
+        call_of: impl Fn(usize) -> (OpCode, Option<ReduceOp>, Vec<u64>) + Sync,
+    ) -> Vec<Result<usize, String>> {
+        world
+            .run(|pg| {
+                let (op, redop, meta) = call_of(pg.rank());
+                let r = pg.call_checked::<f32, _>(op, redop, &meta, || format!("test call {op:?} {meta:?}"), |p| Ok(p.rank));
+                Ok(r.map_err(|e| {
+                    let msg = e.to_string();
+                    assert!(
+                        matches!(
+                            e,
+                            DistError::Mismatch { .. }
+                                | DistError::Poisoned { .. }
+                                | DistError::PeerAborted { .. }
+                                | DistError::PeerClosed { .. }
+                        ),
+                        "{msg}"
+                    );
+                    msg
+                }))
+            })
+            .unwrap()
     }
 
     #[test]
@@ -147,6 +156,35 @@ mod tests {
         }
         // Rank 2 talks to both others, so it sees a mismatch, not merely an abort.
         assert!(got[2].as_ref().unwrap_err().contains("collective mismatch"), "{:?}", got[2]);
+    }
+
+    #[test]
+    fn through_the_tree_of_a_large_group_too_no_rank_reaches_the_data_path_on_a_mismatch() {
+        // Tree from 2 ranks: the check of a large group, on 6 ranks.
+        let tree = || ThreadWorld::new(6).tree_from(2);
+        let got = checked_in(tree(), |_| (OpCode::AllReduce, Some(ReduceOp::Sum), vec![4, 3]));
+        assert_eq!(got, (0..6).map(Ok).collect::<Vec<_>>());
+        // Rank 3 (a leaf, under rank 2) and rank 4 (an inner node, parent of rank 5) differ in
+        // turn.
+        for odd in [3, 4] {
+            let got = checked_in(tree(), |r| {
+                if r == odd {
+                    (OpCode::AllGather, None, vec![4, 3])
+                } else {
+                    (OpCode::AllReduce, Some(ReduceOp::Sum), vec![4, 3])
+                }
+            });
+            for (r, g) in got.iter().enumerate() {
+                let e = g.as_ref().expect_err("a mismatched call must not reach the data path");
+                assert!(
+                    e.contains("collective mismatch")
+                        && e.contains("all_gather")
+                        && e.contains("all_reduce(sum)")
+                        && e.contains("through NCCL"),
+                    "rank {r}: {e}"
+                );
+            }
+        }
     }
 
     #[test]

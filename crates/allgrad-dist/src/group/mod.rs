@@ -14,6 +14,7 @@
 mod checked;
 mod connect;
 mod cuda_path;
+pub(crate) mod fd_limit;
 mod slices;
 mod tensors;
 
@@ -252,6 +253,13 @@ impl ProcessGroup {
     #[doc(hidden)]
     pub fn all_reduce_paths(&self) -> crate::cpu::mesh::AllReducePaths {
         self.lock().mesh.paths
+    }
+
+    /// Frames this rank exchanged on this group so far, and its poll(2) calls (for
+    /// benchmarks that count what a collective costs).
+    #[doc(hidden)]
+    pub fn wire_counts(&self) -> crate::cpu::mesh::WireCounts {
+        self.lock().mesh.counts
     }
 
     /// The rendezvous store, when the world has more than one rank.

@@ -54,7 +54,17 @@ impl ProcessGroup {
         let w = self.world_size();
         let max = self.inner.ctx.max_message_bytes;
         self.call(OpCode::AllGather, None, meta, || format!("all_gather of {} x {:?} (sizes may differ)", own.len(), T::DTYPE), |m, c| {
-            let counts = if w == 1 { vec![own.len() as u64] } else { m.exchange_counts(c, 0, &vec![own.len() as u64; w])? };
+            let counts = if w == 1 {
+                vec![own.len() as u64]
+            } else if m.uses_tree() {
+                let mut counts = vec![0u64; w];
+                counts[m.rank] = own.len() as u64;
+                let mut words = bytemuck::cast_slice::<u64, i64>(&counts).to_vec();
+                m.tree_all_gather_v(c, &vec![1; w], 0, &mut words)?;
+                bytemuck::cast_slice::<i64, u64>(&words).to_vec()
+            } else {
+                m.exchange_counts(c, 0, &vec![own.len() as u64; w])?
+            };
             let esz = T::DTYPE.size_in_bytes() as u64;
             let total = counts.iter().try_fold(0u64, |a, b| a.checked_add(*b)).and_then(|t| t.checked_mul(esz));
             if !matches!(total, Some(t) if t <= max) {

@@ -60,6 +60,26 @@ pub enum LaunchError {
         source: std::io::Error,
     },
 
+    /// The launcher may not open the two pipes per rank that carry the ranks' output.
+    #[error(
+        "{nproc_per_node} ranks need about {need} open files in the launcher (two pipes each, {open} open already), \
+         but it may open at most {soft} (ulimit -n; hard limit {hard}): raise the limit, e.g. `ulimit -n {suggest}`"
+    )]
+    TooFewFiles {
+        /// Ranks to start on this node.
+        nproc_per_node: usize,
+        /// Descriptors needed.
+        need: u64,
+        /// Descriptors open now.
+        open: u64,
+        /// The soft limit.
+        soft: u64,
+        /// The hard limit.
+        hard: u64,
+        /// A limit to set.
+        suggest: u64,
+    },
+
     /// A rank's process could not be started (the ranks already started were stopped).
     #[error("starting rank {rank}: {program}: {source}")]
     Spawn {

@@ -45,6 +45,16 @@ use spawn::Job;
 /// a fresh free port.
 pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     let (program, args) = cfg.validate()?;
+    // Two pipes per rank (stdout, stderr): with a thousand ranks on a node, past the soft limit
+    // of 1024 that many systems set; raised within the hard limit, or refused with the numbers.
+    crate::group::fd_limit::make_room(2 * cfg.nproc_per_node as u64).map_err(|s| LaunchError::TooFewFiles {
+        nproc_per_node: cfg.nproc_per_node,
+        need: s.need,
+        open: s.open,
+        soft: s.soft,
+        hard: s.hard,
+        suggest: s.suggest(),
+    })?;
     let beside = std::env::current_exe().ok().and_then(|e| e.parent().map(std::path::Path::to_path_buf));
     let program = config::resolve_program(program, std::env::var_os("PATH").as_deref(), beside.as_deref())?;
     let program = program.as_str();

@@ -1,8 +1,10 @@
 //! The rendezvous store: a small key-value server that rank 0 hosts and every rank uses to
 //! find the others (data-plane addresses, later NCCL unique ids).
 //!
-//! Operations: `set`, `get` (blocks until the key exists, with a timeout), atomic `add`,
-//! `delete`, `check`. Every connection must present the job token first. Keys, values and
+//! Operations: `set`, `get` (blocks until the key exists, with a timeout), `get_many` (the
+//! values of `prefix0`, `prefix1`, ... in one request: a rank of a W-rank group reads the
+//! addresses of all the ranks it connects to at once, so forming a group costs the store W
+//! requests rather than W(W - 1)/2), atomic `add`, `delete`, `check`. Every connection must present the job token first. Keys, values and
 //! the store's total size are bounded, and every length is checked before allocation, so a
 //! hostile client can neither crash the server nor make it allocate without bound.
 
@@ -32,6 +34,10 @@ const CMD_GET: u8 = 2;
 const CMD_ADD: u8 = 3;
 const CMD_DELETE: u8 = 4;
 const CMD_CHECK: u8 = 5;
+const CMD_GET_MANY: u8 = 6;
+
+/// Most keys one `get_many` may ask for.
+pub const MAX_MANY: usize = 1 << 16;
 
 const ST_OK: u8 = 0;
 const ST_MISSING: u8 = 1;
@@ -61,8 +67,13 @@ impl StoreServer {
     /// Binds `addr` (only that address: give the interface rank 0 is reached on) and serves.
     /// Port 0 picks a free port; [`StoreServer::addr`] tells which.
     pub fn start(addr: impl ToSocketAddrs + std::fmt::Debug, token: &str) -> DistResult<StoreServer> {
-        let listener =
-            TcpListener::bind(&addr).map_err(|e| DistError::io(format!("binding the rendezvous store to {addr:?}"), e))?;
+        // Bound with a long listen queue: every rank of a job connects at about the same moment.
+        let bind = |a: SocketAddr| crate::wire::listen(a);
+        let listener = addr
+            .to_socket_addrs()
+            .and_then(|mut a| a.next().ok_or_else(|| std::io::Error::other("resolves to no address")))
+            .and_then(bind)
+            .map_err(|e| DistError::io(format!("binding the rendezvous store to {addr:?}"), e))?;
         let addr = listener.local_addr().map_err(|e| DistError::io("reading the store address", e))?;
         listener.set_nonblocking(true).map_err(|e| DistError::io("configuring the store listener", e))?;
         let shared = Arc::new(Shared {
@@ -221,6 +232,42 @@ fn handle(shared: &Shared, cmd: u8, key: String, val: Vec<u8>, arg: u64) -> (u8,
             None => (ST_OK, vec![0]),
         },
         CMD_CHECK => (ST_OK, vec![t.map.contains_key(&key) as u8]),
+        CMD_GET_MANY => {
+            let count = match <[u8; 4]>::try_from(&val[..]) {
+                Ok(b) if u32::from_le_bytes(b) as usize <= MAX_MANY => u32::from_le_bytes(b) as usize,
+                _ => return (ST_ERROR, format!("get_many wants a count of at most {MAX_MANY} as 4 bytes").into_bytes()),
+            };
+            let deadline = Instant::now().checked_add(Duration::from_millis(arg));
+            let mut next = 0;
+            loop {
+                // Keys found stay found (only `delete` removes one, and nobody deletes these
+                // while ranks wait for them): look from the first missing one on.
+                while next < count && t.map.contains_key(&format!("{key}{next}")) {
+                    next += 1;
+                }
+                if next == count {
+                    break;
+                }
+                let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
+                if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
+                    return (ST_MISSING, (next as u32).to_le_bytes().to_vec());
+                }
+                t = shared.changed.wait_timeout(t, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
+            }
+            let mut body = Vec::new();
+            for i in 0..count {
+                // Deleted meanwhile by a client that should not have: say which.
+                let Some(v) = t.map.get(&format!("{key}{i}")) else {
+                    return (ST_MISSING, (i as u32).to_le_bytes().to_vec());
+                };
+                if body.len() + 4 + v.len() > MAX_VALUE {
+                    return (ST_ERROR, format!("get_many of {count} keys would answer more than {MAX_VALUE} bytes").into_bytes());
+                }
+                body.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                body.extend_from_slice(v);
+            }
+            (ST_OK, body)
+        }
         c => (ST_ERROR, format!("unknown command {c}").into_bytes()),
     }
 }
@@ -343,6 +390,37 @@ impl StoreClient {
         }
     }
 
+    /// Waits until keys `{prefix}0` .. `{prefix}{count - 1}` all exist (at most the client's
+    /// timeout in all) and returns their values, in one request.
+    pub fn get_many(&self, prefix: &str, count: usize) -> DistResult<Vec<Vec<u8>>> {
+        if count > MAX_MANY {
+            return Err(DistError::Invalid(format!("get_many of {count} keys (at most {MAX_MANY})")));
+        }
+        let timeout = self.timeout;
+        let ms = timeout.as_millis().min(u64::MAX as u128) as u64;
+        let (status, body) = self.request(CMD_GET_MANY, prefix, &(count as u32).to_le_bytes(), ms, timeout)?;
+        if status != ST_OK {
+            let missing = <[u8; 4]>::try_from(&body[..]).map(u32::from_le_bytes).unwrap_or(0);
+            return Err(DistError::Timeout {
+                what: format!("waiting for store key {:?}", format!("{prefix}{missing}")),
+                timeout,
+            });
+        }
+        let malformed = || DistError::Store(format!("malformed get_many reply of {} bytes for {count} keys", body.len()));
+        let mut out = Vec::with_capacity(count);
+        let mut at = 0;
+        for _ in 0..count {
+            let len = body.get(at..at + 4).ok_or_else(malformed)?;
+            let len = u32::from_le_bytes(len.try_into().unwrap()) as usize;
+            out.push(body.get(at + 4..at + 4 + len).ok_or_else(malformed)?.to_vec());
+            at += 4 + len;
+        }
+        if at != body.len() {
+            return Err(malformed());
+        }
+        Ok(out)
+    }
+
     /// Atomically adds `delta` to the counter at `key` (0 when absent); returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> DistResult<i64> {
         let (_, v) = self.request(CMD_ADD, key, &[], delta as u64, Duration::ZERO)?;
@@ -393,6 +471,30 @@ mod tests {
         assert!(c.delete("a").unwrap());
         assert!(!c.delete("a").unwrap());
         assert!(!c.check("a").unwrap());
+    }
+
+    #[test]
+    fn get_many_waits_for_every_key_and_answers_in_order() {
+        let (_s, addr) = server();
+        let a2 = addr.clone();
+        let t = std::thread::spawn(move || {
+            let c = StoreClient::connect(&a2, "tok", 1, Duration::from_secs(5)).unwrap();
+            c.get_many("g/addr/", 3).unwrap()
+        });
+        let c = StoreClient::connect(&addr, "tok", 0, Duration::from_secs(5)).unwrap();
+        // Set out of order, the last one late: the reader waits for it.
+        c.set("g/addr/2", b"two").unwrap();
+        c.set("g/addr/0", b"").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        c.set("g/addr/1", b"one").unwrap();
+        assert_eq!(t.join().unwrap(), vec![b"".to_vec(), b"one".to_vec(), b"two".to_vec()]);
+        assert_eq!(c.get_many("g/addr/", 0).unwrap(), Vec::<Vec<u8>>::new());
+        // A key that never comes: a timeout naming it.
+        let short = StoreClient::connect(&addr, "tok", 2, Duration::from_millis(150)).unwrap();
+        let e = short.get_many("g/addr/", 5).unwrap_err().to_string();
+        assert!(e.contains("\"g/addr/3\"") && e.contains("timed out"), "{e}");
+        // Too many keys: refused before asking.
+        assert!(c.get_many("g/addr/", MAX_MANY + 1).is_err());
     }
 
     #[test]

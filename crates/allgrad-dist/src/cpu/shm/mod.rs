@@ -65,6 +65,9 @@ pub(crate) struct Segment {
     /// Barriers of any kind passed, counting the TCP exchanges that act as one (decides which
     /// set of slots the next piece uses).
     phase: u64,
+    /// Whether a waiter may spin and yield before it sleeps: only when every member can have
+    /// a CPU of its own (see `ops`).
+    pub(crate) busy_wait: bool,
 }
 
 // SAFETY: the segment owns its mapping (unmapped only in Drop) and holds no thread-bound
@@ -130,10 +133,11 @@ impl Segment {
     }
 
     fn map(fd: &Fd, len: usize, w: usize, rank: usize, slot: usize) -> io::Result<Segment> {
-        // Fault the pages in now rather than mid-collective.
-        #[cfg(target_os = "linux")]
-        let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
-        #[cfg(not(target_os = "linux"))]
+        // Pages are faulted in on first touch, not all at once (MAP_POPULATE): a rank touches
+        // its own slots and 1/W of the others', while populating the whole segment (up to
+        // 256 MiB, 65,536 pages) cost every rank the same work and page tables whatever W,
+        // W times over on a host of W ranks; the creator's posix_fallocate already reserved
+        // the memory, so a first touch cannot fail.
         let flags = libc::MAP_SHARED;
         // SAFETY: a fresh shared mapping of `len` bytes of a file at least that long; the
         // kernel picks the address.
@@ -142,7 +146,7 @@ impl Segment {
             return Err(io::Error::last_os_error());
         }
         // Constructed first, so that the mapping is released on the error below too.
-        let seg = Segment { base: p.cast(), len, w, rank, slot, epoch: 0, phase: 0 };
+        let seg = Segment { base: p.cast(), len, w, rank, slot, epoch: 0, phase: 0, busy_wait: true };
         // Every region and control word is aligned because the base is (page-aligned on every
         // system this runs on); checked in every build, as the safety of the atomics and of
         // the element copies rests on it.

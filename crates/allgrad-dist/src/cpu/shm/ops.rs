@@ -22,10 +22,11 @@
 //!
 //! A rank waiting at a barrier spins briefly, then yields its CPU for up to a millisecond
 //! (waking a sleeping thread, often a halted virtual CPU, costs more than a short wait), then
-//! sleeps on a futex with a short timeout, and meanwhile watches the abort word of the segment
+//! sleeps on a futex with a short timeout (when the group has more members than the host has
+//! CPUs, it sleeps at once: spinning would take the CPU from the members it waits for), and meanwhile watches the abort word of the segment
 //! (raised by a member that fails), its TCP connections (an ABORT frame, or a peer that died
-//! and whose connections closed) and the group's deadline; any of them poisons the group as on
-//! the TCP path.
+//! and whose connections closed; a window of them at each look, [`PEER_WINDOW`]) and the
+//! group's deadline; any of them poisons the group as on the TCP path.
 
 use std::ops::Range;
 use std::sync::atomic::{fence, Ordering};
@@ -48,6 +49,9 @@ const YIELD_FOR: Duration = Duration::from_millis(1);
 const NAP: Duration = Duration::from_millis(2);
 /// How often a waiter looks at its TCP connections for a failed or dead peer.
 const PEER_CHECK: Duration = Duration::from_millis(5);
+/// How many connections a waiter looks at each time ([`Mesh::PEER_WINDOW`]); the first to see
+/// a dead peer raises the segment's abort word for all.
+const PEER_WINDOW: usize = Mesh::PEER_WINDOW;
 
 impl Mesh {
     /// Whether a collective of `bytes` bytes takes the shared-memory path.
@@ -110,7 +114,10 @@ impl Mesh {
     fn shm_wait(&self, target: u32, what: &str) -> DistResult<()> {
         let seg = self.seg();
         let start = Instant::now();
-        while start.elapsed() < SPIN {
+        // With more members than CPUs, a waiter that spins or yields takes the CPU from the
+        // members it waits for: it sleeps at once.
+        let (spin, yield_for) = if seg.busy_wait { (SPIN, YIELD_FOR) } else { (Duration::ZERO, Duration::ZERO) };
+        while start.elapsed() < spin {
             for _ in 0..64 {
                 if seg.passed(target) {
                     return Ok(());
@@ -120,7 +127,8 @@ impl Mesh {
         }
         let deadline = start + self.timeout;
         let mut next_check = start + PEER_CHECK;
-        let awake_until = start + YIELD_FOR;
+        let mut window = self.rank + 1;
+        let awake_until = start + yield_for;
         loop {
             if seg.passed(target) {
                 return Ok(());
@@ -133,7 +141,9 @@ impl Mesh {
             }
             let now = Instant::now();
             if now >= next_check {
-                if let Some(e) = self.peer_failure(what) {
+                let failed = self.peer_failure_among(what, window, PEER_WINDOW);
+                window += PEER_WINDOW;
+                if let Some(e) = failed {
                     // A peer that passed this barrier may have finished and left already.
                     fence(Ordering::SeqCst);
                     if seg.passed(target) {

@@ -1,7 +1,8 @@
 //! Setting up the same-host fast path of a group (the algorithms that use it are in
 //! `ops`; the segment itself in `shm`).
 //!
-//! Once per group (init and `new_group`), over the group's TCP mesh:
+//! Once per group (init and `new_group`), over the group's TCP mesh (each round with every peer,
+//! or gathered through the tree in groups that take it, `tree`):
 //! 1. every rank sends every other its host id (boot id, host name and mount namespace,
 //!    hashed), whether it wants shared memory (ALLGRAD_SHM is not `0`) and, from rank 0, a
 //!    random nonce and the slot size. Shared memory is used only if every member agrees.
@@ -16,6 +17,7 @@
 
 use std::path::PathBuf;
 
+use crate::cpu::collectives::{ranges, Call};
 use crate::cpu::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::cpu::shm::job::{shm_rank_prefix, SHM_DIR};
 use crate::cpu::shm::{segment_bytes, Segment, SLOT_ALIGN};
@@ -135,6 +137,20 @@ impl Mesh {
         Ok(got)
     }
 
+    /// One setup round in a group that takes the tree (`tree`): every rank learns every rank's
+    /// block (`len(p)` bytes from rank p, this rank's being `mine`), gathered up the tree and
+    /// sent back down: 2 log2(W) frames per rank rather than 2(W - 1), once per group.
+    fn setup_gather(&mut self, step: u32, mine: &[u8], len: impl Fn(usize) -> usize) -> DistResult<Vec<Vec<u8>>> {
+        let (w, r) = (self.size(), self.rank);
+        let counts: Vec<usize> = (0..w).map(len).collect();
+        let blocks = ranges(&counts);
+        let mut all = vec![0u8; blocks[w - 1].end];
+        all[blocks[r].clone()].copy_from_slice(mine);
+        let c = Call { op: OpCode::Setup, redop: None, seq: 0, meta: 0, what: "setting up the group" };
+        self.tree_all_gather_v::<u8>(&c, &counts, step, &mut all)?;
+        Ok(blocks.into_iter().map(|b| all[b].to_vec()).collect())
+    }
+
     /// Decides with the other members whether this group uses shared memory, and maps the
     /// segment if so. Fails only when the mesh does (a peer died or misbehaved).
     pub(crate) fn setup_shm(&mut self, token: &str, cfg: ShmConfig) -> DistResult<()> {
@@ -152,7 +168,12 @@ impl Mesh {
             pid: if r == 0 { std::process::id() } else { 0 },
         };
         let peers: Vec<usize> = (0..w).filter(|p| *p != r).collect();
-        let got = self.setup_round(0, &peers, &mine.encode(), &peers, OFFER_LEN)?;
+        let tree = self.uses_tree();
+        let got = if tree {
+            self.setup_gather(0, &mine.encode(), |_| OFFER_LEN)?
+        } else {
+            self.setup_round(0, &peers, &mine.encode(), &peers, OFFER_LEN)?
+        };
         let offers: Vec<Offer> = (0..w).map(|p| if p == r { mine } else { Offer::decode(&got[p]) }).collect();
         if !offers.iter().all(|o| o.wants && o.host == mine.host) {
             tracing::debug!("{}: not every member is on this host or wants shared memory; TCP only", self.group);
@@ -178,8 +199,14 @@ impl Mesh {
                 Err(e) => tracing::debug!("{}: cannot create {}: {e}; TCP only", self.group, path.display()),
             }
             let status = [seg.is_some() as u8; 8];
-            self.setup_round(1, &peers, &status, &[], 8)?;
+            if tree {
+                self.setup_gather(1, &status, |p| if p == 0 { 8 } else { 0 })?;
+            } else {
+                self.setup_round(1, &peers, &status, &[], 8)?;
+            }
             seg.is_some()
+        } else if tree {
+            self.setup_gather(1, &[], |p| if p == 0 { 8 } else { 0 })?[0][0] == 1
         } else {
             self.setup_round(1, &[], &[], &[0], 8)?[0][0] == 1
         };
@@ -195,12 +222,15 @@ impl Mesh {
             }
         }
         let status = [seg.is_some() as u8; 8];
-        let got = self.setup_round(2, &peers, &status, &peers, 8)?;
+        let got = if tree { self.setup_gather(2, &status, |_| 8)? } else { self.setup_round(2, &peers, &status, &peers, 8)? };
         drop(unlink);
         let all = seg.is_some() && peers.iter().all(|p| got[*p][0] == 1);
         if all {
             tracing::debug!("{}: large collectives go through shared memory ({slot}-byte slots)", self.group);
-            self.shm = seg;
+            self.shm = seg.map(|mut s| {
+                s.busy_wait = std::thread::available_parallelism().is_ok_and(|cpus| w <= cpus.get());
+                s
+            });
         }
         Ok(())
     }

@@ -1,0 +1,552 @@
+//! `bench_scale_ranks`: what one job of W ranks (processes) costs allgrad's control plane on
+//! one machine: time to a formed group, latency of small and 1 MiB collectives, the frames
+//! each call exchanges, file descriptors, threads and memory per rank, and how long the
+//! survivors take to name a SIGKILLed rank.
+//!
+//! ```text
+//! cargo run --release -p allgrad-bench --bin bench_scale_ranks -- --nproc 128 \
+//!     [--nnodes 4] [--iters 20] [--time-limit-s 600] [--no-kill] [--json rows.jsonl]
+//! ```
+//!
+//! Run without RANK it is the harness: it starts `--nnodes` launchers (itself again, each
+//! calling `allgrad::launch` for its node's `--nproc / --nnodes` ranks with the same master
+//! port and job token, as separate hosts would), waits for them at most `--time-limit-s`,
+//! then reads the report every rank wrote and prints one row. With more than one node the
+//! ranks run with ALLGRAD_SHM=0: on one machine every rank shares the host, and shared memory
+//! is what tells hosts apart, so the nodes talk TCP to each other as separate hosts do.
+//!
+//! Each rank: joins the job (`ProcessGroup::from_env`), runs one barrier, counts its open file
+//! descriptors, threads and memory, times `--iters` calls of each measured collective (the
+//! max over ranks of the mean per call; frames per call from the group's counters), writes
+//! its report, then (unless `--no-kill`) enters a 4-byte all_reduce that rank `--victim`
+//! never joins: the victim sleeps a moment, notes the time and SIGKILLs itself; every
+//! survivor notes when its all_reduce failed and whether the error names the victim. Survivors
+//! ignore SIGTERM in this last phase, so that the launcher stopping the job after the victim's
+//! death does not cut the measurement short (they are SIGKILLed at the time limit).
+//!
+//! Times are wall-clock (`CLOCK_REALTIME`, one machine): formation counts from the moment
+//! the harness started the launchers, so it includes starting W processes.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use allgrad_dist::{ProcessGroup, ReduceOp};
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+/// Environment of the ranks and node launchers (set by the harness).
+const ENV_T0: &str = "ALLGRAD_SCALE_T0_NS";
+const ENV_OUT: &str = "ALLGRAD_SCALE_OUT";
+const ENV_NODE: &str = "ALLGRAD_SCALE_NODE";
+const ENV_PORT: &str = "ALLGRAD_SCALE_PORT";
+
+#[derive(Parser, Clone, Debug)]
+#[command(name = "bench_scale_ranks", about = "allgrad's control plane at W ranks (processes) on one machine")]
+struct Args {
+    /// Ranks in the job (all nodes together).
+    #[arg(long, default_value_t = 8)]
+    nproc: usize,
+    /// Simulated nodes (launchers); must divide --nproc. Above 1, ranks use TCP only.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// Timed calls per measured collective (after 2 untimed ones).
+    #[arg(long, default_value_t = 20)]
+    iters: u64,
+    /// Seconds the whole job may take before every process is killed.
+    #[arg(long, default_value_t = 600.0)]
+    time_limit_s: f64,
+    /// Skip the kill phase.
+    #[arg(long)]
+    no_kill: bool,
+    /// The rank that SIGKILLs itself in the kill phase (default W/2).
+    #[arg(long)]
+    victim: Option<usize>,
+    /// Folder for the ranks' reports (default: a new temporary folder, removed at the end).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Also append the row as a JSON line to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn main() {
+    let args = Args::parse();
+    let res = if std::env::var_os("RANK").is_some() {
+        rank_main(&args)
+    } else if let Ok(node) = std::env::var(ENV_NODE) {
+        node_main(&args, &node)
+    } else {
+        harness(&args)
+    };
+    if let Err(e) = res {
+        let who = std::env::var("RANK").map(|r| format!("[rank {r}] ")).unwrap_or_default();
+        eprintln!("{who}error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
+}
+
+// ------------------------------------------------------------------------------ harness
+
+fn harness(args: &Args) -> Result<()> {
+    let w = args.nproc;
+    if w < 2 || args.nnodes == 0 || !w.is_multiple_of(args.nnodes) {
+        bail!("--nproc ({w}) must be at least 2 and a multiple of --nnodes ({})", args.nnodes);
+    }
+    let victim = args.victim.unwrap_or(w / 2);
+    if victim == 0 || victim >= w {
+        bail!("--victim {victim} must be a rank in 1..{w} (rank 0 hosts the store)");
+    }
+    let (out, temp) = match &args.out {
+        Some(p) => (p.clone(), false),
+        None => (std::env::temp_dir().join(format!("allgrad-scale-{}-{w}", std::process::id())), true),
+    };
+    if out.exists() {
+        std::fs::remove_dir_all(&out).with_context(|| format!("clearing {}", out.display()))?;
+    }
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let port = allgrad::launch::free_port()?;
+    let token = format!("{:032x}", rand_u128());
+    let exe = std::env::current_exe()?;
+    let listen_before = listen_counters();
+    let t0 = now_ns();
+    let mut nodes: Vec<Child> = Vec::new();
+    for node in 0..args.nnodes {
+        let mut cmd = Command::new(&exe);
+        cmd.args(std::env::args().skip(1))
+            .env(ENV_NODE, node.to_string())
+            .env(ENV_PORT, port.to_string())
+            .env(ENV_T0, t0.to_string())
+            .env(ENV_OUT, &out)
+            .env("ALLGRAD_JOB_TOKEN", &token)
+            .env("ALLGRAD_SCALE_VICTIM", victim.to_string());
+        if args.nnodes > 1 {
+            cmd.env("ALLGRAD_SHM", "0");
+        }
+        nodes.push(cmd.spawn().context("starting a node launcher")?);
+    }
+    let limit = Duration::from_secs_f64(args.time_limit_s);
+    let start = Instant::now();
+    let mut timed_out = false;
+    let slab_before = slab_kb();
+    let mut slab_max = slab_before;
+    loop {
+        slab_max = slab_max.max(slab_kb());
+        let running = nodes.iter_mut().filter_map(|c| matches!(c.try_wait(), Ok(None)).then_some(())).count();
+        if running == 0 {
+            break;
+        }
+        if start.elapsed() > limit {
+            timed_out = true;
+            for c in &nodes {
+                // SIGTERM reaches each launcher's ranks; SIGKILL follows.
+                unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+            }
+            std::thread::sleep(Duration::from_secs(5));
+            for c in nodes.iter_mut() {
+                let _ = c.kill();
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for c in nodes.iter_mut() {
+        let _ = c.wait();
+    }
+    let row = summarise(&out, args, victim, timed_out, start.elapsed())?;
+    println!("{row}");
+    if let (Some(a), Some(b)) = (slab_before, slab_max) {
+        // Host-wide too: the kernel's share of the job (sockets above all), plus whatever else ran.
+        println!(
+            "   the host's slab memory grew by up to {:.1} MiB during the job (kernel memory: sockets, ...)",
+            b.saturating_sub(a) as f64 / 1024.0
+        );
+    }
+    if let (Some(a), Some(b)) = (listen_before, listen_counters()) {
+        // Host-wide: other programs' connections count too.
+        println!(
+            "   listen queue overflows during the job: {} (ListenOverflows), {} SYNs dropped (ListenDrops)",
+            b.0.saturating_sub(a.0),
+            b.1.saturating_sub(a.1)
+        );
+    }
+    if let Some(p) = &args.json {
+        let mut f =
+            std::fs::OpenOptions::new().create(true).append(true).open(p).with_context(|| format!("opening {}", p.display()))?;
+        writeln!(f, "{}", row_json(&out, args, victim, timed_out)?)?;
+    }
+    if temp {
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    Ok(())
+}
+
+/// The kernel's slab memory (kB), from /proc/meminfo.
+fn slab_kb() -> Option<u64> {
+    field(&std::fs::read_to_string("/proc/meminfo").ok()?, "Slab:")
+}
+
+/// The kernel's TcpExt ListenOverflows and ListenDrops counters (connections refused because a
+/// listener's accept queue was full), from /proc/net/netstat.
+fn listen_counters() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/net/netstat").ok()?;
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (lines.next()?, lines.next()?);
+    let pairs: BTreeMap<&str, u64> =
+        names.split_whitespace().zip(values.split_whitespace()).filter_map(|(n, v)| Some((n, v.parse().ok()?))).collect();
+    Some((*pairs.get("ListenOverflows")?, *pairs.get("ListenDrops")?))
+}
+
+fn rand_u128() -> u128 {
+    let mut b = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut b);
+    }
+    u128::from_le_bytes(b) ^ now_ns()
+}
+
+/// One node's launcher: `allgrad::launch` for its share of the ranks.
+fn node_main(args: &Args, node: &str) -> Result<()> {
+    let node: usize = node.parse().context("node index")?;
+    let port: u16 = std::env::var(ENV_PORT).context("master port")?.parse()?;
+    let exe = std::env::current_exe()?;
+    let mut program = vec![exe.to_string_lossy().into_owned()];
+    program.extend(std::env::args().skip(1));
+    let cfg = allgrad::launch::LaunchConfig {
+        nnodes: args.nnodes,
+        node_rank: node,
+        master_port: port,
+        prefix: true,
+        // Survivors of the kill phase ignore SIGTERM; they end on their own, or at the limit.
+        grace: Duration::from_secs_f64(args.time_limit_s),
+        ..allgrad::launch::LaunchConfig::new(args.nproc / args.nnodes, program)
+    };
+    let outcome = allgrad::launch::launch(&cfg)?;
+    std::process::exit(outcome.exit_code());
+}
+
+/// Reads every rank's report (`key value` lines).
+fn reports(out: &Path, w: usize) -> Vec<Option<BTreeMap<String, String>>> {
+    (0..w)
+        .map(|r| {
+            let text = std::fs::read_to_string(out.join(format!("rank-{r}.txt"))).ok()?;
+            Some(text.lines().filter_map(|l| l.split_once(' ')).map(|(k, v)| (k.to_string(), v.to_string())).collect())
+        })
+        .collect()
+}
+
+fn num(m: &BTreeMap<String, String>, k: &str) -> Option<f64> {
+    m.get(k).and_then(|v| v.parse().ok())
+}
+
+struct Stats {
+    min: f64,
+    median: f64,
+    max: f64,
+    n: usize,
+}
+
+fn stats(mut v: Vec<f64>) -> Option<Stats> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Some(Stats { min: v[0], median: v[v.len() / 2], max: v[v.len() - 1], n: v.len() })
+}
+
+fn column(reps: &[Option<BTreeMap<String, String>>], k: &str) -> Vec<f64> {
+    reps.iter().flatten().filter_map(|m| num(m, k)).collect()
+}
+
+/// The measured collectives: name, report key.
+const MEASURED: [(&str, &str); 4] = [
+    ("all_reduce 4 B", "ar4"),
+    ("all_reduce 1 MiB", "ar1m"),
+    ("all_gather 4 B per rank", "ag4"),
+    ("all_gather 1 MiB out", "ag1m"),
+];
+
+fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Duration) -> Result<String> {
+    let w = args.nproc;
+    let reps = reports(out, w);
+    let have = reps.iter().filter(|r| r.is_some()).count();
+    let mut s = String::new();
+    writeln!(s, "== allgrad, W = {w} ranks, {} node(s){}", args.nnodes, if args.nnodes > 1 { ", ALLGRAD_SHM=0" } else { "" })?;
+    writeln!(
+        s,
+        "   reports: {have} of {w} ranks; harness wall time {:.1} s{}",
+        took.as_secs_f64(),
+        if timed_out { " (TIME LIMIT hit)" } else { "" }
+    )?;
+    let show = |s: &mut String, label: &str, k: &str, scale: f64, unit: &str| -> Result<()> {
+        if let Some(st) = stats(column(&reps, k).into_iter().map(|x| x * scale).collect()) {
+            writeln!(
+                s,
+                "   {label:<34} min {:>10.3}  median {:>10.3}  max {:>10.3} {unit} ({} ranks)",
+                st.min, st.median, st.max, st.n
+            )?;
+        } else {
+            writeln!(s, "   {label:<34} (no rank reported it)")?;
+        }
+        Ok(())
+    };
+    show(&mut s, "process started (since harness)", "started_s", 1.0, "s")?;
+    show(&mut s, "group formed (since harness)", "formed_s", 1.0, "s")?;
+    show(&mut s, "first barrier done (since harness)", "ready_s", 1.0, "s")?;
+    show(&mut s, "open fds", "fds", 1.0, "")?;
+    show(&mut s, "threads", "threads", 1.0, "")?;
+    show(&mut s, "RSS (shared pages counted whole)", "rss_kb", 1.0 / 1024.0, "MiB")?;
+    show(&mut s, "PSS (shared pages split)", "pss_kb", 1.0 / 1024.0, "MiB")?;
+    show(&mut s, "private memory (USS)", "uss_kb", 1.0 / 1024.0, "MiB")?;
+    show(&mut s, "PSS after the collectives", "pss_end_kb", 1.0 / 1024.0, "MiB")?;
+    show(&mut s, "frames to form the group", "form_frames", 1.0, "")?;
+    for (label, k) in MEASURED {
+        // Every rank reports the same max-over-ranks figure; rank 0's is the row.
+        let t = reps[0].as_ref().and_then(|m| num(m, &format!("{k}_us")));
+        let f = stats(column(&reps, &format!("{k}_frames")));
+        match (t, f) {
+            (Some(t), Some(f)) => writeln!(
+                s,
+                "   {label:<34} {t:>12.1} us per call; frames per call per rank: median {:.1}, max {:.1}",
+                f.median, f.max
+            )?,
+            _ => writeln!(s, "   {label:<34} (not measured)")?,
+        }
+    }
+    if !args.no_kill {
+        let kill = reps.get(victim).and_then(|r| r.as_ref()).and_then(|m| num(m, "kill_ns"));
+        let det: Vec<f64> = column(&reps, "detect_ns");
+        let named = column(&reps, "named_victim").iter().filter(|x| **x == 1.0).count();
+        let survivors = w - 1;
+        match kill {
+            Some(k) => {
+                let lat = stats(det.iter().map(|d| (d - k) / 1e6).collect());
+                match lat {
+                    Some(st) => writeln!(
+                        s,
+                        "   rank {victim} SIGKILLed: {} of {survivors} survivors failed, {named} naming it; after min {:.1} median {:.1} max {:.1} ms",
+                        st.n, st.min, st.median, st.max
+                    )?,
+                    None => writeln!(s, "   rank {victim} SIGKILLed: no survivor reported a failure")?,
+                }
+            }
+            None => writeln!(s, "   kill phase: rank {victim} did not reach it")?,
+        }
+    }
+    Ok(s.trim_end().to_string())
+}
+
+fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<String> {
+    let w = args.nproc;
+    let reps = reports(out, w);
+    let mut s = format!(
+        "{{\"impl\":\"allgrad\",\"world_size\":{w},\"nnodes\":{},\"reports\":{},\"timed_out\":{timed_out}",
+        args.nnodes,
+        reps.iter().filter(|r| r.is_some()).count()
+    );
+    for k in ["formed_s", "ready_s", "fds", "threads", "rss_kb", "pss_kb", "uss_kb", "pss_end_kb", "form_frames"] {
+        if let Some(st) = stats(column(&reps, k)) {
+            write!(s, ",\"{k}_median\":{},\"{k}_max\":{}", st.median, st.max)?;
+        }
+    }
+    for (_, k) in MEASURED {
+        if let Some(t) = reps[0].as_ref().and_then(|m| num(m, &format!("{k}_us"))) {
+            write!(s, ",\"{k}_us\":{t}")?;
+        }
+        if let Some(st) = stats(column(&reps, &format!("{k}_frames"))) {
+            write!(s, ",\"{k}_frames_max\":{}", st.max)?;
+        }
+    }
+    if !args.no_kill {
+        let kill = reps.get(victim).and_then(|r| r.as_ref()).and_then(|m| num(m, "kill_ns"));
+        if let (Some(k), Some(st)) = (kill, stats(column(&reps, "detect_ns"))) {
+            write!(
+                s,
+                ",\"detect_ms_median\":{},\"detect_ms_max\":{},\"detected\":{}",
+                (st.median - k) / 1e6,
+                (st.max - k) / 1e6,
+                st.n
+            )?;
+            let named = column(&reps, "named_victim").iter().filter(|x| **x == 1.0).count();
+            write!(s, ",\"named_victim\":{named}")?;
+        }
+    }
+    s.push('}');
+    Ok(s)
+}
+
+// ------------------------------------------------------------------------------ rank
+
+struct Report {
+    path: PathBuf,
+    text: String,
+}
+
+impl Report {
+    fn put(&mut self, k: &str, v: impl std::fmt::Display) {
+        let _ = writeln!(self.text, "{k} {v}");
+    }
+    /// Writes what was gathered so far (atomically: a reader never sees half a report).
+    fn flush(&self) -> Result<()> {
+        let tmp = self.path.with_extension("tmp");
+        std::fs::write(&tmp, &self.text)?;
+        std::fs::rename(&tmp, &self.path)?;
+        Ok(())
+    }
+}
+
+fn rank_main(args: &Args) -> Result<()> {
+    let started = now_ns();
+    let t0: u128 = std::env::var(ENV_T0).ok().and_then(|v| v.parse().ok()).unwrap_or(started);
+    let out = PathBuf::from(std::env::var(ENV_OUT).context("the harness's output folder")?);
+    let victim: usize = std::env::var("ALLGRAD_SCALE_VICTIM").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX);
+    let secs = |t: u128| (t.saturating_sub(t0)) as f64 / 1e9;
+
+    let pg = ProcessGroup::from_env().context("joining the job")?;
+    let formed = now_ns();
+    let form_frames = pg.wire_counts();
+    pg.barrier().context("first barrier")?;
+    let ready = now_ns();
+    let rank = pg.rank();
+    let mut rep = Report { path: out.join(format!("rank-{rank}.txt")), text: String::new() };
+    rep.put("started_s", secs(started));
+    rep.put("formed_s", secs(formed));
+    rep.put("ready_s", secs(ready));
+    rep.put("form_frames", form_frames.frames_sent + form_frames.frames_received);
+    rep.put("shm", pg.shared_memory() as u8);
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    rep.put("fds", fds);
+    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+        for (key, name) in [("VmRSS:", "rss_kb"), ("VmHWM:", "hwm_kb"), ("Threads:", "threads")] {
+            if let Some(v) = field(&status, key) {
+                rep.put(name, v);
+            }
+        }
+    }
+    if let Ok(roll) = std::fs::read_to_string("/proc/self/smaps_rollup") {
+        let uss = field(&roll, "Private_Clean:").unwrap_or(0) + field(&roll, "Private_Dirty:").unwrap_or(0);
+        rep.put("uss_kb", uss);
+        if let Some(p) = field(&roll, "Pss:") {
+            rep.put("pss_kb", p);
+        }
+    }
+    rep.flush()?;
+
+    let w = pg.world_size();
+    let small = vec![rank as f32; 1];
+    let big_n = (1 << 20) / 4;
+    let mut ar_small = [rank as f32 + 1.0];
+    let mut ar_big = vec![1.0f32; big_n];
+    let ag_per = (big_n / w).max(1);
+    let ag_own = vec![rank as f32; ag_per];
+    let mut ag_big = vec![0f32; ag_per * w];
+    let mut ag_small = vec![0f32; w];
+    for (_, key) in MEASURED {
+        let mut call = || -> Result<()> {
+            match key {
+                "ar4" => {
+                    ar_small[0] = 1.0;
+                    pg.all_reduce_slice(&mut ar_small, ReduceOp::Sum)?;
+                    if ar_small[0] != w as f32 {
+                        bail!("all_reduce returned {} on rank {rank}, expected {w}", ar_small[0]);
+                    }
+                }
+                "ar1m" => pg.all_reduce_slice(&mut ar_big, ReduceOp::Max)?,
+                "ag4" => {
+                    pg.all_gather_into(&small, &mut ag_small)?;
+                    if ag_small.iter().enumerate().any(|(i, x)| *x != i as f32) {
+                        bail!("all_gather returned a wrong result on rank {rank}");
+                    }
+                }
+                _ => pg.all_gather_into(&ag_own, &mut ag_big)?,
+            }
+            Ok(())
+        };
+        for _ in 0..2 {
+            call().with_context(|| format!("untimed {key}"))?;
+        }
+        pg.barrier()?;
+        let before = pg.wire_counts();
+        let t = Instant::now();
+        for _ in 0..args.iters {
+            call().with_context(|| format!("timed {key}"))?;
+        }
+        let mut el = [t.elapsed().as_secs_f64() / args.iters.max(1) as f64];
+        let after = pg.wire_counts();
+        let frames = (after.frames_sent + after.frames_received - before.frames_sent - before.frames_received) as f64
+            / args.iters.max(1) as f64;
+        pg.all_reduce_slice(&mut el, ReduceOp::Max)?;
+        rep.put(&format!("{key}_us"), el[0] * 1e6);
+        rep.put(&format!("{key}_frames"), frames);
+        rep.flush()?;
+    }
+    pg.barrier()?;
+    // Memory again, after the collectives touched their buffers (shared memory included).
+    if let Ok(roll) = std::fs::read_to_string("/proc/self/smaps_rollup") {
+        for (key, name) in [("Rss:", "rss_end_kb"), ("Pss:", "pss_end_kb")] {
+            if let Some(v) = field(&roll, key) {
+                rep.put(name, v);
+            }
+        }
+        rep.flush()?;
+    }
+    if args.no_kill {
+        return Ok(());
+    }
+
+    // Kill phase.
+    // SAFETY: ignoring SIGTERM changes no memory; the launcher's SIGKILL still ends us.
+    unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+    if rank == victim {
+        std::thread::sleep(Duration::from_millis(300));
+        rep.put("kill_ns", now_ns());
+        rep.flush()?;
+        // SAFETY: raising a signal on this process.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
+    let mut x = [1.0f32];
+    let err = loop {
+        if let Err(e) = pg.all_reduce_slice(&mut x, ReduceOp::Sum) {
+            break e;
+        }
+    };
+    let detected = now_ns();
+    let msg = err.to_string();
+    let named = names_rank(&msg, victim);
+    rep.put("detect_ns", detected);
+    rep.put("named_victim", named as u8);
+    rep.put("error", msg.replace('\n', " "));
+    rep.flush()?;
+    std::process::exit(1);
+}
+
+/// Whether `msg` names `rank N` as a whole word.
+fn names_rank(msg: &str, n: usize) -> bool {
+    let pat = format!("rank {n}");
+    msg.match_indices(&pat).any(|(i, _)| !msg[i + pat.len()..].starts_with(|c: char| c.is_ascii_digit()))
+}
+
+/// The number after `key` in a `/proc` status-style text.
+fn field(text: &str, key: &str) -> Option<u64> {
+    text.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_names_are_whole_words() {
+        assert!(names_rank("rank 12 closed its connection", 12));
+        assert!(!names_rank("rank 12 closed its connection", 1));
+        assert!(names_rank("x rank 1: y", 1));
+    }
+}
