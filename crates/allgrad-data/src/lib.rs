@@ -36,6 +36,7 @@
 pub mod augment;
 mod cifar;
 mod dataset;
+mod decode;
 mod error;
 mod folder;
 mod idx;
@@ -44,13 +45,15 @@ mod loader;
 mod read;
 pub mod rng;
 mod sampler;
+pub mod webdataset;
 
 pub use augment::{
     Augment, AugmentConfig, ColorJitter, CropBox, GaussianBlur, Normalize, Pipeline, RandomGrayscale, RandomHorizontalFlip,
-    RandomResizedCrop, TwoViews, ViewKey,
+    RandomResizedCrop, Stage, TwoViews, ViewKey,
 };
 pub use cifar::{Cifar10, CIFAR10_CLASSES, CIFAR_RECORD, CIFAR_SIDE};
 pub use dataset::{Dataset, InMemory, Split};
+pub use decode::{decode_image, is_jpeg};
 pub use error::{DataError, DataResult};
 pub use folder::{ColorMode, FolderOptions, ImageFolder};
 pub use idx::IdxDataset;

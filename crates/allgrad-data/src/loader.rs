@@ -64,10 +64,22 @@ pub struct Batch {
 }
 
 /// A batch built on a worker: plain vectors, turned into tensors on the consuming thread.
-struct HostBatch {
-    indices: Vec<usize>,
-    views: Vec<(Vec<f32>, (usize, usize, usize))>,
-    labels: Vec<u32>,
+pub(crate) struct HostBatch {
+    pub(crate) indices: Vec<usize>,
+    pub(crate) views: Vec<(Vec<f32>, (usize, usize, usize))>,
+    pub(crate) labels: Vec<u32>,
+}
+
+/// The tensors of a batch built on the host, on `device`.
+pub(crate) fn to_batch(host: HostBatch, device: &Device) -> DataResult<Batch> {
+    let n = host.indices.len();
+    let views = host
+        .views
+        .into_iter()
+        .map(|(data, (c, h, w))| Tensor::from_vec(data, (n, c, h, w), device))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let labels = Tensor::from_vec(host.labels, n, device)?;
+    Ok(Batch { indices: host.indices, views, labels })
 }
 
 /// What every worker needs to build any batch.
@@ -177,17 +189,6 @@ impl Loader {
     pub fn num_batches(&self) -> usize {
         self.plan.batches.len()
     }
-
-    fn to_tensors(&self, host: HostBatch) -> DataResult<Batch> {
-        let n = host.indices.len();
-        let views = host
-            .views
-            .into_iter()
-            .map(|(data, (c, h, w))| Tensor::from_vec(data, (n, c, h, w), &self.device))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let labels = Tensor::from_vec(host.labels, n, &self.device)?;
-        Ok(Batch { indices: host.indices, views, labels })
-    }
 }
 
 impl Iterator for Loader {
@@ -211,7 +212,7 @@ impl Iterator for Loader {
                 }
             }
         };
-        Some(host.and_then(|h| self.to_tensors(h)))
+        Some(host.and_then(|h| to_batch(h, &self.device)))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {

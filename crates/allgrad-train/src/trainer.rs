@@ -113,7 +113,9 @@ impl Trainer {
         let t = &cfg.train;
         t.micro_batch(w).map_err(TrainError::Setup)?;
         crate::grad_cache::check_setup(t, w, objective.as_mut())?;
-        let sampler = DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle);
+        // A stream (Objective::sequential) takes its positions in order; it shuffles itself.
+        let sampler =
+            DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle && !objective.sequential());
         let per_epoch = sampler.steps_per_epoch();
         if per_epoch == 0 {
             return Err(TrainError::Setup(format!(
