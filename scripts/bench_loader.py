@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """The torchvision side of scripts/bench_loader.sh: SimCLR's two views at 224 with
 torchvision's transforms on PIL images in a PyTorch DataLoader, what users run today.
 

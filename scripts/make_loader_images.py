@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Writes the loader benchmark's image set: ImageNet-like JPEGs made from the two photographs
 scikit-learn ships (sklearn.datasets.load_sample_images: china.jpg and flower.jpg, 640x427,
 licence CC BY 2.0 as stated in scikit-learn's documentation), never downloaded.

@@ -265,6 +265,15 @@ pub enum DataError {
         source: std::io::Error,
     },
 
+    /// A CUDA call of the loader's copies to the device failed.
+    #[error("CUDA, {what}: {reason}")]
+    Device {
+        /// What the loader was doing.
+        what: &'static str,
+        /// The driver's error.
+        reason: String,
+    },
+
     /// Building a tensor failed.
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),

@@ -39,9 +39,12 @@ mod dataset;
 mod decode;
 mod error;
 mod folder;
+mod host;
 mod idx;
 mod image;
 mod loader;
+#[cfg(feature = "cuda")]
+mod pinned;
 mod read;
 pub mod rng;
 mod sampler;
@@ -59,4 +62,6 @@ pub use folder::{ColorMode, FolderOptions, ImageFolder};
 pub use idx::IdxDataset;
 pub use image::{Chw, FloatImage, Image};
 pub use loader::{Batch, Loader, LoaderConfig};
+#[cfg(feature = "cuda")]
+pub use pinned::pinned_uploads;
 pub use sampler::DistributedSampler;

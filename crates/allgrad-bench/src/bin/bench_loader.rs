@@ -10,6 +10,7 @@
 //!   folder), batches of `--batch` in file order, both views of every sample; the time from
 //!   the start to the last batch, after one warm-up batch. Prints
 //!   `RESULT\tloader\tallgrad\t<workers>\t<samples/s>`.
+//! - `decoded`: the decoded pixels of the first images, for scripts/compare_views.py.
 //! - `stages`: one thread, each sample read, decoded and its two views built stage by stage
 //!   ([`allgrad::data::Augment::apply_staged`]); prints
 //!   `RESULT\tstage\tallgrad\t<stage>\t<ms per sample>` for read, decode, crop+resize (with
@@ -63,6 +64,16 @@ enum Mode {
         #[arg(long, default_value_t = 200)]
         samples: usize,
     },
+    /// The decoded pixels of the first samples (for scripts/compare_views.py): per image its
+    /// width and height (u32, little-endian), then its RGB bytes.
+    Decoded {
+        /// Images written.
+        #[arg(long, default_value_t = 50)]
+        samples: usize,
+        /// The file to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 /// SimCLR's ImageNet views at `size`.
@@ -86,6 +97,16 @@ fn main() -> Result<()> {
     match args.mode {
         Mode::Loader { workers, samples, batch } => loader(data, views, workers, samples, batch),
         Mode::Stages { samples } => stages(&data, &views, samples),
+        Mode::Decoded { samples, out } => {
+            let mut bytes = Vec::new();
+            for i in 0..samples.min(data.len()) {
+                let img = data.get(i)?;
+                bytes.extend((img.width as u32).to_le_bytes());
+                bytes.extend((img.height as u32).to_le_bytes());
+                bytes.extend(&img.pixels);
+            }
+            std::fs::write(&out, bytes).with_context(|| format!("writing {}", out.display()))
+        }
     }
 }
 

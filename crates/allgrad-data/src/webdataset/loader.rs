@@ -20,14 +20,15 @@ use candle_core::Device;
 use super::stream::{Lane, ShardStream};
 use crate::augment::{Pipeline, ViewKey};
 use crate::error::{DataError, DataResult};
-use crate::loader::{Batch, HostBatch, LoaderConfig};
+use crate::host::{to_batch, HostBatch, HostView, Staging};
+use crate::loader::{assemble, Batch, LoaderConfig};
 
 /// The part of one batch that one stream gives.
 struct Part {
     batch: usize,
     lane: usize,
     positions: Vec<usize>,
-    views: Vec<(Vec<f32>, (usize, usize, usize))>,
+    views: Vec<HostView>,
     labels: Vec<u32>,
 }
 
@@ -42,6 +43,7 @@ struct Work {
     seed: u64,
     epoch: u64,
     groups: Arc<Groups>,
+    staging: Staging,
 }
 
 /// The streams one thread reads, positioned.
@@ -63,28 +65,18 @@ impl Readers {
             )));
         }
         reader.fast_forward(first)?;
-        let nv = w.pipeline.num_views();
-        let mut views: Vec<(Vec<f32>, (usize, usize, usize))> = vec![(Vec::new(), (0, 0, 0)); nv];
         let mut labels = Vec::with_capacity(positions.len());
-        for (i, &p) in positions.iter().enumerate() {
+        let samples = positions.iter().map(|&p| {
             let (_, m) = layout.locate(p);
             if m != reader.good() {
                 return Err(DataError::Stream(format!("batch {batch}: positions of stream {lane} are not consecutive at {p}")));
             }
             let (img, label) = reader.next_good(true)?;
-            let img = img.expect("decoded when asked to");
             labels.push(label as u32);
-            for (v, (data, shape)) in views.iter_mut().enumerate() {
-                let chw = w.pipeline.view(&img, ViewKey { seed: w.seed, epoch: w.epoch, index: p as u64, view: v as u64 })?;
-                if i == 0 {
-                    *shape = chw.shape();
-                    data.reserve(chw.data.len() * positions.len());
-                } else if chw.shape() != *shape {
-                    return Err(DataError::BatchShape { index: p, expected: *shape, found: chw.shape() });
-                }
-                data.extend_from_slice(&chw.data);
-            }
-        }
+            Ok((p, img.expect("decoded when asked to")))
+        });
+        let key = |p: usize, view| ViewKey { seed: w.seed, epoch: w.epoch, index: p as u64, view };
+        let views = assemble(samples, positions.len(), w.pipeline.as_ref(), &w.staging, key)?;
         Ok(Part { batch, lane, positions: positions.to_vec(), views, labels })
     }
 }
@@ -100,6 +92,8 @@ pub struct StreamLoader {
     next: usize,
     device: Device,
     failed: bool,
+    /// With copies to a device: the next batch, its copy started (see [`crate::host`]).
+    ahead: Option<DataResult<Batch>>,
 }
 
 impl StreamLoader {
@@ -134,7 +128,8 @@ impl StreamLoader {
             }
             groups.push(by_lane.into_iter().collect());
         }
-        let work = Work { source, pipeline, seed, epoch, groups: Arc::new(groups) };
+        let staging = Staging::for_device(device)?;
+        let work = Work { source, pipeline, seed, epoch, groups: Arc::new(groups), staging };
         let stop = Arc::new(AtomicBool::new(false));
         let streams = layout.streams;
         let workers = cfg.workers.min(streams);
@@ -147,6 +142,7 @@ impl StreamLoader {
             next: 0,
             device: device.clone(),
             failed: false,
+            ahead: None,
         };
         if workers == 0 {
             return Ok(loader);
@@ -206,20 +202,36 @@ impl StreamLoader {
         }
         let mut host = HostBatch { indices: Vec::new(), views: Vec::new(), labels: Vec::new() };
         for part in parts {
+            let first = part.positions[0];
             host.indices.extend(part.positions);
             host.labels.extend(part.labels);
             if host.views.is_empty() {
                 host.views = part.views;
                 continue;
             }
-            for ((data, shape), (more, s)) in host.views.iter_mut().zip(part.views) {
-                if s != *shape {
-                    return Err(DataError::BatchShape { index: host.indices[0], expected: *shape, found: s });
+            for (view, more) in host.views.iter_mut().zip(part.views) {
+                if more.sample != view.sample {
+                    return Err(DataError::BatchShape { index: first, expected: view.sample, found: more.sample });
                 }
-                data.extend(more);
+                view.parts.extend(more.parts);
             }
         }
         Ok(host)
+    }
+}
+
+impl StreamLoader {
+    /// The next batch of the plan as tensors.
+    fn take(&mut self) -> Option<DataResult<Batch>> {
+        let b = self.next;
+        if b >= self.num_batches() || self.failed {
+            return None;
+        }
+        self.next += 1;
+        let out = self.build(b).and_then(|h| to_batch(h, &self.device));
+        // A stream that failed cannot go on: the batches after it would not be the plan's.
+        self.failed = out.is_err();
+        Some(out)
     }
 }
 
@@ -227,19 +239,19 @@ impl Iterator for StreamLoader {
     type Item = DataResult<Batch>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let b = self.next;
-        if b >= self.num_batches() || self.failed {
-            return None;
+        if !self.work.staging.copies_ahead() {
+            return self.take();
         }
-        self.next += 1;
-        let out = self.build(b).and_then(|h| crate::loader::to_batch(h, &self.device));
-        // A stream that failed cannot go on: the batches after it would not be the plan's.
-        self.failed = out.is_err();
-        Some(out)
+        // To a device: hand out this batch once the next one's copy has been started.
+        let current = self.ahead.take().or_else(|| self.take())?;
+        if current.is_ok() {
+            self.ahead = self.take();
+        }
+        Some(current)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let left = if self.failed { 0 } else { self.num_batches() - self.next };
+        let left = if self.failed { 0 } else { self.num_batches() - self.next } + self.ahead.is_some() as usize;
         (left, Some(left))
     }
 }

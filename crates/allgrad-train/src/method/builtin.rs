@@ -178,6 +178,13 @@ impl Method for ImageMethod {
                     allgrad_data::DataError::Config { field, reason } => SectionError::new(format!("data.{field}"), reason),
                     e => SectionError::new("data.webdataset", e.to_string()),
                 })?;
+                if !d.webdataset.test.is_empty() && d.knn.bank == 0 {
+                    return Err(SectionError::new(
+                        "data.knn.bank",
+                        "with webdataset test shards, give the kNN bank's size: its samples (the first of the training \
+                         shards) are indexed when the run starts, and 0 (all) would read every training shard",
+                    ));
+                }
             }
             let knn = &d.knn;
             if knn.k == 0 {
