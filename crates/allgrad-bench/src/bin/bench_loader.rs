@@ -34,7 +34,7 @@ use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 struct Args {
-    /// The image set (scripts/make_loader_images.py): DIR/train/<class>/<n>.jpg.
+    /// The image set (scripts/make_loader_images.py): `DIR/train/<class>/<n>.jpg`.
     #[arg(long)]
     images: PathBuf,
     /// Output side of the views.
