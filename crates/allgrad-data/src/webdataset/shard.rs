@@ -81,24 +81,23 @@ pub struct ShardReader {
 const BLOCK: u64 = 512;
 
 impl ShardReader {
-    /// Opens `path`; a missing or unreadable file is an error naming it.
+    /// Opens `path` to read it through (reads of 1 MiB); a missing or unreadable file is an
+    /// error naming it.
     pub fn open(path: &Path) -> DataResult<Self> {
+        Self::with_buffer(path, 1 << 20)
+    }
+
+    fn with_buffer(path: &Path, bytes: usize) -> DataResult<Self> {
         let file = File::open(path).map_err(|source| DataError::ShardMissing { shard: path.into(), source })?;
         let len = file.metadata().map_err(|e| DataError::io(path, e))?.len();
-        Ok(ShardReader {
-            path: path.into(),
-            reader: BufReader::with_capacity(1 << 20, file),
-            len,
-            pos: 0,
-            pending: None,
-            done: false,
-        })
+        let reader = BufReader::with_capacity(bytes, file);
+        Ok(ShardReader { path: path.into(), reader, len, pos: 0, pending: None, done: false })
     }
 
     /// Opens `path` at byte `offset`, the header of a sample's first member (a position a
-    /// [`Sample`] gave).
+    /// [`Sample`] gave), to read a sample or a few (reads of 64 KiB).
     pub fn open_at(path: &Path, offset: u64) -> DataResult<Self> {
-        let mut r = Self::open(path)?;
+        let mut r = Self::with_buffer(path, 1 << 16)?;
         r.reader.seek(SeekFrom::Start(offset)).map_err(|e| DataError::io(path, e))?;
         r.pos = offset;
         Ok(r)
