@@ -66,7 +66,7 @@ def main():
             w, h = struct.unpack_from("<II", decoded, at)
             ours = np.frombuffer(decoded, dtype=np.uint8, count=w * h * 3, offset=at + 8).reshape(h, w, 3)
             at += 8 + w * h * 3
-            out["decode"].append(levels(ours, np.asarray(pil)))
+            out["decode"].append(levels(ours / 255.0, np.asarray(pil) / 255.0))
         W, H = pil.size
         # A box as RandomResizedCrop draws them (area 8-100 %, ratio 3/4-4/3).
         area = rng.uniform(0.08, 1.0) * W * H
