@@ -7,7 +7,7 @@
 #                                             #   also written here, works the same)
 #
 # DIR receives `train`, `launch`, `bench_simclr_step`, `bench_simcse_step` and the tests `nccl_ops`, `gpu_equivalence`,
-# `gpu_faults`, `fused_cuda`, `optim_cuda` and `conv_cuda`, built with ALLGRAD_CUDA_FEATURES (default cuda,nccl,cudnn) and
+# `gpu_faults`, `fused_cuda`, `optim_cuda`, `loader_cuda` and `conv_cuda`, built with ALLGRAD_CUDA_FEATURES (default cuda,nccl,cudnn) and
 # without symbols. The GPU tests read the configs and data of the repository they are run from,
 # so carry DIR beside a copy of this repository (gpu_ci.sh runs from its root). They need, on
 # the GPU machine, a driver for CUDA 13.0 or newer and the CUDA 13 libraries (cuBLAS, cuRAND,
@@ -80,7 +80,7 @@ features="${ALLGRAD_CUDA_FEATURES:-cuda,nccl,cudnn}"
 # allgrad-bench/cuda: the step benchmarks read the device's peak memory.
 flags=(--release --workspace --features "allgrad/${features//,/,allgrad/},allgrad-bench/cuda" "${offline[@]}")
 cargo build "${flags[@]}" --bin train --bin launch --bin bench_simclr_step --bin bench_simcse_step
-tests=(nccl_ops gpu_equivalence gpu_faults fused_cuda optim_cuda)
+tests=(nccl_ops gpu_equivalence gpu_faults fused_cuda optim_cuda loader_cuda)
 [[ ,$features, == *,cudnn,* ]] && tests+=(conv_cuda)
 cargo test "${flags[@]}" --no-run "${tests[@]/#/--test=}" --message-format=json >"$link/tests.json"
 rel="$CARGO_TARGET_DIR/release"

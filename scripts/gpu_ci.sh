@@ -23,7 +23,9 @@
 #     upload), the two-stage reductions (crates/allgrad-nn/tests/fused_cuda.rs); fused_optim:
 #     SGD and AdamW on CUDA parameters (allgrad-nn's in-place optimizer kernels) vs the CPU
 #     optimizer after five steps, f64 1e-10, f32 1e-5, and their guard (a zero found-inf flag
-#     skips the update) (crates/allgrad-train/tests/optim_cuda.rs); cudnn_conv also checks
+#     skips the update) (crates/allgrad-train/tests/optim_cuda.rs); loader_prefetch: the loaders'
+#     batches assembled in pinned memory and copied ahead on a copy stream, bit for bit the CPU
+#     batches, through the pinned path (crates/allgrad-data/tests/loader_cuda.rs); cudnn_conv also checks
 #     that cuDNN plans are cached (a repeat asks no heuristic);
 #  3. equivalence_images, equivalence_text, equivalence_clip: every method through `launch` and
 #     the shipped configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the
@@ -62,7 +64,7 @@ require="${ALLGRAD_REQUIRE_GPU:-0}"
 mkdir -p "$out" "$(dirname "$report")"
 out=$(cd "$out" && pwd)
 failed=0
-all_parts="collectives cudnn_conv fused_ops fused_optim equivalence_images equivalence_text equivalence_clip fault_drill bench_r18 bench_r50 bench_simcse"
+all_parts="collectives cudnn_conv fused_ops fused_optim loader_prefetch equivalence_images equivalence_text equivalence_clip fault_drill bench_r18 bench_r50 bench_simcse"
 parts="${ALLGRAD_GPU_PARTS:-$all_parts}"
 parts="${parts//,/ }"
 for p in $parts; do
@@ -307,6 +309,14 @@ if want fused_optim; then
         part fused_optim "SGD and AdamW on CUDA parameters: the optimizer kernels vs the CPU optimizer" "$bin/optim_cuda" $t
     else
         left_out fused_optim "$bin has no optim_cuda (built by an older scripts/build_cuda_bins.sh)"
+    fi
+fi
+if want loader_prefetch; then
+    if [ -x "$bin/loader_cuda" ]; then
+        # shellcheck disable=SC2086
+        part loader_prefetch "the loaders' batches through pinned memory and the copy stream == the CPU batches" "$bin/loader_cuda" $t
+    else
+        left_out loader_prefetch "$bin has no loader_cuda (built by an older scripts/build_cuda_bins.sh)"
     fi
 fi
 # The equivalence tests in three parts, each well under the limit.

@@ -146,6 +146,7 @@ fn help_flags() -> BTreeMap<&'static str, BTreeSet<String>> {
         ("launch", env!("CARGO_BIN_EXE_launch")),
         ("embed", env!("CARGO_BIN_EXE_embed")),
         ("export-hf", env!("CARGO_BIN_EXE_export-hf")),
+        ("write-shards", env!("CARGO_BIN_EXE_write-shards")),
     ];
     bins.iter()
         .map(|(name, exe)| {

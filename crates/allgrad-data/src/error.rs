@@ -127,6 +127,55 @@ pub enum DataError {
         source: image::ImageError,
     },
 
+    /// A JPEG could not be decoded (corrupt or truncated: the decoder runs in strict mode, so
+    /// a file cut short is an error, never a half-grey image).
+    #[error("{path}: cannot decode JPEG: {source}")]
+    Jpeg {
+        /// The image file (for a sample of a tar shard: `shard.tar:member`).
+        path: PathBuf,
+        /// The decoder's reason.
+        source: zune_jpeg::errors::DecodeErrors,
+    },
+
+    /// A webdataset shard that does not exist or cannot be opened.
+    #[error("webdataset shard {shard}: cannot open: {source}")]
+    ShardMissing {
+        /// The shard.
+        shard: PathBuf,
+        /// The operating system's reason.
+        source: std::io::Error,
+    },
+
+    /// A webdataset shard that is not a well-formed tar archive: cut short, or a header that
+    /// is not a tar header.
+    #[error("webdataset shard {shard}, byte {offset}: {reason}")]
+    Shard {
+        /// The shard.
+        shard: PathBuf,
+        /// Byte offset of the fault (the header of the member concerned).
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A sample of a shard that cannot be used: no image member, a `cls` member that is not
+    /// a class id, an image that does not decode.
+    #[error("webdataset shard {shard}, sample `{key}` at byte {offset}: {reason}")]
+    CorruptSample {
+        /// The shard.
+        shard: PathBuf,
+        /// The sample's key.
+        key: String,
+        /// Byte offset of the sample's first member header.
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A webdataset stream asked for a position its plan cannot give.
+    #[error("webdataset stream: {0}")]
+    Stream(String),
+
     /// The root of an image folder dataset is not a folder, or holds no class sub-folders.
     #[error("{path}: {reason}")]
     NotADataset {
@@ -214,6 +263,15 @@ pub enum DataError {
         worker: usize,
         /// The operating system's reason.
         source: std::io::Error,
+    },
+
+    /// A CUDA call of the loader's copies to the device failed.
+    #[error("CUDA, {what}: {reason}")]
+    Device {
+        /// What the loader was doing.
+        what: &'static str,
+        /// The driver's error.
+        reason: String,
     },
 
     /// Building a tensor failed.

@@ -148,22 +148,10 @@ fn is_image_name(p: &Path) -> bool {
     matches!(ext.as_deref(), Some("png" | "jpg" | "jpeg"))
 }
 
-/// Decodes a PNG or JPEG file (format from the content, the extension as a fallback).
+/// Decodes a PNG or JPEG file (format from the content).
 fn decode(path: &Path, color: ColorMode) -> DataResult<Image> {
-    let reader = image::io::Reader::open(path).map_err(|e| DataError::io(path, e))?;
-    let reader = reader.with_guessed_format().map_err(|e| DataError::io(path, e))?;
-    let img = reader.decode().map_err(|source| DataError::Decode { path: path.into(), source })?;
-    let rgb = match color {
-        ColorMode::Rgb => true,
-        ColorMode::Gray => false,
-        ColorMode::Auto => img.color().has_color(),
-    };
-    let (width, height) = (img.width() as usize, img.height() as usize);
-    Ok(if rgb {
-        Image { width, height, channels: 3, pixels: img.to_rgb8().into_raw() }
-    } else {
-        Image { width, height, channels: 1, pixels: img.to_luma8().into_raw() }
-    })
+    let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
+    crate::decode::decode_image(&bytes, color, path)
 }
 
 #[cfg(test)]
@@ -229,6 +217,13 @@ mod tests {
         assert!(matches!(err, DataError::Decode { .. }) && err.to_string().contains("d_truncated.png"), "{err}");
         let err = ds.get(2).unwrap_err();
         assert!(matches!(err, DataError::Decode { .. }) && err.to_string().contains("bad.jpg"), "{err}");
+        // A JPEG cut short: an error from the JPEG decoder naming the file.
+        let jpg = std::fs::read(dir.path().join("b_dogs/d0.jpg")).unwrap();
+        std::fs::write(dir.path().join("b_dogs/cut.jpg"), &jpg[..jpg.len() * 2 / 3]).unwrap();
+        let ds = ImageFolder::open(dir.path(), &FolderOptions::default()).unwrap();
+        let i = (0..ds.len()).find(|&i| ds.path(i).unwrap().ends_with("b_dogs/cut.jpg")).unwrap();
+        let err = ds.get(i).unwrap_err();
+        assert!(matches!(err, DataError::Jpeg { .. }) && err.to_string().contains("cut.jpg"), "{err}");
         let ds = ImageFolder::open(dir.path(), &FolderOptions { skip_corrupt: true, ..Default::default() }).unwrap();
         assert_eq!(ds.len(), 3);
         assert!((0..3).all(|i| ds.get(i).is_ok()));
@@ -238,9 +233,9 @@ mod tests {
     fn every_prefix_of_an_image_is_an_error_not_a_panic() {
         let dir = tempfile::tempdir().unwrap();
         sample(dir.path());
-        // Every cut into the data fails. Only the end marker may be missing (the 12-byte PNG
-        // IEND chunk, the 2-byte JPEG EOI): the decoders accept a complete image without it.
-        for (name, trailer) in [("a_cats/c.png", 12), ("b_dogs/d0.jpg", 2)] {
+        // Every cut into the data fails. Only PNG's end chunk may be missing (12 bytes, IEND):
+        // the decoder accepts a complete image without it. A JPEG needs its end marker.
+        for (name, trailer) in [("a_cats/c.png", 12), ("b_dogs/d0.jpg", 0)] {
             let path = dir.path().join(name);
             let full = std::fs::read(&path).unwrap();
             let ds = ImageFolder::open(dir.path(), &FolderOptions::default()).unwrap();

@@ -2,6 +2,8 @@
 //! (values in [0, 1], HWC, what augmentations work on) and [`Chw`] (normalised f32, CHW,
 //! one sample of a batch tensor).
 
+use image::ImageEncoder;
+
 use crate::error::{DataError, DataResult};
 
 /// An 8-bit image as stored: `height` rows of `width` pixels of `channels` bytes (1 = gray,
@@ -38,6 +40,17 @@ impl Image {
     /// The byte of channel `c` of the pixel at column `x`, row `y`.
     pub fn at(&self, x: usize, y: usize, c: usize) -> u8 {
         self.pixels[(y * self.width + x) * self.channels + c]
+    }
+
+    /// The image as a PNG file (lossless: it decodes to these bytes), for writing shards
+    /// from data sets held as raw pixels.
+    pub fn to_png(&self) -> DataResult<Vec<u8>> {
+        let color = if self.channels == 1 { image::ColorType::L8 } else { image::ColorType::Rgb8 };
+        let mut out = Vec::new();
+        image::codecs::png::PngEncoder::new(&mut out)
+            .write_image(&self.pixels, self.width as u32, self.height as u32, color)
+            .map_err(|source| DataError::Decode { path: "<png encoder>".into(), source })?;
+        Ok(out)
     }
 }
 

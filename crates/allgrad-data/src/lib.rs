@@ -36,24 +36,31 @@
 pub mod augment;
 mod cifar;
 mod dataset;
+mod decode;
 mod error;
 mod folder;
+mod host;
 mod idx;
 mod image;
 mod loader;
+#[cfg(feature = "cuda")]
+mod pinned;
 mod read;
 pub mod rng;
 mod sampler;
+pub mod webdataset;
 
 pub use augment::{
     Augment, AugmentConfig, ColorJitter, CropBox, GaussianBlur, Normalize, Pipeline, RandomGrayscale, RandomHorizontalFlip,
-    RandomResizedCrop, TwoViews, ViewKey,
+    RandomResizedCrop, Stage, TwoViews, ViewKey,
 };
 pub use cifar::{Cifar10, CIFAR10_CLASSES, CIFAR_RECORD, CIFAR_SIDE};
 pub use dataset::{Dataset, InMemory, Split};
+pub use decode::{decode_image, is_jpeg};
 pub use error::{DataError, DataResult};
 pub use folder::{ColorMode, FolderOptions, ImageFolder};
 pub use idx::IdxDataset;
 pub use image::{Chw, FloatImage, Image};
 pub use loader::{Batch, Loader, LoaderConfig};
+pub use host::pinned_uploads;
 pub use sampler::DistributedSampler;

@@ -32,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use crate::augment::{Pipeline, ViewKey};
 use crate::dataset::Dataset;
 use crate::error::{DataError, DataResult};
+use crate::host::{to_batch, HostBatch, HostView, Staging};
 
 /// Loader threads and queue.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,13 +64,6 @@ pub struct Batch {
     pub labels: Tensor,
 }
 
-/// A batch built on a worker: plain vectors, turned into tensors on the consuming thread.
-struct HostBatch {
-    indices: Vec<usize>,
-    views: Vec<(Vec<f32>, (usize, usize, usize))>,
-    labels: Vec<u32>,
-}
-
 /// What every worker needs to build any batch.
 #[derive(Clone)]
 struct Plan {
@@ -78,31 +72,51 @@ struct Plan {
     seed: u64,
     epoch: u64,
     batches: Arc<Vec<Vec<usize>>>,
+    staging: Staging,
 }
 
 impl Plan {
     fn build(&self, b: usize) -> DataResult<HostBatch> {
         let indices = &self.batches[b];
-        let nv = self.pipeline.num_views();
-        let mut views: Vec<(Vec<f32>, (usize, usize, usize))> = vec![(Vec::new(), (0, 0, 0)); nv];
         let mut labels = Vec::with_capacity(indices.len());
-        for (pos, &index) in indices.iter().enumerate() {
+        let samples = indices.iter().map(|&index| {
             let img = self.dataset.get(index)?;
             labels.push(self.dataset.label(index)? as u32);
-            for (v, (data, shape)) in views.iter_mut().enumerate() {
-                let key = ViewKey { seed: self.seed, epoch: self.epoch, index: index as u64, view: v as u64 };
-                let chw = self.pipeline.view(&img, key)?;
-                if pos == 0 {
-                    *shape = chw.shape();
-                    data.reserve(chw.data.len() * indices.len());
-                } else if chw.shape() != *shape {
-                    return Err(DataError::BatchShape { index, expected: *shape, found: chw.shape() });
-                }
-                data.extend_from_slice(&chw.data);
-            }
-        }
+            Ok((index, img))
+        });
+        let key = |index: usize, view| ViewKey { seed: self.seed, epoch: self.epoch, index: index as u64, view };
+        let views = assemble(samples, indices.len(), self.pipeline.as_ref(), &self.staging, key)?;
         Ok(HostBatch { indices: indices.clone(), views, labels })
     }
+}
+
+/// The views of `n` samples `(index, image)` through `pipeline`, each view in one buffer of
+/// `staging` (the samples' views one after the other); every sample's view must have the
+/// first one's shape.
+pub(crate) fn assemble(
+    samples: impl Iterator<Item = DataResult<(usize, crate::image::Image)>>,
+    n: usize,
+    pipeline: &dyn Pipeline,
+    staging: &Staging,
+    key: impl Fn(usize, u64) -> ViewKey,
+) -> DataResult<Vec<HostView>> {
+    let nv = pipeline.num_views();
+    let mut views: Vec<HostView> = Vec::with_capacity(nv);
+    for (pos, sample) in samples.enumerate() {
+        let (index, img) = sample?;
+        for v in 0..nv {
+            let chw = pipeline.view(&img, key(index, v as u64))?;
+            if pos == 0 {
+                let part = staging.buffer(chw.data.len() * n)?;
+                views.push(HostView { parts: vec![part], sample: chw.shape() });
+            } else if chw.shape() != views[v].sample {
+                return Err(DataError::BatchShape { index, expected: views[v].sample, found: chw.shape() });
+            }
+            let len = chw.data.len();
+            views[v].parts[0].as_mut_slice()?[pos * len..(pos + 1) * len].copy_from_slice(&chw.data);
+        }
+    }
+    Ok(views)
 }
 
 /// An iterator over the batches of a plan, built ahead on worker threads. Dropping it stops
@@ -114,6 +128,8 @@ pub struct Loader {
     stop: Arc<AtomicBool>,
     next: usize,
     device: Device,
+    /// With copies to a device: the next batch, its copy started (see [`crate::host`]).
+    ahead: Option<DataResult<Batch>>,
 }
 
 impl Loader {
@@ -141,7 +157,8 @@ impl Loader {
                 return Err(DataError::IndexOutOfRange { index, len });
             }
         }
-        let plan = Plan { dataset, pipeline, seed, epoch, batches: Arc::new(batches) };
+        let staging = Staging::for_device(device)?;
+        let plan = Plan { dataset, pipeline, seed, epoch, batches: Arc::new(batches), staging };
         let total = plan.batches.len();
         let workers = cfg.workers.min(total);
         let stop = Arc::new(AtomicBool::new(false));
@@ -152,6 +169,7 @@ impl Loader {
             stop: stop.clone(),
             next: 0,
             device: device.clone(),
+            ahead: None,
         };
         let capacity = cfg.prefetch.div_ceil(workers.max(1));
         for w in 0..workers {
@@ -177,23 +195,11 @@ impl Loader {
     pub fn num_batches(&self) -> usize {
         self.plan.batches.len()
     }
-
-    fn to_tensors(&self, host: HostBatch) -> DataResult<Batch> {
-        let n = host.indices.len();
-        let views = host
-            .views
-            .into_iter()
-            .map(|(data, (c, h, w))| Tensor::from_vec(data, (n, c, h, w), &self.device))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let labels = Tensor::from_vec(host.labels, n, &self.device)?;
-        Ok(Batch { indices: host.indices, views, labels })
-    }
 }
 
-impl Iterator for Loader {
-    type Item = DataResult<Batch>;
-
-    fn next(&mut self) -> Option<Self::Item> {
+impl Loader {
+    /// The next batch of the plan as tensors.
+    fn take(&mut self) -> Option<DataResult<Batch>> {
         let b = self.next;
         if b >= self.num_batches() {
             return None;
@@ -211,11 +217,27 @@ impl Iterator for Loader {
                 }
             }
         };
-        Some(host.and_then(|h| self.to_tensors(h)))
+        Some(host.and_then(|h| to_batch(h, &self.device)))
+    }
+}
+
+impl Iterator for Loader {
+    type Item = DataResult<Batch>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if !self.plan.staging.copies_ahead() {
+            return self.take();
+        }
+        // To a device: hand out this batch once the next one's copy has been started.
+        let current = self.ahead.take().or_else(|| self.take())?;
+        if current.is_ok() {
+            self.ahead = self.take();
+        }
+        Some(current)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let left = self.num_batches() - self.next;
+        let left = self.num_batches() - self.next + self.ahead.is_some() as usize;
         (left, Some(left))
     }
 }

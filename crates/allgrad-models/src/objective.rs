@@ -55,6 +55,13 @@ pub trait Objective: Send {
         Ok(())
     }
 
+    /// Whether the training samples are a stream read in order (webdataset shards): the
+    /// trainer then hands out sample indices unshuffled, so that they are positions in the
+    /// epoch (the stream shuffles itself, keyed, the same for any W). Default: false.
+    fn sequential(&self) -> bool {
+        false
+    }
+
     /// This rank's loss (a scalar) on its part of the global batch.
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor>;
 

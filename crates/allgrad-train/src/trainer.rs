@@ -129,7 +129,9 @@ impl Trainer {
         // Before any buffer is loaded: a saved queue of past keys is checked against it.
         objective.expect_batch(t.global_batch / t.accumulate)?;
         crate::grad_cache::check_setup(t, w, objective.as_mut())?;
-        let sampler = DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle);
+        // A stream (Objective::sequential) takes its positions in order; it shuffles itself.
+        let sampler =
+            DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle && !objective.sequential());
         let per_epoch = sampler.steps_per_epoch();
         if per_epoch == 0 {
             return Err(TrainError::Setup(format!(

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{DataError, DataResult};
-use crate::image::FloatImage;
+use crate::image::{FloatImage, Image};
 use crate::rng::{below, uniform, KeyedRng};
 
 /// Crop a random box and resize it to `size` x `size` (torchvision's `RandomResizedCrop`).
@@ -93,6 +93,103 @@ impl RandomResizedCrop {
     pub fn apply(&self, img: &FloatImage, rng: &mut KeyedRng) -> FloatImage {
         let b = self.sample_box(img.width, img.height, rng);
         resize_bilinear(img, b, self.size, self.size)
+    }
+
+    /// Draws a box of the 8-bit `img` and resizes it to `size` x `size`: the values of
+    /// [`RandomResizedCrop::apply`] on the image converted to floats, bit for bit, without
+    /// converting the image (see [`resize_box`]).
+    pub fn apply_bytes(&self, img: &Image, rng: &mut KeyedRng) -> FloatImage {
+        let b = self.sample_box(img.width, img.height, rng);
+        resize_box(img, b, self.size, self.size)
+    }
+}
+
+/// Resizes the box `b` of the 8-bit `img` to `out_width` x `out_height` with the filter of
+/// [`resize_bilinear`], reading bytes: the result equals `resize_bilinear` on
+/// [`FloatImage::from_image`] of `img` bit for bit (each byte becomes `byte / 255` through a
+/// table, and every sum runs over the same terms in the same order), but only the box's
+/// pixels are read and nothing of the source is converted. Pixels outside the box cost
+/// nothing, so an ImageNet-sized image costs what its crop costs.
+///
+/// Written here rather than taken from a resizing crate: the point is these exact values
+/// (the bundled runs' views stay what they were; fast_image_resize rounds to 8 bits between
+/// its passes, PIL's arithmetic, which would change every view by up to 1/255).
+pub fn resize_box(img: &Image, b: CropBox, out_width: usize, out_height: usize) -> FloatImage {
+    let c = img.channels;
+    let lut = byte_values();
+    let wx = Taps::new(b.x, b.width, out_width);
+    let wy = Taps::new(b.y, b.height, out_height);
+    let row_len = out_width * c;
+    // Horizontal pass over the box's rows: box height x out_width.
+    let mut tmp = vec![0f32; b.height * row_len];
+    for (row, out) in tmp.chunks_exact_mut(row_len).enumerate() {
+        let src = &img.pixels[(b.y + row) * img.width * c..(b.y + row + 1) * img.width * c];
+        if c == 3 {
+            for (ox, px) in out.chunks_exact_mut(3).enumerate() {
+                let (start, ws) = wx.get(ox);
+                let (mut a0, mut a1, mut a2) = (-0.0f32, -0.0f32, -0.0f32);
+                for (w, s) in ws.iter().zip(src[start * 3..].chunks_exact(3)) {
+                    a0 += w * lut[s[0] as usize];
+                    a1 += w * lut[s[1] as usize];
+                    a2 += w * lut[s[2] as usize];
+                }
+                px.copy_from_slice(&[a0, a1, a2]);
+            }
+        } else {
+            for (ox, px) in out.chunks_exact_mut(c).enumerate() {
+                let (start, ws) = wx.get(ox);
+                for (k, v) in px.iter_mut().enumerate() {
+                    let mut a = -0.0f32;
+                    for (i, w) in ws.iter().enumerate() {
+                        a += w * lut[src[(start + i) * c + k] as usize];
+                    }
+                    *v = a;
+                }
+            }
+        }
+    }
+    // Vertical pass, a whole output row at a time (the same per-value order of terms).
+    let mut data = vec![-0.0f32; out_height * row_len];
+    for (oy, out) in data.chunks_exact_mut(row_len).enumerate() {
+        let (start, ws) = wy.get(oy);
+        for (i, w) in ws.iter().enumerate() {
+            let r = start - b.y + i;
+            for (o, t) in out.iter_mut().zip(&tmp[r * row_len..(r + 1) * row_len]) {
+                *o += w * t;
+            }
+        }
+    }
+    FloatImage { width: out_width, height: out_height, channels: c, data }
+}
+
+/// `byte / 255` for every byte, as [`FloatImage::from_image`] computes it.
+fn byte_values() -> &'static [f32; 256] {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|b| b as f32 / 255.0))
+}
+
+/// The weights of [`filter`] in one flat array: output `o` reads source pixels
+/// `starts[o]..starts[o] + lens[o]`.
+struct Taps {
+    starts: Vec<usize>,
+    offsets: Vec<usize>,
+    weights: Vec<f32>,
+}
+
+impl Taps {
+    fn new(offset: usize, len: usize, out: usize) -> Self {
+        let (mut starts, mut offsets, mut weights) = (Vec::with_capacity(out), Vec::with_capacity(out + 1), Vec::new());
+        offsets.push(0);
+        for (start, ws) in filter(offset, len, out) {
+            starts.push(start);
+            weights.extend_from_slice(&ws);
+            offsets.push(weights.len());
+        }
+        Taps { starts, offsets, weights }
+    }
+
+    fn get(&self, o: usize) -> (usize, &[f32]) {
+        (self.starts[o], &self.weights[self.offsets[o]..self.offsets[o + 1]])
     }
 }
 
@@ -206,5 +303,41 @@ mod tests {
         // A box uses only its own pixels.
         let b = resize_bilinear(&img, CropBox { x: 1, y: 2, width: 2, height: 1 }, 2, 1);
         assert_eq!(b.data, vec![21.0, 22.0]);
+    }
+
+    /// An 8-bit image with varied content.
+    fn bytes(w: usize, h: usize, c: usize) -> Image {
+        let px = (0..w * h * c).map(|i| ((i * 37 + (i / 7) * 11) % 256) as u8).collect();
+        Image::new(w, h, c, px).unwrap()
+    }
+
+    #[test]
+    fn resize_box_from_bytes_equals_the_float_resize_bit_for_bit() {
+        // Shrinking, enlarging, mixed, one pixel, the whole image; RGB and gray.
+        for c in [1, 3] {
+            let img = bytes(37, 23, c);
+            let float = FloatImage::from_image(&img);
+            let boxes = [
+                (CropBox { x: 0, y: 0, width: 37, height: 23 }, 11, 7),
+                (CropBox { x: 3, y: 5, width: 9, height: 4 }, 20, 20),
+                (CropBox { x: 10, y: 1, width: 27, height: 5 }, 6, 13),
+                (CropBox { x: 36, y: 22, width: 1, height: 1 }, 3, 2),
+                (CropBox { x: 2, y: 2, width: 30, height: 20 }, 30, 20),
+            ];
+            for (b, ow, oh) in boxes {
+                let want = resize_bilinear(&float, b, ow, oh);
+                let got = resize_box(&img, b, ow, oh);
+                assert_eq!((got.width, got.height, got.channels), (ow, oh, c));
+                let same = want.data.iter().zip(&got.data).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{b:?} -> {ow}x{oh}, {c} channel(s)");
+            }
+        }
+        // Through the crop's own draw.
+        let crop = RandomResizedCrop { size: 16, ..Default::default() };
+        let img = bytes(50, 31, 3);
+        for i in 0..20 {
+            let a = crop.apply(&FloatImage::from_image(&img), &mut stream(&[4, i]));
+            assert_eq!(a, crop.apply_bytes(&img, &mut stream(&[4, i])));
+        }
     }
 }

@@ -28,10 +28,23 @@ impl RandomHorizontalFlip {
 
     /// Flips with probability `p` (one draw from `rng`).
     pub fn apply(&self, img: &FloatImage, rng: &mut KeyedRng) -> FloatImage {
+        let mut out = img.clone();
+        self.apply_in_place(&mut out, rng);
+        out
+    }
+
+    /// [`RandomHorizontalFlip::apply`] in place.
+    pub fn apply_in_place(&self, img: &mut FloatImage, rng: &mut KeyedRng) {
         if bernoulli(rng, self.p) {
-            hflip(img)
-        } else {
-            img.clone()
+            let c = img.channels;
+            for row in img.data.chunks_exact_mut(img.width * c) {
+                let w = row.len() / c;
+                for x in 0..w / 2 {
+                    for k in 0..c {
+                        row.swap(x * c + k, (w - 1 - x) * c + k);
+                    }
+                }
+            }
         }
     }
 }

@@ -64,8 +64,15 @@ impl ColorJitter {
 
     /// Applies the jitter with probability `p`.
     pub fn apply(&self, img: &FloatImage, rng: &mut KeyedRng) -> FloatImage {
+        let mut out = img.clone();
+        self.apply_in_place(&mut out, rng);
+        out
+    }
+
+    /// [`ColorJitter::apply`] in place (the same draws and values, no copy).
+    pub fn apply_in_place(&self, img: &mut FloatImage, rng: &mut KeyedRng) {
         if !bernoulli(rng, self.p) {
-            return img.clone();
+            return;
         }
         let mut order = [0usize, 1, 2, 3];
         shuffle(rng, &mut order);
@@ -74,17 +81,15 @@ impl ColorJitter {
         let c = factor(rng, self.contrast);
         let s = factor(rng, self.saturation);
         let h = (self.hue > 0.0).then(|| uniform(rng, -self.hue, self.hue) as f32);
-        let mut out = img.clone();
         for op in order {
-            out = match (op, b, c, s, h) {
-                (0, Some(f), ..) => adjust_brightness(&out, f),
-                (1, _, Some(f), ..) => adjust_contrast(&out, f),
-                (2, _, _, Some(f), _) => adjust_saturation(&out, f),
-                (3, .., Some(f)) => adjust_hue(&out, f),
-                _ => out,
-            };
+            match (op, b, c, s, h) {
+                (0, Some(f), ..) => brightness_in_place(img, f),
+                (1, _, Some(f), ..) => contrast_in_place(img, f),
+                (2, _, _, Some(f), _) => saturation_in_place(img, f),
+                (3, .., Some(f)) => hue_in_place(img, f),
+                _ => {}
+            }
         }
-        out
     }
 }
 
@@ -111,10 +116,17 @@ impl RandomGrayscale {
 
     /// Converts with probability `p` (one draw from `rng`).
     pub fn apply(&self, img: &FloatImage, rng: &mut KeyedRng) -> FloatImage {
-        if bernoulli(rng, self.p) {
-            grayscale(img)
-        } else {
-            img.clone()
+        let mut out = img.clone();
+        self.apply_in_place(&mut out, rng);
+        out
+    }
+
+    /// [`RandomGrayscale::apply`] in place.
+    pub fn apply_in_place(&self, img: &mut FloatImage, rng: &mut KeyedRng) {
+        if bernoulli(rng, self.p) && img.channels == 3 {
+            for px in img.data.chunks_exact_mut(3) {
+                px.fill(gray_of(px));
+            }
         }
     }
 }
@@ -143,53 +155,87 @@ fn blend(a: f32, b: f32, ratio: f32) -> f32 {
 
 /// Multiplies every value by `factor`, clamped to [0, 1].
 pub fn adjust_brightness(img: &FloatImage, factor: f32) -> FloatImage {
-    let data = img.data.iter().map(|&v| blend(v, 0.0, factor)).collect();
-    FloatImage { data, ..*img }
+    let mut out = img.clone();
+    brightness_in_place(&mut out, factor);
+    out
+}
+
+fn brightness_in_place(img: &mut FloatImage, factor: f32) {
+    for v in &mut img.data {
+        *v = blend(*v, 0.0, factor);
+    }
 }
 
 /// Blends with the image's mean gray level (the mean of its grayscale version; the plain
 /// mean for one channel) by `factor`, clamped to [0, 1].
 pub fn adjust_contrast(img: &FloatImage, factor: f32) -> FloatImage {
+    let mut out = img.clone();
+    contrast_in_place(&mut out, factor);
+    out
+}
+
+fn contrast_in_place(img: &mut FloatImage, factor: f32) {
     let mean = if img.channels == 3 {
         img.data.chunks_exact(3).map(|px| gray_of(px) as f64).sum::<f64>() / (img.data.len() / 3).max(1) as f64
     } else {
         img.data.iter().map(|&v| v as f64).sum::<f64>() / img.data.len().max(1) as f64
     } as f32;
-    let data = img.data.iter().map(|&v| blend(v, mean, factor)).collect();
-    FloatImage { data, ..*img }
+    for v in &mut img.data {
+        *v = blend(*v, mean, factor);
+    }
 }
 
 /// Blends each pixel with its gray level by `factor` (0 gives grayscale, 1 the image),
 /// clamped to [0, 1]. A no-op on one channel.
 pub fn adjust_saturation(img: &FloatImage, factor: f32) -> FloatImage {
+    let mut out = img.clone();
+    saturation_in_place(&mut out, factor);
+    out
+}
+
+fn saturation_in_place(img: &mut FloatImage, factor: f32) {
     if img.channels == 1 {
-        return img.clone();
+        return;
     }
-    let data = img
-        .data
-        .chunks_exact(3)
-        .flat_map(|px| {
-            let g = gray_of(px);
-            [blend(px[0], g, factor), blend(px[1], g, factor), blend(px[2], g, factor)]
-        })
-        .collect();
-    FloatImage { data, ..*img }
+    for px in img.data.chunks_exact_mut(3) {
+        let g = gray_of(px);
+        for v in px {
+            *v = blend(*v, g, factor);
+        }
+    }
 }
 
 /// Rotates the hue by `shift` turns (in [-0.5, 0.5]) through HSV. A no-op on one channel.
 pub fn adjust_hue(img: &FloatImage, shift: f32) -> FloatImage {
+    let mut out = img.clone();
+    hue_in_place(&mut out, shift);
+    out
+}
+
+fn hue_in_place(img: &mut FloatImage, shift: f32) {
     if img.channels == 1 {
-        return img.clone();
+        return;
     }
-    let data = img
-        .data
-        .chunks_exact(3)
-        .flat_map(|px| {
-            let [h, s, v] = rgb_to_hsv([px[0], px[1], px[2]]);
-            hsv_to_rgb([(h + shift).rem_euclid(1.0), s, v])
-        })
-        .collect();
-    FloatImage { data, ..*img }
+    for px in img.data.chunks_exact_mut(3) {
+        let [h, s, v] = rgb_to_hsv([px[0], px[1], px[2]]);
+        px.copy_from_slice(&hsv_to_rgb([wrap_turn(h + shift), s, v]));
+    }
+}
+
+/// `x.rem_euclid(1.0)`, bit for bit, without the library's `fmod` for the values a hue takes
+/// here ([-1, 2)): there `x % 1.0` is exact, `x - 1.0` for x in [1, 2) and `x` in (-1, 1).
+fn wrap_turn(x: f32) -> f32 {
+    if (1.0..2.0).contains(&x) {
+        x - 1.0
+    } else if x > -1.0 && x < 1.0 {
+        if x < 0.0 {
+            x + 1.0
+        } else {
+            x
+        }
+    } else {
+        x.rem_euclid(1.0)
+    }
 }
 
 /// RGB in [0, 1] to HSV, hue in turns [0, 1) (torchvision's `_rgb2hsv`).
@@ -208,7 +254,7 @@ pub fn rgb_to_hsv([r, g, b]: [f32; 3]) -> [f32; 3] {
     } else {
         4.0 + gc - rc
     };
-    [(h / 6.0 + 1.0).rem_euclid(1.0), s, maxc]
+    [wrap_turn(h / 6.0 + 1.0), s, maxc]
 }
 
 /// HSV (hue in turns) to RGB (torchvision's `_hsv2rgb`).
@@ -276,6 +322,17 @@ mod tests {
         // Gray has no hue: unchanged by any rotation.
         let gray = rgb(vec![0.3, 0.3, 0.3]);
         assert!(close(&adjust_hue(&gray, 0.25).data, &gray.data));
+    }
+
+    #[test]
+    fn wrap_turn_is_rem_euclid_bit_for_bit() {
+        let mut r = stream(&[9]);
+        let mut xs: Vec<f32> = (0..20000).map(|_| uniform(&mut r, -3.0, 3.0) as f32).collect();
+        xs.extend([-2.0, -1.0, -0.0, 0.0, 1.0, 2.0, -1e-9, 1.0 - f32::EPSILON, 2.0 - f32::EPSILON, -1.0 + 1e-7]);
+        xs.extend([f32::MIN_POSITIVE, -f32::MIN_POSITIVE, 1.5, -0.5]);
+        for x in xs {
+            assert_eq!(wrap_turn(x).to_bits(), x.rem_euclid(1.0).to_bits(), "{x}");
+        }
     }
 
     #[test]

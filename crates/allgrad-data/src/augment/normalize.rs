@@ -61,16 +61,18 @@ impl Normalize {
         if stats != 1 && stats != img.channels {
             return Err(DataError::NormalizeChannels { stats, channels: img.channels });
         }
-        let mut chw = img.to_chw();
-        let plane = chw.width * chw.height;
-        for c in 0..chw.channels {
-            let k = if stats == 1 { 0 } else { c };
+        // Straight into channels-first order: one pass over the pixels per channel.
+        let (w, h, c) = (img.width, img.height, img.channels);
+        let plane = w * h;
+        let mut data = vec![0f32; plane * c];
+        for (ch, out) in data.chunks_exact_mut(plane.max(1)).enumerate().take(c) {
+            let k = if stats == 1 { 0 } else { ch };
             let (m, s) = (self.mean[k], self.std[k]);
-            for v in &mut chw.data[c * plane..(c + 1) * plane] {
-                *v = (*v - m) / s;
+            for (o, px) in out.iter_mut().zip(img.data.chunks_exact(c)) {
+                *o = (px[ch] - m) / s;
             }
         }
-        Ok(chw)
+        Ok(Chw { channels: c, height: h, width: w, data })
     }
 }
 

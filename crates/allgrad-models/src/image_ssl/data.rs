@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use allgrad_data::{AugmentConfig, Cifar10, Dataset, FolderOptions, IdxDataset, ImageFolder, LoaderConfig, Split};
+use allgrad_data::webdataset::{ShardStream, TarDataset, WebDatasetOptions};
+use allgrad_data::{AugmentConfig, Cifar10, Dataset, FolderOptions, IdxDataset, ImageFolder, InMemory, LoaderConfig, Split};
 use candle_core::Result;
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +30,9 @@ pub struct ImageData {
     /// Options of the `folder` format.
     #[serde(default)]
     pub folder: FolderOptions,
+    /// Options of the `webdataset` format (shards, epoch length, streams, shuffle buffer).
+    #[serde(default)]
+    pub webdataset: WebDatasetOptions,
 }
 
 /// On-disk formats.
@@ -42,6 +46,9 @@ pub enum ImageFormat {
     /// Image files (PNG, JPEG, ...) in `train/` and `test/`, each with one sub-folder per
     /// class.
     Folder,
+    /// webdataset tar shards (`data.webdataset`): training samples streamed, shards split
+    /// over ranks, a shuffle buffer, an epoch of `epoch_samples` samples.
+    Webdataset,
 }
 
 /// kNN evaluation of the encoder's features: each test image votes among its `k` most
@@ -68,10 +75,25 @@ impl Default for KnnConfig {
 }
 
 impl ImageData {
-    /// Opens the `split` of the data set.
+    /// Opens the `split` of the data set. For `webdataset`, the evaluation sets: the test
+    /// shards (the first `knn.queries`) and, as the training split, the kNN bank (the first
+    /// `knn.bank` samples of the training shards, in the order listed); both empty when no
+    /// test shards are listed (no kNN monitor then). Training samples come from
+    /// [`ImageData::stream`].
     pub fn open(&self, split: Split) -> Result<Arc<dyn Dataset>> {
         let err = |source| ModelError::OpenData { dir: self.dir.clone(), source };
         Ok(match self.format {
+            ImageFormat::Webdataset => {
+                let opts = &self.webdataset;
+                if opts.test.is_empty() {
+                    return Ok(Arc::new(InMemory::new(Vec::new(), Vec::new(), 0).map_err(err)?));
+                }
+                let (shards, limit) = match split {
+                    Split::Train => (opts.train_shards(&self.dir).map_err(err)?, self.knn.bank),
+                    Split::Test => (opts.test_shards(&self.dir).map_err(err)?, self.knn.queries),
+                };
+                Arc::new(TarDataset::open(&shards, self.folder.color, limit).map_err(err)?)
+            }
             ImageFormat::Idx => Arc::new(IdxDataset::open_dir(&self.dir, split).map_err(err)?),
             ImageFormat::Cifar10 => Arc::new(Cifar10::open_dir(&self.dir, split).map_err(err)?),
             ImageFormat::Folder => {
@@ -82,6 +104,20 @@ impl ImageData {
                 Arc::new(ImageFolder::open(self.dir.join(sub), &self.folder).map_err(err)?)
             }
         })
+    }
+}
+
+impl ImageData {
+    /// The training stream of the `webdataset` format for global batches of `global_batch`
+    /// (`None` for the other formats).
+    pub fn stream(&self, global_batch: usize) -> Result<Option<Arc<ShardStream>>> {
+        if self.format != ImageFormat::Webdataset {
+            return Ok(None);
+        }
+        let err = |source| ModelError::OpenData { dir: self.dir.clone(), source };
+        let shards = self.webdataset.train_shards(&self.dir).map_err(err)?;
+        let stream = ShardStream::new(shards, self.webdataset.clone(), global_batch, self.folder.color).map_err(err)?;
+        Ok(Some(Arc::new(stream)))
     }
 }
 

@@ -35,8 +35,8 @@ impl TwoViewImages {
     /// kNN top-1 (and the linear probe's top-1 when configured) of the frozen encoder's
     /// features, on rank 0 (the other ranks return nothing).
     pub fn evaluate(&self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
-        if pg.rank() != 0 {
-            return Ok(Vec::new());
+        if pg.rank() != 0 || self.test.is_empty() {
+            return Ok(Vec::new()); // webdataset without test shards: no monitor
         }
         let bank_n = if self.knn.bank == 0 { self.train.len() } else { self.knn.bank.min(self.train.len()) };
         let query_n = if self.knn.queries == 0 { self.test.len() } else { self.knn.queries.min(self.test.len()) };

@@ -90,6 +90,13 @@ impl TwoViewMethod {
     pub fn images(&self) -> &TwoViewImages {
         &self.images
     }
+
+    /// The run's global batch: a `webdataset` stream lays its samples out by it (see
+    /// [`TwoViewImages::set_global_batch`]); needed before training on that format.
+    pub fn with_global_batch(mut self, global_batch: usize) -> Result<Self> {
+        self.images.set_global_batch(global_batch)?;
+        Ok(self)
+    }
 }
 
 /// Embeddings `[n, 2, d]`: the projections of both views of each sample. Under gradient
@@ -139,6 +146,10 @@ impl Objective for TwoViewMethod {
 
     fn plan(&mut self, epoch: usize, seed: u64, batches: &[Vec<usize>]) -> Result<()> {
         self.images.plan(epoch, seed, batches)
+    }
+
+    fn sequential(&self) -> bool {
+        self.images.is_stream()
     }
 
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use allgrad_data::webdataset::{ShardStream, StreamLoader};
 use allgrad_data::{Augment, AugmentConfig, Dataset, Loader, LoaderConfig, Split, TwoViews};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -13,16 +14,35 @@ use crate::batch_norm::Mode;
 use crate::resnet::ResNet;
 use crate::{Batch, ModelError};
 
+/// The loader building the coming batches: over an indexed data set, or over a stream.
+enum Ahead {
+    Indexed(Loader),
+    Stream(StreamLoader),
+}
+
+impl Ahead {
+    fn next(&mut self) -> Option<allgrad_data::DataResult<allgrad_data::Batch>> {
+        match self {
+            Ahead::Indexed(l) => l.next(),
+            Ahead::Stream(l) => l.next(),
+        }
+    }
+}
+
 /// The data, its two views, the encoder and the projector; see the module docs.
 pub struct TwoViewImages {
     model: ImageModel,
+    /// The training set for the indexed formats; the kNN bank (only) for `webdataset`.
     pub(super) train: Arc<dyn Dataset>,
     pub(super) test: Arc<dyn Dataset>,
+    /// `webdataset`: the training stream (set by [`TwoViewImages::set_global_batch`]).
+    stream: Option<Arc<ShardStream>>,
+    data: ImageData,
     views: Arc<TwoViews>,
     pub(super) eval_view: Augment,
     pub(super) knn: KnnConfig,
     loader_cfg: LoaderConfig,
-    loader: Option<Loader>,
+    loader: Option<Ahead>,
     prefetched: usize,
     device: Device,
     dtype: DType,
@@ -40,6 +60,8 @@ impl TwoViewImages {
             model,
             train: data.open(Split::Train)?,
             test: data.open(Split::Test)?,
+            stream: None,
+            data: data.clone(),
             views: Arc::new(views),
             eval_view,
             knn: data.knn.clone(),
@@ -60,23 +82,54 @@ impl TwoViewImages {
         Ok(())
     }
 
-    /// Training images.
+    /// The global batch the run takes: the `webdataset` format lays its streams out by it
+    /// (and opens its training stream here). Nothing for the other formats.
+    pub fn set_global_batch(&mut self, global_batch: usize) -> Result<()> {
+        self.stream = self.data.stream(global_batch)?;
+        Ok(())
+    }
+
+    /// Whether the training samples are a stream: batch indices are then positions in the
+    /// epoch, which the trainer must ask for in order.
+    pub fn is_stream(&self) -> bool {
+        self.data.format == super::ImageFormat::Webdataset
+    }
+
+    fn stream(&self) -> Result<&Arc<ShardStream>> {
+        self.stream.as_ref().ok_or_else(|| {
+            candle_core::Error::Msg("the webdataset stream needs the run's global batch (TwoViewImages::set_global_batch)".into())
+        })
+    }
+
+    /// Training samples per epoch (`webdataset.epoch_samples` for a stream).
     pub fn num_samples(&self) -> usize {
-        self.train.len()
+        match (&self.stream, self.is_stream()) {
+            (Some(s), _) => s.epoch_samples(),
+            (None, true) => self.data.webdataset.epoch_samples,
+            (None, false) => self.train.len(),
+        }
     }
 
     /// Starts building the views of `batches` (this rank's coming micro-batches of `epoch`,
-    /// in order) on the loader's threads. Replaces any earlier plan.
+    /// in order) on the loader's threads. Replaces any earlier plan. A stream is always
+    /// planned (with no workers its batches are built when asked for, in order).
     pub fn plan(&mut self, epoch: usize, seed: u64, batches: &[Vec<usize>]) -> Result<()> {
         self.loader = None; // stops the old workers first
-        if self.loader_cfg.workers == 0 || batches.is_empty() {
+        if batches.is_empty() {
             return Ok(());
         }
         let pipeline: Arc<dyn allgrad_data::Pipeline> = self.views.clone();
-        let loader =
-            Loader::new(self.train.clone(), pipeline, seed, epoch as u64, batches.to_vec(), &self.loader_cfg, &self.device)
-                .map_err(data_err)?;
-        self.loader = Some(loader);
+        let (plan, cfg) = (batches.to_vec(), &self.loader_cfg);
+        self.loader = Some(if self.is_stream() {
+            let stream = self.stream()?.clone();
+            Ahead::Stream(StreamLoader::new(stream, pipeline, seed, epoch as u64, plan, cfg, &self.device).map_err(data_err)?)
+        } else if cfg.workers == 0 {
+            return Ok(());
+        } else {
+            Ahead::Indexed(
+                Loader::new(self.train.clone(), pipeline, seed, epoch as u64, plan, cfg, &self.device).map_err(data_err)?,
+            )
+        });
         Ok(())
     }
 
@@ -95,6 +148,17 @@ impl TwoViewImages {
                     self.loader = None;
                 }
             }
+        }
+        if self.is_stream() {
+            // Unplanned: the stream read from the epoch's start to this batch, here.
+            let pipeline: Arc<dyn allgrad_data::Pipeline> = self.views.clone();
+            let cfg = LoaderConfig { workers: 0, prefetch: 0 };
+            let stream = self.stream()?.clone();
+            let plan = vec![batch.indices.to_vec()];
+            let mut once = StreamLoader::new(stream, pipeline, batch.seed, batch.epoch as u64, plan, &cfg, &self.device)
+                .map_err(data_err)?;
+            let b = once.next().ok_or_else(|| candle_core::Error::Msg("the stream gave no batch".into()))?.map_err(data_err)?;
+            return Ok((b.views[0].to_dtype(self.dtype)?, b.views[1].to_dtype(self.dtype)?));
         }
         let b = batch.indices.len();
         let (mut first, mut second) = (Vec::with_capacity(b), Vec::with_capacity(b));
@@ -168,6 +232,7 @@ mod tests {
             knn: KnnConfig::default(),
             loader: LoaderConfig { workers, prefetch: 2 },
             folder: FolderOptions::default(),
+            webdataset: Default::default(),
         };
         let plan = vec![vec![3, 1, 4], vec![1, 5, 9]];
         let run = |workers| {

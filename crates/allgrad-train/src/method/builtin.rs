@@ -167,12 +167,25 @@ impl Method for ImageMethod {
         &["data.dir"]
     }
 
-    fn validate(&self, s: &ContrastiveSections, _run: &RunConfig, _world_size: usize) -> Result<(), SectionError> {
+    fn validate(&self, s: &ContrastiveSections, run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
         expect_kind(self.name, "data.kind", "images", s.data.kind())?;
         expect_kind(self.name, "model.kind", "resnet", s.model.kind())?;
         let loss = self.loss(s);
         expect_kind(self.name, "loss.kind", self.default_loss.kind(), loss.kind())?;
         if let DataConfig::Images(d) = &s.data {
+            if d.format == allgrad_models::image_ssl::ImageFormat::Webdataset {
+                d.webdataset.validate(run.train.global_batch, world_size).map_err(|e| match e {
+                    allgrad_data::DataError::Config { field, reason } => SectionError::new(format!("data.{field}"), reason),
+                    e => SectionError::new("data.webdataset", e.to_string()),
+                })?;
+                if !d.webdataset.test.is_empty() && d.knn.bank == 0 {
+                    return Err(SectionError::new(
+                        "data.knn.bank",
+                        "with webdataset test shards, give the kNN bank's size: its samples (the first of the training \
+                         shards) are indexed when the run starts, and 0 (all) would read every training shard",
+                    ));
+                }
+            }
             let knn = &d.knn;
             if knn.k == 0 {
                 return Err(SectionError::new("data.knn.k", "must be at least 1 (the neighbours that vote)"));
@@ -189,6 +202,7 @@ impl Method for ImageMethod {
         let (DataConfig::Images(d), ModelConfig::Resnet(m)) = (s.data, s.model) else {
             candle_core::bail!("method `{}` needs data.kind `images` and model.kind `resnet`", self.name);
         };
-        Ok(Box::new(TwoViewMethod::new(&d, m, loss, self.batch, device.clone(), run.candle_dtype())?))
+        let method = TwoViewMethod::new(&d, m, loss, self.batch, device.clone(), run.candle_dtype())?;
+        Ok(Box::new(method.with_global_batch(run.train.global_batch)?))
     }
 }

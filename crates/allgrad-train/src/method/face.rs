@@ -47,6 +47,14 @@ impl Method for Face {
     }
 
     fn validate(&self, s: &FaceSections, run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
+        if let FaceData::Images(d) = &s.data {
+            if d.format == allgrad_models::image_ssl::ImageFormat::Webdataset {
+                return Err(SectionError::new(
+                    "data.format",
+                    "face reads idx, cifar10 or folder data (webdataset streams are read by simclr and barlowtwins)",
+                ));
+            }
+        }
         s.head.validate().map_err(key_of)?;
         s.model.validate().map_err(key_of)?;
         if s.head.num_classes < world_size {

@@ -1,0 +1,104 @@
+//! Decoding an encoded image (JPEG, PNG) held in memory into an 8-bit [`Image`].
+//!
+//! JPEGs (recognised by their first bytes `FF D8 FF`, whatever the file is called) go to
+//! zune-jpeg, in strict mode: a file cut short or with a corrupt entropy-coded stream is an
+//! error, where a lenient decoder would return an image half filled with grey. Other formats
+//! (PNG) go to the `image` crate. zune-jpeg decodes with SIMD IDCT and colour conversion and
+//! writes RGB straight into the buffer the [`Image`] keeps; it is the slowest stage of the
+//! loader for ImageNet-sized files (docs/data.md), so its speed is the loader's.
+
+use std::path::Path;
+
+use zune_core::bytestream::ZCursor;
+use zune_core::colorspace::ColorSpace;
+use zune_core::options::DecoderOptions;
+use zune_jpeg::JpegDecoder;
+
+use crate::error::{DataError, DataResult};
+use crate::folder::ColorMode;
+use crate::image::Image;
+
+/// Whether `bytes` start like a JPEG file (SOI marker, then another marker).
+pub fn is_jpeg(bytes: &[u8]) -> bool {
+    bytes.len() >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF
+}
+
+/// Decodes `bytes` (a whole JPEG or PNG file) into 1 or 3 channels as `color` says; `name`
+/// names the source in errors.
+pub fn decode_image(bytes: &[u8], color: ColorMode, name: &Path) -> DataResult<Image> {
+    if is_jpeg(bytes) {
+        decode_jpeg(bytes, color, name)
+    } else {
+        decode_other(bytes, color, name)
+    }
+}
+
+/// Whether the JPEG's last scan ends with the end-of-image marker: FF D9 after the last start
+/// of scan (FF DA). Inside entropy-coded data every FF byte is followed by 00 or a restart
+/// marker, so neither can appear there by chance; a file cut anywhere in its last scan has
+/// no FF D9 after that scan's FF DA (an embedded thumbnail's FF D9 comes before it).
+fn ends_its_last_scan(bytes: &[u8]) -> bool {
+    let last_sos = bytes.windows(2).rposition(|w| w == [0xFF, 0xDA]);
+    let Some(sos) = last_sos else { return false };
+    bytes[sos..].windows(2).any(|w| w == [0xFF, 0xD9])
+}
+
+fn decode_jpeg(bytes: &[u8], color: ColorMode, name: &Path) -> DataResult<Image> {
+    let err = |source| DataError::Jpeg { path: name.into(), source };
+    // zune-jpeg decodes a file cut in its last bytes of padding without complaint (the
+    // pixels are all there); a file without its end marker is refused anyway, as cut short.
+    if !ends_its_last_scan(bytes) {
+        return Err(err(zune_jpeg::errors::DecodeErrors::FormatStatic(
+            "no end-of-image marker after the last scan: the file is cut short",
+        )));
+    }
+    let options = DecoderOptions::default().set_strict_mode(true).jpeg_set_out_colorspace(ColorSpace::RGB);
+    let mut decoder = JpegDecoder::new_with_options(ZCursor::new(bytes), options);
+    decoder.decode_headers().map_err(err)?;
+    let gray_file = matches!(decoder.input_colorspace(), Some(ColorSpace::Luma | ColorSpace::LumaA));
+    let (width, height) = decoder.dimensions().unwrap_or((0, 0));
+    let rgb_out = match color {
+        ColorMode::Rgb => true,
+        ColorMode::Gray => false,
+        ColorMode::Auto => !gray_file,
+    };
+    if !rgb_out && gray_file {
+        // A grayscale file to one channel: its samples as they are.
+        let options = options.jpeg_set_out_colorspace(ColorSpace::Luma);
+        let mut decoder = JpegDecoder::new_with_options(ZCursor::new(bytes), options);
+        let pixels = decoder.decode().map_err(err)?;
+        return Image::new(width, height, 1, pixels);
+    }
+    let pixels = decoder.decode().map_err(err)?;
+    let rgb = Image::new(width, height, 3, pixels)?;
+    if rgb_out {
+        return Ok(rgb);
+    }
+    // One channel from a colour file: the `image` crate's luma (Rec. 709), as for PNG.
+    let buf = image::RgbImage::from_raw(width as u32, height as u32, rgb.pixels).ok_or(DataError::ImageShape {
+        width,
+        height,
+        channels: 3,
+        expected: width * height * 3,
+        found: 0,
+    })?;
+    let luma = image::DynamicImage::ImageRgb8(buf).to_luma8();
+    Image::new(width, height, 1, luma.into_raw())
+}
+
+fn decode_other(bytes: &[u8], color: ColorMode, name: &Path) -> DataResult<Image> {
+    let reader = image::io::Reader::new(std::io::Cursor::new(bytes));
+    let reader = reader.with_guessed_format().map_err(|e| DataError::io(name, e))?;
+    let img = reader.decode().map_err(|source| DataError::Decode { path: name.into(), source })?;
+    let rgb = match color {
+        ColorMode::Rgb => true,
+        ColorMode::Gray => false,
+        ColorMode::Auto => img.color().has_color(),
+    };
+    let (width, height) = (img.width() as usize, img.height() as usize);
+    Ok(if rgb {
+        Image { width, height, channels: 3, pixels: img.to_rgb8().into_raw() }
+    } else {
+        Image { width, height, channels: 1, pixels: img.to_luma8().into_raw() }
+    })
+}

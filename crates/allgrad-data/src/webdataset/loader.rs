@@ -1,0 +1,267 @@
+//! [`StreamLoader`]: the batches of a plan of stream positions, built on worker threads that
+//! each read some of the streams.
+//!
+//! The plan lists this rank's coming (micro-)batches as positions of the epoch, ascending
+//! (the trainer's unshuffled sampler gives exactly that). A batch's positions fall into
+//! streams ([`StreamLayout::locate`]); worker `w` reads streams `l` with `l % workers == w`,
+//! and for each batch in order builds the part of each of its streams (decode, then the
+//! views keyed by the position). The consumer takes the parts in the same (batch, stream)
+//! order, so nothing waits in a cycle, and joins them in position order. A stream that the
+//! plan enters in the middle (a resume) is first read forward to that point.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use candle_core::Device;
+
+use super::stream::{Lane, ShardStream};
+use crate::augment::{Pipeline, ViewKey};
+use crate::error::{DataError, DataResult};
+use crate::host::{to_batch, HostBatch, HostView, Staging};
+use crate::loader::{assemble, Batch, LoaderConfig};
+
+/// The part of one batch that one stream gives.
+struct Part {
+    batch: usize,
+    lane: usize,
+    positions: Vec<usize>,
+    views: Vec<HostView>,
+    labels: Vec<u32>,
+}
+
+/// Every batch's positions grouped by stream: `(stream, positions)`, streams ascending.
+type Groups = Vec<Vec<(usize, Vec<usize>)>>;
+
+/// What the threads share.
+#[derive(Clone)]
+struct Work {
+    source: Arc<ShardStream>,
+    pipeline: Arc<dyn Pipeline>,
+    seed: u64,
+    epoch: u64,
+    groups: Arc<Groups>,
+    staging: Staging,
+}
+
+/// The streams one thread reads, positioned.
+struct Readers {
+    work: Work,
+    lanes: BTreeMap<usize, Lane>,
+}
+
+impl Readers {
+    fn part(&mut self, batch: usize, lane: usize, positions: &[usize]) -> DataResult<Part> {
+        let w = &self.work;
+        let layout = w.source.layout();
+        let reader = self.lanes.entry(lane).or_insert_with(|| w.source.lane(w.seed, w.epoch, lane));
+        let first = layout.locate(positions[0]).1;
+        if reader.good() > first {
+            return Err(DataError::Stream(format!(
+                "position {} of stream {lane} was asked for after later ones (plans must ascend)",
+                positions[0]
+            )));
+        }
+        reader.fast_forward(first)?;
+        let mut labels = Vec::with_capacity(positions.len());
+        let samples = positions.iter().map(|&p| {
+            let (_, m) = layout.locate(p);
+            if m != reader.good() {
+                return Err(DataError::Stream(format!("batch {batch}: positions of stream {lane} are not consecutive at {p}")));
+            }
+            let (img, label) = reader.next_good(true)?;
+            labels.push(label as u32);
+            Ok((p, img.expect("decoded when asked to")))
+        });
+        let key = |p: usize, view| ViewKey { seed: w.seed, epoch: w.epoch, index: p as u64, view };
+        let views = assemble(samples, positions.len(), w.pipeline.as_ref(), &w.staging, key)?;
+        Ok(Part { batch, lane, positions: positions.to_vec(), views, labels })
+    }
+}
+
+/// Batches of stream positions, built ahead on worker threads; an iterator like
+/// [`crate::Loader`], with the same [`Batch`] items. Dropping it stops the workers.
+pub struct StreamLoader {
+    work: Work,
+    receivers: Vec<Receiver<DataResult<Part>>>,
+    handles: Vec<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    inline: Option<Readers>,
+    next: usize,
+    device: Device,
+    failed: bool,
+    /// With copies to a device: the next batch, its copy started (see [`crate::host`]).
+    ahead: Option<DataResult<Batch>>,
+}
+
+impl StreamLoader {
+    /// Starts building `batches` (positions of `epoch`, each batch ascending and later
+    /// batches after earlier ones) from `source` through `pipeline`; `cfg.workers` threads
+    /// (0: each batch is built when asked for, on the caller's thread), tensors on `device`.
+    pub fn new(
+        source: Arc<ShardStream>,
+        pipeline: Arc<dyn Pipeline>,
+        seed: u64,
+        epoch: u64,
+        batches: Vec<Vec<usize>>,
+        cfg: &LoaderConfig,
+        device: &Device,
+    ) -> DataResult<Self> {
+        let layout = source.layout();
+        let epoch_samples = source.epoch_samples();
+        let mut groups: Groups = Vec::with_capacity(batches.len());
+        for (b, batch) in batches.iter().enumerate() {
+            if batch.is_empty() {
+                return Err(DataError::EmptyBatch { batch: b });
+            }
+            if let Some(&index) = batch.iter().find(|&&p| p >= epoch_samples) {
+                return Err(DataError::IndexOutOfRange { index, len: epoch_samples });
+            }
+            if batch.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(DataError::Stream(format!("batch {b} of the plan is not in ascending position order")));
+            }
+            let mut by_lane: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+            for &p in batch {
+                by_lane.entry(layout.locate(p).0).or_default().push(p);
+            }
+            groups.push(by_lane.into_iter().collect());
+        }
+        let staging = Staging::for_device(device)?;
+        let work = Work { source, pipeline, seed, epoch, groups: Arc::new(groups), staging };
+        let stop = Arc::new(AtomicBool::new(false));
+        let streams = layout.streams;
+        let workers = cfg.workers.min(streams);
+        let mut loader = StreamLoader {
+            work: work.clone(),
+            receivers: Vec::new(),
+            handles: Vec::new(),
+            stop: stop.clone(),
+            inline: None,
+            next: 0,
+            device: device.clone(),
+            failed: false,
+            ahead: None,
+        };
+        if workers == 0 {
+            return Ok(loader);
+        }
+        // Room for about `prefetch` batches over all workers: a batch has parts from each of a
+        // rank's streams.
+        let per_batch = work.groups.first().map_or(1, |g| g.len()).div_ceil(workers);
+        let capacity = (cfg.prefetch.div_ceil(workers) * per_batch).max(1);
+        for w in 0..workers {
+            let (tx, rx) = sync_channel(capacity);
+            let (work, stop) = (work.clone(), stop.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("allgrad-stream-{w}"))
+                .spawn(move || {
+                    let groups = work.groups.clone();
+                    let mut readers = Readers { work, lanes: BTreeMap::new() };
+                    for (b, group) in groups.iter().enumerate() {
+                        for (lane, positions) in group.iter().filter(|(l, _)| l % workers == w) {
+                            if stop.load(Ordering::Relaxed) {
+                                return;
+                            }
+                            let part = readers.part(b, *lane, positions);
+                            let failed = part.is_err();
+                            if tx.send(part).is_err() || failed {
+                                return;
+                            }
+                        }
+                    }
+                })
+                .map_err(|source| DataError::Spawn { worker: w, source })?;
+            loader.receivers.push(rx);
+            loader.handles.push(handle);
+        }
+        Ok(loader)
+    }
+
+    /// Number of batches in the plan.
+    pub fn num_batches(&self) -> usize {
+        self.work.groups.len()
+    }
+
+    fn build(&mut self, b: usize) -> DataResult<HostBatch> {
+        let groups = self.work.groups.clone();
+        let mut parts = Vec::with_capacity(groups[b].len());
+        for (lane, positions) in &groups[b] {
+            let part = if self.receivers.is_empty() {
+                let work = self.work.clone();
+                self.inline.get_or_insert_with(|| Readers { work, lanes: BTreeMap::new() }).part(b, *lane, positions)?
+            } else {
+                let w = lane % self.receivers.len();
+                self.receivers[w].recv().map_err(|_| DataError::WorkerLost { worker: w, batch: b })??
+            };
+            if part.batch != b || part.lane != *lane || part.positions != *positions {
+                return Err(DataError::Stream(format!("batch {b}: a worker delivered the part of another batch or stream")));
+            }
+            parts.push(part);
+        }
+        let mut host = HostBatch { indices: Vec::new(), views: Vec::new(), labels: Vec::new() };
+        for part in parts {
+            let first = part.positions[0];
+            host.indices.extend(part.positions);
+            host.labels.extend(part.labels);
+            if host.views.is_empty() {
+                host.views = part.views;
+                continue;
+            }
+            for (view, more) in host.views.iter_mut().zip(part.views) {
+                if more.sample != view.sample {
+                    return Err(DataError::BatchShape { index: first, expected: view.sample, found: more.sample });
+                }
+                view.parts.extend(more.parts);
+            }
+        }
+        Ok(host)
+    }
+}
+
+impl StreamLoader {
+    /// The next batch of the plan as tensors.
+    fn take(&mut self) -> Option<DataResult<Batch>> {
+        let b = self.next;
+        if b >= self.num_batches() || self.failed {
+            return None;
+        }
+        self.next += 1;
+        let out = self.build(b).and_then(|h| to_batch(h, &self.device));
+        // A stream that failed cannot go on: the batches after it would not be the plan's.
+        self.failed = out.is_err();
+        Some(out)
+    }
+}
+
+impl Iterator for StreamLoader {
+    type Item = DataResult<Batch>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if !self.work.staging.copies_ahead() {
+            return self.take();
+        }
+        // To a device: hand out this batch once the next one's copy has been started.
+        let current = self.ahead.take().or_else(|| self.take())?;
+        if current.is_ok() {
+            self.ahead = self.take();
+        }
+        Some(current)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = if self.failed { 0 } else { self.num_batches() - self.next } + self.ahead.is_some() as usize;
+        (left, Some(left))
+    }
+}
+
+impl Drop for StreamLoader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.receivers.clear();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}

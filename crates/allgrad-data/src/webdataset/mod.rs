@@ -1,0 +1,152 @@
+//! webdataset tar shards: the format OpenCLIP, img2dataset and most large image sets use.
+//!
+//! A shard is a tar file; consecutive members with the same key (file name up to its first
+//! dot) form one sample, each member under its extension: `jpg`/`jpeg`/`png` for the image,
+//! `cls` for the class id, `txt` or `json` for text ([`shard`]). Shards are listed as paths
+//! or brace patterns, `train-{000000..000127}.tar` ([`expand`]).
+//!
+//! Two ways to read them:
+//!
+//! - [`ShardStream`] streams training samples, the webdataset way (shards read front to
+//!   back, a shuffle buffer), yet exactly reproducibly: the stream is cut into `streams`
+//!   independent streams, each with its own sequence of shards and its own shuffle buffer,
+//!   every choice drawn from a keyed random stream (seed, epoch, stream, ...). A global batch
+//!   of B takes B / streams consecutive samples from each stream, streams in order, so rank r
+//!   of W reads only streams `r·streams/W .. (r+1)·streams/W` (its shards), and the batches
+//!   are the same for any W and any number of loader workers: a view depends on (seed,
+//!   epoch, the sample's position in the epoch, view) only. An epoch is a number of samples,
+//!   drawn with replacement over shards (`resampled`, OpenCLIP's `--dataset-resampled`) or
+//!   from each stream's share of a per-epoch permutation. A run resumed from a checkpoint at
+//!   any step reads each stream forward to where the step left it, so the batches after a
+//!   resume are those of an uninterrupted run ([`StreamLoader`]).
+//! - [`TarDataset`] indexes shards (one pass) for random access: the evaluation sets.
+//!
+//! [`ShardWriter`] writes shards (the `write-shards` binary turns an image folder into
+//! them).
+
+mod index;
+mod loader;
+mod pattern;
+pub mod shard;
+mod stream;
+mod write;
+
+pub use index::TarDataset;
+pub use loader::StreamLoader;
+pub use pattern::expand;
+pub use shard::{Sample, ShardReader};
+pub use stream::{ShardStream, StreamLayout};
+pub use write::ShardWriter;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{DataError, DataResult};
+
+/// What a corrupt training sample (no image member, a `cls` that is not a class id, an image
+/// that does not decode) does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnCorrupt {
+    /// Stop with an error naming the shard, the sample's key and its byte offset.
+    #[default]
+    Error,
+    /// Leave the sample out (the stream takes the next one), log it and count it.
+    Skip,
+}
+
+/// The `webdataset` options of an image data set (`data.webdataset` in a run config).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WebDatasetOptions {
+    /// Training shards: paths or brace patterns, relative to the data directory.
+    pub train: Vec<String>,
+    /// Evaluation shards (the kNN monitor's queries; every sample needs a `cls`), read in
+    /// the order listed.
+    pub test: Vec<String>,
+    /// Samples in one epoch (required): the trainer's epoch is this many samples, whatever
+    /// the shards hold.
+    pub epoch_samples: usize,
+    /// Independent sample streams, each with its own shards and shuffle buffer. Must be a
+    /// multiple of the world size and divide the global batch; a rank reads `streams / W` of
+    /// them, on up to as many loader workers. Changing it changes the data order.
+    pub streams: usize,
+    /// Samples each stream holds in its shuffle buffer (0: no shuffling within shards).
+    pub shuffle_buffer: usize,
+    /// Each stream draws its shards uniformly with replacement (true), or cycles through its
+    /// share of a per-epoch permutation of the shards (false; needs at least `streams`
+    /// shards).
+    pub resampled: bool,
+    /// What a corrupt sample does.
+    pub on_corrupt: OnCorrupt,
+}
+
+impl Default for WebDatasetOptions {
+    fn default() -> Self {
+        WebDatasetOptions {
+            train: Vec::new(),
+            test: Vec::new(),
+            epoch_samples: 0,
+            streams: 8,
+            shuffle_buffer: 1000,
+            resampled: true,
+            on_corrupt: OnCorrupt::Error,
+        }
+    }
+}
+
+impl WebDatasetOptions {
+    /// Checks the values against each other and the global batch and world size; field
+    /// names are those under `data.webdataset`.
+    pub fn validate(&self, global_batch: usize, world_size: usize) -> DataResult<()> {
+        let bad = |field, reason: String| Err(DataError::Config { field, reason });
+        if self.train.is_empty() {
+            return bad("webdataset.train", "lists no shards".into());
+        }
+        if self.epoch_samples == 0 {
+            return bad("webdataset.epoch_samples", "is required: the samples of one epoch (at least one global batch)".into());
+        }
+        if self.streams == 0 {
+            return bad("webdataset.streams", "must be at least 1".into());
+        }
+        if !self.streams.is_multiple_of(world_size) {
+            return bad(
+                "webdataset.streams",
+                format!("webdataset.streams = {} is not a multiple of the world size {world_size}", self.streams),
+            );
+        }
+        if !global_batch.is_multiple_of(self.streams) {
+            return bad(
+                "webdataset.streams",
+                format!("train.global_batch = {global_batch} is not divisible by webdataset.streams = {}", self.streams),
+            );
+        }
+        if self.epoch_samples < global_batch {
+            return bad(
+                "webdataset.epoch_samples",
+                format!("webdataset.epoch_samples = {} is smaller than train.global_batch = {global_batch}", self.epoch_samples),
+            );
+        }
+        Ok(())
+    }
+
+    /// The training shards, patterns expanded, relative paths taken from `dir`.
+    pub fn train_shards(&self, dir: &Path) -> DataResult<Vec<PathBuf>> {
+        shard_paths(&self.train, dir)
+    }
+
+    /// The evaluation shards, as [`WebDatasetOptions::train_shards`].
+    pub fn test_shards(&self, dir: &Path) -> DataResult<Vec<PathBuf>> {
+        shard_paths(&self.test, dir)
+    }
+}
+
+/// The shard paths of `patterns`, each expanded, relative ones joined to `dir`.
+pub fn shard_paths(patterns: &[String], dir: &Path) -> DataResult<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for p in patterns {
+        out.extend(expand(p)?.into_iter().map(|name| dir.join(name)));
+    }
+    Ok(out)
+}

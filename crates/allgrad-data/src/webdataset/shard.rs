@@ -1,0 +1,244 @@
+//! Reading one tar shard as webdataset samples: consecutive members that share a key (the
+//! member's path up to the first dot of its file name) are one sample, each member under its
+//! extension (the rest of the name, lower-cased): `n01440764_10026.jpg` and
+//! `n01440764_10026.cls` are sample `n01440764_10026` with members `jpg` and `cls`.
+//!
+//! Everything that is wrong with a shard is an error naming the shard and the byte offset: a
+//! file that does not exist, a header that is not a tar header, a member whose data runs past
+//! the end of the file, an archive without its end-of-archive blocks (a file cut exactly
+//! between two members), a key that appears twice in a row with the same extension.
+
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use crate::error::{DataError, DataResult};
+
+/// One sample of a shard: its key, where it starts, and its members by extension.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sample {
+    /// The key shared by the members (path up to the first dot of the file name).
+    pub key: String,
+    /// Byte offset of the first member's header in the shard.
+    pub offset: u64,
+    /// `(extension, bytes)` of each member, in archive order; extensions lower-case.
+    pub members: Vec<(String, Vec<u8>)>,
+}
+
+impl Sample {
+    /// The bytes of the member with extension `ext`, if any.
+    pub fn member(&self, ext: &str) -> Option<&[u8]> {
+        self.members.iter().find(|(e, _)| e == ext).map(|(_, b)| b.as_slice())
+    }
+
+    /// The image member: the first of `jpg`, `jpeg`, `png` present (its extension, bytes).
+    pub fn image(&self) -> Option<(&str, &[u8])> {
+        ["jpg", "jpeg", "png"].iter().find_map(|e| self.member(e).map(|b| (*e, b)))
+    }
+
+    /// The class id of the `cls` member (an integer in ASCII, surrounding white space
+    /// allowed, as webdataset writes it): `None` without a `cls` member, `Some(Err(text))`
+    /// when it is not a non-negative integer.
+    pub fn class(&self) -> Option<Result<usize, String>> {
+        let raw = self.member("cls")?;
+        let text = String::from_utf8_lossy(raw);
+        Some(text.trim().parse::<usize>().map_err(|_| text.trim().chars().take(40).collect()))
+    }
+
+    /// The `txt` member as text (image-caption pairs), if any.
+    pub fn text(&self) -> Option<String> {
+        self.member("txt").map(|b| String::from_utf8_lossy(b).into_owned())
+    }
+}
+
+/// The webdataset key and extension of a member path: `dir/a.b.c` is key `dir/a`, extension
+/// `b.c` (lower-cased). `None` for a name without a dot (webdataset skips those).
+pub fn key_and_extension(path: &str) -> Option<(&str, String)> {
+    let name_start = path.rfind('/').map_or(0, |i| i + 1);
+    let dot = path[name_start..].find('.')? + name_start;
+    if dot == name_start {
+        return None; // a hidden file such as `.DS_Store`
+    }
+    Some((&path[..dot], path[dot + 1..].to_ascii_lowercase()))
+}
+
+/// A member as read: key, extension, offset of its header, bytes.
+type Member = (String, String, u64, Vec<u8>);
+
+/// The samples of one shard, in order. Reading goes forward only (no seeking), so a shard
+/// may be any file the OS reads sequentially.
+pub struct ShardReader {
+    path: PathBuf,
+    reader: BufReader<File>,
+    len: u64,
+    /// Offset of the next header.
+    pos: u64,
+    /// The first member of the next sample, already read.
+    pending: Option<Member>,
+    done: bool,
+}
+
+const BLOCK: u64 = 512;
+
+impl ShardReader {
+    /// Opens `path` to read it through (reads of 1 MiB); a missing or unreadable file is an
+    /// error naming it.
+    pub fn open(path: &Path) -> DataResult<Self> {
+        Self::with_buffer(path, 1 << 20)
+    }
+
+    fn with_buffer(path: &Path, bytes: usize) -> DataResult<Self> {
+        let file = File::open(path).map_err(|source| DataError::ShardMissing { shard: path.into(), source })?;
+        let len = file.metadata().map_err(|e| DataError::io(path, e))?.len();
+        let reader = BufReader::with_capacity(bytes, file);
+        Ok(ShardReader { path: path.into(), reader, len, pos: 0, pending: None, done: false })
+    }
+
+    /// Opens `path` at byte `offset`, the header of a sample's first member (a position a
+    /// [`Sample`] gave), to read a sample or a few (reads of 64 KiB).
+    pub fn open_at(path: &Path, offset: u64) -> DataResult<Self> {
+        let mut r = Self::with_buffer(path, 1 << 16)?;
+        r.reader.seek(SeekFrom::Start(offset)).map_err(|e| DataError::io(path, e))?;
+        r.pos = offset;
+        Ok(r)
+    }
+
+    /// The shard's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn corrupt(&self, offset: u64, reason: impl Into<String>) -> DataError {
+        DataError::Shard { shard: self.path.clone(), offset, reason: reason.into() }
+    }
+
+    /// Reads exactly `buf.len()` bytes at the current position; `Ok(false)` at a clean end of
+    /// the file (no byte left).
+    fn read_block(&mut self, buf: &mut [u8], what: &str) -> DataResult<bool> {
+        let mut n = 0;
+        while n < buf.len() {
+            match self.reader.read(&mut buf[n..]) {
+                Ok(0) if n == 0 => return Ok(false),
+                Ok(0) => {
+                    return Err(self.corrupt(self.pos, format!("{what}: the file ends after {n} of its {} bytes", buf.len())))
+                }
+                Ok(k) => n += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(DataError::io(&self.path, e)),
+            }
+        }
+        Ok(true)
+    }
+
+    /// The next member: `(key, extension, header offset, bytes)`, or `None` at the end of the
+    /// archive. Members without an extension and entries that are not regular files
+    /// (folders) are passed over, as webdataset does; PAX and GNU long-name headers are
+    /// understood.
+    fn next_member(&mut self) -> DataResult<Option<Member>> {
+        let mut long_name: Option<String> = None;
+        loop {
+            let at = self.pos;
+            let mut header = [0u8; BLOCK as usize];
+            if !self.read_block(&mut header, "a member header")? {
+                return Err(self.corrupt(at, "the file ends without the tar end-of-archive blocks (cut short after a member)"));
+            }
+            self.pos += BLOCK;
+            if header.iter().all(|&b| b == 0) {
+                return Ok(None);
+            }
+            let h = tar::Header::from_byte_slice(&header);
+            let stored = h.cksum().map_err(|e| self.corrupt(at, format!("not a tar header ({e})")))?;
+            let sum: u32 = header[..148].iter().chain(&header[156..]).map(|&b| b as u32).sum::<u32>() + 8 * 32;
+            if sum != stored {
+                return Err(self.corrupt(at, "not a tar header (checksum mismatch)"));
+            }
+            let size = h.entry_size().map_err(|e| self.corrupt(at, format!("member size unreadable ({e})")))?;
+            let padded = size.div_ceil(BLOCK) * BLOCK;
+            if self.pos + size > self.len {
+                return Err(self.corrupt(
+                    at,
+                    format!("a member of {size} bytes starts at byte {} but the file ends at byte {}", self.pos, self.len),
+                ));
+            }
+            let kind = h.entry_type();
+            let wanted = kind.is_file() || kind.is_gnu_longname() || kind.is_pax_local_extensions();
+            let mut data = Vec::new();
+            if wanted {
+                data.resize(size as usize, 0);
+                self.read_block(&mut data, "a member's data")?;
+                self.skip(padded - size)?;
+            } else {
+                self.skip(padded)?;
+            }
+            self.pos += padded;
+            if kind.is_gnu_longname() {
+                long_name = Some(String::from_utf8_lossy(&data).trim_end_matches('\0').to_string());
+                continue;
+            }
+            if kind.is_pax_local_extensions() {
+                for ext in tar::PaxExtensions::new(&data).flatten() {
+                    if ext.key() == Ok("path") {
+                        long_name = ext.value().ok().map(str::to_string);
+                    }
+                }
+                continue;
+            }
+            if !kind.is_file() {
+                long_name = None;
+                continue;
+            }
+            let path = match long_name.take() {
+                Some(p) => p,
+                None => String::from_utf8_lossy(&h.path_bytes()).into_owned(),
+            };
+            let path = path.strip_prefix("./").unwrap_or(&path).to_string();
+            let Some((key, ext)) = key_and_extension(&path) else { continue };
+            return Ok(Some((key.to_string(), ext, at, data)));
+        }
+    }
+
+    fn skip(&mut self, n: u64) -> DataResult<()> {
+        if n > 0 {
+            self.reader.seek_relative(n as i64).map_err(|e| DataError::io(&self.path, e))?;
+        }
+        Ok(())
+    }
+
+    /// The next sample, or `None` after the last.
+    pub fn next_sample(&mut self) -> DataResult<Option<Sample>> {
+        if self.done {
+            return Ok(None);
+        }
+        let first = match self.pending.take() {
+            Some(m) => m,
+            None => match self.next_member()? {
+                Some(m) => m,
+                None => {
+                    self.done = true;
+                    return Ok(None);
+                }
+            },
+        };
+        let (key, ext, offset, data) = first;
+        let mut sample = Sample { key, offset, members: vec![(ext, data)] };
+        loop {
+            match self.next_member()? {
+                None => {
+                    self.done = true;
+                    break;
+                }
+                Some((key, ext, at, data)) if key == sample.key => {
+                    if sample.members.iter().any(|(e, _)| *e == ext) {
+                        return Err(self.corrupt(at, format!("sample `{key}` has two `{ext}` members")));
+                    }
+                    sample.members.push((ext, data));
+                }
+                Some(next) => {
+                    self.pending = Some(next);
+                    break;
+                }
+            }
+        }
+        Ok(Some(sample))
+    }
+}

@@ -1,0 +1,291 @@
+//! The training stream over shards: `streams` independent streams, each a sequence of shards
+//! read front to back through a shuffle buffer, every choice keyed (see the module docs of
+//! [`crate::webdataset`]).
+//!
+//! Stream `l` of epoch `e`:
+//! - its shards: draw `j` is shard `below(key(seed, e, l, j), S)` with `resampled`, else the
+//!   `l`-th, `l + streams`-th, ... of a permutation of the S shards keyed by (seed, e),
+//!   cycled;
+//! - its samples: the shards' samples in order, through a buffer of `shuffle_buffer`: the
+//!   buffer is filled, then the k-th sample out is the buffer's entry
+//!   `below(key(seed, e, l, k), len)`, replaced by the next sample read;
+//! - a corrupt sample is left out (`on_corrupt: skip`) or an error;
+//! - its m-th good sample is position `(m / q) · B + l · q + m % q` of the epoch, with
+//!   `q = B / streams`: global batch `m / q` takes q consecutive samples of each stream.
+//!
+//! Nothing here depends on the rank, the world size or the worker: those only choose which
+//! streams a thread reads.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use allgrad_rng::{below, shuffle, stream};
+
+use super::index::{decode_sample, member_names};
+use super::shard::{Sample, ShardReader};
+use super::{OnCorrupt, WebDatasetOptions};
+use crate::error::{DataError, DataResult};
+use crate::folder::ColorMode;
+use crate::image::Image;
+
+/// Key words of the streams' random draws.
+const TAG_SHARDS: u64 = 0x5AAD;
+const TAG_SHUFFLE: u64 = 0x5B1F;
+
+/// Where a position of an epoch comes from: `streams` streams, global batches of
+/// `global_batch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamLayout {
+    /// Samples per global batch.
+    pub global_batch: usize,
+    /// Streams (dividing `global_batch`).
+    pub streams: usize,
+}
+
+impl StreamLayout {
+    /// Samples each stream gives each global batch.
+    pub fn per_stream(&self) -> usize {
+        self.global_batch / self.streams
+    }
+
+    /// The stream of position `p` and the number of good samples that stream gives before it.
+    pub fn locate(&self, p: usize) -> (usize, u64) {
+        let q = self.per_stream();
+        let (batch, within) = (p / self.global_batch, p % self.global_batch);
+        (within / q, (batch * q + within % q) as u64)
+    }
+
+    /// The position of stream `l`'s `m`-th good sample.
+    pub fn position(&self, l: usize, m: u64) -> usize {
+        let q = self.per_stream() as u64;
+        ((m / q) * self.global_batch as u64 + (l as u64) * q + m % q) as usize
+    }
+}
+
+/// The training shards and how to stream them; shared by the loader's threads.
+#[derive(Debug)]
+pub struct ShardStream {
+    shards: Vec<PathBuf>,
+    opts: WebDatasetOptions,
+    layout: StreamLayout,
+    color: ColorMode,
+    skipped: AtomicU64,
+}
+
+impl ShardStream {
+    /// The stream over `shards` (at least one) with `opts`, for global batches of
+    /// `global_batch`. Checks that the shard list can feed the streams; the shards are first
+    /// opened when read.
+    pub fn new(shards: Vec<PathBuf>, opts: WebDatasetOptions, global_batch: usize, color: ColorMode) -> DataResult<Self> {
+        if shards.is_empty() {
+            return Err(DataError::Config { field: "webdataset.train", reason: "lists no shards".into() });
+        }
+        opts.validate(global_batch, 1)?;
+        if !opts.resampled && shards.len() < opts.streams {
+            return Err(DataError::Config {
+                field: "webdataset.streams",
+                reason: format!(
+                    "webdataset.streams = {} but there are only {} shards: without resampling every stream needs a shard of \
+                     its own (use fewer streams or resampled: true)",
+                    opts.streams,
+                    shards.len()
+                ),
+            });
+        }
+        let layout = StreamLayout { global_batch, streams: opts.streams };
+        Ok(ShardStream { shards, opts, layout, color, skipped: AtomicU64::new(0) })
+    }
+
+    /// Samples per epoch.
+    pub fn epoch_samples(&self) -> usize {
+        self.opts.epoch_samples
+    }
+
+    /// The layout of positions over streams.
+    pub fn layout(&self) -> StreamLayout {
+        self.layout
+    }
+
+    /// The shards.
+    pub fn shards(&self) -> &[PathBuf] {
+        &self.shards
+    }
+
+    /// Corrupt samples left out so far by this process (`on_corrupt: skip`), fast-forwards
+    /// on resume included.
+    pub fn skipped(&self) -> u64 {
+        self.skipped.load(Ordering::Relaxed)
+    }
+
+    /// Stream `lane` of `epoch` at its start.
+    pub(super) fn lane(self: &Arc<Self>, seed: u64, epoch: u64, lane: usize) -> Lane {
+        let own = if self.opts.resampled {
+            Vec::new()
+        } else {
+            let mut perm: Vec<usize> = (0..self.shards.len()).collect();
+            shuffle(&mut stream(&[seed, TAG_SHARDS, epoch]), &mut perm);
+            perm.into_iter().skip(lane).step_by(self.opts.streams).collect()
+        };
+        Lane {
+            src: self.clone(),
+            seed,
+            epoch,
+            lane,
+            own,
+            drawn: 0,
+            reader: None,
+            buffer: Vec::with_capacity(self.opts.shuffle_buffer),
+            emitted: 0,
+            good: 0,
+        }
+    }
+}
+
+/// One stream of one epoch, read forward.
+pub(super) struct Lane {
+    src: Arc<ShardStream>,
+    seed: u64,
+    epoch: u64,
+    lane: usize,
+    /// Without resampling: this stream's shards, in order.
+    own: Vec<usize>,
+    /// Shards started.
+    drawn: u64,
+    reader: Option<(usize, ShardReader)>,
+    buffer: Vec<(usize, Sample)>,
+    /// Samples taken out of the buffer.
+    emitted: u64,
+    /// Good samples given.
+    good: u64,
+}
+
+impl Lane {
+    /// Good samples given so far (the next one is number `good()`).
+    pub(super) fn good(&self) -> u64 {
+        self.good
+    }
+
+    /// The next sample read from the shards (endless: shards are drawn again and again).
+    fn read(&mut self) -> DataResult<(usize, Sample)> {
+        let mut empty_in_a_row = 0usize;
+        loop {
+            if let Some((s, reader)) = &mut self.reader {
+                if let Some(sample) = reader.next_sample()? {
+                    return Ok((*s, sample));
+                }
+                self.reader = None;
+                empty_in_a_row += 1;
+                if empty_in_a_row > 10 * self.src.shards.len() + 10 {
+                    return Err(DataError::Stream(format!(
+                        "stream {}: {} shards in a row held no sample; are the shards empty?",
+                        self.lane, empty_in_a_row
+                    )));
+                }
+            }
+            let s = if self.src.opts.resampled {
+                below(&mut stream(&[self.seed, TAG_SHARDS, self.epoch, self.lane as u64, self.drawn]), self.src.shards.len())
+            } else {
+                self.own[(self.drawn % self.own.len() as u64) as usize]
+            };
+            self.drawn += 1;
+            self.reader = Some((s, ShardReader::open(&self.src.shards[s])?));
+        }
+    }
+
+    /// The next sample out of the shuffle buffer.
+    fn next_candidate(&mut self) -> DataResult<(usize, Sample)> {
+        let cap = self.src.opts.shuffle_buffer;
+        if cap == 0 {
+            return self.read();
+        }
+        while self.buffer.len() < cap {
+            let s = self.read()?;
+            self.buffer.push(s);
+        }
+        let mut rng = stream(&[self.seed, TAG_SHUFFLE, self.epoch, self.lane as u64, self.emitted]);
+        let j = below(&mut rng, self.buffer.len());
+        self.emitted += 1;
+        Ok(self.buffer.swap_remove(j))
+    }
+
+    /// The next good sample: its image (decoded when `decode`) and class (0 without `cls`).
+    /// Corrupt samples are skipped or an error, as configured; without `decode` only what
+    /// can be checked without decoding is (the fast-forward of a resume under
+    /// `on_corrupt: error`, where a sample that would not decode would have stopped the run).
+    pub(super) fn next_good(&mut self, decode: bool) -> DataResult<(Option<Image>, usize)> {
+        loop {
+            let (s, sample) = self.next_candidate()?;
+            let path = self.src.shards[s].as_path();
+            match self.check(path, &sample, decode) {
+                Ok(out) => {
+                    self.good += 1;
+                    return Ok(out);
+                }
+                Err(e) if self.src.opts.on_corrupt == OnCorrupt::Skip => {
+                    let n = self.src.skipped.fetch_add(1, Ordering::Relaxed) + 1;
+                    tracing::warn!("skipping a corrupt sample ({n} so far): {e}");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn check(&self, path: &Path, sample: &Sample, decode: bool) -> DataResult<(Option<Image>, usize)> {
+        let class = match sample.class() {
+            None => 0,
+            Some(Ok(c)) => c,
+            Some(Err(text)) => {
+                return Err(DataError::CorruptSample {
+                    shard: path.into(),
+                    key: sample.key.clone(),
+                    offset: sample.offset,
+                    reason: format!("cls `{text}` is not a class id"),
+                })
+            }
+        };
+        if !decode {
+            if sample.image().is_none() {
+                return Err(DataError::CorruptSample {
+                    shard: path.into(),
+                    key: sample.key.clone(),
+                    offset: sample.offset,
+                    reason: format!("no jpg, jpeg or png member (members: {})", member_names(sample)),
+                });
+            }
+            return Ok((None, class));
+        }
+        Ok((Some(decode_sample(path, sample, self.src.color)?), class))
+    }
+
+    /// Reads forward until `target` good samples have been given. Under `on_corrupt: skip`
+    /// every sample is decoded (which ones were left out depends on it); under `error` none is.
+    pub(super) fn fast_forward(&mut self, target: u64) -> DataResult<()> {
+        let decode = self.src.opts.on_corrupt == OnCorrupt::Skip;
+        while self.good < target {
+            self.next_good(decode)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_and_streams_are_inverse() {
+        let layout = StreamLayout { global_batch: 12, streams: 4 };
+        for p in 0..100 {
+            let (l, m) = layout.locate(p);
+            assert!(l < 4);
+            assert_eq!(layout.position(l, m), p);
+        }
+        // Global batch 1 takes samples 3, 4, 5 of every stream, stream 0 first.
+        assert_eq!(layout.locate(12), (0, 3));
+        assert_eq!(layout.locate(15), (1, 3));
+        assert_eq!(layout.locate(23), (3, 5));
+        // Rank 1 of 2 holds positions 6..12 of each batch: streams 2 and 3 only.
+        assert!((0..10).all(|b| (6..12).all(|i| layout.locate(b * 12 + i).0 >= 2)));
+    }
+}

@@ -1,0 +1,328 @@
+//! webdataset shards: reading what the Python package writes, writing shards, the training
+//! stream (identical for any number of workers and ranks, resumable at any batch), corrupt
+//! samples and broken shards.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use allgrad_data::webdataset::{
+    OnCorrupt, Sample, ShardReader, ShardStream, ShardWriter, StreamLoader, TarDataset, WebDatasetOptions,
+};
+use allgrad_data::{AugmentConfig, ColorMode, DataError, Dataset, LoaderConfig, Normalize, TwoViews};
+use candle_core::Device;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/webdataset")
+}
+
+fn crc(bytes: &[u8]) -> u32 {
+    let mut c = flate2::Crc::new();
+    c.update(bytes);
+    c.sum()
+}
+
+fn all_samples(shards: &[PathBuf]) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for s in shards {
+        let mut r = ShardReader::open(s).unwrap();
+        while let Some(sample) = r.next_sample().unwrap() {
+            out.push(sample);
+        }
+    }
+    out
+}
+
+fn python_shards() -> Vec<PathBuf> {
+    allgrad_data::webdataset::shard_paths(&["py-{000000..000001}.tar".into()], &fixture()).unwrap()
+}
+
+#[test]
+fn shards_written_by_the_python_package_read_as_its_manifest_says() {
+    let manifest: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(fixture().join("manifest.json")).unwrap()).unwrap();
+    let manifest = manifest.as_sequence().unwrap();
+    let samples = all_samples(&python_shards());
+    assert_eq!(samples.len(), manifest.len());
+    for (s, m) in samples.iter().zip(manifest) {
+        assert_eq!(s.key, m["key"].as_str().unwrap());
+        let members = m["members"].as_mapping().unwrap();
+        assert_eq!(s.members.len(), members.len(), "{}", s.key);
+        for (ext, info) in members {
+            let bytes = s.member(ext.as_str().unwrap()).unwrap_or_else(|| panic!("{} lacks {ext:?}", s.key));
+            assert_eq!(bytes.len() as u64, info["len"].as_u64().unwrap());
+            assert_eq!(crc(bytes) as u64, info["crc32"].as_u64().unwrap(), "{} {ext:?}", s.key);
+        }
+        assert_eq!(s.class().unwrap().unwrap() as u64, m["cls"].as_u64().unwrap());
+        assert_eq!(s.text().unwrap(), m["txt"].as_str().unwrap());
+    }
+    assert_eq!(samples[7].key, "sub/dir/sample007");
+    assert_eq!(samples[6].image().unwrap().0, "png");
+    // Random access: every image decodes, classes as written.
+    let ds = TarDataset::open(&python_shards(), ColorMode::Rgb, 0).unwrap();
+    assert_eq!((ds.len(), ds.num_classes()), (10, 3));
+    for i in 0..10 {
+        let img = ds.get(i).unwrap();
+        assert_eq!((img.width, img.height, img.channels), (40, 30, 3));
+        assert_eq!(ds.label(i).unwrap(), i % 3);
+    }
+    assert_eq!(TarDataset::open(&python_shards(), ColorMode::Rgb, 4).unwrap().len(), 4);
+}
+
+/// The Python-written samples again, through allgrad's writer, 3 per shard.
+fn rewritten(dir: &Path) -> Vec<PathBuf> {
+    let mut w = ShardWriter::new(dir, "rs", 3).unwrap();
+    for s in all_samples(&python_shards()) {
+        let members: Vec<(&str, &[u8])> = s.members.iter().map(|(e, b)| (e.as_str(), b.as_slice())).collect();
+        w.write(&s.key, &members).unwrap();
+    }
+    assert_eq!(w.pattern(), "rs-{000000..000003}.tar");
+    w.finish().unwrap()
+}
+
+#[test]
+fn shards_written_here_hold_the_same_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let ours = rewritten(dir.path());
+    assert_eq!(ours.len(), 4);
+    let (a, b) = (all_samples(&python_shards()), all_samples(&ours));
+    assert_eq!(
+        a.iter().map(|s| (&s.key, &s.members)).collect::<Vec<_>>(),
+        b.iter().map(|s| (&s.key, &s.members)).collect::<Vec<_>>()
+    );
+    // GNU tar reads them too (when it is installed).
+    if let Ok(out) = std::process::Command::new("tar").arg("tf").arg(&ours[0]).output() {
+        assert!(out.status.success());
+        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().next(), Some("sample000.cls"));
+    }
+    let mut w = ShardWriter::new(dir.path(), "bad", 3).unwrap();
+    assert!(w.write("a.b", &[("jpg", b"x")]).is_err());
+}
+
+/// Image shards for the stream tests: `n` samples of 24x20 RGB PNG, `per` per shard, class
+/// `i % 4`; sample `corrupt` (if any) has bytes that are no image.
+fn image_shards(dir: &Path, n: usize, per: usize, corrupt: Option<usize>) -> Vec<PathBuf> {
+    let mut w = ShardWriter::new(dir, "img", per).unwrap();
+    for i in 0..n {
+        let img = image::RgbImage::from_fn(24, 20, |x, y| {
+            image::Rgb([(x as usize * 10 + i) as u8, (y * 12) as u8, (i * 37 % 256) as u8])
+        });
+        let mut png = Vec::new();
+        image::DynamicImage::ImageRgb8(img).write_to(&mut std::io::Cursor::new(&mut png), image::ImageOutputFormat::Png).unwrap();
+        if corrupt == Some(i) {
+            png.truncate(40);
+        }
+        let cls = (i % 4).to_string();
+        w.write(&format!("s{i:04}"), &[("png", &png), ("cls", cls.as_bytes())]).unwrap();
+    }
+    w.finish().unwrap()
+}
+
+fn options(streams: usize, resampled: bool, on_corrupt: OnCorrupt) -> WebDatasetOptions {
+    WebDatasetOptions {
+        train: vec!["unused".into()],
+        epoch_samples: 48,
+        streams,
+        shuffle_buffer: 5,
+        resampled,
+        on_corrupt,
+        ..Default::default()
+    }
+}
+
+fn views() -> Arc<TwoViews> {
+    let cfg = AugmentConfig { normalize: Normalize::identity(), ..AugmentConfig::simclr(8) };
+    Arc::new(TwoViews::new(cfg).unwrap())
+}
+
+/// Flattened batches: (positions, views, labels).
+type Flat = (Vec<usize>, Vec<Vec<f32>>, Vec<u32>);
+
+fn run(source: &Arc<ShardStream>, plan: Vec<Vec<usize>>, workers: usize) -> Vec<Flat> {
+    let cfg = LoaderConfig { workers, prefetch: 2 };
+    let loader = StreamLoader::new(source.clone(), views(), 7, 1, plan, &cfg, &Device::Cpu).unwrap();
+    loader
+        .map(|b| {
+            let b = b.unwrap();
+            let v = b.views.iter().map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect();
+            (b.indices, v, b.labels.to_vec1::<u32>().unwrap())
+        })
+        .collect()
+}
+
+/// Rank `r` of `w`'s slices of global batches `steps` (global batch 12), in `acc`
+/// micro-batches each, as the trainer plans them.
+fn plan(steps: std::ops::Range<usize>, r: usize, w: usize, acc: usize) -> Vec<Vec<usize>> {
+    let (b, local) = (12, 12 / w);
+    let mut out = Vec::new();
+    for s in steps {
+        let mine: Vec<usize> = (s * b + r * local..s * b + (r + 1) * local).collect();
+        out.extend(mine.chunks(local / acc).map(<[usize]>::to_vec));
+    }
+    out
+}
+
+/// The batches of every rank joined back into global batches.
+fn join(ranks: Vec<Vec<Flat>>, per_step: usize) -> Vec<Flat> {
+    let steps = ranks[0].len() / per_step;
+    (0..steps)
+        .map(|s| {
+            let mut g: Flat = (Vec::new(), vec![Vec::new(), Vec::new()], Vec::new());
+            for rank in &ranks {
+                for part in &rank[s * per_step..(s + 1) * per_step] {
+                    g.0.extend(&part.0);
+                    g.1[0].extend(&part.1[0]);
+                    g.1[1].extend(&part.1[1]);
+                    g.2.extend(&part.2);
+                }
+            }
+            g
+        })
+        .collect()
+}
+
+#[test]
+fn stream_batches_do_not_depend_on_workers_ranks_or_micro_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = image_shards(dir.path(), 30, 4, None);
+    for resampled in [true, false] {
+        let source =
+            Arc::new(ShardStream::new(shards.clone(), options(4, resampled, OnCorrupt::Error), 12, ColorMode::Rgb).unwrap());
+        let one = run(&source, plan(0..4, 0, 1, 1), 0);
+        assert_eq!(one.len(), 4);
+        assert_eq!(one[1].0, (12..24).collect::<Vec<_>>());
+        for workers in [1, 3, 8] {
+            assert!(run(&source, plan(0..4, 0, 1, 1), workers) == one, "{workers} workers");
+        }
+        for (w, acc) in [(2, 1), (4, 1), (2, 3), (4, 3)] {
+            let ranks: Vec<Vec<Flat>> = (0..w).map(|r| run(&source, plan(0..4, r, w, acc), 2)).collect();
+            assert!(join(ranks, acc) == one, "{w} ranks, {acc} micro-batches");
+        }
+        // The shuffle buffer and the shard draws mix the samples: the first batch is not the
+        // shards' first samples in order, and every label is a class of the data.
+        assert!(one[0].2.iter().all(|&l| l < 4));
+        let labels: Vec<u32> = one.iter().flat_map(|b| b.2.clone()).collect();
+        assert_ne!(labels, (0..48).map(|i| (i % 4) as u32).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn a_plan_that_starts_mid_epoch_gives_the_uninterrupted_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    for (corrupt, on_corrupt) in [(None, OnCorrupt::Error), (Some(5), OnCorrupt::Skip)] {
+        let shards = image_shards(dir.path(), 30, 4, corrupt);
+        let source = Arc::new(ShardStream::new(shards, options(4, true, on_corrupt), 12, ColorMode::Rgb).unwrap());
+        let whole = run(&source, plan(0..4, 0, 1, 1), 2);
+        for start in 1..4 {
+            // Rank 1 of 2 resuming at `start`: the tail of its uninterrupted batches.
+            let resumed = run(&source, plan(start..4, 1, 2, 1), 1);
+            let uninterrupted = run(&source, plan(0..4, 1, 2, 1), 1);
+            assert!(resumed[..] == uninterrupted[start..], "resume at step {start}");
+            assert!(join(vec![run(&source, plan(start..4, 0, 2, 1), 0), resumed], 1) == whole[start..], "both ranks at {start}");
+        }
+        if corrupt.is_some() {
+            assert!(source.skipped() > 0, "the corrupt sample was never drawn");
+        }
+    }
+}
+
+#[test]
+fn corrupt_samples_are_errors_naming_them_or_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = image_shards(dir.path(), 12, 12, Some(3));
+    // No shuffling, one stream, one shard: sample 3 comes fourth.
+    let opts = WebDatasetOptions { shuffle_buffer: 0, ..options(1, false, OnCorrupt::Error) };
+    let source = Arc::new(ShardStream::new(shards.clone(), opts.clone(), 12, ColorMode::Rgb).unwrap());
+    let mut loader =
+        StreamLoader::new(source, views(), 0, 0, vec![(0..12).collect()], &LoaderConfig::default(), &Device::Cpu).unwrap();
+    let err = loader.next().unwrap().unwrap_err();
+    assert!(matches!(err, DataError::CorruptSample { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("img-000000.tar") && msg.contains("`s0003`") && msg.contains("byte"), "{msg}");
+    assert!(loader.next().is_none(), "a failed stream stops");
+    let skip = WebDatasetOptions { on_corrupt: OnCorrupt::Skip, ..opts };
+    let source = Arc::new(ShardStream::new(shards, skip, 12, ColorMode::Rgb).unwrap());
+    let batches = run(&source, vec![(0..12).collect()], 1);
+    // Samples 0, 1, 2, 4, 5, ... : classes 0, 1, 2, 0, 1, 2, 3, ...
+    assert_eq!(batches[0].2[..5], [0, 1, 2, 0, 1]);
+    assert_eq!(source.skipped(), 1);
+}
+
+#[test]
+fn broken_shards_are_errors_naming_the_shard_and_the_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let shard = &image_shards(dir.path(), 3, 3, None)[0];
+    let full = std::fs::read(shard).unwrap();
+    let cut = dir.path().join("cut.tar");
+    // Every cut before the end-of-archive block (the last 1024 bytes, two zero blocks; a cut
+    // in the second loses nothing): an error (never a panic, never fewer samples in silence).
+    let end = full.len() - 1024;
+    assert!(full[end..].iter().all(|&b| b == 0));
+    for n in (0..end + 512).step_by(97).chain([512, 1024, end, end + 511]) {
+        std::fs::write(&cut, &full[..n]).unwrap();
+        let mut r = ShardReader::open(&cut).unwrap();
+        let err = loop {
+            match r.next_sample() {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("a shard cut at byte {n} of {} read to its end", full.len()),
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(err, DataError::Shard { .. }), "cut at {n}: {err}");
+        assert!(err.to_string().contains("cut.tar") && err.to_string().contains("byte"), "{err}");
+    }
+    // Cut inside a member's data: the message says where the member starts and the file ends.
+    std::fs::write(&cut, &full[..700]).unwrap();
+    let err = ShardReader::open(&cut).unwrap().next_sample().unwrap_err().to_string();
+    assert!(err.contains("byte 0") && err.contains("file ends at byte 700"), "{err}");
+    // Garbage where a header should be.
+    let mut junk = full.clone();
+    junk[..512].fill(b'x');
+    std::fs::write(&cut, &junk).unwrap();
+    let err = ShardReader::open(&cut).unwrap().next_sample().unwrap_err().to_string();
+    assert!(err.contains("not a tar header"), "{err}");
+    // A missing shard, through the stream: its path in the message.
+    let missing = dir.path().join("nope-000001.tar");
+    let source = Arc::new(ShardStream::new(vec![missing], options(1, true, OnCorrupt::Skip), 12, ColorMode::Rgb).unwrap());
+    let err = StreamLoader::new(source, views(), 0, 0, vec![(0..12).collect()], &LoaderConfig::default(), &Device::Cpu)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, DataError::ShardMissing { .. }) && err.to_string().contains("nope-000001.tar"), "{err}");
+}
+
+#[test]
+fn options_are_checked_against_the_batch_and_the_world() {
+    let o = options(4, true, OnCorrupt::Error);
+    assert!(o.validate(12, 2).is_ok());
+    let e = o.validate(12, 3).unwrap_err().to_string();
+    assert!(e.contains("not a multiple of the world size 3"), "{e}");
+    let e = o.validate(10, 1).unwrap_err().to_string();
+    assert!(e.contains("train.global_batch = 10 is not divisible by webdataset.streams = 4"), "{e}");
+    let e = WebDatasetOptions { epoch_samples: 0, ..o.clone() }.validate(12, 1).unwrap_err().to_string();
+    assert!(e.contains("epoch_samples"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let two = image_shards(dir.path(), 4, 2, None);
+    let e = ShardStream::new(two, options(4, false, OnCorrupt::Error), 12, ColorMode::Rgb).unwrap_err().to_string();
+    assert!(e.contains("only 2 shards"), "{e}");
+}
+
+#[test]
+fn python_written_shards_train_as_the_same_samples_written_here() {
+    // The Python shards' samples rewritten here with the same shard boundaries (5 per shard):
+    // the stream must give the same batches, bit for bit, from either set.
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = ShardWriter::new(dir.path(), "rs", 5).unwrap();
+    for s in all_samples(&python_shards()) {
+        let members: Vec<(&str, &[u8])> = s.members.iter().map(|(e, b)| (e.as_str(), b.as_slice())).collect();
+        w.write(&s.key, &members).unwrap();
+    }
+    let ours = w.finish().unwrap();
+    let opts = WebDatasetOptions { shuffle_buffer: 3, epoch_samples: 12, ..options(2, true, OnCorrupt::Error) };
+    let plan: Vec<Vec<usize>> = (0..3).map(|b| (b * 4..b * 4 + 4).collect()).collect();
+    let py = Arc::new(ShardStream::new(python_shards(), opts.clone(), 4, ColorMode::Rgb).unwrap());
+    let rs = Arc::new(ShardStream::new(ours, opts, 4, ColorMode::Rgb).unwrap());
+    let (a, b) = (run(&py, plan.clone(), 1), run(&rs, plan, 2));
+    assert_eq!(a.len(), 3);
+    assert!(a == b, "batches differ between the Python-written and the rewritten shards");
+}
