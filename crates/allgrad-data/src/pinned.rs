@@ -22,7 +22,6 @@ use candle_core::{CudaDevice, CudaStorage, Storage, Tensor};
 
 use crate::error::{DataError, DataResult};
 
-
 fn cuda<T>(r: Result<T, DriverError>, what: &'static str) -> DataResult<T> {
     r.map_err(|e| DataError::Device { what, reason: format!("{e:?}") })
 }

@@ -400,13 +400,9 @@ impl Trainer {
         // the loss has already pushed this step's keys into; batch-norm statistics) are copied
         // here and put back when the step is skipped.
         let kept = match self.cfg.train.on_nonfinite {
-            NonFinite::Skip => Some(
-                self.objective
-                    .buffers()?
-                    .into_iter()
-                    .map(|(n, t)| Ok((n, t.copy()?)))
-                    .collect::<Result<Buffers>>()?,
-            ),
+            NonFinite::Skip => {
+                Some(self.objective.buffers()?.into_iter().map(|(n, t)| Ok((n, t.copy()?))).collect::<Result<Buffers>>()?)
+            }
             NonFinite::Error => None,
         };
         let mut step_grads = StepGrads::new(self.params.len());
