@@ -41,10 +41,11 @@ fn bits(t: &Tensor) -> Vec<u32> {
     t.to_device(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
+/// One batch's indices, views (as bits) and labels.
+type FlatBatch = (Vec<usize>, Vec<Vec<u32>>, Vec<u32>);
+
 /// Every batch's indices, views (as bits) and labels.
-fn flat(
-    batches: impl Iterator<Item = allgrad_data::DataResult<allgrad_data::Batch>>,
-) -> Vec<(Vec<usize>, Vec<Vec<u32>>, Vec<u32>)> {
+fn flat(batches: impl Iterator<Item = allgrad_data::DataResult<allgrad_data::Batch>>) -> Vec<FlatBatch> {
     batches
         .map(|b| {
             let b = b.unwrap();
