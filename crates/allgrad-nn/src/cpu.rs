@@ -9,6 +9,7 @@ use gemm::Parallelism;
 use half::bf16;
 
 use crate::error::{fail, NnError};
+use crate::simd::SimdLevel;
 
 /// Elements per parallel task of the element-wise kernels: large enough that a task outweighs
 /// its scheduling.
@@ -28,9 +29,11 @@ pub(crate) trait Float: WithDType {
     fn is_nan(self) -> bool;
     /// `v ← erf(v)` over a slice: f64 through Candle's exact `erf`, f32 through the
     /// vectorised formula of [`crate::vmath`] (absolute error below 3e-7, tested).
-    fn erf_in_place(xs: &mut [Self]);
-    /// `v ← e^v` over a slice: f64 through the C library, f32 through [`crate::vmath`].
-    fn exp_in_place(xs: &mut [Self]);
+    /// The vectorised copy taken is `level`'s ([`crate::simd`]).
+    fn erf_in_place(level: SimdLevel, xs: &mut [Self]);
+    /// `v ← e^v` over a slice: f64 through the C library, f32 through [`crate::vmath`] at
+    /// `level`.
+    fn exp_in_place(level: SimdLevel, xs: &mut [Self]);
     /// This thread's pool of scratch buffers of this type (see [`Scratch`]).
     fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>>;
 }
@@ -55,11 +58,11 @@ macro_rules! impl_float {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
-            fn erf_in_place(xs: &mut [Self]) {
-                $erf(xs)
+            fn erf_in_place(level: SimdLevel, xs: &mut [Self]) {
+                $erf(level, xs)
             }
-            fn exp_in_place(xs: &mut [Self]) {
-                $exp(xs)
+            fn exp_in_place(level: SimdLevel, xs: &mut [Self]) {
+                $exp(level, xs)
             }
             fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>> {
                 thread_local! {
@@ -70,14 +73,14 @@ macro_rules! impl_float {
         }
     };
 }
-impl_float!(f32, crate::vmath::erf_in_place, crate::vmath::exp_in_place);
+impl_float!(f32, crate::vmath::erf_at, crate::vmath::exp_at);
 impl_float!(f64, erf_f64_in_place, exp_f64_in_place);
 
-fn erf_f64_in_place(xs: &mut [f64]) {
+fn erf_f64_in_place(_: SimdLevel, xs: &mut [f64]) {
     xs.iter_mut().for_each(|v| *v = candle_core::cpu::erf::erf_f64(*v));
 }
 
-fn exp_f64_in_place(xs: &mut [f64]) {
+fn exp_f64_in_place(_: SimdLevel, xs: &mut [f64]) {
     xs.iter_mut().for_each(|v| *v = v.exp());
 }
 
