@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
 use gemm::Parallelism;
@@ -305,8 +306,24 @@ pub(crate) use float_kernel;
 pub(crate) fn contiguous<'a, T: Copy>(data: &'a [T], layout: &Layout) -> Cow<'a, [T]> {
     match layout.contiguous_offsets() {
         Some((start, end)) => Cow::Borrowed(&data[start..end]),
-        None => Cow::Owned(gather_strided(data, layout)),
+        None => {
+            let out = gather_strided(data, layout);
+            COPIES.fetch_add(1, Ordering::Relaxed);
+            COPIED_BYTES.fetch_add((out.len() * std::mem::size_of::<T>()) as u64, Ordering::Relaxed);
+            Cow::Owned(out)
+        }
     }
+}
+
+static COPIES: AtomicU64 = AtomicU64::new(0);
+static COPIED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Strided inputs the CPU kernels copied into row-major buffers so far in this process, and
+/// their bytes (every thread; for the benchmarks, which count the copies of a backward pass).
+/// Candle's own copies (`Tensor::contiguous`) are not among them.
+#[doc(hidden)]
+pub fn strided_copies() -> (u64, u64) {
+    (COPIES.load(Ordering::Relaxed), COPIED_BYTES.load(Ordering::Relaxed))
 }
 
 /// Copies a strided view into a new row-major vector, one innermost run at a time.

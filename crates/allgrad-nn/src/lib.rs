@@ -109,6 +109,8 @@ pub use batch_norm::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use cpu::has_fused_kernels;
+#[doc(hidden)]
+pub use cpu::strided_copies;
 pub use dropout::dropout_mask;
 pub use error::NnError;
 pub use linear::linear;
