@@ -182,6 +182,8 @@ macro_rules! dispatch {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2<$t: $bound>($($arg: $ty),*) -> $ret $body
+        // Out of line like the others, so that profiles and instruction counts name each copy.
+        #[inline(never)]
         fn baseline<$t: $bound>($($arg: $ty),*) -> $ret $body
         match $level {
             // SAFETY: a level above the CPU's is refused when the setting is read or forced
@@ -200,6 +202,7 @@ macro_rules! dispatch {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2($($arg: $ty),*) $body
+        #[inline(never)]
         fn baseline($($arg: $ty),*) $body
         match $level {
             // SAFETY: as above.
