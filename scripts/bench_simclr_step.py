@@ -23,7 +23,7 @@ the end of the first step's forward, and the peak resident set (VmHWM, reset aft
 allgrad's (`crates/allgrad-bench/src/bin/bench_step_memory.rs`).
 
 Worker protocol: one command per line on stdin (`step`, `layers`, `quit`), one answer line on
-stdout per command: `STEP wall= user= sys= minflt= fwd= bwd= opt= [gpu_peak=]` (seconds,
+stdout per command: `STEP wall= user= sys= minflt= fwd= bwd= opt= bwd_minflt= [gpu_peak=]` (seconds,
 faults; user, sys and minor faults from getrusage(RUSAGE_SELF), i.e. all threads of this
 process; on CUDA `gpu_peak`, torch.cuda.max_memory_allocated() over the step in MiB), or one
 `LAYER kind= count= fwd= bwd=` line per layer type followed by `DONE`. The first line is
@@ -181,12 +181,14 @@ class Step:
         z = z.float()
         loss = nt_xent(z[: self.b], z[self.b :], 0.5)
         self.sync()
-        t_fwd = time.perf_counter()
+        at_fwd = usage()
+        t_fwd = at_fwd[0]
         probe("fwd")
         self.opt.zero_grad()
         loss.backward()
         self.sync()
-        t_bwd = time.perf_counter()
+        at_bwd = usage()
+        t_bwd = at_bwd[0]
         self.opt.step()
         self.sync()
         t_opt = time.perf_counter()
@@ -196,17 +198,20 @@ class Step:
         # On a GPU: the peak of the caching allocator's allocated bytes during the step, in MiB.
         peak = f" gpu_peak={torch.cuda.max_memory_allocated() / 2**20:.1f}" if cuda else ""
         return (f"STEP wall={wall:.6f} user={user:.6f} sys={sys_:.6f} minflt={flt} "
-                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f}{peak}")
+                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f} "
+                f"bwd_minflt={at_bwd[3] - at_fwd[3]}{peak}")
 
 
 def resnet18_layers(width):
     """The layers of ResNet-18 with the CIFAR stem, by type, with their shapes (views omitted):
-    conv (cin, cout, k, stride, h_in), bn (c, h), relu (c, h), add (c, h), pool (c, h),
+    conv_dx and conv_dw (cin, cout, k, stride, h_in: each convolution once with the input's
+    gradient, once with the weight's), bn (c, h), relu (c, h), add (c, h), pool (c, h),
     linear (in, out), loss (dim). Mirrors `layers.rs` of the Rust benchmark."""
-    out = {k: [] for k in ("conv", "bn", "relu", "add", "pool", "linear", "loss")}
+    out = {k: [] for k in ("conv_dx", "conv_dw", "bn", "relu", "add", "pool", "linear", "loss")}
 
     def conv_bn(cin, cout, k, stride, h):
-        out["conv"].append((cin, cout, k, stride, h))
+        out["conv_dx"].append((cin, cout, k, stride, h))
+        out["conv_dw"].append((cin, cout, k, stride, h))
         out["bn"].append((cout, h // stride))
 
     conv_bn(3, width, 3, 1, 32)
@@ -234,9 +239,11 @@ def resnet18_layers(width):
 def layer_instance(kind, shape, n):
     """(inputs that need gradients, forward closure) for one layer at n views."""
     r = lambda *s: torch.randn(*s, requires_grad=True)
-    if kind == "conv":
+    if kind in ("conv_dx", "conv_dw"):
+        # Only the input (conv_dx) or only the weight (conv_dw) requires a gradient.
         cin, cout, k, stride, h = shape
-        x, w = r(n, cin, h, h), r(cout, cin, k, k)
+        x, w = torch.randn(n, cin, h, h), torch.randn(cout, cin, k, k)
+        (x if kind == "conv_dx" else w).requires_grad_(True)
         return lambda: F.conv2d(x, w, None, stride, k // 2)
     if kind == "bn":
         c, h = shape

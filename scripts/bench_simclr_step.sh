@@ -3,7 +3,8 @@
 # CPU: allgrad (crates/allgrad-bench/src/bin/bench_simclr_step/) and PyTorch (scripts/bench_simclr_step.py, as a
 # worker process) alternating step by step in ONE invocation, same thread count, with
 # min / median / max, the ratio of medians, CPU time and page faults per step, the
-# forward / backward / optimizer phases and a per-layer-type breakdown.
+# forward / backward / optimizer phases, the backward's page faults, allocations and copies, and a
+# per-layer-type breakdown (the convolutions' input and weight gradients apart).
 #
 #   scripts/bench_simclr_step.sh [--rounds 5] [--threads 2] [--breakdown-rounds 2] [BATCH ...]
 #                                                       (default batches: 64 256)

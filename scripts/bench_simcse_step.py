@@ -8,9 +8,12 @@ implementations alternate step by step in one invocation (`scripts/bench_simcse_
     python3 scripts/bench_simcse_step.py --batch 64 --steps 3      # a quick look, alone
     python3 scripts/bench_simcse_step.py --batch 64 --worker       # serve the driver
 
-Worker protocol: one command per line on stdin (`step`, `quit`), one answer line on stdout per
-command: `STEP wall= user= sys= minflt= fwd= bwd= opt=` (seconds, faults; user, sys and minor
-faults from getrusage(RUSAGE_SELF), i.e. all threads of this process). The first line is
+Worker protocol: one command per line on stdin (`step`, `layers`, `quit`), one answer line on
+stdout per command: `STEP wall= user= sys= minflt= fwd= bwd= opt= bwd_minflt=` (seconds, faults;
+user, sys and minor faults from getrusage(RUSAGE_SELF), i.e. all threads of this process), or
+one `LAYER kind= count= fwd= bwd=` line per op kind followed by `DONE` (`layer_times`: each op of
+the encoder timed alone at its shape in the step, mirroring
+`crates/allgrad-bench/src/bin/bench_simcse_step/layers.rs`). The first line is
 `READY torch=<version> threads=<n> interop=<n>`. With `--device cuda` each STEP line also has
 `gpu_peak=` (torch.cuda.max_memory_allocated() over the step, MiB).
 
@@ -81,6 +84,85 @@ class Autocast(torch.nn.Module):
             return self.model(ids, mask).float()
 
 
+def layer_times(batch, model_dir, max_len):
+    """Forward and backward seconds of every op kind of the step's encoder, head and loss, each
+    op timed alone at its shape (2B sequences of max_len tokens): the forward, then
+    `y.backward(g)` with a random upstream gradient. As transformers' BERT runs them: q, k and v
+    as three dense layers, attention by scaled_dot_product_attention with an additive key mask
+    and dropout 0.1, post-LayerNorm, exact GELU, `dropout(x) + residual`. `softmax` is the
+    scores' softmax alone (inside the attention in the step)."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    h, heads, inter, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    n, seq = 2 * batch, max_len
+    d = h // heads
+    r = lambda *s: torch.randn(*s, requires_grad=True)
+    F = torch.nn.functional
+
+    def instances(kind):
+        if kind == "linear":
+            shapes = [(n * seq, h, h)] * 3 + [(n * seq, h, h), (n * seq, h, inter), (n * seq, inter, h)]
+            for rows, i, o in shapes * layers + [(n, h, h)]:
+                lin, x = torch.nn.Linear(i, o), r(rows, i)
+                yield lambda lin=lin, x=x: lin(x)
+        elif kind == "attention":
+            for _ in range(layers):
+                q, k, v = r(n, seq, h), r(n, seq, h), r(n, seq, h)
+                bias = torch.zeros(n, 1, 1, seq)
+
+                def attend(q=q, k=k, v=v, bias=bias):
+                    split = lambda t: t.view(n, seq, heads, d).transpose(1, 2)
+                    ctx = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=bias, dropout_p=0.1)
+                    return ctx.transpose(1, 2).reshape(n, seq, h)
+
+                yield attend
+        elif kind == "layer_norm":
+            for _ in range(2 * layers + 1):
+                x, g, b = r(n, seq, h), r(h), r(h)
+                yield lambda x=x, g=g, b=b: F.layer_norm(x, (h,), g, b, cfg.get("layer_norm_eps", 1e-12))
+        elif kind == "gelu":
+            for _ in range(layers):
+                x = r(n, seq, inter)
+                yield lambda x=x: F.gelu(x)
+        elif kind == "softmax":
+            for _ in range(layers):
+                x = r(n, heads, seq, seq)
+                yield lambda x=x: torch.softmax(x, dim=-1)
+        elif kind == "dropout":
+            for i in range(2 * layers + 1):
+                x, res = r(n, seq, h), r(n, seq, h)
+                yield (lambda x=x: F.dropout(x, 0.1, True)) if i == 0 else (lambda x=x, res=res: F.dropout(x, 0.1, True) + res)
+        elif kind == "loss":
+            z = r(n, h)
+
+            def loss(z=z):
+                a, c = z[:batch], z[batch:]
+                a = a / a.norm(dim=1, keepdim=True)
+                c = c / c.norm(dim=1, keepdim=True)
+                return F.cross_entropy(a @ c.t() / 0.05, torch.arange(batch))
+
+            yield loss
+
+    lines = []
+    for kind in ("linear", "attention", "layer_norm", "gelu", "softmax", "dropout", "loss"):
+        fwd = bwd = 0.0
+        count = 0
+        for forward in instances(kind):
+            t0 = time.perf_counter()
+            y = forward()
+            t1 = time.perf_counter()
+            g = torch.randn_like(y)
+            t2 = time.perf_counter()
+            y.backward(g)
+            t3 = time.perf_counter()
+            fwd, bwd, count = fwd + t1 - t0, bwd + t3 - t2, count + 1
+            del y, g
+        lines.append(f"LAYER kind={kind} count={count} fwd={fwd:.6f} bwd={bwd:.6f}")
+    return lines
+
+
 class Step:
     """The model (dropout on), AdamW and the token batch of one batch size; `run` times one
     training step."""
@@ -105,11 +187,13 @@ class Step:
         start = usage()
         loss = simcse_loss(self.forward, self.views, self.pad_id, 0.05)
         self.sync()
-        t_fwd = time.perf_counter()
+        at_fwd = usage()
+        t_fwd = at_fwd[0]
         self.opt.zero_grad()
         loss.backward()
         self.sync()
-        t_bwd = time.perf_counter()
+        at_bwd = usage()
+        t_bwd = at_bwd[0]
         self.opt.step()
         self.sync()
         t_opt = time.perf_counter()
@@ -119,7 +203,8 @@ class Step:
         # On a GPU: the peak of the caching allocator's allocated bytes during the step, in MiB.
         peak = f" gpu_peak={torch.cuda.max_memory_allocated() / 2**20:.1f}" if cuda else ""
         return (f"STEP wall={wall:.6f} user={user:.6f} sys={sys_:.6f} minflt={flt} "
-                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f}{peak}")
+                f"fwd={t_fwd - start[0]:.6f} bwd={t_bwd - t_fwd:.6f} opt={t_opt - t_bwd:.6f} "
+                f"bwd_minflt={at_bwd[3] - at_fwd[3]}{peak}")
 
 
 def main():
@@ -142,6 +227,8 @@ def main():
         cmd = line.strip()
         if cmd == "step":
             print(step.run(), flush=True)
+        elif cmd == "layers":
+            print("\n".join(layer_times(ARGS.batch, ARGS.model, ARGS.max_len) + ["DONE"]), flush=True)
         elif cmd == "quit":
             break
         else:

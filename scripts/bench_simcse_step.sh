@@ -5,9 +5,10 @@
 # (scripts/bench_simcse_step.py, as a worker process) alternating step by step in ONE
 # invocation, same thread count, same sentences (the first B of data/wordnet/sentences.txt),
 # with min / median / max, the ratio of medians, CPU time and page faults per step and the
-# forward / backward / optimizer phases.
+# forward / backward / optimizer phases, the backward's page faults, allocations and copies, and a breakdown
+# by op kind (dense layers, attention, layer norm, GELU, softmax, dropout, loss), each op timed alone.
 #
-#   scripts/bench_simcse_step.sh [--rounds 5] [--threads 2] [BATCH ...]   (default: 64 256)
+#   scripts/bench_simcse_step.sh [--rounds 5] [--threads 2] [--breakdown-rounds 2] [BATCH ...]   (default: 64 256)
 #   scripts/bench_simcse_step.sh --rounds 1 64                             # a quick check
 #
 # Needs the weights (scripts/get_minilm.sh). PYTHON picks the interpreter with torch and

@@ -20,8 +20,9 @@ use std::borrow::Cow;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, dense, float_kernel, fused_float, zeros, Float, GRAIN};
+use crate::cpu::{contiguous, dense, float_kernel, fused_float, zeros, Float, Scratch, GRAIN};
 use crate::error::{fail, NnError};
+use crate::simd::{dispatch, SimdLevel};
 
 /// `out[i] = max(a[i] + b[i], 0)` (`b` absent: `max(a[i], 0)`), in parallel.
 fn relu_kernel<T: Float>(a: &[T], b: Option<&[T]>) -> Vec<T> {
@@ -141,32 +142,58 @@ pub(crate) fn masked(y: &Tensor, g: &Tensor) -> Result<Tensor> {
     dense(&y.detach())?.apply_op2_no_bwd(&dense(&g.detach().to_dtype(y.dtype())?)?, &Mask)
 }
 
-/// `out[i] = x[i]/2 · (1 + erf(x[i]/√2))`, in parallel.
-fn gelu_kernel<T: Float>(x: &[T]) -> Vec<T> {
+/// `o[i] = x[i]/2 · (1 + erf(x[i]/√2))` over one task's elements.
+#[inline(always)]
+fn gelu_chunk<T: Float>(o: &mut [T], xs: &[T], level: SimdLevel) {
     let (half, one, r) = (T::from_f64(0.5), T::from_f64(1.0), T::from_f64(std::f64::consts::FRAC_1_SQRT_2));
+    o.iter_mut().zip(xs).for_each(|(o, &x)| *o = x * r);
+    T::erf_in_place(level, o);
+    o.iter_mut().zip(xs).for_each(|(o, &x)| *o = half * x * (one + *o));
+}
+
+/// GELU of every element, in parallel, at `level`.
+fn gelu_kernel<T: Float>(x: &[T], level: SimdLevel) -> Vec<T> {
     let mut out = zeros(x.len());
     out.par_chunks_mut(GRAIN).zip(x.par_chunks(GRAIN)).for_each(|(o, xs)| {
-        o.iter_mut().zip(xs).for_each(|(o, &x)| *o = x * r);
-        T::erf_in_place(o);
-        o.iter_mut().zip(xs).for_each(|(o, &x)| *o = half * x * (one + *o));
+        dispatch!(
+            level,
+            fn chunk<T: Float>(o: &mut [T], xs: &[T], level: SimdLevel) -> () {
+                gelu_chunk(o, xs, level)
+            }
+        )
     });
     out
 }
 
-/// `∂x[i] = g[i] · ((1 + erf(x[i]/√2))/2 + x[i]·e^(−x[i]²/2)/√(2π))`, in parallel.
-fn gelu_grad_kernel<T: Float>(x: &[T], g: &[T]) -> Vec<T> {
+/// `o[i] = g[i] · ((1 + erf(x[i]/√2))/2 + x[i]·e^(−x[i]²/2)/√(2π))` over one task's elements;
+/// `e` is scratch of the same length.
+#[inline(always)]
+fn gelu_grad_chunk<T: Float>(o: &mut [T], xs: &[T], gs: &[T], e: &mut [T], level: SimdLevel) {
     let (half, one, r) = (T::from_f64(0.5), T::from_f64(1.0), T::from_f64(std::f64::consts::FRAC_1_SQRT_2));
     let inv_sqrt_2pi = T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt());
     let neg_half = T::from_f64(-0.5);
+    o.iter_mut().zip(xs).for_each(|(o, &x)| *o = x * r);
+    T::erf_in_place(level, o);
+    e.iter_mut().zip(xs).for_each(|(e, &x)| *e = neg_half * x * x);
+    T::exp_in_place(level, e);
+    for (((o, &x), &g), &e) in o.iter_mut().zip(xs).zip(gs).zip(e.iter()) {
+        *o = g * (half * (one + *o) + x * e * inv_sqrt_2pi);
+    }
+}
+
+/// The GELU's input gradient, in parallel, at `level`.
+fn gelu_grad_kernel<T: Float>(x: &[T], g: &[T], level: SimdLevel) -> Vec<T> {
     let mut out = zeros(x.len());
     out.par_chunks_mut(GRAIN).zip(x.par_chunks(GRAIN).zip(g.par_chunks(GRAIN))).for_each(|(o, (xs, gs))| {
-        o.iter_mut().zip(xs).for_each(|(o, &x)| *o = x * r);
-        T::erf_in_place(o);
-        let mut density: Vec<T> = xs.iter().map(|&x| neg_half * x * x).collect();
-        T::exp_in_place(&mut density);
-        for (((o, &x), &g), &e) in o.iter_mut().zip(xs).zip(gs).zip(&density) {
-            *o = g * (half * (one + *o) + x * e * inv_sqrt_2pi);
-        }
+        // The density, from this thread's scratch pool (written before it is read).
+        let mut scratch = Scratch::<T>::take(xs.len());
+        let e: &mut [T] = &mut scratch;
+        dispatch!(
+            level,
+            fn chunk<T: Float>(o: &mut [T], xs: &[T], gs: &[T], e: &mut [T], level: SimdLevel) -> () {
+                gelu_grad_chunk(o, xs, gs, e, level)
+            }
+        )
     });
     out
 }
@@ -179,7 +206,8 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = float_kernel!("gelu_erf", s => x; gelu_kernel(&contiguous(x, l)));
+        let level = crate::simd::for_kernel()?;
+        let out = float_kernel!("gelu_erf", s => x; gelu_kernel(&contiguous(x, l), level));
         Ok((out, l.shape().clone()))
     }
 
@@ -203,9 +231,10 @@ impl CustomOp2 for GeluGrad {
     }
 
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sg: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
+        let level = crate::simd::for_kernel()?;
         let out = float_kernel!("gelu_erf backward", sx => x, sg => g; {
             let (x, g): (Cow<[_]>, Cow<[_]>) = (contiguous(x, lx), contiguous(g, lg));
-            gelu_grad_kernel(&x, &g)
+            gelu_grad_kernel(&x, &g, level)
         });
         Ok((out, lx.shape().clone()))
     }
@@ -229,10 +258,16 @@ impl CustomOp2 for GeluGrad {
 pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
     let _timer = crate::trace::OpTimer::start("gelu", crate::trace::Pass::Forward, x.device());
     if !fused_float(x) {
-        let half = x.affine(0.5, 0.0)?;
-        return half * x.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?.affine(1.0, 1.0)?;
+        return gelu_erf_composed(x);
     }
     dense(x)?.apply_op1(Gelu)
+}
+
+/// [`gelu_erf`] composed from Candle's differentiable ops (`erf`, whose backward is exact): the
+/// path for other devices and dtypes, and the fused kernels' reference.
+pub fn gelu_erf_composed(x: &Tensor) -> Result<Tensor> {
+    let half = x.affine(0.5, 0.0)?;
+    half * x.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?.affine(1.0, 1.0)?
 }
 
 /// `max(x, 0)`, fused and parallel on the CPU (f32/f64/bf16) and one kernel on CUDA (feature

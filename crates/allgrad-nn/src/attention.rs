@@ -23,6 +23,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{contiguous, cpu_float, matmul, narrow, widen, zeros, Float, MatRef};
 use crate::error::{fail, NnError};
+use crate::simd::SimdLevel;
 
 const OP: &str = "attention";
 
@@ -194,13 +195,14 @@ impl CustomOp1 for AttentionOp {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims;
+        let level = crate::simd::simd_level()?;
         let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(self.consts.with(|b, m| Ok(forward(&contiguous(x, l), b, m, dims)))?),
-            CpuStorage::F64(x) => CpuStorage::F64(self.consts.with(|b, m| Ok(forward(&contiguous(x, l), b, m, dims)))?),
+            CpuStorage::F32(x) => CpuStorage::F32(self.consts.with(|b, m| Ok(forward(&contiguous(x, l), b, m, dims, level)))?),
+            CpuStorage::F64(x) => CpuStorage::F64(self.consts.with(|b, m| Ok(forward(&contiguous(x, l), b, m, dims, level)))?),
             // bf16 (autocast): computed in f32, the context rounded to bf16 (see `float_kernel`).
             CpuStorage::BF16(x) => {
                 let x = widen(&contiguous(x, l));
-                CpuStorage::BF16(narrow(self.consts.with(|b, m| Ok(forward::<f32>(&x, b, m, dims)))?))
+                CpuStorage::BF16(narrow(self.consts.with(|b, m| Ok(forward::<f32>(&x, b, m, dims, level)))?))
             }
             other => {
                 return fail(NnError::UnsupportedDType { op: OP, dtype: candle_core::backend::BackendStorage::dtype(other) })
@@ -234,16 +236,17 @@ impl CustomOp2 for AttentionBackward {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims;
+        let level = crate::simd::simd_level()?;
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(self.consts.with(|b, m| Ok(backward(&contiguous(x, l1), &contiguous(g, l2), b, m, dims)))?)
+                CpuStorage::F32(self.consts.with(|b, m| Ok(backward(&contiguous(x, l1), &contiguous(g, l2), b, m, dims, level)))?)
             }
             (CpuStorage::F64(x), CpuStorage::F64(g)) => {
-                CpuStorage::F64(self.consts.with(|b, m| Ok(backward(&contiguous(x, l1), &contiguous(g, l2), b, m, dims)))?)
+                CpuStorage::F64(self.consts.with(|b, m| Ok(backward(&contiguous(x, l1), &contiguous(g, l2), b, m, dims, level)))?)
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
                 let (x, g) = (widen(&contiguous(x, l1)), widen(&contiguous(g, l2)));
-                CpuStorage::BF16(narrow(self.consts.with(|b, m| Ok(backward::<f32>(&x, &g, b, m, dims)))?))
+                CpuStorage::BF16(narrow(self.consts.with(|b, m| Ok(backward::<f32>(&x, &g, b, m, dims, level)))?))
             }
             (other, _) => {
                 return fail(NnError::UnsupportedDType { op: OP, dtype: candle_core::backend::BackendStorage::dtype(other) })
@@ -255,7 +258,7 @@ impl CustomOp2 for AttentionBackward {
 
 /// `p` (`len x len`) ← the probabilities `softmax(Q·Kᵀ·scale + bias)` of one sequence's
 /// head, before dropout; `x` is the sequence's packed `qkv` (`len x 3h`).
-fn probabilities<T: Float>(x: &[T], bias: &[T], head: usize, dims: Dims, p: &mut [T], scratch: &mut [T]) {
+fn probabilities<T: Float>(x: &[T], bias: &[T], head: usize, dims: Dims, p: &mut [T], scratch: &mut [T], level: SimdLevel) {
     let (len, h, d) = (dims.len, dims.hidden(), dims.d);
     let scale = T::from_f64(1.0 / (d as f64).sqrt());
     // Q (len x d) at columns head·d of the query part; Kᵀ (d x len): element (c, k) is
@@ -265,12 +268,12 @@ fn probabilities<T: Float>(x: &[T], bias: &[T], head: usize, dims: Dims, p: &mut
     matmul(p, len, false, q, kt, (len, len, d), Parallelism::None);
     for row in p.chunks_mut(len) {
         row.iter_mut().zip(bias).for_each(|(s, &b)| *s = *s * scale + b);
-        softmax_row(row, scratch);
+        softmax_row(row, scratch, level);
     }
 }
 
 /// `row ← softmax(row)` (a row of only `-inf` gives zeros), with the vectorised `exp`.
-fn softmax_row<T: Float>(row: &mut [T], scratch: &mut [T]) {
+fn softmax_row<T: Float>(row: &mut [T], scratch: &mut [T], level: SimdLevel) {
     let mut m = T::NEG_INFINITY;
     for &v in row.iter() {
         if v > m || v.is_nan() {
@@ -283,13 +286,13 @@ fn softmax_row<T: Float>(row: &mut [T], scratch: &mut [T]) {
     }
     let e = &mut scratch[..row.len()];
     e.iter_mut().zip(row.iter()).for_each(|(e, &v)| *e = v - m);
-    T::exp_in_place(e);
+    T::exp_in_place(level, e);
     let sum = e.iter().fold(T::from_f64(0.0), |a, &v| a + v);
     let inv = T::from_f64(1.0) / sum;
     row.iter_mut().zip(e.iter()).for_each(|(r, &v)| *r = v * inv);
 }
 
-fn forward<T: Float>(qkv: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims) -> Vec<T> {
+fn forward<T: Float>(qkv: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims, level: SimdLevel) -> Vec<T> {
     let Dims { len, heads, d, .. } = dims;
     let h = dims.hidden();
     let mut out = zeros(dims.b * len * h);
@@ -301,7 +304,7 @@ fn forward<T: Float>(qkv: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims) -> V
         let bias = &bias[i * len..(i + 1) * len];
         let (mut p, mut scratch) = (vec![T::from_f64(0.0); len * len], vec![T::from_f64(0.0); len]);
         for head in 0..heads {
-            probabilities(x, bias, head, dims, &mut p, &mut scratch);
+            probabilities(x, bias, head, dims, &mut p, &mut scratch, level);
             if let Some(mask) = mask {
                 let m = &mask[(i * heads + head) * len * len..][..len * len];
                 p.iter_mut().zip(m).for_each(|(p, &m)| *p *= m);
@@ -317,7 +320,7 @@ fn forward<T: Float>(qkv: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims) -> V
 /// `∂qkv` from `qkv`, the constants and `g = ∂context`, per sequence and head:
 /// `∂V = P̃ᵀ·G`, `∂P̃ = G·Vᵀ`, `∂P = ∂P̃⊙M`, `∂S = P⊙(∂P − rowsum(∂P⊙P))·scale`,
 /// `∂Q = ∂S·K`, `∂K = ∂Sᵀ·Q`, where `P̃ = P⊙M` is the dropped-out probabilities.
-fn backward<T: Float>(qkv: &[T], g: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims) -> Vec<T> {
+fn backward<T: Float>(qkv: &[T], g: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims, level: SimdLevel) -> Vec<T> {
     let Dims { len, heads, d, .. } = dims;
     let h = dims.hidden();
     let mut dqkv = zeros(qkv.len());
@@ -334,7 +337,7 @@ fn backward<T: Float>(qkv: &[T], g: &[T], bias: &[T], mask: Option<&[T]>, dims: 
         let mut scratch = vec![zero; len];
         for head in 0..heads {
             let m = mask.map(|mask| &mask[(i * heads + head) * len * len..][..len * len]);
-            probabilities(x, bias, head, dims, &mut p, &mut scratch);
+            probabilities(x, bias, head, dims, &mut p, &mut scratch, level);
             let gh = MatRef::new(&g[head * d..], h, 1);
             let q = MatRef::new(&x[head * d..], 3 * h, 1);
             let k = MatRef::new(&x[h + head * d..], 3 * h, 1);

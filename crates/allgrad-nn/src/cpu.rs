@@ -3,12 +3,14 @@
 
 use std::borrow::Cow;
 use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
 use gemm::Parallelism;
 use half::bf16;
 
 use crate::error::{fail, NnError};
+use crate::simd::SimdLevel;
 
 /// Elements per parallel task of the element-wise kernels: large enough that a task outweighs
 /// its scheduling.
@@ -28,9 +30,11 @@ pub(crate) trait Float: WithDType {
     fn is_nan(self) -> bool;
     /// `v ← erf(v)` over a slice: f64 through Candle's exact `erf`, f32 through the
     /// vectorised formula of [`crate::vmath`] (absolute error below 3e-7, tested).
-    fn erf_in_place(xs: &mut [Self]);
-    /// `v ← e^v` over a slice: f64 through the C library, f32 through [`crate::vmath`].
-    fn exp_in_place(xs: &mut [Self]);
+    /// The vectorised copy taken is `level`'s ([`crate::simd`]).
+    fn erf_in_place(level: SimdLevel, xs: &mut [Self]);
+    /// `v ← e^v` over a slice: f64 through the C library, f32 through [`crate::vmath`] at
+    /// `level`.
+    fn exp_in_place(level: SimdLevel, xs: &mut [Self]);
     /// This thread's pool of scratch buffers of this type (see [`Scratch`]).
     fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>>;
 }
@@ -55,11 +59,11 @@ macro_rules! impl_float {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
-            fn erf_in_place(xs: &mut [Self]) {
-                $erf(xs)
+            fn erf_in_place(level: SimdLevel, xs: &mut [Self]) {
+                $erf(level, xs)
             }
-            fn exp_in_place(xs: &mut [Self]) {
-                $exp(xs)
+            fn exp_in_place(level: SimdLevel, xs: &mut [Self]) {
+                $exp(level, xs)
             }
             fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>> {
                 thread_local! {
@@ -70,14 +74,14 @@ macro_rules! impl_float {
         }
     };
 }
-impl_float!(f32, crate::vmath::erf_in_place, crate::vmath::exp_in_place);
+impl_float!(f32, crate::vmath::erf_at, crate::vmath::exp_at);
 impl_float!(f64, erf_f64_in_place, exp_f64_in_place);
 
-fn erf_f64_in_place(xs: &mut [f64]) {
+fn erf_f64_in_place(_: SimdLevel, xs: &mut [f64]) {
     xs.iter_mut().for_each(|v| *v = candle_core::cpu::erf::erf_f64(*v));
 }
 
-fn exp_f64_in_place(xs: &mut [f64]) {
+fn exp_f64_in_place(_: SimdLevel, xs: &mut [f64]) {
     xs.iter_mut().for_each(|v| *v = v.exp());
 }
 
@@ -302,8 +306,24 @@ pub(crate) use float_kernel;
 pub(crate) fn contiguous<'a, T: Copy>(data: &'a [T], layout: &Layout) -> Cow<'a, [T]> {
     match layout.contiguous_offsets() {
         Some((start, end)) => Cow::Borrowed(&data[start..end]),
-        None => Cow::Owned(gather_strided(data, layout)),
+        None => {
+            let out = gather_strided(data, layout);
+            COPIES.fetch_add(1, Ordering::Relaxed);
+            COPIED_BYTES.fetch_add((out.len() * std::mem::size_of::<T>()) as u64, Ordering::Relaxed);
+            Cow::Owned(out)
+        }
     }
+}
+
+static COPIES: AtomicU64 = AtomicU64::new(0);
+static COPIED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Strided inputs the CPU kernels copied into row-major buffers so far in this process, and
+/// their bytes (every thread; for the benchmarks, which count the copies of a backward pass).
+/// Candle's own copies (`Tensor::contiguous`) are not among them.
+#[doc(hidden)]
+pub fn strided_copies() -> (u64, u64) {
+    (COPIES.load(Ordering::Relaxed), COPIED_BYTES.load(Ordering::Relaxed))
 }
 
 /// Copies a strided view into a new row-major vector, one innermost run at a time.

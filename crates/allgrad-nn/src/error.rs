@@ -257,6 +257,16 @@ pub enum NnError {
         /// Number of classes.
         classes: usize,
     },
+    /// An environment variable read once into allgrad-nn's settings holds a value it cannot take.
+    #[error("{var}={value:?}: {why}")]
+    Setting {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong with it, and what it may be.
+        why: String,
+    },
     /// A CPU kernel got a non-contiguous input (a bug: the ops make inputs contiguous).
     #[error("{op}: input is not contiguous")]
     NotContiguous {

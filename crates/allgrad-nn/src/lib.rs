@@ -100,6 +100,7 @@ mod linear;
 mod loss;
 mod norm;
 mod pool;
+mod simd;
 mod softmax;
 #[cfg(test)]
 mod test_data;
@@ -109,12 +110,14 @@ pub mod transfer;
 mod vmath;
 mod winograd;
 
-pub use activation::{add_relu, gelu_erf, relu};
+pub use activation::{add_relu, gelu_erf, gelu_erf_composed, relu};
 pub use attention::{attention, attention_composed};
 pub use batch_norm::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 pub use cpu::has_fused_kernels;
+#[doc(hidden)]
+pub use cpu::strided_copies;
 pub use dropout::dropout_mask;
 pub use error::NnError;
 pub use finalize::{batch_moments, batch_statistics, TensorSum};
@@ -122,6 +125,9 @@ pub use linear::linear;
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
+#[doc(hidden)]
+pub use simd::{force_simd, simd_paths, ForcedSimd, SimdPaths};
+pub use simd::{simd_level, SimdLevel, SIMD_VAR};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};
 pub use tf32::{set_tf32, tf32};
 pub use trace::{host_traffic, set_op_timing, take_op_times, HostTraffic, OpTime, Pass};

@@ -1,12 +1,16 @@
 //! Layer normalisation over the last dimension, differentiable in the input, the scale and the
 //! shift. (`candle_nn::LayerNorm` on a contiguous input uses a custom op without backward, so
 //! gradients silently stop there.)
+//!
+//! On the CPU each row's sums are kept in 16 partial sums, so that the loops vectorise (with
+//! AVX-512, AVX2 or SSE2, `crate::simd`) and give the same bits on every path.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use crate::cpu::{contiguous, cpu_float, cuda_float, dense, float_kernel, run_split, zeros, Float, SplitKernel};
 use crate::error::{fail, NnError};
+use crate::simd::{dispatch, SimdLevel, LANES};
 
 /// `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension of `x`, with the
 /// biased variance (as PyTorch's `layer_norm`). `gamma` and `beta` have shape `(d,)` where `d`
@@ -178,8 +182,9 @@ impl CustomOp3 for LayerNormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let level = crate::simd::for_kernel()?;
         let out = float_kernel!("layer_norm", s1 => x, s2 => g, s3 => b;
-            ln_fwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(b, l3), self.eps));
+            ln_fwd(&contiguous(x, l1), &contiguous(g, l2), &contiguous(b, l3), self.eps, level));
         Ok((out, l1.shape().clone()))
     }
 
@@ -259,29 +264,68 @@ impl SplitKernel<3> for LayerNormBackward {
     const OP: &'static str = "layer_norm backward";
 
     fn run<T: Float>(&self, [(x, lx), (g, lg), (gy, lgy)]: [(&[T], &Layout); 3]) -> Result<Vec<Vec<T>>> {
-        Ok(ln_bwd(&contiguous(x, lx), &contiguous(g, lg), &contiguous(gy, lgy), self.eps))
+        let level = crate::simd::for_kernel()?;
+        Ok(ln_bwd(&contiguous(x, lx), &contiguous(g, lg), &contiguous(gy, lgy), self.eps, level))
     }
 }
 
-/// Mean and `1 / sqrt(var + eps)` of one row (two passes, biased variance).
-#[inline]
+/// `Σ acc`, pairwise in a fixed order (16 → 8 → 4 → 2 → 1).
+#[inline(always)]
+fn fold<T: Float>(mut acc: [T; LANES]) -> T {
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for j in 0..w {
+            let v = acc[j + w];
+            acc[j] += v;
+        }
+    }
+    acc[0]
+}
+
+/// `Σ_i f(a[i], b[i])` over two rows of one length, in [`LANES`] partial sums (element `i` into
+/// sum `i mod LANES`) combined by [`fold`]: the same operations in the same order on every
+/// SIMD path, which the compiler vectorises.
+#[inline(always)]
+fn lane_sum<T: Float>(a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> T {
+    let mut acc = [T::from_f64(0.0); LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        let (x, y): (&[T; LANES], &[T; LANES]) = (x.try_into().expect("exact chunk"), y.try_into().expect("exact chunk"));
+        for j in 0..LANES {
+            acc[j] += f(x[j], y[j]);
+        }
+    }
+    for (j, (&x, &y)) in ta.iter().zip(tb).enumerate() {
+        acc[j] += f(x, y);
+    }
+    fold(acc)
+}
+
+/// Mean and `1 / sqrt(var + eps)` of one row (two passes, biased variance), in lane sums.
+#[inline(always)]
 fn moments<T: Float>(row: &[T], eps: f64) -> (T, T) {
     let d = T::from_f64(row.len() as f64);
-    let mut sum = T::from_f64(0.0);
-    for &v in row {
-        sum += v;
-    }
-    let mean = sum / d;
-    let mut ss = T::from_f64(0.0);
-    for &v in row {
-        let c = v - mean;
-        ss += c * c;
-    }
+    let mean = lane_sum(row, row, |v, _| v) / d;
+    let ss = lane_sum(row, row, |v, _| (v - mean) * (v - mean));
     let rstd = T::from_f64(1.0) / (ss / d + T::from_f64(eps)).sqrt();
     (mean, rstd)
 }
 
-fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64) -> Vec<T> {
+/// One task's rows of the forward.
+#[inline(always)]
+fn ln_fwd_rows<T: Float>(ys: &mut [T], xs: &[T], gamma: &[T], beta: &[T], eps: f64) {
+    let d = gamma.len();
+    for (yr, xr) in ys.chunks_mut(d).zip(xs.chunks(d)) {
+        let (mean, rstd) = moments(xr, eps);
+        for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+            *o = (v - mean) * rstd * g + b;
+        }
+    }
+}
+
+fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64, level: SimdLevel) -> Vec<T> {
     let d = gamma.len();
     let mut y = zeros(x.len());
     if d == 0 || x.is_empty() {
@@ -289,20 +333,45 @@ fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64) -> Vec<T> {
     }
     let rows = rows_per_task(d);
     y.par_chunks_mut(rows * d).zip(x.par_chunks(rows * d)).for_each(|(ys, xs)| {
-        for (yr, xr) in ys.chunks_mut(d).zip(xs.chunks(d)) {
-            let (mean, rstd) = moments(xr, eps);
-            for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
-                *o = (v - mean) * rstd * g + b;
+        dispatch!(
+            level,
+            fn rows<T: Float>(ys: &mut [T], xs: &[T], gamma: &[T], beta: &[T], eps: f64) -> () {
+                ln_fwd_rows(ys, xs, gamma, beta, eps)
             }
-        }
+        )
     });
     y
+}
+
+/// One task's rows of the backward: writes `∂x`, adds the rows' `∂gamma` and `∂beta` into
+/// `dg` and `db`.
+#[inline(always)]
+fn ln_bwd_rows<T: Float>(dxs: &mut [T], xs: &[T], gs: &[T], gamma: &[T], eps: f64, dg: &mut [T], db: &mut [T]) {
+    let d = gamma.len();
+    let inv_d = T::from_f64(1.0 / d as f64);
+    for ((dxr, xr), gr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(gs.chunks(d)) {
+        let (mean, rstd) = moments(xr, eps);
+        // ĝ = ∂y·gamma; a = mean(ĝ), b = mean(ĝ·x̂).
+        let a = lane_sum(gr, gamma, |g, w| g * w) * inv_d;
+        for (i, (&g, &v)) in gr.iter().zip(xr).enumerate() {
+            let xhat = (v - mean) * rstd;
+            dg[i] += g * xhat;
+            db[i] += g;
+            // ∂x holds ĝ·x̂ until `b` is known.
+            dxr[i] = g * gamma[i] * xhat;
+        }
+        let b = lane_sum(dxr, dxr, |v, _| v) * inv_d;
+        for ((o, &g), (&v, &w)) in dxr.iter_mut().zip(gr).zip(xr.iter().zip(gamma)) {
+            let xhat = (v - mean) * rstd;
+            *o = rstd * (g * w - a - xhat * b);
+        }
+    }
 }
 
 /// Per row, with `x̂ = (x - mean) · rstd` and `ĝ = ∂y · gamma`:
 /// `∂x = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`, `∂gamma = Σ_rows ∂y · x̂`, `∂beta = Σ_rows ∂y`.
 /// Row blocks accumulate their own ∂gamma/∂beta, summed in block order (deterministic).
-fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64) -> Vec<Vec<T>> {
+fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64, level: SimdLevel) -> Vec<Vec<T>> {
     let zero = T::from_f64(0.0);
     let d = gamma.len();
     let (mut dx, mut dgamma, mut dbeta) = (zeros(x.len()), zeros(d), zeros(d));
@@ -310,7 +379,6 @@ fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64) -> Vec<Vec<T>> {
         return vec![dx, dgamma, dbeta];
     }
     let rows = rows_per_task(d);
-    let inv_d = T::from_f64(1.0 / d as f64);
     let parts: Vec<Vec<T>> = dx
         .par_chunks_mut(rows * d)
         .zip(x.par_chunks(rows * d))
@@ -318,23 +386,12 @@ fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64) -> Vec<Vec<T>> {
         .map(|((dxs, xs), gs)| {
             let mut acc = vec![zero; 2 * d];
             let (dg, db) = acc.split_at_mut(d);
-            for ((dxr, xr), gr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(gs.chunks(d)) {
-                let (mean, rstd) = moments(xr, eps);
-                let (mut a, mut b) = (zero, zero);
-                for i in 0..d {
-                    let xhat = (xr[i] - mean) * rstd;
-                    let gh = gr[i] * gamma[i];
-                    a += gh;
-                    b += gh * xhat;
-                    dg[i] += gr[i] * xhat;
-                    db[i] += gr[i];
+            dispatch!(
+                level,
+                fn rows<T: Float>(dxs: &mut [T], xs: &[T], gs: &[T], gamma: &[T], eps: f64, dg: &mut [T], db: &mut [T]) -> () {
+                    ln_bwd_rows(dxs, xs, gs, gamma, eps, dg, db)
                 }
-                let (a, b) = (a * inv_d, b * inv_d);
-                for i in 0..d {
-                    let xhat = (xr[i] - mean) * rstd;
-                    dxr[i] = rstd * (gr[i] * gamma[i] - a - xhat * b);
-                }
-            }
+            );
             acc
         })
         .collect();

@@ -47,6 +47,8 @@ pub enum Need {
     /// The test's environment without an override of the named variable (the test checks the
     /// default the variable overrides).
     Unset(&'static str),
+    /// A CPU with the named SIMD instruction set (`avx2`, `avx512`): a kernel's copy for it.
+    Simd(&'static str),
 }
 
 impl Need {
@@ -59,6 +61,7 @@ impl Need {
             Need::Torch => "torch",
             Need::Gpu => "gpu",
             Need::Unset(_) => "env",
+            Need::Simd(_) => "simd",
         }
     }
 
@@ -73,6 +76,7 @@ impl Need {
                 .into(),
             Need::Gpu => "a CUDA build (--features cuda) on a machine with a CUDA device per rank".into(),
             Need::Unset(var) => format!("{var} is unset"),
+            Need::Simd(set) => format!("the CPU has {set}"),
         }
     }
 

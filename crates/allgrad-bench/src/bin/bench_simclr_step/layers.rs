@@ -20,8 +20,10 @@ use candle_nn::Module;
 /// One layer: its type and shape (views omitted).
 #[derive(Clone, Copy, Debug)]
 pub enum Layer {
-    /// cin, cout, kernel, stride, input height (= width).
-    Conv(usize, usize, usize, usize, usize),
+    /// cin, cout, kernel, stride, input height (= width), and whether the backward computes the
+    /// input's gradient (`conv_dx`, the weight a constant) or the weight's (`conv_dw`, the
+    /// input a constant): each convolution appears once as each.
+    Conv(usize, usize, usize, usize, usize, bool),
     /// Channels, height; a height of 0 means a `[views, channels]` input.
     Bn(usize, usize),
     Relu(usize, usize),
@@ -34,12 +36,13 @@ pub enum Layer {
 }
 
 /// The layer types in table order.
-pub const KINDS: [&str; 7] = ["conv", "bn", "relu", "add", "pool", "linear", "loss"];
+pub const KINDS: [&str; 8] = ["conv_dx", "conv_dw", "bn", "relu", "add", "pool", "linear", "loss"];
 
 impl Layer {
     pub fn kind(&self) -> &'static str {
         match self {
-            Layer::Conv(..) => "conv",
+            Layer::Conv(.., true) => "conv_dx",
+            Layer::Conv(.., false) => "conv_dw",
             Layer::Bn(..) => "bn",
             Layer::Relu(..) => "relu",
             Layer::Add(..) => "add",
@@ -54,7 +57,8 @@ impl Layer {
 pub fn layer_shapes(width: usize) -> Vec<Layer> {
     let mut out = Vec::new();
     let conv_bn = |out: &mut Vec<Layer>, cin, cout, k, stride, h: usize| {
-        out.push(Layer::Conv(cin, cout, k, stride, h));
+        out.push(Layer::Conv(cin, cout, k, stride, h, true));
+        out.push(Layer::Conv(cin, cout, k, stride, h, false));
         out.push(Layer::Bn(cout, h / stride));
     };
     conv_bn(&mut out, 3, width, 3, 1, 32);
@@ -98,8 +102,14 @@ fn image(n: usize, c: usize, h: usize) -> Vec<usize> {
 /// The forward of one layer at `n` views, with its inputs and parameters built (untimed).
 fn instance(layer: Layer, n: usize, pg: &ProcessGroup) -> candle_core::Result<Box<dyn Fn() -> candle_core::Result<Tensor> + '_>> {
     Ok(match layer {
-        Layer::Conv(cin, cout, k, stride, h) => {
+        Layer::Conv(cin, cout, k, stride, h, input_grad) => {
+            // The tracked one (a Var) gets a gradient; the other is a constant.
             let (x, w) = (randn(&[n, cin, h, h])?, randn(&[cout, cin, k, k])?);
+            let (x, w) = if input_grad {
+                (x.as_tensor().clone(), w.as_detached_tensor())
+            } else {
+                (x.as_detached_tensor(), w.as_tensor().clone())
+            };
             let p = ConvParams { stride, padding: k / 2, ..Default::default() };
             Box::new(move || conv2d(&x, &w, p))
         }

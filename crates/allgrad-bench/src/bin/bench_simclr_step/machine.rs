@@ -1,7 +1,76 @@
 //! What the machine is doing: load average, CPU time used by every process (from
-//! `/proc/stat`, Linux only) and this process's resource usage (getrusage).
+//! `/proc/stat`, Linux only), what the processor is (SIMD level, caches) and this process's
+//! resource usage (getrusage, and allocations where the binary installs [`Counting`]).
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
+
+/// The system allocator, counting allocations and their bytes (a binary installs it with
+/// `#[global_allocator]`; two relaxed atomic additions per allocation).
+pub struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static ALLOC_BYTES: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        ALLOC_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+        System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        ALLOC_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+        System.alloc_zeroed(layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        ALLOC_BYTES.fetch_add(new_size as u64, Ordering::Relaxed);
+        System.realloc(ptr, layout, new_size)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+}
+
+/// The processor in one paragraph: model, the widest SIMD level it has, the level allgrad-nn's
+/// own vectorised loops run with (`ALLGRAD_CPU_SIMD`) and the GEMM's, and the cache sizes of
+/// CPU 0 (from `/sys`, Linux only).
+pub fn processor() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cpu = allgrad_nn::SimdLevel::detected();
+    let ours = match allgrad_nn::simd_level() {
+        Ok(l) => l.name().to_string(),
+        Err(e) => format!("error: {e}"),
+    };
+    // The GEMM crate (Candle's matmul and allgrad-nn's) picks AVX-512 kernels on CPUs with
+    // AVX-512 F, else AVX2+FMA ones; it does not read ALLGRAD_CPU_SIMD.
+    let gemm = match cpu {
+        allgrad_nn::SimdLevel::Avx512 => "avx512",
+        allgrad_nn::SimdLevel::Avx2 => "avx2",
+        allgrad_nn::SimdLevel::Baseline => "baseline",
+    };
+    let mut caches = Vec::new();
+    for i in 0..8 {
+        let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+        let read = |f: &str| std::fs::read_to_string(format!("{dir}/{f}")).map(|s| s.trim().to_string());
+        let (Ok(level), Ok(kind), Ok(size)) = (read("level"), read("type"), read("size")) else { break };
+        if kind == "Instruction" {
+            continue;
+        }
+        let shared = read("shared_cpu_list").unwrap_or_default();
+        caches.push(format!("L{level} {size} (CPUs {shared})"));
+    }
+    let caches = if caches.is_empty() { "unknown".to_string() } else { caches.join(", ") };
+    format!("processor: {model}; widest SIMD {}; allgrad-nn loops {ours}, GEMM {gemm}; caches of CPU 0: {caches}", cpu.name())
+}
 
 /// The 1-, 5- and 15-minute load averages and the running/total task count, as the kernel
 /// prints them (`None` where `/proc/loadavg` is absent).
@@ -46,13 +115,19 @@ pub fn busy_cpu_seconds() -> Option<f64> {
     Some(busy / ticks)
 }
 
-/// This process's user and system CPU seconds (all threads) and minor page faults so far.
+/// This process's user and system CPU seconds (all threads), minor page faults, allocations
+/// and their bytes (0 unless the binary installs [`Counting`]) and allgrad-nn's copies of
+/// strided inputs and their bytes, so far.
 #[derive(Clone, Copy)]
 pub struct Usage {
     pub at: Instant,
     pub user: f64,
     pub sys: f64,
     pub minflt: f64,
+    pub allocs: f64,
+    pub alloc_bytes: f64,
+    pub copies: f64,
+    pub copy_bytes: f64,
 }
 
 impl Usage {
@@ -61,7 +136,29 @@ impl Usage {
         let mut r: libc::rusage = unsafe { std::mem::zeroed() };
         unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut r) };
         let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-        Usage { at: Instant::now(), user: secs(r.ru_utime), sys: secs(r.ru_stime), minflt: r.ru_minflt as f64 }
+        let (copies, copy_bytes) = allgrad_nn::strided_copies();
+        Usage {
+            at: Instant::now(),
+            user: secs(r.ru_utime),
+            sys: secs(r.ru_stime),
+            minflt: r.ru_minflt as f64,
+            allocs: ALLOCS.load(Ordering::Relaxed) as f64,
+            alloc_bytes: ALLOC_BYTES.load(Ordering::Relaxed) as f64,
+            copies: copies as f64,
+            copy_bytes: copy_bytes as f64,
+        }
+    }
+
+    /// The backward's counts between `self` (its start) and `end`, as sample entries: minor
+    /// page faults, allocations, allocated MiB, allgrad-nn's strided copies and their MiB.
+    pub fn backward_counts(&self, end: &Usage) -> [(&'static str, f64); 5] {
+        [
+            ("bwd_minflt", end.minflt - self.minflt),
+            ("bwd_allocs", end.allocs - self.allocs),
+            ("bwd_alloc_mib", (end.alloc_bytes - self.alloc_bytes) / (1u64 << 20) as f64),
+            ("bwd_copies", end.copies - self.copies),
+            ("bwd_copy_mib", (end.copy_bytes - self.copy_bytes) / (1u64 << 20) as f64),
+        ]
     }
 }
 

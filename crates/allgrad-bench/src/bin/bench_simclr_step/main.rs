@@ -20,13 +20,14 @@ mod peer;
 mod report;
 mod step;
 
-use std::collections::BTreeMap;
+/// Counts the allocations of the backward (`machine::Usage`).
+#[global_allocator]
+static ALLOCATOR: machine::Counting = machine::Counting;
 
 use clap::Parser;
 
-use machine::summary;
 use peer::Peer;
-use report::{alternate, session, stat, Sample};
+use report::{alternate, breakdown, print_layers, session};
 use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCLR step benchmark.
@@ -126,99 +127,10 @@ fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
     let mut peer = if args.no_torch { None } else { Peer::spawn(python, "scripts/bench_simclr_step.py", batch, &options)? };
     let (a, b) = alternate(args.rounds, python, || ours.run(), peer.as_mut())?;
     if args.breakdown_rounds > 0 {
-        let (mut la, mut lb) = (Vec::new(), Vec::new());
-        for r in 0..=args.breakdown_rounds {
-            let x = layers::layer_times(batch, args.width)?;
-            let y = match peer.as_mut() {
-                Some(p) => p.layers()?,
-                None => Vec::new(),
-            };
-            if r > 0 {
-                la.push(x);
-                lb.push(y);
-            }
-        }
-        print_layers(&la, &lb, &a, &b);
+        let (la, lb) = breakdown(args.breakdown_rounds, || layers::layer_times(batch, args.width), peer.as_mut())?;
+        print_layers(&layers::KINDS, &["conv_dw"], &la, &lb, &a, &b);
+        println!(" conv_dx / conv_dw: each convolution with only its input's / only its weight's gradient; the forward is");
+        println!(" timed in both, and the sum counts conv_dx's.");
     }
     Ok(())
-}
-
-type LayerTable = Vec<(String, usize, f64, f64)>;
-
-fn print_layers(a: &[LayerTable], b: &[LayerTable], sa: &[Sample], sb: &[Sample]) {
-    // kind -> (count, forward seconds per round, backward seconds per round), per side.
-    let collect = |rounds: &[LayerTable]| {
-        let mut m: BTreeMap<String, (usize, Vec<f64>, Vec<f64>)> = BTreeMap::new();
-        for round in rounds {
-            for (kind, count, f, b) in round {
-                let e = m.entry(kind.clone()).or_default();
-                e.0 = *count;
-                e.1.push(*f);
-                e.2.push(*b);
-            }
-        }
-        m
-    };
-    let (ma, mb) = (collect(a), collect(b));
-    let med = |v: &[f64]| summary(v).map(|s| s.1);
-    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
-    let ratio = |x: Option<f64>, y: Option<f64>| match (x, y) {
-        (Some(x), Some(y)) if y > 0.0 => format!("{:.2}x", x / y),
-        _ => "-".into(),
-    };
-    println!(
-        "\nlayer type, each layer timed alone (median over {} round(s), seconds summed over the layers of the type)",
-        a.len()
-    );
-    println!(
-        "{:<8} {:>5}   {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
-        "type", "count", "fwd ours", "fwd torch", "ratio", "bwd ours", "bwd torch", "ratio"
-    );
-    let (mut tot_a, mut tot_b) = ([0.0; 2], [0.0; 2]);
-    for kind in layers::KINDS {
-        let Some((count, fa, ba)) = ma.get(kind) else { continue };
-        let (fa, ba) = (med(fa), med(ba));
-        let (fb, bb) = mb.get(kind).map_or((None, None), |(_, f, b)| (med(f), med(b)));
-        tot_a[0] += fa.unwrap_or(0.0);
-        tot_a[1] += ba.unwrap_or(0.0);
-        tot_b[0] += fb.unwrap_or(0.0);
-        tot_b[1] += bb.unwrap_or(0.0);
-        println!(
-            "{kind:<8} {count:>5}   {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
-            fmt(fa),
-            fmt(fb),
-            ratio(fa, fb),
-            fmt(ba),
-            fmt(bb),
-            ratio(ba, bb)
-        );
-    }
-    let some = |v: f64, side: &[LayerTable]| (!side.is_empty() && !side[0].is_empty()).then_some(v);
-    let (ta, tb) = ([some(tot_a[0], a), some(tot_a[1], a)], [some(tot_b[0], b), some(tot_b[1], b)]);
-    println!(
-        "{:<8} {:>5}   {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
-        "sum",
-        "",
-        fmt(ta[0]),
-        fmt(tb[0]),
-        ratio(ta[0], tb[0]),
-        fmt(ta[1]),
-        fmt(tb[1]),
-        ratio(ta[1], tb[1])
-    );
-    let phase = |s: &[Sample], k| stat(s, k).map(|x| x.1);
-    println!(
-        "{:<8} {:>5}   {:>9} {:>9} {:>7}   {:>9} {:>9} {:>7}",
-        "in step",
-        "",
-        fmt(phase(sa, "fwd")),
-        fmt(phase(sb, "fwd")),
-        ratio(phase(sa, "fwd"), phase(sb, "fwd")),
-        fmt(phase(sa, "bwd")),
-        fmt(phase(sb, "bwd")),
-        ratio(phase(sa, "bwd"), phase(sb, "bwd"))
-    );
-    println!("(\"in step\": the medians of the step's phases above; the gap to \"sum\" is what isolated layers miss:");
-    println!(" graph bookkeeping, gradient accumulation, copies between layers, cache effects. allgrad's backward per");
-    println!(" layer is a difference of two timings, see crates/allgrad-bench/src/bin/bench_simclr_step/layers.rs)");
 }

@@ -8,23 +8,31 @@
 //! here; torch.set_num_threads, set_num_interop_threads and OMP/MKL there). Both take the
 //! first `batch` sentences of the same file. For each batch size it prints min / median / max
 //! of the step time and its forward / backward / optimizer phases, CPU seconds and minor page
-//! faults per step, the CPU time other processes used meanwhile, and the ratio of medians.
-//! The load average is printed first; a busy machine gets a warning.
+//! faults per step, the backward's page faults, allocations and copies, the CPU time other
+//! processes used meanwhile, and the ratio of medians; then a breakdown by op kind (dense layers,
+//! attention, layer norm, GELU, softmax, dropout, loss: `layers.rs`), each op timed alone on
+//! both sides, alternating. The load average and the processor (SIMD level, caches) are printed
+//! first; a busy machine gets a warning.
 //!
 //! ```text
 //! scripts/bench_simcse_step.sh                      # batches 64 and 256, 5 rounds
 //! cargo run --release -p allgrad-bench --bin bench_simcse_step -- --rounds 3 --threads 2 64
+//! # the breakdown alone, two kinds, allgrad only (e.g. under valgrind --tool=callgrind):
+//! bench_simcse_step --breakdown-only --no-torch --breakdown-rounds 1 --kinds layer_norm,gelu 64
 //! ```
 
+mod layers;
 #[path = "../bench_simclr_step/machine.rs"]
 mod machine;
-// Shared with bench_simclr_step, whose layer breakdown this benchmark does not ask for.
-#[allow(dead_code)]
 #[path = "../bench_simclr_step/peer.rs"]
 mod peer;
 #[path = "../bench_simclr_step/report.rs"]
 mod report;
 mod step;
+
+/// Counts the allocations of the backward (`machine::Usage`).
+#[global_allocator]
+static ALLOCATOR: machine::Counting = machine::Counting;
 
 use std::path::PathBuf;
 
@@ -32,7 +40,7 @@ use allgrad::models::simcse::read_sentences;
 use clap::Parser;
 
 use peer::Peer;
-use report::{alternate, session};
+use report::{alternate, breakdown, print_layers, session};
 use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCSE step benchmark.
@@ -70,6 +78,17 @@ struct Args {
     /// 1-minute load average above which the machine counts as busy.
     #[arg(long, default_value_t = 0.5)]
     busy_load: f64,
+    /// Op-kind breakdowns of each implementation, alternating, after one warm-up (0: none;
+    /// CPU and full precision only).
+    #[arg(long, default_value_t = 2)]
+    breakdown_rounds: usize,
+    /// The breakdown's op kinds, comma-separated (default: all of linear, attention,
+    /// layer_norm, gelu, softmax, dropout, loss).
+    #[arg(long, value_delimiter = ',')]
+    kinds: Vec<String>,
+    /// The breakdown alone, without the steps.
+    #[arg(long)]
+    breakdown_only: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -84,6 +103,14 @@ fn main() -> anyhow::Result<()> {
         "{} has no model.safetensors: scripts/get_minilm.sh fetches all-MiniLM-L6-v2",
         args.model.display()
     );
+    anyhow::ensure!(
+        args.breakdown_rounds == 0 || (args.device == "cpu" && args.precision == "full"),
+        "the op breakdown times f32 ops on the CPU: pass --breakdown-rounds 0 with --device cuda or --precision bf16"
+    );
+    anyhow::ensure!(!args.breakdown_only || args.breakdown_rounds > 0, "--breakdown-only needs --breakdown-rounds above 0");
+    for k in &args.kinds {
+        anyhow::ensure!(layers::KINDS.contains(&k.as_str()), "--kinds: no op kind {k:?} (kinds: {})", layers::KINDS.join(", "));
+    }
     let sentences = read_sentences(&args.sentences)?;
     let most = args.batches.iter().copied().max().unwrap_or(0);
     anyhow::ensure!(
@@ -115,7 +142,6 @@ fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<
     // As `train` opens its device: the memory pool keeps its memory between steps.
     #[cfg(feature = "cuda")]
     allgrad_nn::keep_pool_memory(&device);
-    let mut ours = AllgradStep::new(&args.model, sentences.to_vec(), args.max_len, &device, args.precision == "bf16")?;
     // The worker gets absolute paths: it may resolve relative ones from another folder.
     let abs = |p: &PathBuf| std::fs::canonicalize(p).map(|p| p.display().to_string());
     let mut peer = if args.no_torch {
@@ -135,6 +161,27 @@ fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<
             ],
         )?
     };
-    alternate(args.rounds, python, || ours.run(), peer.as_mut())?;
+    let (a, b) = if args.breakdown_only {
+        (Vec::new(), Vec::new())
+    } else {
+        let mut ours = AllgradStep::new(&args.model, sentences.to_vec(), args.max_len, &device, args.precision == "bf16")?;
+        alternate(args.rounds, python, || ours.run(), peer.as_mut())?
+    };
+    if args.breakdown_rounds > 0 {
+        let cfg = allgrad::models::bert::BertConfig::from_file(&args.model.join("config.json"))?;
+        let shapes = layers::Shapes::new(&cfg, batch, args.max_len);
+        let kinds: Vec<&str> =
+            if args.kinds.is_empty() { layers::KINDS.to_vec() } else { args.kinds.iter().map(String::as_str).collect() };
+        let (la, lb) = breakdown(args.breakdown_rounds, || layers::layer_times(shapes, &kinds), peer.as_mut())?;
+        print_layers(&kinds, &[], &la, &lb, &a, &b);
+        println!(
+            " shapes: {} sequences x {} tokens (max_len: the step pads to its longest, at most this), hidden {}, {} heads,",
+            shapes.n, shapes.len, shapes.hidden, shapes.heads
+        );
+        println!(
+            " intermediate {}, {} layers; see crates/allgrad-bench/src/bin/bench_simcse_step/layers.rs for each kind (count: allgrad's)",
+            shapes.inter, shapes.layers
+        );
+    }
     Ok(())
 }

@@ -61,11 +61,13 @@ impl AllgradStep {
             self.objective.loss(&batch, &self.pg)?
         };
         self.device.synchronize()?;
-        let t_fwd = Instant::now();
+        let at_fwd = Usage::now();
+        let t_fwd = at_fwd.at;
         let traffic_fwd = allgrad_nn::host_traffic();
         let grads = loss.backward_release()?;
         self.device.synchronize()?;
-        let t_bwd = Instant::now();
+        let at_bwd = Usage::now();
+        let t_bwd = at_bwd.at;
         let traffic_bwd = allgrad_nn::host_traffic();
         let g = self
             .params
@@ -83,6 +85,7 @@ impl AllgradStep {
         let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
         let mut s =
             sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]);
+        s.extend(at_fwd.backward_counts(&at_bwd).map(|(k, v)| (k.to_string(), v)));
         if let Some(mib) = crate::machine::device_peak::read(&self.device) {
             s.insert("gpu_peak".into(), mib);
         }
