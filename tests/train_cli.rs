@@ -191,3 +191,25 @@ fn an_existing_run_is_not_overwritten_without_resume() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
     assert!(latest_model(&out_dir).0.ends_with("step_2"));
 }
+
+/// A bad value of a variable allgrad-nn reads (the Winograd and fused-CUDA switches, the SIMD
+/// level) stops `train` before it writes anything, naming the variable, the value and what it
+/// may be; nothing falls back to a default.
+#[test]
+fn a_bad_kernel_variable_stops_train_before_it_starts_naming_it() {
+    let d = setup();
+    let cases = [
+        ("ALLGRAD_WINOGRAD", "yes", "expected 0 or 1"),
+        ("ALLGRAD_CUDA_FUSED", "off", "expected 0 or 1"),
+        ("ALLGRAD_CPU_SIMD", "sse9", "expected auto, avx512, avx2 or baseline"),
+    ];
+    for (var, value, why) in cases {
+        let out_dir = d.path().join(var);
+        let out = run(train(d.path(), &["--output-dir"]).arg(&out_dir).env(var, value), Duration::from_secs(60));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{var}={value} was accepted:\n{err}");
+        let named = format!("{var}={value:?}");
+        assert!(err.contains(&named) && err.contains(why), "missing {named:?} / {why:?} in:\n{err}");
+        assert!(!out_dir.exists(), "{var}={value}: the run wrote {}", out_dir.display());
+    }
+}

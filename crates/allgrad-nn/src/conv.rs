@@ -131,12 +131,16 @@ fn fast_path(x: &Tensor) -> bool {
 ///
 /// # Errors
 /// When the ranks, channel counts, groups or sizes do not fit together; the message names the
-/// shapes.
+/// shapes. On the CPU, when `ALLGRAD_WINOGRAD` holds a value other than `0` or `1`
+/// ([`crate::check_settings`]).
 pub fn conv2d(x: &Tensor, w: &Tensor, params: ConvParams) -> Result<Tensor> {
     let _timer = crate::trace::OpTimer::start("conv", crate::trace::Pass::Forward, x.device());
     let x = &crate::autocast::operand(x)?;
     let w = &if bf16_with_f32(x, w) { w.clone() } else { crate::autocast::operand(w)? };
     let g = geometry(x, w, &params)?;
+    if x.device().is_cpu() {
+        crate::settings::winograd().clone()?;
+    }
     if !fast_path(x) {
         return x.conv2d(w, params.padding, params.stride, params.dilation, params.groups);
     }
@@ -175,6 +179,9 @@ pub fn conv2d_backward(
     let expect = [g.n, g.o, g.oh, g.ow];
     if grad.dims() != expect {
         return fail(NnError::GradShape { op: "conv2d", got: grad.shape().clone(), expected: expect.to_vec() });
+    }
+    if x.device().is_cpu() {
+        crate::settings::winograd().clone()?;
     }
     if !fast_path(x) {
         return candle_backward(x, w, grad, &params, want_input, want_weight);

@@ -100,6 +100,7 @@ mod linear;
 mod loss;
 mod norm;
 mod pool;
+mod settings;
 mod simd;
 mod softmax;
 #[cfg(test)]
@@ -125,6 +126,7 @@ pub use linear::linear;
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
+pub use settings::{check_settings, parse_switch, CUDA_FUSED_VAR, WINOGRAD_VAR};
 #[doc(hidden)]
 pub use simd::{force_simd, simd_paths, ForcedSimd, SimdPaths};
 pub use simd::{simd_level, SimdLevel, SIMD_VAR};

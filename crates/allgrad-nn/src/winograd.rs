@@ -18,8 +18,6 @@
 //!
 //! `ALLGRAD_WINOGRAD=0` turns the path off (every convolution then takes im2col + GEMM).
 
-use std::sync::OnceLock;
-
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -40,10 +38,10 @@ const BLOCK_BUDGET: usize = 1 << 19;
 /// least one whole image, so larger images take im2col, which works in bands of rows.
 const MAX_IMAGE_ELEMS: usize = 1 << 23;
 
-/// Whether the path is on (`ALLGRAD_WINOGRAD` is not `0`); read once.
+/// Whether the path is on (`ALLGRAD_WINOGRAD`, [`crate::settings`]). A bad value never reaches
+/// here: [`crate::conv2d`] fails with it first.
 fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("ALLGRAD_WINOGRAD").map_or(true, |v| v.trim() != "0"))
+    matches!(crate::settings::winograd(), Ok(true))
 }
 
 /// Whether [`forward`] and [`input_grad`] compute this convolution.

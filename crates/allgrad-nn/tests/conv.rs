@@ -410,3 +410,47 @@ fn small_images_are_taken_in_blocks_and_match_candle() {
         }
     }
 }
+
+/// In a child with `ALLGRAD_WINOGRAD=yes` (allgrad-nn reads its variables once per process), a
+/// CPU convolution and its backward fail naming the variable and the values it takes, as does
+/// `check_settings`; nothing falls back to a default. In the parent (the variable unset, `0` or
+/// `1`) the same calls succeed.
+#[test]
+fn a_bad_winograd_switch_fails_the_convolution_naming_it() {
+    let x = rand_tensor(&[2, 16, 6, 6], 7, DType::F32);
+    let w = rand_tensor(&[16, 16, 3, 3], 8, DType::F32);
+    let p = ConvParams { padding: 1, stride: 1, dilation: 1, groups: 1 };
+    let gy = rand_tensor(&[2, 16, 6, 6], 9, DType::F32);
+    match std::env::var("ALLGRAD_WINOGRAD").ok().as_deref() {
+        Some("yes") => {
+            for text in [
+                format!("{:?}", conv2d(&x, &w, p).unwrap_err()),
+                format!("{:?}", conv2d_backward(&x, &w, &gy, p, true, true).unwrap_err()),
+                allgrad_nn::check_settings().unwrap_err().to_string(),
+            ] {
+                assert!(text.contains("ALLGRAD_WINOGRAD") && text.contains("yes"), "{text}");
+                assert!(text.contains("expected 0 or 1"), "{text}");
+            }
+        }
+        _ => {
+            conv2d(&x, &w, p).unwrap();
+            conv2d_backward(&x, &w, &gy, p, true, true).unwrap();
+            let exe = std::env::current_exe().unwrap();
+            let mut cmd = std::process::Command::new(exe);
+            cmd.args(["--exact", "a_bad_winograd_switch_fails_the_convolution_naming_it", "--test-threads", "1"]);
+            cmd.env("ALLGRAD_WINOGRAD", "yes");
+            let (out, _) = allgrad_testkit::process::run(
+                &mut cmd,
+                "the test in a child with ALLGRAD_WINOGRAD=yes",
+                std::time::Duration::from_secs(120),
+            );
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("1 passed"),
+                "child: {:?}\n{stdout}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}

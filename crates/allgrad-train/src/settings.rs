@@ -10,7 +10,8 @@
 //! | `ALLGRAD_DEVICE_PATH` | `1`: a CPU run takes the code path CUDA tensors take (statistics and figures kept in tensors, one read per step; [`allgrad_nn::transfer`]), to count its host traffic on a machine without a GPU |
 //!
 //! (`ALLGRAD_LOG`, the log filter, is read by the `train` binary; the distributed layer reads
-//! its own variables.)
+//! its own variables.) The variables allgrad-nn reads (`ALLGRAD_WINOGRAD`, `ALLGRAD_CUDA_FUSED`,
+//! `ALLGRAD_CPU_SIMD`) are checked here too, through [`allgrad_nn::check_settings`].
 
 use std::path::PathBuf;
 
@@ -67,7 +68,13 @@ fn switch(get: &impl Fn(&str) -> Option<String>, name: &str) -> Result<bool, Tra
 
 impl Settings {
     /// Reads the variables of the module docs from this process's environment.
+    ///
+    /// # Errors
+    /// [`TrainError::Setup`] naming the variable for a bad value of these, or of the variables
+    /// allgrad-nn reads (`ALLGRAD_WINOGRAD`, `ALLGRAD_CUDA_FUSED`, `ALLGRAD_CPU_SIMD`:
+    /// [`allgrad_nn::check_settings`]), so that a run with one fails before it starts.
     pub fn from_env() -> Result<Settings, TrainError> {
+        allgrad_nn::check_settings().map_err(|e| TrainError::Setup(e.to_string()))?;
         Self::from_vars(|k| std::env::var(k).ok())
     }
 

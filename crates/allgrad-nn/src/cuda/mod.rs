@@ -17,8 +17,6 @@
 //! `ALLGRAD_CUDA_FUSED=0` (read once) turns them off: CUDA tensors then take the composed
 //! Candle ops as before, so a GPU session can compare the two.
 
-use std::sync::OnceLock;
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaDType, WrapErr};
@@ -40,10 +38,10 @@ const MODULE: &str = "allgrad_nn_fused";
 /// Threads per block of the element-wise kernels (the reductions use their own, in fused.cu).
 const THREADS: u32 = 256;
 
-/// Whether the kernels are on (`ALLGRAD_CUDA_FUSED` is not `0`); read once.
+/// Whether the kernels are on (`ALLGRAD_CUDA_FUSED`, [`crate::settings`]; the trainer refuses a
+/// bad value before anything runs, see [`crate::check_settings`]).
 fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("ALLGRAD_CUDA_FUSED").map_or(true, |v| v.trim() != "0"))
+    matches!(crate::settings::cuda_fused(), Ok(true))
 }
 
 /// Whether `t` takes the CUDA kernels: a CUDA tensor of f32, f64 or bf16, with the kernels on.
