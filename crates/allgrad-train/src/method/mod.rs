@@ -52,6 +52,7 @@ pub mod builtin;
 pub mod clip;
 pub mod clip_export;
 pub mod face;
+mod run_export;
 pub mod simcse;
 pub mod simcse_export;
 
