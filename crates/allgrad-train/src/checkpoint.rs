@@ -27,25 +27,10 @@ use allgrad_models::Objective;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+pub use crate::config::CheckpointConfig;
 use crate::error::{TrainError, TrainResult};
 use crate::optim::Optimizer;
 use crate::settings::FaultStage;
-
-/// The `checkpoint` section.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct CheckpointConfig {
-    /// Save every this many steps (0: only at the end of the run).
-    pub every: usize,
-    /// How many checkpoints to keep.
-    pub keep_last: usize,
-}
-
-impl Default for CheckpointConfig {
-    fn default() -> Self {
-        CheckpointConfig { every: 0, keep_last: 3 }
-    }
-}
 
 /// Everything about the run's position that a resume needs, besides tensors.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

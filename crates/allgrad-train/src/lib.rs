@@ -26,23 +26,20 @@ pub mod optim;
 mod optim_fused;
 mod optim_lazy;
 pub mod params;
-pub mod precision;
 pub mod profile;
 pub mod run;
 pub mod run_dir;
-pub mod schedule;
 pub mod settings;
 pub mod shards;
 mod step_grads;
 mod trace;
-pub mod train_section;
 pub mod trainer;
 
-pub use config::RunConfig;
+pub use config::{precision, schedule};
+pub use config::{NonFinite, RunConfig, TrainSection};
 pub use error::{TrainError, TrainResult};
 pub use method::{Method, Registry};
 pub use settings::Settings;
 #[doc(hidden)]
 pub use trace::{optim_paths, OptimPaths};
-pub use train_section::{NonFinite, TrainSection};
 pub use trainer::{Summary, Trainer, TrainerConfig};

@@ -21,7 +21,7 @@ use candle_core::CudaStorage;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, WithDType};
 use rayon::prelude::*;
 
-use crate::optim::OptimConfig;
+use crate::config::OptimConfig;
 
 /// Elements per parallel task when no row mask splits the tensor.
 const GRAIN: usize = 1 << 14;

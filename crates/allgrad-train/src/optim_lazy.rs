@@ -35,7 +35,7 @@ use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Result, Tensor, WithDTy
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::optim::OptimConfig;
+use crate::config::OptimConfig;
 
 /// Rows per task are chosen so that a task's copy of the state rows stays about this size.
 const BLOCK_BYTES: usize = 16 << 20;

@@ -23,18 +23,16 @@ use allgrad_dist::{ProcessGroup, ReduceOp};
 use allgrad_models::{Batch, Objective};
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use crate::checkpoint::{self, CheckpointConfig, Contents, RestoreTarget, TrainState};
+use crate::checkpoint::{self, Contents, RestoreTarget, TrainState};
+use crate::config::{CheckpointConfig, ComputePrecision, LogConfig, NonFinite, OptimConfig, ScheduleConfig, TrainSection};
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
 use crate::error::{TrainError, TrainResult};
-use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
-use crate::optim::{OptimConfig, Optimizer, RowUpdate};
+use crate::metrics::{plot, MetricsLog, ProgressView, Record};
+use crate::optim::{Optimizer, RowUpdate};
 use crate::params::ParamStore;
-use crate::precision::ComputePrecision;
 use crate::profile::{StepProfile, StepProfiler};
-use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
 use crate::step_grads::StepGrads;
-use crate::train_section::{NonFinite, TrainSection};
 
 /// The objective's buffers by name, as kept before a step that may be skipped.
 type Buffers = std::collections::HashMap<String, Tensor>;
@@ -44,7 +42,7 @@ type Buffers = std::collections::HashMap<String, Tensor>;
 pub struct TrainerConfig {
     /// Seed of every random stream.
     pub seed: u64,
-    /// Precision of parameters.
+    /// The parameters' dtype.
     pub dtype: DType,
     /// Compute precision of the training step (bf16 autocast needs f32 parameters).
     pub precision: ComputePrecision,
@@ -107,7 +105,7 @@ impl Trainer {
         resume: bool,
     ) -> TrainResult<Self> {
         cfg.precision.check_dtype(cfg.dtype).map_err(TrainError::Setup)?;
-        cfg.precision.check_device(&cfg.device)?;
+        cfg.precision.check_device(&cfg.device).map_err(TrainError::Setup)?;
         cfg.precision.apply_tf32();
         let store = ParamStore::new(cfg.seed);
         objective.bind(&pg)?;

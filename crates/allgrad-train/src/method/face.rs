@@ -9,8 +9,7 @@ use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use super::{Method, SectionError};
-use crate::config::{DeviceKind, Precision, RunConfig};
-use crate::optim::OptimConfig;
+use crate::config::{DeviceKind, OptimConfig, ParamDtype, RunConfig};
 
 /// The sections of `face`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -70,7 +69,7 @@ impl Method for Face {
                     "bf16 centres take optim.kind sgd or adamw: LARS updates every centre each step in the centres' dtype",
                 ));
             }
-            if run.dtype != Precision::F32 {
+            if run.dtype != ParamDtype::F32 {
                 return Err(SectionError::new(
                     "head.storage",
                     "bf16 centres take dtype: f32 (the centres they use are read into f32 rows and updated in f32)",

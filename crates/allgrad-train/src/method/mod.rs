@@ -252,3 +252,24 @@ impl Registry {
         method.objective(&cfg.method, cfg, device)
     }
 }
+
+/// The run config's constructors for the built-in methods: they are the [`Registry::builtin`]
+/// registry's, so they live beside it (the config itself knows no methods).
+impl RunConfig {
+    /// Reads `path`, applies `overrides` (`dotted.key=value`, the value parsed as YAML), and
+    /// deserialises, for a built-in method ([`Registry::load`] for others).
+    pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        Registry::builtin().load(path, overrides)
+    }
+
+    /// As [`RunConfig::load`], from text; `path` is only used in messages.
+    pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        Registry::builtin().parse(text, path, overrides)
+    }
+
+    /// Checks the values against each other and the world size, for a built-in method
+    /// ([`Registry::validate`] for others).
+    pub fn validate(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
+        Registry::builtin().validate(self, world_size, path)
+    }
+}
