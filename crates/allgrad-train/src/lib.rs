@@ -23,8 +23,6 @@ pub mod grad_cache;
 pub mod method;
 pub mod metrics;
 pub mod optim;
-mod optim_fused;
-mod optim_lazy;
 pub mod params;
 pub mod profile;
 pub mod run;

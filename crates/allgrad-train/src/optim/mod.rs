@@ -2,19 +2,24 @@
 //!
 //! All run on the synchronised gradients, so every rank applies the same update to its
 //! replicated parameters. SGD and AdamW on CPU f32/f64 parameters take a fused in-place
-//! kernel (`optim_fused.rs`) with the same formulas; the rest is composed from Candle ops.
+//! kernel (`fused.rs`) with the same formulas; the rest is composed from Candle ops.
 //! Their state is a set of named tensors (`<param>/<slot>`) plus a step count, saved in
 //! checkpoints.
 //!
 //! A gradient may be row-sparse ([`RowUpdate::Sparse`]: the rows a step used, as ids and
 //! rows, for a class-sharded head with Partial FC). SGD and AdamW then update those rows
 //! only and apply the other rows' zero-gradient steps lazily, when the rows are next used or
-//! at [`Optimizer::flush`] (`optim_lazy.rs`): the result equals the dense update bit for bit.
+//! at [`Optimizer::flush`] (`lazy.rs`): the result equals the dense update bit for bit.
 //! A bf16 parameter on the CPU (bf16 face centres) takes the same lazy update in f32
 //! arithmetic. LARS, and parameters off these paths (other devices and dtypes), take the dense update
 //! of the gradient scattered into zeros: LARS's trust ratio needs the norms of every row's
 //! current value at every step (over all ranks for a sharded parameter), which a deferred
 //! row does not have.
+//!
+//! The `optim` section, [`OptimConfig`], is the config's (`config/optim.rs`).
+
+mod fused;
+mod lazy;
 
 use std::collections::BTreeMap;
 
@@ -22,7 +27,7 @@ use allgrad_dist::{ProcessGroup, ReduceOp};
 use candle_core::{DType, Result, Tensor, Var};
 
 pub use crate::config::OptimConfig;
-use crate::optim_lazy::{self as lazy, Behind, LrLog, Rule};
+use lazy::{Behind, LrLog, Rule};
 
 /// Which rows (dim 0) of a parameter an update changes, and the form of its gradient.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -336,12 +341,12 @@ impl Optimizer {
                 }
             };
             let g = &g;
-            if crate::optim_fused::applies(&cfg, w, g) {
+            if fused::applies(&cfg, w, g) {
                 let names = slot_names(&cfg);
                 let slots: Vec<Tensor> = names.iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
                 let row_flags = row_mask.as_deref();
                 // In place on the parameter's own storage (a detached view would share it too).
-                if crate::optim_fused::update(&cfg, p.as_tensor(), g, &slots, row_flags, lr, t, guard)? {
+                if fused::update(&cfg, p.as_tensor(), g, &slots, row_flags, lr, t, guard)? {
                     for (slot, value) in names.iter().zip(slots) {
                         self.set_slot(name, slot, value);
                     }
