@@ -28,11 +28,11 @@ pub mod profile;
 pub mod run;
 pub mod run_dir;
 pub mod settings;
-pub mod shards;
 mod step_grads;
 mod trace;
 pub mod trainer;
 
+pub use checkpoint::shards;
 pub use config::{precision, schedule};
 pub use config::{NonFinite, RunConfig, TrainSection};
 pub use error::{TrainError, TrainResult};

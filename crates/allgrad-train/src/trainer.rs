@@ -23,7 +23,7 @@ use allgrad_dist::{ProcessGroup, ReduceOp};
 use allgrad_models::{Batch, Objective};
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use crate::checkpoint::{self, Contents, RestoreTarget, TrainState};
+use crate::checkpoint::{self, shards, Contents, RestoreTarget, TrainState};
 use crate::config::{CheckpointConfig, ComputePrecision, LogConfig, NonFinite, OptimConfig, ScheduleConfig, TrainSection};
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
 use crate::error::{TrainError, TrainResult};
@@ -158,7 +158,7 @@ impl Trainer {
                         .filter(|(_, sh)| **sh)
                         .map(|((n, _), _)| (n.clone(), objective.shard_rows(n)))
                         .collect();
-                    crate::shards::load_into(&mut ck, &wants, pg.rank(), w, &cfg.device)?;
+                    shards::load_into(&mut ck, &wants, pg.rank(), w, &cfg.device)?;
                     let path = ck.path.clone();
                     let written_by = ck.state.world_size;
                     let to = RestoreTarget {
@@ -634,7 +634,7 @@ impl Trainer {
         if self.pg.rank() != 0 && !any_sharded {
             return Ok(());
         }
-        let (model, optimizer, shard) = crate::shards::split(&self.params, &self.sharded, self.optimizer.state());
+        let (model, optimizer, shard) = shards::split(&self.params, &self.sharded, self.optimizer.state());
         let per_epoch = self.sampler.steps_per_epoch();
         let state = TrainState {
             step: self.step,
@@ -652,12 +652,12 @@ impl Trainer {
             return Ok(());
         }
         let (rank, world_size) = (self.pg.rank(), self.pg.world_size());
-        let mut meta = crate::shards::ShardMeta { rank, world_size, params: Default::default() };
+        let mut meta = shards::ShardMeta { rank, world_size, params: Default::default() };
         for ((n, _), _) in self.params.iter().zip(&self.sharded).filter(|(_, sh)| **sh) {
             meta.params.insert(n.clone(), self.objective.shard_rows(n));
         }
-        let shard = crate::shards::Shard { tensors: &shard, meta: &meta };
-        crate::shards::save(&self.pg, &dir, &contents, &shard, keep, fault)
+        let shard = shards::Shard { tensors: &shard, meta: &meta };
+        shards::save(&self.pg, &dir, &contents, &shard, keep, fault)
     }
 
     /// The run directory, if any.

@@ -10,7 +10,7 @@
 //! every rank loads on resume; evaluation runs on rank 0, so its figures resume exactly.
 //!
 //! With sharded parameters (a class-sharded head), every rank also writes its shard into the
-//! same step directory ([`crate::shards`]: `shard_<r>.safetensors` with the parameters'
+//! same step directory ([`shards`]: `shard_<r>.safetensors` with the parameters'
 //! rows and their optimizer slots, `shard_<r>.json` with the global row ranges), and
 //! `model.safetensors` / `optimizer.safetensors` hold the replicated parameters only.
 //!
@@ -18,6 +18,8 @@
 //! are fsynced, the directory is renamed into place, and only then is `latest` replaced (by
 //! writing a temporary file and renaming it). A process killed at any point leaves `latest`
 //! naming a complete checkpoint. Only the last `keep_last` checkpoints are kept.
+
+pub mod shards;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
@@ -256,7 +258,7 @@ pub struct RestoreTarget<'a> {
 pub fn restore(ck: Checkpoint, to: RestoreTarget) -> TrainResult<usize> {
     let mismatch = |reason: String| TrainError::CheckpointMismatch { path: ck.path.clone(), reason };
     // Sharded parameters were put into `ck.model` for this rank's rows by
-    // `crate::shards::load_into` (which refuses a world-size change it cannot re-shard);
+    // `shards::load_into` (which refuses a world-size change it cannot re-shard);
     // their shapes are checked below like every other parameter's.
     if ck.state.seed != to.seed {
         return Err(mismatch(format!(
