@@ -24,9 +24,11 @@
 //! `data` section, [`allgrad_models::losses::LossConfig`]) are ordinary types they reuse.
 //!
 //! The built-in methods are in [`Registry::builtin`]: `simclr`, `barlowtwins` (one two-view
-//! image method with different losses, [`allgrad_models::image_ssl::TwoViewMethod`]),
-//! `simcse` ([`simcse::SimCseMethod`]), `face`, `clip` ([`clip::ClipMethod`]: CLIP and
-//! SigLIP) and `vectors`. A user's own method plugs in from their own binary:
+//! image method with different losses, [`image::ImageMethod`] on
+//! [`allgrad_models::image_ssl::TwoViewMethod`]), `simcse` ([`simcse::SimCseMethod`]), `face`
+//! ([`face::Face`]), `clip` ([`clip::ClipMethod`]: CLIP and SigLIP) and `vectors`
+//! ([`vectors::Vectors`]); `vectors`, `simclr` and `barlowtwins` share their sections
+//! ([`contrastive`]). A user's own method plugs in from their own binary:
 //!
 //! ```no_run
 //! # use allgrad_train::method::{Method, Registry, SectionError};
@@ -48,13 +50,15 @@
 //! and `mine --config run.yaml` (with `method: mine`) trains it exactly as `train` trains the
 //! built-in ones, under `launch` too (`examples/custom_loss.rs`).
 
-pub mod builtin;
 pub mod clip;
 pub mod clip_export;
+pub mod contrastive;
 pub mod face;
+pub mod image;
 mod run_export;
 pub mod simcse;
 pub mod simcse_export;
+pub mod vectors;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -183,13 +187,13 @@ impl Registry {
         Registry::default()
     }
 
-    /// The built-in methods: `simclr`, `barlowtwins`, `simcse`, `vectors` and `face`.
+    /// The built-in methods: `simclr`, `barlowtwins`, `simcse`, `vectors`, `face` and `clip`.
     pub fn builtin() -> Registry {
         let mut r = Registry::empty();
         r.register("simcse", simcse::SimCseMethod);
-        r.register("simclr", builtin::ImageMethod::SIMCLR);
-        r.register("barlowtwins", builtin::ImageMethod::BARLOW_TWINS);
-        r.register("vectors", builtin::Vectors);
+        r.register("simclr", image::ImageMethod::SIMCLR);
+        r.register("barlowtwins", image::ImageMethod::BARLOW_TWINS);
+        r.register("vectors", vectors::Vectors);
         r.register("face", face::Face);
         r.register("clip", clip::ClipMethod);
         r
