@@ -12,7 +12,6 @@
 use allgrad_models::image_ssl::{ImageData, ImageModel};
 use allgrad_models::losses::LossConfig;
 use allgrad_models::vectors::{VectorData, VectorModel};
-use allgrad_models::ModelError;
 use serde::{Deserialize, Serialize};
 
 use super::SectionError;
@@ -80,10 +79,5 @@ pub(super) fn expect_kind(method: &str, key: &str, want: &str, got: &str) -> Res
 
 /// The `loss` section's own checks, as an error at its key.
 pub(super) fn check_loss(loss: &LossConfig) -> Result<(), SectionError> {
-    loss.validate().map_err(|e| match e {
-        ModelError::LossValue { key, .. } | ModelError::LossKey { key, .. } => {
-            SectionError::new(format!("loss.{key}"), e.to_string())
-        }
-        e => SectionError::new("loss", e.to_string()),
-    })
+    loss.validate().map_err(|e| SectionError::from_model(e, "loss"))
 }

@@ -4,7 +4,7 @@
 //! `head`, and optionally `verify`.
 
 use allgrad_models::face::{CentreStorage, FaceData, FaceModel, FaceObjective, HeadConfig, VerifyConfig};
-use allgrad_models::{ModelError, Objective};
+use allgrad_models::Objective;
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
@@ -29,15 +29,6 @@ pub struct FaceSections {
 /// `face`: see the module docs.
 pub struct Face;
 
-fn key_of(e: ModelError) -> SectionError {
-    match e {
-        ModelError::HeadValue { key, .. } | ModelError::HeadKey { key, .. } => {
-            SectionError::new(format!("head.{key}"), e.to_string())
-        }
-        e => SectionError::new("model", e.to_string()),
-    }
-}
-
 impl Method for Face {
     type Sections = FaceSections;
 
@@ -54,8 +45,8 @@ impl Method for Face {
                 ));
             }
         }
-        s.head.validate().map_err(key_of)?;
-        s.model.validate().map_err(key_of)?;
+        s.head.validate().map_err(|e| SectionError::from_model(e, "model"))?;
+        s.model.validate().map_err(|e| SectionError::from_model(e, "model"))?;
         if s.head.num_classes < world_size {
             return Err(SectionError::new(
                 "head.num_classes",

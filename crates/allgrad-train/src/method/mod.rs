@@ -63,7 +63,7 @@ pub mod vectors;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use allgrad_models::Objective;
+use allgrad_models::{ModelError, Objective};
 use candle_core::Device;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -109,6 +109,19 @@ impl SectionError {
     /// An error at `key`.
     pub fn new(key: impl Into<String>, msg: impl Into<String>) -> Self {
         SectionError { key: key.into(), msg: msg.into() }
+    }
+
+    /// A check of the models crate as an error at the key it names: `loss.<key>` for a key of
+    /// the `loss` section ([`ModelError::LossValue`], [`ModelError::LossKey`]), `head.<key>` for
+    /// one of the face head's ([`ModelError::HeadValue`], [`ModelError::HeadKey`]), else at
+    /// `section`, the section that was checked.
+    pub(crate) fn from_model(e: ModelError, section: &str) -> Self {
+        let key = match &e {
+            ModelError::LossValue { key, .. } | ModelError::LossKey { key, .. } => format!("loss.{key}"),
+            ModelError::HeadValue { key, .. } | ModelError::HeadKey { key, .. } => format!("head.{key}"),
+            _ => section.to_string(),
+        };
+        SectionError::new(key, e.to_string())
     }
 }
 
