@@ -46,8 +46,8 @@ use allgrad_models::{Batch, EmbeddingObjective, Objective};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
 
+use crate::config::TrainSection;
 use crate::error::{TrainError, TrainResult};
-use crate::train_section::TrainSection;
 
 /// Largest `max |E2 − E1| / max |E1|` tolerated between a chunk's replayed embeddings `E2`
 /// and its first-pass embeddings `E1` of dtype `dtype`. Keyed randomness makes them bitwise
@@ -64,33 +64,13 @@ pub fn replay_tolerance(dtype: DType) -> f64 {
     }
 }
 
-/// Checks `train.cache_chunk` against the batch and the world size (`Err` holds the message,
-/// naming the key and the numbers).
-pub fn check_config(train: &TrainSection, world_size: usize) -> std::result::Result<(), String> {
-    let Some(chunk) = train.cache_chunk else { return Ok(()) };
-    if chunk == 0 {
-        return Err("train.cache_chunk = 0: it is the number of samples per chunk on each rank and must be at least 1 \
-                    (remove the key for the plain step)"
-            .into());
-    }
-    let micro = train.micro_batch(world_size)?;
-    if chunk > micro {
-        return Err(format!(
-            "train.cache_chunk = {chunk} exceeds the samples each rank embeds per micro-batch: train.global_batch {} / \
-             (world size {world_size} x train.accumulate {}) = {micro}; use a chunk of at most {micro} samples",
-            train.global_batch, train.accumulate
-        ));
-    }
-    Ok(())
-}
-
-/// [`check_config`], and that `objective` can be cached (its [`Objective::embedding`] is
+/// [`TrainSection::check_cache_chunk`], and that `objective` can be cached (its [`Objective::embedding`] is
 /// `Some`): what [`crate::Trainer::new`] checks.
 pub(crate) fn check_setup(train: &TrainSection, world_size: usize, objective: &mut dyn Objective) -> TrainResult<()> {
     if train.cache_chunk.is_none() {
         return Ok(());
     }
-    check_config(train, world_size).map_err(TrainError::Setup)?;
+    train.check_cache_chunk(world_size).map_err(TrainError::Setup)?;
     embedding(objective).map(|_| ())
 }
 
@@ -216,25 +196,10 @@ fn check_replay(replay: &Tensor, first: &Tensor, chunk: usize, rows: &Range<usiz
 mod tests {
     use super::*;
 
-    fn section(global_batch: usize, accumulate: usize, cache_chunk: Option<usize>) -> TrainSection {
-        let yaml = format!("{{global_batch: {global_batch}, accumulate: {accumulate}}}");
-        TrainSection { cache_chunk, ..serde_yaml::from_str(&yaml).unwrap() }
-    }
-
     #[test]
     fn chunks_cover_the_batch_in_order_with_a_shorter_last_one() {
         assert_eq!(chunks(7, 3), vec![0..3, 3..6, 6..7]);
         assert_eq!(chunks(6, 3), vec![0..3, 3..6]);
         assert_eq!(chunks(2, 5), vec![0..2]);
-    }
-
-    #[test]
-    fn cache_chunk_zero_or_above_the_micro_batch_is_refused_naming_the_key_and_numbers() {
-        assert!(check_config(&section(24, 1, None), 3).is_ok());
-        assert!(check_config(&section(24, 2, Some(4)), 3).is_ok());
-        let e = check_config(&section(24, 1, Some(0)), 2).unwrap_err();
-        assert!(e.starts_with("train.cache_chunk = 0") && e.contains("at least 1"), "{e}");
-        let e = check_config(&section(24, 2, Some(5)), 3).unwrap_err();
-        assert!(e.contains("train.cache_chunk = 5") && e.contains("train.global_batch 24") && e.contains("= 4"), "{e}");
     }
 }

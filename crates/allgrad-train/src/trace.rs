@@ -9,7 +9,7 @@ use std::cell::Cell;
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OptimPaths {
-    /// Parameter updates of a row-sparse gradient taken by the lazy path (`optim_lazy.rs`):
+    /// Parameter updates of a row-sparse gradient taken by the lazy path (`optim/lazy.rs`):
     /// only the gradient's rows were updated at the step.
     pub lazy_updates: u64,
     /// Rows a lazy update left behind (their updates deferred), summed over the updates.
@@ -20,7 +20,7 @@ pub struct OptimPaths {
     /// Row-sparse gradients scattered into zeros and given the dense update (LARS, or a
     /// tensor the lazy path does not take).
     pub sparse_as_dense: u64,
-    /// Parameter updates by the fused in-place kernels on the CPU (`optim_fused.rs`).
+    /// Parameter updates by the fused in-place kernels on the CPU (`optim/fused.rs`).
     pub fused_cpu: u64,
     /// Parameter updates by the fused in-place kernels on CUDA (`allgrad_nn::optim_cuda`).
     pub fused_cuda: u64,

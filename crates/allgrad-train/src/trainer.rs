@@ -23,18 +23,16 @@ use allgrad_dist::{ProcessGroup, ReduceOp};
 use allgrad_models::{Batch, Objective};
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use crate::checkpoint::{self, CheckpointConfig, Contents, RestoreTarget, TrainState};
+use crate::checkpoint::{self, shards, Contents, RestoreTarget, TrainState};
+use crate::config::{CheckpointConfig, ComputePrecision, LogConfig, NonFinite, OptimConfig, ScheduleConfig, TrainSection};
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
 use crate::error::{TrainError, TrainResult};
-use crate::metrics::{plot, LogConfig, MetricsLog, ProgressView, Record};
-use crate::optim::{OptimConfig, Optimizer, RowUpdate};
+use crate::metrics::{plot, MetricsLog, ProgressView, Record};
+use crate::optim::{Optimizer, RowUpdate};
 use crate::params::ParamStore;
-use crate::precision::ComputePrecision;
 use crate::profile::{StepProfile, StepProfiler};
-use crate::schedule::ScheduleConfig;
 use crate::settings::Settings;
 use crate::step_grads::StepGrads;
-use crate::train_section::{NonFinite, TrainSection};
 
 /// The objective's buffers by name, as kept before a step that may be skipped.
 type Buffers = std::collections::HashMap<String, Tensor>;
@@ -44,7 +42,7 @@ type Buffers = std::collections::HashMap<String, Tensor>;
 pub struct TrainerConfig {
     /// Seed of every random stream.
     pub seed: u64,
-    /// Precision of parameters.
+    /// The parameters' dtype.
     pub dtype: DType,
     /// Compute precision of the training step (bf16 autocast needs f32 parameters).
     pub precision: ComputePrecision,
@@ -107,7 +105,7 @@ impl Trainer {
         resume: bool,
     ) -> TrainResult<Self> {
         cfg.precision.check_dtype(cfg.dtype).map_err(TrainError::Setup)?;
-        cfg.precision.check_device(&cfg.device)?;
+        cfg.precision.check_device(&cfg.device).map_err(TrainError::Setup)?;
         cfg.precision.apply_tf32();
         let store = ParamStore::new(cfg.seed);
         objective.bind(&pg)?;
@@ -160,7 +158,7 @@ impl Trainer {
                         .filter(|(_, sh)| **sh)
                         .map(|((n, _), _)| (n.clone(), objective.shard_rows(n)))
                         .collect();
-                    crate::shards::load_into(&mut ck, &wants, pg.rank(), w, &cfg.device)?;
+                    shards::load_into(&mut ck, &wants, pg.rank(), w, &cfg.device)?;
                     let path = ck.path.clone();
                     let written_by = ck.state.world_size;
                     let to = RestoreTarget {
@@ -636,7 +634,7 @@ impl Trainer {
         if self.pg.rank() != 0 && !any_sharded {
             return Ok(());
         }
-        let (model, optimizer, shard) = crate::shards::split(&self.params, &self.sharded, self.optimizer.state());
+        let (model, optimizer, shard) = shards::split(&self.params, &self.sharded, self.optimizer.state());
         let per_epoch = self.sampler.steps_per_epoch();
         let state = TrainState {
             step: self.step,
@@ -654,12 +652,12 @@ impl Trainer {
             return Ok(());
         }
         let (rank, world_size) = (self.pg.rank(), self.pg.world_size());
-        let mut meta = crate::shards::ShardMeta { rank, world_size, params: Default::default() };
+        let mut meta = shards::ShardMeta { rank, world_size, params: Default::default() };
         for ((n, _), _) in self.params.iter().zip(&self.sharded).filter(|(_, sh)| **sh) {
             meta.params.insert(n.clone(), self.objective.shard_rows(n));
         }
-        let shard = crate::shards::Shard { tensors: &shard, meta: &meta };
-        crate::shards::save(&self.pg, &dir, &contents, &shard, keep, fault)
+        let shard = shards::Shard { tensors: &shard, meta: &meta };
+        shards::save(&self.pg, &dir, &contents, &shard, keep, fault)
     }
 
     /// The run directory, if any.

@@ -4,13 +4,12 @@
 //! `head`, and optionally `verify`.
 
 use allgrad_models::face::{CentreStorage, FaceData, FaceModel, FaceObjective, HeadConfig, VerifyConfig};
-use allgrad_models::{ModelError, Objective};
+use allgrad_models::Objective;
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use super::{Method, SectionError};
-use crate::config::{DeviceKind, Precision, RunConfig};
-use crate::optim::OptimConfig;
+use crate::config::{DeviceKind, OptimConfig, ParamDtype, RunConfig};
 
 /// The sections of `face`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -30,15 +29,6 @@ pub struct FaceSections {
 /// `face`: see the module docs.
 pub struct Face;
 
-fn key_of(e: ModelError) -> SectionError {
-    match e {
-        ModelError::HeadValue { key, .. } | ModelError::HeadKey { key, .. } => {
-            SectionError::new(format!("head.{key}"), e.to_string())
-        }
-        e => SectionError::new("model", e.to_string()),
-    }
-}
-
 impl Method for Face {
     type Sections = FaceSections;
 
@@ -55,8 +45,8 @@ impl Method for Face {
                 ));
             }
         }
-        s.head.validate().map_err(key_of)?;
-        s.model.validate().map_err(key_of)?;
+        s.head.validate().map_err(|e| SectionError::from_model(e, "model"))?;
+        s.model.validate().map_err(|e| SectionError::from_model(e, "model"))?;
         if s.head.num_classes < world_size {
             return Err(SectionError::new(
                 "head.num_classes",
@@ -70,7 +60,7 @@ impl Method for Face {
                     "bf16 centres take optim.kind sgd or adamw: LARS updates every centre each step in the centres' dtype",
                 ));
             }
-            if run.dtype != Precision::F32 {
+            if run.dtype != ParamDtype::F32 {
                 return Err(SectionError::new(
                     "head.storage",
                     "bf16 centres take dtype: f32 (the centres they use are read into f32 rows and updated in f32)",

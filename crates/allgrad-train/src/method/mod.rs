@@ -24,9 +24,11 @@
 //! `data` section, [`allgrad_models::losses::LossConfig`]) are ordinary types they reuse.
 //!
 //! The built-in methods are in [`Registry::builtin`]: `simclr`, `barlowtwins` (one two-view
-//! image method with different losses, [`allgrad_models::image_ssl::TwoViewMethod`]),
-//! `simcse` ([`simcse::SimCseMethod`]), `face`, `clip` ([`clip::ClipMethod`]: CLIP and
-//! SigLIP) and `vectors`. A user's own method plugs in from their own binary:
+//! image method with different losses, [`image::ImageMethod`] on
+//! [`allgrad_models::image_ssl::TwoViewMethod`]), `simcse` ([`simcse::SimCseMethod`]), `face`
+//! ([`face::Face`]), `clip` ([`clip::ClipMethod`]: CLIP and SigLIP) and `vectors`
+//! ([`vectors::Vectors`]); `vectors`, `simclr` and `barlowtwins` share their sections
+//! ([`contrastive`]). A user's own method plugs in from their own binary:
 //!
 //! ```no_run
 //! # use allgrad_train::method::{Method, Registry, SectionError};
@@ -48,18 +50,20 @@
 //! and `mine --config run.yaml` (with `method: mine`) trains it exactly as `train` trains the
 //! built-in ones, under `launch` too (`examples/custom_loss.rs`).
 
-pub mod builtin;
 pub mod clip;
 pub mod clip_export;
+pub mod contrastive;
 pub mod face;
+pub mod image;
 mod run_export;
 pub mod simcse;
 pub mod simcse_export;
+pub mod vectors;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use allgrad_models::Objective;
+use allgrad_models::{ModelError, Objective};
 use candle_core::Device;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -105,6 +109,19 @@ impl SectionError {
     /// An error at `key`.
     pub fn new(key: impl Into<String>, msg: impl Into<String>) -> Self {
         SectionError { key: key.into(), msg: msg.into() }
+    }
+
+    /// A check of the models crate as an error at the key it names: `loss.<key>` for a key of
+    /// the `loss` section ([`ModelError::LossValue`], [`ModelError::LossKey`]), `head.<key>` for
+    /// one of the face head's ([`ModelError::HeadValue`], [`ModelError::HeadKey`]), else at
+    /// `section`, the section that was checked.
+    pub(crate) fn from_model(e: ModelError, section: &str) -> Self {
+        let key = match &e {
+            ModelError::LossValue { key, .. } | ModelError::LossKey { key, .. } => format!("loss.{key}"),
+            ModelError::HeadValue { key, .. } | ModelError::HeadKey { key, .. } => format!("head.{key}"),
+            _ => section.to_string(),
+        };
+        SectionError::new(key, e.to_string())
     }
 }
 
@@ -183,13 +200,13 @@ impl Registry {
         Registry::default()
     }
 
-    /// The built-in methods: `simclr`, `barlowtwins`, `simcse`, `vectors` and `face`.
+    /// The built-in methods: `simclr`, `barlowtwins`, `simcse`, `vectors`, `face` and `clip`.
     pub fn builtin() -> Registry {
         let mut r = Registry::empty();
         r.register("simcse", simcse::SimCseMethod);
-        r.register("simclr", builtin::ImageMethod::SIMCLR);
-        r.register("barlowtwins", builtin::ImageMethod::BARLOW_TWINS);
-        r.register("vectors", builtin::Vectors);
+        r.register("simclr", image::ImageMethod::SIMCLR);
+        r.register("barlowtwins", image::ImageMethod::BARLOW_TWINS);
+        r.register("vectors", vectors::Vectors);
         r.register("face", face::Face);
         r.register("clip", clip::ClipMethod);
         r
@@ -250,5 +267,26 @@ impl Registry {
     pub fn objective(&self, cfg: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>> {
         let method = self.get(cfg, Path::new("config")).map_err(candle_core::Error::wrap)?;
         method.objective(&cfg.method, cfg, device)
+    }
+}
+
+/// The run config's constructors for the built-in methods: they are the [`Registry::builtin`]
+/// registry's, so they live beside it (the config itself knows no methods).
+impl RunConfig {
+    /// Reads `path`, applies `overrides` (`dotted.key=value`, the value parsed as YAML), and
+    /// deserialises, for a built-in method ([`Registry::load`] for others).
+    pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        Registry::builtin().load(path, overrides)
+    }
+
+    /// As [`RunConfig::load`], from text; `path` is only used in messages.
+    pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
+        Registry::builtin().parse(text, path, overrides)
+    }
+
+    /// Checks the values against each other and the world size, for a built-in method
+    /// ([`Registry::validate`] for others).
+    pub fn validate(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
+        Registry::builtin().validate(self, world_size, path)
     }
 }

@@ -23,7 +23,7 @@ use allgrad_models::RowRange;
 use candle_core::{Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{fsync, io_err, save_tensors, Checkpoint, Contents, Staged};
+use super::{fsync, io_err, save_tensors, Checkpoint, Contents, Staged};
 use crate::error::{TrainError, TrainResult};
 use crate::settings::FaultStage;
 

@@ -10,7 +10,7 @@
 //! every rank loads on resume; evaluation runs on rank 0, so its figures resume exactly.
 //!
 //! With sharded parameters (a class-sharded head), every rank also writes its shard into the
-//! same step directory ([`crate::shards`]: `shard_<r>.safetensors` with the parameters'
+//! same step directory ([`shards`]: `shard_<r>.safetensors` with the parameters'
 //! rows and their optimizer slots, `shard_<r>.json` with the global row ranges), and
 //! `model.safetensors` / `optimizer.safetensors` hold the replicated parameters only.
 //!
@@ -18,6 +18,8 @@
 //! are fsynced, the directory is renamed into place, and only then is `latest` replaced (by
 //! writing a temporary file and renaming it). A process killed at any point leaves `latest`
 //! naming a complete checkpoint. Only the last `keep_last` checkpoints are kept.
+
+pub mod shards;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
@@ -27,25 +29,10 @@ use allgrad_models::Objective;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+pub use crate::config::CheckpointConfig;
 use crate::error::{TrainError, TrainResult};
 use crate::optim::Optimizer;
 use crate::settings::FaultStage;
-
-/// The `checkpoint` section.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct CheckpointConfig {
-    /// Save every this many steps (0: only at the end of the run).
-    pub every: usize,
-    /// How many checkpoints to keep.
-    pub keep_last: usize,
-}
-
-impl Default for CheckpointConfig {
-    fn default() -> Self {
-        CheckpointConfig { every: 0, keep_last: 3 }
-    }
-}
 
 /// Everything about the run's position that a resume needs, besides tensors.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -271,7 +258,7 @@ pub struct RestoreTarget<'a> {
 pub fn restore(ck: Checkpoint, to: RestoreTarget) -> TrainResult<usize> {
     let mismatch = |reason: String| TrainError::CheckpointMismatch { path: ck.path.clone(), reason };
     // Sharded parameters were put into `ck.model` for this rank's rows by
-    // `crate::shards::load_into` (which refuses a world-size change it cannot re-shard);
+    // `shards::load_into` (which refuses a world-size change it cannot re-shard);
     // their shapes are checked below like every other parameter's.
     if ck.state.seed != to.seed {
         return Err(mismatch(format!(

@@ -18,25 +18,44 @@
 //! `model`, `loss`, ...) belongs to the method that `method:` names, which reads it (see
 //! [`crate::method`]).
 //! [`RunConfig::load`], [`RunConfig::parse`] and [`RunConfig::validate`] know the built-in
-//! methods; with your own, call the [`crate::method::Registry`] methods of the same
-//! names.
+//! methods (they are defined beside the [`crate::method::Registry`]); with your own, call the
+//! registry's methods of the same names.
 //!
 //! Unknown keys, wrong types and values that do not fit the world size fail at start, with
 //! the file, the key path and what was expected.
+//!
+//! # Layout
+//!
+//! This folder is the bottom of the crate: it imports nothing from the rest of it, and the
+//! components import their sections from here. The top-level keys `seed`, `device`, `dtype`,
+//! `dist` and `method` are here; each section has its file: `train` ([`train`]), `optim`
+//! ([`optim`]), `schedule` ([`schedule`]), `precision` ([`precision`]), `checkpoint`
+//! ([`checkpoint`]) and `log` ([`log`]). [`ConfigError`] is in [`error`], the `--set`
+//! arguments in `overrides.rs`.
 
-use std::path::{Path, PathBuf};
+pub mod checkpoint;
+pub mod error;
+pub mod log;
+pub mod optim;
+mod overrides;
+pub mod precision;
+pub mod schedule;
+pub mod train;
+
+use std::path::Path;
 
 use allgrad_dist::CudaCollectives;
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::CheckpointConfig;
-use crate::method::Registry;
-use crate::metrics::LogConfig;
-use crate::optim::OptimConfig;
-pub use crate::precision::ComputePrecision;
-use crate::schedule::ScheduleConfig;
-use crate::train_section::TrainSection;
+pub use checkpoint::CheckpointConfig;
+pub use error::ConfigError;
+pub use log::{LogConfig, Progress};
+pub use optim::OptimConfig;
+use overrides::Override;
+pub use precision::ComputePrecision;
+pub use schedule::{Decay, ScheduleConfig};
+pub use train::{NonFinite, TrainSection};
 
 /// The top-level keys the trainer owns; every other one belongs to the method.
 pub const TRAINER_KEYS: [&str; 11] =
@@ -51,18 +70,18 @@ pub struct RunConfig {
     /// Where tensors live.
     #[serde(default)]
     pub device: DeviceKind,
-    /// Precision of parameters (and of compute with `precision: full`).
+    /// The parameters' dtype (and the compute dtype with `precision: full`).
     #[serde(default)]
-    pub dtype: Precision,
+    pub dtype: ParamDtype,
     /// Compute precision of the training step: `full` (in `dtype`), `tf32` (f32 with TF32
     /// tensor-core products on CUDA) or `bf16` (autocast beside f32 parameters; see
-    /// [`crate::precision`]).
+    /// [`precision`]).
     #[serde(default)]
     pub precision: ComputePrecision,
     /// Which GPU each rank uses and how collectives of CUDA tensors move their data.
     #[serde(default, skip_serializing_if = "DistSection::is_default")]
     pub dist: DistSection,
-    /// The method: a name in the [`Registry`] (built in: `simclr`, `barlowtwins`, `vectors`).
+    /// The method: a name in the [`crate::method::Registry`] (built in: `simclr`, `barlowtwins`, `vectors`).
     pub method: String,
     /// The optimizer.
     #[serde(default)]
@@ -159,10 +178,11 @@ impl Build {
 pub const NO_GPU: &str = "device: cuda, but this binary was built without GPU support (the `cuda` feature): \
      build it with `--features cuda,nccl` (needs nvcc and CUDA), or use device: cpu";
 
-/// Floating-point precision.
+/// The dtype of the parameters (the `dtype` key); the compute precision is
+/// [`ComputePrecision`] (the `precision` key).
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
-pub enum Precision {
+pub enum ParamDtype {
     /// 32-bit.
     #[default]
     F32,
@@ -170,119 +190,7 @@ pub enum Precision {
     F64,
 }
 
-/// A configuration that could not be used.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file is not valid YAML.
-    #[error("{path}: not valid YAML: {msg}")]
-    Yaml {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message (with line and column).
-        msg: String,
-    },
-    /// A key is unknown or its value has the wrong type.
-    #[error("{path}: at `{key}`: {msg}")]
-    Field {
-        /// The file.
-        path: PathBuf,
-        /// Dotted key path.
-        key: String,
-        /// What was wrong and what was expected.
-        msg: String,
-    },
-    /// A `--set key=value` argument is malformed.
-    #[error("--set {arg:?}: {msg}")]
-    Override {
-        /// The argument.
-        arg: String,
-        /// What is wrong.
-        msg: String,
-    },
-    /// A `--set key=value` gives a value of the wrong type or an unknown key.
-    #[error("--set {arg}: at `{key}`: {msg} (the value comes from the command line)")]
-    OverrideValue {
-        /// The argument.
-        arg: String,
-        /// Dotted key path where the value failed.
-        key: String,
-        /// What was wrong and what was expected.
-        msg: String,
-    },
-    /// The `method:` is not in the registry.
-    #[error("{path}: at `method`: unknown method `{name}`; the methods are: {known}")]
-    UnknownMethod {
-        /// The file.
-        path: PathBuf,
-        /// The name asked for.
-        name: String,
-        /// The registered names, comma-separated.
-        known: String,
-    },
-    /// The method rejects its sections.
-    #[error("{path}: at `{key}`: {msg}")]
-    Method {
-        /// The file.
-        path: PathBuf,
-        /// The method.
-        method: String,
-        /// Dotted key path.
-        key: String,
-        /// What is wrong, with the numbers.
-        msg: String,
-    },
-    /// The values do not work together (or with the world size).
-    #[error("{path}: {msg}")]
-    Invalid {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong, with the numbers.
-        msg: String,
-    },
-}
-
-impl ConfigError {
-    /// A key error whose value came from a `--set` argument, as an error of that argument:
-    /// the user is told to fix the command line, not the file.
-    pub(crate) fn blamed_on(self, overrides: &[String]) -> ConfigError {
-        match self {
-            ConfigError::Field { path, key, msg } => {
-                match overrides.iter().rev().find_map(|arg| Some((arg, Override::blamed_key(arg, &key)?))) {
-                    Some((arg, key)) => ConfigError::OverrideValue { arg: arg.clone(), key, msg },
-                    None => ConfigError::Field { path, key, msg },
-                }
-            }
-            e => e,
-        }
-    }
-}
-
 impl RunConfig {
-    /// Reads `path`, applies `overrides` (`dotted.key=value`, the value parsed as YAML), and
-    /// deserialises, for a built-in method ([`Registry::load`] for others).
-    pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
-        Registry::builtin().load(path, overrides)
-    }
-
-    /// As [`RunConfig::load`], from text; `path` is only used in messages.
-    pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
-        Registry::builtin().parse(text, path, overrides)
-    }
-
-    /// Checks the values against each other and the world size, for a built-in method
-    /// ([`Registry::validate`] for others).
-    pub fn validate(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
-        Registry::builtin().validate(self, world_size, path)
-    }
-
     /// The trainer's sections typed, the method's kept raw (not checked against a method).
     /// `path_keys` gives, for a method name, the keys of its sections that hold paths: the
     /// relative ones are resolved against `path`'s folder (a value from the file) or the
@@ -328,8 +236,8 @@ impl RunConfig {
     /// The Candle dtype of `dtype`.
     pub fn candle_dtype(&self) -> DType {
         match self.dtype {
-            Precision::F32 => DType::F32,
-            Precision::F64 => DType::F64,
+            ParamDtype::F32 => DType::F32,
+            ParamDtype::F64 => DType::F64,
         }
     }
 
@@ -338,7 +246,7 @@ impl RunConfig {
         let bad = |msg: String| ConfigError::Invalid { path: path.into(), msg };
         let t = &self.train;
         t.micro_batch(world_size).map_err(bad)?;
-        crate::grad_cache::check_config(t, world_size).map_err(bad)?;
+        t.check_cache_chunk(world_size).map_err(bad)?;
         if t.epochs == 0 && t.max_steps.is_none() {
             return Err(bad("train.epochs is 0 and train.max_steps is not set: nothing to train".into()));
         }
@@ -396,62 +304,6 @@ impl RunConfig {
     /// The resolved configuration as YAML (written to the run directory).
     pub fn to_yaml(&self) -> String {
         serde_yaml::to_string(self).expect("configs serialise")
-    }
-}
-
-/// One `--set dotted.key=value`.
-struct Override<'a> {
-    arg: &'a str,
-    key: Vec<&'a str>,
-    value: serde_yaml::Value,
-}
-
-impl<'a> Override<'a> {
-    fn parse(arg: &'a str) -> Result<Override<'a>, ConfigError> {
-        let err = |msg: &str| ConfigError::Override { arg: arg.to_string(), msg: msg.to_string() };
-        let (key, raw) = arg.split_once('=').ok_or_else(|| err("expected dotted.key=value"))?;
-        let key: Vec<&str> = key.trim().split('.').collect();
-        if key.iter().any(|p| p.is_empty()) {
-            return Err(err("empty key segment"));
-        }
-        let value = serde_yaml::from_str(raw).unwrap_or_else(|_| serde_yaml::Value::String(raw.to_string()));
-        Ok(Override { arg, key, value })
-    }
-
-    /// The most precise key path of a value that the `--set` argument `arg` gave, where a
-    /// deserialisation error reports `key`: the error's key when it lies within what `arg`
-    /// set, the argument's own key when the error names only a section holding it (an
-    /// internally tagged section such as `optim` loses the inner path). `None` when `arg` did
-    /// not set anything at `key`.
-    fn blamed_key(arg: &str, key: &str) -> Option<String> {
-        let (set, _) = arg.split_once('=')?;
-        let (set, key) = (set.trim(), key.trim_start_matches('.'));
-        let within = |outer: &str, inner: &str| inner == outer || inner.starts_with(&format!("{outer}."));
-        if within(set, key) {
-            Some(key.to_string())
-        } else if within(key, set) {
-            Some(set.to_string())
-        } else {
-            None
-        }
-    }
-
-    fn apply(self, root: &mut serde_yaml::Value) -> Result<(), ConfigError> {
-        let err = |msg: String| ConfigError::Override { arg: self.arg.to_string(), msg };
-        let mut node = root;
-        for (i, part) in self.key.iter().enumerate() {
-            if node.is_null() {
-                *node = serde_yaml::Value::Mapping(Default::default());
-            }
-            let map = node.as_mapping_mut().ok_or_else(|| err(format!("`{}` is not a section", self.key[..i].join("."))))?;
-            let k = serde_yaml::Value::String(part.to_string());
-            if i + 1 == self.key.len() {
-                map.insert(k, self.value);
-                return Ok(());
-            }
-            node = map.entry(k).or_insert(serde_yaml::Value::Null);
-        }
-        Ok(())
     }
 }
 

@@ -9,7 +9,7 @@
 //! checkpoint, an evaluation, and at the end of `Trainer::train_until`), the updates it missed
 //! are applied first: the dense step's formulas with a zero gradient, each with its own
 //! learning rate and (AdamW) bias correction, element by element in the parameter's dtype, in
-//! the order of operations of the fused dense kernel (`optim_fused.rs`). A bf16 parameter
+//! the order of operations of the fused dense kernel (`fused.rs`). A bf16 parameter
 //! (bf16 face centres, with bf16 state and an f32 gradient) is updated in f32 and stored back
 //! to bf16 after every update, missed ones included, as a dense step that loads, updates and
 //! stores bf16 would ([`Stored`]).
@@ -35,7 +35,7 @@ use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Result, Tensor, WithDTy
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::optim::OptimConfig;
+use crate::config::OptimConfig;
 
 /// Rows per task are chosen so that a task's copy of the state rows stays about this size.
 const BLOCK_BYTES: usize = 16 << 20;
@@ -74,7 +74,7 @@ impl Rule {
 
     /// Update number `t` (from 1) of one row: value `w`, state slots `s0`, `s1` (empty when
     /// the rule keeps fewer), gradient `g` (`None`: zero), learning rate `lr`. The operations
-    /// and their order are those of `optim_fused.rs` (`Sgd` after `SgdMomentum`; `Adam` after
+    /// and their order are those of `fused.rs` (`Sgd` after `SgdMomentum`; `Adam` after
     /// the two `Moment`s), so the result is the fused dense step's, bit for bit.
     fn apply<T: WithDType>(&self, w: &mut [T], s0: &mut [T], s1: &mut [T], g: Option<&[T]>, lr: f64, t: u64) {
         match g {

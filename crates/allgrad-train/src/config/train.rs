@@ -80,6 +80,26 @@ impl TrainSection {
         Ok(self.global_batch / unit)
     }
 
+    /// Checks `cache_chunk` (gradient caching) against the batch and the world size: at least 1
+    /// and at most [`Self::micro_batch`]; `Err` holds the message, naming the keys and the numbers.
+    pub fn check_cache_chunk(&self, world_size: usize) -> Result<(), String> {
+        let Some(chunk) = self.cache_chunk else { return Ok(()) };
+        if chunk == 0 {
+            return Err("train.cache_chunk = 0: it is the number of samples per chunk on each rank and must be at least 1 \
+                        (remove the key for the plain step)"
+                .into());
+        }
+        let micro = self.micro_batch(world_size)?;
+        if chunk > micro {
+            return Err(format!(
+                "train.cache_chunk = {chunk} exceeds the samples each rank embeds per micro-batch: train.global_batch {} / \
+                 (world size {world_size} x train.accumulate {}) = {micro}; use a chunk of at most {micro} samples",
+                self.global_batch, self.accumulate
+            ));
+        }
+        Ok(())
+    }
+
     /// Rank `rank`'s micro-batches of one global batch (of `global_batch` sample indices), in
     /// order. The split must have been checked ([`Self::micro_batch`]).
     pub fn micro_batches<'a>(&self, global: &'a [usize], rank: usize, world_size: usize) -> std::slice::Chunks<'a, usize> {
@@ -121,5 +141,15 @@ mod tests {
         assert!(e.contains("train.global_batch = 30") && e.contains("world size 4") && e.contains("= 8"), "{e}");
         let e = section(8, 0).micro_batch(2).unwrap_err();
         assert!(e.contains("train.accumulate (0)"), "{e}");
+    }
+
+    #[test]
+    fn cache_chunk_zero_or_above_the_micro_batch_is_refused_naming_the_key_and_numbers() {
+        assert!(section(24, 1).check_cache_chunk(3).is_ok());
+        assert!(TrainSection { cache_chunk: Some(4), ..section(24, 2) }.check_cache_chunk(3).is_ok());
+        let e = TrainSection { cache_chunk: Some(0), ..section(24, 1) }.check_cache_chunk(2).unwrap_err();
+        assert!(e.starts_with("train.cache_chunk = 0") && e.contains("at least 1"), "{e}");
+        let e = TrainSection { cache_chunk: Some(5), ..section(24, 2) }.check_cache_chunk(3).unwrap_err();
+        assert!(e.contains("train.cache_chunk = 5") && e.contains("train.global_batch 24") && e.contains("= 4"), "{e}");
     }
 }

@@ -10,7 +10,7 @@
 //! `allgrad_nn::optim_cuda` with the same expressions (no row mask there: Partial FC's masked
 //! updates of a CUDA head take the composed path; `ALLGRAD_CUDA_FUSED=0` turns the kernels off).
 //! LARS, other dtypes, other devices and non-contiguous tensors keep the composed path in
-//! `optim.rs`. A `guard` (the trainer's device-side "loss and gradient norm are finite" flag, a
+//! `optim/mod.rs`. A `guard` (the trainer's device-side "loss and gradient norm are finite" flag, a
 //! u8 scalar) makes every pass leave its operand unchanged when the flag is 0, on the CPU and
 //! in the CUDA kernels, so that a non-finite step is skipped without a read before the update. State slots are owned by the optimizer (a checkpoint reads them between steps),
 //! so rewriting them in place is safe.
@@ -21,7 +21,7 @@ use candle_core::CudaStorage;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, WithDType};
 use rayon::prelude::*;
 
-use crate::optim::OptimConfig;
+use crate::config::OptimConfig;
 
 /// Elements per parallel task when no row mask splits the tensor.
 const GRAIN: usize = 1 << 14;

@@ -22,8 +22,6 @@
 use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
-use crate::error::TrainResult;
-
 /// The compute precision of the training step (the `precision` key).
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -57,8 +55,9 @@ impl ComputePrecision {
     }
 
     /// Checks that `device` can compute in this precision: every CPU can (tf32 is f32 there); a
-    /// CUDA device needs compute capability 8.0 or newer for bf16 and tf32.
-    pub fn check_device(self, device: &Device) -> TrainResult<()> {
+    /// CUDA device needs compute capability 8.0 or newer for bf16 and tf32. `Err` holds the
+    /// message, naming the key and what to do.
+    pub fn check_device(self, device: &Device) -> Result<(), String> {
         if self == ComputePrecision::Full {
             return Ok(());
         }
@@ -66,14 +65,16 @@ impl ComputePrecision {
         let key = if self == ComputePrecision::Tf32 { "tf32" } else { "bf16" };
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = device {
-            let (major, minor) = d.cuda_stream().context().compute_capability().map_err(|e| {
-                crate::error::TrainError::Setup(format!("precision: {key}: cannot read the GPU's compute capability: {e}"))
-            })?;
+            let (major, minor) = d
+                .cuda_stream()
+                .context()
+                .compute_capability()
+                .map_err(|e| format!("precision: {key}: cannot read the GPU's compute capability: {e}"))?;
             if major < 8 {
-                return Err(crate::error::TrainError::Setup(format!(
+                return Err(format!(
                     "precision: {key} needs a GPU of compute capability 8.0 or newer (Ampere); this one is {major}.{minor}: \
                      use precision: full"
-                )));
+                ));
             }
         }
         let _ = device;
