@@ -1,8 +1,8 @@
 //! Peak memory of one SimCLR training step on the CPU, allgrad's side: the step of
 //! `examples/bench_simclr_step/` (ResNet-18 or -50 with the CIFAR stem, projector
 //! (features)-2048-128, NT-Xent, SGD) on `2 * batch` random 3x32x32 views, in a process of its
-//! own. `scripts/bench_step_memory.sh` runs it and PyTorch's side
-//! (`scripts/bench_simclr_step.py --memory`), each in its own process, and prints the table.
+//! own. `scripts/bench/bench_step_memory.sh` runs it and PyTorch's side
+//! (`scripts/bench/bench_simclr_step.py --memory`), each in its own process, and prints the table.
 //!
 //! It prints one line, `MEM side=allgrad ...` with, in MiB:
 //! - `setup`: the resident set (VmRSS) once the model, optimizer and input exist (after one

@@ -1,5 +1,5 @@
-//! The PyTorch side of a step benchmark (`scripts/bench_simclr_step.py --worker`, or
-//! `scripts/bench_simcse_step.py --worker`) as a child process that runs one step (or one
+//! The PyTorch side of a step benchmark (`scripts/bench/bench_simclr_step.py --worker`, or
+//! `scripts/bench/bench_simcse_step.py --worker`) as a child process that runs one step (or one
 //! layer breakdown) per command, so the two implementations alternate in one invocation while
 //! each keeps its warm model and memory.
 

@@ -18,7 +18,7 @@ use crate::report::{sample, Sample};
 /// ResNet-18 or -50 (CIFAR stem) + projector (features)-2048-128, NT-Xent (temperature 0.5),
 /// SGD (lr 0.1, allgrad's optimizer as the trainer runs it: in place, one parallel pass per
 /// parameter) on `2 * batch` fixed random views, on the CPU or a GPU: the step
-/// `scripts/bench_simclr_step.py` runs in PyTorch. On a GPU every phase boundary waits for
+/// `scripts/bench/bench_simclr_step.py` runs in PyTorch. On a GPU every phase boundary waits for
 /// the device, so the phases time the work rather than its queueing.
 pub struct AllgradStep {
     batch: usize,

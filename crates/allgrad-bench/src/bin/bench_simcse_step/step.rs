@@ -20,7 +20,7 @@ const LR: f64 = 3e-5;
 /// The `simcse` method's objective (mean pooling, MLP head, temperature 0.05) on the BERT of a
 /// Hugging Face folder with its dropout (on), over `batch` fixed sentences, and the trainer's
 /// AdamW (weight decay 0), on the CPU or a GPU, the forward optionally under bf16 autocast (as
-/// the trainer runs `precision: bf16`): the step `scripts/bench_simcse_step.py` runs in
+/// the trainer runs `precision: bf16`): the step `scripts/bench/bench_simcse_step.py` runs in
 /// PyTorch. On a GPU every phase boundary waits for the device.
 pub struct AllgradStep {
     objective: SimCse,
