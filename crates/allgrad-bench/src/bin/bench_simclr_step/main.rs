@@ -15,20 +15,16 @@
 //! ```
 
 mod layers;
-mod machine;
-mod peer;
-mod report;
-mod step;
+
+use allgrad_bench::machine;
+use allgrad_bench::peer::Peer;
+use allgrad_bench::report::{self, alternate, breakdown, print_layers, session};
+use allgrad_bench::simclr_step::AllgradStep;
+use clap::Parser;
 
 /// Counts the allocations of the backward (`machine::Usage`).
 #[global_allocator]
 static ALLOCATOR: machine::Counting = machine::Counting;
-
-use clap::Parser;
-
-use peer::Peer;
-use report::{alternate, breakdown, print_layers, session};
-use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCLR step benchmark.
 #[derive(Parser)]

@@ -22,26 +22,21 @@
 //! ```
 
 mod layers;
-#[path = "../bench_simclr_step/machine.rs"]
-mod machine;
-#[path = "../bench_simclr_step/peer.rs"]
-mod peer;
-#[path = "../bench_simclr_step/report.rs"]
-mod report;
 mod step;
-
-/// Counts the allocations of the backward (`machine::Usage`).
-#[global_allocator]
-static ALLOCATOR: machine::Counting = machine::Counting;
 
 use std::path::PathBuf;
 
 use allgrad::models::simcse::read_sentences;
+use allgrad_bench::machine;
+use allgrad_bench::peer::Peer;
+use allgrad_bench::report::{self, alternate, breakdown, print_layers, session};
 use clap::Parser;
 
-use peer::Peer;
-use report::{alternate, breakdown, print_layers, session};
 use step::AllgradStep;
+
+/// Counts the allocations of the backward (`machine::Usage`).
+#[global_allocator]
+static ALLOCATOR: machine::Counting = machine::Counting;
 
 /// Alternating allgrad / PyTorch SimCSE step benchmark.
 #[derive(Parser)]

@@ -1,5 +1,5 @@
 //! What one measured step holds and how the step table is printed: shared by the step
-//! benchmarks (`bench_simclr_step`, and `bench_simcse_step` through `#[path]`).
+//! benchmarks (`bench_simclr_step` and `bench_simcse_step`).
 
 use crate::machine::{busy_cpu_seconds, summary, Usage};
 
