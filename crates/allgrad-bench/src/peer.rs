@@ -8,7 +8,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use anyhow::{bail, Context};
 
-use crate::report::Sample;
+use crate::sample::Sample;
 
 pub struct Peer {
     child: Child,

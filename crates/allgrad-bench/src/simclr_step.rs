@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 
 use crate::machine::Usage;
-use crate::report::{sample, Sample};
+use crate::sample::{insert_traffic, sample, Sample};
 
 /// ResNet-18 or -50 (CIFAR stem) + projector (features)-2048-128, NT-Xent (temperature 0.5),
 /// SGD (lr 0.1, allgrad's optimizer as the trainer runs it: in place, one parallel pass per
@@ -113,7 +113,7 @@ impl AllgradStep {
         if let Some(mib) = crate::machine::device_peak::reserved(dev) {
             s.insert("gpu_reserved".into(), mib);
         }
-        crate::report::insert_traffic(&mut s, [traffic, traffic_fwd, traffic_bwd, traffic_opt]);
+        insert_traffic(&mut s, [traffic, traffic_fwd, traffic_bwd, traffic_opt]);
         Ok(s)
     }
 }

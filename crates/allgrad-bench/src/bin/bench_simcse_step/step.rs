@@ -12,7 +12,7 @@ use allgrad::train::params::ParamStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use allgrad_bench::machine::{self, Usage};
-use allgrad_bench::report::{self, sample, Sample};
+use allgrad_bench::sample::{insert_traffic, sample, Sample};
 
 /// AdamW's learning rate (configs/simcse.yaml's peak; the step time does not depend on it).
 const LR: f64 = 3e-5;
@@ -92,7 +92,7 @@ impl AllgradStep {
         if let Some(mib) = machine::device_peak::reserved(&self.device) {
             s.insert("gpu_reserved".into(), mib);
         }
-        report::insert_traffic(&mut s, [traffic, traffic_fwd, traffic_bwd, traffic_opt]);
+        insert_traffic(&mut s, [traffic, traffic_fwd, traffic_bwd, traffic_opt]);
         Ok(s)
     }
 }
