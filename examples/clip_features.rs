@@ -1,11 +1,11 @@
 //! Prints the image and text features (projected, not normalised), the logits and the CLIP
 //! loss that allgrad computes for a Hugging Face CLIP folder on fixed inputs, as one JSON
-//! object: what `scripts/check_clip_export.py` compares with `transformers`' `CLIPModel` on the
+//! object: what `scripts/reference/check_clip_export.py` compares with `transformers`' `CLIPModel` on the
 //! same inputs (an exported run, or any CLIP folder).
 //!
 //! ```text
 //! cargo run --release --example clip_features -- DIR > allgrad.json
-//! $PYTHON scripts/check_clip_export.py DIR allgrad.json
+//! $PYTHON scripts/reference/check_clip_export.py DIR allgrad.json
 //! ```
 //!
 //! Inputs: three captions, and three images whose pixel (b, c, y, x) is

@@ -1,7 +1,7 @@
 //! The defining test on a GPU: W ranks on the GPU end where 1 rank on the GPU does, at the
 //! same global batch, through `launch` and the shipped configs (shortened with `--set`):
 //! SimCLR (SyncBatchNorm), BarlowTwins, SimCSE unsupervised and supervised (a small BERT from
-//! a random initialisation; all-MiniLM-L6-v2 where scripts/get_minilm.sh has fetched it), the
+//! a random initialisation; all-MiniLM-L6-v2 where scripts/data/get_minilm.sh has fetched it), the
 //! face head (negative-class sampling on, class-sharded), vectors, and CLIP and SigLIP's ring
 //! form (the tiny CLIP architecture from a random initialisation). Each runs 3 optimizer
 //! steps at W = 1 and W = 2 (and W = 3 for the face head: shards of 667, 667 and 666
@@ -155,7 +155,7 @@ fn simcse_supervised_small_random_bert_on_2_ranks_equals_1_rank() {
 fn simcse_minilm_on_2_ranks_equals_1_rank() {
     let test = "simcse_minilm";
     if !repo_root().join("data/models/all-MiniLM-L6-v2/model.safetensors").is_file() {
-        return skip(test, "data/models/all-MiniLM-L6-v2 is absent (scripts/get_minilm.sh fetches it)", false);
+        return skip(test, "data/models/all-MiniLM-L6-v2 is absent (scripts/data/get_minilm.sh fetches it)", false);
     }
     equivalence(test, "configs/simcse.yaml", &["model.max_len=16", SIMCSE_SGD], &[2]);
 }

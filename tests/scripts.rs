@@ -1,15 +1,21 @@
-//! The scripts users are told to run can be run: every script with a `#!` line is executable,
-//! and every `scripts/...` path that the documentation (README, docs/, ARCHITECTURE.md, the
-//! READMEs of scripts/, data/ and third_party/, the configs' comments, the scripts' own
-//! headers) writes as a command exists, has a `#!` line and is executable. A script committed
-//! without its run bit fails on a fresh clone with "Permission denied".
+//! The scripts users are told to run can be run, and the paths that name them are true.
+//!
+//! Every script lies in a folder of scripts/ by purpose and is listed in that folder's README
+//! (one line each), and scripts/README.md links every folder. Every script with a `#!` line
+//! is executable, and every `scripts/...` path that the documentation (README, docs/,
+//! ARCHITECTURE.md, the READMEs of scripts/, data/ and third_party/, the configs' comments, the
+//! scripts' own headers) writes as a command exists, has a `#!` line and is executable. A
+//! script committed without its run bit fails on a fresh clone with "Permission denied". Every
+//! `scripts/...` path to a `.sh` or `.py` file named anywhere in the repository (documents,
+//! code and its comments, configs, CI, the scripts themselves) exists, so that a script moved
+//! or renamed without its users fails here.
 //!
 //! A command is a path at the start of a line or of a code span, or after `;`, `&&`, `|`,
 //! `$ `, `$(`, `> ` (a quoted line), `sudo ` or `VAR=value ` assignments; `python3 scripts/x.py`
 //! and `. scripts/x.sh` run through an interpreter and need no run bit, and a code span that
 //! only names a file (`` (`scripts/x.sh`: ...) ``) is no command.
 //!
-//! And `scripts/gpu_ci.sh` on a machine without a GPU says why, in its report too, and exits 0,
+//! And `scripts/ci/gpu_ci.sh` on a machine without a GPU says why, in its report too, and exits 0,
 //! or 1 under ALLGRAD_REQUIRE_GPU=1; with a stand-in GPU and stand-in binaries its report
 //! judges each part as the GPU session would (tests by their results, benchmarks by their step
 //! table, once per precision, saying when a benchmark flagged a busy machine), and under
@@ -17,6 +23,7 @@
 //! PyTorch or weights, a test that skips) where it would otherwise leave a "skipped" row, so
 //! that the harness is checked here rather than on a GPU machine's scarce time.
 
+use std::collections::BTreeSet;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -32,6 +39,26 @@ fn has_shebang(p: &Path) -> bool {
     std::fs::read(p).is_ok_and(|b| b.starts_with(b"#!"))
 }
 
+/// The folders of scripts/, sorted.
+fn script_folders() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(root().join("scripts")).unwrap().flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect();
+    dirs.sort();
+    dirs
+}
+
+/// The files of a folder, sorted.
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.is_file()).collect();
+    files.sort();
+    files
+}
+
+/// The scripts: every file in a folder of scripts/ except its README.
+fn scripts() -> Vec<PathBuf> {
+    script_folders().iter().flat_map(|d| files_in(d)).filter(|p| !p.ends_with("README.md")).collect()
+}
+
 /// The documents that tell users what to run.
 fn documents() -> Vec<PathBuf> {
     let r = root();
@@ -40,10 +67,13 @@ fn documents() -> Vec<PathBuf> {
         .map(|f| r.join(f))
         .filter(|p| p.exists())
         .collect();
-    for (dir, ext) in [("docs", "md"), ("configs", "yaml"), ("scripts", "sh")] {
+    for (dir, ext) in [("docs", "md"), ("configs", "yaml")] {
         if let Ok(entries) = std::fs::read_dir(r.join(dir)) {
             docs.extend(entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == ext)));
         }
+    }
+    for dir in script_folders() {
+        docs.extend(files_in(&dir).into_iter().filter(|p| p.ends_with("README.md") || p.extension().is_some_and(|x| x == "sh")));
     }
     if let Ok(entries) = std::fs::read_dir(r.join("data")) {
         docs.extend(entries.flatten().map(|e| e.path().join("README.md")).filter(|p| p.exists()));
@@ -62,7 +92,7 @@ fn commands(text: &str) -> Vec<(usize, String)> {
             let start = from + at;
             from = start + "scripts/".len();
             let name: String =
-                line[from..].chars().take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')).collect();
+                line[from..].chars().take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/')).collect();
             if !(name.ends_with(".sh") || name.ends_with(".py")) {
                 continue;
             }
@@ -101,9 +131,8 @@ fn starts_a_command(before: &str) -> bool {
 #[test]
 fn every_script_with_a_shebang_is_executable() {
     let mut bad = Vec::new();
-    for e in std::fs::read_dir(root().join("scripts")).unwrap().flatten() {
-        let p = e.path();
-        if p.is_file() && has_shebang(&p) && !executable(&p) {
+    for p in scripts() {
+        if has_shebang(&p) && !executable(&p) {
             bad.push(p.strip_prefix(root()).unwrap().display().to_string());
         }
     }
@@ -144,17 +173,156 @@ fn the_scan_finds_commands_and_leaves_interpreted_and_prose_mentions_alone() {
                 # scripts/f.sh DIR\n\
                 > scripts/g.sh\n\
                 python3 scripts/h.py, . scripts/i.sh, values from scripts/j.py, x=$(scripts/k.sh)\n\
-                the toolchain (`scripts/l.sh`: pinned), the module (`scripts/m.py`), the wheels (scripts/n.sh)\n";
+                the toolchain (`scripts/l.sh`: pinned), the module (`scripts/m.py`), the wheels (scripts/n.sh)\n\
+                `scripts/ci/o.sh DIR`, python3 scripts/bench/p.py\n";
     let found: Vec<String> = commands(text).into_iter().map(|(_, s)| s).collect();
-    let want = ["a.sh", "b.sh", "c.sh", "d.py", "e.sh", "f.sh", "g.sh", "k.sh"].map(|s| format!("scripts/{s}"));
+    let want = ["a.sh", "b.sh", "c.sh", "d.py", "e.sh", "f.sh", "g.sh", "k.sh", "ci/o.sh"].map(|s| format!("scripts/{s}"));
     assert_eq!(found, want);
 }
 
-/// Runs scripts/gpu_ci.sh with `smi` in nvidia-smi's place; its exit code, stderr and report.
+#[test]
+fn every_script_lies_in_a_folder_by_purpose_and_is_listed_in_its_readme() {
+    let r = root();
+    let name = |p: &Path| p.file_name().unwrap().to_string_lossy().into_owned();
+    let loose: Vec<String> = files_in(&r.join("scripts")).iter().map(|p| name(p)).filter(|n| n != "README.md").collect();
+    assert!(loose.is_empty(), "scripts outside a folder of scripts/ (move each into the folder of its purpose): {loose:?}");
+    let index = std::fs::read_to_string(r.join("scripts/README.md")).unwrap();
+    let mut bad = Vec::new();
+    for dir in script_folders() {
+        let folder = name(&dir);
+        if !index.contains(&format!("[`{folder}/`]({folder}/README.md)")) {
+            bad.push(format!("scripts/README.md does not link scripts/{folder}/ as [`{folder}/`]({folder}/README.md)"));
+        }
+        let Ok(readme) = std::fs::read_to_string(dir.join("README.md")) else {
+            bad.push(format!("scripts/{folder}/ has no README.md"));
+            continue;
+        };
+        // The first cell of each row of the table headed `| script | ...`: `| `name` | ...`.
+        let listed: BTreeSet<String> = readme
+            .lines()
+            .skip_while(|l| !l.starts_with("| script |"))
+            .take_while(|l| l.starts_with('|'))
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|rest| rest.split_once('`').map(|(n, _)| n.to_string()))
+            .collect();
+        let present: BTreeSet<String> = files_in(&dir).iter().map(|p| name(p)).filter(|n| n != "README.md").collect();
+        for n in present.difference(&listed) {
+            bad.push(format!("scripts/{folder}/{n} is not listed in the `| script |` table of scripts/{folder}/README.md"));
+        }
+        for n in listed.difference(&present) {
+            bad.push(format!("scripts/{folder}/README.md lists {n}, which is not in scripts/{folder}/"));
+        }
+    }
+    assert!(script_folders().len() >= 3 && scripts().len() >= 20, "scripts/: is the scan broken?");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The `scripts/...` paths to `.sh` and `.py` files that `text` names, anywhere (a glob such as
+/// `scripts/bench/bench_*.sh` included), with their line numbers.
+fn named_scripts(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let mut from = 0;
+        while let Some(at) = line[from..].find("scripts/") {
+            let start = from + at;
+            from = start + "scripts/".len();
+            // `build scripts/`, `$ROOT/scripts/` and `(scripts/` name ours; `myscripts/` does not.
+            if line[..start].chars().next_back().is_some_and(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')) {
+                continue;
+            }
+            let rest: String = line[from..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/' | '*'))
+                .collect();
+            let rest = rest.trim_end_matches(['.', '/']);
+            if rest.ends_with(".sh") || rest.ends_with(".py") {
+                out.push((n + 1, format!("scripts/{rest}")));
+            }
+        }
+    }
+    out
+}
+
+/// Whether `path` matches `pattern`, whose `*`s match any run of characters other than `/`.
+fn matches_glob(pattern: &str, path: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == path,
+        Some((head, tail)) => {
+            let Some(rest) = path.strip_prefix(head) else { return false };
+            (0..=rest.len())
+                .take_while(|&i| !rest[..i].contains('/'))
+                .any(|i| rest.is_char_boundary(i) && matches_glob(tail, &rest[i..]))
+        }
+    }
+}
+
+/// The repository's text files that can name a script: Markdown, Rust, shell, Python, YAML,
+/// TOML and CI's own files, outside build output, the vendored crate and downloaded data.
+fn text_files() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if p.is_dir() {
+                let skip = ["target", ".git", "third_party", "runs", "vendor", "node_modules"].contains(&name.as_str())
+                    || (dir == root().join("data") && !p.join("README.md").exists());
+                if !skip {
+                    walk(&p, out);
+                }
+            } else if ["md", "rs", "sh", "py", "yaml", "yml", "toml"].iter().any(|x| name.ends_with(&format!(".{x}")))
+                || dir.ends_with(".ci")
+            {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&root(), &mut out);
+    out.sort();
+    out
+}
+
+#[test]
+fn every_script_path_named_in_the_repository_exists() {
+    let r = root();
+    let all: Vec<String> = scripts().iter().map(|p| p.strip_prefix(&r).unwrap().display().to_string()).collect();
+    let (mut checked, mut bad) = (0, Vec::new());
+    for file in text_files() {
+        // This file's own examples of the scan are made up.
+        if file == r.join("tests/scripts.rs") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&file) else { continue };
+        for (line, path) in named_scripts(&text) {
+            checked += 1;
+            let found = if path.contains('*') { all.iter().any(|s| matches_glob(&path, s)) } else { r.join(&path).is_file() };
+            if !found {
+                bad.push(format!("{}:{line}: {path} does not exist", file.strip_prefix(&r).unwrap().display()));
+            }
+        }
+    }
+    assert!(checked >= 100, "only {checked} script paths found in the repository: is the scan broken?");
+    assert!(bad.is_empty(), "script paths that name no script (moved or renamed?):\n{}", bad.join("\n"));
+}
+
+#[test]
+fn the_path_scan_finds_scripts_in_prose_code_and_globs() {
+    let text = "run scripts/ci/a.sh, then \"$ROOT/scripts/bench/b.py\" --x\n\
+                (scripts/c.sh). myscripts/d.sh scripts/ e scripts/data/ f scripts/reference/ref_*.py\n";
+    let found: Vec<(usize, String)> = named_scripts(text);
+    let want = [(1, "scripts/ci/a.sh"), (1, "scripts/bench/b.py"), (2, "scripts/c.sh"), (2, "scripts/reference/ref_*.py")]
+        .map(|(n, s)| (n, s.to_string()));
+    assert_eq!(found, want);
+    assert!(matches_glob("scripts/bench/bench_*.sh", "scripts/bench/bench_conv.sh"));
+    assert!(!matches_glob("scripts/bench/bench_*.sh", "scripts/bench/bench_conv.py"));
+    assert!(!matches_glob("scripts/*.sh", "scripts/bench/bench_conv.sh"));
+}
+
+/// Runs scripts/ci/gpu_ci.sh with `smi` in nvidia-smi's place; its exit code, stderr and report.
 fn gpu_ci_without_a_gpu(smi: &str, require: bool) -> (Option<i32>, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.md");
-    let out = std::process::Command::new(root().join("scripts/gpu_ci.sh"))
+    let out = std::process::Command::new(root().join("scripts/ci/gpu_ci.sh"))
         .env("ALLGRAD_NVIDIA_SMI", smi)
         .env("ALLGRAD_GPU_OUT", dir.path())
         .env("ALLGRAD_GPU_REPORT", &report)
@@ -230,7 +398,7 @@ exit 0"#,
         ),
     );
     let report = d.join("report.md");
-    let out = std::process::Command::new(root().join("scripts/gpu_ci.sh"))
+    let out = std::process::Command::new(root().join("scripts/ci/gpu_ci.sh"))
         .env("ALLGRAD_NVIDIA_SMI", &smi)
         .env("ALLGRAD_GPU_OUT", d.join("out"))
         .env("ALLGRAD_GPU_REPORT", &report)
@@ -302,7 +470,7 @@ esac"#,
     // No conv_cuda, fused_cuda or optim_cuda: a build without cudnn, or an older one.
     let run = |require: bool| {
         let report = d.join(format!("report-{require}.md"));
-        let out = std::process::Command::new(root().join("scripts/gpu_ci.sh"))
+        let out = std::process::Command::new(root().join("scripts/ci/gpu_ci.sh"))
             .env("ALLGRAD_NVIDIA_SMI", &smi)
             .env("ALLGRAD_GPU_OUT", d.join(format!("out-{require}")))
             .env("ALLGRAD_GPU_REPORT", &report)

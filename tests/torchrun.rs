@@ -9,7 +9,7 @@
 //! torchrun is found through ALLGRAD_TORCHRUN (a path) or `torchrun` on PATH, and Python (for
 //! the store test) through ALLGRAD_PYTHON or the `python` next to that torchrun, and a test
 //! whose torchrun or Python is missing or cannot import torch fails.
-//! `scripts/torchrun_local.sh` runs this file against the venv's torchrun.
+//! `scripts/launch/torchrun_local.sh` runs this file against the venv's torchrun.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};

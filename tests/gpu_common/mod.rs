@@ -3,7 +3,7 @@
 //! behind (its parameters, shards assembled, and its losses).
 //!
 //! The binaries are `train` and `launch` of this build, or those in ALLGRAD_GPU_BIN (the
-//! directory `scripts/build_cuda_bins.sh` fills, run by `scripts/gpu_ci.sh` on a machine
+//! directory `scripts/ci/build_cuda_bins.sh` fills, run by `scripts/ci/gpu_ci.sh` on a machine
 //! without Rust). Configs and data are read from the repository root: the current directory
 //! when it holds `configs/` (cargo runs tests there; gpu_ci.sh runs from there), else the
 //! root this test was built in.
@@ -63,7 +63,7 @@ fn gpu_count() -> Result<usize, String> {
 #[cfg(not(feature = "cuda"))]
 fn gpu_count() -> Result<usize, String> {
     Err("this test binary was built without the `cuda` feature (cargo test --features cuda,nccl,cudnn, \
-         or scripts/build_cuda_bins.sh)"
+         or scripts/ci/build_cuda_bins.sh)"
         .into())
 }
 

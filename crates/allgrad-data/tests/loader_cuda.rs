@@ -3,7 +3,7 @@
 //! for bit to the batches of the CPU path, for the indexed loader and the webdataset stream
 //! loader, with and without worker threads; and the pinned path is the one that ran.
 //!
-//! It needs the `cuda` feature and a GPU (`scripts/gpu_ci.sh`). Without either it skips by
+//! It needs the `cuda` feature and a GPU (`scripts/ci/gpu_ci.sh`). Without either it skips by
 //! name, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which makes that a
 //! failure.
 

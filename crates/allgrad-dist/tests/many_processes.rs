@@ -7,7 +7,7 @@
 //! against the closed-form sums, and then one rank SIGKILLs itself while the others wait in a
 //! 4-byte all_reduce: every survivor must fail, naming it, well before the timeout.
 //!
-//! `scripts/bench_scale_ranks.sh` measures the same at up to 1,024 ranks; this test holds the
+//! `scripts/bench/bench_scale_ranks.sh` measures the same at up to 1,024 ranks; this test holds the
 //! behaviour at a size CI can afford.
 
 use std::io::Write;

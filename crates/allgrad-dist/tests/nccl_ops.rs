@@ -10,7 +10,7 @@
 //! ranks of one communicator on one GPU: ncclInvalidUsage), and with two GPUs W = 2 runs
 //! through NCCL. Nothing skips on a machine with a GPU.
 //!
-//! It needs the `cuda` feature and a GPU machine (`scripts/gpu_ci.sh`). Without either (the
+//! It needs the `cuda` feature and a GPU machine (`scripts/ci/gpu_ci.sh`). Without either (the
 //! repository's CPU CI) every test prints why it skipped, by name, and fails with
 //! ALLGRAD_REQUIRE_GPU=1.
 

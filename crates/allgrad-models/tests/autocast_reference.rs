@@ -1,5 +1,5 @@
 //! The losses of two fixed batches under bf16 autocast against PyTorch's
-//! `torch.autocast("cpu", dtype=torch.bfloat16)` (values from `scripts/ref_autocast.py`, which
+//! `torch.autocast("cpu", dtype=torch.bfloat16)` (values from `scripts/reference/ref_autocast.py`, which
 //! describes the batches), and their gradients with respect to every parameter: a SimCLR batch
 //! through a ResNet-18 of width 4 and its projector, and an unsupervised SimCSE batch through the
 //! committed tiny BERT. The same losses and gradients in f64 and f32 are checked against
@@ -37,7 +37,7 @@ use candle_core::{DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{VarBuilder, VarMap};
 
-// python3 scripts/ref_autocast.py  (torch 2.15.0+cu132)
+// python3 scripts/reference/ref_autocast.py  (torch 2.15.0+cu132)
 const RESNET_F64: f64 = 2.7434048039127426;
 const RESNET_F32: f64 = 2.7434048652648926;
 const RESNET_BF16: f64 = 2.7421822547912598;

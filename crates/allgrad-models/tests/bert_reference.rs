@@ -1,6 +1,6 @@
-//! The BERT encoder against transformers' `BertModel` (values from scripts/ref_bert.py, f32,
+//! The BERT encoder against transformers' `BertModel` (values from scripts/reference/ref_bert.py, f32,
 //! dropout off): token ids, last hidden states and the three poolings, on the committed tiny
-//! model and on all-MiniLM-L6-v2 when scripts/get_minilm.sh has fetched it.
+//! model and on all-MiniLM-L6-v2 when scripts/data/get_minilm.sh has fetched it.
 
 mod support;
 
@@ -105,7 +105,7 @@ const MINILM_SENTENCES: [&str; 5] = [
      whatever the number of ranks, including the dropout masks and the padding of every sequence.",
 ];
 
-// TINY: scripts/ref_bert.py, transformers 5.23.0, torch 2.15.0+cu132, f32, max_len 16
+// TINY: scripts/reference/ref_bert.py, transformers 5.23.0, torch 2.15.0+cu132, f32, max_len 16
 const TINY: &[Ref] = &[
     Ref {
         ids: &[2, 4, 6, 8, 9, 4, 10, 1, 3],
@@ -163,7 +163,7 @@ const TINY: &[Ref] = &[
         mean_sum: 0.3117846060304146,
     },
 ];
-// MINILM: scripts/ref_bert.py, transformers 5.23.0, torch 2.15.0+cu132, f32, max_len 32
+// MINILM: scripts/reference/ref_bert.py, transformers 5.23.0, torch 2.15.0+cu132, f32, max_len 32
 const MINILM: &[Ref] = &[
     Ref {
         ids: &[101, 1037, 2158, 2003, 2652, 1037, 2858, 1012, 102],

@@ -1,9 +1,9 @@
 //! CLIP against `transformers` 5.24's `CLIPModel` on the committed tiny random model
-//! `data/clip-tiny` (written by `scripts/make_tiny_clip.py` with fixed seeds): token
+//! `data/clip-tiny` (written by `scripts/data/make_tiny_clip.py` with fixed seeds): token
 //! ids, image and text features (projected, not normalised), logits and loss of three images
 //! and captions, f32. The values below were printed by
 //!
-//!     $PYTHON scripts/make_tiny_clip.py --reference
+//!     $PYTHON scripts/data/make_tiny_clip.py --reference
 //!
 //! and an exported folder read back equals the source.
 

@@ -97,12 +97,12 @@ fn central_diff(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
 fn sampled_classes(rate: f64) -> Vec<usize> {
     // The negatives the keyed rule samples at (SEED, STEP), from its Python re-implementation
     // (not the crate's own `negative_sampled`, so that a bug in the rule cannot cancel out):
-    //   python3 scripts/ref_face_sampling.py
+    //   python3 scripts/reference/ref_face_sampling.py
     //   crates/allgrad-models/tests/face_head.rs: seed 3, step 2, 10 classes, rate 0.3: [2, 3, 5, 6]
     let negatives: Vec<usize> = match rate {
         r if r >= 1.0 => (0..C).collect(),
         r if r == 0.3 && (SEED, STEP, C) == (3, 2, 10) => vec![2, 3, 5, 6],
-        _ => panic!("no reference sampling for rate {rate} (add it to scripts/ref_face_sampling.py)"),
+        _ => panic!("no reference sampling for rate {rate} (add it to scripts/reference/ref_face_sampling.py)"),
     };
     let ls = labels();
     (0..C).filter(|c| ls.contains(c) || negatives.contains(c)).collect()

@@ -1,5 +1,5 @@
 //! The distributed losses against an independent reference: values and input gradients that
-//! PyTorch computes (float64) with its own textbook formulations (`scripts/ref_losses.py`:
+//! PyTorch computes (float64) with its own textbook formulations (`scripts/reference/ref_losses.py`:
 //! NT-Xent as a masked cross-entropy over the 2N x 2N similarity matrix; cross-correlation
 //! with `F.batch_norm` standardisation), pasted below. Each loss is checked on one rank with
 //! the whole batch and on 2 and 3 thread-ranks with the rows split: the mean of the per-rank
@@ -16,7 +16,7 @@ use candle_core::{Device, Result, Tensor, Var};
 const N: usize = 6;
 const D: usize = 5;
 
-/// The two views, as `scripts/ref_losses.py` builds them.
+/// The two views, as `scripts/reference/ref_losses.py` builds them.
 fn views() -> (Vec<f64>, Vec<f64>) {
     let z1 = (0..N * D).map(|k| ((k / D) as f64 * 0.9 + (k % D) as f64 * 0.4 + 0.3).sin() + 0.1 * (k % D) as f64);
     let z2 = (0..N * D).map(|k| ((k / D) as f64 * 0.5 - (k % D) as f64 * 0.7).cos() + 0.05 * ((k / D) * (k % D)) as f64);
@@ -160,7 +160,7 @@ fn nt_xent_with_shifted_positives_does_not_match_pytorch() {
     assert!((losses[0] - NT_XENT_T05_LOSS).abs() > 1e-3, "shifted pairs gave {}, the reference {NT_XENT_T05_LOSS}", losses[0]);
 }
 
-// Printed by `python3 scripts/ref_losses.py` (torch 2.15.0+cu132, float64).
+// Printed by `python3 scripts/reference/ref_losses.py` (torch 2.15.0+cu132, float64).
 // nt_xent(z1, z2, 0.5, pg)
 const NT_XENT_T05_LOSS: f64 = 3.124052149780027;
 const NT_XENT_T05_GRAD_Z1: [[f64; 5]; 6] = [

@@ -1,5 +1,5 @@
 //! SimCSE's InfoNCE over the global batch: world-size invariance (W = 2, 3, 4; uneven
-//! splits too), values and gradients against PyTorch (scripts/ref_info_nce.py, f64), also for
+//! splits too), values and gradients against PyTorch (scripts/reference/ref_info_nce.py, f64), also for
 //! the tiled forms and a learned temperature, and the "put the local tensor back" gather of
 //! public SimCSE code giving 1/W of the gradient.
 
@@ -169,7 +169,7 @@ fn put_back_gather_gives_one_over_w_of_the_gradient_and_the_local_loss_form_all_
     }
 }
 
-// (scripts/ref_info_nce.py)
+// (scripts/reference/ref_info_nce.py)
 const UNSUP_LOSS: f64 = 12.629997280316955;
 const UNSUP_GRAD_A: [f64; 24] = [
     -1.1391005375963463,

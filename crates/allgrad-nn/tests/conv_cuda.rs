@@ -10,7 +10,7 @@
 //! (on a 64-channel case, where cuDNN takes tensor cores): a TF32 switch that never reached
 //! cuDNN would pass the rounding bound but not this.
 //!
-//! It needs the `cudnn` feature and a GPU (`scripts/gpu_ci.sh`). Without either, every test
+//! It needs the `cudnn` feature and a GPU (`scripts/ci/gpu_ci.sh`). Without either, every test
 //! skips by name, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which
 //! makes that a failure.
 

@@ -4,7 +4,7 @@
 //! every gradient, on odd shapes (and a strided input), in f64 (relative 1e-10) and f32
 //! (relative 1e-5), and bf16 activations with f32 parameters (autocast).
 //!
-//! It needs the `cuda` feature and a GPU (`scripts/gpu_ci.sh`). Without either every test
+//! It needs the `cuda` feature and a GPU (`scripts/ci/gpu_ci.sh`). Without either every test
 //! skips by name, saying why (`allgrad_testkit::skip`), unless ALLGRAD_REQUIRE_GPU=1, which
 //! makes that a failure. It compares the kernels, so it refuses to run with
 //! ALLGRAD_CUDA_FUSED=0 (then `batch_norm` refuses CUDA inputs, and `relu` is Candle's, whose

@@ -162,7 +162,7 @@ mod tests {
         assert_ne!(stream(&[0]).next_u64(), stream(&[0, 0]).next_u64());
     }
 
-    /// The first values of fixed keys, computed independently by `scripts/ref_keyed_rng.py`
+    /// The first values of fixed keys, computed independently by `scripts/reference/ref_keyed_rng.py`
     /// (plain-Python SplitMix64 + ChaCha12 + Lemire + Fisher-Yates). A change here changes
     /// every run's numbers: it must be deliberate, and the commit that makes it must say so.
     #[test]

@@ -33,7 +33,7 @@ pub fn hashed_values(n: usize, salt: u64) -> Vec<f64> {
 /// Something a test needs from the machine it runs on, and that some machines lack.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Need {
-    /// The all-MiniLM-L6-v2 weights under `data/models/` (fetched by `scripts/get_minilm.sh`).
+    /// The all-MiniLM-L6-v2 weights under `data/models/` (fetched by `scripts/data/get_minilm.sh`).
     MiniLm,
     /// POSIX shared memory: a `/dev/shm` directory.
     DevShm,
@@ -68,11 +68,11 @@ impl Need {
     /// What makes a test with this need run.
     pub fn runs_when(self) -> String {
         match self {
-            Need::MiniLm => "data/models/all-MiniLM-L6-v2 exists: scripts/get_minilm.sh fetches it".into(),
+            Need::MiniLm => "data/models/all-MiniLM-L6-v2 exists: scripts/data/get_minilm.sh fetches it".into(),
             Need::DevShm => "the host has a /dev/shm directory".into(),
             Need::NetNs => "run as root with CAP_NET_ADMIN and iproute2 (`ip netns add` works)".into(),
             Need::Torch => "ALLGRAD_WITH_TORCH=1, with torchrun and a Python that imports torch \
-                            (ALLGRAD_TORCHRUN / ALLGRAD_PYTHON, or on PATH; scripts/get_torch.sh installs them)"
+                            (ALLGRAD_TORCHRUN / ALLGRAD_PYTHON, or on PATH; scripts/ci/get_torch.sh installs them)"
                 .into(),
             Need::Gpu => "a CUDA build (--features cuda) on a machine with a CUDA device per rank".into(),
             Need::Unset(var) => format!("{var} is unset"),

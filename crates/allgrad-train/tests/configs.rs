@@ -1,7 +1,7 @@
 //! Every shipped config in `configs/` loads, validates for 1 and 2 ranks, and trains one small
 //! step on 2 thread-ranks with its own loss and data (data paths are relative to the
 //! repository root, where the README's commands run) and its own model, except that the SimCSE
-//! configs' pretrained BERT (all-MiniLM-L6-v2, fetched by scripts/get_minilm.sh) is replaced by
+//! configs' pretrained BERT (all-MiniLM-L6-v2, fetched by scripts/data/get_minilm.sh) is replaced by
 //! the committed tiny BERT; a second test steps the SimCSE configs on all-MiniLM-L6-v2 itself,
 //! and skips when it has not been fetched; a third runs the CLIP config's evaluation (zero-shot
 //! classification and retrieval) before and after a step.

@@ -112,16 +112,20 @@ fn sampled_at(step: usize, classes: usize, rate: f64) -> Vec<bool> {
     let batch = sampler.global_batch(step / per_epoch, step % per_epoch);
     // The negatives the keyed rule samples (seed 5), from its Python re-implementation (not the
     // crate's own `negative_sampled`, so that a bug in the rule cannot cancel out):
-    //   python3 scripts/ref_face_sampling.py
+    //   python3 scripts/reference/ref_face_sampling.py
     //   crates/allgrad-train/tests/face.rs: seed 5, step 0, 40 classes, rate 0.1: [23]
     //   crates/allgrad-train/tests/face.rs: seed 5, step 1, 40 classes, rate 0.1: [0, 21, 30, 32]
     //   crates/allgrad-train/tests/face.rs: seed 5, step 2, 40 classes, rate 0.1: [10, 18, 19, 23, 25, 28, 37]
-    assert_eq!((classes, rate), (40, 0.1), "no reference sampling for these (add them to scripts/ref_face_sampling.py)");
+    assert_eq!(
+        (classes, rate),
+        (40, 0.1),
+        "no reference sampling for these (add them to scripts/reference/ref_face_sampling.py)"
+    );
     let negatives: &[usize] = match step {
         0 => &[23],
         1 => &[0, 21, 30, 32],
         2 => &[10, 18, 19, 23, 25, 28, 37],
-        _ => panic!("no reference sampling for step {step} (add it to scripts/ref_face_sampling.py)"),
+        _ => panic!("no reference sampling for step {step} (add it to scripts/reference/ref_face_sampling.py)"),
     };
     (0..classes).map(|c| batch.iter().any(|i| i % classes == c) || negatives.contains(&c)).collect()
 }

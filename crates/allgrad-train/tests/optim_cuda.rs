@@ -10,7 +10,7 @@
 //! ALLGRAD_CUDA_FUSED=0, which turns them off, the test fails saying so), the composed path for
 //! LARS.
 //!
-//! It needs the `cuda` feature and a GPU (`scripts/gpu_ci.sh`). Without either it skips by
+//! It needs the `cuda` feature and a GPU (`scripts/ci/gpu_ci.sh`). Without either it skips by
 //! name, saying why, unless ALLGRAD_REQUIRE_GPU=1, which makes that a failure.
 
 use allgrad_dist::ProcessGroup;

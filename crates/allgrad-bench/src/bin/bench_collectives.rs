@@ -16,7 +16,7 @@
 //! rank keeps size/W). Times are per call, the maximum over ranks of the mean over the timed
 //! iterations. algbw = size / time; busbw = algbw * 2(W-1)/W for all_reduce and algbw * (W-1)/W
 //! for all_gather and reduce_scatter, so busbw is comparable across world sizes and against
-//! the link bandwidth. `scripts/bench_gloo.py` measures the same table with PyTorch's gloo.
+//! the link bandwidth. `scripts/bench/bench_gloo.py` measures the same table with PyTorch's gloo.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -28,7 +28,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser};
 
 /// Auto iteration count: about this many bytes per size, between MIN_ITERS and MAX_ITERS
-/// (the same rule as scripts/bench_gloo.py, so both run the same number of calls).
+/// (the same rule as scripts/bench/bench_gloo.py, so both run the same number of calls).
 const ITER_BYTES: u64 = 1 << 30;
 const MIN_ITERS: u64 = 5;
 const MAX_ITERS: u64 = 100;

@@ -4,7 +4,7 @@
 //! cargo run --release -p allgrad-bench --bin bench_conv -- [--runs N] [--all | --resnet18] [--only TEXT] [--skip-candle]
 //! ```
 //!
-//! Prints a table and, for `scripts/bench_conv.sh` (which adds PyTorch beside it), one
+//! Prints a table and, for `scripts/bench/bench_conv.sh` (which adds PyTorch beside it), one
 //! `RESULT layer op impl median_s min_s` line per measurement. Each figure is the median of
 //! `--runs` timed runs after one warm-up; Candle's and allgrad's runs alternate so both see the
 //! same background load. Default layer: input 128x64x32x32, 64 3x3 filters,
@@ -29,7 +29,7 @@ struct Layer {
 }
 
 /// The SimCLR step's ResNet-18 convolutions at batch 64 (128 views); the same list is in
-/// `scripts/bench_conv.py`.
+/// `scripts/bench/bench_conv.py`.
 fn resnet18() -> Vec<Layer> {
     let conv = |name, x: [usize; 4], out, k, stride| {
         let p = ConvParams { stride, padding: if k == 3 { 1 } else { 0 }, ..Default::default() };

@@ -1,5 +1,5 @@
-//! One rank of the face-head benchmark (`scripts/bench_face_head.sh` starts W of them through
-//! `launch`, alternating with `scripts/bench_face_head.py`, a PyTorch Partial FC v2): the
+//! One rank of the face-head benchmark (`scripts/bench/bench_face_head.sh` starts W of them through
+//! `launch`, alternating with `scripts/bench/bench_face_head.py`, a PyTorch Partial FC v2): the
 //! class-sharded head of `allgrad-models` alone, the code the trainer runs for it. Per step:
 //! the loss of a fixed global batch of random embeddings `[B, D]` (this rank's rows of it,
 //! a gradient flows back to them) against this rank's centres (L2 normalisation, the

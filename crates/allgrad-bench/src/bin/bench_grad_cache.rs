@@ -1,4 +1,4 @@
-//! One rank of the gradient-caching benchmark (`scripts/bench_grad_cache.sh` runs it through
+//! One rank of the gradient-caching benchmark (`scripts/bench/bench_grad_cache.sh` runs it through
 //! `launch` for every batch size, with and without caching): SimCLR with a ResNet-18 (CIFAR
 //! stem, SyncBatchNorm) and a 2-layer projector on the bundled Fashion-MNIST, views cropped
 //! to `--crop` pixels, trained by the real trainer (LARS, NT-Xent over the global batch).

@@ -1,5 +1,5 @@
-//! The loader on ImageNet-sized JPEGs: SimCLR's two views at 224, as `scripts/bench_loader.sh`
-//! runs it beside torchvision (scripts/bench_loader.py).
+//! The loader on ImageNet-sized JPEGs: SimCLR's two views at 224, as `scripts/bench/bench_loader.sh`
+//! runs it beside torchvision (scripts/bench/bench_loader.py).
 //!
 //! ```text
 //! bench_loader --images DIR loader --workers 2 --samples 512
@@ -10,7 +10,7 @@
 //!   folder), batches of `--batch` in file order, both views of every sample; the time from
 //!   the start to the last batch, after one warm-up batch. Prints
 //!   `RESULT\tloader\tallgrad\t<workers>\t<samples/s>`.
-//! - `decoded`: the decoded pixels of the first images, for scripts/compare_views.py.
+//! - `decoded`: the decoded pixels of the first images, for scripts/reference/compare_views.py.
 //! - `stages`: one thread, each sample read, decoded and its two views built stage by stage
 //!   ([`allgrad::data::Augment::apply_staged`]); prints
 //!   `RESULT\tstage\tallgrad\t<stage>\t<ms per sample>` for read, decode, crop+resize (with
@@ -34,7 +34,7 @@ use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 struct Args {
-    /// The image set (scripts/make_loader_images.py): `DIR/train/<class>/<n>.jpg`.
+    /// The image set (scripts/data/make_loader_images.py): `DIR/train/<class>/<n>.jpg`.
     #[arg(long)]
     images: PathBuf,
     /// Output side of the views.
@@ -64,7 +64,7 @@ enum Mode {
         #[arg(long, default_value_t = 200)]
         samples: usize,
     },
-    /// The decoded pixels of the first samples (for scripts/compare_views.py): per image its
+    /// The decoded pixels of the first samples (for scripts/reference/compare_views.py): per image its
     /// width and height (u32, little-endian), then its RGB bytes.
     Decoded {
         /// Images written.

@@ -1,8 +1,8 @@
 //! Peak memory of one SimCLR training step on the CPU, allgrad's side: the step of
-//! `examples/bench_simclr_step/` (ResNet-18 or -50 with the CIFAR stem, projector
+//! `bench_simclr_step` (`allgrad_bench::simclr_step`: ResNet-18 or -50 with the CIFAR stem, projector
 //! (features)-2048-128, NT-Xent, SGD) on `2 * batch` random 3x32x32 views, in a process of its
-//! own. `scripts/bench_step_memory.sh` runs it and PyTorch's side
-//! (`scripts/bench_simclr_step.py --memory`), each in its own process, and prints the table.
+//! own. `scripts/bench/bench_step_memory.sh` runs it and PyTorch's side
+//! (`scripts/bench/bench_simclr_step.py --memory`), each in its own process, and prints the table.
 //!
 //! It prints one line, `MEM side=allgrad ...` with, in MiB:
 //! - `setup`: the resident set (VmRSS) once the model, optimizer and input exist (after one
@@ -24,25 +24,11 @@
 //! cargo run --release -p allgrad-bench --bin bench_step_memory -- --depth 18 --batch 64
 //! ```
 
-#[path = "bench_simclr_step/machine.rs"]
-#[allow(dead_code)]
-mod machine;
-#[path = "bench_simclr_step/peer.rs"]
-#[allow(dead_code)]
-mod peer;
-#[path = "bench_simclr_step/report.rs"]
-#[allow(dead_code)]
-mod report;
-#[path = "bench_simclr_step/step.rs"]
-#[allow(dead_code)]
-mod step;
-
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use allgrad_bench::simclr_step::AllgradStep;
 use clap::Parser;
-
-use step::AllgradStep;
 
 /// The system allocator, counting the bytes it holds for us and their peak.
 struct Counting;

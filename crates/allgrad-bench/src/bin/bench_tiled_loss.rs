@@ -1,4 +1,4 @@
-//! One rank of the tiled-loss benchmark (`scripts/bench_tiled_loss.sh` runs it through
+//! One rank of the tiled-loss benchmark (`scripts/bench/bench_tiled_loss.sh` runs it through
 //! `launch` for every global batch and mode): one or more training steps of the `vectors`
 //! method (an MLP on seeded synthetic vectors, NT-Xent over the global batch) or of SimCLR
 //! with a small ResNet at low resolution on the bundled Fashion-MNIST, untiled or with

@@ -59,7 +59,7 @@ fn lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
     text.lines().enumerate().map(|(i, l)| (i + 1, l.trim_end_matches('\r'))).filter(|(_, l)| !l.trim().is_empty())
 }
 
-/// `retrieval.tsv` (`scripts/build_wordnet_text.py`): a header `synset<TAB>sentence<TAB>gloss`
+/// `retrieval.tsv` (`scripts/data/build_wordnet_text.py`): a header `synset<TAB>sentence<TAB>gloss`
 /// (columns found by name), one held-out synset a line.
 pub fn read_retrieval(path: &Path) -> Result<Retrieval> {
     let text = read(path)?;

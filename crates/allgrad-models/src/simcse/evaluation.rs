@@ -4,7 +4,7 @@
 //! over the ranks and the embeddings gathered, so every rank returns the same figures.
 //!
 //! A benchmark whose files are absent is skipped with a logged reason (the gensim files are
-//! fetched by `scripts/get_text_eval.sh`); a file that is present but malformed is an error.
+//! fetched by `scripts/data/get_text_eval.sh`); a file that is present but malformed is an error.
 
 use std::path::{Path, PathBuf};
 
@@ -20,7 +20,7 @@ use crate::bert::{cosine_matrix, embed_ids, BertModel, BertTokenizer, Pooling};
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct SimCseEval {
-    /// Held-out retrieval split (`retrieval.tsv` of `scripts/build_wordnet_text.py`).
+    /// Held-out retrieval split (`retrieval.tsv` of `scripts/data/build_wordnet_text.py`).
     pub retrieval: Option<PathBuf>,
     /// gensim's test data folder (`lee.cor`, `similarities0-1.txt`, `simlex999.txt`,
     /// `wordsim353.tsv`); each benchmark whose files are missing is skipped.

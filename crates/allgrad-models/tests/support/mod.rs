@@ -1,4 +1,4 @@
-//! Shared by the BERT tests: the committed tiny model (written by scripts/ref_bert.py).
+//! Shared by the BERT tests: the committed tiny model (written by scripts/reference/ref_bert.py).
 
 #![allow(dead_code)]
 
@@ -9,7 +9,7 @@ pub fn tiny_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-bert")
 }
 
-/// The all-MiniLM-L6-v2 folder, when scripts/get_minilm.sh has fetched it.
+/// The all-MiniLM-L6-v2 folder, when scripts/data/get_minilm.sh has fetched it.
 pub fn minilm_dir() -> Option<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/models/all-MiniLM-L6-v2");
     dir.join("model.safetensors").exists().then_some(dir)

@@ -108,7 +108,7 @@ impl Method for SimCseMethod {
         need_file("model.dir", &m.dir.join("config.json"), "a Hugging Face BERT folder has config.json")?;
         need_file("model.dir", &m.dir.join("tokenizer.json"), "a Hugging Face BERT folder has tokenizer.json")?;
         if m.pretrained {
-            let hint = "pretrained weights; scripts/get_minilm.sh fetches all-MiniLM-L6-v2, or set model.pretrained: false";
+            let hint = "pretrained weights; scripts/data/get_minilm.sh fetches all-MiniLM-L6-v2, or set model.pretrained: false";
             need_file("model.dir", &m.dir.join("model.safetensors"), hint)?;
         }
         if m.max_len < 2 {

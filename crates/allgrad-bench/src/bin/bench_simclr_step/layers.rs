@@ -1,6 +1,6 @@
 //! The per-layer-type breakdown on allgrad's side: every layer of the benchmark's ResNet-18
 //! (CIFAR stem) and projector, at its shape in the step, timed alone. `layer_shapes` mirrors
-//! `resnet18_layers` in `scripts/bench_simclr_step.py`, which times PyTorch's layers.
+//! `resnet18_layers` in `scripts/bench/bench_simclr_step.py`, which times PyTorch's layers.
 //!
 //! Candle cannot start a backward pass from a given output gradient, so the backward of a
 //! layer `y = f(x)` is timed as that of `sum(y * g)` (random `g`, built untimed) minus the

@@ -1,6 +1,6 @@
 //! One SimCLR training step on the CPU, allgrad against PyTorch in ONE invocation: ResNet-18
 //! (CIFAR stem, width 64) on 2B random 3x32x32 views, projector 512-2048-128, NT-Xent, SGD.
-//! PyTorch runs as a child process (`scripts/bench_simclr_step.py --worker`, interpreter from
+//! PyTorch runs as a child process (`scripts/bench/bench_simclr_step.py --worker`, interpreter from
 //! `PYTHON`, default `python3`); the two alternate step by step (A B A B ...) so that both see
 //! the same machine, each pinned to `--threads` threads (rayon's and Candle's pools here,
 //! torch.set_num_threads and OMP/MKL there). For each batch size it prints min / median / max
@@ -10,25 +10,21 @@
 //! The load average is printed before and after; a busy machine gets a warning.
 //!
 //! ```text
-//! scripts/bench_simclr_step.sh                      # batches 64 and 256, 5 rounds
+//! scripts/bench/bench_simclr_step.sh                      # batches 64 and 256, 5 rounds
 //! cargo run --release -p allgrad-bench --bin bench_simclr_step -- --rounds 3 --threads 2 64
 //! ```
 
 mod layers;
-mod machine;
-mod peer;
-mod report;
-mod step;
+
+use allgrad_bench::machine;
+use allgrad_bench::peer::Peer;
+use allgrad_bench::report::{self, alternate, breakdown, print_layers, session};
+use allgrad_bench::simclr_step::AllgradStep;
+use clap::Parser;
 
 /// Counts the allocations of the backward (`machine::Usage`).
 #[global_allocator]
 static ALLOCATOR: machine::Counting = machine::Counting;
-
-use clap::Parser;
-
-use peer::Peer;
-use report::{alternate, breakdown, print_layers, session};
-use step::AllgradStep;
 
 /// Alternating allgrad / PyTorch SimCLR step benchmark.
 #[derive(Parser)]
@@ -124,7 +120,7 @@ fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
         "bf16" => options.push(("autocast", String::new())),
         _ => {}
     }
-    let mut peer = if args.no_torch { None } else { Peer::spawn(python, "scripts/bench_simclr_step.py", batch, &options)? };
+    let mut peer = if args.no_torch { None } else { Peer::spawn(python, "scripts/bench/bench_simclr_step.py", batch, &options)? };
     let (a, b) = alternate(args.rounds, python, || ours.run(), peer.as_mut())?;
     if args.breakdown_rounds > 0 {
         let (la, lb) = breakdown(args.breakdown_rounds, || layers::layer_times(batch, args.width), peer.as_mut())?;

@@ -1,6 +1,6 @@
 //! The per-op-kind breakdown on allgrad's side: every op of the step's BERT encoder (and the
 //! head and loss) at its shape in the step, timed alone, as the step runs it. `layer_times`
-//! mirrors `layer_times` in `scripts/bench_simcse_step.py`, which times PyTorch's (transformers')
+//! mirrors `layer_times` in `scripts/bench/bench_simcse_step.py`, which times PyTorch's (transformers')
 //! ops at the same shapes.
 //!
 //! Shapes: `2B` sequences of `max_len` tokens (the step pads to the batch's longest sequence,

@@ -2,7 +2,7 @@
 //! the CPU or a GPU (`--device cuda`, in f32, TF32 or bf16 autocast: `--precision`), allgrad
 //! against PyTorch in ONE invocation: `batch` sentences encoded twice (two
 //! dropout masks, dropout on), mean pooling, MLP head, InfoNCE (temperature 0.05), backward,
-//! AdamW. PyTorch runs as a child process (`scripts/bench_simcse_step.py --worker`,
+//! AdamW. PyTorch runs as a child process (`scripts/bench/bench_simcse_step.py --worker`,
 //! interpreter from `PYTHON`, default `python3`); the two alternate step by step (A B A B ...)
 //! so that both see the same machine, each on `--threads` threads (rayon's and Candle's pools
 //! here; torch.set_num_threads, set_num_interop_threads and OMP/MKL there). Both take the
@@ -15,33 +15,28 @@
 //! first; a busy machine gets a warning.
 //!
 //! ```text
-//! scripts/bench_simcse_step.sh                      # batches 64 and 256, 5 rounds
+//! scripts/bench/bench_simcse_step.sh                      # batches 64 and 256, 5 rounds
 //! cargo run --release -p allgrad-bench --bin bench_simcse_step -- --rounds 3 --threads 2 64
 //! # the breakdown alone, two kinds, allgrad only (e.g. under valgrind --tool=callgrind):
 //! bench_simcse_step --breakdown-only --no-torch --breakdown-rounds 1 --kinds layer_norm,gelu 64
 //! ```
 
 mod layers;
-#[path = "../bench_simclr_step/machine.rs"]
-mod machine;
-#[path = "../bench_simclr_step/peer.rs"]
-mod peer;
-#[path = "../bench_simclr_step/report.rs"]
-mod report;
 mod step;
-
-/// Counts the allocations of the backward (`machine::Usage`).
-#[global_allocator]
-static ALLOCATOR: machine::Counting = machine::Counting;
 
 use std::path::PathBuf;
 
 use allgrad::models::simcse::read_sentences;
+use allgrad_bench::machine;
+use allgrad_bench::peer::Peer;
+use allgrad_bench::report::{self, alternate, breakdown, print_layers, session};
 use clap::Parser;
 
-use peer::Peer;
-use report::{alternate, breakdown, print_layers, session};
 use step::AllgradStep;
+
+/// Counts the allocations of the backward (`machine::Usage`).
+#[global_allocator]
+static ALLOCATOR: machine::Counting = machine::Counting;
 
 /// Alternating allgrad / PyTorch SimCSE step benchmark.
 #[derive(Parser)]
@@ -100,7 +95,7 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.max_len >= 2, "--max-len must be at least 2 ([CLS] and [SEP])");
     anyhow::ensure!(
         args.model.join("model.safetensors").is_file(),
-        "{} has no model.safetensors: scripts/get_minilm.sh fetches all-MiniLM-L6-v2",
+        "{} has no model.safetensors: scripts/data/get_minilm.sh fetches all-MiniLM-L6-v2",
         args.model.display()
     );
     anyhow::ensure!(
@@ -149,7 +144,7 @@ fn run_batch(args: &Args, sentences: &[String], python: &str) -> anyhow::Result<
     } else {
         Peer::spawn(
             python,
-            "scripts/bench_simcse_step.py",
+            "scripts/bench/bench_simcse_step.py",
             batch,
             &[
                 ("threads", args.threads.to_string()),

@@ -11,8 +11,8 @@ use allgrad::train::optim::{OptimConfig, Optimizer};
 use allgrad::train::params::ParamStore;
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::machine::Usage;
-use crate::report::{sample, Sample};
+use allgrad_bench::machine::{self, Usage};
+use allgrad_bench::sample::{insert_traffic, sample, Sample};
 
 /// AdamW's learning rate (configs/simcse.yaml's peak; the step time does not depend on it).
 const LR: f64 = 3e-5;
@@ -20,7 +20,7 @@ const LR: f64 = 3e-5;
 /// The `simcse` method's objective (mean pooling, MLP head, temperature 0.05) on the BERT of a
 /// Hugging Face folder with its dropout (on), over `batch` fixed sentences, and the trainer's
 /// AdamW (weight decay 0), on the CPU or a GPU, the forward optionally under bf16 autocast (as
-/// the trainer runs `precision: bf16`): the step `scripts/bench_simcse_step.py` runs in
+/// the trainer runs `precision: bf16`): the step `scripts/bench/bench_simcse_step.py` runs in
 /// PyTorch. On a GPU every phase boundary waits for the device.
 pub struct AllgradStep {
     objective: SimCse,
@@ -52,7 +52,7 @@ impl AllgradStep {
     /// backward (which frees the graph as it goes), AdamW update; the wall time also covers
     /// freeing the gradients.
     pub fn run(&mut self) -> anyhow::Result<Sample> {
-        crate::machine::device_peak::reset(&self.device);
+        machine::device_peak::reset(&self.device);
         let traffic = allgrad_nn::host_traffic();
         let start = Usage::now();
         let batch = Batch { indices: &self.indices, epoch: 0, step: self.step, seed: 0 };
@@ -86,13 +86,13 @@ impl AllgradStep {
         let mut s =
             sample(start, end, [("fwd", secs(start.at, t_fwd)), ("bwd", secs(t_fwd, t_bwd)), ("opt", secs(t_bwd, t_opt))]);
         s.extend(at_fwd.backward_counts(&at_bwd).map(|(k, v)| (k.to_string(), v)));
-        if let Some(mib) = crate::machine::device_peak::read(&self.device) {
+        if let Some(mib) = machine::device_peak::read(&self.device) {
             s.insert("gpu_peak".into(), mib);
         }
-        if let Some(mib) = crate::machine::device_peak::reserved(&self.device) {
+        if let Some(mib) = machine::device_peak::reserved(&self.device) {
             s.insert("gpu_reserved".into(), mib);
         }
-        crate::report::insert_traffic(&mut s, [traffic, traffic_fwd, traffic_bwd, traffic_opt]);
+        insert_traffic(&mut s, [traffic, traffic_fwd, traffic_bwd, traffic_opt]);
         Ok(s)
     }
 }

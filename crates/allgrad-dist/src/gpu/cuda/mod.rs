@@ -4,7 +4,7 @@
 //! reading a device's UUID.
 //!
 //! Nothing here runs in this repository's CI: it is type-checked there
-//! (`scripts/check_cuda_build.sh`) and exercised by `scripts/gpu_ci.sh` on a GPU machine.
+//! (`scripts/ci/check_cuda_build.sh`) and exercised by `scripts/ci/gpu_ci.sh` on a GPU machine.
 //! The parts that are not CUDA calls (choosing the path, the host half of the `host` path)
 //! are tested on the CPU.
 

@@ -1,7 +1,7 @@
 //! The NCCL backend for CUDA tensors (feature `nccl`): the `nccl` path of a group whose ranks
 //! each have a GPU of their own ([`crate::gpu`]). Nothing here runs in this repository's CI:
-//! it is type-checked there (`scripts/check_cuda_build.sh`) and exercised by
-//! `scripts/gpu_ci.sh` on a GPU machine (with two GPUs or more; on one GPU every group of
+//! it is type-checked there (`scripts/ci/check_cuda_build.sh`) and exercised by
+//! `scripts/ci/gpu_ci.sh` on a GPU machine (with two GPUs or more; on one GPU every group of
 //! several ranks takes the `host` path).
 //!
 //! - One communicator per [`ProcessGroup`](crate::ProcessGroup) on the `nccl` path, made by

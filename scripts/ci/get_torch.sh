@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs PyTorch (torch==2.15.0, the version tests/torchrun.rs is run against) from PyPI into a
+# virtual environment outside the repository, for the tests that need torchrun and PyTorch's
+# TCPStore (tests/torchrun.rs, run with ALLGRAD_WITH_TORCH=1). Reuses the environment when it
+# already imports that torch. Prints the environment's path as its last line.
+#
+#   scripts/ci/get_torch.sh [VENV]    (default: $ALLGRAD_TORCH_VENV, else ~/.cache/allgrad/torch-2.15.0)
+#
+# PyPI's Linux wheel of torch carries its CUDA libraries: about 3 GB to download and 5.3 GB
+# installed; on the CI machine (2 cores) the install took about 5 minutes.
+set -euo pipefail
+version=2.15.0
+venv=${1:-${ALLGRAD_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/allgrad/torch-$version}}
+python=${PYTHON:-python3}
+have() { [[ -x $venv/bin/python && -x $venv/bin/torchrun ]] &&
+  [[ $("$venv/bin/python" -c 'import torch, torch.distributed; print(torch.__version__.split("+")[0])' 2>/dev/null) == "$version" ]]; }
+if have; then
+  echo "torch $version already in $venv"
+else
+  if [[ -e $venv ]]; then
+    # Only a virtual environment (a failed earlier install) is replaced.
+    [[ -f $venv/pyvenv.cfg ]] || { echo "error: $venv exists and is not a virtual environment" >&2; exit 1; }
+    rm -rf "$venv"
+  fi
+  mkdir -p "$(dirname "$venv")"
+  "$python" -m venv "$venv"
+  # No cache: the wheels would double the disk used.
+  "$venv/bin/python" -m pip install --no-cache-dir --quiet "torch==$version"
+  have || { echo "error: torch $version in $venv does not import" >&2; exit 1; }
+  echo "torch $version installed in $venv"
+fi
+echo "$venv"
