@@ -7,14 +7,17 @@
 //! step at batch 64 then spends about a quarter of its time on that.
 //! [`tune_allocator`] keeps freed memory in the process for reuse instead. The cost is that
 //! the resident size stays at the step's peak, which a training process reaches every step
-//! anyway. Set `ALLGRAD_MALLOC_TUNE=0` to keep the defaults.
+//! anyway. Set `ALLGRAD_MALLOC_TUNE=0` to keep the defaults. Any value but `0` or `1` also
+//! keeps them here, and `train` then stops with an error naming the variable
+//! (`allgrad_train::Settings` checks it).
 
 /// Keeps large allocations in the heap and freed memory in the process (glibc on Linux;
 /// elsewhere it does nothing). Call it first thing in `main`, before large allocations.
 /// Returns whether the settings were applied.
 pub fn tune_allocator() -> bool {
-    if std::env::var("ALLGRAD_MALLOC_TUNE").is_ok_and(|v| v.trim() == "0") {
-        return false;
+    match std::env::var("ALLGRAD_MALLOC_TUNE").as_deref().map(str::trim) {
+        Err(_) | Ok("" | "1") => {}
+        Ok(_) => return false,
     }
     imp::tune()
 }

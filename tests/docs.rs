@@ -327,3 +327,82 @@ fn every_figure_of_the_readme_performance_table_has_its_command_in_docs_performa
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// Every `ALLGRAD_*` name in `text` (a name ending in `_` is a prefix being assembled, not a
+/// variable, and is left out).
+fn allgrad_variables(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes = text.as_bytes();
+    let mut from = 0;
+    while let Some(at) = text[from..].find("ALLGRAD_") {
+        let start = from + at;
+        let before_ok = start == 0 || !(bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
+        let end =
+            start + text[start..].bytes().take_while(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || *b == b'_').count();
+        let name = &text[start..end];
+        if before_ok && !name.ends_with('_') {
+            out.insert(name.to_string());
+        }
+        from = end;
+    }
+    out
+}
+
+/// The code that can read an environment variable: Rust sources, shell and Python scripts, and
+/// the CI entry point (documentation left out), each with the variables it names.
+fn variables_in_code() -> BTreeMap<String, PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if p.is_dir() {
+                if !["target", ".git", "data", "runs", "third_party"].contains(&name.as_str()) {
+                    walk(&p, out);
+                }
+            } else if p.extension().is_some_and(|e| e == "rs" || e == "sh" || e == "py") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = vec![repo().join(".ci/run")];
+    for dir in ["src", "crates", "tests", "scripts", "examples"] {
+        walk(&repo().join(dir), &mut files);
+    }
+    let mut out = BTreeMap::new();
+    for f in files {
+        for v in allgrad_variables(&std::fs::read_to_string(&f).unwrap()) {
+            out.entry(v).or_insert_with(|| f.strip_prefix(repo()).unwrap().to_path_buf());
+        }
+    }
+    out
+}
+
+#[test]
+fn docs_environment_lists_every_variable_the_code_reads_and_no_other() {
+    let doc = std::fs::read_to_string(repo().join("docs/environment.md")).unwrap();
+    // The variables a table row of docs/environment.md documents (its first cell).
+    let documented: BTreeSet<String> = doc
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+        .filter(|v| v.starts_with("ALLGRAD_"))
+        .map(String::from)
+        .collect();
+    assert!(documented.len() >= 20, "docs/environment.md: only {} variables found in its tables", documented.len());
+    let in_code = variables_in_code();
+    let missing: Vec<String> = in_code
+        .iter()
+        .filter(|(v, _)| !documented.contains(*v))
+        .map(|(v, f)| format!("{v} (named in {})", f.display()))
+        .collect();
+    let stale: Vec<&String> = documented.iter().filter(|v| !in_code.contains_key(*v)).collect();
+    assert!(missing.is_empty(), "docs/environment.md has no row for: {}", missing.join(", "));
+    assert!(stale.is_empty(), "docs/environment.md documents variables no code reads: {stale:?}");
+}
+
+#[test]
+fn allgrad_variables_are_found_whole_and_prefixes_left_out() {
+    // Assembled, so that this file names no variable itself.
+    let p = "ALLGRAD_";
+    let found = allgrad_variables(&format!("x {p}A_B=1 \"{p}C\" MY_{p}D {p}E_${{i}} ${p}F2"));
+    assert_eq!(found, [format!("{p}A_B"), format!("{p}C"), format!("{p}F2")].into_iter().collect());
+}

@@ -196,12 +196,14 @@ fn an_existing_run_is_not_overwritten_without_resume() {
 /// level) stops `train` before it writes anything, naming the variable, the value and what it
 /// may be; nothing falls back to a default.
 #[test]
-fn a_bad_kernel_variable_stops_train_before_it_starts_naming_it() {
+fn a_bad_setting_variable_stops_train_before_it_starts_naming_it() {
     let d = setup();
     let cases = [
         ("ALLGRAD_WINOGRAD", "yes", "expected 0 or 1"),
         ("ALLGRAD_CUDA_FUSED", "off", "expected 0 or 1"),
         ("ALLGRAD_CPU_SIMD", "sse9", "expected auto, avx512, avx2 or baseline"),
+        ("ALLGRAD_MALLOC_TUNE", "yes", "must be 0 or 1"),
+        ("ALLGRAD_LOG", "info,[", "is not a log filter"),
     ];
     for (var, value, why) in cases {
         let out_dir = d.path().join(var);

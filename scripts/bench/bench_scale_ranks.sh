@@ -70,7 +70,7 @@ if [[ "$GLOO" == 1 ]]; then
 fi
 
 # Memory per rank (MiB) of the previous W, to estimate the next (defaults before any).
-ALLGRAD_MB=16
+RANK_MB=16
 GLOO_MB=300
 estimate_ok() { # name W per_rank_MiB
     local need=$(( $2 * $3 )) avail=$(( $(mem_kb MemAvailable) / 1024 ))
@@ -92,11 +92,11 @@ IFS=',' read -r -a WS <<< "$SIZES"
 for W in "${WS[@]}"; do
     echo
     # allgrad: ranks plus the kernel's sockets, up to about 8 KiB for each of the W - 1 per rank.
-    PER=$(( ALLGRAD_MB + (W * 8) / 1024 + 1 ))
+    PER=$(( RANK_MB + (W * 8) / 1024 + 1 ))
     if estimate_ok allgrad "$W" "$PER"; then
         "$BIN" --nproc "$W" --nnodes "$NNODES" --iters "$ITERS" --time-limit-s "$LIMIT" "${KILL[@]}" \
             --json "$OUT/scale.jsonl" --out "$OUT/allgrad-$W" 2> >(tail -n 20 >&2) || echo "   (harness exited with $?)"
-        M=$(last_uss_mb "$OUT/scale.jsonl"); [[ -n "$M" ]] && ALLGRAD_MB=$M
+        M=$(last_uss_mb "$OUT/scale.jsonl"); [[ -n "$M" ]] && RANK_MB=$M
     fi
     if [[ "$HAVE_TORCH" == 1 ]] && estimate_ok gloo "$W" "$GLOO_MB"; then
         D="$OUT/gloo-$W"; rm -rf "$D"; mkdir -p "$D"

@@ -173,7 +173,7 @@ mod tests {
 
     #[test]
     fn the_skip_line_names_the_need_and_what_would_run_it() {
-        let line = skip_line("bin::t", Need::Unset("ALLGRAD_X"), "ALLGRAD_X=3 is set");
-        assert_eq!(line, "SKIPPED bin::t [env]: ALLGRAD_X=3 is set (runs when: ALLGRAD_X is unset)");
+        let line = skip_line("bin::t", Need::Unset("ALLGRAD_TIMEOUT_S"), "ALLGRAD_TIMEOUT_S=3 is set");
+        assert_eq!(line, "SKIPPED bin::t [env]: ALLGRAD_TIMEOUT_S=3 is set (runs when: ALLGRAD_TIMEOUT_S is unset)");
     }
 }

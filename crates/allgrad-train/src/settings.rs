@@ -9,8 +9,13 @@
 //! | `ALLGRAD_PROFILE` | `1`: time the regions of every step (with CUDA events on a GPU) and print the table at the end (`train --profile`) |
 //! | `ALLGRAD_DEVICE_PATH` | `1`: a CPU run takes the code path CUDA tensors take (statistics and figures kept in tensors, one read per step; [`allgrad_nn::transfer`]), to count its host traffic on a machine without a GPU |
 //!
-//! (`ALLGRAD_LOG`, the log filter, is read by the `train` binary; the distributed layer reads
-//! its own variables.) The variables allgrad-nn reads (`ALLGRAD_WINOGRAD`, `ALLGRAD_CUDA_FUSED`,
+//! | `ALLGRAD_LOG` | the log filter of the `train` binary (tracing's env-filter syntax; default `info`) |
+//! | `ALLGRAD_MALLOC_TUNE` | `0`: `allgrad::tune_allocator` leaves glibc's malloc settings alone (default `1`) |
+//!
+//! The last two act before `Settings` exist (the logger and the allocator are set up first
+//! thing in `main`, and fall back to their defaults on a bad value); `Settings` checks them, so a
+//! bad value still stops `train` before it starts. The distributed layer reads its own
+//! variables (`allgrad_dist::Settings`). The variables allgrad-nn reads (`ALLGRAD_WINOGRAD`, `ALLGRAD_CUDA_FUSED`,
 //! `ALLGRAD_CPU_SIMD`) are checked here too, through [`allgrad_nn::check_settings`].
 
 use std::path::PathBuf;
@@ -99,6 +104,15 @@ impl Settings {
             }
         };
         let (profile, device_path) = (switch(&get, "ALLGRAD_PROFILE")?, switch(&get, "ALLGRAD_DEVICE_PATH")?);
+        // Checked only: the allocator and the logger read these before any settings exist.
+        switch(&get, "ALLGRAD_MALLOC_TUNE")?;
+        if let Some(v) = get("ALLGRAD_LOG").filter(|s| !s.trim().is_empty()) {
+            tracing_subscriber::EnvFilter::try_new(&v).map_err(|e| {
+                TrainError::Setup(format!(
+                    "ALLGRAD_LOG={v:?} is not a log filter ({e}): use a level (error, warn, info, debug, trace) or tracing's env-filter syntax, e.g. allgrad_train=debug"
+                ))
+            })?;
+        }
         Ok(Settings { font, fault, profile, device_path })
     }
 }
@@ -126,5 +140,12 @@ mod tests {
         assert!(on.profile && on.device_path);
         let e = Settings::from_vars(|k| (k == "ALLGRAD_PROFILE").then(|| "yes".into())).unwrap_err().to_string();
         assert!(e.contains("ALLGRAD_PROFILE=\"yes\" must be 0 or 1"), "{e}");
+        let e = Settings::from_vars(|k| (k == "ALLGRAD_MALLOC_TUNE").then(|| "off".into())).unwrap_err().to_string();
+        assert!(e.contains("ALLGRAD_MALLOC_TUNE=\"off\" must be 0 or 1"), "{e}");
+        let e = Settings::from_vars(|k| (k == "ALLGRAD_LOG").then(|| "debug,x=[".into())).unwrap_err().to_string();
+        assert!(e.contains("ALLGRAD_LOG=\"debug,x=[\" is not a log filter"), "{e}");
+        for ok in ["debug", "allgrad_train=trace,warn"] {
+            Settings::from_vars(|k| (k == "ALLGRAD_LOG").then(|| ok.into())).unwrap();
+        }
     }
 }
