@@ -39,7 +39,8 @@ impl Peer {
         // `script` is relative to the repository root: that of the checkout the benchmark was
         // built from, else the working directory (a binary built on one machine and run from a
         // copy of the repository on another).
-        let built = format!("{}/{script}", env!("CARGO_MANIFEST_DIR"));
+        // This crate sits two folders below the repository root (crates/allgrad-bench).
+        let built = format!("{}/../../{script}", env!("CARGO_MANIFEST_DIR"));
         let script = if std::path::Path::new(&built).exists() { built } else { script.to_string() };
         let mut args = vec!["--worker".to_string(), "--batch".to_string(), batch.to_string()];
         // An empty value passes a flag (`--tf32`) alone.
