@@ -49,12 +49,13 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::channel::geometry;
-use crate::cpu::{contiguous, float_kernel, fused_float, has_avx2, run_split_keeping_f32, zeros, Float, SplitKernel, GRAIN};
+use crate::backend::fused_float;
+use crate::cpu::{contiguous, float_kernel, has_avx2, run_split_keeping_f32, zeros, Float, SplitKernel, GRAIN};
 use crate::error::{fail, NnError};
 use crate::finalize::{
     channel_backward, channel_constants, table_channels, with_cpu_f64, BackwardCoefficients, Coefficients, Dx, Sums, TensorSum,
 };
+use crate::shape::geometry;
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
 /// (an all_reduce with `Sum`); called once per backward of a synchronised [`batch_norm`], on
@@ -956,7 +957,7 @@ fn backward_device(
     y: &Tensor,
     g: &Tensor,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    use crate::cpu::dense;
+    use crate::backend::dense;
     let g = dense(&g.detach().to_dtype(x.dtype())?)?;
     let (x, y) = (dense(&x.detach())?, dense(&y.detach())?);
     let (dx, mut dgb) = norm_backward_device(&g, &x, &y, main, plan.relu)?;

@@ -10,8 +10,9 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 
+use crate::backend::cpu_float;
 use crate::conv_cpu::{conv_bwd, conv_fwd};
-use crate::cpu::{bf16_values, bf16_with_f32, contiguous, cpu_float, float_kernel, narrow, run_split, widen, Float, SplitKernel};
+use crate::cpu::{bf16_values, bf16_with_f32, contiguous, float_kernel, narrow, run_split, widen, Float, SplitKernel};
 use crate::error::{fail, NnError};
 use crate::im2col::ConvGeom;
 

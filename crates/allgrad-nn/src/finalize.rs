@@ -22,9 +22,9 @@ use std::sync::Arc;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
-use crate::channel::geometry;
 use crate::cpu::{contiguous, float_kernel, Float};
 use crate::error::{fail, NnError};
+use crate::shape::geometry;
 
 /// Sums a tensor of per-channel f64 partial sums over the ranks that share the batch
 /// statistics (an all_reduce with `Sum` of a tensor on its device); called once per backward of
@@ -83,7 +83,7 @@ pub(crate) fn channel_backward(
 pub fn batch_moments(x: &Tensor) -> Result<Tensor> {
     let (n, _, inner) = geometry(x.dims(), "batch_moments")?;
     #[cfg(feature = "cuda")]
-    if crate::cpu::cuda_float(x) {
+    if crate::backend::cuda_float(x) {
         // One two-stage reduction that also writes the count.
         return x.detach().contiguous()?.apply_op1_no_bwd(&CudaMoments);
     }

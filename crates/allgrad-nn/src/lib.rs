@@ -74,6 +74,7 @@
 mod activation;
 mod attention;
 pub mod autocast;
+mod backend;
 mod batch_norm;
 mod channel;
 mod conv;
@@ -101,6 +102,7 @@ mod loss;
 mod norm;
 mod pool;
 mod settings;
+mod shape;
 mod simd;
 mod softmax;
 #[cfg(test)]
@@ -113,10 +115,10 @@ mod winograd;
 
 pub use activation::{add_relu, gelu_erf, gelu_erf_composed, relu};
 pub use attention::{attention, attention_composed};
+pub use backend::has_fused_kernels;
 pub use batch_norm::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
-pub use cpu::has_fused_kernels;
 #[doc(hidden)]
 pub use cpu::strided_copies;
 pub use dropout::dropout_mask;

@@ -16,9 +16,9 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use crate::backend::cpu_float;
 use crate::cpu::{
-    bf16_values, bf16_with_f32, contiguous, cpu_float, float_kernel, matmul, narrow, run_split, widen, zeros, Float, MatRef,
-    SplitKernel,
+    bf16_values, bf16_with_f32, contiguous, float_kernel, matmul, narrow, run_split, widen, zeros, Float, MatRef, SplitKernel,
 };
 use crate::error::{fail, NnError};
 
