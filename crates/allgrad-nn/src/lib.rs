@@ -124,7 +124,7 @@ pub use cpu::strided_copies;
 pub use dropout::dropout_mask;
 pub use error::NnError;
 pub use finalize::{batch_moments, batch_statistics, TensorSum};
-pub use linear::linear;
+pub use linear::{linear, linear_module};
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
