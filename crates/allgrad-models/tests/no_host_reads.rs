@@ -8,7 +8,7 @@ use std::path::Path;
 #[test]
 fn batch_norm_and_cuda_sources_read_devices_only_through_the_counting_place() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut files = vec![root.join("allgrad-models/src/batch_norm.rs"), root.join("allgrad-nn/src/conv_cudnn.rs")];
+    let mut files = vec![root.join("allgrad-models/src/batch_norm.rs"), root.join("allgrad-nn/src/conv/cudnn.rs")];
     // Batch norm (the layer, its CPU passes, its finalize ops) and the CUDA kernels, every file.
     for dir in ["allgrad-nn/src/batch_norm", "allgrad-nn/src/cuda"] {
         for e in std::fs::read_dir(root.join(dir)).unwrap() {

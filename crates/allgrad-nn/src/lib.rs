@@ -78,10 +78,6 @@ mod backend;
 mod batch_norm;
 mod channel;
 mod conv;
-mod conv_cpu;
-#[cfg(feature = "cudnn")]
-mod conv_cudnn;
-mod conv_plan;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -95,7 +91,6 @@ pub use cuda::keep_pool_memory;
 pub use cuda::optim as optim_cuda;
 mod dropout;
 mod error;
-mod im2col;
 mod linear;
 mod loss;
 mod norm;
@@ -110,7 +105,6 @@ mod tf32;
 mod trace;
 pub mod transfer;
 mod vmath;
-mod winograd;
 
 pub use activation::{add_relu, gelu_erf, gelu_erf_composed, relu};
 pub use attention::{attention, attention_composed};
