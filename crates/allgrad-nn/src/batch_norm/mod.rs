@@ -43,6 +43,10 @@
 //! and, with a skip input, the ReLU's backward kernel for `∂skip`. No value is read to the host.
 //! Both paths evaluate the same expressions (shared per-channel functions, CUDA kernels without
 //! contraction), and save the same tensors.
+//!
+//! The folder: this file is the layer (its checks, its constants on either path, its ops and
+//! their backward); `cpu.rs` holds the passes over the activations that both paths' CPU
+//! kernels run, [`finalize`] the device path's per-channel ops.
 
 use std::sync::Arc;
 
