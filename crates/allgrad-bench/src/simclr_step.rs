@@ -73,7 +73,7 @@ impl AllgradStep {
             let z = {
                 let _autocast = self.bf16.then(allgrad_nn::autocast::Autocast::bf16);
                 let h = self.enc.forward(&self.x, Mode { train: true, pg: &self.pg })?;
-                let dense = allgrad_nn::autocast::linear_module;
+                let dense = allgrad_nn::linear_module;
                 dense(&self.p2, &allgrad_nn::relu(&dense(&self.p1, &h)?)?)?
             };
             let z = allgrad_nn::autocast::full(&z)?;

@@ -92,7 +92,7 @@ impl VectorContrastive {
 
     fn encode(&self, x: &Tensor) -> Result<Tensor> {
         let (l1, l2) = self.layers.as_ref().ok_or(ModelError::NotBuilt { objective: "vectors" })?;
-        let dense = allgrad_nn::autocast::linear_module;
+        let dense = allgrad_nn::linear_module;
         dense(l2, &dense(l1, x)?.relu()?)
     }
 }

@@ -20,7 +20,8 @@ use std::borrow::Cow;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, dense, float_kernel, fused_float, zeros, Float, Scratch, GRAIN};
+use crate::backend::{dense, fused_float};
+use crate::cpu::{contiguous, float_kernel, zeros, Float, Scratch, GRAIN};
 use crate::error::{fail, NnError};
 use crate::simd::{dispatch, SimdLevel};
 

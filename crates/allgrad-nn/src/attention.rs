@@ -21,7 +21,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, matmul, narrow, widen, zeros, Float, MatRef};
+use crate::backend::cpu_float;
+use crate::cpu::{contiguous, matmul, narrow, widen, zeros, Float, MatRef};
 use crate::error::{fail, NnError};
 use crate::simd::SimdLevel;
 

@@ -2,7 +2,7 @@
 //! as in PyTorch's `torch.autocast(device_type, dtype=torch.bfloat16)`.
 //!
 //! While an [`Autocast`] guard is alive on a thread, [`crate::conv2d`], [`crate::linear`] and
-//! [`linear_module`] cast their f32 input to bf16 (a differentiable cast) and return bf16. Their
+//! [`crate::linear_module`] cast their f32 input to bf16 (a differentiable cast) and return bf16. Their
 //! f32 parameters enter the CPU kernels rounded to bf16, so the forward is PyTorch's; the
 //! gradient of such a parameter comes back f32, computed in f32 from the same bf16 values and
 //! not rounded (PyTorch rounds it to bf16 before casting it back: unrounded, a W-rank run and
@@ -43,7 +43,7 @@
 
 use std::cell::Cell;
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 thread_local! {
     /// The dtype autocast ops compute in on this thread (`None`: their inputs' own).
@@ -98,15 +98,5 @@ pub fn full(t: &Tensor) -> Result<Tensor> {
         t.to_dtype(DType::F32)
     } else {
         Ok(t.clone())
-    }
-}
-
-/// `layer`'s forward: under autocast [`crate::linear`] with bf16 operands, otherwise the
-/// layer's own `forward` (Candle's matmul and bias add, unchanged).
-pub fn linear_module(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
-    if compute_dtype().is_some() {
-        crate::linear(x, layer.weight(), layer.bias())
-    } else {
-        layer.forward(x)
     }
 }

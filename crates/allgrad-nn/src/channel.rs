@@ -18,16 +18,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, float_kernel, fused_float, has_avx2, widen, zeros, Float};
+use crate::backend::{cpu_float, fused_float};
+use crate::cpu::{contiguous, float_kernel, has_avx2, widen, zeros, Float};
 use crate::error::{fail, NnError};
-
-/// `(n, c, inner)` of an `[N, C, ...]` shape.
-pub(crate) fn geometry(dims: &[usize], what: &'static str) -> Result<(usize, usize, usize)> {
-    if dims.len() < 2 {
-        return fail(NnError::InputRank { op: what, expected: "an [N, C, ...] tensor", shape: Shape::from(dims) });
-    }
-    Ok((dims[0], dims[1], dims[2..].iter().product()))
-}
+use crate::shape::geometry;
 
 /// Independent partial sums per channel: the additions of one f64 chain wait on each other,
 /// eight chains keep the pipeline full and let the loop vectorise.

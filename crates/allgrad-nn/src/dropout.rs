@@ -9,7 +9,8 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float, GRAIN};
+use crate::backend::cpu_float;
+use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
 
 /// `out[i] = x[i]·m[i] (+ r[i])`, in parallel.

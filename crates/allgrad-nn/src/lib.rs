@@ -74,13 +74,10 @@
 mod activation;
 mod attention;
 pub mod autocast;
+mod backend;
 mod batch_norm;
 mod channel;
 mod conv;
-mod conv_cpu;
-#[cfg(feature = "cudnn")]
-mod conv_cudnn;
-mod conv_plan;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -94,13 +91,12 @@ pub use cuda::keep_pool_memory;
 pub use cuda::optim as optim_cuda;
 mod dropout;
 mod error;
-pub mod finalize;
-mod im2col;
 mod linear;
 mod loss;
 mod norm;
 mod pool;
 mod settings;
+mod shape;
 mod simd;
 mod softmax;
 #[cfg(test)]
@@ -109,20 +105,20 @@ mod tf32;
 mod trace;
 pub mod transfer;
 mod vmath;
-mod winograd;
 
 pub use activation::{add_relu, gelu_erf, gelu_erf_composed, relu};
 pub use attention::{attention, attention_composed};
+pub use backend::has_fused_kernels;
+pub use batch_norm::finalize;
 pub use batch_norm::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
-pub use cpu::has_fused_kernels;
 #[doc(hidden)]
 pub use cpu::strided_copies;
 pub use dropout::dropout_mask;
 pub use error::NnError;
 pub use finalize::{batch_moments, batch_statistics, TensorSum};
-pub use linear::linear;
+pub use linear::{linear, linear_module};
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};

@@ -9,16 +9,19 @@
 //! Here the forward writes the bias into the output and the GEMM accumulates onto it; the
 //! backward computes `∂x = g·W`, `∂W = gᵀ·x` and `∂b = Σ_rows g` in one untracked kernel, each
 //! into a buffer of its own. Both GEMMs run on the whole rayon pool.
+//!
+//! [`linear_module`] runs a `candle_nn::Linear` through [`linear`] under autocast
+//! ([`crate::autocast`]), and through its own `forward` otherwise.
 
 use std::borrow::Cow;
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use crate::backend::cpu_float;
 use crate::cpu::{
-    bf16_values, bf16_with_f32, contiguous, cpu_float, float_kernel, matmul, narrow, run_split, widen, zeros, Float, MatRef,
-    SplitKernel,
+    bf16_values, bf16_with_f32, contiguous, float_kernel, matmul, narrow, run_split, widen, zeros, Float, MatRef, SplitKernel,
 };
 use crate::error::{fail, NnError};
 
@@ -242,4 +245,14 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         None => y,
     };
     y.reshape(shape)
+}
+
+/// `layer`'s forward: under autocast ([`crate::autocast`]) [`linear`] with bf16 operands,
+/// otherwise the layer's own `forward` (Candle's matmul and bias add, unchanged).
+pub fn linear_module(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
+    if crate::autocast::compute_dtype().is_some() {
+        linear(x, layer.weight(), layer.bias())
+    } else {
+        layer.forward(x)
+    }
 }

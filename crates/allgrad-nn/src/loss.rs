@@ -4,7 +4,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float};
+use crate::backend::cpu_float;
+use crate::cpu::{contiguous, float_kernel, zeros, Float};
 use crate::error::{fail, NnError};
 use crate::softmax::{max_and_sum_exp, rows_per_task};
 

@@ -8,7 +8,8 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, cuda_float, dense, float_kernel, run_split, zeros, Float, SplitKernel};
+use crate::backend::{cpu_float, cuda_float, dense};
+use crate::cpu::{contiguous, float_kernel, run_split, zeros, Float, SplitKernel};
 use crate::error::{fail, NnError};
 use crate::simd::{dispatch, SimdLevel, LANES};
 

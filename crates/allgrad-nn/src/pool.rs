@@ -9,7 +9,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, ToUsize2};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float, Strides4};
+use crate::backend::cpu_float;
+use crate::cpu::{contiguous, float_kernel, zeros, Float, Strides4};
 use crate::error::{fail, NnError};
 
 /// How output positions map to input windows along one axis.

@@ -5,7 +5,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{contiguous, cpu_float, float_kernel, zeros, Float};
+use crate::backend::cpu_float;
+use crate::cpu::{contiguous, float_kernel, zeros, Float};
 use crate::error::{fail, NnError};
 
 /// `softmax(x)_i = exp(x_i - max x) / Σ_j exp(x_j - max x)` over the last dimension.

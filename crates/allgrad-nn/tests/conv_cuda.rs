@@ -228,7 +228,7 @@ const TF32_SEEN: f64 = 1e-5;
 /// The plan cache on CUDA: the first forward and backward of a geometry ask cuDNN's heuristic
 /// once per direction (forward, input gradient, weight gradient), a repeat asks nothing and
 /// gives the same bits; another stride is a new plan. (The key logic itself is tested on any
-/// machine in `conv_plan.rs`.)
+/// machine in `src/conv/plan.rs`.)
 #[test]
 fn cudnn_plans_are_cached_a_repeat_asks_no_heuristic_and_gives_the_same_bits() {
     let _serial = serial();

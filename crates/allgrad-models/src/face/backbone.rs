@@ -116,14 +116,14 @@ impl Backbone {
     /// Embeddings `[b, D]` of inputs `x` (`[b, in]` vectors or `[b, C, H, W]` images).
     pub fn forward(&self, x: &Tensor, pass: Pass) -> Result<Tensor> {
         match self {
-            Backbone::Linear(l) => allgrad_nn::autocast::linear_module(l, x),
+            Backbone::Linear(l) => allgrad_nn::linear_module(l, x),
             Backbone::Resnet { encoder, bn1, dropout, fc, bn2 } => {
                 let mut h = bn1.forward(&encoder.forward(x, pass.mode)?, pass.mode)?;
                 if pass.mode.train && *dropout > 0.0 {
                     let mask = dropout_mask(h.dims2()?.1, *dropout, pass, h.device())?.to_dtype(h.dtype())?;
                     h = (h * mask)?;
                 }
-                bn2.forward(&allgrad_nn::autocast::linear_module(fc, &h)?, pass.mode)
+                bn2.forward(&allgrad_nn::linear_module(fc, &h)?, pass.mode)
             }
         }
     }

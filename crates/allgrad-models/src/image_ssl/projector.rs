@@ -91,7 +91,7 @@ impl Projector {
         let mut h = x.clone();
         let n = self.layers.len();
         for (i, (lin, bn)) in self.layers.iter().enumerate() {
-            h = allgrad_nn::autocast::linear_module(lin, &h)?;
+            h = allgrad_nn::linear_module(lin, &h)?;
             let hidden = i + 1 < n;
             h = match (bn, hidden) {
                 (Some(bn), true) => bn.forward_then(&h, mode, BnTail::Relu)?,

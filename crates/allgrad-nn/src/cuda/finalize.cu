@@ -1,6 +1,6 @@
 // Batch norm's finalize kernels: the per-channel f64 arithmetic between its reductions, on the
 // device, so that the host never reads a statistic inside a training step. Each is the CUDA
-// twin of a function in src/finalize.rs (channel_statistics, channel_constants,
+// twin of a function in src/batch_norm/finalize.rs (channel_statistics, channel_constants,
 // channel_backward) and evaluates the same expressions in the same order; compiled with
 // --fmad=false (build.rs), so nothing is contracted into a fused multiply-add, and f64 division
 // and square root are correctly rounded in CUDA as in Rust: the results equal the CPU's bit for

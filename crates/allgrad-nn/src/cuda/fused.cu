@@ -1,7 +1,7 @@
 // allgrad-nn's fused element-wise kernels on CUDA: ReLU and add+ReLU with their backward,
 // GELU with its backward, per-channel moments, batch norm's forward (with its tails) and
-// backward, and layer norm's forward and backward. Each is the
-// CUDA twin of a CPU kernel in src/activation.rs, src/channel.rs or src/batch_norm.rs and
+// backward, and layer norm's forward and backward. Each is the CUDA twin of a CPU kernel in
+// src/activation.rs, src/channel.rs, src/batch_norm/cpu.rs or src/norm.rs and
 // evaluates the same expressions in the same order (compiled with --fmad=false, so no
 // multiply-add is contracted where the CPU rounds twice). bf16 tensors are computed in f32 and
 // rounded to bf16 when stored, as the CPU kernels do. Per-channel sums are f64, in two stages

@@ -320,7 +320,7 @@ pub(crate) fn layer_norm_backward(
 
 /// `(n, c, inner)` of an `[N, C, ...]` layout.
 fn geometry(l: &Layout, op: &'static str) -> Result<(usize, usize, usize)> {
-    crate::channel::geometry(l.dims(), op)
+    crate::shape::geometry(l.dims(), op)
 }
 
 /// Threads per block of the per-channel reductions (fused.cu's `SUM_THREADS`).

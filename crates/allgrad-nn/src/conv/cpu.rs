@@ -15,9 +15,9 @@
 use candle_core::Layout;
 use rayon::prelude::*;
 
+use super::im2col::{col2im, im2col, ConvGeom};
+use super::winograd;
 use crate::cpu::{matmul, zeros, BatchPlan, Float, MatRef, Scratch, Strides4};
-use crate::im2col::{col2im, im2col, ConvGeom};
-use crate::winograd;
 
 /// Output columns a GEMM should cover at least (see the module docs).
 const TARGET_COLS: usize = 512;

@@ -1,5 +1,5 @@
 //! What selects a cuDNN convolution plan, and the cache of plans: plain Rust, so the key logic
-//! and the counting are tested on any machine (`conv_cudnn.rs` keeps the plans themselves).
+//! and the counting are tested on any machine (`cudnn.rs` keeps the plans themselves).
 //!
 //! A plan (descriptors, algorithm, workspace size) depends on the geometry (batch, channels,
 //! sizes, kernel, stride, padding, dilation, groups), the data type, the math mode (plain FMA,
@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use candle_core::DType;
 
-use crate::im2col::ConvGeom;
+use super::im2col::ConvGeom;
 
 /// The math a convolution may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

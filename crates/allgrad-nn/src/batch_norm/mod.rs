@@ -43,18 +43,26 @@
 //! and, with a skip input, the ReLU's backward kernel for `∂skip`. No value is read to the host.
 //! Both paths evaluate the same expressions (shared per-channel functions, CUDA kernels without
 //! contraction), and save the same tensors.
+//!
+//! The folder: this file is the layer (its checks, its constants on either path, its ops and
+//! their backward); `cpu.rs` holds the passes over the activations that both paths' CPU
+//! kernels run, [`finalize`] the device path's per-channel ops.
 
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
-use crate::channel::geometry;
-use crate::cpu::{contiguous, float_kernel, fused_float, has_avx2, run_split_keeping_f32, zeros, Float, SplitKernel, GRAIN};
-use crate::error::{fail, NnError};
-use crate::finalize::{
+use self::cpu::{backward_pass, channel_sums, forward_kernel, Affine, RowCoefficients};
+use self::finalize::{
     channel_backward, channel_constants, table_channels, with_cpu_f64, BackwardCoefficients, Coefficients, Dx, Sums, TensorSum,
 };
+use crate::backend::fused_float;
+use crate::cpu::{contiguous, float_kernel, run_split_keeping_f32, zeros, Float, SplitKernel};
+use crate::error::{fail, NnError};
+use crate::shape::geometry;
+
+mod cpu;
+pub mod finalize;
 
 /// Sums per-channel f64 partial sums over the ranks that share the batch statistics, in place
 /// (an all_reduce with `Sum`); called once per backward of a synchronised [`batch_norm`], on
@@ -445,198 +453,6 @@ fn resolve_device(x: &Tensor, c: usize, gb: &Tensor, stats: &BnStats, eps: f64) 
     Ok(DeviceNorm { coef, batch })
 }
 
-/// One normalisation's per-channel scale and shift `(a, b)`.
-type Affine<'a> = (&'a [f64], &'a [f64]);
-
-/// `out = tail(a[c]·x + b[c])` (`third`: the skip input, or the shortcut's input), parallel
-/// over runs of whole rows; `ab` the scale and shift per channel, `ab2` the shortcut's.
-fn forward_kernel<T: Float>(
-    x: &[T],
-    third: Option<&[T]>,
-    p: &Plan,
-    (ab, ab2): (Affine<'_>, Option<Affine<'_>>),
-    inner: usize,
-) -> Vec<T> {
-    let mut out = zeros(x.len());
-    if out.is_empty() {
-        return out;
-    }
-    let rounded = |v: &[f64]| -> Vec<T> { v.iter().map(|&v| T::from_f64(v)).collect() };
-    let (a, b) = (rounded(ab.0), rounded(ab.1));
-    let branch = ab2.map(|(a2, b2)| (rounded(a2), rounded(b2)));
-    let rows = (GRAIN / inner).max(1);
-    let split = out.len() > rows * inner;
-    crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
-    let avx2 = has_avx2();
-    out.par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
-        let task = ForwardTask {
-            x,
-            skip: third,
-            a: &a,
-            b: &b,
-            branch: branch.as_ref().map(|(a, b)| (a.as_slice(), b.as_slice())),
-            relu: p.relu,
-            round_bf16: p.round_bf16,
-            inner,
-            start: t * rows * inner,
-        };
-        if avx2 {
-            // SAFETY: the CPU has the features `forward_rows_avx2` is compiled for.
-            unsafe { forward_rows_avx2(&task, o) }
-        } else {
-            forward_rows(&task, o)
-        }
-    });
-    out
-}
-
-/// What one task of [`forward_kernel`] reads: its output rows start at element `start`.
-struct ForwardTask<'a, T> {
-    x: &'a [T],
-    /// The skip input, or with `branch` the shortcut's input.
-    skip: Option<&'a [T]>,
-    a: &'a [T],
-    b: &'a [T],
-    /// The shortcut's `(a', b')`.
-    branch: Option<(&'a [T], &'a [T])>,
-    relu: bool,
-    /// Round each normalisation's output to bf16 before the residual sum (see [`Plan`]).
-    round_bf16: bool,
-    inner: usize,
-    start: usize,
-}
-
-/// [`forward_rows`] compiled for AVX2 (see [`has_avx2`]).
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn forward_rows_avx2<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
-    forward_rows(task, out)
-}
-
-#[inline(always)]
-fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
-    let zero = T::from_f64(0.0);
-    let (inner, c) = (task.inner, task.a.len());
-    for (r, orow) in out.chunks_mut(inner).enumerate() {
-        let at = task.start + r * inner;
-        let ch = (at / inner) % c;
-        let (s, t) = (task.a[ch], task.b[ch]);
-        let xs = &task.x[at..at + inner];
-        match (task.skip, task.relu) {
-            (Some(sk), _) if task.round_bf16 => {
-                let ss = &sk[at..at + inner];
-                let round = |v: T| T::from_f64(half::bf16::from_f64(v.to_f64()).to_f64());
-                for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
-                    let z = match task.branch {
-                        Some((a2, b2)) => round(v * s + t) + round(w * a2[ch] + b2[ch]),
-                        None => round(v * s + t) + w,
-                    };
-                    *o = if z > zero { z } else { zero };
-                }
-            }
-            (Some(sk), _) if task.branch.is_some() => {
-                let (a2, b2) = task.branch.expect("checked");
-                let (s2, t2) = (a2[ch], b2[ch]);
-                let ss = &sk[at..at + inner];
-                for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
-                    // As `bn(x) + bn'(x')` with each batch norm's output rounded to T.
-                    let z = v * s + t + (w * s2 + t2);
-                    *o = if z > zero { z } else { zero };
-                }
-            }
-            (Some(sk), _) => {
-                let ss = &sk[at..at + inner];
-                for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
-                    let z = v * s + t + w;
-                    *o = if z > zero { z } else { zero };
-                }
-            }
-            (None, true) => {
-                for (o, &v) in orow.iter_mut().zip(xs) {
-                    let z = v * s + t;
-                    *o = if z > zero { z } else { zero };
-                }
-            }
-            (None, false) => orow.iter_mut().zip(xs).for_each(|(o, &v)| *o = v * s + t),
-        }
-    }
-}
-
-/// Independent f64 partial sums per channel (eight chains keep the adds pipelined).
-const LANES: usize = 8;
-
-/// Per channel, this rank's `(Σ g', Σ g'·(x − μ))` in f64, each channel summed by one task in a
-/// fixed order.
-pub(crate) fn channel_sums<T: Float>(
-    g: &[T],
-    x: &[T],
-    y: &[T],
-    mean: &[f64],
-    relu: bool,
-    (n, c, inner): (usize, usize, usize),
-) -> Vec<(f64, f64)> {
-    let avx2 = has_avx2();
-    (0..c)
-        .into_par_iter()
-        .map(|ch| match (avx2, relu) {
-            // SAFETY: `has_avx2` checked the CPU for the features these copies are compiled for.
-            (true, true) => unsafe { channel_sum_avx2::<T, true>(g, x, y, mean[ch], (n, c, inner), ch) },
-            (true, false) => unsafe { channel_sum_avx2::<T, false>(g, x, y, mean[ch], (n, c, inner), ch) },
-            (false, true) => channel_sum::<T, true>(g, x, y, mean[ch], (n, c, inner), ch),
-            (false, false) => channel_sum::<T, false>(g, x, y, mean[ch], (n, c, inner), ch),
-        })
-        .collect()
-}
-
-/// [`channel_sum`] compiled for AVX2 (see [`has_avx2`]).
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn channel_sum_avx2<T: Float, const RELU: bool>(
-    g: &[T],
-    x: &[T],
-    y: &[T],
-    mu: f64,
-    dims: (usize, usize, usize),
-    ch: usize,
-) -> (f64, f64) {
-    channel_sum::<T, RELU>(g, x, y, mu, dims, ch)
-}
-
-/// `(Σ g', Σ g'·(x − μ))` of channel `ch` of `(n, c, inner)` values, `g'` being `g` where `y > 0`
-/// with `RELU`. Element `i` of a run goes to lane `i % LANES`: whole chunks of lanes, then the
-/// rest, in fixed-width loops without branches, so that they vectorise.
-#[inline(always)]
-fn channel_sum<T: Float, const RELU: bool>(
-    g: &[T],
-    x: &[T],
-    y: &[T],
-    mu: f64,
-    (n, c, inner): (usize, usize, usize),
-    ch: usize,
-) -> (f64, f64) {
-    let zero = T::from_f64(0.0);
-    let (mut s1, mut s2) = ([0f64; LANES], [0f64; LANES]);
-    let full = inner / LANES * LANES;
-    let mut add = |j: usize, gv: T, xv: T, yv: T| {
-        let gv = gv.to_f64();
-        let gp = if !RELU || yv > zero { gv } else { 0.0 };
-        s1[j] += gp;
-        s2[j] += gp * (xv.to_f64() - mu);
-    };
-    for img in 0..n {
-        let off = (img * c + ch) * inner;
-        let (gs, xs, ys) = (&g[off..off + inner], &x[off..off + inner], &y[off..off + inner]);
-        let chunks = gs[..full].chunks_exact(LANES).zip(xs[..full].chunks_exact(LANES)).zip(ys[..full].chunks_exact(LANES));
-        for ((gc, xc), yc) in chunks {
-            for j in 0..LANES {
-                add(j, gc[j], xc[j], yc[j]);
-            }
-        }
-        for j in 0..inner - full {
-            add(j, gs[full + j], xs[full + j], ys[full + j]);
-        }
-    }
-    (s1.iter().sum(), s2.iter().sum())
-}
-
 /// The backward: `[∂x, ∂[γ; β], ∂skip (with a skip input)]`, or with a normalised shortcut
 /// `[∂x, ∂[γ; β; γ'; β'], ∂x']`, in `x`'s dtype (`third`: the shortcut's input).
 fn backward_kernel<T: Float>(
@@ -682,28 +498,8 @@ fn norm_backward<T: Float>(
     let (mut dx, mut dskip) = (zeros(len), zeros(if want_skip { len } else { 0 }));
     let dgb: Vec<T> = dgb_wide.iter().map(|&v| T::from_f64(v)).collect();
     if len > 0 {
-        let rows = (GRAIN / inner).max(1);
-        let chunk = rows * inner;
-        let split = len > chunk;
-        crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
         let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu, inner };
-        let avx2 = has_avx2();
-        let run = |start: usize, dxc: &mut [T], dsc: Option<&mut [T]>| {
-            if avx2 {
-                // SAFETY: the CPU has the features `backward_rows_avx2` is compiled for.
-                unsafe { backward_rows_avx2(&coef, start, dxc, dsc) }
-            } else {
-                backward_rows(&coef, start, dxc, dsc)
-            }
-        };
-        if want_skip {
-            dx.par_chunks_mut(chunk)
-                .zip(dskip.par_chunks_mut(chunk))
-                .enumerate()
-                .for_each(|(t, (dxc, dsc))| run(t * chunk, dxc, Some(dsc)));
-        } else {
-            dx.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| run(t * chunk, dxc, None));
-        }
+        backward_pass(&coef, &mut dx, want_skip.then_some(dskip.as_mut_slice()));
     }
     Ok((dx, want_skip.then_some(dskip), dgb))
 }
@@ -749,72 +545,6 @@ fn coefficients<T: Float>(norm: &Norm, sums: &[(f64, f64)]) -> Result<HostCoeffi
     Ok(HostCoefficients { k, c1, c0, mu, dgb })
 }
 
-/// `∂x = k·g' + c1·(x − μ) + c0` per channel (`[k, c1, c0, μ]` rounded to `T`), parallel over
-/// runs of whole rows: the device path's `∂x` on the CPU (the host path computes the same in
-/// [`norm_backward`], with `∂skip` in the same pass).
-pub(crate) fn dx_kernel<T: Float>(g: &[T], x: &[T], y: &[T], [k, c1, c0, mu]: [&[T]; 4], relu: bool, inner: usize) -> Vec<T> {
-    let mut dx = zeros(x.len());
-    if dx.is_empty() {
-        return dx;
-    }
-    let chunk = (GRAIN / inner).max(1) * inner;
-    let split = x.len() > chunk;
-    crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
-    let coef = RowCoefficients { g, x, y, k, c1, c0, mu, relu, inner };
-    let avx2 = has_avx2();
-    dx.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| {
-        if avx2 {
-            // SAFETY: the CPU has the features `backward_rows_avx2` is compiled for.
-            unsafe { backward_rows_avx2(&coef, t * chunk, dxc, None) }
-        } else {
-            backward_rows(&coef, t * chunk, dxc, None)
-        }
-    });
-    dx
-}
-
-/// What [`backward_rows`] reads: the inputs and the per-channel coefficients of
-/// `∂x = k·g' + c1·(x − μ_T) + c0`.
-struct RowCoefficients<'a, T> {
-    g: &'a [T],
-    x: &'a [T],
-    y: &'a [T],
-    k: &'a [T],
-    c1: &'a [T],
-    c0: &'a [T],
-    mu: &'a [T],
-    relu: bool,
-    inner: usize,
-}
-
-/// [`backward_rows`] compiled for AVX2 (see [`has_avx2`]).
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn backward_rows_avx2<T: Float>(coef: &RowCoefficients<'_, T>, start: usize, dx: &mut [T], dskip: Option<&mut [T]>) {
-    backward_rows(coef, start, dx, dskip)
-}
-
-/// `∂x` (and `∂skip`, the gradient through the ReLU) of the rows starting at element `start`.
-#[inline(always)]
-fn backward_rows<T: Float>(coef: &RowCoefficients<'_, T>, start: usize, dx: &mut [T], mut dskip: Option<&mut [T]>) {
-    let zero = T::from_f64(0.0);
-    let (inner, c) = (coef.inner, coef.k.len());
-    for (r, dxr) in dx.chunks_mut(inner).enumerate() {
-        let at = start + r * inner;
-        let ch = (at / inner) % c;
-        let (kc, c1c, c0c, mu) = (coef.k[ch], coef.c1[ch], coef.c0[ch], coef.mu[ch]);
-        let (gs, xs, ys) = (&coef.g[at..at + inner], &coef.x[at..at + inner], &coef.y[at..at + inner]);
-        for (d, ((&gv, &xv), &yv)) in dxr.iter_mut().zip(gs.iter().zip(xs).zip(ys)) {
-            let gp = if !coef.relu || yv > zero { gv } else { zero };
-            *d = kc * gp + c1c * (xv - mu) + c0c;
-        }
-        if let Some(ds) = dskip.as_deref_mut() {
-            for (d, (&gv, &yv)) in ds[r * inner..(r + 1) * inner].iter_mut().zip(gs.iter().zip(ys)) {
-                *d = if yv > zero { gv } else { zero };
-            }
-        }
-    }
-}
-
 /// The forward without a skip input: `(x, [γ; β])`.
 struct Forward(Arc<Plan>);
 
@@ -837,7 +567,7 @@ impl CustomOp2 for Forward {
         let (_, _, inner) = geometry(lx.dims(), "batch_norm")?;
         let p = &self.0;
         let out = p.with_affine(|ab, ab2| -> Result<CpuStorage> {
-            Ok(float_kernel!("batch_norm", sx => x; forward_kernel(&contiguous(x, lx), None, p, (ab, ab2), inner)))
+            Ok(float_kernel!("batch_norm", sx => x; forward_kernel(&contiguous(x, lx), None, (p.relu, p.round_bf16), (ab, ab2), inner)))
         })??;
         Ok((out, lx.shape().clone()))
     }
@@ -882,7 +612,7 @@ impl CustomOp3 for ForwardSkip {
         let p = &self.0;
         let out = p.with_affine(|ab, ab2| -> Result<CpuStorage> {
             Ok(float_kernel!("batch_norm", sx => x, ss => s;
-                forward_kernel(&contiguous(x, lx), Some(&contiguous(s, ls)), p, (ab, ab2), inner)))
+                forward_kernel(&contiguous(x, lx), Some(&contiguous(s, ls)), (p.relu, p.round_bf16), (ab, ab2), inner)))
         })??;
         Ok((out, lx.shape().clone()))
     }
@@ -956,7 +686,7 @@ fn backward_device(
     y: &Tensor,
     g: &Tensor,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    use crate::cpu::dense;
+    use crate::backend::dense;
     let g = dense(&g.detach().to_dtype(x.dtype())?)?;
     let (x, y) = (dense(&x.detach())?, dense(&y.detach())?);
     let (dx, mut dgb) = norm_backward_device(&g, &x, &y, main, plan.relu)?;

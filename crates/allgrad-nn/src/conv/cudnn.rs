@@ -16,7 +16,7 @@
 //! the same). cuDNN picks each algorithm by its heuristics, so the weight gradient's summation
 //! order (and its last bits) may differ from the CPU's and between algorithms.
 //!
-//! Plans are cached per thread and device ([`crate::conv_plan`]): the descriptors, the
+//! Plans are cached per thread and device ([`super::plan`]): the descriptors, the
 //! algorithm and its workspace size of each (geometry, dtype, math mode, direction) are made
 //! once, so a training step asks cuDNN's heuristic nothing after its first (each query is
 //! counted in [`crate::HostTraffic::heuristic_queries`]). One workspace per thread and device
@@ -40,8 +40,8 @@ use candle_core::cuda::{CudaDType, DeviceId};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, WithDType};
 use half::bf16;
 
-use crate::conv_plan::{Direction, Math, PlanCache, PlanKey};
-use crate::im2col::ConvGeom;
+use super::im2col::ConvGeom;
+use super::plan::{Direction, Math, PlanCache, PlanKey};
 
 /// A thread's cuDNN state on one device: the handle, the plans, the workspace.
 struct DeviceState {

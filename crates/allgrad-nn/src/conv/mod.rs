@@ -7,13 +7,25 @@
 //! share one pass over the batch. 3x3 layers with stride 1 and padding 1 (16 or more channels
 //! each way) compute the forward and the input gradient by Winograd's F(2x2, 3x3) instead
 //! (`winograd.rs`).
+//!
+//! The folder: this file is the API and the ops, choosing between the CPU kernels (`cpu.rs`:
+//! im2col + GEMM over the column kernels of `im2col.rs`, and Winograd's in `winograd.rs`) and
+//! cuDNN (`cudnn.rs`, feature `cudnn`, with its plans cached by `plan.rs`).
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 
-use crate::conv_cpu::{conv_bwd, conv_fwd};
-use crate::cpu::{bf16_values, bf16_with_f32, contiguous, cpu_float, float_kernel, narrow, run_split, widen, Float, SplitKernel};
+use self::cpu::{conv_bwd, conv_fwd};
+use self::im2col::ConvGeom;
+use crate::backend::cpu_float;
+use crate::cpu::{bf16_values, bf16_with_f32, contiguous, float_kernel, narrow, run_split, widen, Float, SplitKernel};
 use crate::error::{fail, NnError};
-use crate::im2col::ConvGeom;
+
+mod cpu;
+#[cfg(feature = "cudnn")]
+mod cudnn;
+mod im2col;
+mod plan;
+mod winograd;
 
 /// Stride, padding, dilation and groups of a 2-D convolution (the same on both spatial axes).
 ///
@@ -282,7 +294,7 @@ impl CustomOp2 for Conv2dOp {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         count_cudnn(candle_core::backend::BackendStorage::dtype(s1));
-        crate::conv_cudnn::forward(&self.g, s1, l1, s2, l2)
+        cudnn::forward(&self.g, s1, l1, s2, l2)
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -332,7 +344,7 @@ impl CustomOp3 for Conv2dBackward {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         count_cudnn(candle_core::backend::BackendStorage::dtype(s1));
-        crate::conv_cudnn::backward(&self.g, (self.want_input, self.want_weight), (s1, l1), (s2, l2), (s3, l3))
+        cudnn::backward(&self.g, (self.want_input, self.want_weight), (s1, l1), (s2, l2), (s3, l3))
     }
 }
 

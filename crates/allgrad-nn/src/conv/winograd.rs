@@ -21,8 +21,8 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use super::im2col::ConvGeom;
 use crate::cpu::{matmul, zeros, Float, MatRef, Scratch, Strides4};
-use crate::im2col::ConvGeom;
 
 /// Fewest input and output channels that take the path: below it the transforms weigh more
 /// against the GEMMs. Set by judgement; measured only down to 64 channels (the ResNet-18 layers).
@@ -302,7 +302,7 @@ mod tests {
     //! Candle's convolution and finite differences): odd and even planes, one image and
     //! batches that do not fill the last block, a strided input, f64 and f32.
     use super::*;
-    use crate::conv_cpu::{conv_bwd_im2col, conv_fwd_im2col};
+    use crate::conv::cpu::{conv_bwd_im2col, conv_fwd_im2col};
     use crate::test_data::{data, max_rel};
     use candle_core::Layout;
 

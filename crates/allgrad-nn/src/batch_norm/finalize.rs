@@ -2,11 +2,12 @@
 //! statistics → coefficients forward, sums → coefficients backward) as ops on tensors, so that
 //! on a device it stays there and the host never waits for the GPU inside a step.
 //!
-//! Each op has a CPU twin and a CUDA kernel (`cuda/finalize.cu`, feature `cuda`) that evaluate
-//! the same f64 expressions in the same order (no contraction into fused multiply-adds), and
-//! the host path of [`crate::batch_norm`] computes with the same functions
-//! (`channel_statistics`, `channel_constants`, `channel_backward`): the device path
-//! (CUDA, or the CPU with [`crate::transfer::set_device_path`]) gives the host path's values.
+//! Each op has a CPU twin and a CUDA kernel (`src/cuda/finalize.cu`, feature `cuda`) that
+//! evaluate the same f64 expressions in the same order (no contraction into fused
+//! multiply-adds), and the host path of [`crate::batch_norm`] computes with the same functions
+//! (`channel_statistics`, `channel_constants`, `channel_backward`; the passes over the
+//! activations come from `batch_norm/cpu.rs` on both paths): the device path (CUDA, or the CPU
+//! with [`crate::transfer::set_device_path`]) gives the host path's values.
 //!
 //! The tables, all f64 and flat, `C` values per row:
 //!
@@ -22,9 +23,9 @@ use std::sync::Arc;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
-use crate::channel::geometry;
 use crate::cpu::{contiguous, float_kernel, Float};
 use crate::error::{fail, NnError};
+use crate::shape::geometry;
 
 /// Sums a tensor of per-channel f64 partial sums over the ranks that share the batch
 /// statistics (an all_reduce with `Sum` of a tensor on its device); called once per backward of
@@ -83,7 +84,7 @@ pub(crate) fn channel_backward(
 pub fn batch_moments(x: &Tensor) -> Result<Tensor> {
     let (n, _, inner) = geometry(x.dims(), "batch_moments")?;
     #[cfg(feature = "cuda")]
-    if crate::cpu::cuda_float(x) {
+    if crate::backend::cuda_float(x) {
         // One two-stage reduction that also writes the count.
         return x.detach().contiguous()?.apply_op1_no_bwd(&CudaMoments);
     }
@@ -274,7 +275,7 @@ fn sums_pairs(
     relu: bool,
     dims: (usize, usize, usize),
 ) -> Result<Vec<(f64, f64)>> {
-    use crate::batch_norm::channel_sums;
+    use super::cpu::channel_sums;
     Ok(match (sg, sx, sy) {
         (CpuStorage::F32(g), CpuStorage::F32(x), CpuStorage::F32(y)) => {
             channel_sums(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), mean, relu, dims)
@@ -367,7 +368,7 @@ impl CustomOp3 for Dx {
         let out = with_cpu_f64(&self.table, |t| -> Result<CpuStorage> {
             fn run<T: Float>(g: &[T], x: &[T], y: &[T], t: &[f64], c: usize, relu: bool, inner: usize) -> Vec<T> {
                 let row = |r: usize| -> Vec<T> { t[r * c..(r + 1) * c].iter().map(|&v| T::from_f64(v)).collect() };
-                crate::batch_norm::dx_kernel(g, x, y, [&row(0), &row(1), &row(2), &row(3)], relu, inner)
+                super::cpu::dx_kernel(g, x, y, [&row(0), &row(1), &row(2), &row(3)], relu, inner)
             }
             Ok(float_kernel!("batch_norm backward", sg => g, sx => x, sy => y;
                 run(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), t, c, relu, inner)))
