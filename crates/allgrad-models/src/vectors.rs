@@ -69,7 +69,8 @@ impl VectorContrastive {
     /// A new objective; `seed` fixes the data set.
     pub fn new(data: VectorData, model: VectorModel, loss: LossConfig, seed: u64, device: Device, dtype: DType) -> Result<Self> {
         if data.samples == 0 || data.dim == 0 || data.clusters == 0 || model.hidden == 0 || model.out == 0 {
-            return fail(ModelError::VectorSizes { data, model });
+            let (samples, dim, clusters, hidden, out) = (data.samples, data.dim, data.clusters, model.hidden, model.out);
+            return fail(ModelError::VectorSizes { samples, dim, clusters, hidden, out });
         }
         let centres = normals(&mut stream(&[seed, 0xC3A7]), data.clusters * data.dim).into_iter().map(|v| 2.0 * v).collect();
         let queue = loss.new_queue()?;
