@@ -43,8 +43,7 @@ mod trace;
 pub mod vectors;
 
 pub use error::ModelError;
-pub use face::RowRange;
 pub use files::save_safetensors;
-pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective, SparseRows};
+pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective, RowRange, SparseRows};
 #[doc(hidden)]
 pub use trace::{tiled_paths, TiledPaths};

@@ -1,4 +1,5 @@
-//! The trait between a method and the trainer.
+//! The trait between a method and the trainer, and what it speaks of: a step's [`Batch`], the
+//! rows of a sharded parameter ([`RowRange`]) and a row-sparse gradient ([`SparseRows`]).
 
 use allgrad_dist::ProcessGroup;
 use std::collections::HashMap;
@@ -6,8 +7,7 @@ use std::ops::Range;
 
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
-
-use crate::face::RowRange;
+use serde::{Deserialize, Serialize};
 
 /// Where a step's local batch comes from. Every random choice an objective makes (views,
 /// augmentations, dropout) must be keyed by `(seed, epoch, global sample index, ...)` or
@@ -248,4 +248,58 @@ pub trait EmbeddingObjective {
 pub fn loss_of_embedded_batch(objective: &mut dyn EmbeddingObjective, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
     let z = objective.embed(batch, 0..batch.indices.len(), pg)?;
     objective.loss_of_embeddings(&z, batch, pg)
+}
+
+/// A contiguous range of rows of a parameter sharded by rows across ranks: this rank holds
+/// global rows `start .. start + len` of `total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowRange {
+    /// First global row held here.
+    pub start: usize,
+    /// Rows held here.
+    pub len: usize,
+    /// Rows of the whole (unsharded) parameter.
+    pub total: usize,
+}
+
+impl RowRange {
+    /// Rank `rank`'s part of `total` rows split over `world` ranks: contiguous, the first
+    /// `total % world` ranks one row longer (`total % world` need not be 0).
+    pub fn split(total: usize, rank: usize, world: usize) -> RowRange {
+        let (base, extra) = (total / world.max(1), total % world.max(1));
+        let start = rank * base + rank.min(extra);
+        RowRange { start, len: base + usize::from(rank < extra), total }
+    }
+
+    /// One past the last global row held here.
+    pub fn end(&self) -> usize {
+        self.start + self.len
+    }
+
+    /// The local row of global row `row`, if this range holds it.
+    pub fn local(&self, row: usize) -> Option<usize> {
+        (row >= self.start && row < self.end()).then(|| row - self.start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uneven_split_covers_every_row_once_in_rank_order() {
+        for (total, world) in [(10, 3), (7, 4), (12, 4), (5, 1), (3, 3)] {
+            let ranges: Vec<RowRange> = (0..world).map(|r| RowRange::split(total, r, world)).collect();
+            let mut next = 0;
+            for r in &ranges {
+                assert_eq!(r.start, next, "{total} over {world}: {ranges:?}");
+                next = r.end();
+            }
+            assert_eq!(next, total);
+            let (lo, hi) = (ranges.iter().map(|r| r.len).min().unwrap(), ranges.iter().map(|r| r.len).max().unwrap());
+            assert!(hi - lo <= 1, "{ranges:?}");
+        }
+        let r = RowRange::split(10, 1, 3);
+        assert_eq!((r.start, r.len, r.local(3), r.local(6), r.local(7)), (4, 3, None, Some(2), None));
+    }
 }
