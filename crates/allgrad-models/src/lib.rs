@@ -38,6 +38,7 @@ mod objective;
 pub mod resnet;
 pub mod rng;
 pub mod simcse;
+mod temperature;
 pub mod tiled;
 mod trace;
 pub mod vectors;
