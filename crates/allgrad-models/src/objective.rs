@@ -1,5 +1,6 @@
 //! The trait between a method and the trainer, and what it speaks of: a step's [`Batch`], the
-//! rows of a sharded parameter ([`RowRange`]) and a row-sparse gradient ([`SparseRows`]).
+//! rows of a sharded parameter ([`RowRange`]) and a row-sparse gradient ([`SparseRows`]); and
+//! what the methods with a queue of past keys do alike as objectives (`QueueBuffer`).
 
 use allgrad_dist::ProcessGroup;
 use std::collections::HashMap;
@@ -8,6 +9,8 @@ use std::ops::Range;
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
+
+use crate::tiled::{load_queue_buffers, queue_buffers, KeyQueue};
 
 /// Where a step's local batch comes from. Every random choice an objective makes (views,
 /// augmentations, dropout) must be keyed by `(seed, epoch, global sample index, ...)` or
@@ -279,6 +282,61 @@ impl RowRange {
     /// The local row of global row `row`, if this range holds it.
     pub fn local(&self, row: usize) -> Option<usize> {
         (row >= self.start && row < self.end()).then(|| row - self.start)
+    }
+}
+
+/// A method's queue of past keys (`loss.queue`; `None` without it) as state of the run: what
+/// [`Objective::expect_batch`], [`Objective::buffers`] and [`Objective::load_buffers`] do
+/// with it, the same for every method that has one (vectors, SimCSE, the two-view method).
+pub(crate) struct QueueBuffer {
+    queue: Option<KeyQueue>,
+    /// Keys a global micro-batch pushes per sample (both views, or a positive and a hard
+    /// negative: 2; a positive: 1).
+    keys_per_sample: usize,
+    /// The objective, named in errors.
+    objective: &'static str,
+}
+
+impl QueueBuffer {
+    /// `queue` of an objective whose batches push `keys_per_sample` keys per sample.
+    pub(crate) fn new(queue: Option<KeyQueue>, keys_per_sample: usize, objective: &'static str) -> Self {
+        QueueBuffer { queue, keys_per_sample, objective }
+    }
+
+    /// The queue, for the loss to read and update (`None` without `loss.queue`).
+    pub(crate) fn queue(&mut self) -> Option<&mut KeyQueue> {
+        self.queue.as_mut()
+    }
+
+    /// [`Objective::expect_batch`]: the queue holds the keys of a global micro-batch.
+    pub(crate) fn expect_batch(&mut self, global_micro_batch: usize) -> Result<()> {
+        let rows = self.keys_per_sample * global_micro_batch;
+        self.queue.as_mut().map_or(Ok(()), |q| q.expect_rows(rows))
+    }
+
+    /// [`Objective::buffers`] of an objective whose only buffer is the queue.
+    pub(crate) fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        queue_buffers(self.queue.as_ref())
+    }
+
+    /// [`Objective::load_buffers`] of an objective whose only buffer is the queue: any other
+    /// buffer is an error naming it and the objective.
+    pub(crate) fn load_buffers(&mut self, buffers: &HashMap<String, Tensor>) -> Result<()> {
+        load_queue_buffers(self.queue.as_mut(), buffers, self.objective)
+    }
+
+    /// Appends the queue to an objective's other buffers (nothing without a queue or before
+    /// its first batch).
+    pub(crate) fn save_into(&self, buffers: &mut Vec<(String, Tensor)>) -> Result<()> {
+        self.queue.as_ref().map_or(Ok(()), |q| q.save_into(buffers))
+    }
+
+    /// Restores the queue from an objective's `buffers` and returns the others.
+    pub(crate) fn load_from(&mut self, buffers: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+        match &mut self.queue {
+            Some(q) => q.load_from(buffers),
+            None => Ok(buffers.clone()),
+        }
     }
 }
 
