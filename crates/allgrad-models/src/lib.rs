@@ -23,6 +23,12 @@
 //!   [`simcse`]: SimCSE (InfoNCE losses, the objective, evaluation; `method: simcse` in allgrad-train).
 //! - [`clip`]: CLIP and SigLIP on image-caption pairs (a ViT and a causal text transformer,
 //!   losses over the global batch, Hugging Face folders in and out; `method: clip`).
+//!
+//! The modules import one way, each only from those before it: the errors (`error.rs`), `trace`,
+//! `rng`, `files`; `batch_norm` and `resnet`; the temperature, the tiled losses and
+//! [`losses`]; the [`Objective`] trait and what it speaks of (`objective.rs`); [`bert`]; then
+//! the methods ([`image_ssl`], [`vectors`], [`simcse`], [`clip`], and [`face`], whose image
+//! data are those of [`image_ssl`]).
 
 #![warn(missing_docs)]
 
