@@ -6,8 +6,6 @@ use std::path::PathBuf;
 
 use allgrad_data::DataError;
 
-use crate::vectors::{VectorData, VectorModel};
-
 /// A misuse of a model, loss or method of allgrad-models.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -107,12 +105,21 @@ pub enum ModelError {
         rows: usize,
     },
     /// The vectors objective got a zero size.
-    #[error("vectors objective: samples, dim, clusters, hidden and out must all be positive ({data:?}, {model:?})")]
+    #[error(
+        "vectors objective: samples, dim, clusters, hidden and out must all be positive \
+         (data.samples {samples}, data.dim {dim}, data.clusters {clusters}, model.hidden {hidden}, model.out {out})"
+    )]
     VectorSizes {
-        /// The data section.
-        data: VectorData,
-        /// The model section.
-        model: VectorModel,
+        /// `data.samples`.
+        samples: usize,
+        /// `data.dim`.
+        dim: usize,
+        /// `data.clusters`.
+        clusters: usize,
+        /// `model.hidden`.
+        hidden: usize,
+        /// `model.out`.
+        out: usize,
     },
     /// A value of the face head's section out of its range.
     #[error("head.{key} must be {expected}, got {value}")]

@@ -23,6 +23,12 @@
 //!   [`simcse`]: SimCSE (InfoNCE losses, the objective, evaluation; `method: simcse` in allgrad-train).
 //! - [`clip`]: CLIP and SigLIP on image-caption pairs (a ViT and a causal text transformer,
 //!   losses over the global batch, Hugging Face folders in and out; `method: clip`).
+//!
+//! The modules import one way, each only from those before it: the errors (`error.rs`), `trace`,
+//! `rng`, `files`; `batch_norm` and `resnet`; the temperature, the tiled losses and
+//! [`losses`]; the [`Objective`] trait and what it speaks of (`objective.rs`); [`bert`]; then
+//! the methods ([`image_ssl`], [`vectors`], [`simcse`], [`clip`], and [`face`], whose image
+//! data are those of [`image_ssl`]).
 
 #![warn(missing_docs)]
 
@@ -38,13 +44,13 @@ mod objective;
 pub mod resnet;
 pub mod rng;
 pub mod simcse;
+mod temperature;
 pub mod tiled;
 mod trace;
 pub mod vectors;
 
 pub use error::ModelError;
-pub use face::RowRange;
 pub use files::save_safetensors;
-pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective, SparseRows};
+pub use objective::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objective, RowRange, SparseRows};
 #[doc(hidden)]
 pub use trace::{tiled_paths, TiledPaths};

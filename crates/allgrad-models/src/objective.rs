@@ -1,4 +1,6 @@
-//! The trait between a method and the trainer.
+//! The trait between a method and the trainer, and what it speaks of: a step's [`Batch`], the
+//! rows of a sharded parameter ([`RowRange`]) and a row-sparse gradient ([`SparseRows`]); and
+//! what the methods with a queue of past keys do alike as objectives (`QueueBuffer`).
 
 use allgrad_dist::ProcessGroup;
 use std::collections::HashMap;
@@ -6,8 +8,9 @@ use std::ops::Range;
 
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
 
-use crate::face::RowRange;
+use crate::tiled::{load_queue_buffers, queue_buffers, KeyQueue};
 
 /// Where a step's local batch comes from. Every random choice an objective makes (views,
 /// augmentations, dropout) must be keyed by `(seed, epoch, global sample index, ...)` or
@@ -248,4 +251,113 @@ pub trait EmbeddingObjective {
 pub fn loss_of_embedded_batch(objective: &mut dyn EmbeddingObjective, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
     let z = objective.embed(batch, 0..batch.indices.len(), pg)?;
     objective.loss_of_embeddings(&z, batch, pg)
+}
+
+/// A contiguous range of rows of a parameter sharded by rows across ranks: this rank holds
+/// global rows `start .. start + len` of `total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowRange {
+    /// First global row held here.
+    pub start: usize,
+    /// Rows held here.
+    pub len: usize,
+    /// Rows of the whole (unsharded) parameter.
+    pub total: usize,
+}
+
+impl RowRange {
+    /// Rank `rank`'s part of `total` rows split over `world` ranks: contiguous, the first
+    /// `total % world` ranks one row longer (`total % world` need not be 0).
+    pub fn split(total: usize, rank: usize, world: usize) -> RowRange {
+        let (base, extra) = (total / world.max(1), total % world.max(1));
+        let start = rank * base + rank.min(extra);
+        RowRange { start, len: base + usize::from(rank < extra), total }
+    }
+
+    /// One past the last global row held here.
+    pub fn end(&self) -> usize {
+        self.start + self.len
+    }
+
+    /// The local row of global row `row`, if this range holds it.
+    pub fn local(&self, row: usize) -> Option<usize> {
+        (row >= self.start && row < self.end()).then(|| row - self.start)
+    }
+}
+
+/// A method's queue of past keys (`loss.queue`; `None` without it) as state of the run: what
+/// [`Objective::expect_batch`], [`Objective::buffers`] and [`Objective::load_buffers`] do
+/// with it, the same for every method that has one (vectors, SimCSE, the two-view method).
+pub(crate) struct QueueBuffer {
+    queue: Option<KeyQueue>,
+    /// Keys a global micro-batch pushes per sample (both views, or a positive and a hard
+    /// negative: 2; a positive: 1).
+    keys_per_sample: usize,
+    /// The objective, named in errors.
+    objective: &'static str,
+}
+
+impl QueueBuffer {
+    /// `queue` of an objective whose batches push `keys_per_sample` keys per sample.
+    pub(crate) fn new(queue: Option<KeyQueue>, keys_per_sample: usize, objective: &'static str) -> Self {
+        QueueBuffer { queue, keys_per_sample, objective }
+    }
+
+    /// The queue, for the loss to read and update (`None` without `loss.queue`).
+    pub(crate) fn queue(&mut self) -> Option<&mut KeyQueue> {
+        self.queue.as_mut()
+    }
+
+    /// [`Objective::expect_batch`]: the queue holds the keys of a global micro-batch.
+    pub(crate) fn expect_batch(&mut self, global_micro_batch: usize) -> Result<()> {
+        let rows = self.keys_per_sample * global_micro_batch;
+        self.queue.as_mut().map_or(Ok(()), |q| q.expect_rows(rows))
+    }
+
+    /// [`Objective::buffers`] of an objective whose only buffer is the queue.
+    pub(crate) fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        queue_buffers(self.queue.as_ref())
+    }
+
+    /// [`Objective::load_buffers`] of an objective whose only buffer is the queue: any other
+    /// buffer is an error naming it and the objective.
+    pub(crate) fn load_buffers(&mut self, buffers: &HashMap<String, Tensor>) -> Result<()> {
+        load_queue_buffers(self.queue.as_mut(), buffers, self.objective)
+    }
+
+    /// Appends the queue to an objective's other buffers (nothing without a queue or before
+    /// its first batch).
+    pub(crate) fn save_into(&self, buffers: &mut Vec<(String, Tensor)>) -> Result<()> {
+        self.queue.as_ref().map_or(Ok(()), |q| q.save_into(buffers))
+    }
+
+    /// Restores the queue from an objective's `buffers` and returns the others.
+    pub(crate) fn load_from(&mut self, buffers: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+        match &mut self.queue {
+            Some(q) => q.load_from(buffers),
+            None => Ok(buffers.clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uneven_split_covers_every_row_once_in_rank_order() {
+        for (total, world) in [(10, 3), (7, 4), (12, 4), (5, 1), (3, 3)] {
+            let ranges: Vec<RowRange> = (0..world).map(|r| RowRange::split(total, r, world)).collect();
+            let mut next = 0;
+            for r in &ranges {
+                assert_eq!(r.start, next, "{total} over {world}: {ranges:?}");
+                next = r.end();
+            }
+            assert_eq!(next, total);
+            let (lo, hi) = (ranges.iter().map(|r| r.len).min().unwrap(), ranges.iter().map(|r| r.len).max().unwrap());
+            assert!(hi - lo <= 1, "{ranges:?}");
+        }
+        let r = RowRange::split(10, 1, 3);
+        assert_eq!((r.start, r.len, r.local(3), r.local(6), r.local(7)), (4, 3, None, Some(2), None));
+    }
 }

@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::fail;
 use crate::losses::LossConfig;
+use crate::objective::QueueBuffer;
 use crate::rng::{normals, stream};
-use crate::tiled::KeyQueue;
 use crate::{Batch, EmbeddingObjective, ModelError, Objective};
 
 /// The synthetic data set.
@@ -57,8 +57,8 @@ pub struct VectorContrastive {
     data: VectorData,
     model: VectorModel,
     loss: LossConfig,
-    /// The keys of past batches (`loss.queue`).
-    queue: Option<KeyQueue>,
+    /// The keys of past batches (`loss.queue`): both views' of a global micro-batch.
+    queue: QueueBuffer,
     centres: Vec<f64>,
     layers: Option<(Linear, Linear)>,
     device: Device,
@@ -69,10 +69,11 @@ impl VectorContrastive {
     /// A new objective; `seed` fixes the data set.
     pub fn new(data: VectorData, model: VectorModel, loss: LossConfig, seed: u64, device: Device, dtype: DType) -> Result<Self> {
         if data.samples == 0 || data.dim == 0 || data.clusters == 0 || model.hidden == 0 || model.out == 0 {
-            return fail(ModelError::VectorSizes { data, model });
+            let (samples, dim, clusters, hidden, out) = (data.samples, data.dim, data.clusters, model.hidden, model.out);
+            return fail(ModelError::VectorSizes { samples, dim, clusters, hidden, out });
         }
         let centres = normals(&mut stream(&[seed, 0xC3A7]), data.clusters * data.dim).into_iter().map(|v| 2.0 * v).collect();
-        let queue = loss.new_queue()?;
+        let queue = QueueBuffer::new(loss.new_queue()?, 2, "vectors");
         Ok(VectorContrastive { data, model, loss, queue, centres, layers: None, device, dtype })
     }
 
@@ -107,7 +108,7 @@ impl EmbeddingObjective for VectorContrastive {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        self.loss.compute_queued(&z.i((.., 0))?, &z.i((.., 1))?, self.queue.as_mut(), pg)
+        self.loss.compute_queued(&z.i((.., 0))?, &z.i((.., 1))?, self.queue.queue(), pg)
     }
 }
 
@@ -131,18 +132,17 @@ impl Objective for VectorContrastive {
         Some(self)
     }
 
-    /// The queue (`loss.queue`) holds both views' keys of a global micro-batch.
     fn expect_batch(&mut self, global_micro_batch: usize) -> Result<()> {
-        self.queue.as_mut().map_or(Ok(()), |q| q.expect_rows(2 * global_micro_batch))
+        self.queue.expect_batch(global_micro_batch)
     }
 
     /// The queue of past keys (`loss.queue`), when it holds any.
     fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
-        crate::tiled::queue_buffers(self.queue.as_ref())
+        self.queue.buffers()
     }
 
     fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        crate::tiled::load_queue_buffers(self.queue.as_mut(), buffers, "vectors")
+        self.queue.load_buffers(buffers)
     }
 
     fn evaluate(&mut self, _pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {

@@ -3,11 +3,13 @@
 //! class split and different data on every rank; Partial FC sampling; the world-size
 //! invariance check; insightface's `* world_size` rule against ours.
 
+mod support;
+
 use allgrad_dist::testing::check_world_size_invariance;
 use allgrad_dist::{all_gather, run_threads, ProcessGroup, ReduceOp};
 use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, Margin, MarginConfig, RowRange};
-use candle_core::{DType, Device, Tensor, Var, D};
-use candle_nn::{VarBuilder, VarMap};
+use candle_core::{Device, Tensor, Var, D};
+use support::face::{grad_or_zeros, rank_batch, rows_of};
 
 const B: usize = 7; // global batch: 2+2+2+1 on 4 ranks, 3+2+2 on 3
 const DIM: usize = 5;
@@ -26,21 +28,17 @@ fn embeddings() -> Vec<f64> {
 
 fn config(margin: MarginConfig, rate: f64) -> HeadConfig {
     // The dense gradient: these tests read the centres' gradient from the backward's store.
-    HeadConfig { margin, sample_rate: rate, update: CentreUpdate::Dense, ..HeadConfig::with_classes(C) }
+    support::face::config(C, margin, rate, CentreUpdate::Dense)
 }
 
-/// A head for `rank` of `world`, built on a fresh VarMap (its centres, `[c_r, D]`).
-fn head(cfg: &HeadConfig, rank: usize, world: usize) -> (FaceHead, Var) {
-    let map = VarMap::new();
-    let mut h = FaceHead::new(cfg.clone(), DIM, SEED, rank, world).unwrap();
-    h.build(VarBuilder::from_varmap(&map, DType::F64, &Device::Cpu).pp("head")).unwrap();
-    let var = map.all_vars().remove(0);
-    (h, var)
+/// The head for `rank` of `world` and its centres (`[c_r, D]`).
+fn head(cfg: &HeadConfig, rank: usize, world: usize) -> candle_core::Result<(FaceHead, Var)> {
+    support::face::head(cfg, DIM, SEED, rank, world)
 }
 
 /// All centres, `[C, D]`, from a one-rank head.
 fn all_centres(cfg: &HeadConfig) -> Vec<f64> {
-    head(cfg, 0, 1).1.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+    head(cfg, 0, 1).unwrap().1.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap()
 }
 
 // ---- The independent reference: plain f64 ----
@@ -114,17 +112,12 @@ fn distributed(cfg: &HeadConfig, w: usize) -> (f64, Vec<f64>, Vec<f64>) {
     let emb = embeddings();
     let ls = labels();
     let out = run_threads(w, |pg| {
-        let rows = RowRange::split(B, pg.rank(), w);
-        let (mut h, centres) = head(cfg, pg.rank(), w);
-        let x = Var::from_vec(emb[rows.start * DIM..rows.end() * DIM].to_vec(), (rows.len, DIM), &Device::Cpu)?;
-        let loss = h.loss(x.as_tensor(), &ls[rows.start..rows.end()], SEED, STEP, &pg)?;
+        let (mut h, centres) = head(cfg, pg.rank(), w)?;
+        let (x, labels) = rank_batch(&emb, &ls, DIM, RowRange::split(B, pg.rank(), w))?;
+        let loss = h.loss(x.as_tensor(), &labels, SEED, STEP, &pg)?;
         let g = (&loss / w as f64)?.backward()?;
         let gx = g.get(&x).unwrap().flatten_all()?.to_vec1::<f64>()?;
-        let gc = match g.get(&centres) {
-            Some(t) => t.flatten_all()?.to_vec1::<f64>()?,
-            None => vec![0.0; centres.elem_count()],
-        };
-        Ok((loss.to_scalar::<f64>()?, gx, gc))
+        Ok((loss.to_scalar::<f64>()?, gx, grad_or_zeros(&g, &centres)?))
     })
     .unwrap();
     let loss = out.iter().map(|o| o.0).sum::<f64>() / w as f64;
@@ -184,8 +177,8 @@ fn the_head_passes_the_world_size_invariance_check() {
     let x = Tensor::from_vec(embeddings(), (B, DIM), &Device::Cpu).unwrap();
     let loss = |x: &Tensor, pg: &ProcessGroup| {
         let rows = RowRange::split(B, pg.rank(), pg.world_size());
-        let (mut h, _) = head(&cfg, pg.rank(), pg.world_size());
-        h.loss(x, &ls[rows.start..rows.end()], SEED, STEP, pg)
+        let (mut h, _) = head(&cfg, pg.rank(), pg.world_size())?;
+        h.loss(x, &rows_of(&ls, rows, 1), SEED, STEP, pg)
     };
     for report in check_world_size_invariance(&x, &[2, 3, 4], loss).unwrap() {
         report.assert_close(1e-10).unwrap();
@@ -202,10 +195,10 @@ fn insightface_backbone_grad(w: usize, factor: f64, cfg: &HeadConfig, x: &[f64],
     let ls = labels();
     let out = run_threads(w, |pg| {
         let rows = RowRange::split(B, pg.rank(), w);
-        let (h, centres) = head(cfg, pg.rank(), w);
+        let (h, centres) = head(cfg, pg.rank(), w)?;
         let range = h.range();
         let a = Var::from_vec(a0.to_vec(), (4, DIM), &Device::Cpu)?;
-        let xr = Tensor::from_vec(x[rows.start * 4..rows.end() * 4].to_vec(), (rows.len, 4), &Device::Cpu)?;
+        let xr = Tensor::from_vec(rows_of(x, rows, 4), (rows.len, 4), &Device::Cpu)?;
         let e = l2(&xr.matmul(a.as_tensor())?)?;
         // Value e, gradient times `factor`.
         let e = ((&e * factor)? - (&e * (factor - 1.0))?.detach())?;
@@ -235,10 +228,10 @@ fn our_backbone_grad(w: usize, cfg: &HeadConfig, x: &[f64], a0: &[f64]) -> (Vec<
     let ls = labels();
     let out = run_threads(w, |pg| {
         let rows = RowRange::split(B, pg.rank(), w);
-        let (mut h, _) = head(cfg, pg.rank(), w);
+        let (mut h, _) = head(cfg, pg.rank(), w)?;
         let a = Var::from_vec(a0.to_vec(), (4, DIM), &Device::Cpu)?;
-        let xr = Tensor::from_vec(x[rows.start * 4..rows.end() * 4].to_vec(), (rows.len, 4), &Device::Cpu)?;
-        let loss = h.loss(&xr.matmul(a.as_tensor())?, &ls[rows.start..rows.end()], SEED, STEP, &pg)?;
+        let xr = Tensor::from_vec(rows_of(x, rows, 4), (rows.len, 4), &Device::Cpu)?;
+        let loss = h.loss(&xr.matmul(a.as_tensor())?, &rows_of(&ls, rows, 1), SEED, STEP, &pg)?;
         let g = (&loss / w as f64)?.backward()?;
         let ga = pg.all_reduce(g.get(&a).unwrap(), ReduceOp::Sum)?;
         Ok((ga.flatten_all()?.to_vec1::<f64>()?, loss.to_scalar::<f64>()?))

@@ -7,10 +7,12 @@
 //! loss (`rows_to_read`) are the rows read; the loss and the embeddings' gradient are the
 //! same bit for bit. Bad labels are refused with the key.
 
+mod support;
+
 use allgrad_dist::{run_threads, ProcessGroup};
 use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, MarginConfig, RowRange};
-use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{VarBuilder, VarMap};
+use candle_core::{DType, Device, Tensor};
+use support::face::{grad_or_zeros, rank_batch};
 
 const B: usize = 9; // global batch: uneven over 2 and 4 ranks
 const DIM: usize = 6;
@@ -28,7 +30,12 @@ fn embeddings() -> Vec<f64> {
 }
 
 fn config(margin: MarginConfig, rate: f64, update: CentreUpdate) -> HeadConfig {
-    HeadConfig { margin, sample_rate: rate, update, ..HeadConfig::with_classes(C) }
+    support::face::config(C, margin, rate, update)
+}
+
+/// The head for `rank` of `world` and its centres (`[c_r, DIM]`).
+fn head(cfg: &HeadConfig, rank: usize, world: usize) -> candle_core::Result<(FaceHead, candle_core::Var)> {
+    support::face::head(cfg, DIM, SEED, rank, world)
 }
 
 /// What one rank computes: its loss, its embeddings' gradient, its centres' dense gradient
@@ -43,23 +50,14 @@ struct RankOut {
 
 fn rank_run(cfg: &HeadConfig, pg: &ProcessGroup) -> candle_core::Result<RankOut> {
     let (rank, w) = (pg.rank(), pg.world_size());
-    let map = VarMap::new();
-    let mut head = FaceHead::new(cfg.clone(), DIM, SEED, rank, w)?;
-    head.build(VarBuilder::from_varmap(&map, DType::F64, &Device::Cpu).pp("head"))?;
-    let centres = map.all_vars().remove(0);
-    let rows = RowRange::split(B, rank, w);
-    let emb = embeddings();
-    let x = Var::from_vec(emb[rows.start * DIM..rows.end() * DIM].to_vec(), (rows.len, DIM), &Device::Cpu)?;
-    let ls = labels()[rows.start..rows.end()].to_vec();
-    let planned = head.rows_to_read(&ls, SEED, STEP, pg)?;
-    let loss = head.loss(x.as_tensor(), &ls, SEED, STEP, pg)?;
+    let (mut h, centres) = head(cfg, rank, w)?;
+    let (x, ls) = rank_batch(&embeddings(), &labels(), DIM, RowRange::split(B, rank, w))?;
+    let planned = h.rows_to_read(&ls, SEED, STEP, pg)?;
+    let loss = h.loss(x.as_tensor(), &ls, SEED, STEP, pg)?;
     let g = (&loss / w as f64)?.backward()?;
     let f64s = |t: &Tensor| t.flatten_all()?.to_vec1::<f64>();
-    let dense = match g.get(&centres) {
-        Some(t) => f64s(t)?,
-        None => vec![0.0; centres.elem_count()],
-    };
-    let sparse = match head.sparse_rows() {
+    let dense = grad_or_zeros(&g, &centres)?;
+    let sparse = match h.sparse_rows() {
         None => None,
         Some(sp) => {
             let values = match &sp.leaf {
@@ -131,12 +129,10 @@ fn without_sampling_the_gradient_stays_dense_and_no_rows_are_announced() {
 fn a_label_out_of_range_is_refused_naming_head_num_classes() {
     for update in [CentreUpdate::Sparse, CentreUpdate::Dense] {
         let err = run_threads(1, |pg| {
-            let map = VarMap::new();
-            let mut head = FaceHead::new(config(MarginConfig::default(), 0.5, update), DIM, SEED, 0, 1)?;
-            head.build(VarBuilder::from_varmap(&map, DType::F64, &Device::Cpu).pp("head"))?;
+            let (mut h, _) = head(&config(MarginConfig::default(), 0.5, update), 0, 1)?;
             let x = Tensor::ones((2, DIM), DType::F64, &Device::Cpu)?;
-            head.rows_to_read(&[3, C], SEED, 0, &pg)?;
-            head.loss(&x, &[3, C], SEED, 0, &pg)
+            h.rows_to_read(&[3, C], SEED, 0, &pg)?;
+            h.loss(&x, &[3, C], SEED, 0, &pg)
         })
         .unwrap_err()
         .to_string();

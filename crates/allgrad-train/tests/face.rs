@@ -4,13 +4,12 @@
 //! unevenly over 2 and 3 ranks); sharded checkpoints resume bitwise at the same W and
 //! re-shard from W=2 to W=3.
 
-use std::collections::BTreeMap;
+mod face_support;
+
 use std::path::Path;
 
-use allgrad_dist::run_threads;
-use allgrad_train::{run, RunConfig};
-
-const CENTRES: &str = "head.centres";
+use allgrad_train::RunConfig;
+use face_support::{assert_bitwise, assert_close, assert_params, assert_params_bitwise, train, CENTRES};
 
 fn config(margin: &str, rate: f64, dtype: &str) -> RunConfig {
     config_with(margin, rate, dtype, 11)
@@ -32,46 +31,6 @@ fn config_with(margin: &str, rate: f64, dtype: &str, classes: usize) -> RunConfi
     RunConfig::parse(&text, Path::new("face-test.yaml"), &[]).unwrap()
 }
 
-/// Per-step losses and every parameter (the centres concatenated over ranks in rank order),
-/// as f64 bits-preserving values.
-struct Run {
-    losses: Vec<f64>,
-    params: BTreeMap<String, Vec<f64>>,
-}
-
-/// Trains `cfg` on `w` thread-ranks up to each of `stops`, from `dir` (resuming when asked).
-fn train(cfg: &RunConfig, w: usize, dir: Option<&Path>, resume: bool, stops: &[usize]) -> Run {
-    let per_rank = run_threads(w, |pg| {
-        let mut t = run::build(cfg, pg, dir.map(Path::to_path_buf), resume)?;
-        let mut losses = Vec::new();
-        for &s in stops {
-            losses.push(t.train_until(s)?.last_loss);
-        }
-        let mut params = BTreeMap::new();
-        for (n, v) in t.params() {
-            params.insert(n.clone(), v.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1::<f64>()?);
-        }
-        Ok((losses, params))
-    })
-    .unwrap();
-    let mut params = per_rank[0].1.clone();
-    params.insert(CENTRES.into(), per_rank.iter().flat_map(|(_, p)| p[CENTRES].clone()).collect());
-    for (r, (_, p)) in per_rank.iter().enumerate().skip(1) {
-        for (n, v) in p.iter().filter(|(n, _)| *n != CENTRES) {
-            assert_eq!(v, &params[n], "rank {r}'s replicated {n} differs from rank 0's");
-        }
-    }
-    Run { losses: per_rank[0].0.clone(), params }
-}
-
-/// Each parameter of `a` within `tol` of `b`'s, norm-wise (`allgrad_testkit::close`).
-fn assert_params(a: &BTreeMap<String, Vec<f64>>, b: &BTreeMap<String, Vec<f64>>, tol: f64, what: &str) {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (n, y) in b {
-        allgrad_testkit::close::assert_rel(&a[n], y, tol, &format!("{what}: {n}"));
-    }
-}
-
 fn assert_equivalent(margin: &str, rate: f64, dtype: &str, tol: f64) {
     let cfg = config(margin, rate, dtype);
     let stops = [1, 2, 3, 4];
@@ -79,9 +38,7 @@ fn assert_equivalent(margin: &str, rate: f64, dtype: &str, tol: f64) {
     assert!(one.losses.iter().all(|l| l.is_finite() && *l > 0.0), "{:?}", one.losses);
     for w in [2, 3] {
         let run = train(&cfg, w, None, false, &stops);
-        let what = format!("{margin} rate {rate} W={w} vs W=1");
-        allgrad_testkit::close::assert_elem_rel(&run.losses, &one.losses, tol, f64::MIN_POSITIVE, &format!("{what}: losses"));
-        assert_params(&run.params, &one.params, tol, &what);
+        assert_close(&run, &one, tol, &format!("{margin} rate {rate} W={w} vs W=1"));
     }
     // The run trained: the loss fell and the centres moved.
     assert!(one.losses[3] < one.losses[0], "{margin} rate {rate}: losses {:?}", one.losses);
@@ -172,11 +129,7 @@ fn sharded_checkpoints_resume_bitwise_at_the_same_world_size() {
     let meta = std::fs::read_to_string(ck.join("step_2/shard_1.json")).unwrap();
     assert!(meta.contains("\"start\": 6") && meta.contains("\"total\": 11"), "shard_1.json: {meta}");
     let resumed = train(&cfg, 2, Some(dir.path()), true, &[4]);
-    for (n, v) in &full.params {
-        let bits = |x: &Vec<f64>| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&resumed.params[n]), bits(v), "{n} differs after resuming");
-    }
-    assert_eq!(resumed.losses[0].to_bits(), full.losses[0].to_bits());
+    assert_bitwise(&resumed, &full, "resumed at step 2 vs uninterrupted");
 }
 
 #[test]
@@ -186,12 +139,9 @@ fn a_two_rank_checkpoint_resumes_on_three_ranks_with_the_centres_re_sharded() {
     let saved = train(&cfg, 2, Some(dir.path()), false, &[2]);
     // Resumed on 3 ranks, before any further step: the centres (and everything) equal the saved.
     let loaded = train(&cfg, 3, Some(dir.path()), true, &[2]);
-    let bits = |x: &Vec<f64>| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for (n, v) in &saved.params {
-        assert_eq!(bits(&loaded.params[n]), bits(v), "{n} differs after re-sharding");
-    }
+    assert_params_bitwise(&loaded, &saved, "re-sharded from 2 to 3 ranks");
     // And the run goes on as an uninterrupted one (momentum re-sharded too).
     let full = train(&cfg, 2, None, false, &[4]);
     let resumed = train(&cfg, 3, Some(dir.path()), true, &[4]);
-    assert_params(&resumed.params, &full.params, 1e-10, "resumed on 3 ranks vs uninterrupted on 2");
+    assert_params(&resumed, &full, 1e-10, "resumed on 3 ranks vs uninterrupted on 2");
 }

@@ -12,14 +12,15 @@
 //! `ALLGRAD_TEST_ERRORS=1` prints each measured error. The figures quoted were measured on one
 //! machine, an AMD EPYC with AVX-512.
 
+mod face_support;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use allgrad_dist::run_threads;
-use allgrad_testkit::close::{assert_elem_rel, assert_rel};
+use allgrad_testkit::close::assert_elem_rel;
 use allgrad_train::{run, RunConfig};
-
-const CENTRES: &str = "head.centres";
+use face_support::{assert_bitwise, assert_params, train, CENTRES};
 
 fn config(storage: &str, optim: &str, extra: &[&str]) -> RunConfig {
     let text = format!(
@@ -41,43 +42,6 @@ fn config(storage: &str, optim: &str, extra: &[&str]) -> RunConfig {
 
 const SGD: &str = "{kind: sgd, lr: 0.2, momentum: 0.9, weight_decay: 0.01}";
 const ADAMW: &str = "{kind: adamw, lr: 0.01, weight_decay: 0.05}";
-
-struct Run {
-    losses: Vec<f64>,
-    params: BTreeMap<String, Vec<f64>>,
-    centres_dtype: candle_core::DType,
-}
-
-fn train(cfg: &RunConfig, w: usize, dir: Option<&Path>, resume: bool, stops: &[usize]) -> Run {
-    let per_rank = run_threads(w, |pg| {
-        let mut t = run::build(cfg, pg, dir.map(Path::to_path_buf), resume)?;
-        let mut losses = Vec::new();
-        for &s in stops {
-            losses.push(t.train_until(s)?.last_loss);
-        }
-        let mut params = BTreeMap::new();
-        let mut dtype = candle_core::DType::F32;
-        for (n, v) in t.params() {
-            if n == CENTRES {
-                dtype = v.dtype();
-            }
-            params.insert(n.clone(), v.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1::<f64>()?);
-        }
-        Ok((losses, params, dtype))
-    })
-    .unwrap();
-    let mut params = per_rank[0].1.clone();
-    params.insert(CENTRES.into(), per_rank.iter().flat_map(|(_, p, _)| p[CENTRES].clone()).collect());
-    Run { losses: per_rank[0].0.clone(), params, centres_dtype: per_rank[0].2 }
-}
-
-/// Each parameter of `a` within `tol` of `b`'s, norm-wise.
-fn assert_params(a: &Run, b: &Run, tol: f64, what: &str) {
-    assert_eq!(a.params.keys().collect::<Vec<_>>(), b.params.keys().collect::<Vec<_>>(), "{what}");
-    for (n, y) in &b.params {
-        assert_rel(&a.params[n], y, tol, &format!("{what}: {n}"));
-    }
-}
 
 /// bf16 storage against f32 storage over 120 steps, the losses at the stops: bf16 keeps 8
 /// significant bits of every centre after every update, so the runs part by that much each
@@ -143,11 +107,7 @@ fn bf16_centres_resume_bitwise_from_a_mid_run_checkpoint_which_holds_them_in_bf1
         let dtypes: BTreeMap<&str, candle_core::DType> = saved.iter().map(|(k, v)| (k.as_str(), v.dtype())).collect();
         assert!(!dtypes.is_empty() && dtypes.values().all(|d| *d == candle_core::DType::BF16), "{optim}: shard holds {dtypes:?}");
         let resumed = train(&cfg, 2, Some(dir.path()), true, &[120]);
-        for (n, v) in &full.params {
-            let bits = |x: &Vec<f64>| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&resumed.params[n]), bits(v), "{optim}: {n} differs after resuming");
-        }
-        assert_eq!(resumed.losses[0].to_bits(), full.losses[0].to_bits(), "{optim}");
+        assert_bitwise(&resumed, &full, &format!("{optim}: resumed at step 37 vs uninterrupted"));
     }
 }
 

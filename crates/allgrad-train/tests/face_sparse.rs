@@ -15,14 +15,13 @@
 //! Tolerances through `allgrad_testkit::close` (norm-wise per parameter, element-wise per
 //! loss); `ALLGRAD_TEST_ERRORS=1` prints each measured error.
 
-use std::collections::BTreeMap;
+mod face_support;
+
 use std::path::Path;
 
 use allgrad_dist::run_threads;
-use allgrad_testkit::close::{assert_elem_rel, assert_rel};
-use allgrad_train::{optim_paths, run, OptimPaths, RunConfig};
-
-const CENTRES: &str = "head.centres";
+use allgrad_train::{run, RunConfig};
+use face_support::{assert_bitwise, assert_close, assert_params_bitwise, train, CENTRES};
 
 /// A face run: 60 classes, rate 0.1, `steps` steps of a 12-sample global batch.
 fn config(optim: &str, dtype: &str, update: &str, extra: &[&str]) -> RunConfig {
@@ -46,80 +45,6 @@ fn config(optim: &str, dtype: &str, update: &str, extra: &[&str]) -> RunConfig {
 const SGD: &str = "{kind: sgd, lr: 0.2, momentum: 0.9, weight_decay: 0.01}";
 const NESTEROV: &str = "{kind: sgd, lr: 0.2, momentum: 0.9, nesterov: true, weight_decay: 0.01}";
 const ADAMW: &str = "{kind: adamw, lr: 0.01, weight_decay: 0.05}";
-
-/// Per-stop losses, every parameter (centres concatenated over ranks in rank order), and each
-/// rank's optimizer paths during the run.
-struct Run {
-    losses: Vec<f64>,
-    params: BTreeMap<String, Vec<f64>>,
-    paths: Vec<OptimPaths>,
-}
-
-impl Run {
-    /// Every rank's centres took the lazy update (rows deferred, then replayed), never the
-    /// dense update of a scattered gradient.
-    fn assert_lazy(&self, what: &str) {
-        for (r, p) in self.paths.iter().enumerate() {
-            let ok = p.lazy_updates > 0 && p.deferred_rows > 0 && p.replayed_rows > 0 && p.sparse_as_dense == 0;
-            assert!(ok, "{what}: rank {r} did not take the lazy update of the centres: {p:?}");
-        }
-    }
-
-    /// No rank took the lazy update.
-    fn assert_dense(&self, what: &str) {
-        for (r, p) in self.paths.iter().enumerate() {
-            assert_eq!(p.lazy_updates + p.deferred_rows, 0, "{what}: rank {r} took the lazy update: {p:?}");
-        }
-    }
-}
-
-/// Trains `cfg` on `w` thread-ranks up to each of `stops`, in `dir` (resuming when asked).
-fn train(cfg: &RunConfig, w: usize, dir: Option<&Path>, resume: bool, stops: &[usize]) -> Run {
-    let per_rank = run_threads(w, |pg| {
-        let before = optim_paths();
-        let mut t = run::build(cfg, pg, dir.map(Path::to_path_buf), resume)?;
-        let mut losses = Vec::new();
-        for &s in stops {
-            losses.push(t.train_until(s)?.last_loss);
-        }
-        let mut params = BTreeMap::new();
-        for (n, v) in t.params() {
-            params.insert(n.clone(), v.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1::<f64>()?);
-        }
-        let paths = optim_paths().since(before);
-        Ok((losses, params, paths))
-    })
-    .unwrap();
-    let mut params = per_rank[0].1.clone();
-    params.insert(CENTRES.into(), per_rank.iter().flat_map(|(_, p, _)| p[CENTRES].clone()).collect());
-    for (r, (_, p, _)) in per_rank.iter().enumerate().skip(1) {
-        for (n, v) in p.iter().filter(|(n, _)| *n != CENTRES) {
-            assert_eq!(v, &params[n], "rank {r}'s replicated {n} differs from rank 0's");
-        }
-    }
-    Run { losses: per_rank[0].0.clone(), params, paths: per_rank.iter().map(|(_, _, p)| *p).collect() }
-}
-
-fn bits(x: &[f64]) -> Vec<u64> {
-    x.iter().map(|f| f.to_bits()).collect()
-}
-
-fn assert_bitwise(a: &Run, b: &Run, what: &str) {
-    assert_eq!(a.params.keys().collect::<Vec<_>>(), b.params.keys().collect::<Vec<_>>(), "{what}");
-    for (n, v) in &b.params {
-        assert_eq!(bits(&a.params[n]), bits(v), "{what}: {n} differs");
-    }
-    assert_eq!(bits(&a.losses), bits(&b.losses), "{what}: losses differ");
-}
-
-/// Each loss (element-wise) and each parameter (norm-wise) of `a` within `tol` of `b`'s.
-fn assert_close(a: &Run, b: &Run, tol: f64, what: &str) {
-    assert_elem_rel(&a.losses, &b.losses, tol, f64::MIN_POSITIVE, &format!("{what}: losses at the stops"));
-    assert_eq!(a.params.keys().collect::<Vec<_>>(), b.params.keys().collect::<Vec<_>>(), "{what}");
-    for (n, y) in &b.params {
-        assert_rel(&a.params[n], y, tol, &format!("{what}: {n}"));
-    }
-}
 
 const STOPS: [usize; 3] = [1, 60, 120];
 
@@ -191,9 +116,7 @@ fn sparse_checkpoints_re_shard_from_2_to_3_and_from_3_to_1_ranks() {
         let saved = train(&cfg, from, Some(dir.path()), false, &[45]);
         // Before any further step the re-sharded run holds exactly what was saved.
         let loaded = train(&cfg, to, Some(dir.path()), true, &[45]);
-        for (n, v) in &saved.params {
-            assert_eq!(bits(&loaded.params[n]), bits(v), "W={from} -> {to}: {n} differs after loading");
-        }
+        assert_params_bitwise(&loaded, &saved, &format!("W={from} -> {to}: loaded"));
         let resumed = train(&cfg, to, Some(dir.path()), true, &[120]);
         assert_close(&resumed, &full, 1e-10, &format!("saved on {from} ranks at step 45, resumed on {to}"));
     }

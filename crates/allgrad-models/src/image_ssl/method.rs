@@ -27,7 +27,7 @@ use super::projector::ImageModel;
 use super::two_view::TwoViewImages;
 use crate::batch_norm::Mode;
 use crate::losses::LossConfig;
-use crate::tiled::KeyQueue;
+use crate::objective::QueueBuffer;
 use crate::{Batch, EmbeddingObjective, Objective};
 
 /// How the two views of a batch pass through the network.
@@ -44,8 +44,8 @@ pub enum ViewBatch {
 pub struct TwoViewMethod {
     images: TwoViewImages,
     loss: LossConfig,
-    /// The keys of past batches (`loss.queue`).
-    queue: Option<KeyQueue>,
+    /// The keys of past batches (`loss.queue`): both views' of a global micro-batch.
+    queue: QueueBuffer,
     batch: ViewBatch,
     /// The views of the batch being embedded (its indices, epoch and seed, then the views),
     /// kept between the chunks of a cached step.
@@ -64,7 +64,7 @@ impl TwoViewMethod {
         dtype: DType,
     ) -> Result<Self> {
         loss.validate()?;
-        let queue = loss.new_queue()?;
+        let queue = QueueBuffer::new(loss.new_queue()?, 2, "two-view");
         Ok(TwoViewMethod { images: TwoViewImages::new(data, model, device, dtype)?, loss, queue, batch, views: None })
     }
 
@@ -131,7 +131,7 @@ impl EmbeddingObjective for TwoViewMethod {
     }
 
     fn loss_of_embeddings(&mut self, z: &Tensor, _batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
-        self.loss.compute_queued(&z.i((.., 0))?, &z.i((.., 1))?, self.queue.as_mut(), pg)
+        self.loss.compute_queued(&z.i((.., 0))?, &z.i((.., 1))?, self.queue.queue(), pg)
     }
 }
 
@@ -166,24 +166,19 @@ impl Objective for TwoViewMethod {
         self.images.evaluate(pg)
     }
 
-    /// The queue (`loss.queue`) holds both views' keys of a global micro-batch.
     fn expect_batch(&mut self, global_micro_batch: usize) -> Result<()> {
-        self.queue.as_mut().map_or(Ok(()), |q| q.expect_rows(2 * global_micro_batch))
+        self.queue.expect_batch(global_micro_batch)
     }
 
     /// The batch norms' running statistics, and the queue of past keys (`loss.queue`).
     fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = self.images.buffers()?;
-        if let Some(q) = &self.queue {
-            q.save_into(&mut out)?;
-        }
+        self.queue.save_into(&mut out)?;
         Ok(out)
     }
 
     fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        match &mut self.queue {
-            Some(q) => self.images.load_buffers(&q.load_from(buffers)?),
-            None => self.images.load_buffers(buffers),
-        }
+        let rest = self.queue.load_from(buffers)?;
+        self.images.load_buffers(&rest)
     }
 }

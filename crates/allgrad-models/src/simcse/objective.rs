@@ -8,6 +8,7 @@ use super::config::{SimCseData, SimCseLoss, SimCseModel};
 use super::evaluation::{Evaluator, SimCseEval};
 use super::info_nce::{info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled, info_nce_tiled_queued};
 use crate::bert::{BertConfig, BertFolder, BertModel, BertTokenizer, Checkpoint, Dense, DropoutKey, Pooling, TokenBatch};
+use crate::objective::QueueBuffer;
 use crate::tiled::KeyQueue;
 use crate::{Batch, EmbeddingObjective, Objective};
 
@@ -29,8 +30,9 @@ pub struct SimCse {
     tokens: Vec<Vec<Vec<u32>>>,
     pad_id: u32,
     supervised: bool,
-    /// The keys of past batches (`loss.queue`).
-    queue: Option<KeyQueue>,
+    /// The keys of past batches (`loss.queue`): a global micro-batch's positives, and with
+    /// supervised data its hard negatives after them.
+    queue: QueueBuffer,
     net: Option<(BertModel, Option<Dense>)>,
     device: Device,
     /// The benchmarks and the evaluation tokenizer (its own `max_len`), when configured.
@@ -78,7 +80,7 @@ impl SimCse {
             tokens,
             pad_id: tokenizer.pad_id(),
             supervised,
-            queue,
+            queue: QueueBuffer::new(queue, if supervised { 2 } else { 1 }, "simcse"),
             net: None,
             device,
             eval: None,
@@ -146,20 +148,17 @@ impl Objective for SimCse {
         Some(self)
     }
 
-    /// The queue (`loss.queue`) holds a global micro-batch's positives, and with supervised
-    /// data its hard negatives after them.
     fn expect_batch(&mut self, global_micro_batch: usize) -> Result<()> {
-        let rows = if self.supervised { 2 * global_micro_batch } else { global_micro_batch };
-        self.queue.as_mut().map_or(Ok(()), |q| q.expect_rows(rows))
+        self.queue.expect_batch(global_micro_batch)
     }
 
     /// The queue of past keys (`loss.queue`), when it holds any.
     fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
-        crate::tiled::queue_buffers(self.queue.as_ref())
+        self.queue.buffers()
     }
 
     fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        crate::tiled::load_queue_buffers(self.queue.as_mut(), buffers, "simcse")
+        self.queue.load_buffers(buffers)
     }
 
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
@@ -202,7 +201,7 @@ impl EmbeddingObjective for SimCse {
         let view = |v: usize| z.i((.., v));
         let (a, p) = (view(0)?, view(1)?);
         let SimCseLoss { temperature: t, hard_negative_weight: w, tile, .. } = self.loss_cfg;
-        if let (Some(tile), Some(queue)) = (tile, self.queue.as_mut()) {
+        if let (Some(tile), Some(queue)) = (tile, self.queue.queue()) {
             let n = if self.supervised { Some(view(2)?) } else { None };
             return info_nce_tiled_queued(&a, &p, n.as_ref(), t, w, tile, queue, pg);
         }

@@ -96,7 +96,7 @@ use candle_core::{DType, Result, Tensor};
 pub use pairs::Pairs;
 pub use queue::{load_queue_buffers, queue_buffers, KeyQueue};
 
-use crate::losses::Temperature;
+use crate::temperature::Temperature;
 use op::Kernel;
 
 /// The logits of a block of queries against a block of keys: what a pairwise loss of your own

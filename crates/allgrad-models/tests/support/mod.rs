@@ -1,6 +1,9 @@
-//! Shared by the BERT tests: the committed tiny model (written by scripts/reference/ref_bert.py).
+//! Shared by the tests: the committed tiny BERT (written by scripts/reference/ref_bert.py), here,
+//! and the face head's set-up ([`face`]).
 
 #![allow(dead_code)]
+
+pub mod face;
 
 use std::path::PathBuf;
 
