@@ -199,7 +199,7 @@ impl Mesh {
             shm: None,
             paths: AllReducePaths::default(),
             counts: WireCounts::default(),
-            tree_from: crate::cpu::tree::TREE_FROM,
+            tree_from: crate::settings::DEFAULT_TREE_FROM,
             index: vec![PeerIndex::UNUSED; n],
         }
     }

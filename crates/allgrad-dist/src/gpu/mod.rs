@@ -35,54 +35,9 @@ pub(crate) mod unique_id;
 pub(crate) mod watchdog;
 
 use std::fmt;
-use std::str::FromStr;
-
-use serde::{Deserialize, Serialize};
 
 use crate::error::{DistError, DistResult};
-
-/// How a group's collectives of CUDA tensors move their data (`dist.cuda_collectives`,
-/// `ALLGRAD_CUDA_COLLECTIVES`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CudaCollectives {
-    /// NCCL when the build has it and every rank of the group has a GPU of its own; the
-    /// host otherwise.
-    #[default]
-    Auto,
-    /// NCCL, always: a group whose ranks share a GPU, or a build without the `nccl`
-    /// feature, is an error when the group chooses (at start, in `train`), never a hang.
-    Nccl,
-    /// Through host memory and the CPU backend, always.
-    Host,
-}
-
-impl CudaCollectives {
-    /// The names a user writes, in the order of the variants.
-    pub const NAMES: [&'static str; 3] = ["auto", "nccl", "host"];
-}
-
-impl fmt::Display for CudaCollectives {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            CudaCollectives::Auto => "auto",
-            CudaCollectives::Nccl => "nccl",
-            CudaCollectives::Host => "host",
-        })
-    }
-}
-
-impl FromStr for CudaCollectives {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(CudaCollectives::Auto),
-            "nccl" => Ok(CudaCollectives::Nccl),
-            "host" => Ok(CudaCollectives::Host),
-            _ => Err(format!("{s:?} is not one of {}", CudaCollectives::NAMES.join(", "))),
-        }
-    }
-}
+pub use crate::settings::CudaCollectives;
 
 /// The path a group's collectives of CUDA tensors take (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -321,16 +276,6 @@ mod tests {
         let a = GpuId { ordinal: 1, ..gpu(5, 0) };
         assert!(shared_gpus(&[gpu(1, 0), gpu(2, 0)]).is_empty());
         assert_eq!(shared_gpus(&[gpu(5, 0), gpu(6, 0), a]), vec![(gpu(5, 0), vec![0, 2])]);
-    }
-
-    #[test]
-    fn modes_parse_from_their_names_only() {
-        for (s, m) in CudaCollectives::NAMES.iter().zip([CudaCollectives::Auto, CudaCollectives::Nccl, CudaCollectives::Host]) {
-            assert_eq!(s.parse::<CudaCollectives>().unwrap(), m);
-            assert_eq!(m.to_string(), *s);
-        }
-        let e = "NCCL".parse::<CudaCollectives>().unwrap_err();
-        assert!(e.contains("\"NCCL\"") && e.contains("auto, nccl, host"), "{e}");
     }
 
     #[test]

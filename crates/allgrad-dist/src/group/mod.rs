@@ -25,24 +25,17 @@ use std::time::Duration;
 use crate::cpu::collectives::Call;
 use crate::cpu::mesh::{Mesh, OpCode};
 use crate::error::{DistError, DistResult};
-use crate::gpu::CudaCollectives;
 use crate::reduce::ReduceOp;
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::reduce::{Elem, SUPPORTED_DTYPES};
 use crate::rendezvous::env::WorldInfo;
 use crate::rendezvous::store::{StoreClient, StoreServer};
-use crate::settings::{host_memory, message_cap, Settings};
+use crate::settings::{host_memory, message_cap, CudaCollectives, Settings};
 use crate::wire::digest;
 #[cfg(feature = "nccl")]
 pub(crate) use checked::{Elsewhere, Names};
 use connect::{bind_ip_toward, connect_mesh, resolve};
 use cuda_path::CudaDecision;
-
-/// Largest total a rank agrees to receive in one all_gather or all_to_all whose sizes come
-/// from the peers, where the host's memory cannot be read; otherwise the cap is the rank's
-/// share of that memory ([`crate::settings::message_cap`]). ALLGRAD_MAX_MESSAGE_BYTES
-/// overrides both.
-pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 64 << 30;
 
 /// What every group of one process shares: the job's identity and the rendezvous store.
 struct Context {

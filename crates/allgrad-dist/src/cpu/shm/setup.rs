@@ -22,10 +22,12 @@ use crate::cpu::mesh::{Mesh, OpCode, RecvOp, SendOp};
 use crate::cpu::shm::job::{shm_rank_prefix, SHM_DIR};
 use crate::cpu::shm::{segment_bytes, Segment, SLOT_ALIGN};
 use crate::error::DistResult;
+use crate::settings::{Settings, DEFAULT_SHM_SLOT_BYTES, MIN_SHM_SLOT_BYTES};
 use crate::wire::{Header, KIND_DATA};
 
-/// Default bytes of one rank's slot (ALLGRAD_SHM_SLOT_BYTES overrides).
-pub(crate) const DEFAULT_SLOT_BYTES: usize = 1 << 20;
+// The smallest slot a user may ask for is one the segment can lay out.
+const _: () = assert!(MIN_SHM_SLOT_BYTES.is_multiple_of(SLOT_ALIGN));
+
 /// Largest segment a group maps (two sets of W + 1 slots); slots shrink to fit.
 pub(crate) const MAX_SEGMENT_BYTES: usize = 256 << 20;
 
@@ -38,7 +40,14 @@ pub(crate) struct ShmConfig {
 
 impl Default for ShmConfig {
     fn default() -> Self {
-        ShmConfig { enabled: true, slot_bytes: DEFAULT_SLOT_BYTES }
+        ShmConfig { enabled: true, slot_bytes: DEFAULT_SHM_SLOT_BYTES }
+    }
+}
+
+impl From<&Settings> for ShmConfig {
+    /// ALLGRAD_SHM and ALLGRAD_SHM_SLOT_BYTES.
+    fn from(s: &Settings) -> Self {
+        ShmConfig { enabled: s.shm, slot_bytes: s.shm_slot_bytes }
     }
 }
 
