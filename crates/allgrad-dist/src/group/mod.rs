@@ -113,8 +113,8 @@ impl ProcessGroup {
     /// As [`ProcessGroup::init`], with the given settings (the timeout and token are those of
     /// `info`). Reads no environment.
     pub fn init_with(info: &WorldInfo, settings: Settings) -> DistResult<ProcessGroup> {
-        // Under torchrun's agent store, rank 0 does not bind MASTER_PORT (crate::rendezvous::elastic).
-        if let Some((info, server)) = crate::rendezvous::elastic::rendezvous_via_agent(info)? {
+        // Under torchrun's agent store, rank 0 does not bind MASTER_PORT (crate::rendezvous::agent).
+        if let Some((info, server)) = crate::rendezvous::agent::rendezvous_via_agent(info)? {
             return Self::join(&info, server, settings);
         }
         let server = if info.rank == 0 && info.world_size > 1 {
