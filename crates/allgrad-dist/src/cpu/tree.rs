@@ -26,7 +26,7 @@
 
 use std::ops::Range;
 
-use crate::cpu::collectives::{ranges, Call};
+use crate::cpu::call::{ranges, Call};
 use crate::cpu::mesh::{Mesh, RecvOp, SendOp};
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::error::DistError;

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use crate::cpu::collectives::Call;
+use crate::cpu::call::Call;
 use crate::cpu::mesh::{Mesh, OpCode, NCCL_STEP};
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::error::DistError;

@@ -22,7 +22,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::cpu::collectives::Call;
+use crate::cpu::call::Call;
 use crate::cpu::mesh::{Mesh, OpCode};
 use crate::error::{DistError, DistResult};
 use crate::reduce::ReduceOp;

@@ -7,9 +7,9 @@
 
 use std::time::{Duration, Instant};
 
+use crate::cpu::segment::SLOT_ALIGN;
 use crate::cpu::shm::ops::{Fault, FAULT};
 use crate::cpu::shm::setup::ShmConfig;
-use crate::cpu::shm::SLOT_ALIGN;
 use crate::group::ProcessGroup;
 use crate::reduce::{Elem, ReduceOp};
 use crate::settings::Settings;

@@ -1,5 +1,5 @@
 //! Setting up the same-host fast path of a group (the algorithms that use it are in
-//! `ops`; the segment itself in `shm`).
+//! `ops`; the segment itself in `cpu::segment`).
 //!
 //! Once per group (init and `new_group`), over the group's TCP mesh (each round with every peer,
 //! or gathered through the tree in groups that take it, `tree`):
@@ -17,10 +17,10 @@
 
 use std::path::PathBuf;
 
-use crate::cpu::collectives::{ranges, Call};
+use crate::cpu::call::{ranges, Call};
 use crate::cpu::mesh::{Mesh, OpCode, RecvOp, SendOp};
+use crate::cpu::segment::{segment_bytes, Segment, SLOT_ALIGN};
 use crate::cpu::shm::job::{shm_rank_prefix, SHM_DIR};
-use crate::cpu::shm::{segment_bytes, Segment, SLOT_ALIGN};
 use crate::error::DistResult;
 use crate::settings::{Settings, DEFAULT_SHM_SLOT_BYTES, MIN_SHM_SLOT_BYTES};
 use crate::wire::{Header, KIND_DATA};
@@ -122,7 +122,7 @@ struct Unlink(Option<PathBuf>);
 impl Drop for Unlink {
     fn drop(&mut self) {
         if let Some(p) = &self.0 {
-            crate::cpu::shm::unlink(p);
+            crate::cpu::segment::unlink(p);
         }
     }
 }
