@@ -26,6 +26,19 @@
 //! [`cuda_ordinal`]: rank r of a host uses CUDA device `LOCAL_RANK % device_count`, so that
 //! `launch --nproc-per-node 2` on a machine with one GPU puts both ranks on it, unless a
 //! `device_ids` list (`dist.device_ids` in a run config) names a device per local rank.
+//!
+//! # What the data path of a checked call gets
+//!
+//! A collective whose data moves outside the TCP mesh (through NCCL) is still checked against
+//! the peers' calls over it (`group/checked.rs`); the data path then gets an `Elsewhere`: the
+//! call's names, the group's rank, size, store, timeout and mesh (to notice failing peers),
+//! and the slot of its NCCL communicator.
+//!
+//! The collectives of CUDA tensors themselves, which use all of this, are the group's
+//! (`group/cuda/`); this module and its children hold what they run on: the pinned host
+//! buffer and the device's UUID (`cuda`, feature `cuda`), the NCCL communicators (`nccl`,
+//! feature `nccl`) with their watchdog (`watchdog`) and the exchange of their unique id
+//! through the rendezvous store (`unique_id`).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -35,9 +48,52 @@ pub(crate) mod unique_id;
 pub(crate) mod watchdog;
 
 use std::fmt;
+use std::time::Duration;
 
+use crate::cpu::mesh::Mesh;
 use crate::error::{DistError, DistResult};
+use crate::rendezvous::store::StoreClient;
 pub use crate::settings::CudaCollectives;
+
+/// What the data path of one checked call may use.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) struct Elsewhere<'a> {
+    /// This rank's call, for error messages.
+    pub what: &'a str,
+    /// The group's name.
+    pub group: &'a str,
+    /// This rank in the group.
+    pub rank: usize,
+    /// The group's size.
+    pub world_size: usize,
+    /// The job's rendezvous store (absent in a world of one rank).
+    pub store: Option<&'a StoreClient>,
+    /// The group's timeout.
+    pub timeout: Duration,
+    /// The group's TCP mesh, to notice peers that fail while the data moves elsewhere.
+    pub mesh: &'a Mesh,
+    /// The group's NCCL communicator, once made.
+    #[cfg(feature = "nccl")]
+    pub nccl: &'a mut Option<nccl::GroupComm>,
+}
+
+/// The names of a call, for error messages (copied out of an [`Elsewhere`]).
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) struct Names<'a> {
+    /// The group's name.
+    pub group: &'a str,
+    /// This rank's call.
+    pub what: &'a str,
+}
+
+impl<'a> Elsewhere<'a> {
+    /// The call's names, independent of the borrow of `self`.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn names(&self) -> Names<'a> {
+        Names { group: self.group, what: self.what }
+    }
+}
 
 /// The path a group's collectives of CUDA tensors take (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

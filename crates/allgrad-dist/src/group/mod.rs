@@ -3,18 +3,23 @@
 //!
 //! The collectives are methods too, in the files beside this one: `slices` (on slices of any
 //! [`Elem`] type) and `tensors` (on Candle tensors of the dtypes in [`SUPPORTED_DTYPES`]:
-//! CUDA tensors through NCCL or staged through host memory, the group's CUDA path chosen in
-//! `cuda_path`; tensors on other devices are staged through host memory). `connect` sets up
-//! the network of a group. For collectives inside a loss, use the differentiable functions of
-//! [`crate::ops`] instead.
+//! CUDA tensors through NCCL or staged through host memory (`cuda`, feature `cuda`), the
+//! group's CUDA path chosen in `cuda_path`; tensors on other devices are staged through host
+//! memory). `host_ops` runs one collective, described as a `Kind`, on host values (for the
+//! differentiable ops and the host path of CUDA tensors); `checked` checks a call whose data
+//! moves through NCCL. `connect` sets up the network of a group. For collectives inside a
+//! loss, use the differentiable functions of [`crate::ops`] instead.
 //!
 //! Every rank of a group must issue the same collectives, in the same order, from one thread
 //! at a time. A rank that does otherwise gets a [`DistError::Mismatch`] naming both calls.
 
 mod checked;
 mod connect;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 mod cuda_path;
 pub(crate) mod fd_limit;
+pub(crate) mod host_ops;
 mod slices;
 mod tensors;
 
@@ -32,8 +37,6 @@ use crate::rendezvous::env::WorldInfo;
 use crate::rendezvous::store::{StoreClient, StoreServer};
 use crate::settings::{host_memory, message_cap, CudaCollectives, Settings};
 use crate::wire::digest;
-#[cfg(feature = "nccl")]
-pub(crate) use checked::{Elsewhere, Names};
 use connect::{bind_ip_toward, connect_mesh, resolve};
 use cuda_path::CudaDecision;
 
