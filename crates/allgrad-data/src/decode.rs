@@ -1,4 +1,5 @@
-//! Decoding an encoded image (JPEG, PNG) held in memory into an 8-bit [`Image`].
+//! Decoding an encoded image (JPEG, PNG) held in memory into an 8-bit [`Image`] with the
+//! channels a [`ColorMode`] asks for.
 //!
 //! JPEGs (recognised by their first bytes `FF D8 FF`, whatever the file is called) go to
 //! zune-jpeg, in strict mode: a file cut short or with a corrupt entropy-coded stream is an
@@ -9,14 +10,28 @@
 
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
 use zune_core::bytestream::ZCursor;
 use zune_core::colorspace::ColorSpace;
 use zune_core::options::DecoderOptions;
 use zune_jpeg::JpegDecoder;
 
 use crate::error::{DataError, DataResult};
-use crate::folder::ColorMode;
 use crate::image::Image;
+
+/// How decoded images are converted to the 1 or 3 channels of an [`Image`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ColorMode {
+    /// Every image as RGB (grayscale files are replicated to three channels).
+    #[default]
+    Rgb,
+    /// Every image as one luma channel (computed by the `image` crate, Rec. 709 weights).
+    Gray,
+    /// RGB for colour files, one channel for grayscale files. A batch needs equal shapes, so
+    /// use this only when all files agree.
+    Auto,
+}
 
 /// Whether `bytes` start like a JPEG file (SOI marker, then another marker).
 pub fn is_jpeg(bytes: &[u8]) -> bool {

@@ -17,22 +17,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::Dataset;
+use crate::decode::ColorMode;
 use crate::error::{DataError, DataResult};
 use crate::image::Image;
-
-/// How decoded images are converted to the 1 or 3 channels of an [`Image`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ColorMode {
-    /// Every image as RGB (grayscale files are replicated to three channels).
-    #[default]
-    Rgb,
-    /// Every image as one luma channel (computed by the `image` crate, Rec. 709 weights).
-    Gray,
-    /// RGB for colour files, one channel for grayscale files. A batch needs equal shapes, so
-    /// use this only when all files agree.
-    Auto,
-}
 
 /// Options of [`ImageFolder::open`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,4 +1,5 @@
-//! Where a batch is assembled before it becomes tensors, and how it gets to its device.
+//! Where a batch is assembled before it becomes tensors, how it gets to its device, and the
+//! [`Batch`] of tensors it becomes.
 //!
 //! For a CPU device the views are plain vectors and become tensors as they are (the path
 //! the loader always had). For a CUDA device (feature `cuda`) the workers write the views
@@ -14,10 +15,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle_core::{Device, Tensor};
 
 use crate::error::DataResult;
-use crate::loader::Batch;
+
+/// One batch: the global indices, one `[B, C, H, W]` f32 tensor per view, and the labels.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    /// Global sample indices, in batch order.
+    pub indices: Vec<usize>,
+    /// One `[B, C, H, W]` f32 tensor per view of the pipeline.
+    pub views: Vec<Tensor>,
+    /// `[B]` u32 class ids.
+    pub labels: Tensor,
+}
 
 /// Views copied to a device through the pinned path, in this process.
-pub(crate) static PINNED_UPLOADS: AtomicU64 = AtomicU64::new(0);
+static PINNED_UPLOADS: AtomicU64 = AtomicU64::new(0);
 
 /// How many batch views this process has copied to a CUDA device through pinned buffers and
 /// the copy stream (what a test of that path checks ran; always 0 in a build without `cuda`).
@@ -123,7 +134,9 @@ pub(crate) fn to_batch(host: HostBatch, device: &Device) -> DataResult<Batch> {
                     HostBuf::Pinned(p) => p,
                     HostBuf::Plain(_) => unreachable!("one staging per loader"),
                 });
-                crate::pinned::upload(std::iter::once(first).chain(rest).collect(), shape)?
+                let tensor = crate::pinned::upload(std::iter::once(first).chain(rest).collect(), shape)?;
+                PINNED_UPLOADS.fetch_add(1, Ordering::Relaxed);
+                tensor
             }
             None => Tensor::zeros(shape, candle_core::DType::F32, device)?,
         };

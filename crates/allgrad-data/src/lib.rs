@@ -56,11 +56,11 @@ pub use augment::{
 };
 pub use cifar::{Cifar10, CIFAR10_CLASSES, CIFAR_RECORD, CIFAR_SIDE};
 pub use dataset::{Dataset, InMemory, Split};
-pub use decode::{decode_image, is_jpeg};
+pub use decode::{decode_image, is_jpeg, ColorMode};
 pub use error::{DataError, DataResult};
-pub use folder::{ColorMode, FolderOptions, ImageFolder};
-pub use host::pinned_uploads;
+pub use folder::{FolderOptions, ImageFolder};
+pub use host::{pinned_uploads, Batch};
 pub use idx::IdxDataset;
 pub use image::{Chw, FloatImage, Image};
-pub use loader::{Batch, Loader, LoaderConfig};
+pub use loader::{Loader, LoaderConfig};
 pub use sampler::DistributedSampler;

@@ -26,13 +26,13 @@ use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::augment::{Pipeline, ViewKey};
 use crate::dataset::Dataset;
 use crate::error::{DataError, DataResult};
-use crate::host::{to_batch, HostBatch, HostView, Staging};
+use crate::host::{to_batch, Batch, HostBatch, HostView, Staging};
 
 /// Loader threads and queue.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,17 +51,6 @@ impl Default for LoaderConfig {
     fn default() -> Self {
         LoaderConfig { workers: 2, prefetch: 4 }
     }
-}
-
-/// One batch: the global indices, one `[B, C, H, W]` f32 tensor per view, and the labels.
-#[derive(Clone, Debug)]
-pub struct Batch {
-    /// Global sample indices, in batch order.
-    pub indices: Vec<usize>,
-    /// One `[B, C, H, W]` f32 tensor per view of the pipeline.
-    pub views: Vec<Tensor>,
-    /// `[B]` u32 class ids.
-    pub labels: Tensor,
 }
 
 /// What every worker needs to build any batch.

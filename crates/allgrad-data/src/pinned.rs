@@ -1,4 +1,4 @@
-//! Batches onto a CUDA device ahead of the step (feature `cuda`; see [`crate::host`]).
+//! Batches onto a CUDA device ahead of the step (feature `cuda`; [`crate::host`] uses it).
 //!
 //! - The workers assemble each view in a page-locked (pinned) host buffer from a pool: the
 //!   copy to the device is then one DMA that needs no staging by the driver and does not
@@ -13,7 +13,6 @@
 //!   it waits for the event recorded after the copy that read it, so a buffer is never
 //!   written while the DMA still reads it.
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use candle_core::cuda::cudarc::driver::{result, sys, CudaStream, DevicePtr, DriverError, PinnedHostSlice};
@@ -170,7 +169,6 @@ pub(crate) fn upload(parts: Vec<PinnedBuf>, shape: (usize, usize, usize, usize))
         }
     }
     drop(parts); // back to the pool; rewritten only after their `done` events
-    crate::host::PINNED_UPLOADS.fetch_add(1, Ordering::Relaxed);
     let storage = CudaStorage::wrap_cuda_slice(dst, owner.device.clone());
     Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
 }

@@ -71,11 +71,11 @@ pub use dispatch::__private;
 pub use elastic::Elastic;
 pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
-pub use gpu::{CudaCollectives, CudaPath};
-pub use group::{ProcessGroup, DEFAULT_MAX_MESSAGE_BYTES};
+pub use gpu::CudaPath;
+pub use group::ProcessGroup;
 pub use ops::{
     all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, ppermute, reduce_scatter, ring_destinations, ring_shift,
 };
 pub use reduce::{Elem, ReduceOp, SUPPORTED_DTYPES};
-pub use settings::Settings;
+pub use settings::{CudaCollectives, Settings, DEFAULT_MAX_MESSAGE_BYTES};
 pub use threads::{run_threads, ThreadWorld};

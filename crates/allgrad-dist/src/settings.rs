@@ -16,17 +16,77 @@
 //!
 //! An empty value counts as unset. A value that does not parse is an error naming the
 //! variable and the value.
+//!
+//! The defaults are the constants of this module, and [`CudaCollectives`] is the value of
+//! ALLGRAD_CUDA_COLLECTIVES (and of a run config's `dist.cuda_collectives`). Settings sit
+//! below everything that reads them: this module imports nothing of the crate but its errors.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::net::IpAddr;
+use std::str::FromStr;
 use std::time::Duration;
 
-use crate::cpu::shm::setup::{ShmConfig, DEFAULT_SLOT_BYTES};
-use crate::cpu::shm::SLOT_ALIGN;
-use crate::cpu::tree::TREE_FROM;
+use serde::{Deserialize, Serialize};
+
 use crate::error::{DistError, DistResult};
-use crate::gpu::CudaCollectives;
-use crate::rendezvous::env::DEFAULT_TIMEOUT;
+
+/// Default timeout of every blocking distributed call (ALLGRAD_TIMEOUT_S overrides).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Largest total a rank agrees to receive in one all_gather or all_to_all whose sizes come
+/// from the peers, where the host's memory cannot be read; otherwise the cap is the rank's
+/// share of that memory ([`message_cap`]). ALLGRAD_MAX_MESSAGE_BYTES overrides both.
+pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 64 << 30;
+/// Default bytes of one rank's shared-memory slot (ALLGRAD_SHM_SLOT_BYTES overrides).
+pub(crate) const DEFAULT_SHM_SLOT_BYTES: usize = 1 << 20;
+/// The smallest ALLGRAD_SHM_SLOT_BYTES: one page, the unit the segment's slots are
+/// multiples of.
+pub(crate) const MIN_SHM_SLOT_BYTES: usize = 4096;
+/// Groups of at least this many ranks take the binomial tree (ALLGRAD_TREE_FROM overrides).
+pub(crate) const DEFAULT_TREE_FROM: usize = 32;
+
+/// How a group's collectives of CUDA tensors move their data (`dist.cuda_collectives`,
+/// `ALLGRAD_CUDA_COLLECTIVES`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CudaCollectives {
+    /// NCCL when the build has it and every rank of the group has a GPU of its own; the
+    /// host otherwise.
+    #[default]
+    Auto,
+    /// NCCL, always: a group whose ranks share a GPU, or a build without the `nccl`
+    /// feature, is an error when the group chooses (at start, in `train`), never a hang.
+    Nccl,
+    /// Through host memory and the CPU backend, always.
+    Host,
+}
+
+impl CudaCollectives {
+    /// The names a user writes, in the order of the variants.
+    pub const NAMES: [&'static str; 3] = ["auto", "nccl", "host"];
+}
+
+impl fmt::Display for CudaCollectives {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CudaCollectives::Auto => "auto",
+            CudaCollectives::Nccl => "nccl",
+            CudaCollectives::Host => "host",
+        })
+    }
+}
+
+impl FromStr for CudaCollectives {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(CudaCollectives::Auto),
+            "nccl" => Ok(CudaCollectives::Nccl),
+            "host" => Ok(CudaCollectives::Host),
+            _ => Err(format!("{s:?} is not one of {}", CudaCollectives::NAMES.join(", "))),
+        }
+    }
+}
 
 /// The `ALLGRAD_*` settings of a process (see the module docs for the table).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,9 +124,9 @@ impl Default for Settings {
             max_message_bytes: None,
             bind_addr: None,
             shm: true,
-            shm_slot_bytes: DEFAULT_SLOT_BYTES,
+            shm_slot_bytes: DEFAULT_SHM_SLOT_BYTES,
             cuda_collectives: None,
-            tree_from: TREE_FROM,
+            tree_from: DEFAULT_TREE_FROM,
         }
     }
 }
@@ -103,11 +163,9 @@ impl Settings {
             };
         }
         if let Some(v) = get("ALLGRAD_SHM_SLOT_BYTES") {
-            s.shm_slot_bytes = v
-                .parse::<usize>()
-                .ok()
-                .filter(|b| *b >= SLOT_ALIGN)
-                .ok_or_else(|| bad("ALLGRAD_SHM_SLOT_BYTES", v, &format!("a number of bytes of at least {SLOT_ALIGN}")))?;
+            s.shm_slot_bytes = v.parse::<usize>().ok().filter(|b| *b >= MIN_SHM_SLOT_BYTES).ok_or_else(|| {
+                bad("ALLGRAD_SHM_SLOT_BYTES", v, &format!("a number of bytes of at least {MIN_SHM_SLOT_BYTES}"))
+            })?;
         }
         if let Some(v) = get("ALLGRAD_TREE_FROM") {
             s.tree_from = v
@@ -121,15 +179,11 @@ impl Settings {
         }
         Ok(s)
     }
-
-    pub(crate) fn shm_config(&self) -> ShmConfig {
-        ShmConfig { enabled: self.shm, slot_bytes: self.shm_slot_bytes }
-    }
 }
 
 /// The default cap on what peers may make this rank allocate in one all_gather or all_to_all
 /// whose sizes they announce: this rank's share of the memory of its host (`memory` bytes,
-/// shared by `local_ranks` ranks), or [`DEFAULT_MAX_MESSAGE_BYTES`](crate::DEFAULT_MAX_MESSAGE_BYTES)
+/// shared by `local_ranks` ranks), or [`DEFAULT_MAX_MESSAGE_BYTES`]
 /// where the memory is unknown.
 ///
 /// Why this is the largest collective a rank can really be asked for: the output of an
@@ -142,7 +196,7 @@ impl Settings {
 pub fn message_cap(memory: Option<u64>, local_ranks: usize) -> u64 {
     match memory {
         Some(m) if m > 0 => m / local_ranks.max(1) as u64,
-        _ => crate::group::DEFAULT_MAX_MESSAGE_BYTES,
+        _ => DEFAULT_MAX_MESSAGE_BYTES,
     }
 }
 
@@ -226,5 +280,15 @@ mod tests {
         assert_eq!(message_cap(Some(1000), 0), 1000);
         assert_eq!(message_cap(None, 4), 64 << 30);
         assert_eq!(message_cap(Some(0), 4), 64 << 30);
+    }
+
+    #[test]
+    fn modes_parse_from_their_names_only() {
+        for (s, m) in CudaCollectives::NAMES.iter().zip([CudaCollectives::Auto, CudaCollectives::Nccl, CudaCollectives::Host]) {
+            assert_eq!(s.parse::<CudaCollectives>().unwrap(), m);
+            assert_eq!(m.to_string(), *s);
+        }
+        let e = "NCCL".parse::<CudaCollectives>().unwrap_err();
+        assert!(e.contains("\"NCCL\"") && e.contains("auto, nccl, host"), "{e}");
     }
 }

@@ -89,7 +89,7 @@ where
 {
     let run = |w: usize| -> Result<(f64, Tensor)> {
         let rows = global.dim(0)?;
-        let parts = crate::cpu::collectives::split_even(rows, w);
+        let parts = crate::cpu::call::split_even(rows, w);
         let per_rank = ThreadWorld::new(w).run(|pg| {
             let part = &parts[pg.rank()];
             let x = Var::from_tensor(&global.narrow(0, part.start, part.len())?.contiguous()?)?;
@@ -123,7 +123,7 @@ where
             // A rank whose input gradient is all zero where the single process has a non-zero
             // one lost its gradient (a detached input, a collective without a backward); the
             // difference below would show it only relative to the tolerance, so say it here.
-            for (r, part) in crate::cpu::collectives::split_even(reference_grad.dim(0)?, w).into_iter().enumerate() {
+            for (r, part) in crate::cpu::call::split_even(reference_grad.dim(0)?, w).into_iter().enumerate() {
                 let (got, want) = (g.narrow(0, part.start, part.len())?, reference_grad.narrow(0, part.start, part.len())?);
                 if max_abs(&got)? == 0.0 && max_abs(&want)? != 0.0 {
                     candle_core::bail!(

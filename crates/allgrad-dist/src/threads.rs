@@ -6,11 +6,10 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use crate::error::DistError;
-use crate::gpu::CudaCollectives;
 use crate::group::ProcessGroup;
 use crate::rendezvous::env::WorldInfo;
 use crate::rendezvous::store::StoreServer;
-use crate::settings::Settings;
+use crate::settings::{CudaCollectives, Settings, DEFAULT_TIMEOUT};
 
 /// Runs `f` on `world_size` ranks, each a thread with its own [`ProcessGroup`], and returns
 /// every rank's result in rank order. See [`ThreadWorld`] for timeouts.
@@ -52,7 +51,7 @@ impl ThreadWorld {
     /// `world_size` ranks; collective timeout from ALLGRAD_TIMEOUT_S, else 60 s; a watchdog
     /// that ends the process with a message if the ranks have not all returned 60 s after that.
     pub fn new(world_size: usize) -> Self {
-        let timeout = Settings::from_env().map(|s| s.timeout).ok().filter(|t| *t != crate::rendezvous::env::DEFAULT_TIMEOUT);
+        let timeout = Settings::from_env().map(|s| s.timeout).ok().filter(|t| *t != DEFAULT_TIMEOUT);
         let timeout = timeout.unwrap_or(Duration::from_secs(60));
         ThreadWorld {
             world_size,

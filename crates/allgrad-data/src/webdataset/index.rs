@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 
 use super::shard::{Sample, ShardReader};
 use crate::dataset::Dataset;
+use crate::decode::ColorMode;
 use crate::error::{DataError, DataResult};
-use crate::folder::ColorMode;
 use crate::image::Image;
 
 /// The samples of some shards, in shard order, each read again (one seek) and decoded when

@@ -20,8 +20,8 @@ use candle_core::Device;
 use super::stream::{Lane, ShardStream};
 use crate::augment::{Pipeline, ViewKey};
 use crate::error::{DataError, DataResult};
-use crate::host::{to_batch, HostBatch, HostView, Staging};
-use crate::loader::{assemble, Batch, LoaderConfig};
+use crate::host::{to_batch, Batch, HostBatch, HostView, Staging};
+use crate::loader::{assemble, LoaderConfig};
 
 /// The part of one batch that one stream gives.
 struct Part {

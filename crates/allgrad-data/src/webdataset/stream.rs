@@ -25,8 +25,8 @@ use allgrad_rng::{below, shuffle, stream};
 use super::index::{decode_sample, member_names};
 use super::shard::{Sample, ShardReader};
 use super::{OnCorrupt, WebDatasetOptions};
+use crate::decode::ColorMode;
 use crate::error::{DataError, DataResult};
-use crate::folder::ColorMode;
 use crate::image::Image;
 
 /// Key words of the streams' random draws.

@@ -16,74 +16,22 @@
 
 use std::ops::Range;
 
-use crate::cpu::mesh::{Mesh, OpCode, RecvOp, SendOp};
+use crate::cpu::call::{ranges, split_even, Call};
+use crate::cpu::mesh::{Mesh, RecvOp, SendOp};
 use crate::error::{DistError, DistResult};
-use crate::reduce::{dtype_code, Elem, ReduceOp};
-use crate::wire::{Header, KIND_DATA};
+use crate::reduce::{Elem, ReduceOp};
+use crate::wire::Header;
 
 /// Messages up to this many bytes (times the number of peers) take the direct path.
 const DIRECT_BYTES: usize = 256 << 10;
 /// Segment size of the pipelined broadcast chain.
 const SEGMENT_BYTES: usize = 1 << 20;
 
-/// Per-call state the algorithms need besides the mesh.
-pub(crate) struct Call<'a> {
-    pub op: OpCode,
-    pub redop: Option<ReduceOp>,
-    pub seq: u64,
-    /// Digest of whatever must agree across ranks (shape, root, splits...).
-    pub meta: u64,
-    /// This rank's call, for error messages.
-    pub what: &'a str,
-}
-
-impl Call<'_> {
-    pub(crate) fn header<T: Elem>(&self, step: u32, bytes: usize) -> Header {
-        Header {
-            kind: KIND_DATA,
-            op: self.op as u8,
-            dtype: dtype_code(T::DTYPE),
-            redop: self.redop.map(|r| r.code()).unwrap_or(0),
-            seq: self.seq,
-            step,
-            len: bytes as u64,
-            meta: self.meta,
-        }
-    }
-}
-
 fn bytes<T: Elem>(x: &[T]) -> &[u8] {
     bytemuck::cast_slice(x)
 }
 fn bytes_mut<T: Elem>(x: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(x)
-}
-
-/// Splits `n` elements into `w` near-equal consecutive ranges (the first `n % w` one longer).
-pub(crate) fn split_even(n: usize, w: usize) -> Vec<Range<usize>> {
-    let (base, extra) = (n / w, n % w);
-    let mut start = 0;
-    (0..w)
-        .map(|i| {
-            let len = base + usize::from(i < extra);
-            let r = start..start + len;
-            start += len;
-            r
-        })
-        .collect()
-}
-
-/// Consecutive ranges of the given lengths.
-pub(crate) fn ranges(counts: &[usize]) -> Vec<Range<usize>> {
-    let mut start = 0;
-    counts
-        .iter()
-        .map(|c| {
-            let r = start..start + c;
-            start += c;
-            r
-        })
-        .collect()
 }
 
 /// Borrows `a` shared and `b` exclusively from one buffer; the ranges must not overlap.
@@ -642,20 +590,6 @@ impl Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn even_split_covers_everything() {
-        for n in [0, 1, 5, 7, 64] {
-            for w in 1..=4 {
-                let s = split_even(n, w);
-                assert_eq!(s.len(), w);
-                assert_eq!(s.iter().map(|r| r.len()).sum::<usize>(), n);
-                assert!(s.windows(2).all(|p| p[0].end == p[1].start));
-                let (lo, hi) = (s.iter().map(|r| r.len()).min().unwrap(), s.iter().map(|r| r.len()).max().unwrap());
-                assert!(hi - lo <= 1);
-            }
-        }
-    }
 
     #[test]
     fn split2_borrows_either_order() {

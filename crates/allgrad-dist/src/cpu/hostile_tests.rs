@@ -476,5 +476,5 @@ fn the_default_cap_is_this_ranks_share_of_the_host_memory() {
     assert_eq!(three, vec![memory / 3; 3]);
     assert_eq!(message_cap(Some(memory), 3), memory / 3);
     // Below the old fixed 64 GiB wherever the host has less memory than that.
-    assert!(memory >= 64 << 30 || one < crate::group::DEFAULT_MAX_MESSAGE_BYTES);
+    assert!(memory >= 64 << 30 || one < crate::settings::DEFAULT_MAX_MESSAGE_BYTES);
 }

@@ -17,7 +17,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::cpu::shm::Segment;
+use crate::cpu::segment::Segment;
 use crate::error::{DistError, DistResult};
 use crate::reduce::dtype_name;
 use crate::wire::{self, Header, HEADER_LEN, KIND_ABORT, KIND_DATA, MAX_ABORT_REASON};
@@ -199,7 +199,7 @@ impl Mesh {
             shm: None,
             paths: AllReducePaths::default(),
             counts: WireCounts::default(),
-            tree_from: crate::cpu::tree::TREE_FROM,
+            tree_from: crate::settings::DEFAULT_TREE_FROM,
             index: vec![PeerIndex::UNUSED; n],
         }
     }

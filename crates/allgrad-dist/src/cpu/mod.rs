@@ -1,12 +1,15 @@
-//! The CPU backend: the authenticated TCP mesh between the ranks of a group ([`mesh`]), the
-//! collective algorithms over it ([`collectives`]; for large groups, the binomial tree of
-//! [`tree`]), shared memory between the ranks of one
-//! host ([`shm`]), and one collective of a tensor's values on host memory ([`host_ops`]),
-//! which the differentiable ops and the host-staged path of CUDA tensors both run.
+//! The CPU backend, in floors: a group's shared-memory segment ([`segment`]) below the
+//! authenticated TCP mesh between its ranks ([`mesh`]), which carries it; a collective call as
+//! the algorithms see it ([`call`]); the algorithm families over the mesh: the binomial tree
+//! of large groups ([`tree`]), the same-host path through the segment ([`shm`]), and on top
+//! the collectives themselves ([`collectives`]: direct and ring paths, and the choice among
+//! the three). Everything here works on a [`Mesh`](mesh::Mesh); the process group that owns
+//! one is above, in `group/`.
 
+pub(crate) mod call;
 pub(crate) mod collectives;
-pub(crate) mod host_ops;
 pub(crate) mod mesh;
+pub(crate) mod segment;
 pub(crate) mod shm;
 pub(crate) mod tree;
 

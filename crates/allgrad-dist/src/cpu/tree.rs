@@ -1,5 +1,5 @@
 //! Binomial-tree algorithms for large groups (at least ALLGRAD_TREE_FROM ranks, default
-//! [`TREE_FROM`]): the check that every rank makes the same call (the header exchange of the
+//! [`DEFAULT_TREE_FROM`](crate::settings::DEFAULT_TREE_FROM)): the check that every rank makes the same call (the header exchange of the
 //! shared-memory and NCCL paths, and the barrier), and all_reduce, all_gather and
 //! reduce_scatter of small messages.
 //!
@@ -26,7 +26,7 @@
 
 use std::ops::Range;
 
-use crate::cpu::collectives::{ranges, Call};
+use crate::cpu::call::{ranges, Call};
 use crate::cpu::mesh::{Mesh, RecvOp, SendOp};
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::error::DistError;
@@ -34,8 +34,6 @@ use crate::error::DistResult;
 use crate::reduce::{Elem, ReduceOp};
 use crate::wire::Header;
 
-/// Groups of at least this many ranks take the tree (ALLGRAD_TREE_FROM overrides).
-pub(crate) const TREE_FROM: usize = 32;
 /// The tree all_reduce takes messages up to this many bytes per rank of the group (4 MiB at
 /// W = 1,024); larger ones take the ring, whose 2(W - 1) steps are then long enough to pay
 /// for their latency.

@@ -26,6 +26,19 @@
 //! [`cuda_ordinal`]: rank r of a host uses CUDA device `LOCAL_RANK % device_count`, so that
 //! `launch --nproc-per-node 2` on a machine with one GPU puts both ranks on it, unless a
 //! `device_ids` list (`dist.device_ids` in a run config) names a device per local rank.
+//!
+//! # What the data path of a checked call gets
+//!
+//! A collective whose data moves outside the TCP mesh (through NCCL) is still checked against
+//! the peers' calls over it (`group/checked.rs`); the data path then gets an `Elsewhere`: the
+//! call's names, the group's rank, size, store, timeout and mesh (to notice failing peers),
+//! and the slot of its NCCL communicator.
+//!
+//! The collectives of CUDA tensors themselves, which use all of this, are the group's
+//! (`group/cuda/`); this module and its children hold what they run on: the pinned host
+//! buffer and the device's UUID (`cuda`, feature `cuda`), the NCCL communicators (`nccl`,
+//! feature `nccl`) with their watchdog (`watchdog`) and the exchange of their unique id
+//! through the rendezvous store (`unique_id`).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -35,52 +48,50 @@ pub(crate) mod unique_id;
 pub(crate) mod watchdog;
 
 use std::fmt;
-use std::str::FromStr;
+use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
+use crate::cpu::mesh::Mesh;
 use crate::error::{DistError, DistResult};
+use crate::rendezvous::store::StoreClient;
+pub use crate::settings::CudaCollectives;
 
-/// How a group's collectives of CUDA tensors move their data (`dist.cuda_collectives`,
-/// `ALLGRAD_CUDA_COLLECTIVES`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CudaCollectives {
-    /// NCCL when the build has it and every rank of the group has a GPU of its own; the
-    /// host otherwise.
-    #[default]
-    Auto,
-    /// NCCL, always: a group whose ranks share a GPU, or a build without the `nccl`
-    /// feature, is an error when the group chooses (at start, in `train`), never a hang.
-    Nccl,
-    /// Through host memory and the CPU backend, always.
-    Host,
+/// What the data path of one checked call may use.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) struct Elsewhere<'a> {
+    /// This rank's call, for error messages.
+    pub what: &'a str,
+    /// The group's name.
+    pub group: &'a str,
+    /// This rank in the group.
+    pub rank: usize,
+    /// The group's size.
+    pub world_size: usize,
+    /// The job's rendezvous store (absent in a world of one rank).
+    pub store: Option<&'a StoreClient>,
+    /// The group's timeout.
+    pub timeout: Duration,
+    /// The group's TCP mesh, to notice peers that fail while the data moves elsewhere.
+    pub mesh: &'a Mesh,
+    /// The group's NCCL communicator, once made.
+    #[cfg(feature = "nccl")]
+    pub nccl: &'a mut Option<nccl::GroupComm>,
 }
 
-impl CudaCollectives {
-    /// The names a user writes, in the order of the variants.
-    pub const NAMES: [&'static str; 3] = ["auto", "nccl", "host"];
+/// The names of a call, for error messages (copied out of an [`Elsewhere`]).
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) struct Names<'a> {
+    /// The group's name.
+    pub group: &'a str,
+    /// This rank's call.
+    pub what: &'a str,
 }
 
-impl fmt::Display for CudaCollectives {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            CudaCollectives::Auto => "auto",
-            CudaCollectives::Nccl => "nccl",
-            CudaCollectives::Host => "host",
-        })
-    }
-}
-
-impl FromStr for CudaCollectives {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(CudaCollectives::Auto),
-            "nccl" => Ok(CudaCollectives::Nccl),
-            "host" => Ok(CudaCollectives::Host),
-            _ => Err(format!("{s:?} is not one of {}", CudaCollectives::NAMES.join(", "))),
-        }
+impl<'a> Elsewhere<'a> {
+    /// The call's names, independent of the borrow of `self`.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn names(&self) -> Names<'a> {
+        Names { group: self.group, what: self.what }
     }
 }
 
@@ -321,16 +332,6 @@ mod tests {
         let a = GpuId { ordinal: 1, ..gpu(5, 0) };
         assert!(shared_gpus(&[gpu(1, 0), gpu(2, 0)]).is_empty());
         assert_eq!(shared_gpus(&[gpu(5, 0), gpu(6, 0), a]), vec![(gpu(5, 0), vec![0, 2])]);
-    }
-
-    #[test]
-    fn modes_parse_from_their_names_only() {
-        for (s, m) in CudaCollectives::NAMES.iter().zip([CudaCollectives::Auto, CudaCollectives::Nccl, CudaCollectives::Host]) {
-            assert_eq!(s.parse::<CudaCollectives>().unwrap(), m);
-            assert_eq!(m.to_string(), *s);
-        }
-        let e = "NCCL".parse::<CudaCollectives>().unwrap_err();
-        assert!(e.contains("\"NCCL\"") && e.contains("auto, nccl, host"), "{e}");
     }
 
     #[test]

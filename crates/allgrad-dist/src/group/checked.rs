@@ -3,60 +3,22 @@
 //! header (operation, reduction, dtype, sequence number, shape digest) to every peer, so
 //! ranks that issue different collectives fail with [`DistError::Mismatch`] naming both
 //! calls instead of exchanging the wrong bytes or hanging. A failure of the data path
-//! poisons the group and tells every peer, as the TCP path does.
+//! poisons the group and tells every peer, as the TCP path does. What the data path may use of
+//! the group is an [`Elsewhere`] (`gpu/mod.rs`).
 
 // Used by the NCCL backend (feature `nccl`); tested in every build.
 #![cfg_attr(not(feature = "nccl"), allow(dead_code))]
 
-use std::time::Duration;
-
-use crate::cpu::collectives::Call;
-use crate::cpu::mesh::{Mesh, OpCode, NCCL_STEP};
+use crate::cpu::call::Call;
+use crate::cpu::mesh::{OpCode, NCCL_STEP};
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::error::DistError;
 use crate::error::DistResult;
+use crate::gpu::Elsewhere;
 use crate::reduce::{Elem, ReduceOp};
-use crate::rendezvous::store::StoreClient;
 use crate::wire::digest;
 
 use super::ProcessGroup;
-
-/// What the data path of one checked call may use.
-pub(crate) struct Elsewhere<'a> {
-    /// This rank's call, for error messages.
-    pub what: &'a str,
-    /// The group's name.
-    pub group: &'a str,
-    /// This rank in the group.
-    pub rank: usize,
-    /// The group's size.
-    pub world_size: usize,
-    /// The job's rendezvous store (absent in a world of one rank).
-    pub store: Option<&'a StoreClient>,
-    /// The group's timeout.
-    pub timeout: Duration,
-    /// The group's TCP mesh, to notice peers that fail while the data moves elsewhere.
-    pub mesh: &'a Mesh,
-    /// The group's NCCL communicator, once made.
-    #[cfg(feature = "nccl")]
-    pub nccl: &'a mut Option<crate::gpu::nccl::GroupComm>,
-}
-
-/// The names of a call, for error messages (copied out of [`Elsewhere`]).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Names<'a> {
-    /// The group's name.
-    pub group: &'a str,
-    /// This rank's call.
-    pub what: &'a str,
-}
-
-impl<'a> Elsewhere<'a> {
-    /// The call's names, independent of the borrow of `self`.
-    pub(crate) fn names(&self) -> Names<'a> {
-        Names { group: self.group, what: self.what }
-    }
-}
 
 impl ProcessGroup {
     /// Runs `f` as the next collective of this group, after exchanging its header (that of a

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::Context;
 use crate::cpu::mesh::Mesh;
+use crate::cpu::shm::setup::ShmConfig;
 use crate::error::{DistError, DistResult};
 use crate::rendezvous::store::StoreClient;
 use crate::wire::{self, same_secret, Hello, Service};
@@ -94,7 +95,7 @@ pub(super) fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usi
     }
     let mut mesh = Mesh::new(group.to_string(), me, members.to_vec(), peers, info.timeout);
     mesh.tree_from = ctx.settings.tree_from;
-    mesh.setup_shm(&info.token, ctx.settings.shm_config())?;
+    mesh.setup_shm(&info.token, ShmConfig::from(&ctx.settings))?;
     Ok(mesh)
 }
 

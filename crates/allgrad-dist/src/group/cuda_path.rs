@@ -9,7 +9,8 @@ use candle_core::Device;
 use super::ProcessGroup;
 use crate::cpu::mesh::OpCode;
 use crate::error::{DistError, DistResult};
-use crate::gpu::{select_cuda_path, CudaCollectives, CudaPath, GpuId, GPU_ID_BYTES};
+use crate::gpu::{select_cuda_path, CudaPath, GpuId, GPU_ID_BYTES};
+use crate::settings::CudaCollectives;
 
 /// A group's decision: the mode it was made under, the path, and this rank's GPU then.
 #[derive(Clone, Copy, Debug)]

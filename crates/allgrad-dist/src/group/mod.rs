@@ -3,18 +3,23 @@
 //!
 //! The collectives are methods too, in the files beside this one: `slices` (on slices of any
 //! [`Elem`] type) and `tensors` (on Candle tensors of the dtypes in [`SUPPORTED_DTYPES`]:
-//! CUDA tensors through NCCL or staged through host memory, the group's CUDA path chosen in
-//! `cuda_path`; tensors on other devices are staged through host memory). `connect` sets up
-//! the network of a group. For collectives inside a loss, use the differentiable functions of
-//! [`crate::ops`] instead.
+//! CUDA tensors through NCCL or staged through host memory (`cuda`, feature `cuda`), the
+//! group's CUDA path chosen in `cuda_path`; tensors on other devices are staged through host
+//! memory). `host_ops` runs one collective, described as a `Kind`, on host values (for the
+//! differentiable ops and the host path of CUDA tensors); `checked` checks a call whose data
+//! moves through NCCL. `connect` sets up the network of a group. For collectives inside a
+//! loss, use the differentiable functions of [`crate::ops`] instead.
 //!
 //! Every rank of a group must issue the same collectives, in the same order, from one thread
 //! at a time. A rank that does otherwise gets a [`DistError::Mismatch`] naming both calls.
 
 mod checked;
 mod connect;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 mod cuda_path;
 pub(crate) mod fd_limit;
+pub(crate) mod host_ops;
 mod slices;
 mod tensors;
 
@@ -22,27 +27,18 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::cpu::collectives::Call;
+use crate::cpu::call::Call;
 use crate::cpu::mesh::{Mesh, OpCode};
 use crate::error::{DistError, DistResult};
-use crate::gpu::CudaCollectives;
 use crate::reduce::ReduceOp;
 #[allow(unused_imports)] // named in the rustdoc above
 use crate::reduce::{Elem, SUPPORTED_DTYPES};
 use crate::rendezvous::env::WorldInfo;
 use crate::rendezvous::store::{StoreClient, StoreServer};
-use crate::settings::{host_memory, message_cap, Settings};
+use crate::settings::{host_memory, message_cap, CudaCollectives, Settings};
 use crate::wire::digest;
-#[cfg(feature = "nccl")]
-pub(crate) use checked::{Elsewhere, Names};
 use connect::{bind_ip_toward, connect_mesh, resolve};
 use cuda_path::CudaDecision;
-
-/// Largest total a rank agrees to receive in one all_gather or all_to_all whose sizes come
-/// from the peers, where the host's memory cannot be read; otherwise the cap is the rank's
-/// share of that memory ([`crate::settings::message_cap`]). ALLGRAD_MAX_MESSAGE_BYTES
-/// overrides both.
-pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 64 << 30;
 
 /// What every group of one process shares: the job's identity and the rendezvous store.
 struct Context {
@@ -120,8 +116,8 @@ impl ProcessGroup {
     /// As [`ProcessGroup::init`], with the given settings (the timeout and token are those of
     /// `info`). Reads no environment.
     pub fn init_with(info: &WorldInfo, settings: Settings) -> DistResult<ProcessGroup> {
-        // Under torchrun's agent store, rank 0 does not bind MASTER_PORT (crate::rendezvous::elastic).
-        if let Some((info, server)) = crate::rendezvous::elastic::rendezvous_via_agent(info)? {
+        // Under torchrun's agent store, rank 0 does not bind MASTER_PORT (crate::rendezvous::agent).
+        if let Some((info, server)) = crate::rendezvous::agent::rendezvous_via_agent(info)? {
             return Self::join(&info, server, settings);
         }
         let server = if info.rank == 0 && info.world_size > 1 {

@@ -27,7 +27,7 @@ impl ProcessGroup {
     pub fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::gpu::cuda::all_reduce(self, x, op);
+            return super::cuda::all_reduce(self, x, op);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -43,7 +43,7 @@ impl ProcessGroup {
     pub fn all_gather_with_sizes(&self, x: &Tensor) -> candle_core::Result<(Tensor, Vec<usize>)> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::gpu::cuda::all_gather(self, x);
+            return super::cuda::all_gather(self, x);
         }
         let (rows, rest) = split_first_dim(x, "all_gather")?;
         dispatch!(x.dtype(), T => {
@@ -79,7 +79,7 @@ impl ProcessGroup {
     pub fn reduce_scatter_sizes(&self, x: &Tensor, op: ReduceOp, sizes: &[usize]) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::gpu::cuda::reduce_scatter(self, x, op, sizes);
+            return super::cuda::reduce_scatter(self, x, op, sizes);
         }
         let (rows, rest) = split_first_dim(x, "reduce_scatter")?;
         if sizes.len() != self.world_size() || sizes.iter().sum::<usize>() != rows {
@@ -113,7 +113,7 @@ impl ProcessGroup {
     pub fn broadcast(&self, x: &Tensor, root: usize) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::gpu::cuda::broadcast(self, x, root);
+            return super::cuda::broadcast(self, x, root);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -131,7 +131,7 @@ impl ProcessGroup {
     pub fn reduce(&self, x: &Tensor, root: usize, op: ReduceOp) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::gpu::cuda::reduce(self, x, root, op);
+            return super::cuda::reduce(self, x, root, op);
         }
         dispatch!(x.dtype(), T => {
             let mut v = x.flatten_all()?.to_vec1::<T>()?;
@@ -150,7 +150,7 @@ impl ProcessGroup {
     pub fn all_to_all_sizes(&self, x: &Tensor, send_sizes: &[usize]) -> candle_core::Result<(Tensor, Vec<usize>)> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::gpu::cuda::all_to_all(self, x, send_sizes);
+            return super::cuda::all_to_all(self, x, send_sizes);
         }
         let (rows, rest) = split_first_dim(x, "all_to_all")?;
         if send_sizes.len() != self.world_size() || send_sizes.iter().sum::<usize>() != rows {
@@ -218,7 +218,7 @@ impl ProcessGroup {
     pub fn permute(&self, x: &Tensor, dst_of: &[usize]) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return crate::gpu::cuda::permute(self, x, dst_of);
+            return super::cuda::permute(self, x, dst_of);
         }
         let (rows, rest) = split_first_dim(x, "permute")?;
         dispatch!(x.dtype(), T => {
@@ -255,7 +255,7 @@ impl ProcessGroup {
     pub fn device_barrier(&self, device: &Device) -> candle_core::Result<()> {
         #[cfg(feature = "cuda")]
         if device.is_cuda() {
-            return crate::gpu::cuda::device_barrier(self, device);
+            return super::cuda::device_barrier(self, device);
         }
         let _ = device;
         Ok(self.barrier()?)

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::on_host;
-use crate::cpu::host_ops::Kind;
+use crate::group::host_ops::Kind;
 use crate::group::ProcessGroup;
 
 /// Splits dim 0 of `x` into W equal blocks (dim 0 must be divisible by W) and sends block j

@@ -3,7 +3,7 @@
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::on_host;
-use crate::cpu::host_ops::Kind;
+use crate::group::host_ops::Kind;
 use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
 

@@ -76,7 +76,7 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Device, Layout, Result, Shape, Tensor, WithDType};
 
-use crate::cpu::host_ops::Kind;
+use crate::group::host_ops::Kind;
 use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
 
@@ -106,7 +106,7 @@ pub(crate) fn host_fwd(
         l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("collective input is not contiguous".into()))?;
     crate::with_elem_type!(candle_core::backend::BackendStorage::dtype(s), T => {
         let v: &[T] = &s.as_slice::<T>()?[start..end];
-        let out = crate::cpu::host_ops::run(pg, &kind, v, l.dims())?;
+        let out = crate::group::host_ops::run(pg, &kind, v, l.dims())?;
         if let (Some(cell), Some(learned)) = (sizes, out.sizes) {
             let _ = cell.set(learned);
         }
@@ -124,7 +124,7 @@ pub(crate) fn cuda_fwd(
     l: &Layout,
     sizes: Option<&OnceLock<Vec<usize>>>,
 ) -> Result<(candle_core::CudaStorage, Shape)> {
-    let (out, shape, learned) = crate::gpu::cuda::forward(pg, &kind, s, l)?;
+    let (out, shape, learned) = crate::group::cuda::forward(pg, &kind, s, l)?;
     if let (Some(cell), Some(v)) = (sizes, learned) {
         let _ = cell.set(v);
     }

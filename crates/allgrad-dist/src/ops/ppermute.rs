@@ -4,7 +4,7 @@
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::on_host;
-use crate::cpu::host_ops::Kind;
+use crate::group::host_ops::Kind;
 use crate::group::ProcessGroup;
 
 /// Sends `x` to rank `dst_of[rank]` and returns the tensor of the rank that sends here.

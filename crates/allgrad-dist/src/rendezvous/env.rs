@@ -12,9 +12,8 @@ use std::time::Duration;
 use crate::error::{DistError, DistResult};
 use crate::rendezvous::elastic::Elastic;
 use crate::settings::Settings;
+pub use crate::settings::DEFAULT_TIMEOUT;
 
-/// Default timeout of every blocking distributed call.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default port of the rendezvous store when MASTER_PORT is unset (torchrun's default).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 

@@ -32,9 +32,9 @@ use std::ops::Range;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::cpu::collectives::{split_even, Call};
+use crate::cpu::call::{ranges, split_even, Call};
 use crate::cpu::mesh::{Mesh, SHM_STEP};
-use crate::cpu::shm::{Region, Segment};
+use crate::cpu::segment::{Region, Segment};
 use crate::error::{DistError, DistResult};
 use crate::reduce::{Elem, ReduceOp};
 
@@ -246,7 +246,7 @@ impl Mesh {
     pub(crate) fn shm_all_gather_v<T: Elem>(&mut self, c: &Call, own: &[T], counts: &[usize], out: &mut [T]) -> DistResult<()> {
         let (w, r) = (self.size(), self.rank);
         let per = self.seg().slot_bytes() / std::mem::size_of::<T>();
-        let starts = crate::cpu::collectives::ranges(counts);
+        let starts = ranges(counts);
         let pieces = counts.iter().max().copied().unwrap_or(0).div_ceil(per).max(1);
         let part = |k: usize, len: usize| (k * per).min(len)..((k + 1) * per).min(len);
         for k in 0..pieces {
@@ -279,7 +279,7 @@ impl Mesh {
         if per == 0 {
             return Err(DistError::Invalid(format!("a shared-memory reduce_scatter needs a slot of at least {w} elements")));
         }
-        let blocks = crate::cpu::collectives::ranges(counts);
+        let blocks = ranges(counts);
         let pieces = counts.iter().max().copied().unwrap_or(0).div_ceil(per).max(1);
         let part = |k: usize, len: usize| (k * per).min(len)..((k + 1) * per).min(len);
         for k in 0..pieces {

@@ -7,9 +7,9 @@
 
 use std::time::{Duration, Instant};
 
+use crate::cpu::segment::SLOT_ALIGN;
 use crate::cpu::shm::ops::{Fault, FAULT};
 use crate::cpu::shm::setup::ShmConfig;
-use crate::cpu::shm::SLOT_ALIGN;
 use crate::group::ProcessGroup;
 use crate::reduce::{Elem, ReduceOp};
 use crate::settings::Settings;
@@ -255,7 +255,7 @@ fn allgrad_shm_variables_are_parsed() {
     let cfg = |shm: Option<&str>, slot: Option<&str>| {
         let vars = [("ALLGRAD_SHM", shm), ("ALLGRAD_SHM_SLOT_BYTES", slot)];
         let vars = vars.iter().filter_map(|(k, v)| v.map(|v| (k.to_string(), v.to_string()))).collect();
-        Settings::from_vars(&vars).map(|s| s.shm_config())
+        Settings::from_vars(&vars).map(|s| ShmConfig::from(&s))
     };
     assert_eq!(cfg(None, None).unwrap(), ShmConfig::default());
     assert!(cfg(Some("1"), None).unwrap().enabled);

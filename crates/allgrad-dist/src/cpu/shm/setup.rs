@@ -1,5 +1,5 @@
 //! Setting up the same-host fast path of a group (the algorithms that use it are in
-//! `ops`; the segment itself in `shm`).
+//! `ops`; the segment itself in `cpu::segment`).
 //!
 //! Once per group (init and `new_group`), over the group's TCP mesh (each round with every peer,
 //! or gathered through the tree in groups that take it, `tree`):
@@ -17,15 +17,17 @@
 
 use std::path::PathBuf;
 
-use crate::cpu::collectives::{ranges, Call};
+use crate::cpu::call::{ranges, Call};
 use crate::cpu::mesh::{Mesh, OpCode, RecvOp, SendOp};
+use crate::cpu::segment::{segment_bytes, Segment, SLOT_ALIGN};
 use crate::cpu::shm::job::{shm_rank_prefix, SHM_DIR};
-use crate::cpu::shm::{segment_bytes, Segment, SLOT_ALIGN};
 use crate::error::DistResult;
+use crate::settings::{Settings, DEFAULT_SHM_SLOT_BYTES, MIN_SHM_SLOT_BYTES};
 use crate::wire::{Header, KIND_DATA};
 
-/// Default bytes of one rank's slot (ALLGRAD_SHM_SLOT_BYTES overrides).
-pub(crate) const DEFAULT_SLOT_BYTES: usize = 1 << 20;
+// The smallest slot a user may ask for is one the segment can lay out.
+const _: () = assert!(MIN_SHM_SLOT_BYTES.is_multiple_of(SLOT_ALIGN));
+
 /// Largest segment a group maps (two sets of W + 1 slots); slots shrink to fit.
 pub(crate) const MAX_SEGMENT_BYTES: usize = 256 << 20;
 
@@ -38,7 +40,14 @@ pub(crate) struct ShmConfig {
 
 impl Default for ShmConfig {
     fn default() -> Self {
-        ShmConfig { enabled: true, slot_bytes: DEFAULT_SLOT_BYTES }
+        ShmConfig { enabled: true, slot_bytes: DEFAULT_SHM_SLOT_BYTES }
+    }
+}
+
+impl From<&Settings> for ShmConfig {
+    /// ALLGRAD_SHM and ALLGRAD_SHM_SLOT_BYTES.
+    fn from(s: &Settings) -> Self {
+        ShmConfig { enabled: s.shm, slot_bytes: s.shm_slot_bytes }
     }
 }
 
@@ -113,7 +122,7 @@ struct Unlink(Option<PathBuf>);
 impl Drop for Unlink {
     fn drop(&mut self) {
         if let Some(p) = &self.0 {
-            crate::cpu::shm::unlink(p);
+            crate::cpu::segment::unlink(p);
         }
     }
 }

@@ -1,27 +1,14 @@
-//! The `host` path of collectives of CUDA tensors: the input is copied into the group's
-//! pinned host buffer (page-locked, so the copy is a direct DMA; allocated once, grown to the
-//! largest collective and reused), the CPU backend runs the collective on it
-//! ([`crate::cpu::host_ops::run_staged`], the code a CPU tensor runs) and the result is copied to
-//! a new allocation on the tensor's device. In-place collectives (all_reduce, broadcast,
-//! reduce) run on the pinned buffer and are copied back from it; the others (all_gather,
-//! reduce_scatter, all_to_all) copy back the CPU backend's output vector.
-//!
-//! Every copy is waited for before the call returns: the CPU backend needs the values, and
-//! the buffer is reused by the next call. Where pinned memory cannot be had (a driver that
-//! refuses `cuMemHostAlloc`), the buffer is plain memory, reused the same way, with one
-//! warning.
+//! The host buffer of a group's `host` path for CUDA tensors: page-locked (pinned), so a copy
+//! between it and the device is a direct DMA; allocated once, grown to the largest collective
+//! and reused by every call. Where pinned memory cannot be had (a driver that refuses
+//! `cuMemHostAlloc`), the buffer is plain memory, reused the same way, with one warning. The
+//! path that copies through it is `group/cuda/host.rs`.
 
-use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{sys, CudaContext, DeviceRepr, PinnedHostSlice};
-use candle_core::cuda::CudaDType;
-use candle_core::{CudaStorage, Layout, Result, Shape};
+use candle_core::cuda::cudarc::driver::{sys, CudaContext, PinnedHostSlice};
 use std::sync::Arc;
 
-use super::{cuda, Out};
-use crate::cpu::host_ops::{run_staged, Kind};
-use crate::dispatch::unsupported_dtype;
+use super::cuda;
 use crate::error::{DistError, DistResult};
-use crate::group::ProcessGroup;
 use crate::reduce::Elem;
 
 /// Smallest pinned allocation: collectives of a few values should not each grow the buffer.
@@ -39,7 +26,7 @@ pub(crate) struct Staging {
 
 impl Staging {
     /// `n` elements of host memory, pinned where possible, holding whatever the last call left.
-    fn slice<T: Elem>(&mut self, ctx: &Arc<CudaContext>, n: usize) -> DistResult<&mut [T]> {
+    pub(crate) fn slice<T: Elem>(&mut self, ctx: &Arc<CudaContext>, n: usize) -> DistResult<&mut [T]> {
         let bytes = n * std::mem::size_of::<T>();
         if !self.no_pinned && self.pinned.as_ref().is_none_or(|p| p.len() < bytes) {
             // Free the old buffer before taking a larger one.
@@ -76,28 +63,4 @@ impl Staging {
         bytemuck::try_cast_slice_mut(raw)
             .map_err(|e| DistError::Invalid(format!("a staging buffer of {bytes} bytes does not hold {n} x {:?}: {e}", T::DTYPE)))
     }
-}
-
-/// Runs `kind` on the CUDA storage `s` (layout `l`, contiguous) through host memory.
-pub(crate) fn forward(pg: &ProcessGroup, kind: &Kind, s: &CudaStorage, l: &Layout) -> Result<Out> {
-    crate::with_elem_type!(s.dtype(), T => typed::<T>(pg, kind, s, l), d => Err(unsupported_dtype(d).into()))
-}
-
-fn typed<T: Elem + CudaDType + DeviceRepr>(pg: &ProcessGroup, kind: &Kind, s: &CudaStorage, l: &Layout) -> Result<Out> {
-    let (start, end) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("collective input is not contiguous".into()))?;
-    let dev = s.device.clone();
-    let stream = dev.cuda_stream();
-    let src = s.as_cuda_slice::<T>()?.slice(start..end);
-    let mut staging = pg.staging();
-    let buf = staging.slice::<T>(stream.context(), end - start)?;
-    cuda(stream.memcpy_dtoh(&src, buf), "copying a collective's input to the host")?;
-    cuda(stream.synchronize(), "waiting for a collective's input to reach the host")?;
-    let ((out, shape), sizes) = run_staged(pg, kind, buf, l.dims(), |v, dims| {
-        let slice = cuda(stream.clone_htod(v), "copying a collective's result to the device")?;
-        // The source is the reused buffer (or a vector about to be dropped): wait for the copy.
-        cuda(stream.synchronize(), "waiting for a collective's result to reach the device")?;
-        Ok((T::wrap_cuda_slice(slice, dev.clone()), Shape::from(dims)))
-    })?;
-    Ok((out, shape, sizes))
 }

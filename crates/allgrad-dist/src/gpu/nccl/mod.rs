@@ -8,19 +8,16 @@
 //!   the group's first collective on a CUDA tensor, on the stream of that tensor's device: rank 0 of the group
 //!   creates the unique id and publishes it through the rendezvous store (`unique_id`), every
 //!   member calls `ncclCommInitRank`. Subgroups (`new_group`) get their own.
-//! - Every call is first checked against the peers' over the TCP mesh (`group/checked.rs`):
-//!   mismatched calls fail on every rank naming both, as on the CPU backend.
+//! - Every call is first checked against the peers' over the TCP mesh (`group/checked.rs`),
+//!   which hands this backend what it may use of the group ([`Elsewhere`]): mismatched calls
+//!   fail on every rank naming both, as on the CPU backend.
 //! - A watchdog thread per communicator (`watchdog`) aborts it (`ncclCommAbort`) when a call
 //!   outlives ALLGRAD_TIMEOUT_S; the call fails naming itself, the group is poisoned and its
 //!   peers are told over TCP. Making the communicator (`ncclCommInitRank`, which waits for
 //!   every member) is bounded by the same timeout, and by a peer's failure seen on the mesh.
-//! - The collectives on tensors are in `tensors`; `crate::gpu::cuda` calls them for the plain
+//! - The collectives on tensors that run through it are in `group/cuda/nccl.rs`, for the plain
 //!   collectives and the differentiable ops of [`crate::ops`] (their `cuda_fwd`), with the
 //!   same backward rules.
-
-mod tensors;
-
-pub(crate) use tensors::forward;
 
 use std::ffi::{c_char, CStr};
 use std::mem::MaybeUninit;
@@ -36,7 +33,7 @@ use crate::cpu::mesh::Mesh;
 use crate::error::{DistError, DistResult};
 use crate::gpu::unique_id::{share_unique_id, UNIQUE_ID_BYTES};
 use crate::gpu::watchdog::{bounded, Abort, Watchdog};
-use crate::group::{Elsewhere, Names};
+use crate::gpu::{Elsewhere, Names};
 use crate::reduce::ReduceOp;
 
 /// An NCCL communicator handle, aborted (and so freed) exactly once: by the watchdog or on drop.
@@ -104,7 +101,7 @@ fn nccl_error(names: Names<'_>, step: &str, detail: impl std::fmt::Display) -> D
 }
 
 /// The group's communicator on `device`, made now when this is the group's first CUDA call.
-fn comm_for<'p>(place: &'p mut Elsewhere<'_>, device: &CudaDevice) -> DistResult<&'p GroupComm> {
+pub(crate) fn comm_for<'p>(place: &'p mut Elsewhere<'_>, device: &CudaDevice) -> DistResult<&'p GroupComm> {
     let names = place.names();
     if place.nccl.is_none() {
         let id = share_unique_id(place.store, place.group, place.rank, || {
@@ -160,7 +157,7 @@ impl GroupComm {
     /// the communicator and the stream, and waits for it under the watchdog. While waiting it
     /// also looks at the group's TCP mesh: a peer that failed (and said so, or closed its
     /// connections) makes this rank abort the communicator and fail at once, naming it.
-    fn run(
+    pub(crate) fn run(
         &self,
         names: Names<'_>,
         mesh: &Mesh,
@@ -195,7 +192,7 @@ impl GroupComm {
     }
 }
 
-fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+pub(crate) fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     match op {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
         ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,

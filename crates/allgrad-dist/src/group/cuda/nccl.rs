@@ -1,7 +1,8 @@
-//! The collectives on CUDA tensors through NCCL: [`forward`] runs one for a group whose CUDA
-//! path is `nccl` (`crate::gpu::cuda` dispatches the plain collectives and the `cuda_fwd` of the
-//! differentiable ops here). Each checks its call over TCP, then moves the data with NCCL on
-//! the device's stream.
+//! The collectives on CUDA tensors through NCCL (feature `nccl`): [`forward`] runs one for a
+//! group whose CUDA path is `nccl` (the dispatch beside this file sends the plain collectives
+//! and the `cuda_fwd` of the differentiable ops here). Each checks its call over TCP
+//! (`group/checked.rs`), then moves the data with NCCL on the device's stream, through the
+//! group's communicator (`gpu::nccl`).
 //!
 //! Uneven sizes: all_gather pads every rank's rows to the largest count, gathers, and
 //! compacts on the device; reduce_scatter with uneven blocks all-reduces and keeps its block;
@@ -15,12 +16,13 @@ use candle_core::{CudaStorage, Layout, Result, Shape};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{result, NcclType};
 
-use super::{comm_for, nccl_op};
-use crate::cpu::host_ops::Kind;
+use super::Out;
 use crate::cpu::mesh::OpCode;
 use crate::dispatch::unsupported_dtype;
 use crate::error::{DistError, DistResult};
-use crate::gpu::cuda::{cuda, Out};
+use crate::gpu::cuda::cuda;
+use crate::gpu::nccl::{comm_for, nccl_op};
+use crate::group::host_ops::Kind;
 use crate::group::ProcessGroup;
 use crate::reduce::Elem;
 

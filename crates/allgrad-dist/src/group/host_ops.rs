@@ -1,15 +1,15 @@
 //! One collective of a tensor's values, described by a [`Kind`] and run by the CPU backend
 //! on host memory: the forward of every differentiable op on the CPU, and the `host` path of
 //! collectives of CUDA tensors, which copies the tensor into a host buffer, runs
-//! [`run_staged`] on it and copies the result back (`crate::gpu::cuda`). Both run the same calls
+//! [`run_staged`] on it and copies the result back (`group/cuda/host.rs`). Both run the same calls
 //! on the same values, so a CUDA tensor staged through the host gets the bits a CPU tensor
 //! gets.
 
 // The staged half and `Reduce` serve CUDA tensors (feature `cuda`); tested in every build.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
+use super::ProcessGroup;
 use crate::error::{DistError, DistResult};
-use crate::group::ProcessGroup;
 use crate::reduce::{Elem, ReduceOp};
 
 /// Which collective a call runs.
