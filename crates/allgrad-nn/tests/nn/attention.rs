@@ -4,11 +4,10 @@
 //! padding masks that differ per sequence and dropout masks; padded keys contribute exactly
 //! nothing; `attention_composed` (the path off the CPU) agrees; errors name the shapes.
 
-mod common;
-
 use allgrad_nn::{attention, attention_composed};
 use candle_core::{DType, Device, Result, Tensor, Var};
-use common::{assert_close, err_text, fd_grad, rand_tensor, to_f64_vec};
+
+use crate::common::{assert_close, err_text, fd_grad, rand_tensor, to_f64_vec};
 
 /// One case: batch, length, heads, head size, and for each sequence its number of real tokens
 /// (keys beyond it are padding).

@@ -3,11 +3,10 @@
 //! derivative 0 at 0, GELU at tabulated normal-CDF values and against finite differences, the
 //! fallback for other dtypes, and errors that name the shapes.
 
-mod common;
-
 use allgrad_nn::{add_relu, relu};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{err_text, rand_tensor, to_f64_vec};
+
+use crate::common::{self, err_text, rand_tensor, to_f64_vec};
 
 /// Values and the gradient of `Σ relu(·)·r` computed elementwise in f64.
 fn reference(s: &[f64], r: &[f64]) -> (Vec<f64>, Vec<f64>) {
@@ -66,7 +65,7 @@ fn the_derivative_at_zero_is_zero() {
 
 #[test]
 fn other_dtypes_fall_back_to_candle() {
-    // f16 (bf16 has CPU kernels of its own: tests/autocast.rs).
+    // f16 (bf16 has CPU kernels of its own: autocast.rs).
     let x = rand_tensor(&[4, 6], 5, DType::F32).to_dtype(DType::F16).unwrap();
     let y = rand_tensor(&[4, 6], 6, DType::F32).to_dtype(DType::F16).unwrap();
     assert_eq!(to_f64_vec(&relu(&x).unwrap()), to_f64_vec(&x.relu().unwrap()));
@@ -139,7 +138,7 @@ fn gelu_matches_known_values_a_plain_computation_and_finite_differences() {
 fn gelu_falls_back_to_candles_erf_for_other_dtypes() {
     let x = (rand_tensor(&[4, 6], 5, DType::F32) * 3.0).unwrap();
     let want = to_f64_vec(&allgrad_nn::gelu_erf(&x).unwrap());
-    // f16 (bf16 has a CPU kernel of its own: tests/autocast.rs).
+    // f16 (bf16 has a CPU kernel of its own: autocast.rs).
     let got = to_f64_vec(&allgrad_nn::gelu_erf(&x.to_dtype(DType::F16).unwrap()).unwrap());
     // GELU = x/2 + x/2·erf(x/√2): two terms of size |x|/2 that cancel for negative x, each
     // rounded in f16 (11 significant bits, unit roundoff 2⁻¹¹ ≈ 4.9e-4) after x itself was:

@@ -1,11 +1,10 @@
 //! Pooling against Candle's pooling (forward; backward where kernel == stride, the only case
 //! Candle supports), against PyTorch values, and against central finite differences in f64.
 
-mod common;
-
 use allgrad_nn::{adaptive_avg_pool2d, avg_pool2d, max_pool2d};
 use candle_core::{DType, Device, Result, Tensor, Var};
-use common::*;
+
+use crate::common::*;
 
 type Pool = fn(&Tensor, (usize, usize), (usize, usize), (usize, usize)) -> Result<Tensor>;
 

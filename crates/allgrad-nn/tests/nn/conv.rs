@@ -1,11 +1,10 @@
 //! conv2d against Candle's conv2d (forward and, where Candle's backward is right, gradients)
 //! and against central finite differences in f64.
 
-mod common;
-
 use allgrad_nn::{conv2d, conv2d_backward, Conv2d, ConvParams};
 use candle_core::{DType, Module, Result, Tensor, Var};
-use common::*;
+
+use crate::common::*;
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -437,7 +436,7 @@ fn a_bad_winograd_switch_fails_the_convolution_naming_it() {
             conv2d_backward(&x, &w, &gy, p, true, true).unwrap();
             let exe = std::env::current_exe().unwrap();
             let mut cmd = std::process::Command::new(exe);
-            cmd.args(["--exact", "a_bad_winograd_switch_fails_the_convolution_naming_it", "--test-threads", "1"]);
+            cmd.args(["--exact", "conv::a_bad_winograd_switch_fails_the_convolution_naming_it", "--test-threads", "1"]);
             cmd.env("ALLGRAD_WINOGRAD", "yes");
             let (out, _) = allgrad_testkit::process::run(
                 &mut cmd,

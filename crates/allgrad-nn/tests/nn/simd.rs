@@ -3,14 +3,13 @@
 //! 1e-10, f32 1e-5), with identical bits across levels and the path counter of the level that
 //! was forced; and `ALLGRAD_CPU_SIMD`'s values and errors.
 
-mod common;
-
 use std::time::Duration;
 
 use allgrad_nn::{force_simd, gelu_erf, gelu_erf_composed, layer_norm, layer_norm_composed, simd_level, simd_paths, SimdLevel};
 use allgrad_testkit::{skip, Need};
 use candle_core::{DType, Tensor, Var};
-use common::*;
+
+use crate::common::*;
 
 const LEVELS: [SimdLevel; 3] = [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512];
 
@@ -145,7 +144,7 @@ fn a_bad_setting_fails_the_op_naming_the_variable() {
             layer_norm(&x, &g, &b, 1e-5).unwrap();
             let exe = std::env::current_exe().unwrap();
             let mut cmd = std::process::Command::new(exe);
-            cmd.args(["--exact", "a_bad_setting_fails_the_op_naming_the_variable", "--test-threads", "1"]);
+            cmd.args(["--exact", "simd::a_bad_setting_fails_the_op_naming_the_variable", "--test-threads", "1"]);
             cmd.env("ALLGRAD_CPU_SIMD", "sse9");
             let (out, _) = allgrad_testkit::process::run(
                 &mut cmd,

@@ -1,11 +1,10 @@
 //! cross_entropy against Candle's `candle_nn::loss::cross_entropy` (forward and gradient),
 //! PyTorch values, and central finite differences in f64.
 
-mod common;
-
 use allgrad_nn::{cross_entropy, per_row_cross_entropy};
 use candle_core::{DType, Device, Tensor, Var};
-use common::*;
+
+use crate::common::*;
 
 fn targets(v: &[u32]) -> Tensor {
     Tensor::new(v, &Device::Cpu).unwrap()

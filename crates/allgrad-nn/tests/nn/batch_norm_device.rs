@@ -6,14 +6,13 @@
 //! finalize op's statistics against a plain f64 computation; the cross-rank sum of the backward
 //! as a tensor against the host's; bad tables named.
 
-mod common;
-
 use std::sync::{Arc, Barrier, Mutex};
 
 use allgrad_nn::transfer::set_device_path;
 use allgrad_nn::{batch_moments, batch_norm, batch_statistics, host_traffic, BnBranch, BnStats, BnTail, ChannelSum, TensorSum};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{err_text, rand_tensor, to_f64_vec};
+
+use crate::common::{err_text, rand_tensor, to_f64_vec};
 
 const EPS: f64 = 1e-5;
 

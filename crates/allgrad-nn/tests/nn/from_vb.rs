@@ -3,12 +3,11 @@
 //! their forward equals an independent computation (Candle's own `conv2d` for the
 //! convolution, a plain f64 loop for the layer norm).
 
-mod common;
-
 use allgrad_nn::{Conv2d, ConvParams, LayerNorm, LayerNormConfig};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use common::{rand_tensor, rel_err, to_f64_vec};
+
+use crate::common::{rand_tensor, rel_err, to_f64_vec};
 
 fn param(map: &VarMap, name: &str) -> Tensor {
     let data = map.data().lock().unwrap();

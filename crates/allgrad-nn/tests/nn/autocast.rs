@@ -3,15 +3,14 @@
 //! within one bf16 rounding of each stored value; the dtypes of outputs and gradients (bf16
 //! activations, f32 parameter gradients); and the guard's scope.
 
-mod common;
-
 use allgrad_nn::autocast::{compute_dtype, full, Autocast};
 use allgrad_nn::{
     adaptive_avg_pool2d, add_relu, attention, batch_norm, conv2d, gelu_erf, layer_norm, linear, max_pool2d, relu,
     softmax_last_dim, BnStats, BnTail, ConvParams,
 };
 use candle_core::{DType, Result, Tensor, Var};
-use common::{rand_tensor, to_f64_vec};
+
+use crate::common::{self, rand_tensor, to_f64_vec};
 
 /// bf16 keeps 8 significant bits: a value rounded to nearest is within `U·|v|` of `v`.
 const U: f64 = 1.0 / 256.0;

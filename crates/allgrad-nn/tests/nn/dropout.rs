@@ -2,11 +2,10 @@
 //! residual, f32 and f64, strided inputs, sizes spanning several parallel tasks), no gradient
 //! for the mask, Candle's ops off the fast path, and errors that name the shapes.
 
-mod common;
-
 use allgrad_nn::dropout_mask;
 use candle_core::{DType, Tensor, Var};
-use common::{err_text, rand_tensor, to_f64_vec};
+
+use crate::common::{err_text, rand_tensor, to_f64_vec};
 
 #[test]
 fn values_and_gradients_match_a_plain_computation() {

@@ -3,14 +3,13 @@
 //! autograd, in f64 and f32; against finite differences; and its cross-rank sum (the sum rule)
 //! against one batch, with two threads standing for two ranks.
 
-mod common;
-
 use std::sync::{mpsc, Arc, Barrier, Mutex};
 use std::time::Duration;
 
 use allgrad_nn::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};
 use candle_core::{DType, Result, Tensor, Var};
-use common::{assert_close, err_text, fd_grad, rand_tensor, to_f64_vec};
+
+use crate::common::{assert_close, err_text, fd_grad, rand_tensor, to_f64_vec};
 
 const EPS: f64 = 1e-5;
 

@@ -1,11 +1,10 @@
 //! softmax_last_dim / log_softmax_last_dim against Candle's (forward; gradients against
 //! Candle's differentiable compositions) and central finite differences in f64.
 
-mod common;
-
 use allgrad_nn::{log_softmax_last_dim, softmax_last_dim};
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use common::*;
+
+use crate::common::*;
 
 type Op = fn(&Tensor) -> Result<Tensor>;
 

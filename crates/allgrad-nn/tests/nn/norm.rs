@@ -1,11 +1,10 @@
 //! layer_norm against Candle's layer norms (forward; gradients against Candle's differentiable
 //! `layer_norm_slow`), PyTorch values, and central finite differences in f64.
 
-mod common;
-
 use allgrad_nn::{layer_norm, layer_norm_composed, LayerNorm};
 use candle_core::{DType, Device, Module, Tensor, Var};
-use common::*;
+
+use crate::common::*;
 
 type Norm = fn(&Tensor, &Tensor, &Tensor, f64) -> candle_core::Result<Tensor>;
 

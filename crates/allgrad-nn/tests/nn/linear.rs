@@ -3,11 +3,10 @@
 //! against finite differences in f64, against Candle's composed ops in f32, and errors that
 //! name the shapes.
 
-mod common;
-
 use allgrad_nn::linear;
 use candle_core::{DType, Tensor};
-use common::{assert_close, err_text, fd_grad, rand_tensor, rand_var, to_f64_vec};
+
+use crate::common::{assert_close, err_text, fd_grad, rand_tensor, rand_var, to_f64_vec};
 
 /// `y[r, o] = b[o] + Σ_i x[r, i] w[o, i]` and the gradients of `Σ y·p`, in f64 loops.
 struct Reference {
