@@ -1,7 +1,7 @@
 //! BarlowTwins on the bundled Fashion-MNIST images: 2 and 3 ranks end a few steps with the
 //! same loss and parameters as 1 rank at the same global batch (24 images), augmentations
 //! and SyncBatchNorm on. The cross-correlation and the standardising statistics are summed
-//! over ranks with the differentiable all_reduce; `crates/allgrad-models/tests/losses.rs` shows
+//! over ranks with the differentiable all_reduce; `crates/allgrad-models/tests/models/losses.rs` shows
 //! that a raw all_reduce would make the gradient 1/W of this.
 
 mod common;

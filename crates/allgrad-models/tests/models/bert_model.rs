@@ -2,14 +2,13 @@
 //! gradients against finite differences (f64), and keyed dropout (independent of batch
 //! position, padding and rank; off in evaluation).
 
-mod support;
-
 use std::collections::HashMap;
 
 use allgrad_models::bert::{BertFolder, BertModel, Checkpoint, DropoutKey, Pooling, TokenBatch};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use support::{tiny_dir, TINY_SENTENCES};
+
+use crate::support::{tiny_dir, TINY_SENTENCES};
 
 fn tiny_tensors() -> HashMap<String, Tensor> {
     candle_core::safetensors::load(tiny_dir().join("model.safetensors"), &Device::Cpu).unwrap()

@@ -2,14 +2,13 @@
 //! dropout off): token ids, last hidden states and the three poolings, on the committed tiny
 //! model and on all-MiniLM-L6-v2 when scripts/data/get_minilm.sh has fetched it.
 
-mod support;
-
 use std::path::Path;
 
 use allgrad_models::bert::{BertFolder, Pooling};
 use allgrad_testkit::close::report;
 use candle_core::{DType, Device, Tensor};
-use support::{minilm_dir, tiny_dir, TINY_SENTENCES};
+
+use crate::support::{minilm_dir, tiny_dir, TINY_SENTENCES};
 
 struct Ref {
     ids: &'static [u32],

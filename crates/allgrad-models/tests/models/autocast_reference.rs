@@ -21,8 +21,6 @@
 //! gradients are checked the same way (see [`GRAD_NEAR`]); in f64 they agree with PyTorch's to
 //! 2e-14 (bound 1e-10), in f32 to 1.9e-6 (bound 1e-5, the f32 standard).
 
-mod support;
-
 use allgrad_dist::ProcessGroup;
 use allgrad_models::batch_norm::Mode;
 use allgrad_models::bert::{BertFolder, Pooling, TokenBatch};
@@ -36,6 +34,8 @@ use candle_core::Var;
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{VarBuilder, VarMap};
+
+use crate::support;
 
 // python3 scripts/reference/ref_autocast.py  (torch 2.15.0+cu132)
 const RESNET_F64: f64 = 2.7434048039127426;

@@ -7,12 +7,12 @@
 //! loss (`rows_to_read`) are the rows read; the loss and the embeddings' gradient are the
 //! same bit for bit. Bad labels are refused with the key.
 
-mod support;
-
 use allgrad_dist::{run_threads, ProcessGroup};
 use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, MarginConfig, RowRange};
 use candle_core::{DType, Device, Tensor};
-use support::face::{grad_or_zeros, rank_batch};
+
+use crate::support;
+use crate::support::face::{grad_or_zeros, rank_batch};
 
 const B: usize = 9; // global batch: uneven over 2 and 4 ranks
 const DIM: usize = 6;

@@ -3,8 +3,6 @@
 //! the evaluator on 2 and 3 ranks against 1, the `embed` JSON lines, and the Hugging Face
 //! export read back (on the committed tiny BERT).
 
-mod support;
-
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -14,7 +12,8 @@ use allgrad_models::simcse::{
     rated_spearman, read_lee, read_retrieval, read_sts_tsv, read_word_pairs, retrieval_scores, Evaluator, RatedPairs, SimCseEval,
 };
 use candle_core::{DType, Device, Tensor};
-use support::{tiny_dir, TINY_SENTENCES};
+
+use crate::support::{tiny_dir, TINY_SENTENCES};
 
 fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
     let p = dir.join(name);

@@ -3,13 +3,13 @@
 //! class split and different data on every rank; Partial FC sampling; the world-size
 //! invariance check; insightface's `* world_size` rule against ours.
 
-mod support;
-
 use allgrad_dist::testing::check_world_size_invariance;
 use allgrad_dist::{all_gather, run_threads, ProcessGroup, ReduceOp};
 use allgrad_models::face::{CentreUpdate, FaceHead, HeadConfig, Margin, MarginConfig, RowRange};
 use candle_core::{Device, Tensor, Var, D};
-use support::face::{grad_or_zeros, rank_batch, rows_of};
+
+use crate::support;
+use crate::support::face::{grad_or_zeros, rank_batch, rows_of};
 
 const B: usize = 7; // global batch: 2+2+2+1 on 4 ranks, 3+2+2 on 3
 const DIM: usize = 5;
@@ -96,7 +96,7 @@ fn sampled_classes(rate: f64) -> Vec<usize> {
     // The negatives the keyed rule samples at (SEED, STEP), from its Python re-implementation
     // (not the crate's own `negative_sampled`, so that a bug in the rule cannot cancel out):
     //   python3 scripts/reference/ref_face_sampling.py
-    //   crates/allgrad-models/tests/face_head.rs: seed 3, step 2, 10 classes, rate 0.3: [2, 3, 5, 6]
+    //   crates/allgrad-models/tests/models/face_head.rs: seed 3, step 2, 10 classes, rate 0.3: [2, 3, 5, 6]
     let negatives: Vec<usize> = match rate {
         r if r >= 1.0 => (0..C).collect(),
         r if r == 0.3 && (SEED, STEP, C) == (3, 2, 10) => vec![2, 3, 5, 6],
