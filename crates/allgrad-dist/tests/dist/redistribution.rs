@@ -1,9 +1,7 @@
 //! Collectives that move blocks between ranks: all_gather, reduce_scatter and all_to_all
 //! (equal and uneven sizes, rows with no elements) against serial references.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 // ------------------------------------------------------------------ all_gather
 

@@ -1,9 +1,7 @@
 //! Collectives with a root (broadcast, reduce), point-to-point messages, the barrier, and
 //! `run_threads` itself.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 // ------------------------------------------------------------------ broadcast and reduce
 

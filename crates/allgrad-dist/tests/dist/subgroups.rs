@@ -1,8 +1,6 @@
 //! Subgroups made with `new_group`: members in the order given, collectives on them.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 // ------------------------------------------------------------------ subgroups
 

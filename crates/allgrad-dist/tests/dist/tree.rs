@@ -7,9 +7,7 @@
 //! Every test checks that the tree path ran (the group's path counters), so that it fails if
 //! the full-mesh path ran instead.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -2,9 +2,7 @@
 //! f64 reference, bitwise agreement across ranks, and the shared-memory and TCP paths agreeing
 //! bitwise (the scheme of inputs and references is in `common/mod.rs`).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 // ------------------------------------------------------------------ all_reduce
 

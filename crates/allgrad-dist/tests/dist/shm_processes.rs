@@ -107,7 +107,7 @@ fn start(w: usize, mode: &str, env: impl Fn(usize) -> Vec<(&'static str, &'stati
     (0..w)
         .map(|r| {
             let mut cmd = Command::new(&exe);
-            cmd.args(["child_rank", "--exact", "--nocapture", "--test-threads=1"])
+            cmd.args(["shm_processes::child_rank", "--exact", "--nocapture", "--test-threads=1"])
                 .env_remove("ALLGRAD_SHM")
                 .env_remove("ALLGRAD_SHM_SLOT_BYTES")
                 .env("ALLGRAD_TEST_CHILD", mode)

@@ -7,9 +7,7 @@
 //! shared-memory, TCP ring and TCP direct paths) are in `shm_processes.rs`, and through the
 //! launcher in the repository's `tests/launch.rs` and `tests/two_hosts.rs`.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 // ------------------------------------------------------------------ failures
 
@@ -90,7 +88,7 @@ fn departed_peer_fails_all_reduce_naming_it_at_w4_direct_path() {
 fn departed_peer_fails_shared_memory_all_reduce_naming_it_on_every_rank() {
     // Large calls of thread ranks go through shared memory; a rank process killed in the middle of
     // one is tested in the crate's own tests (src/cpu/shm/path_tests.rs) and with processes
-    // (tests/shm_processes.rs).
+    // (shm_processes.rs).
     if !shm_available() {
         return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm: there is no shared-memory path to fail");
     }
