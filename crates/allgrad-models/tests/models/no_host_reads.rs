@@ -1,5 +1,5 @@
 //! A second guard beside the counted tests (`batch_norm_device.rs` here,
-//! `crates/allgrad-train/tests/device_path.rs`): the batch-norm and CUDA sources read device
+//! `crates/allgrad-train/tests/train/device_path.rs`): the batch-norm and CUDA sources read device
 //! values only through `allgrad_nn::transfer` (the one counting place), never with Candle's
 //! `to_vec*`, `to_scalar` or `to_device` directly, so that no read bypasses the counters.
 

@@ -7,14 +7,13 @@
 //! sizes; and the config errors of `loss.tile` and `loss.queue` name the key, the value and the
 //! losses that have a tiled form. Tolerances through `allgrad_testkit::close`.
 
-mod common;
-
 use std::path::Path;
 
 use allgrad_dist::run_threads;
 use allgrad_testkit::close::{assert_elem_rel, assert_rel};
 use allgrad_train::{run, RunConfig};
-use common::{assert_params_rel, image_config, params};
+
+use crate::common::{assert_params_rel, image_config, params};
 
 const TOL: f64 = 1e-10;
 
@@ -88,7 +87,7 @@ fn tiled_vectors_method_on_1_2_3_ranks_with_and_without_caching_equals_the_until
 
 #[test]
 fn tiled_simclr_on_two_ranks_equals_the_untiled_one_rank_run() {
-    // f64 at lr 0.05, where the training map does not amplify rounding (see tests/simclr.rs).
+    // f64 at lr 0.05, where the training map does not amplify rounding (see simclr.rs).
     let sets = ["dtype=f64", "optim.lr=0.05", "train.max_steps=2"];
     let one = params(&image_config("simclr", "{kind: nt_xent, temperature: 0.5}", true, 16, &sets), 1);
     let tiled = params(&image_config("simclr", "{kind: nt_xent, temperature: 0.5, tile: 6}", true, 16, &sets), 2);

@@ -6,7 +6,7 @@
 //! To regenerate the file after an intended numeric change:
 //!
 //! ```text
-//! ALLGRAD_WRITE_LOSS_TRACE=1 cargo test -p allgrad-train --test loss_trace
+//! ALLGRAD_WRITE_LOSS_TRACE=1 cargo test -p allgrad-train --test train loss_trace::
 //! ```
 //!
 //! and commit the new file IN THE SAME COMMIT as the change, saying in the message why the

@@ -1,14 +1,13 @@
 //! BarlowTwins on the bundled Fashion-MNIST images: 2 and 3 ranks end a few steps with the
 //! same loss and parameters as 1 rank at the same global batch (24 images), augmentations
 //! and SyncBatchNorm on. The cross-correlation and the standardising statistics are summed
-//! over ranks with the differentiable all_reduce; `crates/allgrad-models/tests/models/losses.rs` shows
-//! that a raw all_reduce would make the gradient 1/W of this.
-
-mod common;
+//! over ranks with the differentiable all_reduce; `crates/allgrad-models/tests/models/losses.rs`
+//! shows that a raw all_reduce would make the gradient 1/W of this.
 
 use allgrad_dist::run_threads;
 use allgrad_train::run;
-use common::{assert_params_rel, image_config, params};
+
+use crate::common::{assert_params_rel, image_config, params};
 
 const BARLOW: &str = "{kind: cross_correlation, lambda: 0.02, scale: 0.5}";
 
@@ -22,7 +21,7 @@ fn config(sets: &[&str]) -> allgrad_train::RunConfig {
 #[test]
 fn two_and_three_ranks_equal_one_rank_in_f64() {
     // At lr 0.05 the runs agree to ~1e-13 (at lr 0.5 the dynamics amplify any difference,
-    // f64 rounding included; see tests/simclr.rs).
+    // f64 rounding included; see simclr.rs).
     let cfg = config(&["dtype=f64", "optim.lr=0.05", "train.max_steps=4"]);
     let one = params(&cfg, 1);
     for w in [2, 3] {
@@ -34,7 +33,7 @@ fn two_and_three_ranks_equal_one_rank_in_f64() {
 fn two_and_three_ranks_equal_one_rank_in_f32() {
     // f32 runs differ by the rounding of reductions split differently over ranks: ~1e-6
     // after one step, 1.1e-5 after two at lr 0.5 (the dynamics amplify it; see
-    // tests/simclr.rs), so one step is checked to 1e-5. This test found batch norm's
+    // simclr.rs), so one step is checked to 1e-5. This test found batch norm's
     // variance computed as Σx²/n − mean² in f32: the cancellation made 1- and 2-rank runs 1e-1
     // apart after 3 LARS steps; the moments are f64 now.
     let cfg = config(&["train.max_steps=1"]);

@@ -8,10 +8,6 @@
 //!   holds the micro-batch, and differs from it otherwise;
 //! - bad settings are refused naming `train.cache_chunk`.
 
-mod cache_support;
-#[path = "cache_support/mlp.rs"]
-mod mlp;
-
 use std::path::Path;
 
 use allgrad_dist::run_threads;
@@ -19,9 +15,10 @@ use allgrad_models::{Batch, EmbeddingObjective, Objective};
 use allgrad_train::optim::OptimConfig;
 use allgrad_train::params::ParamStore;
 use allgrad_train::{grad_cache, run, RunConfig, Trainer};
-use cache_support::{assert_same_steps, largest_update, section, train, trainer_config, Outcome};
 use candle_core::{DType, Device};
-use mlp::{LossOnly, Middle, TwoViewMlp};
+
+use crate::cache_support::mlp::{LossOnly, Middle, TwoViewMlp};
+use crate::cache_support::{assert_same_steps, largest_update, section, train, trainer_config, Outcome};
 
 const TOL: f64 = 1e-10;
 

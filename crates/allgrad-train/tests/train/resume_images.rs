@@ -4,8 +4,6 @@
 //! parameters, buffers and evaluation metrics — having seen, after the resume, the same
 //! sample indices and the same augmented views at every step.
 
-mod common;
-
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -15,7 +13,8 @@ use allgrad_models::{Batch, Objective};
 use allgrad_train::{run, RunConfig, Settings, Trainer};
 use candle_core::{Device, Result, Tensor};
 use candle_nn::VarBuilder;
-use common::image_config;
+
+use crate::common::image_config;
 
 /// (step, epoch, this rank's sample indices, bits of this rank's loss) of every loss call.
 type Calls = Arc<Mutex<Vec<(usize, usize, Vec<usize>, u64)>>>;

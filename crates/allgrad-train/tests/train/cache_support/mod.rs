@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod mlp;
+
 use std::collections::BTreeMap;
 
 use allgrad_dist::run_threads;

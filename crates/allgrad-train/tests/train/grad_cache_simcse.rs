@@ -7,8 +7,6 @@
 //! (`loss.queue`) trains the same on 1, 2 and 3 ranks, with and without caching, the queue
 //! included.
 
-mod cache_support;
-
 use std::path::PathBuf;
 
 use allgrad_dist::run_threads;
@@ -17,8 +15,9 @@ use allgrad_models::simcse::{SimCse, SimCseData, SimCseLoss, SimCseModel};
 use allgrad_models::{Batch, EmbeddingObjective, Objective};
 use allgrad_train::optim::OptimConfig;
 use allgrad_train::params::ParamStore;
-use cache_support::{assert_same_steps, largest_update, section, train, trainer_config, Outcome};
 use candle_core::{DType, Device};
+
+use crate::cache_support::{assert_same_steps, largest_update, section, train, trainer_config, Outcome};
 
 const VOCAB: [&str; 24] = [
     "a", "the", "small", "green", "frog", "jumps", "over", "log", "quickly", "river", "flows", "past", "old", "mill", "and",

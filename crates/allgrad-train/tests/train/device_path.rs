@@ -10,8 +10,6 @@
 //! - a non-finite step is skipped (or stops the run) on the device path as on the host path,
 //!   with the update skipped on the device before the one read.
 
-mod common;
-
 use std::path::Path;
 
 use allgrad_dist::run_threads;
@@ -19,7 +17,8 @@ use allgrad_nn::transfer::set_device_path;
 use allgrad_nn::HostTraffic;
 use allgrad_train::profile::StepProfile;
 use allgrad_train::{run, RunConfig};
-use common::{max_rel_diff, Params};
+
+use crate::common::{self, max_rel_diff, Params};
 
 const NT_XENT: &str = "{kind: nt_xent, temperature: 0.5}";
 

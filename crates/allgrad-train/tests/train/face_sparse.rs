@@ -15,13 +15,12 @@
 //! Tolerances through `allgrad_testkit::close` (norm-wise per parameter, element-wise per
 //! loss); `ALLGRAD_TEST_ERRORS=1` prints each measured error.
 
-mod face_support;
-
 use std::path::Path;
 
 use allgrad_dist::run_threads;
 use allgrad_train::{run, RunConfig};
-use face_support::{assert_bitwise, assert_close, assert_params_bitwise, train, CENTRES};
+
+use crate::face_support::{assert_bitwise, assert_close, assert_params_bitwise, train, CENTRES};
 
 /// A face run: 60 classes, rate 0.1, `steps` steps of a 12-sample global batch.
 fn config(optim: &str, dtype: &str, update: &str, extra: &[&str]) -> RunConfig {

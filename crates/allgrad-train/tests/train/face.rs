@@ -4,12 +4,11 @@
 //! unevenly over 2 and 3 ranks); sharded checkpoints resume bitwise at the same W and
 //! re-shard from W=2 to W=3.
 
-mod face_support;
-
 use std::path::Path;
 
 use allgrad_train::RunConfig;
-use face_support::{assert_bitwise, assert_close, assert_params, assert_params_bitwise, train, CENTRES};
+
+use crate::face_support::{assert_bitwise, assert_close, assert_params, assert_params_bitwise, train, CENTRES};
 
 fn config(margin: &str, rate: f64, dtype: &str) -> RunConfig {
     config_with(margin, rate, dtype, 11)
@@ -70,9 +69,9 @@ fn sampled_at(step: usize, classes: usize, rate: f64) -> Vec<bool> {
     // The negatives the keyed rule samples (seed 5), from its Python re-implementation (not the
     // crate's own `negative_sampled`, so that a bug in the rule cannot cancel out):
     //   python3 scripts/reference/ref_face_sampling.py
-    //   crates/allgrad-train/tests/face.rs: seed 5, step 0, 40 classes, rate 0.1: [23]
-    //   crates/allgrad-train/tests/face.rs: seed 5, step 1, 40 classes, rate 0.1: [0, 21, 30, 32]
-    //   crates/allgrad-train/tests/face.rs: seed 5, step 2, 40 classes, rate 0.1: [10, 18, 19, 23, 25, 28, 37]
+    //   crates/allgrad-train/tests/train/face.rs: seed 5, step 0, 40 classes, rate 0.1: [23]
+    //   crates/allgrad-train/tests/train/face.rs: seed 5, step 1, 40 classes, rate 0.1: [0, 21, 30, 32]
+    //   crates/allgrad-train/tests/train/face.rs: seed 5, step 2, 40 classes, rate 0.1: [10, 18, 19, 23, 25, 28, 37]
     assert_eq!(
         (classes, rate),
         (40, 0.1),

@@ -3,8 +3,6 @@
 //! same per-step losses and parameters as 1 rank at the same global batch of 12
 //! (f64 to 1e-10, f32 to 1e-5), unsupervised and supervised.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -18,7 +16,8 @@ use allgrad_train::schedule::ScheduleConfig;
 use allgrad_train::TrainSection;
 use allgrad_train::{Trainer, TrainerConfig};
 use candle_core::{DType, Device};
-use common::max_rel_diff_floor;
+
+use crate::common::{self, max_rel_diff_floor};
 
 const WORDS: [&str; 32] = [
     "the", "a", "cat", "dog", "sat", "on", "mat", "ran", "fast", "slow", "big", "small", "red", "blue", "house", "tree", "under",

@@ -24,8 +24,6 @@
 //!   a few small steps would hide an error of several percent in the update under the
 //!   parameters' own rounding).
 
-mod common;
-
 use std::path::PathBuf;
 
 use allgrad_dist::run_threads;
@@ -40,7 +38,8 @@ use allgrad_train::schedule::ScheduleConfig;
 use allgrad_train::TrainSection;
 use allgrad_train::{run, Trainer, TrainerConfig};
 use candle_core::{DType, Device};
-use common::{image_config, Params};
+
+use crate::common::{image_config, Params};
 
 const NT_XENT: &str = "{kind: nt_xent, temperature: 0.5}";
 

@@ -12,15 +12,14 @@
 //! `ALLGRAD_TEST_ERRORS=1` prints each measured error. The figures quoted were measured on one
 //! machine, an AMD EPYC with AVX-512.
 
-mod face_support;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use allgrad_dist::run_threads;
 use allgrad_testkit::close::assert_elem_rel;
 use allgrad_train::{run, RunConfig};
-use face_support::{assert_bitwise, assert_params, train, CENTRES};
+
+use crate::face_support::{assert_bitwise, assert_params, train, CENTRES};
 
 fn config(storage: &str, optim: &str, extra: &[&str]) -> RunConfig {
     let text = format!(

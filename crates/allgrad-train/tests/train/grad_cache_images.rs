@@ -5,9 +5,7 @@
 //! each chunk's replay reproduces its augmentations (the trainer checks every chunk) and the
 //! run differs from the plain one only through per-chunk batch statistics.
 
-mod common;
-
-use common::{assert_params_rel, image_config, max_rel_diff, params};
+use crate::common::{assert_params_rel, image_config, max_rel_diff, params};
 
 const NT_XENT: &str = "{kind: nt_xent, temperature: 0.5}";
 const BARLOW: &str = "{kind: cross_correlation, lambda: 0.01}";

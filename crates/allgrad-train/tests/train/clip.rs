@@ -5,8 +5,6 @@
 //! for CLIP's loss whole and tiled, SigLIP's in both forms, and with gradient caching; a
 //! cached step equals the plain one.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -19,7 +17,8 @@ use allgrad_train::schedule::ScheduleConfig;
 use allgrad_train::TrainSection;
 use allgrad_train::{Trainer, TrainerConfig};
 use candle_core::{DType, Device};
-use common::max_rel_diff_floor;
+
+use crate::common::max_rel_diff_floor;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")

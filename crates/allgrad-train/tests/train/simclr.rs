@@ -22,9 +22,8 @@
 //! ReLU's kink): chaos of the rounding, not a semantic difference (f64 agrees to 3e-12, and
 //! the ranks' parameters are bitwise equal). So the checks are taken where rounding is not
 //! amplified: f64 at lr 0.05 over 4 steps to 1e-12, f32 over 2 steps to 1e-5.
-mod common;
 
-use common::{assert_params_rel, image_config, max_rel_diff, max_rel_diff_floor, params};
+use crate::common::{self, assert_params_rel, image_config, max_rel_diff, max_rel_diff_floor, params};
 
 const NT_XENT: &str = "{kind: nt_xent, temperature: 0.5}";
 
@@ -68,7 +67,7 @@ fn views_built_ahead_on_loader_threads_train_exactly_like_views_built_inline() {
 
 /// Diagnostic, not a check: the largest relative difference between W=2 and W=1 after each
 /// of the first steps, in f32 and f64, for the settings of the tests above.
-/// `cargo test -p allgrad-train --test simclr -- --ignored --nocapture drift`
+/// `cargo test -p allgrad-train --test train -- --ignored --nocapture simclr::drift_by_step`
 #[test]
 #[ignore]
 fn drift_by_step() {
