@@ -5,7 +5,7 @@
 //! function at once, dropping its group (its sockets close, as a finished process's would).
 //! Peers that are really killed (SIGKILL of a rank process, mid-collective, on the
 //! shared-memory, TCP ring and TCP direct paths) are in `shm_processes.rs`, and through the
-//! launcher in the repository's `tests/launch.rs` and `tests/two_hosts.rs`.
+//! launcher in the repository's `tests/repo/launch.rs` and `tests/repo/two_hosts.rs`.
 
 use crate::common::*;
 

@@ -4,12 +4,10 @@
 //! cannot start reported as such; no shared-memory file left by a rank killed while its group
 //! was being set up; and, on a terminal, rank 0 drawing there (the trainer's progress bar).
 
-mod common;
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{example, run_with_watchdog};
+use crate::common::{example, run_with_watchdog};
 
 fn launch_bin() -> &'static str {
     env!("CARGO_BIN_EXE_launch")
@@ -252,7 +250,7 @@ fn a_rank_killed_during_shared_memory_setup_leaves_no_segment_after_launch_exits
         Command::new(launch_bin())
             .args(["--nproc-per-node", "2", "--grace-s", "1"])
             .arg(std::env::current_exe().unwrap())
-            .args(["child_rank", "--exact", "--nocapture", "--test-threads", "1"])
+            .args(["launch::child_rank", "--exact", "--nocapture", "--test-threads", "1"])
             .env("ALLGRAD_TEST_CHILD", "die_in_shm_setup")
             .env("ALLGRAD_JOB_TOKEN", &token)
             // The largest segment (256 MiB): its setup lasts long enough for the watcher.

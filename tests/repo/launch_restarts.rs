@@ -7,14 +7,14 @@
 //! there, 2 ranks also end where 1 rank does). Also: a restart on a different number of ranks
 //! resumes the replicated state and says so.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
+
+use crate::common;
 
 fn vectors() -> String {
     common::vectors_config(

@@ -5,7 +5,7 @@
 //! names exists; every `--set key=` in the README and docs/ names a key of the configuration
 //! reference (docs/configuration.md); every figure row of the README's performance table has
 //! its command in docs/performance.md. (That the scripts the documents run are executable is
-//! `tests/scripts.rs`.)
+//! `scripts.rs`.)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

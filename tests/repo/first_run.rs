@@ -4,12 +4,12 @@
 //! after a failed start; logs without colour codes in files, a job-wide warning once; a
 //! checkpoint as readable as the rest of the run.
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
+
+use crate::common;
 
 const LIMIT: Duration = Duration::from_secs(120);
 

@@ -11,14 +11,12 @@
 //! - When a rank of one node dies, the other node's ranks fail with an error, promptly, and
 //!   its launcher exits non-zero.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{example, run_with_watchdog, spawn_watched};
+use crate::common::{self, example, run_with_watchdog, spawn_watched};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 

@@ -2,14 +2,14 @@
 //! killed while saving a checkpoint leaves `latest` loadable and resumes exactly; config
 //! errors name the file, the key and the numbers.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
+
+use crate::common;
 
 fn config() -> String {
     common::vectors_config(

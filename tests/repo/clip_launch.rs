@@ -3,8 +3,6 @@
 //! loss (plain, and tiled with gradient caching) and SigLIP's (gathered and ring); `export-hf`
 //! writes the run as a Hugging Face CLIP folder that reads back to the trained parameters.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -12,6 +10,8 @@ use std::time::Duration;
 
 use allgrad::models::clip::ClipFolder;
 use candle_core::{DType, Device, Tensor};
+
+use crate::common;
 
 fn config() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/clip.yaml"))

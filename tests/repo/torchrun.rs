@@ -22,9 +22,9 @@ use allgrad::dist::torch_store::TorchStore;
 use allgrad_testkit::Need;
 use candle_core::{Device, Tensor};
 
-const LIMIT: Duration = Duration::from_secs(240);
+use crate::common;
 
-mod common;
+const LIMIT: Duration = Duration::from_secs(240);
 
 /// The shared vectors run at 4 steps an epoch; `epochs` and the checkpoint period set its length.
 fn config(epochs: usize, every: usize) -> String {
