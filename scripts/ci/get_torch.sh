@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs PyTorch (torch==2.15.0, the version tests/torchrun.rs is run against) from PyPI into a
+# Installs PyTorch (torch==2.15.0, the version tests/repo/torchrun.rs is run against) from PyPI into a
 # virtual environment outside the repository, for the tests that need torchrun and PyTorch's
-# TCPStore (tests/torchrun.rs, run with ALLGRAD_WITH_TORCH=1). Reuses the environment when it
+# TCPStore (tests/repo/torchrun.rs, run with ALLGRAD_WITH_TORCH=1). Reuses the environment when it
 # already imports that torch. Prints the environment's path as its last line.
 #
 #   scripts/ci/get_torch.sh [VENV]    (default: $ALLGRAD_TORCH_VENV, else ~/.cache/allgrad/torch-2.15.0)

@@ -119,7 +119,7 @@ no_gpu() {
 }
 
 # 1. The GPU and the libraries.
-# ALLGRAD_NVIDIA_SMI: another program in its place (tests/scripts.rs runs this script without a GPU).
+# ALLGRAD_NVIDIA_SMI: another program in its place (tests/repo/scripts.rs runs this script without a GPU).
 smi="${ALLGRAD_NVIDIA_SMI:-nvidia-smi}"
 command -v "$smi" >/dev/null 2>&1 || no_gpu "no $smi on PATH: no NVIDIA driver, so no GPU to test on"
 gpus=$("$smi" --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)

@@ -7,9 +7,10 @@ and the weights are made by this script.
     $PYTHON scripts/data/make_tiny_clip.py [--out data/clip-tiny]          # the folder
     $PYTHON scripts/data/make_tiny_clip.py --reference [--out data/clip-tiny]  # reference values
 
-With --reference it loads the folder and prints what crates/allgrad-models/tests/clip_reference.rs
-compares against: token ids, image and text features (projected, not normalised), logits and
-the CLIP loss of three images and captions. Needs torch and transformers (PyPI).
+With --reference it loads the folder and prints what
+crates/allgrad-models/tests/models/clip_reference.rs compares against: token ids, image and
+text features (projected, not normalised), logits and the CLIP loss of three images and
+captions. Needs torch and transformers (PyPI).
 """
 import argparse
 import json

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Writes the webdataset shards that crates/allgrad-data/tests/webdataset.rs reads: shards made
-by the Python `webdataset` package (webdataset.ShardWriter, version 1.0.2 from PyPI), so that
-the test holds allgrad's reader to what the format's reference implementation writes.
+"""Writes the webdataset shards that crates/allgrad-data/tests/data_tests/webdataset.rs reads:
+shards made by the Python `webdataset` package (webdataset.ShardWriter, version 1.0.2 from
+PyPI), so that the test holds allgrad's reader to what the format's reference implementation
+writes.
 
     python scripts/data/make_webdataset_fixture.py crates/allgrad-data/tests/data/webdataset
 

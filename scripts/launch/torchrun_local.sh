@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# allgrad's ranks under the real torchrun, by hand: the same checks as tests/torchrun.rs,
+# allgrad's ranks under the real torchrun, by hand: the same checks as tests/repo/torchrun.rs,
 # with every command shown.
 #
 #   scripts/launch/torchrun_local.sh [path/to/torchrun]     (default: torchrun on PATH)
@@ -54,6 +54,6 @@ wait "$AGENT"
 grep -E "resumed from|trained|exitcode|closing signal" "$OUT/restarted.txt" | sed 's/^/    /'
 grep -q "resumed from" "$OUT/restarted.txt" || { echo "no resume: see $OUT/restarted.txt" >&2; exit 1; }
 
-echo "== 3. cargo test --test torchrun"
-ALLGRAD_WITH_TORCH=1 ALLGRAD_TORCHRUN="$TORCHRUN" cargo test --test torchrun -- --nocapture
+echo "== 3. cargo test --test repo torchrun::"
+ALLGRAD_WITH_TORCH=1 ALLGRAD_TORCHRUN="$TORCHRUN" cargo test --test repo torchrun:: -- --nocapture
 echo "outputs kept in $OUT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Reference losses and gradients of fixed batches under PyTorch's bf16 autocast, for allgrad's
-`precision: bf16` (`crates/allgrad-models/tests/autocast_reference.rs` pastes the output).
+`precision: bf16` (`crates/allgrad-models/tests/models/autocast_reference.rs` pastes the output).
 
     python3 scripts/reference/ref_autocast.py
 

@@ -1,4 +1,4 @@
-"""Reference values for the BERT encoder (crates/allgrad-models/tests/bert_reference.rs).
+"""Reference values for the BERT encoder (crates/allgrad-models/tests/models/bert_reference.rs).
 
 1. Writes the tiny test BERT into crates/allgrad-models/tests/data/tiny-bert/ (config.json,
    model.safetensors in f16 to keep it small, a word-level tokenizer.json). The weights are a

@@ -34,8 +34,8 @@ def sampled_negatives(seed, step, classes, rate):
 
 # (test, seed, steps, classes, rate)
 CASES = [
-    ("crates/allgrad-models/tests/face_head.rs", 3, [2], 10, 0.3),
-    ("crates/allgrad-train/tests/face.rs", 5, [0, 1, 2], 40, 0.1),
+    ("crates/allgrad-models/tests/models/face_head.rs", 3, [2], 10, 0.3),
+    ("crates/allgrad-train/tests/train/face.rs", 5, [0, 1, 2], 40, 0.1),
 ]
 for test, seed, steps, classes, rate in CASES:
     for step in steps:

@@ -1,4 +1,4 @@
-"""Reference values for SimCSE's InfoNCE (crates/allgrad-models/tests/simcse_info_nce.rs).
+"""Reference values for SimCSE's InfoNCE (crates/allgrad-models/tests/models/simcse_info_nce.rs).
 
 PyTorch, f64, one process over the whole batch, written from the paper's formula (cosine
 similarity / temperature, cross-entropy with the positive on the diagonal; supervised: the

@@ -2,7 +2,7 @@
 """Independent reference values for allgrad's distributed losses (allgrad-models `losses.rs`):
 the loss and the gradients with respect to both views' embeddings, computed by PyTorch (CPU,
 float64) with its own textbook formulations, on fixed asymmetric inputs. The output is Rust
-source that `crates/allgrad-models/tests/losses_reference.rs` pastes.
+source that `crates/allgrad-models/tests/models/losses_reference.rs` pastes.
 
     python3 scripts/reference/ref_losses.py
 

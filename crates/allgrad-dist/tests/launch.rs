@@ -1,7 +1,7 @@
 //! The launcher as a library, in this process: typed errors that name what failed, and the
 //! SIGINT/SIGTERM handlers it installs being in force while it runs and replaced by the
 //! previous ones when it returns. (The launcher as a program is tested in the `allgrad`
-//! crate's tests/launch.rs.)
+//! crate's tests/repo/launch.rs.)
 
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Mutex;

@@ -1,0 +1,170 @@
+//! A group of 64 processes on this host: this test binary starts 64 copies of itself as ranks
+//! (the `child_rank` test, which does nothing unless ALLGRAD_TEST_CHILD is set) with the
+//! launcher variables, each under a watchdog (`allgrad_testkit::process`). They form one
+//! group (a full mesh of 2,016 connections; 64 ranks are past the default ALLGRAD_TREE_FROM of
+//! 32, so calls are checked and small collectives run through the binomial tree), run a
+//! barrier, small and 1 MiB all_reduce calls and an all_gather with their results checked
+//! against the closed-form sums, and then one rank SIGKILLs itself while the others wait in a
+//! 4-byte all_reduce: every survivor must fail, naming it, well before the timeout.
+//!
+//! `scripts/bench/bench_scale_ranks.sh` measures the same at up to 1,024 ranks; this test holds the
+//! behaviour at a size CI can afford.
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::process::Command;
+use std::time::Duration;
+
+use allgrad_dist::{ProcessGroup, ReduceOp};
+use allgrad_testkit::process::{spawn, Watched};
+
+const W: usize = 64;
+/// The rank that kills itself (an inner node of the tree: its subtree is ranks 40..48).
+const VICTIM: usize = 40;
+/// Every blocking call's timeout in the children: survivors must fail well before it.
+const TIMEOUT_S: u64 = 60;
+
+fn say(line: String) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "CHILD: {line}").unwrap();
+    out.flush().unwrap();
+}
+
+/// What a child rank does (only when ALLGRAD_TEST_CHILD is set).
+#[test]
+fn child_rank() {
+    let Ok(mode) = std::env::var("ALLGRAD_TEST_CHILD") else { return };
+    if mode == "limits" {
+        // Run under a hard limit of LOW_FILES open files: a launcher of 64 ranks and a group
+        // of 2 ranks (which keeps 64 descriptors spare) are refused with the numbers.
+        let e = allgrad_dist::launch::launch(&allgrad_dist::launch::LaunchConfig::new(64, vec!["true".into()]))
+            .expect_err("64 ranks launched under a tiny file limit");
+        say(format!("launch: {e}"));
+        let e = allgrad_dist::ThreadWorld::new(2).run(|_| Ok(())).expect_err("a group formed under a tiny file limit");
+        say(format!("group: {e}"));
+        return;
+    }
+    let pg = ProcessGroup::from_env().unwrap_or_else(|e| {
+        say(format!("error joining: {e}"));
+        std::process::exit(3)
+    });
+    let (w, r) = (pg.world_size(), pg.rank());
+    let res: Result<(), String> = (|| {
+        pg.barrier().map_err(|e| e.to_string())?;
+        let mut x = [r as f64 + 1.0, 1.0];
+        pg.all_reduce_slice(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        let want = [(w * (w + 1) / 2) as f64, w as f64];
+        if x != want {
+            return Err(format!("small all_reduce gave {x:?}, expected {want:?}"));
+        }
+        // 1 MiB: through shared memory where the host offers it, else the TCP paths.
+        let mut big: Vec<f32> = (0..1 << 18).map(|i| ((i + r) % 5) as f32).collect();
+        pg.all_reduce_slice(&mut big, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        if let Some(i) = (0..big.len()).find(|&i| big[i] != (0..w).map(|q| ((i + q) % 5) as f32).sum::<f32>()) {
+            return Err(format!("1 MiB all_reduce: element {i} is {}", big[i]));
+        }
+        let g = pg.all_gather_slice(&[r as u32, 7]).map_err(|e| e.to_string())?;
+        if g != (0..w as u32).flat_map(|q| [q, 7]).collect::<Vec<_>>() {
+            return Err(format!("all_gather gave {g:?}"));
+        }
+        let paths = pg.all_reduce_paths();
+        let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+        say(format!("formed tree={} fds={fds}", paths.tree));
+        pg.barrier().map_err(|e| e.to_string())?;
+        if r == VICTIM {
+            std::thread::sleep(Duration::from_millis(200));
+            // SAFETY: raising a signal against this process.
+            unsafe { libc::raise(libc::SIGKILL) };
+        }
+        let t = std::time::Instant::now();
+        let mut y = [1.0f32];
+        loop {
+            if let Err(e) = pg.all_reduce_slice(&mut y, ReduceOp::Sum) {
+                say(format!("failed after {} ms: {e}", t.elapsed().as_millis()));
+                return Ok(());
+            }
+        }
+    })();
+    if let Err(e) = res {
+        say(format!("error {e}"));
+        std::process::exit(3);
+    }
+}
+
+/// Whether `msg` names rank `r` ("rank 4", not "rank 40").
+fn names_rank(msg: &str, r: usize) -> bool {
+    let needle = format!("rank {r}");
+    msg.match_indices(&needle).any(|(i, _)| !msg[i + needle.len()..].starts_with(|c: char| c.is_ascii_digit()))
+}
+
+/// The hard limit on open files of the `limits` child.
+const LOW_FILES: u64 = 40;
+
+#[test]
+fn too_low_a_limit_on_open_files_is_refused_at_start_with_the_numbers() {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["many_processes::child_rank", "--exact", "--nocapture", "--test-threads=1"]).env("ALLGRAD_TEST_CHILD", "limits");
+    // SAFETY: only setrlimit, async-signal-safe, between fork and exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            let lim = libc::rlimit { rlim_cur: LOW_FILES, rlim_max: LOW_FILES };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let (out, _) = spawn(&mut cmd, "a child under a low file limit", Duration::from_secs(60)).wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let said = |what: &str| text.lines().find_map(|l| l.split_once(&format!("CHILD: {what}: ")).map(|(_, m)| m.to_string()));
+    let launch = said("launch").unwrap_or_else(|| panic!("{text}"));
+    for want in ["64 ranks need about", "at most 40", "hard limit 40", "ulimit -n 4096"] {
+        assert!(launch.contains(want), "{want:?} missing in {launch}");
+    }
+    let group = said("group").unwrap_or_else(|| panic!("{text}"));
+    for want in ["group world of 2 ranks needs about", "at most 40", "hard limit 40", "ulimit -n"] {
+        assert!(group.contains(want), "{want:?} missing in {group}");
+    }
+}
+
+#[test]
+fn sixty_four_processes_form_a_group_and_every_survivor_names_a_killed_rank() {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let token = format!("many-{port}-{}", std::process::id());
+    let exe = std::env::current_exe().unwrap();
+    let ranks: Vec<Watched> = (0..W)
+        .map(|r| {
+            let mut cmd = Command::new(&exe);
+            cmd.args(["many_processes::child_rank", "--exact", "--nocapture", "--test-threads=1"])
+                .env("ALLGRAD_TEST_CHILD", "1")
+                .env_remove("ALLGRAD_TREE_FROM")
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", W.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", W.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("ALLGRAD_JOB_TOKEN", &token)
+                .env("ALLGRAD_TIMEOUT_S", TIMEOUT_S.to_string());
+            spawn(&mut cmd, &format!("rank {r} of {W}"), Duration::from_secs(150))
+        })
+        .collect();
+    for (r, rank) in ranks.into_iter().enumerate() {
+        let (out, _) = rank.wait();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let said: Vec<&str> = text.lines().filter_map(|l| l.find("CHILD: ").map(|i| &l[i + 7..])).collect();
+        if r == VICTIM {
+            assert_eq!(out.status.code(), None, "rank {r} should have died of SIGKILL: {said:?}");
+            continue;
+        }
+        assert!(out.status.success(), "rank {r}: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+        let formed = said.iter().find(|l| l.starts_with("formed ")).unwrap_or_else(|| panic!("rank {r} never formed: {said:?}"));
+        // Past ALLGRAD_TREE_FROM the small all_reduce went through the tree.
+        assert!(formed.starts_with("formed tree=1 "), "rank {r}: {formed}");
+        let failed = said.iter().find(|l| l.starts_with("failed after ")).unwrap_or_else(|| panic!("rank {r}: {said:?}"));
+        assert!(names_rank(failed, VICTIM), "rank {r}'s error does not name rank {VICTIM}: {failed}");
+        let ms: u64 = failed["failed after ".len()..].split(' ').next().unwrap().parse().unwrap();
+        assert!(ms < TIMEOUT_S * 1000 / 3, "rank {r} took {ms} ms to notice (timeout {TIMEOUT_S} s): {failed}");
+    }
+}

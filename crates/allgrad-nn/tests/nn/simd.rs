@@ -1,0 +1,163 @@
+//! The vectorised loops' copies per SIMD level (`allgrad_nn::SimdLevel`): layer norm and GELU,
+//! forward and backward, at each level the CPU has, against their composed references (f64
+//! 1e-10, f32 1e-5), with identical bits across levels and the path counter of the level that
+//! was forced; and `ALLGRAD_CPU_SIMD`'s values and errors.
+
+use std::time::Duration;
+
+use allgrad_nn::{force_simd, gelu_erf, gelu_erf_composed, layer_norm, layer_norm_composed, simd_level, simd_paths, SimdLevel};
+use allgrad_testkit::{skip, Need};
+use candle_core::{DType, Tensor, Var};
+
+use crate::common::*;
+
+const LEVELS: [SimdLevel; 3] = [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512];
+
+/// `op`'s output and the gradients of `sum(op(inputs) * r)` with respect to each input.
+fn value_and_grads(op: &dyn Fn(&[&Tensor]) -> candle_core::Result<Tensor>, inputs: &[Tensor], r: &Tensor) -> Vec<Tensor> {
+    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let refs: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+    let y = op(&refs).unwrap();
+    let grads = (&y * r).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut out = vec![y];
+    out.extend(vars.iter().map(|v| grads.get(v).unwrap().clone()));
+    out
+}
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    match t.dtype() {
+        DType::F32 => t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits() as u64).collect(),
+        _ => t.flatten_all().unwrap().to_vec1::<f64>().unwrap().iter().map(|v| v.to_bits()).collect(),
+    }
+}
+
+/// Runs the fused op and its composed reference at every level the CPU has: each level's
+/// results within `tol` of the reference, the level's counter up by `calls` (forward and
+/// backward kernels) and the others unchanged, and the same bits at every level.
+fn check_levels(
+    name: &str,
+    fused: &dyn Fn(&[&Tensor]) -> candle_core::Result<Tensor>,
+    composed: &dyn Fn(&[&Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    r: &Tensor,
+    calls: u64,
+) {
+    let dtype = r.dtype();
+    let want = value_and_grads(composed, inputs, r);
+    let mut first: Option<(SimdLevel, Vec<Vec<u64>>)> = None;
+    for level in LEVELS {
+        let Ok(_forced) = force_simd(level) else {
+            skip(
+                Need::Simd(level.name()),
+                &format!("{name}: the CPU lacks {} (its widest: {})", level.name(), SimdLevel::detected().name()),
+            );
+            continue;
+        };
+        let before = simd_paths();
+        let got = value_and_grads(fused, inputs, r);
+        let after = simd_paths();
+        let ran = |l: SimdLevel, p: allgrad_nn::SimdPaths| match l {
+            SimdLevel::Avx512 => p.avx512,
+            SimdLevel::Avx2 => p.avx2,
+            SimdLevel::Baseline => p.baseline,
+        };
+        for other in LEVELS {
+            let expected = if other == level { calls } else { 0 };
+            assert_eq!(
+                ran(other, after) - ran(other, before),
+                expected,
+                "{name} {dtype:?} forced to {}: kernel calls counted at {}",
+                level.name(),
+                other.name()
+            );
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(g, w, tol(dtype), &format!("{name} {dtype:?} at {}: output {i} vs composed", level.name()));
+        }
+        let b: Vec<Vec<u64>> = got.iter().map(bits).collect();
+        match &first {
+            None => first = Some((level, b)),
+            Some((l0, b0)) => assert!(b == *b0, "{name} {dtype:?}: {} and {} give different bits", l0.name(), level.name()),
+        }
+    }
+}
+
+#[test]
+fn layer_norm_at_every_simd_level_matches_its_composition_with_the_same_bits() {
+    // 389 and 7: rows with a tail beyond the 16 partial sums; 384: BERT-small's width.
+    for (shape, seed) in [(vec![7usize, 389], 1u64), (vec![2, 5, 384], 5), (vec![3, 7], 9)] {
+        for dtype in [DType::F64, DType::F32] {
+            let d = *shape.last().unwrap();
+            let x = rand_tensor(&shape, seed, dtype).affine(3.0, 0.5).unwrap();
+            let g = (rand_tensor(&[d], seed + 1, dtype) + 1.0).unwrap();
+            let b = rand_tensor(&[d], seed + 2, dtype);
+            let r = rand_tensor(&shape, seed + 3, dtype);
+            let fused = |t: &[&Tensor]| layer_norm(t[0], t[1], t[2], 1e-5);
+            let composed = |t: &[&Tensor]| layer_norm_composed(t[0], t[1], t[2], 1e-5);
+            check_levels(&format!("layer_norm {shape:?}"), &fused, &composed, &[x, g, b], &r, 2);
+        }
+    }
+}
+
+#[test]
+fn gelu_at_every_simd_level_matches_its_composition_with_the_same_bits() {
+    // 100,003 elements: several parallel tasks of the element-wise grain, the last one partial.
+    for dtype in [DType::F64, DType::F32] {
+        let x = (rand_tensor(&[100_003], 21, dtype) * 4.0).unwrap();
+        let r = rand_tensor(&[100_003], 22, dtype);
+        check_levels("gelu_erf", &|t| gelu_erf(t[0]), &|t| gelu_erf_composed(t[0]), &[x], &r, 2);
+    }
+}
+
+#[test]
+fn the_setting_takes_its_four_values_and_names_itself_in_errors() {
+    let cpu = SimdLevel::detected();
+    assert_eq!(SimdLevel::parse("auto", cpu).unwrap(), cpu);
+    assert_eq!(SimdLevel::parse("", cpu).unwrap(), cpu);
+    assert_eq!(SimdLevel::parse(" Baseline ", cpu).unwrap(), SimdLevel::Baseline);
+    assert_eq!(SimdLevel::parse("avx2", SimdLevel::Avx512).unwrap(), SimdLevel::Avx2);
+    assert_eq!(SimdLevel::parse("avx512", SimdLevel::Avx512).unwrap(), SimdLevel::Avx512);
+    let bad = SimdLevel::parse("sse9", cpu).unwrap_err().to_string();
+    assert!(bad.contains("ALLGRAD_CPU_SIMD") && bad.contains("sse9") && bad.contains("avx512"), "{bad}");
+    let above = SimdLevel::parse("avx512", SimdLevel::Avx2).unwrap_err().to_string();
+    assert!(above.contains("ALLGRAD_CPU_SIMD") && above.contains("widest level is avx2"), "{above}");
+}
+
+/// In a child with `ALLGRAD_CPU_SIMD=sse9` (the variable is read once per process), the ops with
+/// vectorised loops fail naming the variable; in a plain run (the variable unset, or a valid
+/// value) they run at the level it names.
+#[test]
+fn a_bad_setting_fails_the_op_naming_the_variable() {
+    let x = rand_tensor(&[4, 16], 3, DType::F32);
+    let (g, b) = (rand_tensor(&[16], 4, DType::F32), rand_tensor(&[16], 5, DType::F32));
+    match std::env::var("ALLGRAD_CPU_SIMD").ok().as_deref() {
+        Some("sse9") => {
+            let text = format!("{:?}", layer_norm(&x, &g, &b, 1e-5).unwrap_err());
+            assert!(text.contains("ALLGRAD_CPU_SIMD") && text.contains("sse9"), "{text}");
+            let text = format!("{:?}", gelu_erf(&x).unwrap_err());
+            assert!(text.contains("ALLGRAD_CPU_SIMD"), "{text}");
+            assert!(simd_level().is_err());
+        }
+        value => {
+            let want = SimdLevel::parse(value.unwrap_or("auto"), SimdLevel::detected()).unwrap();
+            assert_eq!(simd_level().unwrap(), want);
+            layer_norm(&x, &g, &b, 1e-5).unwrap();
+            let exe = std::env::current_exe().unwrap();
+            let mut cmd = std::process::Command::new(exe);
+            cmd.args(["--exact", "simd::a_bad_setting_fails_the_op_naming_the_variable", "--test-threads", "1"]);
+            cmd.env("ALLGRAD_CPU_SIMD", "sse9");
+            let (out, _) = allgrad_testkit::process::run(
+                &mut cmd,
+                "the test in a child with ALLGRAD_CPU_SIMD=sse9",
+                Duration::from_secs(120),
+            );
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("1 passed"),
+                "child: {:?}\n{stdout}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}

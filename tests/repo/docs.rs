@@ -1,0 +1,408 @@
+//! The documentation cannot go stale unnoticed: every relative link in the README, the docs
+//! and the other Markdown files of the repository points at a file (and heading) that
+//! exists; every flag quoted with one of allgrad's commands (`train`, `launch`, `embed`,
+//! `export-hf`) is one that command's `--help` lists; every script and config a document
+//! names exists; every `--set key=` in the README and docs/ names a key of the configuration
+//! reference (docs/configuration.md); every figure row of the README's performance table has
+//! its command in docs/performance.md. (That the scripts the documents run are executable is
+//! `scripts.rs`.)
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The repository's Markdown files, outside build output and the vendored crate.
+fn markdown_files() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if p.is_dir() {
+                if !["target", ".git", "third_party", "runs", "models", "node_modules"].contains(&name.as_str()) {
+                    walk(&p, out);
+                }
+            } else if name.ends_with(".md") {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo(), &mut out);
+    out.sort();
+    out
+}
+
+/// A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as `-`.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut fenced = false;
+    text.lines()
+        .filter(|l| {
+            if l.starts_with("```") {
+                fenced = !fenced;
+            }
+            !fenced && l.starts_with('#')
+        })
+        .map(|l| slug(l.trim_start_matches('#')))
+        .collect()
+}
+
+/// `[text](target)` links outside code.
+fn links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+        }
+        if fenced {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(i) = rest.find("](") {
+            let after = &rest[i + 2..];
+            let Some(end) = after.find(')') else { break };
+            out.push(after[..end].to_string());
+            rest = &after[end..];
+        }
+    }
+    out
+}
+
+#[test]
+fn relative_links_point_at_files_and_headings_that_exist() {
+    let files = markdown_files();
+    assert!(files.iter().any(|f| f.ends_with("README.md")), "{files:?}");
+    let mut broken = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for link in links(&text) {
+            if link.contains("://") || link.starts_with("mailto:") {
+                continue;
+            }
+            let (path, anchor) = link.split_once('#').map_or((link.as_str(), None), |(p, a)| (p, Some(a)));
+            let target = if path.is_empty() { file.clone() } else { file.parent().unwrap().join(path) };
+            if !target.exists() {
+                broken.push(format!("{}: {link} (no {})", file.display(), target.display()));
+                continue;
+            }
+            if let Some(a) = anchor.filter(|_| target.extension().is_some_and(|e| e == "md")) {
+                if !anchors(&std::fs::read_to_string(&target).unwrap()).contains(a) {
+                    broken.push(format!("{}: {link} (no heading #{a} in {})", file.display(), target.display()));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// Code in a Markdown text: fenced blocks and inline `code` spans.
+fn code(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut block = None::<String>;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            match block.take() {
+                Some(b) => out.push(b),
+                None => block = Some(String::new()),
+            }
+            continue;
+        }
+        if let Some(b) = block.as_mut() {
+            b.push_str(line);
+            b.push('\n');
+            continue;
+        }
+        let mut parts = line.split('`');
+        parts.next();
+        while let Some(span) = parts.next() {
+            out.push(span.to_string());
+            parts.next();
+        }
+    }
+    out
+}
+
+/// The long flags each of our commands' `--help` lists.
+fn help_flags() -> BTreeMap<&'static str, BTreeSet<String>> {
+    let bins = [
+        ("train", env!("CARGO_BIN_EXE_train")),
+        ("launch", env!("CARGO_BIN_EXE_launch")),
+        ("embed", env!("CARGO_BIN_EXE_embed")),
+        ("export-hf", env!("CARGO_BIN_EXE_export-hf")),
+        ("write-shards", env!("CARGO_BIN_EXE_write-shards")),
+    ];
+    bins.iter()
+        .map(|(name, exe)| {
+            let out = Command::new(exe).arg("--help").output().unwrap();
+            assert!(out.status.success(), "{name} --help failed");
+            let help = String::from_utf8_lossy(&out.stdout).into_owned();
+            let flags = help
+                .split(|c: char| c.is_whitespace() || c == ',' || c == '=' || c == '[' || c == ']')
+                .filter(|t| t.starts_with("--"))
+                .map(|t| t.trim_end_matches(|c: char| !c.is_alphanumeric()).to_string())
+                .collect();
+            (*name, flags)
+        })
+        .collect()
+}
+
+/// Programs after which a flag is not ours to check.
+const OTHER_PROGRAMS: &[&str] = &[
+    "torchrun",
+    "srun",
+    "sbatch",
+    "cargo",
+    "python",
+    "python3",
+    "sudo",
+    "pip",
+    "ip",
+    "nvidia-smi",
+    "bench_simclr_step",
+    "bench_conv",
+];
+
+#[test]
+fn flags_quoted_with_our_commands_exist_and_named_scripts_and_configs_are_there() {
+    let flags = help_flags();
+    let mut bad = Vec::new();
+    for file in markdown_files() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for snippet in code(&text) {
+            let mut current: Option<&str> = None;
+            let mut previous = "";
+            for token in snippet.split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == '"') {
+                // `cargo build --bin train`: a name after these flags is not a command line.
+                let named_by_flag = ["--bin", "--example", "-p", "--package"].contains(&previous);
+                previous = token;
+                let token =
+                    token.trim_matches(|c: char| c == ',' || c == ';' || c == '`' || c == '.' && !token.starts_with("./"));
+                if token.is_empty() {
+                    continue;
+                }
+                if ["|", "&&", "||", ";", "\\"].contains(&token) {
+                    current = None;
+                    continue;
+                }
+                let base = token.rsplit('/').next().unwrap_or(token);
+                if let Some(name) = flags.keys().find(|n| **n == base).filter(|_| !named_by_flag) {
+                    current = Some(name);
+                    continue;
+                }
+                if OTHER_PROGRAMS.contains(&base) || token.starts_with("scripts/") || token.ends_with(".py") {
+                    current = None;
+                }
+                if let (Some(name), Some(flag)) = (current, token.strip_prefix("--").map(|_| token.split('=').next().unwrap())) {
+                    if flag.len() > 2
+                        && flag[2..].chars().all(|c| c.is_ascii_lowercase() || c == '-')
+                        && !flags[name].contains(flag)
+                    {
+                        bad.push(format!("{}: `{name} {flag}`: not in `{name} --help`", file.display()));
+                    }
+                }
+                for prefix in ["scripts/", "configs/"] {
+                    if let Some(i) = token.find(prefix) {
+                        let path = &token[i..];
+                        let path = path.trim_end_matches(|c: char| !(c.is_alphanumeric() || c == '_'));
+                        if path.contains('*') || path.contains('<') || path.ends_with('/') || path == prefix.trim_end_matches('/')
+                        {
+                            continue;
+                        }
+                        if !repo().join(path).exists() {
+                            bad.push(format!("{}: {path} does not exist", file.display()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    bad.sort();
+    bad.dedup();
+    assert!(bad.is_empty(), "stale commands in the docs:\n{}", bad.join("\n"));
+}
+
+/// The keys of the configuration reference: the first cell of its tables, `| `key` |`.
+fn reference_keys() -> BTreeSet<String> {
+    let text = std::fs::read_to_string(repo().join("docs/configuration.md")).unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|rest| rest.split_once('`').map(|(k, _)| k.to_string()))
+        .collect()
+}
+
+/// The keys of `--set key=value` in `text` (the value may be quoted: `--set "key={...}"`).
+fn set_keys(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("--set ") {
+        rest = &rest[i + "--set ".len()..];
+        let token = rest.trim_start_matches(['"', '\'']);
+        if let Some((key, _)) = token.split_once('=') {
+            if key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.') && !key.is_empty() {
+                out.push(key.to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_set_key_in_the_readme_and_docs_is_a_key_of_the_configuration_reference() {
+    let keys = reference_keys();
+    assert!(keys.len() > 50 && keys.contains("train.global_batch") && keys.contains("dist.device_ids"), "{keys:?}");
+    // Placeholders of the syntax itself, and the key of the example's own method (not allgrad's).
+    let placeholders = ["key", "key.path"];
+    let example = std::fs::read_to_string(repo().join("examples/custom_loss.rs")).unwrap();
+    let mut docs = vec![repo().join("README.md")];
+    docs.extend(markdown_files().into_iter().filter(|p| p.parent() == Some(&repo().join("docs"))));
+    let (mut checked, mut bad) = (0, Vec::new());
+    for file in docs {
+        for key in set_keys(&std::fs::read_to_string(&file).unwrap()) {
+            checked += 1;
+            let ok = keys.contains(&key)
+                || placeholders.contains(&key.as_str())
+                || (key == "points.tile" && example.contains("points") && example.contains("tile"));
+            if !ok {
+                bad.push(format!("{}: --set {key}=: not a key of docs/configuration.md", file.display()));
+            }
+        }
+    }
+    assert!(checked >= 10, "only {checked} --set keys found: is the scan broken?");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    assert_eq!(set_keys("a `--set optim.lr=0.5 --set \"optim={kind: sgd}\"` b --set x y"), ["optim.lr", "optim"]);
+}
+
+/// The first cell of each row of the table under `heading` in `text` (header and rule left out).
+fn table_rows(text: &str, heading: &str) -> Vec<(String, String)> {
+    let mut rows = Vec::new();
+    let mut inside = false;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            inside = line.trim_start_matches('#').trim() == heading;
+            continue;
+        }
+        if inside && line.starts_with("| ") && !line.starts_with("|---") {
+            let cells: Vec<&str> = line.trim_matches('|').split(" | ").map(str::trim).collect();
+            rows.push((cells[0].to_string(), cells.get(1).unwrap_or(&"").to_string()));
+        }
+    }
+    // The header row.
+    if !rows.is_empty() {
+        rows.remove(0);
+    }
+    rows
+}
+
+#[test]
+fn every_figure_of_the_readme_performance_table_has_its_command_in_docs_performance() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let performance = std::fs::read_to_string(repo().join("docs/performance.md")).unwrap();
+    let figures = table_rows(&readme, "Performance");
+    assert!(figures.len() >= 5, "the README's performance table: {figures:?}");
+    let commands: BTreeMap<String, String> = table_rows(&performance, "The README's figures").into_iter().collect();
+    let mut bad = Vec::new();
+    for (what, _) in &figures {
+        match commands.get(what) {
+            None => bad.push(format!("README row `{what}` is not in docs/performance.md's \"The README's figures\"")),
+            Some(c) if !c.contains("scripts/") => bad.push(format!("`{what}`: no scripts/ command in docs/performance.md: {c}")),
+            Some(_) => {}
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// Every `ALLGRAD_*` name in `text` (a name ending in `_` is a prefix being assembled, not a
+/// variable, and is left out).
+fn allgrad_variables(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes = text.as_bytes();
+    let mut from = 0;
+    while let Some(at) = text[from..].find("ALLGRAD_") {
+        let start = from + at;
+        let before_ok = start == 0 || !(bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
+        let end =
+            start + text[start..].bytes().take_while(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || *b == b'_').count();
+        let name = &text[start..end];
+        if before_ok && !name.ends_with('_') {
+            out.insert(name.to_string());
+        }
+        from = end;
+    }
+    out
+}
+
+/// The code that can read an environment variable: Rust sources, shell and Python scripts, and
+/// the CI entry point (documentation left out), each with the variables it names.
+fn variables_in_code() -> BTreeMap<String, PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if p.is_dir() {
+                if !["target", ".git", "data", "runs", "third_party"].contains(&name.as_str()) {
+                    walk(&p, out);
+                }
+            } else if p.extension().is_some_and(|e| e == "rs" || e == "sh" || e == "py") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = vec![repo().join(".ci/run")];
+    for dir in ["src", "crates", "tests", "scripts", "examples"] {
+        walk(&repo().join(dir), &mut files);
+    }
+    let mut out = BTreeMap::new();
+    for f in files {
+        for v in allgrad_variables(&std::fs::read_to_string(&f).unwrap()) {
+            out.entry(v).or_insert_with(|| f.strip_prefix(repo()).unwrap().to_path_buf());
+        }
+    }
+    out
+}
+
+#[test]
+fn docs_environment_lists_every_variable_the_code_reads_and_no_other() {
+    let doc = std::fs::read_to_string(repo().join("docs/environment.md")).unwrap();
+    // The variables a table row of docs/environment.md documents (its first cell).
+    let documented: BTreeSet<String> = doc
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+        .filter(|v| v.starts_with("ALLGRAD_"))
+        .map(String::from)
+        .collect();
+    assert!(documented.len() >= 20, "docs/environment.md: only {} variables found in its tables", documented.len());
+    let in_code = variables_in_code();
+    let missing: Vec<String> = in_code
+        .iter()
+        .filter(|(v, _)| !documented.contains(*v))
+        .map(|(v, f)| format!("{v} (named in {})", f.display()))
+        .collect();
+    let stale: Vec<&String> = documented.iter().filter(|v| !in_code.contains_key(*v)).collect();
+    assert!(missing.is_empty(), "docs/environment.md has no row for: {}", missing.join(", "));
+    assert!(stale.is_empty(), "docs/environment.md documents variables no code reads: {stale:?}");
+}
+
+#[test]
+fn allgrad_variables_are_found_whole_and_prefixes_left_out() {
+    // Assembled, so that this file names no variable itself.
+    let p = "ALLGRAD_";
+    let found = allgrad_variables(&format!("x {p}A_B=1 \"{p}C\" MY_{p}D {p}E_${{i}} ${p}F2"));
+    assert_eq!(found, [format!("{p}A_B"), format!("{p}C"), format!("{p}F2")].into_iter().collect());
+}
