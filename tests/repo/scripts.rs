@@ -270,7 +270,7 @@ fn text_files() -> Vec<PathBuf> {
                     walk(&p, out);
                 }
             } else if ["md", "rs", "sh", "py", "yaml", "yml", "toml"].iter().any(|x| name.ends_with(&format!(".{x}")))
-                || dir.ends_with(".ci")
+                || dir.file_name().is_some_and(|n| n == ".ci")
             {
                 out.push(p);
             }

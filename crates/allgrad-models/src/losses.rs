@@ -368,7 +368,7 @@ pub fn global_rows(b: usize, pg: &ProcessGroup) -> Result<usize> {
 ///
 /// The sum of `c` over ranks must be differentiable: a raw all_reduce (identity backward)
 /// leaves each rank only its own rows' share of `dL/dc`, so after the data-parallel average
-/// every gradient is 1/W of the truth (a test in `tests/losses.rs` shows it). LARS rescales
+/// every gradient is 1/W of the truth (a test in `tests/models/losses.rs` shows it). LARS rescales
 /// each weight matrix's update and hides that for weights; biases and batch-norm parameters,
 /// excluded from LARS, then learn W times too slowly.
 pub fn cross_correlation(z1: &Tensor, z2: &Tensor, lambda: f64, pg: &ProcessGroup) -> Result<Tensor> {

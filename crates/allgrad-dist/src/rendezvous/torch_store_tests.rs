@@ -1,6 +1,6 @@
 //! The TCPStore client against a tiny fake server that speaks the protocol as described in
 //! `torch_store.rs` (and checks the validation magic), plus the torchrun rendezvous through
-//! it. The client is also tested against PyTorch's own store in `tests/torchrun.rs`.
+//! it. The client is also tested against PyTorch's own store in `tests/repo/torchrun.rs`.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};

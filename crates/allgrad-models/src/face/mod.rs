@@ -27,7 +27,7 @@
 //! the DDP sum, for the backbone. insightface's `arcface_torch` reaches the same numbers by
 //! another route: its cross-entropy's backward gives each rank `∂L/∂z_r` (not W times it),
 //! its gather's backward multiplies by W, and DDP averages. Both are tested equal in
-//! `tests/face_head.rs`, as is the 1/W error without the factor.
+//! `tests/models/face_head.rs`, as is the 1/W error without the factor.
 
 pub mod backbone;
 pub mod data;

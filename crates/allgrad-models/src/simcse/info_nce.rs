@@ -10,7 +10,7 @@
 //! The alternative found in public SimCSE code gathers without a backward, puts the local
 //! tensor back into its slot and computes the loss of the whole global batch on every rank:
 //! after the data-parallel average, every gradient is 1/W of the truth (shown by a test in
-//! `tests/simcse_info_nce.rs`).
+//! `tests/models/simcse_info_nce.rs`).
 
 use allgrad_dist::{all_gather, ProcessGroup};
 use candle_core::{Result, Tensor};

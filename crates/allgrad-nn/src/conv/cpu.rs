@@ -315,7 +315,7 @@ fn sum_transposed<T: Float>(parts: &[Vec<T>], groups: usize, kdim: usize, og: us
 mod tests {
     //! Banding is invisible: the kernels with a column budget of one element (every band a
     //! single output row) equal the kernels with no budget (one band per image), which
-    //! `tests/conv.rs` checks against independent references.
+    //! `tests/nn/conv.rs` checks against independent references.
     use super::*;
     use crate::test_data::{data, max_rel};
 

@@ -298,7 +298,7 @@ fn output_tiles<T: Float>(m: &[T], xi_stride: usize, tw: usize, th: usize, rows:
 
 #[cfg(test)]
 mod tests {
-    //! The Winograd path against the im2col path (`tests/conv.rs` checks both against
+    //! The Winograd path against the im2col path (`tests/nn/conv.rs` checks both against
     //! Candle's convolution and finite differences): odd and even planes, one image and
     //! batches that do not fill the last block, a strided input, f64 and f32.
     use super::*;
