@@ -325,7 +325,7 @@ mod tests {
 
     use super::*;
 
-    /// Deserialisations of [`Counted`], per test (each test uses its own counter).
+    /// Deserialisations of [`Counted`] (one test reads it).
     static PARSED: AtomicUsize = AtomicUsize::new(0);
 
     /// A method's sections, `points: N`, that count their deserialisations.
