@@ -5,10 +5,11 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use crate::error::fail;
-use crate::tiled::{scaled_dot_cross_entropy_with, KeyQueue, Pairs};
+use crate::tiled::{scaled_dot_cross_entropy_with, KeyQueue, Pairs, Tiling};
 use crate::ModelError;
 
 pub use crate::temperature::Temperature;
+pub use crate::tiled::TILED_LOSSES;
 
 /// The `loss` section of a run: which distributed loss compares the two views' embeddings.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -20,14 +21,12 @@ pub enum LossConfig {
         /// Softmax temperature.
         #[serde(default = "default_temperature")]
         temperature: f64,
-        /// Compute the loss in blocks of `tile x tile` logits ([`nt_xent_tiled`]): the same
-        /// loss and gradients, with the loss's memory independent of the batch. Absent: the
-        /// whole `2b x 2B` logits at once ([`nt_xent`]).
+        /// Compute the loss in blocks of `tile x tile` logits ([`nt_xent_tiled`]; [`Tiling`]).
+        /// Absent: the whole `2b x 2B` logits at once ([`nt_xent`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tile: Option<usize>,
-        /// Also score every anchor against the candidates of the last `queue` global batches
-        /// (negatives only, without gradient: a memory bank), kept identical on every rank and
-        /// checkpointed with the run ([`nt_xent_tiled_queued`]). Needs `tile`. Absent: none.
+        /// Also score every anchor against the candidates (both views) of the last `queue`
+        /// global batches ([`nt_xent_tiled_queued`]; [`Tiling`]). Needs `tile`. Absent: none.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         queue: Option<usize>,
     },
@@ -64,36 +63,6 @@ impl Default for LossConfig {
     }
 }
 
-/// Which losses have a tiled form (`loss.tile`), in words for error messages.
-pub const TILED_LOSSES: &str =
-    "nt_xent (methods simclr and vectors) and SimCSE's info_nce, unsupervised and with hard negatives (method simcse)";
-
-/// Checks the `loss.tile` and `loss.queue` values: each at least 1, and a queue only with a
-/// tile.
-pub fn check_tile_and_queue(tile: Option<usize>, queue: Option<usize>) -> std::result::Result<(), ModelError> {
-    if tile == Some(0) {
-        return Err(ModelError::LossKey {
-            key: "tile",
-            msg: "loss.tile = 0: it is the number of rows and columns of each block of logits and must be at least 1 \
-                  (remove the key for the untiled loss)"
-                .into(),
-        });
-    }
-    match (queue, tile) {
-        (Some(0), _) => Err(ModelError::LossKey {
-            key: "queue",
-            msg: "loss.queue = 0: it is the number of past global batches whose keys are extra negatives, at least 1 \
-                  (remove the key for none)"
-                .into(),
-        }),
-        (Some(k), None) => Err(ModelError::LossKey {
-            key: "queue",
-            msg: format!("loss.queue = {k} needs loss.tile: the queue's negatives are scored by the tiled loss (add loss.tile)"),
-        }),
-        _ => Ok(()),
-    }
-}
-
 impl LossConfig {
     /// The loss of this rank's embeddings `z1`, `z2` (`[b, d]`, rows = samples). A config with
     /// `queue` needs the queue: [`LossConfig::compute_queued`].
@@ -125,11 +94,19 @@ impl LossConfig {
         }
     }
 
-    /// The queue of past batches' keys that `loss.queue` asks for (`None` without it).
+    /// The queue of past batches' keys that `loss.queue` asks for (`None` without it), from
+    /// the checked [`LossConfig::tiling`].
     pub fn new_queue(&self) -> Result<Option<KeyQueue>> {
+        self.tiling()?.new_queue()
+    }
+
+    /// `loss.tile` and `loss.queue`, checked ([`Tiling::new`]); the cross-correlation, which
+    /// has no tiled form, refuses `tile`. The error names the key.
+    pub fn tiling(&self) -> std::result::Result<Tiling, ModelError> {
         match *self {
-            LossConfig::NtXent { queue: Some(k), .. } => Ok(Some(KeyQueue::new(k)?)),
-            _ => Ok(None),
+            LossConfig::NtXent { tile, queue, .. } => Tiling::new(tile, queue),
+            LossConfig::CrossCorrelation { tile: Some(_), .. } => Err(Self::no_tiled_form()),
+            LossConfig::CrossCorrelation { tile: None, .. } => Ok(Tiling::UNTILED),
         }
     }
 
@@ -158,20 +135,21 @@ impl LossConfig {
         }
     }
 
-    /// Checks the values; the error names the key.
+    /// Checks the values, the tiling last ([`LossConfig::tiling`]; a cross-correlation's
+    /// `tile` first: it is refused whatever the values); the error names the key.
     pub fn validate(&self) -> std::result::Result<(), ModelError> {
         let bad = |key, expected, value| Err(ModelError::LossValue { key, expected, value });
         match *self {
             LossConfig::NtXent { temperature, .. } if !(temperature > 0.0 && temperature.is_finite()) => {
                 bad("temperature", "positive", temperature)
             }
-            LossConfig::NtXent { tile, queue, .. } => check_tile_and_queue(tile, queue),
-            LossConfig::CrossCorrelation { tile: Some(_), .. } => Err(Self::no_tiled_form()),
-            LossConfig::CrossCorrelation { lambda, .. } if !(lambda >= 0.0 && lambda.is_finite()) => {
+            LossConfig::CrossCorrelation { lambda, tile: None, .. } if !(lambda >= 0.0 && lambda.is_finite()) => {
                 bad("lambda", "non-negative", lambda)
             }
-            LossConfig::CrossCorrelation { scale, .. } if !(scale > 0.0 && scale.is_finite()) => bad("scale", "positive", scale),
-            _ => Ok(()),
+            LossConfig::CrossCorrelation { scale, tile: None, .. } if !(scale > 0.0 && scale.is_finite()) => {
+                bad("scale", "positive", scale)
+            }
+            _ => self.tiling().map(drop),
         }
     }
 }

@@ -120,6 +120,14 @@ pub trait Objective: Send {
         None
     }
 
+    /// Whether [`Objective::sparse_rows`] may answer `Some` for `name` in this run. Asked once,
+    /// when the trainer is built (after [`Objective::build`]), so that what a row-sparse
+    /// gradient cannot go with (gradient caching, `train.cache_chunk`) is refused then, before
+    /// any step. An objective that implements `sparse_rows` implements this too. Default: false.
+    fn has_sparse_rows(&self, _name: &str) -> bool {
+        false
+    }
+
     /// The rows (dim 0, sorted, distinct) of sharded parameter `name` that the next
     /// [`Objective::loss`] call, on `batch`, will read, when it reads only some of them
     /// through [`Objective::sparse_rows`]: the trainer calls it before every loss call and

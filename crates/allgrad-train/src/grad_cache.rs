@@ -64,14 +64,29 @@ pub fn replay_tolerance(dtype: DType) -> f64 {
     }
 }
 
-/// [`TrainSection::check_cache_chunk`], and that `objective` can be cached (its [`Objective::embedding`] is
-/// `Some`): what [`crate::Trainer::new`] checks.
-pub(crate) fn check_setup(train: &TrainSection, world_size: usize, objective: &mut dyn Objective) -> TrainResult<()> {
+/// [`TrainSection::check_cache_chunk`], and that `objective` can be cached: its
+/// [`Objective::embedding`] is `Some`, and none of its parameters (`params`, by name) has a
+/// row-sparse gradient ([`Objective::has_sparse_rows`]), which gradient caching does not take.
+/// What [`crate::Trainer::new`] checks, after the objective's `build`: every refusal of
+/// `train.cache_chunk` comes before the first step.
+pub(crate) fn check_setup(
+    train: &TrainSection,
+    world_size: usize,
+    objective: &mut dyn Objective,
+    params: &[(String, Var)],
+) -> TrainResult<()> {
     if train.cache_chunk.is_none() {
         return Ok(());
     }
     train.check_cache_chunk(world_size).map_err(TrainError::Setup)?;
-    embedding(objective).map(|_| ())
+    embedding(objective)?;
+    match params.iter().find(|(n, _)| objective.has_sparse_rows(n)) {
+        Some((name, _)) => Err(TrainError::Setup(format!(
+            "train.cache_chunk: the objective reads {name} row by row (a row-sparse gradient), which gradient caching \
+             does not take; remove train.cache_chunk"
+        ))),
+        None => Ok(()),
+    }
 }
 
 fn embedding(objective: &mut dyn Objective) -> TrainResult<&mut dyn EmbeddingObjective> {

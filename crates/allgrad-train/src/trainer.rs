@@ -126,7 +126,7 @@ impl Trainer {
         t.micro_batch(w).map_err(TrainError::Setup)?;
         // Before any buffer is loaded: a saved queue of past keys is checked against it.
         objective.expect_batch(t.global_batch / t.accumulate)?;
-        crate::grad_cache::check_setup(t, w, objective.as_mut())?;
+        crate::grad_cache::check_setup(t, w, objective.as_mut(), &params)?;
         // A stream (Objective::sequential) takes its positions in order; it shuffles itself.
         let sampler =
             DistributedSampler::new(objective.num_samples(), t.global_batch, cfg.seed, t.shuffle && !objective.sequential());
@@ -418,10 +418,12 @@ impl Trainer {
                 let m = self.profiler.mark();
                 loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
                 self.profiler.record("forward", m);
+                // Refused when the trainer was built (Objective::has_sparse_rows); an objective
+                // whose sparse_rows answers without saying so would lose that row's gradient.
                 if let Some((name, _)) = self.params.iter().find(|(n, _)| self.objective.sparse_rows(n).is_some()) {
                     return Err(TrainError::Setup(format!(
-                        "train.cache_chunk: the objective reads {name} row by row (a row-sparse gradient), which gradient \
-                         caching does not take; remove train.cache_chunk"
+                        "the objective read {name} row by row (Objective::sparse_rows) in a cached step, but its \
+                         Objective::has_sparse_rows({name:?}) is false: implement has_sparse_rows beside sparse_rows"
                     )));
                 }
                 step_grads.put_dense(grads);

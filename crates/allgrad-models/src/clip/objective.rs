@@ -14,6 +14,7 @@ use super::folder::{ClipFolder, ClipTokenizer, ClipWeights};
 use super::loss::{clip_loss, clip_loss_tiled, siglip_loss, siglip_loss_ring};
 use super::model::ClipModel;
 use super::settings::{ClipData, ClipEval, ClipLoss, ClipModelSection, LossKind};
+use crate::tiled::Tiling;
 use crate::{Batch, EmbeddingObjective, Objective};
 
 /// OpenAI CLIP's per-channel mean and standard deviation of RGB inputs.
@@ -43,6 +44,8 @@ pub struct Clip {
     tokens: Vec<Vec<u32>>,
     pixels: Pixels,
     loss: ClipLoss,
+    /// `loss.tile`, checked.
+    tiling: Tiling,
     net: Option<(ClipModel, Option<Tensor>)>,
     device: Device,
     eval: Option<Evaluation>,
@@ -60,12 +63,7 @@ impl Clip {
         let max_len = model.max_len.unwrap_or(folder.config.text_config.max_position_embeddings);
         let tokenizer = folder.tokenizer(max_len)?;
         let weights = if model.pretrained { Some(folder.weights()?) } else { None };
-        if loss.tile == Some(0) {
-            candle_core::bail!("clip: loss.tile must be at least 1");
-        }
-        if loss.tile.is_some() && loss.kind != LossKind::Clip {
-            candle_core::bail!("clip: loss.tile applies to kind clip only (SigLIP's ring form bounds its blocks already)");
-        }
+        let tiling = loss.tiling()?;
         let source: Arc<dyn PairSource> = match (&data.csv, &data.images) {
             (Some(csv), None) => Arc::new(CsvPairs::open(csv)?),
             (None, Some(dir)) => {
@@ -94,7 +92,7 @@ impl Clip {
         {
             candle_core::bail!("clip: model.mean and model.std need {} entries each, std positive", v.num_channels);
         }
-        Ok(Clip { folder, weights, tokenizer, source, tokens, pixels, loss, net: None, device, eval: None })
+        Ok(Clip { folder, weights, tokenizer, source, tokens, pixels, loss, tiling, net: None, device, eval: None })
     }
 
     /// Evaluates zero-shot classification and retrieval on the test split of `data.images`
@@ -279,7 +277,7 @@ impl EmbeddingObjective for Clip {
         let (img, txt) = (z.i((.., 0))?, z.i((.., 1))?);
         let (model, bias) = self.net.as_ref().ok_or_else(|| candle_core::Error::Msg("clip used before build".into()))?;
         let s = &model.logit_scale;
-        match (self.loss.kind, self.loss.tile, bias) {
+        match (self.loss.kind, self.tiling.tile(), bias) {
             (LossKind::Clip, None, _) => clip_loss(&img, &txt, s, pg),
             (LossKind::Clip, Some(tile), _) => clip_loss_tiled(&img, &txt, s, tile, pg),
             (LossKind::SiglipGather, _, Some(b)) => siglip_loss(&img, &txt, s, b, pg),

@@ -1,10 +1,14 @@
 //! The run-config sections of `method: clip` (`data`, `model`, `loss`, `eval`), as serde
 //! types. Validation against files and the batch happens once, in the method
-//! (`allgrad-train`); the objective re-checks what it relies on.
+//! (`allgrad-train`); the objective re-checks what it relies on. The loss's `tile` (and the
+//! `queue` it refuses) has one check, [`ClipLoss::tiling`], which both call.
 
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+
+use crate::tiled::Tiling;
+use crate::ModelError;
 
 /// Which loss trains the towers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -17,6 +21,17 @@ pub enum LossKind {
     SiglipGather,
     /// SigLIP's sigmoid loss, the texts passed around a ring of point-to-point exchanges.
     SiglipRing,
+}
+
+impl LossKind {
+    /// The name in a config (`clip`, `siglip_gather`, `siglip_ring`).
+    pub fn name(self) -> &'static str {
+        match self {
+            LossKind::Clip => "clip",
+            LossKind::SiglipGather => "siglip_gather",
+            LossKind::SiglipRing => "siglip_ring",
+        }
+    }
 }
 
 fn siglip_scale() -> f64 {
@@ -34,9 +49,13 @@ pub struct ClipLoss {
     #[serde(default)]
     pub kind: LossKind,
     /// CLIP only: compute each direction's logits in `tile x tile` blocks (exact; memory
-    /// independent of the batch).
+    /// independent of the batch; [`Tiling`]).
     #[serde(default)]
     pub tile: Option<usize>,
+    /// Not available: CLIP's tiled loss keeps no queue of past keys; the key is read only to
+    /// refuse it with that reason ([`Tiling::without_queue`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<usize>,
     /// SigLIP only: the initial `logit_scale` (the log of the logits' multiplier; the paper's
     /// ln 10). CLIP takes its initial value from the model's `config.json`.
     #[serde(default = "siglip_scale")]
@@ -48,7 +67,31 @@ pub struct ClipLoss {
 
 impl Default for ClipLoss {
     fn default() -> Self {
-        ClipLoss { kind: LossKind::Clip, tile: None, siglip_scale_init: siglip_scale(), siglip_bias_init: siglip_bias() }
+        ClipLoss {
+            kind: LossKind::Clip,
+            tile: None,
+            queue: None,
+            siglip_scale_init: siglip_scale(),
+            siglip_bias_init: siglip_bias(),
+        }
+    }
+}
+
+impl ClipLoss {
+    /// `tile`, checked ([`Tiling::without_queue`]: a `queue` is refused), and refused with
+    /// SigLIP's kinds; the error names the key.
+    pub fn tiling(&self) -> Result<Tiling, ModelError> {
+        let tiling = Tiling::without_queue(self.tile, self.queue, self.kind.name())?;
+        if tiling.tile().is_some() && self.kind != LossKind::Clip {
+            return Err(ModelError::LossKey {
+                key: "tile",
+                msg: format!(
+                    "loss.tile applies to kind clip only, not {} (SigLIP's ring form bounds its blocks already)",
+                    self.kind.name()
+                ),
+            });
+        }
+        Ok(tiling)
     }
 }
 
@@ -126,4 +169,28 @@ pub struct ClipEval {
     /// Images embedded per forward pass.
     #[serde(default = "eval_batch")]
     pub batch: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(loss: ClipLoss) -> (&'static str, String) {
+        match loss.tiling().unwrap_err() {
+            ModelError::LossKey { key, msg } => (key, msg),
+            e => panic!("not a LossKey: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_tile_is_checked_once_and_a_queue_or_a_siglip_tile_refused() {
+        assert_eq!(ClipLoss { tile: Some(4), ..Default::default() }.tiling().unwrap().tile(), Some(4));
+        assert_eq!(ClipLoss { kind: LossKind::SiglipRing, ..Default::default() }.tiling().unwrap(), Tiling::UNTILED);
+        let (key, msg) = refused(ClipLoss { tile: Some(0), ..Default::default() });
+        assert!(key == "tile" && msg.starts_with("loss.tile = 0") && msg.contains("at least 1"), "{msg}");
+        let (key, msg) = refused(ClipLoss { tile: Some(4), queue: Some(2), ..Default::default() });
+        assert!(key == "queue" && msg.starts_with("loss.queue = 2: the clip loss keeps no queue"), "{msg}");
+        let (key, msg) = refused(ClipLoss { kind: LossKind::SiglipGather, tile: Some(4), ..Default::default() });
+        assert!(key == "tile" && msg.contains("applies to kind clip only, not siglip_gather"), "{msg}");
+    }
 }

@@ -245,8 +245,9 @@ impl FaceHead {
     }
 
     /// Whether the loss reads the centres it uses through a leaf of their own (row-sparse
-    /// gradients): with `head.update: sparse` and sampling, or bf16 storage.
-    fn reads_rows(&self) -> bool {
+    /// gradients, [`FaceHead::sparse_rows`]): with `head.update: sparse` and sampling, or bf16
+    /// storage.
+    pub fn reads_rows(&self) -> bool {
         self.cfg.update == CentreUpdate::Sparse && (self.cfg.sample_rate < 1.0 || self.cfg.storage == CentreStorage::Bf16)
     }
 

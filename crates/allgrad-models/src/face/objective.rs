@@ -175,6 +175,10 @@ impl Objective for FaceObjective {
         self.head.as_ref().and_then(|h| h.sparse_rows())
     }
 
+    fn has_sparse_rows(&self, name: &str) -> bool {
+        name == CENTRES_PARAM && self.head.as_ref().is_some_and(|h| h.reads_rows())
+    }
+
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         self.verification(pg)
     }

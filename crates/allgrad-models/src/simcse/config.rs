@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::bert::Pooling;
+use crate::tiled::Tiling;
+use crate::ModelError;
 
 /// The `model` side of SimCSE: which BERT and how sentence embeddings are read.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -37,17 +39,22 @@ pub struct SimCseLoss {
     pub temperature: f64,
     /// Added to the logit of each anchor's own hard negative (supervised data only; 0: none).
     pub hard_negative_weight: f64,
-    /// Compute the loss in blocks of `tile x tile` logits ([`super::info_nce_tiled`]): the same
-    /// loss and gradients, with the loss's memory independent of the batch. Absent: the whole
-    /// `b x B` (`b x 2B` with hard negatives) logits at once.
+    /// Compute the loss in blocks of `tile x tile` logits ([`super::info_nce_tiled`];
+    /// [`Tiling`]). Absent: the whole `b x B` (`b x 2B` with hard negatives) logits at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tile: Option<usize>,
     /// Also score every anchor against the candidates (positives, and hard negatives) of the
-    /// last `queue` global batches (negatives only, without gradient: a memory bank), kept
-    /// identical on every rank and checkpointed with the run ([`super::info_nce_tiled_queued`]).
-    /// Needs `tile`. Absent: none.
+    /// last `queue` global batches ([`super::info_nce_tiled_queued`]; [`Tiling`]). Needs
+    /// `tile`. Absent: none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queue: Option<usize>,
+}
+
+impl SimCseLoss {
+    /// `tile` and `queue`, checked ([`Tiling::new`]); the error names the key.
+    pub fn tiling(&self) -> Result<Tiling, ModelError> {
+        Tiling::new(self.tile, self.queue)
+    }
 }
 
 impl Default for SimCseLoss {

@@ -9,7 +9,7 @@ use super::evaluation::{Evaluator, SimCseEval};
 use super::info_nce::{info_nce, info_nce_hard_negatives, info_nce_hard_negatives_tiled, info_nce_tiled, info_nce_tiled_queued};
 use crate::bert::{BertConfig, BertFolder, BertModel, BertTokenizer, Checkpoint, Dense, DropoutKey, Pooling, TokenBatch};
 use crate::objective::QueueBuffer;
-use crate::tiled::KeyQueue;
+use crate::tiled::Tiling;
 use crate::{Batch, EmbeddingObjective, Objective};
 
 /// SimCSE (Gao et al., 2021). Unsupervised data: every sentence is encoded twice in one
@@ -30,6 +30,8 @@ pub struct SimCse {
     tokens: Vec<Vec<Vec<u32>>>,
     pad_id: u32,
     supervised: bool,
+    /// `loss.tile` and `loss.queue`, checked.
+    tiling: Tiling,
     /// The keys of past batches (`loss.queue`): a global micro-batch's positives, and with
     /// supervised data its hard negatives after them.
     queue: QueueBuffer,
@@ -48,8 +50,8 @@ impl SimCse {
         if !loss.hard_negative_weight.is_finite() {
             candle_core::bail!("simcse: loss.hard_negative_weight must be finite, got {}", loss.hard_negative_weight);
         }
-        crate::losses::check_tile_and_queue(loss.tile, loss.queue)?;
-        let queue = loss.queue.map(KeyQueue::new).transpose()?;
+        let tiling = loss.tiling()?;
+        let queue = tiling.new_queue()?;
         if data.is_empty() {
             candle_core::bail!("simcse: the training data is empty");
         }
@@ -80,6 +82,7 @@ impl SimCse {
             tokens,
             pad_id: tokenizer.pad_id(),
             supervised,
+            tiling,
             queue: QueueBuffer::new(queue, if supervised { 2 } else { 1 }, "simcse"),
             net: None,
             device,
@@ -200,7 +203,8 @@ impl EmbeddingObjective for SimCse {
         let z = &allgrad_nn::autocast::full(z)?;
         let view = |v: usize| z.i((.., v));
         let (a, p) = (view(0)?, view(1)?);
-        let SimCseLoss { temperature: t, hard_negative_weight: w, tile, .. } = self.loss_cfg;
+        let SimCseLoss { temperature: t, hard_negative_weight: w, .. } = self.loss_cfg;
+        let tile = self.tiling.tile();
         if let (Some(tile), Some(queue)) = (tile, self.queue.queue()) {
             let n = if self.supervised { Some(view(2)?) } else { None };
             return info_nce_tiled_queued(&a, &p, n.as_ref(), t, w, tile, queue, pg);

@@ -58,6 +58,14 @@
 //! negatives, and the losses' `*_queued` forms ([`crate::losses::nt_xent_tiled_queued`],
 //! [`crate::simcse::info_nce_tiled_queued`]) read and update the queue (`loss.queue` in a run).
 //!
+//! # In a run: `loss.tile` and `loss.queue`
+//!
+//! [`Tiling`] (`tiling.rs`) is what the two keys mean and their one check, for every loss that
+//! has them (NT-Xent, SimCSE's InfoNCE, CLIP's, the last without a queue): each loss config
+//! gives its checked tiling (`tiling()`), the methods of allgrad-train validate through it and
+//! the objectives build from it. The functions here still refuse a tile of 0 from a caller of
+//! their own.
+//!
 //! # Your own pairwise loss
 //!
 //! [`tiled_cross_entropy`] takes the per-block logits as a function ([`TileScores`]) and gives
@@ -88,6 +96,7 @@ mod cpu;
 mod op;
 mod pairs;
 mod queue;
+mod tiling;
 
 use std::sync::Arc;
 
@@ -95,6 +104,7 @@ use candle_core::{DType, Result, Tensor};
 
 pub use pairs::Pairs;
 pub use queue::{load_queue_buffers, queue_buffers, KeyQueue};
+pub use tiling::{Tiling, QUEUED_LOSSES, TILED_LOSSES};
 
 use crate::temperature::Temperature;
 use op::Kernel;

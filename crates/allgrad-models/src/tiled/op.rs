@@ -35,6 +35,8 @@ pub(super) fn apply(
     kernel: Kernel,
     tile: usize,
 ) -> Result<Tensor> {
+    // A run's `loss.tile` was checked with its loss config ([`super::Tiling`]); this guards the
+    // public functions' own `tile` argument, for callers of the library.
     if tile == 0 {
         return fail(ModelError::TiledInput("the tile must be at least 1".into()));
     }

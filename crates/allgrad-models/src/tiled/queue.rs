@@ -33,6 +33,8 @@ impl KeyQueue {
 
     /// An empty queue of up to `batches` batches (at least 1).
     pub fn new(batches: usize) -> Result<Self> {
+        // A run's `loss.queue` was checked with its loss config ([`super::Tiling`]); this
+        // guards the argument for callers of the library.
         if batches == 0 {
             return fail(ModelError::LossKey {
                 key: "queue",

@@ -31,13 +31,15 @@
 //! `dist` and `method` are here; each section has its file: `train` ([`train`]), `optim`
 //! ([`optim`]), `schedule` ([`schedule`]), `precision` ([`precision`]), `checkpoint`
 //! ([`checkpoint`]) and `log` ([`log`]). [`ConfigError`] is in [`error`], the `--set`
-//! arguments in `overrides.rs`.
+//! arguments in `overrides.rs`, the method's sections once deserialised (kept with the config
+//! from parsing to building) in `parsed.rs`.
 
 pub mod checkpoint;
 pub mod error;
 pub mod log;
 pub mod optim;
 mod overrides;
+mod parsed;
 pub mod precision;
 pub mod schedule;
 pub mod train;
@@ -53,6 +55,7 @@ pub use error::ConfigError;
 pub use log::{LogConfig, Progress};
 pub use optim::OptimConfig;
 use overrides::Override;
+pub(crate) use parsed::ParsedSections;
 pub use precision::ComputePrecision;
 pub use schedule::{Decay, ScheduleConfig};
 pub use train::{NonFinite, TrainSection};
@@ -101,6 +104,10 @@ pub struct RunConfig {
     /// deserialises them into its typed sections ([`crate::method::Method::Sections`]).
     #[serde(flatten)]
     pub sections: serde_yaml::Mapping,
+    /// [`RunConfig::sections`] as the method's typed value, kept by the registry that
+    /// deserialised them ([`parsed`]).
+    #[serde(skip)]
+    pub(crate) parsed: ParsedSections,
 }
 
 /// The device to train on.

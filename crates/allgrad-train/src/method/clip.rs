@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use allgrad_models::clip::{Clip, ClipConfig, ClipData, ClipEval, ClipLoss, ClipModelSection, LossKind};
+use allgrad_models::clip::{Clip, ClipConfig, ClipData, ClipEval, ClipLoss, ClipModelSection};
 use allgrad_models::Objective;
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
@@ -119,13 +119,7 @@ impl Method for ClipMethod {
             return Err(SectionError::new("model.std", "every entry must be positive"));
         }
         let l = &s.loss;
-        match (l.kind, l.tile) {
-            (_, Some(0)) => return Err(SectionError::new("loss.tile", "must be at least 1")),
-            (LossKind::SiglipGather | LossKind::SiglipRing, Some(_)) => {
-                return Err(SectionError::new("loss.tile", "applies to kind clip only"));
-            }
-            _ => {}
-        }
+        l.tiling().map_err(|e| SectionError::from_model(e, "loss"))?;
         for (key, v) in [("loss.siglip_scale_init", l.siglip_scale_init), ("loss.siglip_bias_init", l.siglip_bias_init)] {
             if !v.is_finite() {
                 return Err(SectionError::new(key, format!("must be finite, got {v}")));

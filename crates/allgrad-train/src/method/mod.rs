@@ -15,10 +15,11 @@
 //! A method is a [`Method`]: its associated type [`Method::Sections`] is a serde type whose
 //! fields ARE the top-level keys it owns (with `#[serde(deny_unknown_fields)]`, so a typo at
 //! the top level or a section another method owns is an error that lists the valid keys).
-//! The registry deserialises the raw sections into that type (errors carry the file and the
-//! key path, e.g. `data.augment.crop.size`), then calls [`Method::validate`] with the typed
-//! sections, the whole [`RunConfig`] and the world size (errors carry the key path), and
-//! [`Method::objective`] to build. Each method therefore owns its config vocabulary: SimCSE
+//! The registry deserialises the raw sections into that type once, when it parses the config
+//! (errors carry the file and the key path, e.g. `data.augment.crop.size`), and keeps the
+//! typed value with the [`RunConfig`]; it then calls [`Method::validate`] with it, the whole
+//! [`RunConfig`] and the world size (errors carry the key path), and [`Method::objective`] to
+//! build, which takes it. Each method therefore owns its config vocabulary: SimCSE
 //! brings `data: {kind: text, ...}` and `model: {kind: bert, ...}` as its own types, without
 //! touching the trainer or the other methods; sections shared by several methods (the image
 //! `data` section, [`allgrad_models::losses::LossConfig`]) are ordinary types they reuse.
@@ -76,7 +77,9 @@ pub trait Method: Send + Sync + 'static {
     /// The method's own top-level sections of a run config, as one serde type whose fields
     /// are the keys (use `#[serde(deny_unknown_fields)]`). `train --print-config` shows them
     /// with their defaults through `Serialize`.
-    type Sections: DeserializeOwned + Serialize;
+    /// The registry keeps the value with the config from parsing to building (hence `Send +
+    /// 'static`): the sections are deserialised once per run.
+    type Sections: DeserializeOwned + Serialize + Send + 'static;
 
     /// The dotted keys of the method's sections whose values are filesystem paths
     /// (`data.dir`, `model.dir`). [`Registry::load`] resolves the relative ones: a value
@@ -125,9 +128,13 @@ impl SectionError {
     }
 }
 
-/// The object-safe face of a [`Method`], as the registry stores it.
+/// The object-safe face of a [`Method`], as the registry stores it. [`AnyMethod::parse`]
+/// deserialises the method's sections into its typed value and keeps it with the config
+/// ([`RunConfig::parsed`]); `validate`, `resolved` and `objective` use that value, and
+/// deserialise again only for a config whose sections changed since, or that was not parsed
+/// by a registry ([`typed`]).
 trait AnyMethod: Send + Sync {
-    fn check(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError>;
+    fn parse(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError>;
     fn validate(&self, name: &str, cfg: &RunConfig, world_size: usize, path: &Path) -> Result<(), ConfigError>;
     fn objective(&self, name: &str, cfg: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>>;
     fn path_keys(&self) -> &'static [&'static str];
@@ -139,9 +146,17 @@ impl<M: Method> AnyMethod for M {
         Method::path_keys(self)
     }
 
+    fn parse(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError> {
+        let sections = deserialise::<M>(name, cfg, path)?;
+        keep::<M>(cfg, sections);
+        Ok(())
+    }
+
     fn resolved(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<serde_yaml::Mapping, ConfigError> {
-        let sections = sections::<M>(name, cfg, path)?;
-        match serde_yaml::to_value(&sections) {
+        let sections = typed::<M>(name, cfg, path)?;
+        let value = serde_yaml::to_value(&sections);
+        keep::<M>(cfg, sections);
+        match value {
             Ok(serde_yaml::Value::Mapping(m)) => Ok(m),
             Ok(other) => Err(ConfigError::Invalid {
                 path: path.into(),
@@ -153,28 +168,39 @@ impl<M: Method> AnyMethod for M {
         }
     }
 
-    fn check(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError> {
-        sections::<M>(name, cfg, path).map(|_| ())
-    }
-
     fn validate(&self, name: &str, cfg: &RunConfig, world_size: usize, path: &Path) -> Result<(), ConfigError> {
-        let sections = sections::<M>(name, cfg, path)?;
-        Method::validate(self, &sections, cfg, world_size).map_err(|e| ConfigError::Method {
-            path: path.into(),
-            method: name.into(),
-            key: e.key,
-            msg: e.msg,
-        })
+        let sections = typed::<M>(name, cfg, path)?;
+        let checked = Method::validate(self, &sections, cfg, world_size);
+        keep::<M>(cfg, sections);
+        checked.map_err(|e| ConfigError::Method { path: path.into(), method: name.into(), key: e.key, msg: e.msg })
     }
 
     fn objective(&self, name: &str, cfg: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>> {
-        let sections = sections::<M>(name, cfg, Path::new("config")).map_err(candle_core::Error::wrap)?;
+        // The objective takes the sections: the value kept is used up here.
+        let sections = typed::<M>(name, cfg, Path::new("config")).map_err(candle_core::Error::wrap)?;
         Method::objective(self, sections, cfg, device)
     }
 }
 
-/// The method's typed sections; an unknown top-level key also lists the trainer's keys.
-fn sections<M: Method>(name: &str, cfg: &RunConfig, path: &Path) -> Result<M::Sections, ConfigError> {
+/// The method's typed sections: the value [`AnyMethod::parse`] kept with `cfg` (taken out; put
+/// it back with [`keep`]) when `cfg`'s sections are still those it was deserialised from,
+/// else deserialised now.
+fn typed<M: Method>(name: &str, cfg: &RunConfig, path: &Path) -> Result<M::Sections, ConfigError> {
+    match cfg.parsed.take(&cfg.sections).map(|kept| kept.downcast::<M::Sections>()) {
+        Some(Ok(sections)) => Ok(*sections),
+        // Not kept, kept for other sections, or of another method's type.
+        _ => deserialise::<M>(name, cfg, path),
+    }
+}
+
+/// Keeps `sections`, the typed value of `cfg`'s sections, with `cfg`.
+fn keep<M: Method>(cfg: &RunConfig, sections: M::Sections) {
+    cfg.parsed.keep(cfg.sections.clone(), Box::new(sections));
+}
+
+/// The method's typed sections, deserialised from `cfg`'s raw ones; an unknown top-level key
+/// also lists the trainer's keys.
+fn deserialise<M: Method>(name: &str, cfg: &RunConfig, path: &Path) -> Result<M::Sections, ConfigError> {
     let raw = serde_yaml::Value::Mapping(cfg.sections.clone());
     serde_path_to_error::deserialize(raw).map_err(|e| {
         let key = e.path().to_string();
@@ -244,7 +270,7 @@ impl Registry {
     pub fn parse(&self, text: &str, path: &Path, overrides: &[String]) -> Result<RunConfig, ConfigError> {
         let path_keys = |method: &str| self.methods.get(method).map_or(&[][..], |m| m.path_keys());
         let cfg = RunConfig::parse_sections(text, path, overrides, &path_keys)?;
-        self.get(&cfg, path)?.check(&cfg.method, &cfg, path).map_err(|e| e.blamed_on(overrides))?;
+        self.get(&cfg, path)?.parse(&cfg.method, &cfg, path).map_err(|e| e.blamed_on(overrides))?;
         Ok(cfg)
     }
 
@@ -288,5 +314,78 @@ impl RunConfig {
     /// ([`Registry::validate`] for others).
     pub fn validate(&self, world_size: usize, path: &Path) -> Result<(), ConfigError> {
         Registry::builtin().validate(self, world_size, path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use serde::{Deserialize, Deserializer};
+
+    use super::*;
+
+    /// Deserialisations of [`Counted`] (one test reads it).
+    static PARSED: AtomicUsize = AtomicUsize::new(0);
+
+    /// A method's sections, `points: N`, that count their deserialisations.
+    #[derive(Serialize)]
+    struct Counted {
+        points: usize,
+    }
+
+    impl<'de> Deserialize<'de> for Counted {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            #[derive(Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct Raw {
+                points: usize,
+            }
+            PARSED.fetch_add(1, Ordering::SeqCst);
+            Raw::deserialize(d).map(|r| Counted { points: r.points })
+        }
+    }
+
+    struct CountedMethod;
+
+    impl Method for CountedMethod {
+        type Sections = Counted;
+
+        fn validate(&self, s: &Counted, _: &RunConfig, _: usize) -> Result<(), SectionError> {
+            match s.points {
+                0 => Err(SectionError::new("points", "must be at least 1")),
+                _ => Ok(()),
+            }
+        }
+
+        fn objective(&self, s: Counted, _: &RunConfig, _: &Device) -> candle_core::Result<Box<dyn Objective>> {
+            candle_core::bail!("built with {} points", s.points)
+        }
+    }
+
+    #[test]
+    fn a_run_deserialises_the_methods_sections_once_and_again_only_after_they_change() {
+        let mut methods = Registry::empty();
+        methods.register("counted", CountedMethod);
+        let text = "method: counted\npoints: 3\ntrain: {global_batch: 4, epochs: 1}\n";
+        let path = Path::new("run.yaml");
+        // Parse, validate, build: one deserialisation.
+        let cfg = methods.parse(text, path, &[]).unwrap();
+        methods.validate(&cfg, 1, path).unwrap();
+        let built = methods.objective(&cfg, &Device::Cpu).err().unwrap().to_string();
+        assert!(built.contains("built with 3 points"), "{built}");
+        assert_eq!(PARSED.load(Ordering::SeqCst), 1, "parse, validate and objective deserialised more than once");
+        // Building again (the value was used up), or from a clone, deserialises again.
+        methods.objective(&cfg.clone(), &Device::Cpu).err().unwrap();
+        assert_eq!(PARSED.load(Ordering::SeqCst), 2);
+        // Sections edited after parsing are read as they are now, not as they were.
+        let mut cfg = methods.parse(text, path, &[]).unwrap();
+        cfg.sections["points"] = 0.into();
+        let e = methods.validate(&cfg, 1, path).unwrap_err().to_string();
+        assert!(e.contains("at `points`: must be at least 1"), "{e}");
+        assert_eq!(PARSED.load(Ordering::SeqCst), 4);
+        // A parse error is still an error at parse, naming the key.
+        let e = methods.parse("method: counted\npoints: -1\ntrain: {global_batch: 4}\n", path, &[]).unwrap_err().to_string();
+        assert!(e.contains("points"), "{e}");
     }
 }

@@ -127,7 +127,7 @@ impl Method for SimCseMethod {
         if l.hard_negative_weight != 0.0 && d.triplets.is_none() {
             return Err(SectionError::new("loss.hard_negative_weight", "needs data.triplets (sentences have no hard negatives)"));
         }
-        allgrad_models::losses::check_tile_and_queue(l.tile, l.queue).map_err(|e| SectionError::from_model(e, "loss"))?;
+        l.tiling().map_err(|e| SectionError::from_model(e, "loss"))?;
         let e = &s.eval;
         if e.max_len < 2 {
             return Err(SectionError::new("eval.max_len", format!("must be at least 2, got {}", e.max_len)));

@@ -144,3 +144,20 @@ fn a_two_rank_checkpoint_resumes_on_three_ranks_with_the_centres_re_sharded() {
     let resumed = train(&cfg, 3, Some(dir.path()), true, &[4]);
     assert_params(&resumed, &full, 1e-10, "resumed on 3 ranks vs uninterrupted on 2");
 }
+
+#[test]
+fn cache_chunk_is_refused_when_the_trainer_is_built_before_any_step() {
+    let mut cfg = config("{kind: arcface, s: 16}", 0.3, "f64");
+    cfg.train.cache_chunk = Some(2);
+    // A valid config: the refusal is the objective's (no embeddings to cache, and row-sparse
+    // centres), when the trainer is built.
+    cfg.validate(1, Path::new("face-test.yaml")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let err = allgrad_dist::run_threads(1, |pg| {
+        Ok(allgrad_train::run::build(&cfg, pg, Some(dir.path().to_path_buf()), false).map(|_| ())?)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("train.cache_chunk is set"), "{err}");
+    assert!(!dir.path().join("metrics.jsonl").exists(), "a step's metrics were written before the refusal");
+}

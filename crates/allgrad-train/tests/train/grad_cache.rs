@@ -191,6 +191,41 @@ fn cache_chunk_on_an_objective_without_embeddings_is_refused_naming_the_key() {
     assert!(err.contains("train.cache_chunk = 0"), "{err}");
 }
 
+/// [`TwoViewMlp`], saying that it reads `l2.weight` row by row (as Partial FC reads its
+/// centres): gradient caching cannot take that.
+struct RowSparse(TwoViewMlp);
+
+impl Objective for RowSparse {
+    fn build(&mut self, vb: candle_nn::VarBuilder) -> candle_core::Result<()> {
+        self.0.build(vb)
+    }
+    fn num_samples(&self) -> usize {
+        self.0.num_samples()
+    }
+    fn loss(&mut self, batch: &Batch, pg: &allgrad_dist::ProcessGroup) -> candle_core::Result<candle_core::Tensor> {
+        self.0.loss(batch, pg)
+    }
+    fn embedding(&mut self) -> Option<&mut dyn EmbeddingObjective> {
+        self.0.embedding()
+    }
+    fn has_sparse_rows(&self, name: &str) -> bool {
+        name == "l2.weight"
+    }
+}
+
+#[test]
+fn cache_chunk_on_an_objective_with_a_row_sparse_parameter_is_refused_when_the_trainer_is_built() {
+    let cfg = trainer_config(section(12, 1, Some(3)), sgd());
+    // Trainer::new returns the error: no step has run, no cached gradient was computed.
+    let err = run_threads(1, |pg| {
+        Ok(Trainer::new(cfg.clone(), Box::new(RowSparse(TwoViewMlp::new(Middle::KeyedDropout))), pg, None, false).map(|_| ())?)
+    })
+    .unwrap_err()
+    .to_string();
+    let want = "train.cache_chunk: the objective reads l2.weight row by row (a row-sparse gradient)";
+    assert!(err.contains(want) && err.contains("remove train.cache_chunk"), "{err}");
+}
+
 /// Norm-wise relative tolerance of the finite-difference check (see its comment): measured
 /// up to 3.5e-9 (l1.bias).
 const FD_TOL: f64 = 1e-7;
