@@ -159,7 +159,7 @@ impl Outcome {
 }
 
 /// Logs to stderr, filtered by `ALLGRAD_LOG` (default `info`, also for a bad filter, which
-/// [`Settings`](crate::Settings) then reports as an error); does nothing when a subscriber
+/// [`Settings`] then reports as an error); does nothing when a subscriber
 /// is already installed. Colour only when stderr is a terminal (never in a log file or a
 /// pipe, nor with `NO_COLOR` set). Messages with the target [`allgrad_dist::JOB_LOG`] (the
 /// same on every rank) are shown by rank 0 only.
