@@ -101,11 +101,12 @@ pub struct RunConfig {
     #[serde(default)]
     pub log: LogConfig,
     /// The method's own sections (every top-level key not listed above), as YAML: the method
-    /// deserialises them into its typed sections ([`crate::method::Method::Sections`]).
+    /// deserialises them into its typed sections ([`crate::method::Method::Sections`]). Read
+    /// with [`RunConfig::sections`], changed with [`RunConfig::sections_mut`].
     #[serde(flatten)]
-    pub sections: serde_yaml::Mapping,
-    /// [`RunConfig::sections`] as the method's typed value, kept by the registry that
-    /// deserialised them ([`parsed`]).
+    sections: serde_yaml::Mapping,
+    /// The sections as the method's typed value, kept by the registry that deserialised them
+    /// ([`parsed`]); dropped whenever the sections can change.
     #[serde(skip)]
     pub(crate) parsed: ParsedSections,
 }
@@ -198,6 +199,18 @@ pub enum ParamDtype {
 }
 
 impl RunConfig {
+    /// The method's own sections (every top-level key the trainer does not own), as YAML.
+    pub fn sections(&self) -> &serde_yaml::Mapping {
+        &self.sections
+    }
+
+    /// The method's sections, to change: the typed value a registry kept from parsing them is
+    /// dropped, so validating and building read the sections as they are after the change.
+    pub fn sections_mut(&mut self) -> &mut serde_yaml::Mapping {
+        self.parsed.clear();
+        &mut self.sections
+    }
+
     /// The trainer's sections typed, the method's kept raw (not checked against a method).
     /// `path_keys` gives, for a method name, the keys of its sections that hold paths: the
     /// relative ones are resolved against `path`'s folder (a value from the file) or the

@@ -10,30 +10,28 @@ use std::sync::Mutex;
 /// [`super::RunConfig::sections`] again. Opaque here: the config knows no methods, the
 /// registry puts the value in and takes it out by its type.
 ///
-/// It stands for the raw sections as they were when parsed: once those change (a test edits
-/// `sections`), or in a config made another way (deserialised directly, or cloned: a clone
-/// starts without it), the registry deserialises them again. Equal to every other one, so that
-/// configs compare by what they say.
+/// The sections can change only through `RunConfig::sections_mut`, which drops the value; a
+/// config made another way (deserialised directly, or cloned: a clone starts without it) has
+/// none, and the registry deserialises its sections then. Equal to every other one, so that
+/// configs compare by what they say. (A mutex because validating takes the config by shared
+/// reference and puts the value back.)
 #[derive(Default)]
-pub(crate) struct ParsedSections(Mutex<Option<Parsed>>);
-
-/// The raw sections the value was deserialised from, and the value.
-type Parsed = (serde_yaml::Mapping, Box<dyn Any + Send>);
+pub(crate) struct ParsedSections(Mutex<Option<Box<dyn Any + Send>>>);
 
 impl ParsedSections {
-    /// Keeps `value`, deserialised from `raw`.
-    pub(crate) fn keep(&self, raw: serde_yaml::Mapping, value: Box<dyn Any + Send>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((raw, value));
+    /// Keeps `value`, the typed value of the config's sections as they are now.
+    pub(crate) fn keep(&self, value: Box<dyn Any + Send>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
     }
 
-    /// Takes the value out when it was deserialised from sections equal to `raw`, the config's
-    /// sections now (`None` otherwise, or when another call has it).
-    pub(crate) fn take(&self, raw: &serde_yaml::Mapping) -> Option<Box<dyn Any + Send>> {
-        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        match kept.take() {
-            Some((from, value)) if from == *raw => Some(value),
-            _ => None,
-        }
+    /// Takes the value out (`None` when none is kept, or another call has it).
+    pub(crate) fn take(&self) -> Option<Box<dyn Any + Send>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Drops the value: the sections are about to change.
+    pub(crate) fn clear(&mut self) {
+        *self.0.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }
 

@@ -131,8 +131,8 @@ impl SectionError {
 /// The object-safe face of a [`Method`], as the registry stores it. [`AnyMethod::parse`]
 /// deserialises the method's sections into its typed value and keeps it with the config
 /// ([`RunConfig::parsed`]); `validate`, `resolved` and `objective` use that value, and
-/// deserialise again only for a config whose sections changed since, or that was not parsed
-/// by a registry ([`typed`]).
+/// deserialise again only for a config whose sections changed since
+/// ([`RunConfig::sections_mut`] drops it), or that was not parsed by a registry ([`typed`]).
 trait AnyMethod: Send + Sync {
     fn parse(&self, name: &str, cfg: &RunConfig, path: &Path) -> Result<(), ConfigError>;
     fn validate(&self, name: &str, cfg: &RunConfig, world_size: usize, path: &Path) -> Result<(), ConfigError>;
@@ -183,10 +183,9 @@ impl<M: Method> AnyMethod for M {
 }
 
 /// The method's typed sections: the value [`AnyMethod::parse`] kept with `cfg` (taken out; put
-/// it back with [`keep`]) when `cfg`'s sections are still those it was deserialised from,
-/// else deserialised now.
+/// it back with [`keep`]), else deserialised now.
 fn typed<M: Method>(name: &str, cfg: &RunConfig, path: &Path) -> Result<M::Sections, ConfigError> {
-    match cfg.parsed.take(&cfg.sections).map(|kept| kept.downcast::<M::Sections>()) {
+    match cfg.parsed.take().map(|kept| kept.downcast::<M::Sections>()) {
         Some(Ok(sections)) => Ok(*sections),
         // Not kept, kept for other sections, or of another method's type.
         _ => deserialise::<M>(name, cfg, path),
@@ -195,13 +194,13 @@ fn typed<M: Method>(name: &str, cfg: &RunConfig, path: &Path) -> Result<M::Secti
 
 /// Keeps `sections`, the typed value of `cfg`'s sections, with `cfg`.
 fn keep<M: Method>(cfg: &RunConfig, sections: M::Sections) {
-    cfg.parsed.keep(cfg.sections.clone(), Box::new(sections));
+    cfg.parsed.keep(Box::new(sections));
 }
 
 /// The method's typed sections, deserialised from `cfg`'s raw ones; an unknown top-level key
 /// also lists the trainer's keys.
 fn deserialise<M: Method>(name: &str, cfg: &RunConfig, path: &Path) -> Result<M::Sections, ConfigError> {
-    let raw = serde_yaml::Value::Mapping(cfg.sections.clone());
+    let raw = serde_yaml::Value::Mapping(cfg.sections().clone());
     serde_path_to_error::deserialize(raw).map_err(|e| {
         let key = e.path().to_string();
         let mut msg = e.into_inner().to_string();
@@ -285,7 +284,7 @@ impl Registry {
     /// trainer's sections and the method's (`train --print-config`).
     pub fn resolved_yaml(&self, path: &Path, overrides: &[String]) -> Result<String, ConfigError> {
         let mut cfg = self.load(path, overrides)?;
-        cfg.sections = self.get(&cfg, path)?.resolved(&cfg.method, &cfg, path)?;
+        *cfg.sections_mut() = self.get(&cfg, path)?.resolved(&cfg.method, &cfg, path)?;
         Ok(cfg.to_yaml())
     }
 
@@ -380,7 +379,7 @@ mod tests {
         assert_eq!(PARSED.load(Ordering::SeqCst), 2);
         // Sections edited after parsing are read as they are now, not as they were.
         let mut cfg = methods.parse(text, path, &[]).unwrap();
-        cfg.sections["points"] = 0.into();
+        cfg.sections_mut()["points"] = 0.into();
         let e = methods.validate(&cfg, 1, path).unwrap_err().to_string();
         assert!(e.contains("at `points`: must be at least 1"), "{e}");
         assert_eq!(PARSED.load(Ordering::SeqCst), 4);

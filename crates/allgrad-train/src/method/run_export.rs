@@ -28,7 +28,7 @@ pub(crate) fn read_run<S: DeserializeOwned>(
     if cfg.method != method {
         return Err(TrainError::Setup(format!("{}: method `{}`, not {method}", cfg_path.display(), cfg.method)));
     }
-    let sections: S = serde_yaml::from_value(serde_yaml::Value::Mapping(cfg.sections.clone()))
+    let sections: S = serde_yaml::from_value(serde_yaml::Value::Mapping(cfg.sections().clone()))
         .map_err(|e| TrainError::Setup(format!("{}: {e}", cfg_path.display())))?;
     let ck = load_latest(run_dir, &Device::Cpu)?
         .ok_or_else(|| TrainError::Setup(format!("{} has no checkpoint to export", run_dir.display())))?;

@@ -13,7 +13,7 @@ fn repo() -> PathBuf {
 }
 
 fn section_str(cfg: &RunConfig, section: &str, key: &str) -> Option<String> {
-    cfg.sections.get(section)?.get(key)?.as_str().map(String::from)
+    cfg.sections().get(section)?.get(key)?.as_str().map(String::from)
 }
 
 const IMAGES: &str = "method: simclr\n\
@@ -51,7 +51,7 @@ fn relative_paths_in_a_file_are_taken_from_its_folder_and_set_paths_from_the_cur
     // A method's other keys, and a method without path keys, are left alone.
     let vectors = "method: vectors\ndata: {kind: vectors}\nmodel: {kind: mlp}\ntrain: {global_batch: 8}\n";
     let cfg = RunConfig::parse(vectors, &file, &[]).unwrap();
-    assert_eq!(cfg.sections.get("data").unwrap().get("kind").unwrap().as_str(), Some("vectors"));
+    assert_eq!(cfg.sections().get("data").unwrap().get("kind").unwrap().as_str(), Some("vectors"));
 }
 
 #[test]

@@ -100,7 +100,7 @@ fn resolved_keys() -> Keys {
         let value: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("{what}: {e}\n{yaml}"));
         // The trainer's top-level keys: the config without the method's sections.
         let mut cfg = registry.load(&file, &sets).unwrap();
-        cfg.sections.clear();
+        cfg.sections_mut().clear();
         let trainer_value: serde_yaml::Value = serde_yaml::from_str(&cfg.to_yaml()).unwrap();
         let trainer_sections: BTreeSet<String> =
             trainer_value.as_mapping().unwrap().keys().map(|k| k.as_str().unwrap().to_string()).collect();

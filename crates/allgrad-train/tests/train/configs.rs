@@ -47,7 +47,7 @@ fn load_validate_and_step(path: &Path, model: Option<&Path>) {
     // One step at a small batch, no evaluation: the sections fit together.
     let sets = ["train.global_batch=8", "train.max_steps=1", "train.eval=false", "log.progress=quiet", "log.plot=false"];
     let mut sets: Vec<String> = sets.map(String::from).to_vec();
-    if let Some(dir) = cfg.sections.get("data").and_then(|d| d.get("dir")).and_then(|d| d.as_str()) {
+    if let Some(dir) = cfg.sections().get("data").and_then(|d| d.get("dir")).and_then(|d| d.as_str()) {
         sets.push(format!("data.dir={}", root.join(dir).display()));
     }
     sets.extend(fixed);
@@ -85,7 +85,7 @@ fn simcse_paths(cfg: &RunConfig, root: &Path) -> Vec<String> {
     for (section, key) in
         [("data", "sentences"), ("data", "triplets"), ("model", "dir"), ("eval", "retrieval"), ("eval", "similarity_dir")]
     {
-        if let Some(v) = cfg.sections.get(section).and_then(|d| d.get(key)).and_then(|d| d.as_str()) {
+        if let Some(v) = cfg.sections().get(section).and_then(|d| d.get(key)).and_then(|d| d.as_str()) {
             sets.push(format!("{section}.{key}={}", root.join(v).display()));
         }
     }

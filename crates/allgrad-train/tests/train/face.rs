@@ -91,7 +91,7 @@ fn partial_fc_moves_exactly_the_sampled_centres_each_step_despite_momentum_and_w
     let (classes, rate) = (40, 0.1);
     let mut cfg = config_with("{kind: arcface, s: 16}", rate, "f64", classes);
     // Partial FC v1's rule (the default, `decay`, moves every centre as a dense step would).
-    cfg.sections["head"]["unsampled"] = "frozen".into();
+    cfg.sections_mut()["head"]["unsampled"] = "frozen".into();
     let rows = |stop: usize| {
         let p = train(&cfg, 2, None, false, &[stop]).params;
         p[CENTRES].chunks(4).map(|r| r.iter().map(|f| f.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>()
