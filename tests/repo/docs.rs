@@ -349,27 +349,16 @@ fn allgrad_variables(text: &str) -> BTreeSet<String> {
 }
 
 /// The code that can read an environment variable: Rust sources, shell and Python scripts, and
-/// the CI entry point (documentation left out), each with the variables it names.
+/// CI's own files (documentation left out), among the repository's text files
+/// ([`crate::scripts::text_files`]), each variable with the first file that names it.
 fn variables_in_code() -> BTreeMap<String, PathBuf> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for entry in std::fs::read_dir(dir).unwrap().flatten() {
-            let p = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if p.is_dir() {
-                if !["target", ".git", "data", "runs", "third_party"].contains(&name.as_str()) {
-                    walk(&p, out);
-                }
-            } else if p.extension().is_some_and(|e| e == "rs" || e == "sh" || e == "py") {
-                out.push(p);
-            }
-        }
-    }
-    let mut files = vec![repo().join(".ci/run")];
-    for dir in ["src", "crates", "tests", "scripts", "examples"] {
-        walk(&repo().join(dir), &mut files);
-    }
     let mut out = BTreeMap::new();
-    for f in files {
+    for f in crate::scripts::text_files() {
+        let code = f.extension().is_some_and(|e| e == "rs" || e == "sh" || e == "py")
+            || f.parent().and_then(|d| d.file_name()).is_some_and(|n| n == ".ci");
+        if !code {
+            continue;
+        }
         for v in allgrad_variables(&std::fs::read_to_string(&f).unwrap()) {
             out.entry(v).or_insert_with(|| f.strip_prefix(repo()).unwrap().to_path_buf());
         }

@@ -258,7 +258,7 @@ fn matches_glob(pattern: &str, path: &str) -> bool {
 
 /// The repository's text files that can name a script: Markdown, Rust, shell, Python, YAML,
 /// TOML and CI's own files, outside build output, the vendored crate and downloaded data.
-fn text_files() -> Vec<PathBuf> {
+pub(crate) fn text_files() -> Vec<PathBuf> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         for e in std::fs::read_dir(dir).unwrap().flatten() {
             let p = e.path();
