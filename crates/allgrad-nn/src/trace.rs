@@ -13,6 +13,9 @@ pub struct KernelPaths {
     pub conv_pointwise: u64,
     /// conv2d passes through im2col (or col2im) and GEMM.
     pub conv_im2col: u64,
+    /// conv2d weight gradients split over slabs of the weight's input channels instead of over
+    /// chunks of images (few output pixels per image and a large weight).
+    pub conv_weight_slabs: u64,
     /// Batches planned with GEMMs that use the whole thread pool (fewer images than threads).
     pub parallel_gemm: u64,
     /// Batch-norm kernel calls (forward or backward) cut into more than one task of rows.

@@ -410,6 +410,30 @@ fn small_images_are_taken_in_blocks_and_match_candle() {
     }
 }
 
+#[test]
+fn a_large_weight_on_small_images_takes_its_gradient_by_channel_slabs_and_matches_candle() {
+    // A late ResNet stage's shape: 4x4 images and a weight of 1024 x 128 x 3 x 3 (1.2 M
+    // elements, over the 1 M-element threshold): the weight gradient is split over slabs of
+    // input channels rather than chunks of images. Against Candle, and the path counted.
+    let p = ConvParams { padding: 1, ..Default::default() };
+    let x = rand_tensor(&[3, 128, 4, 4], 41, DType::F64);
+    let w = rand_tensor(&[1024, 128, 3, 3], 42, DType::F64);
+    let r = rand_tensor(&out_shape(&x, &w, p), 43, DType::F64);
+    let before = allgrad_nn::kernel_paths().conv_weight_slabs;
+    let (dx, dw) = grads(conv2d, &x, &w, &r, p).unwrap();
+    assert_eq!(allgrad_nn::kernel_paths().conv_weight_slabs, before + 1, "the weight gradient did not go by slabs");
+    let (cdx, cdw) = grads(candle_conv, &x, &w, &r, p).unwrap();
+    assert_close(&dx, &cdx, 1e-12, "input grad");
+    assert_close(&dw, &cdw, 1e-12, "weight grad");
+    // Below the threshold (a quarter of the output channels) the image-chunked path runs.
+    let w = w.narrow(0, 0, 256).unwrap().contiguous().unwrap();
+    let r = r.narrow(1, 0, 256).unwrap().contiguous().unwrap();
+    let before = allgrad_nn::kernel_paths().conv_weight_slabs;
+    let (_, dw) = grads(conv2d, &x, &w, &r, p).unwrap();
+    assert_eq!(allgrad_nn::kernel_paths().conv_weight_slabs, before, "a small weight went by slabs");
+    assert_close(&dw, &cdw.narrow(0, 0, 256).unwrap(), 1e-12, "weight grad, image-chunked");
+}
+
 /// In a child with `ALLGRAD_WINOGRAD=yes` (allgrad-nn reads its variables once per process), a
 /// CPU convolution and its backward fail naming the variable and the values it takes, as does
 /// `check_settings`; nothing falls back to a default. In the parent (the variable unset, `0` or
