@@ -7,9 +7,11 @@
 //! Every pass is parallel over runs of whole rows (or over channels for the sums), with a copy
 //! compiled for AVX2 chosen at run time ([`has_avx2`]), and sums in f64 in a fixed order.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
-use crate::cpu::{has_avx2, zeros, Float, GRAIN};
+use crate::cpu::{has_avx2, Float, GRAIN};
 
 /// One normalisation's per-channel scale and shift `(a, b)`.
 pub(super) type Affine<'a> = (&'a [f64], &'a [f64]);
@@ -25,18 +27,18 @@ pub(super) fn forward_kernel<T: Float>(
     (ab, ab2): (Affine<'_>, Option<Affine<'_>>),
     inner: usize,
 ) -> Vec<T> {
-    let mut out = zeros(x.len());
-    if out.is_empty() {
-        return out;
+    if x.is_empty() {
+        return Vec::new();
     }
     let rounded = |v: &[f64]| -> Vec<T> { v.iter().map(|&v| T::from_f64(v)).collect() };
     let (a, b) = (rounded(ab.0), rounded(ab.1));
     let branch = ab2.map(|(a2, b2)| (rounded(a2), rounded(b2)));
     let rows = (GRAIN / inner).max(1);
-    let split = out.len() > rows * inner;
+    let split = x.len() > rows * inner;
     crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
     let avx2 = has_avx2();
-    out.par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
+    let mut out = Vec::with_capacity(x.len());
+    out.spare_capacity_mut()[..x.len()].par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
         let task = ForwardTask {
             x,
             skip: third,
@@ -55,6 +57,9 @@ pub(super) fn forward_kernel<T: Float>(
             forward_rows(&task, o)
         }
     });
+    // SAFETY: the chunks cover the first `x.len()` elements and `forward_rows` writes every
+    // element of its chunk; the pool writes them first, so no page is zeroed and then rewritten.
+    unsafe { out.set_len(x.len()) };
     out
 }
 
@@ -76,12 +81,13 @@ struct ForwardTask<'a, T> {
 
 /// [`forward_rows`] compiled for AVX2 (see [`has_avx2`]).
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn forward_rows_avx2<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
+unsafe fn forward_rows_avx2<T: Float>(task: &ForwardTask<'_, T>, out: &mut [MaybeUninit<T>]) {
     forward_rows(task, out)
 }
 
+/// Writes every element of `out`.
 #[inline(always)]
-fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
+fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [MaybeUninit<T>]) {
     let zero = T::from_f64(0.0);
     let (inner, c) = (task.inner, task.a.len());
     for (r, orow) in out.chunks_mut(inner).enumerate() {
@@ -98,7 +104,7 @@ fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
                         Some((a2, b2)) => round(v * s + t) + round(w * a2[ch] + b2[ch]),
                         None => round(v * s + t) + w,
                     };
-                    *o = if z > zero { z } else { zero };
+                    o.write(if z > zero { z } else { zero });
                 }
             }
             (Some(sk), _) if task.branch.is_some() => {
@@ -108,23 +114,25 @@ fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [T]) {
                 for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
                     // As `bn(x) + bn'(x')` with each batch norm's output rounded to T.
                     let z = v * s + t + (w * s2 + t2);
-                    *o = if z > zero { z } else { zero };
+                    o.write(if z > zero { z } else { zero });
                 }
             }
             (Some(sk), _) => {
                 let ss = &sk[at..at + inner];
                 for ((o, &v), &w) in orow.iter_mut().zip(xs).zip(ss) {
                     let z = v * s + t + w;
-                    *o = if z > zero { z } else { zero };
+                    o.write(if z > zero { z } else { zero });
                 }
             }
             (None, true) => {
                 for (o, &v) in orow.iter_mut().zip(xs) {
                     let z = v * s + t;
-                    *o = if z > zero { z } else { zero };
+                    o.write(if z > zero { z } else { zero });
                 }
             }
-            (None, false) => orow.iter_mut().zip(xs).for_each(|(o, &v)| *o = v * s + t),
+            (None, false) => orow.iter_mut().zip(xs).for_each(|(o, &v)| {
+                o.write(v * s + t);
+            }),
         }
     }
 }
@@ -209,22 +217,22 @@ fn channel_sum<T: Float, const RELU: bool>(
 /// runs of whole rows: the device path's `∂x` on the CPU (the host path computes the same with
 /// [`backward_pass`], with `∂skip` in the same pass).
 pub(super) fn dx_kernel<T: Float>(g: &[T], x: &[T], y: &[T], [k, c1, c0, mu]: [&[T]; 4], relu: bool, inner: usize) -> Vec<T> {
-    let mut dx = zeros(x.len());
-    if dx.is_empty() {
-        return dx;
-    }
-    backward_pass(&RowCoefficients { g, x, y, k, c1, c0, mu, relu, inner }, &mut dx, None);
-    dx
+    backward_pass(&RowCoefficients { g, x, y, k, c1, c0, mu, relu, inner }, false).0
 }
 
-/// `∂x` (and `∂skip` into `dskip`, the gradient through the ReLU) of every row of a non-empty
-/// batch, parallel over runs of whole rows.
-pub(super) fn backward_pass<T: Float>(coef: &RowCoefficients<'_, T>, dx: &mut [T], dskip: Option<&mut [T]>) {
+/// `∂x`, and with `want_skip` `∂skip` (the gradient through the ReLU), of every row, parallel
+/// over runs of whole rows. Both are written once, by the pool, without zeroing them first (a
+/// zeroing pass would add a third of this pass's memory traffic).
+pub(super) fn backward_pass<T: Float>(coef: &RowCoefficients<'_, T>, want_skip: bool) -> (Vec<T>, Option<Vec<T>>) {
+    let len = coef.x.len();
+    if len == 0 {
+        return (Vec::new(), want_skip.then(Vec::new));
+    }
     let chunk = (GRAIN / coef.inner).max(1) * coef.inner;
-    let split = dx.len() > chunk;
+    let split = len > chunk;
     crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
     let avx2 = has_avx2();
-    let run = |start: usize, dxc: &mut [T], dsc: Option<&mut [T]>| {
+    let run = |start: usize, dxc: &mut [MaybeUninit<T>], dsc: Option<&mut [MaybeUninit<T>]>| {
         if avx2 {
             // SAFETY: the CPU has the features `backward_rows_avx2` is compiled for.
             unsafe { backward_rows_avx2(coef, start, dxc, dsc) }
@@ -232,14 +240,23 @@ pub(super) fn backward_pass<T: Float>(coef: &RowCoefficients<'_, T>, dx: &mut [T
             backward_rows(coef, start, dxc, dsc)
         }
     };
-    match dskip {
-        Some(dskip) => dx
-            .par_chunks_mut(chunk)
-            .zip(dskip.par_chunks_mut(chunk))
+    let (mut dx, mut dskip) = (Vec::with_capacity(len), Vec::with_capacity(if want_skip { len } else { 0 }));
+    let dxs = &mut dx.spare_capacity_mut()[..len];
+    if want_skip {
+        let dss = &mut dskip.spare_capacity_mut()[..len];
+        dxs.par_chunks_mut(chunk)
+            .zip(dss.par_chunks_mut(chunk))
             .enumerate()
-            .for_each(|(t, (dxc, dsc))| run(t * chunk, dxc, Some(dsc))),
-        None => dx.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| run(t * chunk, dxc, None)),
+            .for_each(|(t, (dxc, dsc))| run(t * chunk, dxc, Some(dsc)));
+        // SAFETY: the chunks cover the first `len` elements and `backward_rows` writes every
+        // element of its `∂skip` chunk.
+        unsafe { dskip.set_len(len) };
+    } else {
+        dxs.par_chunks_mut(chunk).enumerate().for_each(|(t, dxc)| run(t * chunk, dxc, None));
     }
+    // SAFETY: as above, for every element of each `∂x` chunk.
+    unsafe { dx.set_len(len) };
+    (dx, want_skip.then_some(dskip))
 }
 
 /// What [`backward_rows`] reads: the inputs and the per-channel coefficients of
@@ -258,13 +275,24 @@ pub(super) struct RowCoefficients<'a, T> {
 
 /// [`backward_rows`] compiled for AVX2 (see [`has_avx2`]).
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn backward_rows_avx2<T: Float>(coef: &RowCoefficients<'_, T>, start: usize, dx: &mut [T], dskip: Option<&mut [T]>) {
+unsafe fn backward_rows_avx2<T: Float>(
+    coef: &RowCoefficients<'_, T>,
+    start: usize,
+    dx: &mut [MaybeUninit<T>],
+    dskip: Option<&mut [MaybeUninit<T>]>,
+) {
     backward_rows(coef, start, dx, dskip)
 }
 
-/// `∂x` (and `∂skip`, the gradient through the ReLU) of the rows starting at element `start`.
+/// `∂x` (and `∂skip`, the gradient through the ReLU) of the rows starting at element `start`:
+/// writes every element of `dx` and of `dskip`.
 #[inline(always)]
-fn backward_rows<T: Float>(coef: &RowCoefficients<'_, T>, start: usize, dx: &mut [T], mut dskip: Option<&mut [T]>) {
+fn backward_rows<T: Float>(
+    coef: &RowCoefficients<'_, T>,
+    start: usize,
+    dx: &mut [MaybeUninit<T>],
+    mut dskip: Option<&mut [MaybeUninit<T>]>,
+) {
     let zero = T::from_f64(0.0);
     let (inner, c) = (coef.inner, coef.k.len());
     for (r, dxr) in dx.chunks_mut(inner).enumerate() {
@@ -274,11 +302,11 @@ fn backward_rows<T: Float>(coef: &RowCoefficients<'_, T>, start: usize, dx: &mut
         let (gs, xs, ys) = (&coef.g[at..at + inner], &coef.x[at..at + inner], &coef.y[at..at + inner]);
         for (d, ((&gv, &xv), &yv)) in dxr.iter_mut().zip(gs.iter().zip(xs).zip(ys)) {
             let gp = if !coef.relu || yv > zero { gv } else { zero };
-            *d = kc * gp + c1c * (xv - mu) + c0c;
+            d.write(kc * gp + c1c * (xv - mu) + c0c);
         }
         if let Some(ds) = dskip.as_deref_mut() {
             for (d, (&gv, &yv)) in ds[r * inner..(r + 1) * inner].iter_mut().zip(gs.iter().zip(ys)) {
-                *d = if yv > zero { gv } else { zero };
+                d.write(if yv > zero { gv } else { zero });
             }
         }
     }

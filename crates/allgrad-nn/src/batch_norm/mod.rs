@@ -57,7 +57,7 @@ use self::finalize::{
     channel_backward, channel_constants, table_channels, with_cpu_f64, BackwardCoefficients, Coefficients, Dx, Sums, TensorSum,
 };
 use crate::backend::fused_float;
-use crate::cpu::{contiguous, float_kernel, run_split_keeping_f32, zeros, Float, SplitKernel};
+use crate::cpu::{contiguous, float_kernel, run_split_keeping_f32, Float, SplitKernel};
 use crate::error::{fail, NnError};
 use crate::shape::geometry;
 
@@ -492,16 +492,12 @@ fn norm_backward<T: Float>(
     want_skip: bool,
     (n, c, inner): (usize, usize, usize),
 ) -> Result<NormGrads<T>> {
-    let len = x.len();
     let sums = channel_sums(g, x, y, &norm.mean, relu, (n, c, inner));
     let HostCoefficients { k, c1, c0, mu: mu_t, dgb: dgb_wide } = coefficients::<T>(norm, &sums)?;
-    let (mut dx, mut dskip) = (zeros(len), zeros(if want_skip { len } else { 0 }));
     let dgb: Vec<T> = dgb_wide.iter().map(|&v| T::from_f64(v)).collect();
-    if len > 0 {
-        let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu, inner };
-        backward_pass(&coef, &mut dx, want_skip.then_some(dskip.as_mut_slice()));
-    }
-    Ok((dx, want_skip.then_some(dskip), dgb))
+    let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu, inner };
+    let (dx, dskip) = backward_pass(&coef, want_skip);
+    Ok((dx, dskip, dgb))
 }
 
 /// One normalisation's backward constants: the per-channel coefficients of

@@ -154,13 +154,13 @@ fn timed<T>(f: impl FnOnce() -> candle_core::Result<T>) -> candle_core::Result<(
     Ok((out, t.elapsed().as_secs_f64()))
 }
 
-/// (kind, count, forward s, backward s) per layer type, each layer timed alone at `2 * batch`
-/// views.
-pub fn layer_times(batch: usize, width: usize) -> candle_core::Result<Vec<(String, usize, f64, f64)>> {
+/// (kind, count, forward s, backward s) per layer type of `kinds`, each layer timed alone at
+/// `2 * batch` views.
+pub fn layer_times(batch: usize, width: usize, kinds: &[&str]) -> candle_core::Result<Vec<(String, usize, f64, f64)>> {
     let pg = ProcessGroup::single();
     let layers = layer_shapes(width);
     let mut table = Vec::new();
-    for kind in KINDS {
+    for &kind in kinds {
         let (mut count, mut fwd, mut bwd) = (0, 0.0, 0.0);
         for &layer in layers.iter().filter(|l| l.kind() == kind) {
             let forward = instance(layer, 2 * batch, &pg)?;

@@ -12,6 +12,8 @@
 //! ```text
 //! scripts/bench/bench_simclr_step.sh                      # batches 64 and 256, 5 rounds
 //! cargo run --release -p allgrad-bench --bin bench_simclr_step -- --rounds 3 --threads 2 64
+//! # the breakdown alone, batch norm only (PyTorch's side still times every layer type):
+//! bench_simclr_step --breakdown-only --breakdown-rounds 3 --kinds bn 64
 //! ```
 
 mod layers;
@@ -66,6 +68,13 @@ struct Args {
     /// as a GPU's would be.
     #[arg(long)]
     device_path: bool,
+    /// The breakdown's layer types, comma-separated (default: all of conv_dx, conv_dw, bn,
+    /// relu, add, pool, linear, loss).
+    #[arg(long, value_delimiter = ',')]
+    kinds: Vec<String>,
+    /// The breakdown alone, without the steps.
+    #[arg(long)]
+    breakdown_only: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -78,6 +87,14 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.threads > 0 && args.rounds > 0 && args.width > 0, "--threads, --rounds and --width must be positive");
     anyhow::ensure!(matches!(args.depth, 18 | 50), "--depth must be 18 or 50, not {}", args.depth);
     report::device_and_precision(&args.device, &args.precision)?;
+    anyhow::ensure!(!args.breakdown_only || args.breakdown_rounds > 0, "--breakdown-only needs --breakdown-rounds above 0");
+    for k in &args.kinds {
+        anyhow::ensure!(
+            layers::KINDS.contains(&k.as_str()),
+            "--kinds: no layer type {k:?} (types: {})",
+            layers::KINDS.join(", ")
+        );
+    }
     anyhow::ensure!(
         args.precision != "bf16" || args.breakdown_rounds == 0,
         "the layer breakdown times f32 layers: pass --breakdown-rounds 0 with --precision bf16"
@@ -108,7 +125,6 @@ fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
     // As `train` opens its device: the memory pool keeps its memory between steps.
     #[cfg(feature = "cuda")]
     allgrad_nn::keep_pool_memory(&device);
-    let mut ours = AllgradStep::new(batch, args.width, args.depth, &device)?.bf16(args.precision == "bf16");
     let mut options = vec![
         ("width", args.width.to_string()),
         ("depth", args.depth.to_string()),
@@ -121,10 +137,17 @@ fn run_batch(args: &Args, batch: usize, python: &str) -> anyhow::Result<()> {
         _ => {}
     }
     let mut peer = if args.no_torch { None } else { Peer::spawn(python, "scripts/bench/bench_simclr_step.py", batch, &options)? };
-    let (a, b) = alternate(args.rounds, python, || ours.run(), peer.as_mut())?;
+    let (a, b) = if args.breakdown_only {
+        (Vec::new(), Vec::new())
+    } else {
+        let mut ours = AllgradStep::new(batch, args.width, args.depth, &device)?.bf16(args.precision == "bf16");
+        alternate(args.rounds, python, || ours.run(), peer.as_mut())?
+    };
     if args.breakdown_rounds > 0 {
-        let (la, lb) = breakdown(args.breakdown_rounds, || layers::layer_times(batch, args.width), peer.as_mut())?;
-        print_layers(&layers::KINDS, &["conv_dw"], &la, &lb, &a, &b);
+        let kinds: Vec<&str> =
+            if args.kinds.is_empty() { layers::KINDS.to_vec() } else { args.kinds.iter().map(String::as_str).collect() };
+        let (la, lb) = breakdown(args.breakdown_rounds, || layers::layer_times(batch, args.width, &kinds), peer.as_mut())?;
+        print_layers(&kinds, &["conv_dw"], &la, &lb, &a, &b);
         println!(" conv_dx / conv_dw: each convolution with only its input's / only its weight's gradient; the forward is");
         println!(" timed in both, and the sum counts conv_dx's.");
     }
