@@ -10,20 +10,23 @@
 //! GELU in its exact form, `x/2 · (1 + erf(x/√2))` (BERT's), is likewise one parallel pass
 //! forward and one backward, `∂x = g · (Φ(x) + x·φ(x))` with `Φ(x) = (1 + erf(x/√2))/2` and
 //! `φ` the standard normal density, recomputed from `x`. In f64 `erf` is Candle's exact one; in
-//! f32 it is the vectorised formula of `vmath` (absolute error below 3e-7). Composed from
+//! f32 it is the vectorised formula of `vmath` (absolute error below 3e-7), whose tail's
+//! `e^(−x²/2)` is also the density's: one exponential per element, and each pass a single loop
+//! over the elements with no intermediate buffer. Composed from
 //! Candle's ops it takes five passes forward and about twice as many backward. (Candle's fused `gelu_erf` has a
 //! backward with `1/√(2π)` rounded to 6 digits: gradients off by about 1e-6 relative, which a
 //! finite-difference check in f64 sees.)
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::backend::{dense, fused_float};
-use crate::cpu::{contiguous, float_kernel, zeros, Float, Scratch, GRAIN};
+use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
-use crate::simd::{dispatch, SimdLevel};
+use crate::simd::SimdLevel;
 
 /// `out[i] = max(a[i] + b[i], 0)` (`b` absent: `max(a[i], 0)`), in parallel.
 fn relu_kernel<T: Float>(a: &[T], b: Option<&[T]>) -> Vec<T> {
@@ -143,60 +146,31 @@ pub(crate) fn masked(y: &Tensor, g: &Tensor) -> Result<Tensor> {
     dense(&y.detach())?.apply_op2_no_bwd(&dense(&g.detach().to_dtype(y.dtype())?)?, &Mask)
 }
 
-/// `o[i] = x[i]/2 · (1 + erf(x[i]/√2))` over one task's elements.
-#[inline(always)]
-fn gelu_chunk<T: Float>(o: &mut [T], xs: &[T], level: SimdLevel) {
-    let (half, one, r) = (T::from_f64(0.5), T::from_f64(1.0), T::from_f64(std::f64::consts::FRAC_1_SQRT_2));
-    o.iter_mut().zip(xs).for_each(|(o, &x)| *o = x * r);
-    T::erf_in_place(level, o);
-    o.iter_mut().zip(xs).for_each(|(o, &x)| *o = half * x * (one + *o));
+/// `out[i] = f(chunk of x, chunk of g)` over every element, in parallel tasks of [`GRAIN`]
+/// elements that each write their chunk of `out` once (no zeroing pass first).
+fn elementwise<T: Float>(x: &[T], g: Option<&[T]>, f: impl Fn(&mut [MaybeUninit<T>], &[T], &[T]) + Sync) -> Vec<T> {
+    let len = x.len();
+    let mut out = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len].par_chunks_mut(GRAIN).enumerate().for_each(|(t, o)| {
+        let at = t * GRAIN;
+        let gs = g.map_or(&[][..], |g| &g[at..at + o.len()]);
+        f(o, &x[at..at + o.len()], gs)
+    });
+    // SAFETY: the chunks cover the first `len` elements and each `f` writes all of its chunk
+    // (the GELU passes below write every element of `o`).
+    unsafe { out.set_len(len) };
+    out
 }
 
-/// GELU of every element, in parallel, at `level`.
+/// GELU of every element, in parallel, at `level`, in one pass (`crate::vmath` for f32).
 fn gelu_kernel<T: Float>(x: &[T], level: SimdLevel) -> Vec<T> {
-    let mut out = zeros(x.len());
-    out.par_chunks_mut(GRAIN).zip(x.par_chunks(GRAIN)).for_each(|(o, xs)| {
-        dispatch!(
-            level,
-            fn chunk<T: Float>(o: &mut [T], xs: &[T], level: SimdLevel) -> () {
-                gelu_chunk(o, xs, level)
-            }
-        )
-    });
-    out
+    elementwise(x, None, |o, xs, _| T::gelu_into(level, o, xs))
 }
 
-/// `o[i] = g[i] · ((1 + erf(x[i]/√2))/2 + x[i]·e^(−x[i]²/2)/√(2π))` over one task's elements;
-/// `e` is scratch of the same length.
-#[inline(always)]
-fn gelu_grad_chunk<T: Float>(o: &mut [T], xs: &[T], gs: &[T], e: &mut [T], level: SimdLevel) {
-    let (half, one, r) = (T::from_f64(0.5), T::from_f64(1.0), T::from_f64(std::f64::consts::FRAC_1_SQRT_2));
-    let inv_sqrt_2pi = T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt());
-    let neg_half = T::from_f64(-0.5);
-    o.iter_mut().zip(xs).for_each(|(o, &x)| *o = x * r);
-    T::erf_in_place(level, o);
-    e.iter_mut().zip(xs).for_each(|(e, &x)| *e = neg_half * x * x);
-    T::exp_in_place(level, e);
-    for (((o, &x), &g), &e) in o.iter_mut().zip(xs).zip(gs).zip(e.iter()) {
-        *o = g * (half * (one + *o) + x * e * inv_sqrt_2pi);
-    }
-}
-
-/// The GELU's input gradient, in parallel, at `level`.
+/// The GELU's input gradient `g · GELU'(x)`, in parallel, at `level`, in one pass with one
+/// exponential per element (erf's tail and the normal density share it).
 fn gelu_grad_kernel<T: Float>(x: &[T], g: &[T], level: SimdLevel) -> Vec<T> {
-    let mut out = zeros(x.len());
-    out.par_chunks_mut(GRAIN).zip(x.par_chunks(GRAIN).zip(g.par_chunks(GRAIN))).for_each(|(o, (xs, gs))| {
-        // The density, from this thread's scratch pool (written before it is read).
-        let mut scratch = Scratch::<T>::take(xs.len());
-        let e: &mut [T] = &mut scratch;
-        dispatch!(
-            level,
-            fn chunk<T: Float>(o: &mut [T], xs: &[T], gs: &[T], e: &mut [T], level: SimdLevel) -> () {
-                gelu_grad_chunk(o, xs, gs, e, level)
-            }
-        )
-    });
-    out
+    elementwise(x, Some(g), |o, xs, gs| T::gelu_grad_into(level, o, xs, gs))
 }
 
 struct Gelu;

@@ -2,6 +2,7 @@
 //! a bounds-checked GEMM wrapper and the batch-parallel plan.
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -28,19 +29,21 @@ pub(crate) trait Float: WithDType {
     fn sqrt(self) -> Self;
     /// Whether the value is NaN.
     fn is_nan(self) -> bool;
-    /// `v ← erf(v)` over a slice: f64 through Candle's exact `erf`, f32 through the
-    /// vectorised formula of [`crate::vmath`] (absolute error below 3e-7, tested).
-    /// The vectorised copy taken is `level`'s ([`crate::simd`]).
-    fn erf_in_place(level: SimdLevel, xs: &mut [Self]);
     /// `v ← e^v` over a slice: f64 through the C library, f32 through [`crate::vmath`] at
     /// `level`.
     fn exp_in_place(level: SimdLevel, xs: &mut [Self]);
+    /// `o[i] = x[i]/2 · (1 + erf(x[i]/√2))` in one pass: f64 through Candle's exact `erf`,
+    /// f32 through the vectorised formula of [`crate::vmath`] (erf's absolute error below
+    /// 3e-7, tested) in `level`'s copy ([`crate::simd`]).
+    fn gelu_into(level: SimdLevel, o: &mut [MaybeUninit<Self>], xs: &[Self]);
+    /// `o[i] = g[i] · GELU'(x[i])` in one pass, as [`Float::gelu_into`].
+    fn gelu_grad_into(level: SimdLevel, o: &mut [MaybeUninit<Self>], xs: &[Self], gs: &[Self]);
     /// This thread's pool of scratch buffers of this type (see [`Scratch`]).
     fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>>;
 }
 
 macro_rules! impl_float {
-    ($t:ty, $erf:path, $exp:path) => {
+    ($t:ty, $exp:path, $gelu:path, $gelu_grad:path) => {
         impl Float for $t {
             const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
             #[inline]
@@ -59,11 +62,14 @@ macro_rules! impl_float {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
-            fn erf_in_place(level: SimdLevel, xs: &mut [Self]) {
-                $erf(level, xs)
-            }
             fn exp_in_place(level: SimdLevel, xs: &mut [Self]) {
                 $exp(level, xs)
+            }
+            fn gelu_into(level: SimdLevel, o: &mut [MaybeUninit<Self>], xs: &[Self]) {
+                $gelu(level, o, xs)
+            }
+            fn gelu_grad_into(level: SimdLevel, o: &mut [MaybeUninit<Self>], xs: &[Self], gs: &[Self]) {
+                $gelu_grad(level, o, xs, gs)
             }
             fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>> {
                 thread_local! {
@@ -74,11 +80,21 @@ macro_rules! impl_float {
         }
     };
 }
-impl_float!(f32, crate::vmath::erf_at, crate::vmath::exp_at);
-impl_float!(f64, erf_f64_in_place, exp_f64_in_place);
+impl_float!(f32, crate::vmath::exp_at, crate::vmath::gelu_at, crate::vmath::gelu_grad_at);
+impl_float!(f64, exp_f64_in_place, gelu_f64, gelu_grad_f64);
 
-fn erf_f64_in_place(_: SimdLevel, xs: &mut [f64]) {
-    xs.iter_mut().for_each(|v| *v = candle_core::cpu::erf::erf_f64(*v));
+fn gelu_f64(_: SimdLevel, o: &mut [MaybeUninit<f64>], xs: &[f64]) {
+    let r = std::f64::consts::FRAC_1_SQRT_2;
+    for (o, &x) in o.iter_mut().zip(xs) {
+        o.write(0.5 * x * (1.0 + candle_core::cpu::erf::erf_f64(x * r)));
+    }
+}
+
+fn gelu_grad_f64(_: SimdLevel, o: &mut [MaybeUninit<f64>], xs: &[f64], gs: &[f64]) {
+    let (r, c) = (std::f64::consts::FRAC_1_SQRT_2, 1.0 / (2.0 * std::f64::consts::PI).sqrt());
+    for (o, (&x, &g)) in o.iter_mut().zip(xs.iter().zip(gs)) {
+        o.write(g * (0.5 * (1.0 + candle_core::cpu::erf::erf_f64(x * r)) + x * (-0.5 * x * x).exp() * c));
+    }
 }
 
 fn exp_f64_in_place(_: SimdLevel, xs: &mut [f64]) {

@@ -5,6 +5,8 @@
 //! On the CPU each row's sums are kept in 16 partial sums, so that the loops vectorise (with
 //! AVX-512, AVX2 or SSE2, `crate::simd`) and give the same bits on every path.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -314,57 +316,82 @@ fn moments<T: Float>(row: &[T], eps: f64) -> (T, T) {
     (mean, rstd)
 }
 
-/// One task's rows of the forward.
+/// One task's rows of the forward; writes every element of `ys`.
 #[inline(always)]
-fn ln_fwd_rows<T: Float>(ys: &mut [T], xs: &[T], gamma: &[T], beta: &[T], eps: f64) {
+fn ln_fwd_rows<T: Float>(ys: &mut [MaybeUninit<T>], xs: &[T], gamma: &[T], beta: &[T], eps: f64) {
     let d = gamma.len();
     for (yr, xr) in ys.chunks_mut(d).zip(xs.chunks(d)) {
         let (mean, rstd) = moments(xr, eps);
         for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
-            *o = (v - mean) * rstd * g + b;
+            o.write((v - mean) * rstd * g + b);
         }
     }
 }
 
 fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64, level: SimdLevel) -> Vec<T> {
     let d = gamma.len();
-    let mut y = zeros(x.len());
     if d == 0 || x.is_empty() {
-        return y;
+        return zeros(x.len());
     }
     let rows = rows_per_task(d);
-    y.par_chunks_mut(rows * d).zip(x.par_chunks(rows * d)).for_each(|(ys, xs)| {
+    let mut y = Vec::with_capacity(x.len());
+    y.spare_capacity_mut()[..x.len()].par_chunks_mut(rows * d).zip(x.par_chunks(rows * d)).for_each(|(ys, xs)| {
         dispatch!(
             level,
-            fn rows<T: Float>(ys: &mut [T], xs: &[T], gamma: &[T], beta: &[T], eps: f64) -> () {
+            fn rows<T: Float>(ys: &mut [MaybeUninit<T>], xs: &[T], gamma: &[T], beta: &[T], eps: f64) -> () {
                 ln_fwd_rows(ys, xs, gamma, beta, eps)
             }
         )
     });
+    // SAFETY: the chunks cover the first `x.len()` elements (whole rows: `x.len()` is a multiple
+    // of `d`) and `ln_fwd_rows` writes every element of its chunk.
+    unsafe { y.set_len(x.len()) };
     y
 }
 
-/// One task's rows of the backward: writes `∂x`, adds the rows' `∂gamma` and `∂beta` into
-/// `dg` and `db`.
+/// One row's `(Σ ĝ, Σ ĝ·x̂)` with `ĝ = ∂y·gamma`, in [`LANES`] partial sums combined by [`fold`]
+/// (the order of [`lane_sum`]), adding its `∂y·x̂` into `dg` and `∂y` into `db` in the same pass.
 #[inline(always)]
-fn ln_bwd_rows<T: Float>(dxs: &mut [T], xs: &[T], gs: &[T], gamma: &[T], eps: f64, dg: &mut [T], db: &mut [T]) {
+fn ln_bwd_sums<T: Float>(gr: &[T], xr: &[T], gamma: &[T], (mean, rstd): (T, T), dg: &mut [T], db: &mut [T]) -> (T, T) {
+    let zero = T::from_f64(0.0);
+    let (mut sa, mut sb) = ([zero; LANES], [zero; LANES]);
+    let d = gamma.len();
+    let full = d / LANES * LANES;
+    let mut step = |at: usize, width: usize| {
+        let r = at..at + width;
+        let (gc, xc, wc) = (&gr[r.clone()], &xr[r.clone()], &gamma[r.clone()]);
+        let (dgc, dbc) = (&mut dg[r.clone()], &mut db[r]);
+        for j in 0..width {
+            let xhat = (xc[j] - mean) * rstd;
+            let gh = gc[j] * wc[j];
+            sa[j] += gh;
+            sb[j] += gh * xhat;
+            dgc[j] += gc[j] * xhat;
+            dbc[j] += gc[j];
+        }
+    };
+    for at in (0..full).step_by(LANES) {
+        // A constant trip count, so that the lanes vectorise.
+        step(at, LANES);
+    }
+    step(full, d - full);
+    (fold(sa), fold(sb))
+}
+
+/// One task's rows of the backward: writes every element of `∂x`, adds the rows' `∂gamma` and
+/// `∂beta` into `dg` and `db`.
+#[inline(always)]
+fn ln_bwd_rows<T: Float>(dxs: &mut [MaybeUninit<T>], xs: &[T], gs: &[T], gamma: &[T], eps: f64, dg: &mut [T], db: &mut [T]) {
     let d = gamma.len();
     let inv_d = T::from_f64(1.0 / d as f64);
     for ((dxr, xr), gr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(gs.chunks(d)) {
         let (mean, rstd) = moments(xr, eps);
-        // ĝ = ∂y·gamma; a = mean(ĝ), b = mean(ĝ·x̂).
-        let a = lane_sum(gr, gamma, |g, w| g * w) * inv_d;
-        for (i, (&g, &v)) in gr.iter().zip(xr).enumerate() {
-            let xhat = (v - mean) * rstd;
-            dg[i] += g * xhat;
-            db[i] += g;
-            // ∂x holds ĝ·x̂ until `b` is known.
-            dxr[i] = g * gamma[i] * xhat;
-        }
-        let b = lane_sum(dxr, dxr, |v, _| v) * inv_d;
+        // a = mean(ĝ), b = mean(ĝ·x̂).
+        let (sa, sb) = ln_bwd_sums(gr, xr, gamma, (mean, rstd), dg, db);
+        let (a, b) = (sa * inv_d, sb * inv_d);
         for ((o, &g), (&v, &w)) in dxr.iter_mut().zip(gr).zip(xr.iter().zip(gamma)) {
             let xhat = (v - mean) * rstd;
-            *o = rstd * (g * w - a - xhat * b);
+            o.write(rstd * (g * w - a - xhat * b));
         }
     }
 }
@@ -375,12 +402,13 @@ fn ln_bwd_rows<T: Float>(dxs: &mut [T], xs: &[T], gs: &[T], gamma: &[T], eps: f6
 fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64, level: SimdLevel) -> Vec<Vec<T>> {
     let zero = T::from_f64(0.0);
     let d = gamma.len();
-    let (mut dx, mut dgamma, mut dbeta) = (zeros(x.len()), zeros(d), zeros(d));
-    if d == 0 {
-        return vec![dx, dgamma, dbeta];
+    let (mut dgamma, mut dbeta) = (zeros(d), zeros(d));
+    if d == 0 || x.is_empty() {
+        return vec![zeros(x.len()), dgamma, dbeta];
     }
     let rows = rows_per_task(d);
-    let parts: Vec<Vec<T>> = dx
+    let mut dx = Vec::with_capacity(x.len());
+    let parts: Vec<Vec<T>> = dx.spare_capacity_mut()[..x.len()]
         .par_chunks_mut(rows * d)
         .zip(x.par_chunks(rows * d))
         .zip(gy.par_chunks(rows * d))
@@ -389,13 +417,24 @@ fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64, level: SimdLevel) 
             let (dg, db) = acc.split_at_mut(d);
             dispatch!(
                 level,
-                fn rows<T: Float>(dxs: &mut [T], xs: &[T], gs: &[T], gamma: &[T], eps: f64, dg: &mut [T], db: &mut [T]) -> () {
+                fn rows<T: Float>(
+                    dxs: &mut [MaybeUninit<T>],
+                    xs: &[T],
+                    gs: &[T],
+                    gamma: &[T],
+                    eps: f64,
+                    dg: &mut [T],
+                    db: &mut [T],
+                ) -> () {
                     ln_bwd_rows(dxs, xs, gs, gamma, eps, dg, db)
                 }
             );
             acc
         })
         .collect();
+    // SAFETY: the chunks cover the first `x.len()` elements (whole rows) and `ln_bwd_rows`
+    // writes every element of its chunk.
+    unsafe { dx.set_len(x.len()) };
     for part in parts {
         for (o, v) in dgamma.iter_mut().chain(dbeta.iter_mut()).zip(&part) {
             *o += *v;

@@ -21,6 +21,8 @@
 //!   at most 2.4e-7 (the tests bound it by 3e-7; A&S alone near 0 reaches 5.3e-7, as its
 //!   `1 − …` cancels).
 
+use std::mem::MaybeUninit;
+
 /// Clamp bounds keeping `2^n` a normal f32 exponent.
 const EXP_LO: f32 = -87.0;
 const EXP_HI: f32 = 88.0;
@@ -82,13 +84,59 @@ fn exp_one(x: f32) -> f32 {
 
 #[inline(always)]
 fn erf_one(x: f32) -> f32 {
+    erf_and_gauss(x).0
+}
+
+/// `(erf(x), e^(−x²))`: the exponential that erf's tail needs, returned beside it.
+#[inline(always)]
+fn erf_and_gauss(x: f32) -> (f32, f32) {
     let (a, s) = (x.abs(), x * x);
     let series = ERF_TAYLOR.iter().rev().fold(0.0, |q, &c| q * s + c) * a;
     let t = 1.0 / (1.0 + ERF_P * a);
     let [a1, a2, a3, a4, a5] = ERF_A;
     let poly = ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t;
-    let tail = 1.0 - poly * exp_one(-s);
-    (if a < ERF_TAYLOR_MAX { series } else { tail }).copysign(x)
+    let gauss = exp_one(-s);
+    let tail = 1.0 - poly * gauss;
+    ((if a < ERF_TAYLOR_MAX { series } else { tail }).copysign(x), gauss)
+}
+
+/// `x/2 · (1 + erf(x/√2))`.
+#[inline(always)]
+fn gelu_one(x: f32) -> f32 {
+    0.5 * x * (1.0 + erf_one(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+/// `GELU'(x) = (1 + erf(x/√2))/2 + x·φ(x)` with the normal density `φ(x) = e^(−x²/2)/√(2π)`,
+/// whose exponential is erf's own `e^(−u²)` at `u = x/√2`: one exponential per element.
+#[inline(always)]
+fn gelu_grad_one(x: f32) -> f32 {
+    let inv_sqrt_2pi = (1.0 / (2.0 * std::f64::consts::PI).sqrt()) as f32;
+    let (erf, gauss) = erf_and_gauss(x * std::f32::consts::FRAC_1_SQRT_2);
+    0.5 * (1.0 + erf) + x * gauss * inv_sqrt_2pi
+}
+
+/// `o[i] = GELU(x[i])` at `level`, one pass (`o` written, never read).
+pub(crate) fn gelu_at(level: crate::simd::SimdLevel, o: &mut [MaybeUninit<f32>], xs: &[f32]) {
+    crate::simd::dispatch!(
+        level,
+        fn each(o: &mut [MaybeUninit<f32>], xs: &[f32]) {
+            o.iter_mut().zip(xs).for_each(|(o, &x)| {
+                o.write(gelu_one(x));
+            });
+        }
+    )
+}
+
+/// `o[i] = g[i] · GELU'(x[i])` at `level`, one pass (`o` written, never read).
+pub(crate) fn gelu_grad_at(level: crate::simd::SimdLevel, o: &mut [MaybeUninit<f32>], xs: &[f32], gs: &[f32]) {
+    crate::simd::dispatch!(
+        level,
+        fn each(o: &mut [MaybeUninit<f32>], xs: &[f32], gs: &[f32]) {
+            o.iter_mut().zip(xs.iter().zip(gs)).for_each(|(o, (&x, &g))| {
+                o.write(g * gelu_grad_one(x));
+            });
+        }
+    )
 }
 
 macro_rules! dispatched {
@@ -113,9 +161,10 @@ dispatched!(
     exp_at,
     exp_one
 );
+// The kernels use erf inside the GELU's passes; this slice form is the tests'.
+#[cfg(test)]
 dispatched!(
-    /// `v ← erf(v)` for every element (the kernels call `erf_at`; this is the tests' entry).
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// `v ← erf(v)` for every element.
     erf_in_place,
     erf_at,
     erf_one
@@ -182,6 +231,34 @@ mod tests {
                 assert_eq!(v[i].to_bits(), erf_one(x).to_bits(), "erf at {x}, {level:?}");
                 assert_eq!(e[i].to_bits(), exp_one(x).to_bits(), "exp at {x}, {level:?}");
             }
+            let gs: Vec<f32> = xs.iter().map(|&x| 0.25 - x / 7.0).collect();
+            let (mut y, mut d) = (vec![MaybeUninit::uninit(); xs.len()], vec![MaybeUninit::uninit(); xs.len()]);
+            gelu_at(level, &mut y, &xs);
+            gelu_grad_at(level, &mut d, &xs, &gs);
+            for (i, &x) in xs.iter().enumerate() {
+                // SAFETY: both passes write every element.
+                let (y, d) = unsafe { (y[i].assume_init(), d[i].assume_init()) };
+                assert_eq!(y.to_bits(), gelu_one(x).to_bits(), "gelu at {x}, {level:?}");
+                assert_eq!(d.to_bits(), (gs[i] * gelu_grad_one(x)).to_bits(), "gelu' at {x}, {level:?}");
+            }
         }
+    }
+
+    #[test]
+    fn gelu_and_its_derivative_are_within_a_few_units_of_the_f64_formulas() {
+        let xs = grid(-12.0, 12.0);
+        let c = 1.0 / (2.0 * std::f64::consts::PI).sqrt();
+        let (mut worst_y, mut worst_d) = (0f64, 0f64);
+        for &x in &xs {
+            let w = x as f64;
+            let erf = candle_core::cpu::erf::erf_f64(w * std::f64::consts::FRAC_1_SQRT_2);
+            let (want_y, want_d) = (0.5 * w * (1.0 + erf), 0.5 * (1.0 + erf) + w * (-0.5 * w * w).exp() * c);
+            // Absolute error against the scale of the terms (|x|/2 for the value, 1 + |x|φ for
+            // the derivative): erf's 2.4e-7 bound times that scale, plus f32 rounding.
+            worst_y = worst_y.max((gelu_one(x) as f64 - want_y).abs() / (0.5 * w.abs()).max(1e-30));
+            worst_d = worst_d.max((gelu_grad_one(x) as f64 - want_d).abs());
+        }
+        assert!(worst_y < 5e-7, "gelu: worst error relative to |x|/2 {worst_y:e}");
+        assert!(worst_d < 3e-7, "gelu': worst absolute error {worst_d:e}");
     }
 }
