@@ -11,7 +11,7 @@ use gemm::Parallelism;
 use half::bf16;
 
 use crate::error::{fail, NnError};
-use crate::simd::SimdLevel;
+use crate::simd::{SimdLevel, LANES};
 
 /// Elements per parallel task of the element-wise kernels: large enough that a task outweighs
 /// its scheduling.
@@ -99,6 +99,40 @@ fn gelu_grad_f64(_: SimdLevel, o: &mut [MaybeUninit<f64>], xs: &[f64], gs: &[f64
 
 fn exp_f64_in_place(_: SimdLevel, xs: &mut [f64]) {
     xs.iter_mut().for_each(|v| *v = v.exp());
+}
+
+/// `Σ acc`, pairwise in a fixed order (16 → 8 → 4 → 2 → 1).
+#[inline(always)]
+pub(crate) fn fold<T: Float>(mut acc: [T; LANES]) -> T {
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for j in 0..w {
+            let v = acc[j + w];
+            acc[j] += v;
+        }
+    }
+    acc[0]
+}
+
+/// `Σ_i f(a[i], b[i])` over two rows of one length, in [`LANES`] partial sums (element `i` into
+/// sum `i mod LANES`) combined by [`fold`]: the same operations in the same order on every SIMD
+/// path, which the compiler vectorises.
+#[inline(always)]
+pub(crate) fn lane_sum<T: Float>(a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> T {
+    let mut acc = [T::from_f64(0.0); LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        let (x, y): (&[T; LANES], &[T; LANES]) = (x.try_into().expect("exact chunk"), y.try_into().expect("exact chunk"));
+        for j in 0..LANES {
+            acc[j] += f(x[j], y[j]);
+        }
+    }
+    for (j, (&x, &y)) in ta.iter().zip(tb).enumerate() {
+        acc[j] += f(x, y);
+    }
+    fold(acc)
 }
 
 /// Whether the CPU has AVX2 and FMA, for kernels that carry a copy compiled for them.

@@ -11,7 +11,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, T
 use rayon::prelude::*;
 
 use crate::backend::{cpu_float, cuda_float, dense};
-use crate::cpu::{contiguous, float_kernel, run_split, zeros, Float, SplitKernel};
+use crate::cpu::{contiguous, float_kernel, fold, lane_sum, run_split, zeros, Float, SplitKernel};
 use crate::error::{fail, NnError};
 use crate::simd::{dispatch, SimdLevel, LANES};
 
@@ -270,40 +270,6 @@ impl SplitKernel<3> for LayerNormBackward {
         let level = crate::simd::for_kernel()?;
         Ok(ln_bwd(&contiguous(x, lx), &contiguous(g, lg), &contiguous(gy, lgy), self.eps, level))
     }
-}
-
-/// `Σ acc`, pairwise in a fixed order (16 → 8 → 4 → 2 → 1).
-#[inline(always)]
-fn fold<T: Float>(mut acc: [T; LANES]) -> T {
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for j in 0..w {
-            let v = acc[j + w];
-            acc[j] += v;
-        }
-    }
-    acc[0]
-}
-
-/// `Σ_i f(a[i], b[i])` over two rows of one length, in [`LANES`] partial sums (element `i` into
-/// sum `i mod LANES`) combined by [`fold`]: the same operations in the same order on every
-/// SIMD path, which the compiler vectorises.
-#[inline(always)]
-fn lane_sum<T: Float>(a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> T {
-    let mut acc = [T::from_f64(0.0); LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        let (x, y): (&[T; LANES], &[T; LANES]) = (x.try_into().expect("exact chunk"), y.try_into().expect("exact chunk"));
-        for j in 0..LANES {
-            acc[j] += f(x[j], y[j]);
-        }
-    }
-    for (j, (&x, &y)) in ta.iter().zip(tb).enumerate() {
-        acc[j] += f(x, y);
-    }
-    fold(acc)
 }
 
 /// Mean and `1 / sqrt(var + eps)` of one row (two passes, biased variance), in lane sums.

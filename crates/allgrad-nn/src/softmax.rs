@@ -6,8 +6,9 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use crate::backend::cpu_float;
-use crate::cpu::{contiguous, float_kernel, zeros, Float};
+use crate::cpu::{contiguous, float_kernel, lane_sum, zeros, Float};
 use crate::error::{fail, NnError};
+use crate::simd::{dispatch, SimdLevel, LANES};
 
 /// `softmax(x)_i = exp(x_i - max x) / Σ_j exp(x_j - max x)` over the last dimension.
 ///
@@ -90,7 +91,8 @@ impl CustomOp1 for SoftmaxOp {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = l.dims().last().copied().unwrap_or(1);
-        let out = float_kernel!(self.kind.name(), s => x; softmax_fwd(&contiguous(x, l), d, self.kind));
+        let level = crate::simd::for_kernel()?;
+        let out = float_kernel!(self.kind.name(), s => x; softmax_fwd(&contiguous(x, l), d, self.kind, level));
         Ok((out, l.shape().clone()))
     }
 
@@ -106,7 +108,8 @@ impl CustomOp2 for SoftmaxBackward {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = l1.dims().last().copied().unwrap_or(1);
-        let out = float_kernel!("softmax backward", s1 => y, s2 => g; softmax_bwd(&contiguous(y, l1), &contiguous(g, l2), d, self.kind));
+        let level = crate::simd::for_kernel()?;
+        let out = float_kernel!("softmax backward", s1 => y, s2 => g; softmax_bwd(&contiguous(y, l1), &contiguous(g, l2), d, self.kind, level));
         Ok((out, l1.shape().clone()))
     }
 }
@@ -132,63 +135,159 @@ pub(crate) fn max_and_sum_exp<T: Float>(row: &[T]) -> (T, T) {
     (m, s)
 }
 
-fn softmax_fwd<T: Float>(x: &[T], d: usize, kind: Kind) -> Vec<T> {
+/// The largest element of a row, NaN when any is NaN, `-inf` for an empty row or one of only
+/// `-inf`: [`LANES`] running maxima (element `i` into `i mod LANES`), then combined, so that
+/// the loop vectorises.
+#[inline(always)]
+fn row_max<T: Float>(row: &[T]) -> T {
+    let pick = |m: T, v: T| {
+        if m.is_nan() || !(v > m || v.is_nan()) {
+            m
+        } else {
+            v
+        }
+    };
+    let mut acc = [T::NEG_INFINITY; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        let c: &[T; LANES] = c.try_into().expect("exact chunk");
+        for j in 0..LANES {
+            acc[j] = pick(acc[j], c[j]);
+        }
+    }
+    for (j, &v) in tail.iter().enumerate() {
+        acc[j] = pick(acc[j], v);
+    }
+    acc.into_iter().fold(T::NEG_INFINITY, pick)
+}
+
+/// `row ← softmax(row)` in place at `level` (a row of only `-inf` gives zeros): the max
+/// subtracted, the vectorised `exp` (`crate::vmath` in f32), the sum in lane sums.
+#[inline(always)]
+fn softmax_row<T: Float>(row: &mut [T], level: SimdLevel) {
+    let m = row_max(row);
+    if m == T::NEG_INFINITY {
+        row.fill(T::from_f64(0.0));
+        return;
+    }
+    row.iter_mut().for_each(|v| *v = *v - m);
+    T::exp_in_place(level, row);
+    let inv = T::from_f64(1.0) / lane_sum(row, row, |v, _| v);
+    row.iter_mut().for_each(|v| *v = *v * inv);
+}
+
+/// `out ← log_softmax(x)` of one row at `level` (a row of only `-inf` stays `-inf`);
+/// `out` also holds the exponentials on the way.
+#[inline(always)]
+fn log_softmax_row<T: Float>(out: &mut [T], x: &[T], level: SimdLevel) {
+    let m = row_max(x);
+    if m == T::NEG_INFINITY {
+        out.copy_from_slice(x);
+        return;
+    }
+    out.iter_mut().zip(x).for_each(|(o, &v)| *o = v - m);
+    T::exp_in_place(level, out);
+    let lse = lane_sum(out, out, |v, _| v).ln();
+    out.iter_mut().zip(x).for_each(|(o, &v)| *o = (v - m) - lse);
+}
+
+/// One task's rows of the forward.
+#[inline(always)]
+fn fwd_rows<T: Float>(ys: &mut [T], xs: &[T], d: usize, kind: Kind, level: SimdLevel) {
+    for (yr, xr) in ys.chunks_mut(d).zip(xs.chunks(d)) {
+        match kind {
+            Kind::Softmax => {
+                yr.copy_from_slice(xr);
+                softmax_row(yr, level);
+            }
+            Kind::LogSoftmax => log_softmax_row(yr, xr, level),
+        }
+    }
+}
+
+fn softmax_fwd<T: Float>(x: &[T], d: usize, kind: Kind, level: SimdLevel) -> Vec<T> {
     let mut y = zeros(x.len());
     if d == 0 || x.is_empty() {
         return y;
     }
     let rows = rows_per_task(d);
     y.par_chunks_mut(rows * d).zip(x.par_chunks(rows * d)).for_each(|(ys, xs)| {
-        for (yr, xr) in ys.chunks_mut(d).zip(xs.chunks(d)) {
-            let (m, sum) = max_and_sum_exp(xr);
-            match kind {
-                Kind::LogSoftmax => {
-                    let lse = sum.ln();
-                    for (o, &v) in yr.iter_mut().zip(xr) {
-                        *o = (v - m) - lse;
-                    }
-                }
-                Kind::Softmax => {
-                    let inv = T::from_f64(1.0) / sum;
-                    for (o, &v) in yr.iter_mut().zip(xr) {
-                        *o = (v - m).exp() * inv;
-                    }
-                }
+        dispatch!(
+            level,
+            fn rows<T: Float>(ys: &mut [T], xs: &[T], d: usize, kind: Kind, level: SimdLevel) -> () {
+                fwd_rows(ys, xs, d, kind, level)
             }
-        }
+        )
     });
     y
 }
 
-fn softmax_bwd<T: Float>(y: &[T], g: &[T], d: usize, kind: Kind) -> Vec<T> {
+/// One task's rows of the backward: softmax `∂x = y·(g − Σ y·g)`, log-softmax
+/// `∂x = g − e^y·Σ g`, the sums in lane sums.
+#[inline(always)]
+fn bwd_rows<T: Float>(dxs: &mut [T], ys: &[T], gs: &[T], d: usize, kind: Kind, level: SimdLevel) {
+    for ((dr, yr), gr) in dxs.chunks_mut(d).zip(ys.chunks(d)).zip(gs.chunks(d)) {
+        match kind {
+            Kind::Softmax => {
+                let dot = lane_sum(yr, gr, |a, b| a * b);
+                for ((o, &a), &b) in dr.iter_mut().zip(yr).zip(gr) {
+                    *o = a * (b - dot);
+                }
+            }
+            Kind::LogSoftmax => {
+                let sum = lane_sum(gr, gr, |b, _| b);
+                dr.copy_from_slice(yr);
+                T::exp_in_place(level, dr);
+                for (o, &b) in dr.iter_mut().zip(gr) {
+                    *o = b - *o * sum;
+                }
+            }
+        }
+    }
+}
+
+fn softmax_bwd<T: Float>(y: &[T], g: &[T], d: usize, kind: Kind, level: SimdLevel) -> Vec<T> {
     let mut dx = zeros(y.len());
     if d == 0 || y.is_empty() {
         return dx;
     }
     let rows = rows_per_task(d);
     dx.par_chunks_mut(rows * d).zip(y.par_chunks(rows * d)).zip(g.par_chunks(rows * d)).for_each(|((dxs, ys), gs)| {
-        for ((dr, yr), gr) in dxs.chunks_mut(d).zip(ys.chunks(d)).zip(gs.chunks(d)) {
-            match kind {
-                Kind::Softmax => {
-                    let mut dot = T::from_f64(0.0);
-                    for (&a, &b) in yr.iter().zip(gr) {
-                        dot += a * b;
-                    }
-                    for ((o, &a), &b) in dr.iter_mut().zip(yr).zip(gr) {
-                        *o = a * (b - dot);
-                    }
-                }
-                Kind::LogSoftmax => {
-                    let mut sum = T::from_f64(0.0);
-                    for &b in gr {
-                        sum += b;
-                    }
-                    for ((o, &a), &b) in dr.iter_mut().zip(yr).zip(gr) {
-                        *o = b - a.exp() * sum;
-                    }
-                }
+        dispatch!(
+            level,
+            fn rows<T: Float>(dxs: &mut [T], ys: &[T], gs: &[T], d: usize, kind: Kind, level: SimdLevel) -> () {
+                bwd_rows(dxs, ys, gs, d, kind, level)
             }
-        }
+        )
     });
     dx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_max_is_the_plain_maximum_and_nan_when_any_element_is() {
+        let plain = |row: &[f64]| {
+            if row.iter().any(|v| v.is_nan()) {
+                f64::NAN
+            } else {
+                row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v))
+            }
+        };
+        // Lengths around the lanes' multiples, the maximum at every position, NaN at a few.
+        for len in [0, 1, 5, 15, 16, 17, 33, 40] {
+            let base: Vec<f64> = (0..len).map(|i| ((i * 7919) % 23) as f64 - 11.0).collect();
+            for at in 0..len {
+                let mut row = base.clone();
+                row[at] = 100.0;
+                assert_eq!(row_max(&row), plain(&row), "len {len}, max at {at}");
+                row[at] = f64::NAN;
+                assert!(row_max(&row).is_nan(), "len {len}, NaN at {at}");
+            }
+            assert_eq!(row_max(&vec![f64::NEG_INFINITY; len]), f64::NEG_INFINITY, "len {len} of -inf");
+        }
+    }
 }

@@ -1,5 +1,5 @@
-//! The vectorised loops' copies per SIMD level (`allgrad_nn::SimdLevel`): layer norm and GELU,
-//! forward and backward, at each level the CPU has, against their composed references (f64
+//! The vectorised loops' copies per SIMD level (`allgrad_nn::SimdLevel`): layer norm, GELU,
+//! softmax and log-softmax, forward and backward, at each level the CPU has, against their composed references (f64
 //! 1e-10, f32 1e-5), with identical bits across levels and the path counter of the level that
 //! was forced; and `ALLGRAD_CPU_SIMD`'s values and errors.
 
@@ -106,6 +106,32 @@ fn gelu_at_every_simd_level_matches_its_composition_with_the_same_bits() {
         let x = (rand_tensor(&[100_003], 21, dtype) * 4.0).unwrap();
         let r = rand_tensor(&[100_003], 22, dtype);
         check_levels("gelu_erf", &|t| gelu_erf(t[0]), &|t| gelu_erf_composed(t[0]), &[x], &r, 2);
+    }
+}
+
+#[test]
+fn softmax_and_log_softmax_at_every_simd_level_match_their_composition_with_the_same_bits() {
+    // Rows of 37 (a tail beyond the 16 lanes) and 128; softmax's rows each with a masked (-inf)
+    // entry, log-softmax's with a large negative one (its output there is -inf or finite, which a
+    // relative error cannot compare when infinite).
+    for (shape, seed) in [(vec![9usize, 37], 31u64), (vec![2, 3, 128], 35)] {
+        for dtype in [DType::F64, DType::F32] {
+            let d = *shape.last().unwrap();
+            let mask = |v: f64| -> Tensor {
+                let m: Vec<f64> = (0..d).map(|i| if i == 3 { v } else { 0.0 }).collect();
+                Tensor::new(m, &candle_core::Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+            };
+            let x = (rand_tensor(&shape, seed, dtype) * 6.0).unwrap();
+            let (x, xl) = (x.broadcast_add(&mask(f64::NEG_INFINITY)).unwrap(), x.broadcast_add(&mask(-60.0)).unwrap());
+            let r = rand_tensor(&shape, seed + 1, dtype);
+            let name = format!("softmax {shape:?}");
+            let softmax = |t: &[&Tensor]| allgrad_nn::softmax_last_dim(t[0]);
+            let composed = |t: &[&Tensor]| candle_nn::ops::softmax(t[0], candle_core::D::Minus1);
+            check_levels(&name, &softmax, &composed, &[x.clone()], &r, 2);
+            let log_softmax = |t: &[&Tensor]| allgrad_nn::log_softmax_last_dim(t[0]);
+            let composed = |t: &[&Tensor]| candle_nn::ops::log_softmax(t[0], candle_core::D::Minus1);
+            check_levels(&format!("log_{name}"), &log_softmax, &composed, &[xl], &r, 2);
+        }
     }
 }
 
