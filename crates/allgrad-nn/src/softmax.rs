@@ -171,10 +171,10 @@ fn softmax_row<T: Float>(row: &mut [T], level: SimdLevel) {
         row.fill(T::from_f64(0.0));
         return;
     }
-    row.iter_mut().for_each(|v| *v = *v - m);
+    row.iter_mut().for_each(|v| *v -= m);
     T::exp_in_place(level, row);
     let inv = T::from_f64(1.0) / lane_sum(row, row, |v, _| v);
-    row.iter_mut().for_each(|v| *v = *v * inv);
+    row.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// `out ← log_softmax(x)` of one row at `level` (a row of only `-inf` stays `-inf`);
