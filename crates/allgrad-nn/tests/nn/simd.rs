@@ -127,7 +127,7 @@ fn softmax_and_log_softmax_at_every_simd_level_match_their_composition_with_the_
             let name = format!("softmax {shape:?}");
             let softmax = |t: &[&Tensor]| allgrad_nn::softmax_last_dim(t[0]);
             let composed = |t: &[&Tensor]| candle_nn::ops::softmax(t[0], candle_core::D::Minus1);
-            check_levels(&name, &softmax, &composed, &[x.clone()], &r, 2);
+            check_levels(&name, &softmax, &composed, std::slice::from_ref(&x), &r, 2);
             let log_softmax = |t: &[&Tensor]| allgrad_nn::log_softmax_last_dim(t[0]);
             let composed = |t: &[&Tensor]| candle_nn::ops::log_softmax(t[0], candle_core::D::Minus1);
             check_levels(&format!("log_{name}"), &log_softmax, &composed, &[xl], &r, 2);
