@@ -9,6 +9,12 @@
 //! buffer (`kdim x nb·p`), and each GEMM covers the whole block. With `p >= TARGET_COLS` the
 //! block is one image, exactly the per-image scheme.
 //!
+//! The weight gradient of the image-chunked scheme is a partial sum per chunk of images, each
+//! as large as the weight, summed at the end. For the last stages' weights (up to 9 MiB) that
+//! is a whole weight written, re-read and summed per chunk; there the weight gradient is
+//! instead split over slabs of input channels, one task each, every slab accumulated over
+//! blocks of images in one buffer of its own ([`conv_dw_slabs`]).
+//!
 //! Every reduction has a fixed order: the blocks depend only on the geometry and on rayon's
 //! pool size, never on scheduling, so results are deterministic on a given machine.
 
