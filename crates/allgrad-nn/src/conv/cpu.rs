@@ -328,7 +328,7 @@ fn conv_dw_slabs<T: Float>(x: &[T], st: &Strides4, gy: &[T], g: &ConvGeom, col_b
     let nb = (col_budget / (per * kk * p).max(1)).clamp(1, g.n.max(1));
     let ld = nb * p;
     crate::trace::count(|t| t.conv_weight_slabs += 1);
-    // One task per (group, slab): its block of ∂W, og x (channels · kk), row-major.
+    // One task per (group, slab): the transpose of its block of ∂W, (channels · kk) x og.
     let parts: Vec<(usize, usize, Vec<T>)> = (0..g.groups * slabs)
         .into_par_iter()
         .map(|task| {
@@ -360,22 +360,30 @@ fn conv_dw_slabs<T: Float>(x: &[T], st: &Strides4, gy: &[T], g: &ConvGeom, col_b
     let mut dw = zeros(g.weight_len());
     for (grp, c0, part) in parts {
         let rows = part.len() / og.max(1);
-        for o in 0..og {
-            let dst = &mut dw[(grp * og + o) * kdim + c0 * kk..][..rows];
-            for (r, d) in dst.iter_mut().enumerate() {
-                *d = part[r * og + o];
+        let at = grp * og * kdim + c0 * kk;
+        // In square tiles, so that neither side is walked with a large stride.
+        for o0 in (0..og).step_by(TRANSPOSE_TILE) {
+            for r0 in (0..rows).step_by(TRANSPOSE_TILE) {
+                for o in o0..(o0 + TRANSPOSE_TILE).min(og) {
+                    for r in r0..(r0 + TRANSPOSE_TILE).min(rows) {
+                        dw[at + o * kdim + r] = part[r * og + o];
+                    }
+                }
             }
         }
     }
     dw
 }
 
+/// Side of the square tiles in which a transpose is copied.
+const TRANSPOSE_TILE: usize = 16;
+
 /// `∂W` from the chunks' partial sums of the `groups` blocks `∂W_gᵀ` (`kdim x og` each,
 /// row-major) that the backward accumulates, summed in chunk order. Accumulating the transpose
 /// lets the GEMM pack the small `∂Y_g` block rather than transpose the whole column matrix
 /// (`kdim x cols`, up to 9 MiB) in every call.
 fn sum_transposed<T: Float>(parts: &[Vec<T>], groups: usize, kdim: usize, og: usize) -> Vec<T> {
-    const TILE: usize = 16;
+    const TILE: usize = TRANSPOSE_TILE;
     let len = groups * kdim * og;
     let mut dw = Vec::with_capacity(len);
     let out = &mut dw.spare_capacity_mut()[..len];
