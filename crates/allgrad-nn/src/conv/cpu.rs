@@ -418,27 +418,26 @@ mod tests {
     use super::*;
     use crate::test_data::{data, max_rel};
 
+    /// The geometry of a `k x k` kernel over `n` images of `c x h x w`, `o` output channels.
+    fn square_kernel(
+        n: usize,
+        c: usize,
+        (h, w): (usize, usize),
+        o: usize,
+        k: usize,
+        (stride, pad, dil, groups): (usize, usize, usize, usize),
+    ) -> ConvGeom {
+        let e = dil * (k - 1) + 1;
+        let (oh, ow) = ((h + 2 * pad - e) / stride + 1, (w + 2 * pad - e) / stride + 1);
+        ConvGeom { n, c, h, w, o, kh: k, kw: k, oh, ow, stride, pad, dil, groups }
+    }
+
     #[test]
     fn bands_of_output_rows_equal_whole_images() {
         // One image per block (n = 1), strided, padded, dilated and grouped; and a batch of 3.
         for (n, stride, pad, dil, groups) in [(1, 1, 1, 1, 1), (1, 2, 2, 2, 2), (3, 1, 1, 1, 1), (2, 3, 0, 1, 3)] {
             let (c, h, w, o, k) = (6, 11, 9, 6, 3);
-            let (eh, ew) = (dil * (k - 1) + 1, dil * (k - 1) + 1);
-            let g = ConvGeom {
-                n,
-                c,
-                h,
-                w,
-                o,
-                kh: k,
-                kw: k,
-                oh: (h + 2 * pad - eh) / stride + 1,
-                ow: (w + 2 * pad - ew) / stride + 1,
-                stride,
-                pad,
-                dil,
-                groups,
-            };
+            let g = square_kernel(n, c, (h, w), o, k, (stride, pad, dil, groups));
             let x = data(n * c * h * w, 1);
             let wt = data(g.weight_len(), 2);
             let gy = data(n * g.out_img(), 3);
@@ -491,22 +490,7 @@ mod tests {
         // size: 5 channels over 2 or 3 slabs); blocks of one image and one block for the batch.
         for (n, c, o, stride, pad, dil, groups) in [(3, 5, 4, 1, 1, 1, 1), (4, 10, 6, 2, 1, 1, 2), (2, 5, 3, 1, 2, 2, 1)] {
             let (h, w, k) = (6, 5, 3);
-            let (eh, ew) = (dil * (k - 1) + 1, dil * (k - 1) + 1);
-            let g = ConvGeom {
-                n,
-                c,
-                h,
-                w,
-                o,
-                kh: k,
-                kw: k,
-                oh: (h + 2 * pad - eh) / stride + 1,
-                ow: (w + 2 * pad - ew) / stride + 1,
-                stride,
-                pad,
-                dil,
-                groups,
-            };
+            let g = square_kernel(n, c, (h, w), o, k, (stride, pad, dil, groups));
             let x = data(n * c * h * w, 4);
             let gy = data(n * g.out_img(), 5);
             let st = Strides4::of(&Layout::contiguous((n, c, h, w)));
