@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs PyTorch (torch==2.15.0, the version tests/repo/torchrun.rs is run against) from PyPI into a
 # virtual environment outside the repository, for the tests that need torchrun and PyTorch's
-# TCPStore (tests/repo/torchrun.rs, run with ALLGRAD_WITH_TORCH=1). Reuses the environment when it
-# already imports that torch. Prints the environment's path as its last line.
+# TCPStore (tests/repo/torchrun.rs, run with ALLGRAD_WITH_TORCH=1), with the reference packages that
+# tests compare against in the same environment, pinned: transformers (a trained CLIP export loaded
+# by `CLIPModel`) and webdataset (allgrad-written shards read by webdataset's own reader). Reuses the
+# environment when it already imports those versions. Prints the environment's path as its last line.
 #
 #   scripts/ci/get_torch.sh [VENV]    (default: $ALLGRAD_TORCH_VENV, else ~/.cache/allgrad/torch-2.15.0)
 #
@@ -10,12 +12,32 @@
 # installed; on the CI machine (2 cores) the install took about 5 minutes.
 set -euo pipefail
 version=2.15.0
+# The reference packages (pip's requirement syntax), each checked by its installed version below.
+refs=(transformers==5.24.0 webdataset==1.0.2)
 venv=${1:-${ALLGRAD_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/allgrad/torch-$version}}
 python=${PYTHON:-python3}
-have() { [[ -x $venv/bin/python && -x $venv/bin/torchrun ]] &&
+have_torch() { [[ -x $venv/bin/python && -x $venv/bin/torchrun ]] &&
   [[ $("$venv/bin/python" -c 'import torch, torch.distributed; print(torch.__version__.split("+")[0])' 2>/dev/null) == "$version" ]]; }
+# Every reference package at its pinned version.
+have_refs() {
+  local want got
+  want=$(printf '%s\n' "${refs[@]}")
+  got=$("$venv/bin/python" - "${refs[@]}" <<'PY' 2>/dev/null
+import importlib.metadata as m, sys
+for r in sys.argv[1:]:
+    name = r.split("==")[0]
+    print(f"{name}=={m.version(name)}")
+PY
+  ) || return 1
+  [[ $got == "$want" ]]
+}
+have() { have_torch && have_refs; }
 if have; then
   echo "torch $version already in $venv"
+elif have_torch; then
+  "$venv/bin/python" -m pip install --no-cache-dir --quiet "${refs[@]}"
+  have || { echo "error: ${refs[*]} in $venv do not import" >&2; exit 1; }
+  echo "torch $version already in $venv; ${refs[*]} installed"
 else
   if [[ -e $venv ]]; then
     # Only a virtual environment (a failed earlier install) is replaced.
@@ -25,7 +47,7 @@ else
   mkdir -p "$(dirname "$venv")"
   "$python" -m venv "$venv"
   # No cache: the wheels would double the disk used.
-  "$venv/bin/python" -m pip install --no-cache-dir --quiet "torch==$version"
+  "$venv/bin/python" -m pip install --no-cache-dir --quiet "torch==$version" "${refs[@]}"
   have || { echo "error: torch $version in $venv does not import" >&2; exit 1; }
   echo "torch $version installed in $venv"
 fi
