@@ -22,6 +22,7 @@
 mod common;
 
 mod clip_launch;
+mod device_reads;
 mod docs;
 mod first_run;
 mod floors;

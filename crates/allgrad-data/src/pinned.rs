@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::cuda::cudarc::driver::{result, sys, CudaStream, DevicePtr, DriverError, PinnedHostSlice};
 use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
 
 use crate::error::{DataError, DataResult};
 
@@ -114,6 +114,7 @@ impl PinnedBuf {
     pub(crate) fn as_mut_slice(&mut self) -> DataResult<&mut [f32]> {
         let (host, done) = self.host.as_mut().expect("held until drop");
         cuda(self.owner.compute.context().bind_to_thread(), "binding the device's context")?;
+        candle_core::host_traffic::count_sync(&Device::Cuda(self.owner.device.clone()));
         // SAFETY: a live event (an event never recorded counts as complete).
         cuda(unsafe { result::event::synchronize(done.0) }, "waiting for a pinned buffer's last copy")?;
         cuda(host.as_mut_slice(), "opening a pinned buffer")
@@ -141,6 +142,8 @@ pub(crate) fn upload(parts: Vec<PinnedBuf>, shape: (usize, usize, usize, usize))
     // SAFETY: every value is written by the copies below before the step's stream (which
     // waits for them) reads the tensor.
     let dst = cuda(unsafe { compute.alloc::<f32>(total) }, "allocating a batch on the device")?;
+    // One upload of the batch (its parts copied by one queue of asynchronous copies).
+    candle_core::host_traffic::count_upload(&Device::Cuda(owner.device.clone()));
     {
         let (ptr, _sync) = dst.device_ptr(compute);
         let allocated = Event::new()?;

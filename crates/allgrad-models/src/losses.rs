@@ -156,7 +156,8 @@ impl LossConfig {
 
 /// Rows scaled to unit L2 norm (differentiable; `eps` guards zero rows).
 pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
-    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
+    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
+    let norm = norm.broadcast_maximum(&allgrad_nn::transfer::constant(&norm, 1e-12)?)?;
     x.broadcast_div(&norm)
 }
 

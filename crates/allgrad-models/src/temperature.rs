@@ -35,13 +35,19 @@ impl From<&Tensor> for Temperature {
 }
 
 impl Temperature {
-    /// Fails unless the temperature is one positive, finite number (a learned one is read).
+    /// Fails unless the temperature is one positive, finite number. A learned one is read for
+    /// that on the host path only: on a device (and the CPU's device path) reading it would stop
+    /// the host in every step, so only its shape is checked there (a learned temperature is
+    /// usually positive by construction, as CLIP's `1 / exp(logit_scale)`).
     pub fn check(&self) -> Result<()> {
         let value = match self {
             Temperature::Fixed(t) => *t,
             Temperature::Learned(t) => {
                 if t.elem_count() != 1 {
                     return fail(ModelError::TiledInput(format!("a temperature must be one number, got shape {:?}", t.dims())));
+                }
+                if allgrad_nn::transfer::takes_device_path(t.device()) {
+                    return Ok(());
                 }
                 t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?[0]
             }
@@ -64,7 +70,8 @@ impl Temperature {
     /// the learned tensor itself (converted if needed) otherwise.
     pub fn tensor(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         match self {
-            Temperature::Fixed(t) => Tensor::new(*t, device)?.to_dtype(dtype),
+            // Made on the device (1 · τ), not uploaded.
+            Temperature::Fixed(t) => Tensor::ones((), dtype, device)?.affine(*t, 0.0),
             Temperature::Learned(t) => t.to_dtype(dtype)?.to_device(device),
         }
     }

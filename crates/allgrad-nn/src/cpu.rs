@@ -541,7 +541,7 @@ pub(crate) fn run_split_keeping_f32<const N: usize, K: SplitKernel<N>>(
         let Ok(inputs) = <[(&[T], &Layout); N]>::try_from(slices) else { unreachable!("one slice per input") };
         let outputs = kernel.run(inputs)?;
         assert_eq!(outputs.len(), shapes.len(), "allgrad-nn internal error: {} returned the wrong number of outputs", K::OP);
-        outputs.into_iter().zip(shapes).map(|(v, s)| Tensor::from_vec(v, s.clone(), &Device::Cpu)).collect()
+        outputs.into_iter().zip(shapes).map(|(v, s)| kernel_output(v, s.clone())).collect()
     }
     let Some(first) = inputs.first() else { return Ok(Vec::new()) };
     let dtype = first.dtype();
@@ -568,13 +568,20 @@ pub(crate) fn run_split_keeping_f32<const N: usize, K: SplitKernel<N>>(
                 .enumerate()
                 .map(|(i, (v, s))| {
                     if keep_f32.get(i).copied().unwrap_or(false) {
-                        Tensor::from_vec(v, s.clone(), &Device::Cpu)
+                        kernel_output(v, s.clone())
                     } else {
-                        Tensor::from_vec(narrow(v), s.clone(), &Device::Cpu)
+                        kernel_output(narrow(v), s.clone())
                     }
                 })
                 .collect()
         }
         dtype => fail(NnError::UnsupportedDType { op: K::OP, dtype }),
     }
+}
+
+/// A CPU kernel's output as a tensor: the values the kernel wrote, in the memory it wrote them
+/// in. Not an upload on the CPU's device path (`candle_core::host_traffic`), where the kernel
+/// stands for the device's own, which writes its output in device memory.
+pub fn kernel_output<T: WithDType>(v: Vec<T>, shape: Shape) -> Result<Tensor> {
+    candle_core::host_traffic::uncounted(|| Tensor::from_vec(v, shape, &Device::Cpu))
 }

@@ -114,7 +114,7 @@ pub use batch_norm::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};
 pub use channel::{channel_affine, channel_moments};
 pub use conv::{conv2d, conv2d_backward, Conv2d, ConvGrads, ConvParams};
 #[doc(hidden)]
-pub use cpu::strided_copies;
+pub use cpu::{kernel_output, strided_copies};
 pub use dropout::dropout_mask;
 pub use error::NnError;
 pub use finalize::{batch_moments, batch_statistics, TensorSum};
@@ -128,7 +128,7 @@ pub use simd::{force_simd, simd_paths, ForcedSimd, SimdPaths};
 pub use simd::{simd_level, SimdLevel, SIMD_VAR};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};
 pub use tf32::{set_tf32, tf32};
-pub use trace::{host_traffic, set_op_timing, take_op_times, HostTraffic, OpTime, Pass};
+pub use trace::{host_traffic, process_host_traffic, set_op_timing, take_op_times, HostTraffic, OpTime, Pass};
 #[doc(hidden)]
 pub use trace::{kernel_paths, KernelPaths};
 /// `v ← e^v` over an f32 slice, vectorised (AVX2 where the CPU has it); relative error a few

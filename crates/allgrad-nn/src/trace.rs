@@ -3,6 +3,7 @@
 //! that plans the call (the kernels' parallel tasks do not touch it).
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Counts of the paths taken by kernel calls planned on this thread.
 #[doc(hidden)]
@@ -47,17 +48,24 @@ pub fn kernel_paths() -> KernelPaths {
     PATHS.with(|p| p.get())
 }
 
-/// The traffic between the host and a device that a thread's calls caused: every
-/// device→host read, host→device upload and cuDNN heuristic query goes through
-/// [`crate::transfer`], which counts it here (per calling thread, like [`KernelPaths`]). A
-/// read blocks the thread until the device has finished everything queued before it, so a
-/// step whose forward and backward make none lets the CPU run ahead of the GPU.
+/// The traffic between the host and a device: device→host reads, host→device uploads and
+/// synchronisations, counted where they happen, in Candle's copy functions
+/// (`candle_core::host_traffic`: `to_vec*`, `to_scalar`, `Tensor::new`, `from_vec`, `to_device`,
+/// the CUDA backend's copies) and in allgrad's own staging, with allgrad's cuDNN heuristic
+/// queries. A read blocks the thread until the device has finished everything queued before it,
+/// so a step whose forward and backward make none lets the CPU run ahead of the GPU.
+/// [`host_traffic`] is the calling thread's; [`process_host_traffic`] every thread's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostTraffic {
-    /// Device→host reads (one per call that copies a device tensor to the host).
+    /// Device→host reads (one per call that copies device values to the host).
     pub reads: u64,
     /// Host→device uploads (one per call that copies host values into a device tensor).
     pub uploads: u64,
+    /// Explicit synchronisations of a device with the host (a read synchronises too, and is
+    /// counted as a read).
+    pub syncs: u64,
+    /// Uploads of kernel launch parameters (Candle's strided layouts on CUDA), asynchronous.
+    pub param_uploads: u64,
     /// cuDNN algorithm heuristic queries (`cudnnGetConvolution*Algorithm_v7`).
     pub heuristic_queries: u64,
 }
@@ -70,6 +78,8 @@ impl std::ops::Sub for HostTraffic {
         HostTraffic {
             reads: self.reads - earlier.reads,
             uploads: self.uploads - earlier.uploads,
+            syncs: self.syncs - earlier.syncs,
+            param_uploads: self.param_uploads - earlier.param_uploads,
             heuristic_queries: self.heuristic_queries - earlier.heuristic_queries,
         }
     }
@@ -79,26 +89,37 @@ impl std::ops::AddAssign for HostTraffic {
     fn add_assign(&mut self, o: HostTraffic) {
         self.reads += o.reads;
         self.uploads += o.uploads;
+        self.syncs += o.syncs;
+        self.param_uploads += o.param_uploads;
         self.heuristic_queries += o.heuristic_queries;
     }
 }
 
 thread_local! {
-    static TRAFFIC: Cell<HostTraffic> = Cell::new(HostTraffic::default());
+    static QUERIES: Cell<u64> = const { Cell::new(0) };
+}
+static PROCESS_QUERIES: AtomicU64 = AtomicU64::new(0);
+
+/// Counts one cuDNN heuristic query on this thread.
+pub(crate) fn count_heuristic_query() {
+    QUERIES.with(|q| q.set(q.get() + 1));
+    PROCESS_QUERIES.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Adds to this thread's traffic.
-pub(crate) fn count_traffic(f: impl FnOnce(&mut HostTraffic)) {
-    TRAFFIC.with(|p| {
-        let mut v = p.get();
-        f(&mut v);
-        p.set(v);
-    });
+fn with_candle(t: candle_core::host_traffic::Traffic, heuristic_queries: u64) -> HostTraffic {
+    HostTraffic { reads: t.reads, uploads: t.uploads, syncs: t.syncs, param_uploads: t.param_uploads, heuristic_queries }
 }
 
 /// This thread's traffic so far (take the difference of two snapshots for one region).
 pub fn host_traffic() -> HostTraffic {
-    TRAFFIC.with(|p| p.get())
+    with_candle(candle_core::host_traffic::thread_traffic(), QUERIES.with(|q| q.get()))
+}
+
+/// The traffic of every thread of the process so far: a region's difference catches reads
+/// made on any thread (the loader's, a kernel pool's), where [`host_traffic`] sees only the
+/// calling thread's.
+pub fn process_host_traffic() -> HostTraffic {
+    with_candle(candle_core::host_traffic::process_traffic(), PROCESS_QUERIES.load(Ordering::Relaxed))
 }
 
 /// The pass of an op an [`OpTime`] is about.

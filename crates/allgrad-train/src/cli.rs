@@ -232,6 +232,12 @@ pub fn run_with(registry: &Registry, args: &TrainArgs) -> Result<Outcome, CliErr
     let config = args.config_path()?;
     let mut settings = Settings::from_env().map_err(CliError::Settings)?;
     settings.profile |= args.profile;
+    // ALLGRAD_DEVICE_PATH=1: every thread of the process (the loader's and the kernels' pools
+    // too) runs CPU tensors through the device path and counts their traffic, from before the
+    // objective and the trainer are built.
+    if settings.device_path {
+        allgrad_nn::transfer::set_device_path_for_process(true);
+    }
     let cfg = registry.load(config, &args.set)?;
     let pg = ProcessGroup::from_env()?;
     registry.validate(&cfg, pg.world_size(), config)?;

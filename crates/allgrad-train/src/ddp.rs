@@ -22,7 +22,8 @@ pub fn sync_gradients(pg: &ProcessGroup, grads: &mut [Tensor], sharded: &[bool],
     // Ranks whose bucket layouts differ fail in the first bucket: the collective carries the
     // bucket's length, and a mismatch names both calls.
     for (dtype, bucket) in plan_buckets(&layout, sharded, bucket_bytes) {
-        if !grads[bucket[0]].device().is_cpu() {
+        // A device (and the CPU on the device path) reduces the bucket as one tensor on it.
+        if allgrad_nn::transfer::takes_device_path(grads[bucket[0]].device()) {
             sync_bucket_on_device(pg, grads, &bucket)?;
             continue;
         }

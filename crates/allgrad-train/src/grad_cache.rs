@@ -120,6 +120,57 @@ pub fn cached_gradients(
     params: &[(String, Var)],
     grads: &mut [Tensor],
 ) -> TrainResult<f64> {
+    let step = cached_step(objective, batch, pg, chunk, loss_divisor, params, grads)?;
+    for r in &step.replays {
+        let v = allgrad_nn::transfer::read_batched(&[&r.diff, &r.scale])?;
+        r.verify(v[0], v[1])?;
+    }
+    Ok(step.loss.to_scalar::<f64>()?)
+}
+
+/// A cached micro-batch's results as tensors, read by nobody yet: what the device path of the
+/// trainer reads in its one batched read after the update.
+pub struct CachedStep {
+    /// The loss `L_r`, detached, f64, `[]`.
+    pub loss: Tensor,
+    /// The replay checks of its chunks, to verify once their figures are read.
+    pub replays: Vec<ReplayCheck>,
+}
+
+/// The check that a chunk embedded again gave what it gave the first time ([`TrainError::CacheReplay`]
+/// otherwise): the largest difference and the largest magnitude, as `[]` f64 tensors.
+pub struct ReplayCheck {
+    /// `max |replay − first|`.
+    pub diff: Tensor,
+    /// `max |first|`.
+    pub scale: Tensor,
+    chunk: usize,
+    rows: Range<usize>,
+    step: usize,
+    dtype: DType,
+}
+
+impl ReplayCheck {
+    /// The check on the read figures `diff` and `scale`.
+    pub fn verify(&self, diff: f64, scale: f64) -> TrainResult<()> {
+        // Non-finite embeddings are the loss check's to report, not a replay failure.
+        if diff.is_finite() && scale.is_finite() && diff > replay_tolerance(self.dtype) * scale {
+            return Err(TrainError::CacheReplay { step: self.step + 1, chunk: self.chunk, rows: self.rows.clone(), diff, scale });
+        }
+        Ok(())
+    }
+}
+
+/// [`cached_gradients`] without a read: the loss and the replay checks as tensors.
+pub fn cached_step(
+    objective: &mut dyn Objective,
+    batch: &Batch,
+    pg: &ProcessGroup,
+    chunk: usize,
+    loss_divisor: f64,
+    params: &[(String, Var)],
+    grads: &mut [Tensor],
+) -> TrainResult<CachedStep> {
     let ranges = chunks(batch.indices.len(), chunk);
     let saved = objective.buffers()?;
 
@@ -146,7 +197,7 @@ pub fn cached_gradients(
     if loss.rank() != 0 {
         return Err(TrainError::Setup(format!("the objective's loss must be a scalar, got shape {:?}", loss.dims())));
     }
-    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let value = loss.detach().to_dtype(DType::F64)?;
     let store = (loss / loss_divisor)?.backward_release()?;
     add_grads(params, &store, grads)?;
     let g = store.get(cached.as_tensor()).cloned().ok_or_else(|| {
@@ -156,15 +207,16 @@ pub fn cached_gradients(
 
     // Pass 2: each chunk again, with its graph; backpropagate its rows of G.
     let emb = embedding(objective)?;
+    let mut replays = Vec::with_capacity(ranges.len());
     for (k, r) in ranges.iter().enumerate() {
         let z = emb.embed(batch, r.clone(), pg)?;
         let first = cached.as_tensor().narrow(0, r.start, r.len())?;
-        check_replay(&z, &first, k, r, batch.step)?;
+        replays.push(check_replay(&z, &first, k, r, batch.step)?);
         // The chunk's graph is freed during its backward (`backward_release`).
         let store = (z * g.narrow(0, r.start, r.len())?)?.sum_all()?.backward_release()?;
         add_grads(params, &store, grads)?;
     }
-    Ok(value)
+    Ok(CachedStep { loss: value, replays })
 }
 
 /// `grads[i] += store[params[i]]` where the store has one.
@@ -189,7 +241,7 @@ fn check_rows(z: &Tensor, rows: &Range<usize>) -> TrainResult<()> {
     Ok(())
 }
 
-fn check_replay(replay: &Tensor, first: &Tensor, chunk: usize, rows: &Range<usize>, step: usize) -> TrainResult<()> {
+fn check_replay(replay: &Tensor, first: &Tensor, chunk: usize, rows: &Range<usize>, step: usize) -> TrainResult<ReplayCheck> {
     if replay.dims() != first.dims() {
         return Err(TrainError::Setup(format!(
             "EmbeddingObjective::embed returned shape {:?} for samples {rows:?} the second time, {:?} the first",
@@ -197,14 +249,10 @@ fn check_replay(replay: &Tensor, first: &Tensor, chunk: usize, rows: &Range<usiz
             first.dims()
         )));
     }
-    let f64_max = |t: Tensor| -> Result<f64> { t.to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>() };
+    let f64_max = |t: Tensor| -> Result<Tensor> { t.to_dtype(DType::F64)?.abs()?.max_all() };
     let diff = f64_max((replay.detach() - first)?)?;
     let scale = f64_max(first.clone())?;
-    // Non-finite embeddings are the loss check's to report, not a replay failure.
-    if diff.is_finite() && scale.is_finite() && diff > replay_tolerance(first.dtype()) * scale {
-        return Err(TrainError::CacheReplay { step: step + 1, chunk, rows: rows.clone(), diff, scale });
-    }
-    Ok(())
+    Ok(ReplayCheck { diff, scale, chunk, rows: rows.clone(), step, dtype: first.dtype() })
 }
 
 #[cfg(test)]

@@ -29,9 +29,33 @@ pub struct Record {
     /// Global gradient norm before clipping.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub grad_norm: Option<f64>,
+    /// On a device (or the CPU's device path, `ALLGRAD_DEVICE_PATH=1`): the host traffic of the
+    /// step this line is about, rank 0's.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub host_traffic: Option<StepTraffic>,
     /// Evaluation metrics.
     #[serde(flatten)]
     pub eval: std::collections::BTreeMap<String, f64>,
+}
+
+/// A step's host traffic ([`allgrad_nn::HostTraffic`]) in a metrics line: what a step on a
+/// device keeps at zero (`step_reads`) and what it moves in all.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepTraffic {
+    /// Reads and synchronisations of the step's own thread in its forward, backward, gradient
+    /// sync and optimizer: zero on a device, where nothing may wait for it before the update's
+    /// launches.
+    pub step_reads: u64,
+    /// Uploads of the step's own thread in those regions: the inputs and random masks a method
+    /// makes on the step's thread (none when a loader builds them ahead).
+    pub step_uploads: u64,
+    /// Device→host reads of every thread of the process during the step: one, the loss and the
+    /// gradient norm read together after the update.
+    pub reads: u64,
+    /// Host→device uploads of every thread during the step (the loader's coming batches).
+    pub uploads: u64,
+    /// Explicit synchronisations of every thread during the step.
+    pub syncs: u64,
 }
 
 /// The metrics file of a run (rank 0 only).
@@ -254,6 +278,7 @@ mod tests {
             lr: loss.map(|_| 0.1),
             samples_per_s: None,
             grad_norm: None,
+            host_traffic: None,
             eval: eval.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         }
     }

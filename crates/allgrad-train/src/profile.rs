@@ -1,5 +1,7 @@
 //! Named regions of a training step, each timed and with the host traffic it caused (device→host
-//! reads, host→device uploads, cuDNN heuristic queries: [`allgrad_nn::host_traffic`]).
+//! reads, host→device uploads, synchronisations, cuDNN heuristic queries: [`allgrad_nn::host_traffic`],
+//! the step's own thread), and the traffic of every thread of the process over the whole step
+//! ([`allgrad_nn::process_host_traffic`]: the loader's and the kernels' threads too).
 //!
 //! The trainer marks the same regions in every step (`forward`, `backward`, `gradient sync`,
 //! `optimizer`, `read`: see [`REGIONS`]); [`crate::Trainer::last_step_profile`] returns the
@@ -17,7 +19,9 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use allgrad_nn::{host_traffic, HostTraffic, OpTime, Pass};
+use std::cell::Cell;
+
+use allgrad_nn::{host_traffic, process_host_traffic, HostTraffic, OpTime, Pass};
 use candle_core::Device;
 
 /// The regions of a step, in order.
@@ -41,6 +45,9 @@ pub struct Region {
 pub struct StepProfile {
     /// In the order first entered.
     pub regions: Vec<Region>,
+    /// The traffic of every thread of the process from the start of the step's first region
+    /// to the end of its last (the loader's uploads of coming batches included).
+    pub process: HostTraffic,
 }
 
 impl StepProfile {
@@ -90,6 +97,9 @@ pub(crate) struct StepProfiler {
     device: Option<Device>,
     /// This step's regions so far.
     current: Vec<Entry>,
+    /// The process's traffic when this step's first region began, and when its last ended.
+    process_start: Cell<Option<HostTraffic>>,
+    process_end: HostTraffic,
     last: StepProfile,
     /// The first step (allocations, cuDNN plans, per-shape constants), kept out of the totals
     /// once a second step has run.
@@ -111,6 +121,8 @@ impl StepProfiler {
         StepProfiler {
             device,
             current: Vec::new(),
+            process_start: Cell::new(None),
+            process_end: HostTraffic::default(),
             last: StepProfile::default(),
             first: None,
             totals: BTreeMap::new(),
@@ -138,6 +150,9 @@ impl StepProfiler {
 
     /// The start of a region.
     pub fn mark(&self) -> Mark {
+        if self.process_start.get().is_none() {
+            self.process_start.set(Some(process_host_traffic()));
+        }
         Mark { event: self.event(), at: Instant::now(), traffic: host_traffic() }
     }
 
@@ -145,6 +160,7 @@ impl StepProfiler {
     pub fn record(&mut self, name: &'static str, m: Mark) {
         let seconds = m.at.elapsed().as_secs_f64();
         let traffic = host_traffic() - m.traffic;
+        self.process_end = process_host_traffic();
         let events = match (m.event, self.event()) {
             (Some(a), Some(b)) => Some((a, b)),
             _ => None,
@@ -155,6 +171,9 @@ impl StepProfiler {
     /// Ends the step: device times are read (one wait for the device), the step's profile kept.
     pub fn finish_step(&mut self) {
         let mut step = StepProfile::default();
+        if let Some(start) = self.process_start.take() {
+            step.process = self.process_end - start;
+        }
         for (name, host_seconds, traffic, events) in self.current.drain(..) {
             let seconds = match events {
                 #[cfg(feature = "cuda")]
@@ -191,6 +210,7 @@ impl StepProfiler {
     /// Drops a step begun but not finished (an error).
     pub fn abandon_step(&mut self) {
         self.current.clear();
+        self.process_start.set(None);
         if self.ops {
             allgrad_nn::take_op_times();
         }

@@ -110,6 +110,15 @@ pub fn build_with(
         let path = dir.join("config.yaml");
         std::fs::write(&path, cfg.to_yaml()).map_err(io("writing", path.clone()))?;
     }
-    let objective = registry.objective(cfg, &device)?;
-    Trainer::new(trainer_config(cfg, device, settings), objective, pg, out_dir, resume)
+    // With `settings.device_path`, the objective and the trainer are built on the device path
+    // too (its per-shape constants made as on a device), as the steps then run.
+    let was = settings.device_path.then(|| allgrad_nn::transfer::set_device_path(true));
+    let built = (|| {
+        let objective = registry.objective(cfg, &device)?;
+        Trainer::new(trainer_config(cfg, device, settings), objective, pg, out_dir, resume)
+    })();
+    if let Some(was) = was {
+        allgrad_nn::transfer::set_device_path(was);
+    }
+    built
 }

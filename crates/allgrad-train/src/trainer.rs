@@ -27,7 +27,7 @@ use crate::checkpoint::{self, shards, Contents, RestoreTarget, TrainState};
 use crate::config::{CheckpointConfig, ComputePrecision, LogConfig, NonFinite, OptimConfig, ScheduleConfig, TrainSection};
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
 use crate::error::{TrainError, TrainResult};
-use crate::metrics::{plot, MetricsLog, ProgressView, Record};
+use crate::metrics::{plot, MetricsLog, ProgressView, Record, StepTraffic};
 use crate::optim::{Optimizer, RowUpdate};
 use crate::params::ParamStore;
 use crate::profile::{StepProfile, StepProfiler};
@@ -298,6 +298,7 @@ impl Trainer {
                             lr: Some(lr),
                             samples_per_s: Some(sps),
                             grad_norm: Some(grad_norm),
+                            host_traffic: self.step_traffic(),
                             eval: Default::default(),
                         })?;
                         window = (Instant::now(), 0);
@@ -348,6 +349,7 @@ impl Trainer {
                 lr: None,
                 samples_per_s: None,
                 grad_norm: None,
+                host_traffic: None,
                 eval: eval.iter().cloned().collect(),
             };
             self.record(r)?;
@@ -375,6 +377,26 @@ impl Trainer {
             batches.extend(self.cfg.train.micro_batches(&global, rank, w).map(<[usize]>::to_vec));
         }
         self.objective.plan(epoch, self.cfg.seed, &batches)
+    }
+
+    /// The last step's host traffic for its metrics line, on the device path.
+    fn step_traffic(&self) -> Option<StepTraffic> {
+        if !allgrad_nn::transfer::takes_device_path(&self.cfg.device) {
+            return None;
+        }
+        let p = self.profiler.last();
+        let mut step = allgrad_nn::HostTraffic::default();
+        for r in ["forward", "backward", "gradient sync", "optimizer"].iter().filter_map(|r| p.region(r)) {
+            step += r.traffic;
+        }
+        let t = p.process;
+        Some(StepTraffic {
+            step_reads: step.reads + step.syncs,
+            step_uploads: step.uploads,
+            reads: t.reads,
+            uploads: t.uploads,
+            syncs: t.syncs,
+        })
     }
 
     fn train_step(&mut self, epoch: usize, lr: f64) -> TrainResult<StepOutcome> {
@@ -407,6 +429,8 @@ impl Trainer {
         let mut loss_sum = 0f64;
         // The device path's loss: the micro-batches' losses summed on the device.
         let mut loss_dev: Option<Tensor> = None;
+        // The device path's gradient-caching replay checks, verified after the one read.
+        let mut replays = Vec::new();
         for indices in &micro_batches {
             let batch = Batch { indices, epoch, step: self.step, seed: self.cfg.seed };
             if let Some(chunk) = self.cfg.train.cache_chunk {
@@ -416,7 +440,17 @@ impl Trainer {
                 let mut grads = step_grads.take_dense(&self.params)?;
                 let (objective, pg, divisor) = (self.objective.as_mut(), &self.pg, (w * acc) as f64);
                 let m = self.profiler.mark();
-                loss_sum += crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
+                if on_device {
+                    let cached = crate::grad_cache::cached_step(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
+                    loss_dev = Some(match loss_dev {
+                        None => cached.loss,
+                        Some(sum) => (sum + cached.loss)?,
+                    });
+                    replays.extend(cached.replays);
+                } else {
+                    loss_sum +=
+                        crate::grad_cache::cached_gradients(objective, &batch, pg, chunk, divisor, &self.params, &mut grads)?;
+                }
                 self.profiler.record("forward", m);
                 // Refused when the trainer was built (Objective::has_sparse_rows); an objective
                 // whose sparse_rows answers without saying so would lose that row's gradient.
@@ -467,7 +501,7 @@ impl Trainer {
         sync_gradients(&self.pg, &mut grads, &self.sharded, DEFAULT_BUCKET_BYTES)?;
         self.profiler.record("gradient sync", m);
         if let Some(loss_dev) = loss_dev {
-            return self.finish_on_device(loss_dev, grads, row_ids, lr, kept);
+            return self.finish_on_device(loss_dev, grads, row_ids, lr, kept, replays);
         }
         let m = self.profiler.mark();
         // The objective J = mean over ranks of the per-rank (micro-batch mean) losses.
@@ -514,6 +548,7 @@ impl Trainer {
         row_ids: Vec<Option<Vec<u32>>>,
         lr: f64,
         kept: Option<Buffers>,
+        replays: Vec<crate::grad_cache::ReplayCheck>,
     ) -> TrainResult<StepOutcome> {
         let m = self.profiler.mark();
         let dev = loss_dev.device().clone();
@@ -570,8 +605,18 @@ impl Trainer {
         }
         self.profiler.record("optimizer", m);
         let m = self.profiler.mark();
-        let figures = allgrad_nn::transfer::read_batched(&[&loss, &grad_norm])?;
+        // The loss, the norm and the replay checks of gradient caching, in one read.
+        let mut read: Vec<&Tensor> = vec![&loss, &grad_norm];
+        for r in &replays {
+            read.extend([&r.diff, &r.scale]);
+        }
+        let figures = allgrad_nn::transfer::read_batched(&read)?;
         self.profiler.record("read", m);
+        // A chunk embedded differently the second time: the update was made with its gradient,
+        // and the run stops here, before anything is written.
+        for (r, v) in replays.iter().zip(figures[2..].chunks(2)) {
+            r.verify(v[0], v[1])?;
+        }
         let (loss, grad_norm) = (figures[0], figures[1]);
         if loss.is_finite() && grad_norm.is_finite() {
             return Ok(StepOutcome::Applied { loss, grad_norm });

@@ -464,7 +464,10 @@ impl Device {
 
     pub(crate) fn storage_from_slice<D: WithDType>(&self, data: &[D]) -> Result<Storage> {
         match self {
-            Device::Cpu => Ok(Storage::Cpu(data.to_cpu_storage())),
+            Device::Cpu => {
+                crate::host_traffic::cpu_upload();
+                Ok(Storage::Cpu(data.to_cpu_storage()))
+            }
             Device::Cuda(device) => {
                 let storage = device.storage_from_slice(data)?;
                 Ok(Storage::Cuda(storage))
@@ -478,7 +481,10 @@ impl Device {
 
     pub(crate) fn storage<A: NdArray>(&self, array: A) -> Result<Storage> {
         match self {
-            Device::Cpu => Ok(Storage::Cpu(array.to_cpu_storage())),
+            Device::Cpu => {
+                crate::host_traffic::cpu_upload();
+                Ok(Storage::Cpu(array.to_cpu_storage()))
+            }
             Device::Cuda(device) => {
                 let storage = array.to_cpu_storage();
                 let storage = device.storage_from_cpu_storage_owned(storage)?;
@@ -494,7 +500,10 @@ impl Device {
 
     pub(crate) fn storage_owned<S: WithDType>(&self, data: Vec<S>) -> Result<Storage> {
         match self {
-            Device::Cpu => Ok(Storage::Cpu(S::to_cpu_storage_owned(data))),
+            Device::Cpu => {
+                crate::host_traffic::cpu_upload();
+                Ok(Storage::Cpu(S::to_cpu_storage_owned(data)))
+            }
             Device::Cuda(device) => {
                 let storage = S::to_cpu_storage_owned(data);
                 let storage = device.storage_from_cpu_storage_owned(storage)?;

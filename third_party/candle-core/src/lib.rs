@@ -65,6 +65,7 @@ pub mod dummy_cuda_backend;
 pub mod dummy_dtype;
 mod dummy_metal_backend;
 pub mod error;
+pub mod host_traffic;
 mod indexer;
 pub mod layout;
 #[cfg(feature = "metal")]

@@ -675,7 +675,10 @@ impl Tensor {
             Ok::<_, Error>(data[self.layout().start_offset()])
         };
         match &*self.storage() {
-            Storage::Cpu(cpu_storage) => from_cpu_storage(cpu_storage),
+            Storage::Cpu(cpu_storage) => {
+                crate::host_traffic::cpu_read();
+                from_cpu_storage(cpu_storage)
+            }
             Storage::Cuda(storage) => from_cpu_storage(&storage.to_cpu_storage()?),
             Storage::Metal(storage) => from_cpu_storage(&storage.to_cpu_storage()?),
         }
@@ -1973,7 +1976,10 @@ impl Tensor {
             Ok::<Vec<_>, Error>(data)
         };
         match &*self.storage() {
-            Storage::Cpu(storage) => from_cpu_storage(storage),
+            Storage::Cpu(storage) => {
+                crate::host_traffic::cpu_read();
+                from_cpu_storage(storage)
+            }
             Storage::Cuda(storage) => from_cpu_storage(&storage.to_cpu_storage()?),
             Storage::Metal(storage) => from_cpu_storage(&storage.to_cpu_storage()?),
         }
@@ -2004,7 +2010,10 @@ impl Tensor {
             Ok(rows)
         };
         match &*self.storage() {
-            Storage::Cpu(storage) => from_cpu_storage(storage),
+            Storage::Cpu(storage) => {
+                crate::host_traffic::cpu_read();
+                from_cpu_storage(storage)
+            }
             Storage::Cuda(storage) => from_cpu_storage(&storage.to_cpu_storage()?),
             Storage::Metal(storage) => from_cpu_storage(&storage.to_cpu_storage()?),
         }
@@ -2045,7 +2054,10 @@ impl Tensor {
             Ok(top_rows)
         };
         match &*self.storage() {
-            Storage::Cpu(storage) => from_cpu_storage(storage),
+            Storage::Cpu(storage) => {
+                crate::host_traffic::cpu_read();
+                from_cpu_storage(storage)
+            }
             Storage::Cuda(storage) => from_cpu_storage(&storage.to_cpu_storage()?),
             Storage::Metal(storage) => from_cpu_storage(&storage.to_cpu_storage()?),
         }

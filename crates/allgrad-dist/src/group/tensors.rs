@@ -18,6 +18,15 @@ macro_rules! dispatch {
     };
 }
 
+/// Runs a collective of CPU tensors with its host copies (the tensor read into a vector, the
+/// result made a tensor) not counted as device traffic: on the device path
+/// (`candle_core::host_traffic`'s CPU counted as a device) these collectives stand for NCCL's,
+/// which read and write device memory in place. CUDA tensors staged through host memory are
+/// counted where they are staged (`cuda/host.rs`).
+fn on_host<R>(f: impl FnOnce() -> R) -> R {
+    candle_core::host_traffic::uncounted(f)
+}
+
 pub(super) fn shape_words(dims: &[usize]) -> Vec<u64> {
     dims.iter().map(|d| *d as u64).collect()
 }
@@ -29,12 +38,14 @@ impl ProcessGroup {
         if x.device().is_cuda() {
             return super::cuda::all_reduce(self, x, op);
         }
-        dispatch!(x.dtype(), T => {
-            let mut v = x.flatten_all()?.to_vec1::<T>()?;
-            let meta = shape_words(x.dims());
-            let what = || format!("all_reduce({op:?}) of {:?} {:?}", x.dtype(), x.dims());
-            self.call(OpCode::AllReduce, Some(op), &meta, what, |m, c| m.all_reduce(c, op, &mut v))?;
-            Tensor::from_vec(v, x.shape(), x.device())
+        on_host(|| {
+            dispatch!(x.dtype(), T => {
+                let mut v = x.flatten_all()?.to_vec1::<T>()?;
+                let meta = shape_words(x.dims());
+                let what = || format!("all_reduce({op:?}) of {:?} {:?}", x.dtype(), x.dims());
+                self.call(OpCode::AllReduce, Some(op), &meta, what, |m, c| m.all_reduce(c, op, &mut v))?;
+                Tensor::from_vec(v, x.shape(), x.device())
+            })
         })
     }
 
@@ -46,12 +57,14 @@ impl ProcessGroup {
             return super::cuda::all_gather(self, x);
         }
         let (rows, rest) = split_first_dim(x, "all_gather")?;
-        dispatch!(x.dtype(), T => {
-            let v = x.flatten_all()?.to_vec1::<T>()?;
-            let (out, sizes) = self.all_gather_rows(&v, rows, &rest)?;
-            let mut dims = vec![sizes.iter().sum::<usize>()];
-            dims.extend_from_slice(&rest);
-            Ok((Tensor::from_vec(out, dims, x.device())?, sizes))
+        on_host(|| {
+            dispatch!(x.dtype(), T => {
+                let v = x.flatten_all()?.to_vec1::<T>()?;
+                let (out, sizes) = self.all_gather_rows(&v, rows, &rest)?;
+                let mut dims = vec![sizes.iter().sum::<usize>()];
+                dims.extend_from_slice(&rest);
+                Ok((Tensor::from_vec(out, dims, x.device())?, sizes))
+            })
         })
     }
 
@@ -92,13 +105,15 @@ impl ProcessGroup {
             .into());
         }
         let row: usize = rest.iter().product();
-        dispatch!(x.dtype(), T => {
-            let v = x.flatten_all()?.to_vec1::<T>()?;
-            let counts: Vec<usize> = sizes.iter().map(|s| s * row).collect();
-            let out = self.reduce_scatter_slice(&v, op, &counts)?;
-            let mut dims = vec![sizes[self.rank()]];
-            dims.extend_from_slice(&rest);
-            Tensor::from_vec(out, dims, x.device())
+        on_host(|| {
+            dispatch!(x.dtype(), T => {
+                let v = x.flatten_all()?.to_vec1::<T>()?;
+                let counts: Vec<usize> = sizes.iter().map(|s| s * row).collect();
+                let out = self.reduce_scatter_slice(&v, op, &counts)?;
+                let mut dims = vec![sizes[self.rank()]];
+                dims.extend_from_slice(&rest);
+                Tensor::from_vec(out, dims, x.device())
+            })
         })
     }
 
@@ -115,15 +130,17 @@ impl ProcessGroup {
         if x.device().is_cuda() {
             return super::cuda::broadcast(self, x, root);
         }
-        dispatch!(x.dtype(), T => {
-            let mut v = x.flatten_all()?.to_vec1::<T>()?;
-            self.check_rank("broadcast root", root)?;
-            let mut meta = shape_words(x.dims());
-            meta.push(root as u64);
-            self.call(OpCode::Broadcast, None, &meta, || format!("broadcast from rank {root} of {:?} {:?}", x.dtype(), x.dims()), |m, c| {
-                m.broadcast(c, &mut v, root)
-            })?;
-            Tensor::from_vec(v, x.shape(), x.device())
+        on_host(|| {
+            dispatch!(x.dtype(), T => {
+                let mut v = x.flatten_all()?.to_vec1::<T>()?;
+                self.check_rank("broadcast root", root)?;
+                let mut meta = shape_words(x.dims());
+                meta.push(root as u64);
+                self.call(OpCode::Broadcast, None, &meta, || format!("broadcast from rank {root} of {:?} {:?}", x.dtype(), x.dims()), |m, c| {
+                    m.broadcast(c, &mut v, root)
+                })?;
+                Tensor::from_vec(v, x.shape(), x.device())
+            })
         })
     }
 
@@ -133,15 +150,17 @@ impl ProcessGroup {
         if x.device().is_cuda() {
             return super::cuda::reduce(self, x, root, op);
         }
-        dispatch!(x.dtype(), T => {
-            let mut v = x.flatten_all()?.to_vec1::<T>()?;
-            self.check_rank("reduce root", root)?;
-            let mut meta = shape_words(x.dims());
-            meta.push(root as u64);
-            self.call(OpCode::Reduce, Some(op), &meta, || format!("reduce({op:?}) to rank {root} of {:?} {:?}", x.dtype(), x.dims()), |m, c| {
-                m.reduce(c, op, &mut v, root)
-            })?;
-            Tensor::from_vec(v, x.shape(), x.device())
+        on_host(|| {
+            dispatch!(x.dtype(), T => {
+                let mut v = x.flatten_all()?.to_vec1::<T>()?;
+                self.check_rank("reduce root", root)?;
+                let mut meta = shape_words(x.dims());
+                meta.push(root as u64);
+                self.call(OpCode::Reduce, Some(op), &meta, || format!("reduce({op:?}) to rank {root} of {:?} {:?}", x.dtype(), x.dims()), |m, c| {
+                    m.reduce(c, op, &mut v, root)
+                })?;
+                Tensor::from_vec(v, x.shape(), x.device())
+            })
         })
     }
 
@@ -162,12 +181,14 @@ impl ProcessGroup {
             ))
             .into());
         }
-        dispatch!(x.dtype(), T => {
-            let v = x.flatten_all()?.to_vec1::<T>()?;
-            let (out, recv_sizes) = self.all_to_all_rows(&v, send_sizes, &rest)?;
-            let mut dims = vec![recv_sizes.iter().sum::<usize>()];
-            dims.extend_from_slice(&rest);
-            Ok((Tensor::from_vec(out, dims, x.device())?, recv_sizes))
+        on_host(|| {
+            dispatch!(x.dtype(), T => {
+                let v = x.flatten_all()?.to_vec1::<T>()?;
+                let (out, recv_sizes) = self.all_to_all_rows(&v, send_sizes, &rest)?;
+                let mut dims = vec![recv_sizes.iter().sum::<usize>()];
+                dims.extend_from_slice(&rest);
+                Ok((Tensor::from_vec(out, dims, x.device())?, recv_sizes))
+            })
         })
     }
 
@@ -221,30 +242,36 @@ impl ProcessGroup {
             return super::cuda::permute(self, x, dst_of);
         }
         let (rows, rest) = split_first_dim(x, "permute")?;
-        dispatch!(x.dtype(), T => {
-            let v = x.flatten_all()?.to_vec1::<T>()?;
-            let (out, n) = self.permute_rows(&v, rows, dst_of, &rest)?;
-            let mut dims = vec![n];
-            dims.extend_from_slice(&rest);
-            Tensor::from_vec(out, dims, x.device())
+        on_host(|| {
+            dispatch!(x.dtype(), T => {
+                let v = x.flatten_all()?.to_vec1::<T>()?;
+                let (out, n) = self.permute_rows(&v, rows, dst_of, &rest)?;
+                let mut dims = vec![n];
+                dims.extend_from_slice(&rest);
+                Tensor::from_vec(out, dims, x.device())
+            })
         })
     }
 
     /// Sends a tensor to rank `dst` (which calls [`ProcessGroup::recv`] with the same shape and dtype).
     pub fn send(&self, x: &Tensor, dst: usize) -> candle_core::Result<()> {
-        dispatch!(x.dtype(), T => {
-            let v = x.flatten_all()?.to_vec1::<T>()?;
-            Ok(self.send_slice(&v, dst)?)
+        on_host(|| {
+            dispatch!(x.dtype(), T => {
+                let v = x.flatten_all()?.to_vec1::<T>()?;
+                Ok(self.send_slice(&v, dst)?)
+            })
         })
     }
 
     /// Receives a tensor of the given shape and dtype from rank `src`, on `device`.
     pub fn recv(&self, shape: impl Into<Shape>, dtype: DType, device: &Device, src: usize) -> candle_core::Result<Tensor> {
         let shape = shape.into();
-        dispatch!(dtype, T => {
-            let mut v = vec![<T as bytemuck::Zeroable>::zeroed(); shape.elem_count()];
-            self.recv_slice(&mut v, src)?;
-            Tensor::from_vec(v, shape, device)
+        on_host(|| {
+            dispatch!(dtype, T => {
+                let mut v = vec![<T as bytemuck::Zeroable>::zeroed(); shape.elem_count()];
+                self.recv_slice(&mut v, src)?;
+                Tensor::from_vec(v, shape, device)
+            })
         })
     }
 

@@ -154,7 +154,9 @@ pub(crate) fn reduction_grad(pg: &ProcessGroup, op: ReduceOp, x: &Tensor, out: &
             // an f64 run seven digits.
             let holds = x.eq(out)?.to_dtype(g_sum.dtype())?;
             let holders = pg.all_reduce(&holds, ReduceOp::Sum)?;
-            g_sum * holds.div(&holders.maximum(1.0)?)?
+            // 1 made on the device (a fill), not uploaded as Candle's scalar operand would be.
+            let one = Tensor::full(1.0f64, (), holders.device())?.to_dtype(holders.dtype())?;
+            g_sum * holds.div(&holders.broadcast_maximum(&one)?)?
         }
     }
 }

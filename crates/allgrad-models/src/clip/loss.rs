@@ -22,7 +22,8 @@ pub const MAX_LOGIT_SCALE: f64 = 100.0;
 /// the parameter at `ln 100` after each step; clamping in the forward instead gives the same
 /// multiplier and a zero gradient past the cap, and leaves the optimizer alone.
 pub fn clip_scale(logit_scale: &Tensor) -> Result<Tensor> {
-    logit_scale.flatten_all()?.minimum(MAX_LOGIT_SCALE.ln())?.exp()
+    let s = logit_scale.flatten_all()?;
+    s.broadcast_minimum(&allgrad_nn::transfer::constant(&s, MAX_LOGIT_SCALE.ln())?)?.exp()
 }
 
 fn check(loss: &str, images: &Tensor, texts: &Tensor) -> Result<()> {
@@ -39,8 +40,8 @@ fn check(loss: &str, images: &Tensor, texts: &Tensor) -> Result<()> {
 /// `Σ_i (logsumexp(logits_i) − logits_{i, offset + i})` over the rows of `logits`.
 fn cross_entropy_sum(logits: &Tensor, offset: usize) -> Result<Tensor> {
     let b = logits.dim(0)?;
-    let idx: Vec<u32> = (0..b).map(|i| (offset + i) as u32).collect();
-    let idx = Tensor::from_vec(idx, (b, 1), logits.device())?;
+    // The columns `offset..offset + b`, a view of numbers kept on the device (no upload).
+    let idx = allgrad_nn::transfer::numbers(offset + b, logits.device())?.narrow(0, offset, b)?.reshape((b, 1))?;
     let pos = logits.gather(&idx, 1)?.squeeze(1)?;
     (logsumexp(logits)? - pos)?.sum_all()
 }
@@ -82,7 +83,7 @@ pub fn clip_loss_tiled(images: &Tensor, texts: &Tensor, logit_scale: &Tensor, ti
 
 /// `log σ(x)`, stable for every x: `min(x, 0) − log(1 + exp(−|x|))`.
 pub fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
-    x.minimum(0.0)? - (x.abs()?.neg()?.exp()? + 1.0)?.log()?
+    x.broadcast_minimum(&allgrad_nn::transfer::constant(x, 0.0)?)? - (x.abs()?.neg()?.exp()? + 1.0)?.log()?
 }
 
 /// `Σ_{i,j} log σ(y_ij · (t · img_i·txt_j + bias))` of one block, `y_ij = +1` on the
@@ -90,13 +91,14 @@ pub fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
 fn sigmoid_block(img: &Tensor, txt: &Tensor, scale: &Tensor, bias: &Tensor, positives: bool) -> Result<Tensor> {
     let z = img.matmul(&txt.t()?)?.broadcast_mul(scale)?.broadcast_add(bias)?; // [b, c]
     let (b, c) = z.dims2()?;
-    let mut y = vec![-1f64; b * c];
-    if positives {
-        for i in 0..b.min(c) {
-            y[i * c + i] = 1.0;
-        }
-    }
-    let y = Tensor::from_vec(y, (b, c), z.device())?.to_dtype(z.dtype())?;
+    // The labels: +1 on the diagonal of a block of positives, −1 elsewhere, made on the device
+    // from kept row and column numbers (no upload).
+    let y = if positives {
+        let (rows, cols) = (allgrad_nn::transfer::numbers(b, z.device())?, allgrad_nn::transfer::numbers(c, z.device())?);
+        rows.reshape((b, 1))?.broadcast_eq(&cols.reshape((1, c))?)?.to_dtype(z.dtype())?.affine(2.0, -1.0)?
+    } else {
+        z.zeros_like()?.affine(0.0, -1.0)?
+    };
     log_sigmoid(&(z * y)?)?.sum_all()
 }
 

@@ -79,13 +79,10 @@ fn causal_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
     let d = h / heads;
     let split = |i: usize| qkv.narrow(2, i * h, h)?.reshape((b, len, heads, d))?.transpose(1, 2)?.contiguous();
     let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-    let mut mask = vec![0f64; len * len];
-    for i in 0..len {
-        for j in i + 1..len {
-            mask[i * len + j] = MASKED;
-        }
-    }
-    let mask = Tensor::from_vec(mask, (len, len), qkv.device())?.to_dtype(qkv.dtype())?;
+    // MASKED above the diagonal (column j > row i), 0 elsewhere, made on the device from kept
+    // position numbers (no upload).
+    let pos = allgrad_nn::transfer::numbers(len, qkv.device())?;
+    let mask = pos.reshape((1, len))?.broadcast_gt(&pos.reshape((len, 1))?)?.to_dtype(qkv.dtype())?.affine(MASKED, 0.0)?;
     let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask)?;
     let p = allgrad_nn::softmax_last_dim(&scores)?;
     p.matmul(&v)?.transpose(1, 2)?.reshape((b, len, h))

@@ -150,14 +150,42 @@ impl Margin {
     }
 
     /// `f` applied to every element of `t` (any shape), differentiable: the result carries
-    /// `f(t)` and passes `f'(t)` times its gradient back to `t`. Computed in f64.
+    /// `f(t)` and passes `f'(t)` times its gradient back to `t`. Computed in f64 on the host;
+    /// on a device (and the CPU's device path) with tensor ops in `t`'s dtype, without reading
+    /// `t`, for CosFace and ArcFace (`m1 = 1`); the combined form with `m1 ≠ 1` needs an
+    /// arccosine, which Candle has no op for, and reads `t`.
     pub fn apply(&self, t: &Tensor) -> Result<Tensor> {
+        if self.m1 == 1.0 && allgrad_nn::transfer::takes_device_path(t.device()) {
+            return self.apply_on_device(t);
+        }
         let t0 = t.detach();
         let values = t0.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
         let (f, slope): (Vec<f64>, Vec<f64>) = values.iter().map(|v| self.value_and_slope(*v)).unzip();
         let as_t = |v: Vec<f64>| Tensor::from_vec(v, t.shape(), t.device())?.to_dtype(t.dtype());
         // f(t0) + f'(t0)·(t − t0): the value is f(t0) exactly (t − t0 is 0), the gradient f'(t0).
         as_t(f)? + (as_t(slope)? * (t - &t0)?)?
+    }
+
+    /// [`Margin::apply`] for `m1 = 1` with tensor ops: `f(t) = t·cos m2 − sinθ·sin m2 − m3`
+    /// (`sinθ = √(1 − t²)`) where `θ + m2 ≤ π` (`t ≥ −cos m2`), `t − m3 − m2·sin m2` beyond;
+    /// the slope `sin(θ + m2) / max(sinθ, SIN_FLOOR)` (1 beyond), as the host computes them. Every
+    /// constant is made on the device from `t` (`0·t + c`), never uploaded.
+    fn apply_on_device(&self, t: &Tensor) -> Result<Tensor> {
+        let t0 = t.detach();
+        if self.is_cosine_only() {
+            return t.affine(1.0, -self.m3);
+        }
+        let (cos_m, sin_m) = (self.m2.cos(), self.m2.sin());
+        let constant = |c: f64| t0.affine(0.0, c);
+        let sin_theta = t0.sqr()?.affine(-1.0, 1.0)?.relu()?.sqrt()?;
+        let value = (t0.affine(cos_m, -self.m3)? - sin_theta.affine(sin_m, 0.0)?)?;
+        let floored = (sin_theta.affine(1.0, -SIN_FLOOR)?.relu()? + constant(SIN_FLOOR)?)?;
+        let slope = (sin_theta.affine(cos_m, 0.0)? + t0.affine(sin_m, 0.0)?)?.div(&floored)?;
+        let beyond = t0.lt(&constant(-cos_m)?)?;
+        let value = beyond.where_cond(&t0.affine(1.0, -self.m3 - self.m2 * sin_m)?, &value)?;
+        let slope = beyond.where_cond(&constant(1.0)?, &slope)?;
+        // f(t0) + f'(t0)·(t − t0), as on the host.
+        value + (slope * (t - &t0)?)?
     }
 }
 

@@ -82,10 +82,10 @@ impl CustomOp1 for UnitRows {
         };
         let dx = match (&*xs, &*gs) {
             (Storage::Cpu(CpuStorage::F32(x)), Storage::Cpu(CpuStorage::F32(g))) => {
-                Tensor::from_vec(self.backward(&x[xa..xb], &g[ga..gb]), arg.shape(), arg.device())?
+                allgrad_nn::kernel_output(self.backward(&x[xa..xb], &g[ga..gb]), arg.shape().clone())?
             }
             (Storage::Cpu(CpuStorage::F64(x)), Storage::Cpu(CpuStorage::F64(g))) => {
-                Tensor::from_vec(self.backward(&x[xa..xb], &g[ga..gb]), arg.shape(), arg.device())?
+                allgrad_nn::kernel_output(self.backward(&x[xa..xb], &g[ga..gb]), arg.shape().clone())?
             }
             _ => candle_core::bail!("{}: the input and its gradient must be f32 or f64 on the CPU", self.name()),
         };

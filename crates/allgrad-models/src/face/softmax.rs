@@ -53,7 +53,9 @@ pub fn parallel_cross_entropy(logits: &Tensor, target: &Tensor, pg: &ProcessGrou
 /// depend on it; it keeps every exponential at most 1).
 pub fn parallel_margin_cross_entropy(cos: &Tensor, cols: &[u32], margin: Margin, pg: &ProcessGroup) -> Result<Tensor> {
     let (b, c) = check_cos(cos, cols)?;
-    if !cos.device().is_cpu() || !matches!(cos.dtype(), DType::F32 | DType::F64) {
+    // The fused kernel is the CPU's own (it reads the row maxima and target cosines on the host);
+    // a device, and the CPU on the device path, take the composed form.
+    if allgrad_nn::transfer::takes_device_path(cos.device()) || !matches!(cos.dtype(), DType::F32 | DType::F64) {
         return parallel_margin_cross_entropy_composed(cos, cols, margin, pg);
     }
     let (dev, dtype) = (cos.device().clone(), cos.dtype());
@@ -102,7 +104,7 @@ pub fn parallel_margin_cross_entropy_composed(cos: &Tensor, cols: &[u32], margin
     let has = Tensor::from_vec(has, b, dev)?.to_dtype(cos.dtype())?;
     let t = cos.gather(&safe, 1)?.squeeze(1)?;
     let target = ((margin.apply(&t)? * margin.s)? * has)?; // [B]
-    let onehot = cols_t.broadcast_eq(&Tensor::arange(0u32, c as u32, dev)?.unsqueeze(0)?)?;
+    let onehot = cols_t.broadcast_eq(&allgrad_nn::transfer::numbers(c, dev)?.unsqueeze(0)?)?;
     let logits = onehot.where_cond(&target.unsqueeze(1)?.broadcast_as(cos.shape())?, &(cos * margin.s)?)?;
     parallel_cross_entropy(&logits, &target, pg)
 }

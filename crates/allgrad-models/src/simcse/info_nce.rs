@@ -66,12 +66,12 @@ pub fn info_nce_hard_negatives(
     let candidates = Tensor::cat(&[&pos, &neg], 0)?; // [2B, d]
     let mut logits = temperature.divide(&l2_normalize(anchors)?.matmul(&candidates.t()?)?)?; // [b, 2B]
     if hard_negative_weight != 0.0 {
-        let mut w = vec![0f64; b * 2 * total];
-        for i in 0..b {
-            w[i * 2 * total + total + offset + i] = hard_negative_weight;
-        }
-        let w = Tensor::from_vec(w, (b, 2 * total), logits.device())?.to_dtype(logits.dtype())?;
-        logits = (logits + w)?;
+        // The weight at column `total + offset + i` of row i, made on the device from kept
+        // numbers (no upload).
+        let n = allgrad_nn::transfer::numbers(2 * total, logits.device())?;
+        let own = n.narrow(0, total + offset, b)?.reshape((b, 1))?;
+        let hit = own.broadcast_eq(&n.reshape((1, 2 * total))?)?.to_dtype(logits.dtype())?;
+        logits = (logits + hit.affine(hard_negative_weight, 0.0)?)?;
     }
     cross_entropy_at(&logits, offset, total, pg.world_size())
 }
@@ -164,8 +164,8 @@ fn tiled_impl(
 /// `(W / B) Σ_i (logsumexp(logits_i) - logits_{i, offset + i})`.
 fn cross_entropy_at(logits: &Tensor, offset: usize, total: usize, world: usize) -> Result<Tensor> {
     let b = logits.dim(0)?;
-    let idx: Vec<u32> = (0..b).map(|i| (offset + i) as u32).collect();
-    let idx = Tensor::from_vec(idx, (b, 1), logits.device())?;
+    // The columns `offset..offset + b`, a view of numbers kept on the device (no upload).
+    let idx = allgrad_nn::transfer::numbers(offset + b, logits.device())?.narrow(0, offset, b)?.reshape((b, 1))?;
     let pos = logits.gather(&idx, 1)?.squeeze(1)?;
     (logsumexp(logits)? - pos)?.sum_all()? * (world as f64 / total as f64)
 }

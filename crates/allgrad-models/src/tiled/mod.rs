@@ -202,7 +202,11 @@ pub fn scaled_dot_cross_entropy_with(
 ) -> Result<Tensor> {
     temperature.check()?;
     let t = temperature.tensor(queries.dtype(), queries.device())?;
-    let fused = queries.device().is_cpu() && matches!(queries.dtype(), DType::F32 | DType::F64);
+    // The fused kernel is the CPU's own; on the device path the CPU runs the block path, as a
+    // device does.
+    let fused = queries.device().is_cpu()
+        && !allgrad_nn::transfer::takes_device_path(queries.device())
+        && matches!(queries.dtype(), DType::F32 | DType::F64);
     let kernel = if fused { Kernel::FusedDot } else { Kernel::Blocks(Arc::new(ScaledDot)) };
     op::apply(queries, keys, extra, &t, pairs, kernel, tile)
 }

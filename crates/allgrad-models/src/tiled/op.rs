@@ -1,7 +1,13 @@
 //! The custom op: the tiled forward runs before it is applied (its value and each row's
 //! log-sum-exp are stored in the op), the op's forward hands the value to Candle's graph with
 //! the queries, keys and parameters as its inputs, and its backward recomputes the blocks.
+//!
+//! The block path (every device, and the CPU on the device path) neither reads from the device
+//! nor uploads in a step: the loss is summed in a tensor, the incoming gradient stays a tensor,
+//! and each row's special columns are found by comparing its column number with the block's
+//! column numbers on the device ([`DevicePairs`], uploaded once per distinct pairs and kept).
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -66,18 +72,21 @@ pub(super) fn apply(
     let (q, p) = (queries.detach().contiguous()?, params.detach());
     let k = all_keys(keys, extra.as_ref())?;
     let n_grad = keys.dim(0)?;
-    let (value, lse) = match &kernel {
+    let pairs = Arc::new(pairs);
+    let (value, lse, on_device) = match &kernel {
         Kernel::FusedDot => {
             crate::trace::count(|c| c.fused_forward += 1);
-            fused_forward(&q, &k, &p, &pairs, tile)?
+            let (value, lse) = fused_forward(&q, &k, &p, &pairs, tile)?;
+            (Tensor::new(value, queries.device())?.to_dtype(queries.dtype())?, lse, None)
         }
         Kernel::Blocks(scores) => {
             crate::trace::count(|c| c.blocks_forward += 1);
-            blocks_forward(&q, &k, &p, &pairs, scores.as_ref(), tile)?
+            let on_device = DevicePairs::of(&pairs, n, queries.device())?;
+            let (value, lse) = blocks_forward(&q, &k, &p, &on_device, scores.as_ref(), tile)?;
+            (value.to_dtype(queries.dtype())?, lse, Some(on_device))
         }
     };
-    let value = Tensor::new(value, queries.device())?.to_dtype(queries.dtype())?;
-    let op = TiledCrossEntropy { kernel, pairs: Arc::new(pairs), tile, value, lse, extra, n_grad };
+    let op = TiledCrossEntropy { kernel, pairs, on_device, tile, value, lse, extra, n_grad };
     queries.apply_op3(keys, params, op)
 }
 
@@ -93,6 +102,8 @@ fn all_keys(keys: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
 struct TiledCrossEntropy {
     kernel: Kernel,
     pairs: Arc<Pairs>,
+    /// The block path's pairs on the device.
+    on_device: Option<Arc<DevicePairs>>,
     tile: usize,
     /// The loss, a one-element tensor of its own on the inputs' device and dtype.
     value: Tensor,
@@ -171,19 +182,22 @@ impl CustomOp3 for TiledCrossEntropy {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let need = [queries.track_op(), keys.track_op(), params.track_op()];
-        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let (q, p) = (queries.detach().contiguous()?, params.detach());
         let k = all_keys(keys, self.extra.as_ref())?;
         let n_grad = self.n_grad;
-        let [dq, dk, dp] = match &self.kernel {
-            Kernel::FusedDot => {
+        let [dq, dk, dp] = match (&self.kernel, &self.on_device) {
+            (Kernel::FusedDot, _) => {
                 crate::trace::count(|c| c.fused_backward += 1);
+                // The fused kernel runs on the host path only: its gradient is read there.
+                let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 fused_backward(&q, &k, n_grad, &p, &self.pairs, self.tile, &self.lse, g, need)?
             }
-            Kernel::Blocks(scores) => {
+            (Kernel::Blocks(scores), Some(pairs)) => {
                 crate::trace::count(|c| c.blocks_backward += 1);
-                blocks_backward(&q, &k, n_grad, &p, &self.pairs, scores.as_ref(), self.tile, &self.lse, g, need)?
+                let g = grad.to_dtype(q.dtype())?.reshape((1, 1))?;
+                blocks_backward(&q, &k, n_grad, &p, pairs, scores.as_ref(), self.tile, &self.lse, &g, need)?
             }
+            (Kernel::Blocks(_), None) => candle_core::bail!("tiled_cross_entropy: the block path lost its pairs"),
         };
         Ok((dq, dk, dp))
     }
@@ -313,60 +327,109 @@ fn block_scores(scores: &dyn TileScores, q: &Tensor, k: &Tensor, p: &Tensor) -> 
     Ok(s)
 }
 
-/// For each row of the block, `(column offset or 0, value or 0)` of one kind of special
-/// column, as `[tq, 1]` tensors; `None` when no row of the block has one.
-fn per_row(
-    rows: &Range<usize>,
-    dtype: DType,
-    device: &Device,
-    pick: impl Fn(usize) -> Option<(usize, f64)>,
-) -> Result<Option<(Tensor, Tensor, Vec<bool>)>> {
-    let found: Vec<Option<(usize, f64)>> = rows.clone().map(pick).collect();
-    if found.iter().all(Option::is_none) {
-        return Ok(None);
+/// A [`Pairs`] on a device: per query row, the column of its target, of its excluded column
+/// and of its boosted column (each list that the pairs have, `[m, 1]` u32), with the column
+/// numbers `[1, n]`. A block's special entries are where the two are equal, found on the
+/// device; so the block path uploads only when it meets pairs it has not seen on this thread
+/// (a few are kept: the last ones of each shape, as a step's pairs repeat from step to step).
+pub(super) struct DevicePairs {
+    pairs: Arc<Pairs>,
+    location: candle_core::DeviceLocation,
+    target: Option<Tensor>,
+    exclude: Option<Tensor>,
+    boost: Option<(Tensor, f64)>,
+    cols: Tensor,
+}
+
+/// How many [`DevicePairs`] a thread keeps.
+const KEPT_PAIRS: usize = 8;
+
+thread_local! {
+    static KEPT: RefCell<Vec<Arc<DevicePairs>>> = const { RefCell::new(Vec::new()) };
+}
+
+impl DevicePairs {
+    /// `pairs` (over `n` columns) on `device`: kept from an earlier call on this thread with
+    /// equal pairs, or uploaded now.
+    fn of(pairs: &Arc<Pairs>, n: usize, device: &Device) -> Result<Arc<DevicePairs>> {
+        let location = device.location();
+        let found = KEPT.with(|k| {
+            k.borrow().iter().find(|d| d.location == location && d.cols.dim(1).ok() == Some(n) && *d.pairs == **pairs).cloned()
+        });
+        if let Some(d) = found {
+            return Ok(d);
+        }
+        let column = |list: &[usize]| -> Result<Tensor> {
+            let v: Vec<u32> = list.iter().map(|&c| c as u32).collect();
+            Tensor::from_vec(v, (list.len(), 1), device)
+        };
+        if n >= u32::MAX as usize {
+            return fail(ModelError::TiledInput(format!("{n} key columns do not fit the block path's u32 column numbers")));
+        }
+        let cols = allgrad_nn::transfer::numbers(n, device)?.reshape((1, n))?;
+        let d = Arc::new(DevicePairs {
+            pairs: pairs.clone(),
+            location,
+            target: pairs.target.as_deref().map(column).transpose()?,
+            exclude: pairs.exclude.as_deref().map(column).transpose()?,
+            boost: pairs.boost.as_ref().map(|(list, w)| Ok::<_, candle_core::Error>((column(list)?, *w))).transpose()?,
+            cols,
+        });
+        KEPT.with(|k| {
+            let mut k = k.borrow_mut();
+            if k.len() == KEPT_PAIRS {
+                k.remove(0);
+            }
+            k.push(d.clone());
+        });
+        Ok(d)
     }
-    let idx: Vec<u32> = found.iter().map(|f| f.map_or(0, |(c, _)| c as u32)).collect();
-    let val: Vec<f64> = found.iter().map(|f| f.map_or(0.0, |(_, v)| v)).collect();
-    let mask: Vec<bool> = found.iter().map(Option::is_some).collect();
-    let n = rows.len();
-    Ok(Some((Tensor::from_vec(idx, (n, 1), device)?, Tensor::from_vec(val, (n, 1), device)?.to_dtype(dtype)?, mask)))
+
+    /// Where, in the block of `rows` and `cols`, a row's special column of `list` lies
+    /// (`[tq, tk]` u8).
+    fn hits(&self, list: &Tensor, rows: &Range<usize>, cols: &Range<usize>) -> Result<Tensor> {
+        let r = list.narrow(0, rows.start, rows.len())?;
+        let c = self.cols.narrow(1, cols.start, cols.len())?;
+        r.broadcast_eq(&c)
+    }
 }
 
 /// The block's logits with the special columns applied (excluded `-inf`, boosted `+ boost`).
-fn with_specials(s: &Tensor, pairs: &Pairs, rows: &Range<usize>, cols: &Range<usize>) -> Result<Tensor> {
+fn with_specials(s: &Tensor, pairs: &DevicePairs, rows: &Range<usize>, cols: &Range<usize>) -> Result<Tensor> {
     let mut s = s.clone();
-    let excl = per_row(rows, s.dtype(), s.device(), |r| pairs.exclude_in(r, cols).map(|c| (c, f64::NEG_INFINITY)))?;
-    if let Some((idx, val, _)) = excl {
-        s = s.scatter_add(&idx, &val, 1)?;
+    if let Some(ex) = &pairs.exclude {
+        let hit = pairs.hits(ex, rows, cols)?;
+        // -inf made on the device (0 · 0 − ∞), not uploaded.
+        let minus_inf = s.zeros_like()?.affine(0.0, f64::NEG_INFINITY)?;
+        s = hit.where_cond(&minus_inf, &s)?;
     }
-    if let Some((idx, val, _)) = per_row(rows, s.dtype(), s.device(), |r| pairs.boost_in(r, cols))? {
-        s = s.scatter_add(&idx, &val, 1)?;
+    if let Some((b, w)) = &pairs.boost {
+        let hit = pairs.hits(b, rows, cols)?.to_dtype(s.dtype())?;
+        s = (s + hit.affine(*w, 0.0)?)?;
     }
     Ok(s)
 }
 
 /// Each row's target logit where it lies in this block, 0 elsewhere (`[tq]`).
-fn target_logits(s: &Tensor, pairs: &Pairs, rows: &Range<usize>, cols: &Range<usize>) -> Result<Option<Tensor>> {
-    let Some((idx, _, mask)) = per_row(rows, s.dtype(), s.device(), |r| pairs.target_in(r, cols).map(|c| (c, 0.0)))? else {
-        return Ok(None);
-    };
-    let mask = Tensor::from_vec(mask.iter().map(|&b| b as u8).collect::<Vec<_>>(), rows.len(), s.device())?;
-    let picked = s.gather(&idx, 1)?.squeeze(1)?;
-    Ok(Some(mask.where_cond(&picked, &picked.zeros_like()?)?))
+fn target_logits(s: &Tensor, pairs: &DevicePairs, rows: &Range<usize>, cols: &Range<usize>) -> Result<Option<Tensor>> {
+    let Some(t) = &pairs.target else { return Ok(None) };
+    let hit = pairs.hits(t, rows, cols)?;
+    Ok(Some(hit.where_cond(s, &s.zeros_like()?)?.sum(1)?))
 }
 
 fn blocks_forward(
     q: &Tensor,
     k: &Tensor,
     p: &Tensor,
-    pairs: &Pairs,
+    pairs: &DevicePairs,
     scores: &dyn TileScores,
     tile: usize,
-) -> Result<(f64, Tensor)> {
+) -> Result<(Tensor, Tensor)> {
     let (m, n) = (q.dim(0)?, k.dim(0)?);
     let (dtype, device) = (q.dtype(), q.device());
     let lowest = lowest(dtype);
-    let mut total = 0f64;
+    // The loss, summed in f64 on the device.
+    let mut total = Tensor::zeros((), DType::F64, device)?;
     let mut lse_parts = Vec::new();
     for rows in blocks(m, tile) {
         let qi = q.narrow(0, rows.start, rows.len())?;
@@ -374,7 +437,7 @@ fn blocks_forward(
         // Running reference (the largest logit so far, never below the dtype's lowest finite
         // value, so that `e^(s − shift)` of an excluded `-inf` is 0, never NaN) and the sum
         // of `e^(s − shift)`.
-        let mut shift = Tensor::full(lowest, (tq, 1), device)?.to_dtype(dtype)?;
+        let mut shift = Tensor::zeros((tq, 1), dtype, device)?.affine(1.0, lowest)?;
         let mut sum = Tensor::zeros((tq, 1), dtype, device)?;
         let mut pos = Tensor::zeros(tq, dtype, device)?;
         for cols in blocks(n, tile) {
@@ -400,7 +463,7 @@ fn blocks_forward(
             shift = new_shift;
         }
         let lse = (shift + sum.log()?)?.squeeze(1)?;
-        total += (&lse - pos)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        total = (total + (&lse - pos)?.to_dtype(DType::F64)?.sum_all()?)?;
         lse_parts.push(lse);
     }
     let lse = if lse_parts.is_empty() { Tensor::zeros(0, dtype, device)? } else { Tensor::cat(&lse_parts, 0)? };
@@ -422,11 +485,11 @@ fn blocks_backward(
     k: &Tensor,
     n_grad: usize,
     p: &Tensor,
-    pairs: &Pairs,
+    pairs: &DevicePairs,
     scores: &dyn TileScores,
     tile: usize,
     lse: &Tensor,
-    g: f64,
+    g: &Tensor,
     need: [bool; 3],
 ) -> Result<[Option<Tensor>; 3]> {
     let (m, n) = (q.dim(0)?, k.dim(0)?);
@@ -452,12 +515,11 @@ fn blocks_backward(
                 None => block_scores(scores, &qi, &kj, p)?,
             };
             let s = with_specials(&raw.detach(), pairs, &rows, cols)?;
-            let mut ds = (s.broadcast_sub(&lse_i)?.exp()? * g)?;
-            if let Some((idx, _, mask)) = per_row(&rows, ds.dtype(), ds.device(), |r| pairs.target_in(r, cols).map(|c| (c, 0.0)))?
-            {
-                let minus_g: Vec<f64> = mask.iter().map(|&b| if b { -g } else { 0.0 }).collect();
-                let src = Tensor::from_vec(minus_g, (rows.len(), 1), ds.device())?.to_dtype(ds.dtype())?;
-                ds = ds.scatter_add(&idx, &src, 1)?;
+            let mut ds = s.broadcast_sub(&lse_i)?.exp()?.broadcast_mul(g)?;
+            if let Some(t) = &pairs.target {
+                // The positive's `− g`.
+                let hit = pairs.hits(t, &rows, cols)?.to_dtype(ds.dtype())?;
+                ds = (ds - hit.broadcast_mul(g)?)?;
             }
             let [gq, gk, gp] = match &vars {
                 None => scores.backward(&qi, &kj, p, &raw, &ds)?,

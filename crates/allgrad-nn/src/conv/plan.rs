@@ -91,7 +91,7 @@ impl<P> PlanCache<P> {
         match self.plans.entry(key) {
             Entry::Occupied(e) => Ok(e.into_mut()),
             Entry::Vacant(e) => {
-                crate::transfer::count_heuristic_query();
+                crate::trace::count_heuristic_query();
                 Ok(e.insert(build()?))
             }
         }

@@ -27,6 +27,7 @@ mod conv;
 mod dropout;
 mod from_vb;
 mod gradient_store;
+mod host_traffic;
 mod linear;
 mod loss;
 mod norm;

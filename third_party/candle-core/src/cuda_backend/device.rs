@@ -103,6 +103,7 @@ impl CudaDevice {
         src: &Src,
         dst: &mut Dst,
     ) -> Result<()> {
+        crate::host_traffic::device_upload();
         if cuda_graph_htod_cache_enabled() && !src.is_empty() {
             return self.memcpy_htod_capture_cached(src, dst);
         }
@@ -114,6 +115,7 @@ impl CudaDevice {
         src: &Src,
     ) -> Result<Vec<T>> {
         self.check_capture_copy("clone_dtoh")?;
+        crate::host_traffic::device_read();
         self.stream.clone_dtoh(src).w()
     }
 
@@ -139,6 +141,7 @@ impl CudaDevice {
         dst: &mut Dst,
     ) -> Result<()> {
         self.check_capture_copy("memcpy_dtoh")?;
+        crate::host_traffic::device_read();
         self.stream.memcpy_dtoh(src, dst).w()
     }
 
@@ -149,6 +152,7 @@ impl CudaDevice {
         &self,
         src: &Src,
     ) -> Result<cudarc::driver::CudaSlice<T>> {
+        crate::host_traffic::device_upload();
         if cuda_graph_htod_cache_enabled() && !src.is_empty() {
             return self.clone_htod_capture_cached(src);
         }
@@ -809,6 +813,7 @@ impl BackendDevice for CudaDevice {
     }
 
     fn synchronize(&self) -> Result<()> {
+        crate::host_traffic::device_sync();
         self.stream.synchronize().map_err(crate::Error::wrap)?;
         Ok(())
     }

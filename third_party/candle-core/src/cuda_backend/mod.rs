@@ -80,13 +80,15 @@ impl SlicePtrOrNull<usize> {
                 );
             }
 
+            crate::host_traffic::device_param_upload();
             let slice = Arc::new(dev.cuda_stream().clone_htod(&params).w()?);
             let mut cache = cache.lock().unwrap();
             let slice = cache.entry(key).or_insert_with(|| slice).clone();
             return Ok(SlicePtrOrNull::Cached(slice));
         }
 
-        Ok(SlicePtrOrNull::Ptr(dev.clone_htod(&params)?))
+        crate::host_traffic::device_param_upload();
+        Ok(SlicePtrOrNull::Ptr(dev.cuda_stream().clone_htod(&params).w()?))
     }
 
     pub fn params_from_layout(dev: &CudaDevice, l: &Layout) -> Result<Self> {
@@ -1752,6 +1754,7 @@ impl BackendStorage for CudaStorage {
     }
 
     fn to_cpu_storage(&self) -> Result<CpuStorage> {
+        crate::host_traffic::device_read();
         if device::cuda_graph_htod_cache_enabled() {
             let is_capturing = self.device.cuda_stream().capture_status()
                 == Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE);

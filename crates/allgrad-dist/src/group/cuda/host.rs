@@ -12,7 +12,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::DeviceRepr;
 use candle_core::cuda::CudaDType;
-use candle_core::{CudaStorage, Layout, Result, Shape};
+use candle_core::host_traffic;
+use candle_core::{CudaStorage, Device, Layout, Result, Shape};
 
 use super::Out;
 use crate::dispatch::unsupported_dtype;
@@ -34,11 +35,18 @@ fn typed<T: Elem + CudaDType + DeviceRepr>(pg: &ProcessGroup, kind: &Kind, s: &C
     let src = s.as_cuda_slice::<T>()?.slice(start..end);
     let mut staging = pg.staging();
     let buf = staging.slice::<T>(stream.context(), end - start)?;
+    // Staged through the host: a read, an upload and two synchronisations, counted where
+    // Candle counts its own copies.
+    let counted = Device::Cuda(dev.clone());
+    host_traffic::count_read(&counted);
     cuda(stream.memcpy_dtoh(&src, buf), "copying a collective's input to the host")?;
+    host_traffic::count_sync(&counted);
     cuda(stream.synchronize(), "waiting for a collective's input to reach the host")?;
     let ((out, shape), sizes) = run_staged(pg, kind, buf, l.dims(), |v, dims| {
+        host_traffic::count_upload(&counted);
         let slice = cuda(stream.clone_htod(v), "copying a collective's result to the device")?;
         // The source is the reused buffer (or a vector about to be dropped): wait for the copy.
+        host_traffic::count_sync(&counted);
         cuda(stream.synchronize(), "waiting for a collective's result to reach the device")?;
         Ok((T::wrap_cuda_slice(slice, dev.clone()), Shape::from(dims)))
     })?;
