@@ -251,6 +251,13 @@ impl ProcessGroup {
         self.lock().mesh.paths
     }
 
+    /// How many of its connections this rank looks at each time for a dead or failed peer
+    /// while it waits on shared memory or NCCL (ALLGRAD_PEER_WINDOW; for tests).
+    #[doc(hidden)]
+    pub fn peer_window(&self) -> usize {
+        self.lock().mesh.peer_window
+    }
+
     /// Frames this rank exchanged on this group so far, and its poll(2) calls (for
     /// benchmarks that count what a collective costs).
     #[doc(hidden)]
