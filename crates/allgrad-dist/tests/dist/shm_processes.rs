@@ -9,6 +9,13 @@
 //! - A rank killed with SIGKILL while the ranks loop over all_reduce calls makes every other
 //!   rank fail within seconds, naming it: large calls through shared memory, large calls over
 //!   the TCP ring (ALLGRAD_SHM=0), and small calls on the TCP direct path; W = 2, 3, 4.
+//! - The same at W = 8 with ALLGRAD_PEER_WINDOW=2 in every rank's environment (each rank
+//!   reports that its group carries it): the killed rank is named by every other rank when
+//!   they wait at shared-memory barriers (looking at two connections at a time), and in calls
+//!   over TCP, through the binomial tree (ALLGRAD_TREE_FROM=2) or with every peer. That a
+//!   waiter's window moves on (a dead rank that no running rank's first look covers is found)
+//!   is tested with thread ranks, where a test can hold the ranks whose first look covers it
+//!   (`src/cpu/shm/path_tests.rs`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -64,7 +71,7 @@ fn child_rank() {
                 let mut x = input(r, if mode == "loop" { 2 * N } else { 4 });
                 for k in 0.. {
                     if k == 3 {
-                        say("looping".into());
+                        say(format!("looping, peer window {}", pg.peer_window()));
                     }
                     pg.all_reduce_slice(&mut x, ReduceOp::Max).map_err(|e| e.to_string())?;
                 }
@@ -110,6 +117,8 @@ fn start(w: usize, mode: &str, env: impl Fn(usize) -> Vec<(&'static str, &'stati
             cmd.args(["shm_processes::child_rank", "--exact", "--nocapture", "--test-threads=1"])
                 .env_remove("ALLGRAD_SHM")
                 .env_remove("ALLGRAD_SHM_SLOT_BYTES")
+                .env_remove("ALLGRAD_PEER_WINDOW")
+                .env_remove("ALLGRAD_TREE_FROM")
                 .env("ALLGRAD_TEST_CHILD", mode)
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", w.to_string())
@@ -215,18 +224,40 @@ fn a_process_killed_mid_collective_is_named_by_every_other_rank() {
             continue;
         }
         for (w, victim) in [(2, 1), (3, 1), (3, 0), (4, 2)] {
-            killed_mid_collective(w, victim, path, mode, env);
+            killed_mid_collective(w, victim, path, mode, env, 64);
         }
+    }
+}
+
+#[test]
+fn with_a_peer_window_of_two_a_process_killed_mid_collective_is_named_by_every_other_rank() {
+    // 8 ranks: rank 4 is an inner node of the tree (its subtree is ranks 4..8), and the first
+    // looks of ranks 2 and 3 only cover it. 8 MiB calls wait at shared-memory barriers;
+    // 16-byte calls go over TCP, through the tree or with every peer.
+    let paths: [(&str, &str, &Env); 3] = [
+        ("shared memory", "loop", &[("ALLGRAD_PEER_WINDOW", "2")]),
+        ("TCP tree", "loop_small", &[("ALLGRAD_PEER_WINDOW", "2"), ("ALLGRAD_TREE_FROM", "2")]),
+        ("TCP direct", "loop_small", &[("ALLGRAD_PEER_WINDOW", "2")]),
+    ];
+    for (path, mode, env) in paths {
+        if path == "shared memory" && !std::path::Path::new("/dev/shm").is_dir() {
+            allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm: the shared-memory case does not run");
+            continue;
+        }
+        killed_mid_collective(8, 4, path, mode, env, 2);
     }
 }
 
 /// Environment variables of a child rank.
 type Env = [(&'static str, &'static str)];
 
-fn killed_mid_collective(w: usize, victim: usize, path: &str, mode: &str, env: &Env) {
+/// Starts `w` ranks looping over all_reduce calls in `mode`, kills rank `victim` (SIGKILL),
+/// and checks that every other rank fails within 5 s, naming it; every rank's group must carry
+/// a peer window of `window` connections.
+fn killed_mid_collective(w: usize, victim: usize, path: &str, mode: &str, env: &Env, window: usize) {
     let mut ranks = start(w, mode, |_| env.to_vec());
     for k in &ranks {
-        assert_eq!(k.next(Duration::from_secs(60)), "looping", "{path} W={w}");
+        assert_eq!(k.next(Duration::from_secs(60)), format!("looping, peer window {window}"), "{path} W={w}");
     }
     // Mid-way through the stream of calls.
     std::thread::sleep(Duration::from_millis(50));

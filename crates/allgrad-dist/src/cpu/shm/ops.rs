@@ -313,6 +313,9 @@ pub(crate) enum Fault {
     Kill,
     /// The rank stops for longer than the group's timeout before it arrives.
     Stall,
+    /// The rank stops for this long before it arrives (and so does not look at its
+    /// connections meanwhile), then waits as usual.
+    Pause(Duration),
 }
 
 #[cfg(test)]
@@ -338,6 +341,10 @@ impl Mesh {
             }
             Fault::Stall => {
                 std::thread::sleep(self.timeout + Duration::from_millis(500));
+                return None;
+            }
+            Fault::Pause(d) => {
+                std::thread::sleep(d);
                 return None;
             }
         })
