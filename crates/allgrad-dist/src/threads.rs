@@ -45,6 +45,7 @@ pub struct ThreadWorld {
     /// A rank that runs with shared memory off while the others have it on (tests).
     declining: Option<usize>,
     tree_from: Option<usize>,
+    peer_window: Option<usize>,
 }
 
 impl ThreadWorld {
@@ -63,6 +64,7 @@ impl ThreadWorld {
             cuda_collectives: None,
             declining: None,
             tree_from: None,
+            peer_window: None,
         }
     }
 
@@ -70,6 +72,13 @@ impl ThreadWorld {
     /// (tests run the tree on small worlds with 2).
     pub fn tree_from(mut self, ranks: usize) -> Self {
         self.tree_from = Some(ranks);
+        self
+    }
+
+    /// How many connections a rank waiting on shared memory looks at each time for a dead
+    /// peer, overriding ALLGRAD_PEER_WINDOW (tests make the window move on small worlds with 2).
+    pub fn peer_window(mut self, connections: usize) -> Self {
+        self.peer_window = Some(connections);
         self
     }
 
@@ -142,6 +151,7 @@ impl ThreadWorld {
         settings.cuda_collectives = self.cuda_collectives.or(settings.cuda_collectives);
         settings.timeout = self.timeout;
         settings.tree_from = self.tree_from.unwrap_or(settings.tree_from).max(2);
+        settings.peer_window = self.peer_window.unwrap_or(settings.peer_window).max(1);
         let token = format!("threads-{:032x}", rand::random::<u128>());
         let server = if w > 1 { Some(StoreServer::start("127.0.0.1:0", &token)?) } else { None };
         let port = server.as_ref().map(|s| s.addr().port()).unwrap_or(crate::rendezvous::env::DEFAULT_MASTER_PORT);

@@ -136,9 +136,51 @@ pub(crate) struct Mesh {
     pub counts: WireCounts,
     /// Groups of at least this many ranks take the binomial tree (`tree`).
     pub tree_from: usize,
+    /// How many connections a rank waiting on something else than TCP looks at each time
+    /// for a dead or failed peer ([`PeerWatch`], ALLGRAD_PEER_WINDOW).
+    pub peer_window: usize,
     /// Per peer, the send and receive of the exchange in progress and its slot in the poll
     /// set, so that an exchange finds them without a search (it may have W - 1 of each).
     index: Vec<PeerIndex>,
+}
+
+/// The connections a rank that waits for something else than its TCP connections (a
+/// shared-memory barrier, an NCCL call) looks at for a dead or failed peer, a window of them
+/// at each look: look k of group rank r covers the `window` group ranks from
+/// r + 1 + k * window on, modulo the group size W. So at every look each peer is in the window
+/// of exactly `window` ranks (the first to see it dead tells the others), and a rank has
+/// looked at all of its connections every W / window looks (rounded up). Looking at all of them at every
+/// look costs a poll(2) over W - 1 descriptors, which for a thousand ranks is more work than
+/// what they wait for.
+pub(crate) struct PeerWatch {
+    rank: usize,
+    window: usize,
+    size: usize,
+    /// Looks so far.
+    looks: usize,
+}
+
+impl PeerWatch {
+    /// Group rank `rank`'s watch over a group of `size` ranks, `window` connections a look.
+    pub(crate) fn new(rank: usize, window: usize, size: usize) -> PeerWatch {
+        // A window of W covers every rank at every look: wider ones look the same.
+        PeerWatch { rank, window: window.clamp(1, size.max(1)), size: size.max(1), looks: 0 }
+    }
+
+    /// The group ranks look `k` covers (it may include this rank, which has no connection).
+    pub(crate) fn covers(&self, k: usize) -> impl Iterator<Item = usize> {
+        let (w, window) = (self.size, self.window);
+        // (r + 1 + k * window) mod W, without overflow however long the wait.
+        let first = (self.rank + 1 + (k % w) * window) % w;
+        (0..window).map(move |i| (first + i) % w)
+    }
+
+    /// Looks at the next window of `mesh`'s connections and moves on.
+    pub(crate) fn look(&mut self, mesh: &Mesh, what: &str) -> Option<DistError> {
+        let failed = mesh.peer_failure_among(what, self.covers(self.looks));
+        self.looks += 1;
+        failed
+    }
 }
 
 /// Where one peer's send, receive and pollfd sit in the exchange in progress.
@@ -200,6 +242,7 @@ impl Mesh {
             paths: AllReducePaths::default(),
             counts: WireCounts::default(),
             tree_from: crate::settings::DEFAULT_TREE_FROM,
+            peer_window: crate::settings::DEFAULT_PEER_WINDOW,
             index: vec![PeerIndex::UNUSED; n],
         }
     }
@@ -265,24 +308,16 @@ impl Mesh {
     /// Looks, without blocking, for a peer that sent an ABORT frame or closed its connection;
     /// anything else waiting on a connection is left for the next exchange.
     pub fn peer_failure(&self, what: &str) -> Option<DistError> {
-        self.peer_failure_among(what, 0, self.size())
+        self.peer_failure_among(what, 0..self.size())
     }
 
-    /// How many connections a rank that waits for something else (shared memory, NCCL) looks
-    /// at each time with [`Mesh::peer_failure_among`]: rank r's k-th look covers the peers
-    /// r + 1 + k * PEER_WINDOW onwards, so that at every look exactly PEER_WINDOW ranks watch
-    /// each peer. Looking at every connection costs a poll(2) over W - 1 descriptors per look,
-    /// which for a thousand ranks is more work than what they wait for.
-    pub(crate) const PEER_WINDOW: usize = 64;
-
-    /// [`Mesh::peer_failure`] for `count` peers only, from group rank `first` on (modulo the
-    /// group size): one poll(2) over a window of the connections instead of all W - 1.
-    pub fn peer_failure_among(&self, what: &str, first: usize, count: usize) -> Option<DistError> {
-        let w = self.size();
-        let count = count.min(w);
-        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(count);
-        let mut fd_peer: Vec<usize> = Vec::with_capacity(count);
-        for p in (0..count).map(|i| (first + i) % w) {
+    /// Looks, without blocking, at the connections of the group ranks `peers` only (this
+    /// rank's own index is skipped): one poll(2) over a window of the connections instead of
+    /// all W - 1 ([`PeerWatch`]).
+    pub fn peer_failure_among(&self, what: &str, peers: impl Iterator<Item = usize>) -> Option<DistError> {
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(peers.size_hint().0);
+        let mut fd_peer: Vec<usize> = Vec::with_capacity(fds.capacity());
+        for p in peers {
             if let Some(s) = &self.peers[p] {
                 fds.push(wire::pollfd(s, libc::POLLIN));
                 fd_peer.push(p);
@@ -308,6 +343,12 @@ impl Mesh {
             }
         }
         None
+    }
+
+    /// A fresh [`PeerWatch`] of this rank over the group's connections, with the group's
+    /// window (ALLGRAD_PEER_WINDOW).
+    pub(crate) fn peer_watch(&self) -> PeerWatch {
+        PeerWatch::new(self.rank, self.peer_window, self.size())
     }
 
     fn broadcast_abort(&mut self, reason: &str) {

@@ -95,6 +95,7 @@ pub(super) fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usi
     }
     let mut mesh = Mesh::new(group.to_string(), me, members.to_vec(), peers, info.timeout);
     mesh.tree_from = ctx.settings.tree_from;
+    mesh.peer_window = ctx.settings.peer_window;
     mesh.setup_shm(&info.token, ShmConfig::from(&ctx.settings))?;
     Ok(mesh)
 }

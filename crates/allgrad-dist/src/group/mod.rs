@@ -251,6 +251,22 @@ impl ProcessGroup {
         self.lock().mesh.paths
     }
 
+    /// How many of its connections this rank looks at each time for a dead or failed peer
+    /// while it waits on shared memory or NCCL (ALLGRAD_PEER_WINDOW; for tests).
+    #[doc(hidden)]
+    pub fn peer_window(&self) -> usize {
+        self.lock().mesh.peer_window
+    }
+
+    /// The global ranks whose connections this rank's look `k` covers while it waits on
+    /// shared memory or NCCL (each wait starts again at look 0; for tests).
+    #[doc(hidden)]
+    pub fn peer_look(&self, k: usize) -> Vec<usize> {
+        let g = self.lock();
+        let mesh = &g.mesh;
+        mesh.peer_watch().covers(k).filter(|p| *p != mesh.rank).map(|p| mesh.members[p]).collect()
+    }
+
     /// Frames this rank exchanged on this group so far, and its poll(2) calls (for
     /// benchmarks that count what a collective costs).
     #[doc(hidden)]

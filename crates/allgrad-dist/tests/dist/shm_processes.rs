@@ -9,6 +9,13 @@
 //! - A rank killed with SIGKILL while the ranks loop over all_reduce calls makes every other
 //!   rank fail within seconds, naming it: large calls through shared memory, large calls over
 //!   the TCP ring (ALLGRAD_SHM=0), and small calls on the TCP direct path; W = 2, 3, 4.
+//! - The same at W = 8 with ALLGRAD_PEER_WINDOW=2 in every rank's environment (each rank
+//!   reports that its group carries it): the killed rank is named by every other rank when
+//!   they wait at shared-memory barriers (looking at two connections at a time), and in calls
+//!   over TCP, through the binomial tree (ALLGRAD_TREE_FROM=2) or with every peer. That a
+//!   waiter's window moves on: the ranks whose first look covers the rank to be killed are
+//!   stopped (SIGSTOP) first, so that the running ranks, waiting at a shared-memory barrier,
+//!   find it only on later looks (also with thread ranks, `src/cpu/shm/path_tests.rs`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -60,11 +67,16 @@ fn child_rank() {
                 std::io::stdin().read_line(&mut line).unwrap();
                 pg.barrier().map_err(|e| e.to_string())
             }
-            "loop" | "loop_small" => {
-                let mut x = input(r, if mode == "loop" { 2 * N } else { 4 });
+            "loop" | "loop_small" | "loop_pieces" => {
+                let n = match mode.as_str() {
+                    "loop" => 2 * N,
+                    "loop_pieces" => N / 16,
+                    _ => 4,
+                };
+                let mut x = input(r, n);
                 for k in 0.. {
                     if k == 3 {
-                        say("looping".into());
+                        say(format!("looping, peer window {}, first look {:?}", pg.peer_window(), pg.peer_look(0)));
                     }
                     pg.all_reduce_slice(&mut x, ReduceOp::Max).map_err(|e| e.to_string())?;
                 }
@@ -110,6 +122,8 @@ fn start(w: usize, mode: &str, env: impl Fn(usize) -> Vec<(&'static str, &'stati
             cmd.args(["shm_processes::child_rank", "--exact", "--nocapture", "--test-threads=1"])
                 .env_remove("ALLGRAD_SHM")
                 .env_remove("ALLGRAD_SHM_SLOT_BYTES")
+                .env_remove("ALLGRAD_PEER_WINDOW")
+                .env_remove("ALLGRAD_TREE_FROM")
                 .env("ALLGRAD_TEST_CHILD", mode)
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", w.to_string())
@@ -215,18 +229,116 @@ fn a_process_killed_mid_collective_is_named_by_every_other_rank() {
             continue;
         }
         for (w, victim) in [(2, 1), (3, 1), (3, 0), (4, 2)] {
-            killed_mid_collective(w, victim, path, mode, env);
+            killed_mid_collective(w, victim, path, mode, env, 64);
         }
+    }
+}
+
+#[test]
+fn with_a_peer_window_of_two_a_process_killed_mid_collective_is_named_by_every_other_rank() {
+    // 8 ranks: rank 4 is an inner node of the tree (its subtree is ranks 4..8), and the first
+    // looks of ranks 2 and 3 only cover it. 8 MiB calls wait at shared-memory barriers;
+    // 16-byte calls go over TCP, through the tree or with every peer.
+    let paths: [(&str, &str, &Env); 3] = [
+        ("shared memory", "loop", &[("ALLGRAD_PEER_WINDOW", "2")]),
+        ("TCP tree", "loop_small", &[("ALLGRAD_PEER_WINDOW", "2"), ("ALLGRAD_TREE_FROM", "2")]),
+        ("TCP direct", "loop_small", &[("ALLGRAD_PEER_WINDOW", "2")]),
+    ];
+    for (path, mode, env) in paths {
+        if path == "shared memory" && !std::path::Path::new("/dev/shm").is_dir() {
+            allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm: the shared-memory case does not run");
+            continue;
+        }
+        killed_mid_collective(8, 4, path, mode, env, 2);
+    }
+}
+
+#[test]
+fn with_a_peer_window_of_two_a_killed_process_is_found_by_ranks_whose_first_look_misses_it() {
+    // 8 ranks with ALLGRAD_PEER_WINDOW=2 loop over 256 KiB all_reduce calls in 4 KiB slots (65
+    // barriers a call: the first is the exchange of call headers over TCP, the other 64 wait
+    // on shared memory). Each rank reports its first look (by the rule its waits use); the ranks
+    // whose first look covers rank 4 are stopped (SIGSTOP), so the others soon all wait for
+    // them, and rank 4 is killed (SIGKILL). The running ranks can find it only by moving their
+    // windows on: each must fail within 5 s, naming it. Then the stopped ranks go on (SIGCONT)
+    // and must name it too.
+    if !std::path::Path::new("/dev/shm").is_dir() {
+        return allgrad_testkit::skip(allgrad_testkit::Need::DevShm, "no /dev/shm: no shared-memory barrier to wait at");
+    }
+    const W: usize = 8;
+    const VICTIM: usize = 4;
+    // When the stop lands between two calls, the running ranks wait in the exchange of call
+    // headers, which has heard from rank 4 already and looks at it no more: nobody fails until
+    // the stopped ranks go on. That is rare (one barrier in 65); such a run is tried again. With
+    // windows that do not move, every run is such a run, and the test fails after 3.
+    for attempt in 1..=3 {
+        let env: &Env = &[("ALLGRAD_PEER_WINDOW", "2"), ("ALLGRAD_SHM_SLOT_BYTES", "4096")];
+        let mut ranks = start(W, "loop_pieces", |_| env.to_vec());
+        let first_looks: Vec<Vec<usize>> = ranks
+            .iter()
+            .map(|k| {
+                let line = k.next(Duration::from_secs(60));
+                let look =
+                    line.strip_prefix("looping, peer window 2, first look ").unwrap_or_else(|| panic!("a child said {line:?}"));
+                look.trim_matches(['[', ']']).split(", ").map(|p| p.parse().unwrap()).collect()
+            })
+            .collect();
+        let held: Vec<usize> = (0..W).filter(|&r| r != VICTIM && first_looks[r].contains(&VICTIM)).collect();
+        assert_eq!(held, [2, 3], "first looks {first_looks:?}");
+        let pids: Vec<libc::pid_t> = ranks.iter().map(|k| k.child.id() as libc::pid_t).collect();
+        let signal = |r: usize, sig: libc::c_int| {
+            // SAFETY: kill(2) on a child of this process, which has not been waited for.
+            assert_eq!(unsafe { libc::kill(pids[r], sig) }, 0, "signal {sig} to rank {r}");
+        };
+        for &r in &held {
+            signal(r, libc::SIGSTOP);
+        }
+        // The running ranks (rank 4 among them) are soon all waiting for the stopped ones.
+        std::thread::sleep(Duration::from_millis(200));
+        let killed = Instant::now();
+        ranks[VICTIM].child.kill().unwrap();
+        let running: Vec<usize> = (0..W).filter(|r| *r != VICTIM && !held.contains(r)).collect();
+        let mut failed = Vec::new();
+        for &r in &running {
+            let left = Duration::from_secs(5).saturating_sub(killed.elapsed());
+            if let Ok(line) = ranks[r].lines.recv_timeout(left) {
+                assert!(line.starts_with("error") && line.contains(&format!("rank {VICTIM} ")), "rank {r} said {line:?}");
+                failed.push(r);
+            }
+        }
+        for &r in &held {
+            signal(r, libc::SIGCONT);
+        }
+        if failed.is_empty() && attempt < 3 {
+            // The stop landed between two calls (see above).
+            continue;
+        }
+        assert_eq!(failed, running, "the running ranks that named rank {VICTIM} within 5 s (attempt {attempt})");
+        let resumed = Instant::now();
+        for &r in &held {
+            let line = ranks[r].next(Duration::from_secs(10));
+            assert!(resumed.elapsed() < Duration::from_secs(5), "stopped rank {r} took {:?} to fail: {line}", resumed.elapsed());
+            assert!(line.starts_with("error") && line.contains(&format!("rank {VICTIM} ")), "stopped rank {r} said {line:?}");
+        }
+        for (r, k) in ranks.iter_mut().enumerate().filter(|(r, _)| *r != VICTIM) {
+            let status = allgrad_testkit::process::wait_exit(&mut k.child, "a surviving child rank", Duration::from_secs(30));
+            assert_eq!(status.code(), Some(3), "rank {r}");
+        }
+        return;
     }
 }
 
 /// Environment variables of a child rank.
 type Env = [(&'static str, &'static str)];
 
-fn killed_mid_collective(w: usize, victim: usize, path: &str, mode: &str, env: &Env) {
+/// Starts `w` ranks looping over all_reduce calls in `mode`, kills rank `victim` (SIGKILL),
+/// and checks that every other rank fails within 5 s, naming it; every rank's group must carry
+/// a peer window of `window` connections.
+fn killed_mid_collective(w: usize, victim: usize, path: &str, mode: &str, env: &Env, window: usize) {
     let mut ranks = start(w, mode, |_| env.to_vec());
     for k in &ranks {
-        assert_eq!(k.next(Duration::from_secs(60)), "looping", "{path} W={w}");
+        let line = k.next(Duration::from_secs(60));
+        assert!(line.starts_with(&format!("looping, peer window {window}, ")), "{path} W={w}: {line}");
     }
     // Mid-way through the stream of calls.
     std::thread::sleep(Duration::from_millis(50));

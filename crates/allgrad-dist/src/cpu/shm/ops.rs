@@ -25,7 +25,7 @@
 //! sleeps on a futex with a short timeout (when the group has more members than the host has
 //! CPUs, it sleeps at once: spinning would take the CPU from the members it waits for), and meanwhile watches the abort word of the segment
 //! (raised by a member that fails), its TCP connections (an ABORT frame, or a peer that died
-//! and whose connections closed; a window of them at each look, [`PEER_WINDOW`]) and the
+//! and whose connections closed; a window of them at each look, [`PeerWatch`](crate::cpu::mesh::PeerWatch)) and the
 //! group's deadline; any of them poisons the group as on the TCP path.
 
 use std::ops::Range;
@@ -49,9 +49,6 @@ const YIELD_FOR: Duration = Duration::from_millis(1);
 const NAP: Duration = Duration::from_millis(2);
 /// How often a waiter looks at its TCP connections for a failed or dead peer.
 const PEER_CHECK: Duration = Duration::from_millis(5);
-/// How many connections a waiter looks at each time ([`Mesh::PEER_WINDOW`]); the first to see
-/// a dead peer raises the segment's abort word for all.
-const PEER_WINDOW: usize = Mesh::PEER_WINDOW;
 
 impl Mesh {
     /// Whether a collective of `bytes` bytes takes the shared-memory path.
@@ -127,7 +124,9 @@ impl Mesh {
         }
         let deadline = start + self.timeout;
         let mut next_check = start + PEER_CHECK;
-        let mut window = self.rank + 1;
+        // A window of the connections at each look, moving on each time; the first rank to see
+        // a dead peer raises the segment's abort word for all.
+        let mut watch = self.peer_watch();
         let awake_until = start + yield_for;
         loop {
             if seg.passed(target) {
@@ -141,9 +140,7 @@ impl Mesh {
             }
             let now = Instant::now();
             if now >= next_check {
-                let failed = self.peer_failure_among(what, window, PEER_WINDOW);
-                window += PEER_WINDOW;
-                if let Some(e) = failed {
+                if let Some(e) = watch.look(self, what) {
                     // A peer that passed this barrier may have finished and left already.
                     fence(Ordering::SeqCst);
                     if seg.passed(target) {
@@ -316,6 +313,9 @@ pub(crate) enum Fault {
     Kill,
     /// The rank stops for longer than the group's timeout before it arrives.
     Stall,
+    /// The rank stops for this long before it arrives (and so does not look at its
+    /// connections meanwhile), then waits as usual.
+    Pause(Duration),
 }
 
 #[cfg(test)]
@@ -341,6 +341,10 @@ impl Mesh {
             }
             Fault::Stall => {
                 std::thread::sleep(self.timeout + Duration::from_millis(500));
+                return None;
+            }
+            Fault::Pause(d) => {
+                std::thread::sleep(d);
                 return None;
             }
         })

@@ -2,11 +2,13 @@
 //! pieces and both slot sets; failures injected at a chosen barrier of one rank, which must
 //! make every other rank fail promptly, naming it, whether the rank fails loudly (ABORT frames
 //! and the abort word) or vanishes as a killed process would (connections closed, nothing
-//! else), or stalls (the others time out, naming it); and the setup that declines shared memory
-//! when a member does not want it.
+//! else), or stalls (the others time out, naming it); with a window of 2 connections per look,
+//! a killed rank that no running rank's first look covers (the window must move for anyone to
+//! see it); and the setup that declines shared memory when a member does not want it.
 
 use std::time::{Duration, Instant};
 
+use crate::cpu::mesh::PeerWatch;
 use crate::cpu::segment::SLOT_ALIGN;
 use crate::cpu::shm::ops::{Fault, FAULT};
 use crate::cpu::shm::setup::ShmConfig;
@@ -209,6 +211,64 @@ fn a_rank_failing_mid_collective_is_named_with_its_reason_by_every_other_rank() 
                     assert!(names_rank(&e, bad) && e.contains("failure injected by a test"), "{case}: {e}");
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn with_a_window_of_two_a_killed_rank_is_found_by_ranks_whose_window_had_to_move() {
+    // W = 8, two connections per look. Rank 7 vanishes as a killed process would at a
+    // shared-memory barrier of an all_reduce. The only survivors whose first look covers it
+    // (by the rule the waiters use) pause for PAUSE before they arrive, so they look at
+    // nothing meanwhile: the others must see rank 7 gone on a later look of their own (or from
+    // the abort word of one that did) long before the paused ones arrive, and every survivor
+    // must name it. With the window stuck at the first look, nobody sees it before PAUSE.
+    const W: usize = 8;
+    const WINDOW: usize = 2;
+    const DEAD: usize = 7;
+    const AT: u32 = 2;
+    const PAUSE: Duration = Duration::from_secs(2);
+    let first_look_covers_dead = |r: usize| PeerWatch::new(r, WINDOW, W).covers(0).any(|p| p == DEAD);
+    let paused: Vec<usize> = (0..W).filter(|&r| r != DEAD && first_look_covers_dead(r)).collect();
+    assert_eq!(paused, [5, 6]);
+    // Every survivor's looks cover every peer within W / WINDOW looks.
+    for r in (0..W).filter(|&r| r != DEAD) {
+        let w = PeerWatch::new(r, WINDOW, W);
+        let mut seen: Vec<usize> = (0..W / WINDOW).flat_map(|k| w.covers(k)).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..W).collect::<Vec<_>>(), "rank {r}");
+    }
+    let n = 200_000;
+    let out = ThreadWorld::new(W)
+        .shm(true)
+        .timeout(Duration::from_secs(60))
+        .shm_slot_bytes(SLOT_ALIGN)
+        .peer_window(WINDOW)
+        .run(|pg| {
+            let r = pg.rank();
+            assert!(pg.shared_memory());
+            assert_eq!(pg.peer_window(), WINDOW);
+            // A first call that completes, so that the fault lands mid-way through the job.
+            let mut x = input::<f32>(r, n, ReduceOp::Sum);
+            pg.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+            if r == DEAD {
+                FAULT.set(Some((AT, Fault::Kill)));
+            } else if paused.contains(&r) {
+                FAULT.set(Some((AT, Fault::Pause(PAUSE))));
+            }
+            let start = Instant::now();
+            let res = pg.all_reduce_slice(&mut x, ReduceOp::Max);
+            FAULT.set(None);
+            Ok((res.err().map(|e| e.to_string()), start.elapsed()))
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    for (r, (err, took)) in out.into_iter().enumerate().filter(|(r, _)| *r != DEAD) {
+        let e = err.unwrap_or_else(|| panic!("rank {r}'s all_reduce succeeded although rank {DEAD} was killed"));
+        assert!(names_rank(&e, DEAD), "rank {r}'s error does not name rank {DEAD}: {e}");
+        if paused.contains(&r) {
+            assert!(took >= PAUSE && took < PAUSE + Duration::from_secs(5), "paused rank {r} took {took:?}: {e}");
+        } else {
+            assert!(took < PAUSE / 2, "rank {r} took {took:?} to fail (its first look does not cover rank {DEAD}): {e}");
         }
     }
 }

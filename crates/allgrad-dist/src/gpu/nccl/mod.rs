@@ -167,16 +167,15 @@ impl GroupComm {
         launch(self.comm.comm, self.stream.cu_stream() as _).map_err(|e| nccl_error(names, "launch", describe(e.0)))?;
         let done = self.stream.record_event(None).map_err(|e| nccl_error(names, "recording an event", format!("{e:?}")))?;
         let comm = self.comm.comm;
-        // A window of the connections per look, moving on each time (Mesh::PEER_WINDOW): a
-        // look every 50 µs over all W - 1 would keep this thread in poll(2) at a thousand ranks.
-        let mut window = mesh.rank + 1;
+        // A window of the connections per look, moving on each time (PeerWatch,
+        // ALLGRAD_PEER_WINDOW): a look every 50 µs over all W - 1 would keep this thread in
+        // poll(2) at a thousand ranks.
+        let mut watch = mesh.peer_watch();
         armed.wait(|| {
             if done.try_is_complete().map_err(|e| nccl_error(names, "waiting", format!("{e:?}")))? {
                 return Ok(true);
             }
-            let failed = mesh.peer_failure_among(names.what, window, Mesh::PEER_WINDOW);
-            window += Mesh::PEER_WINDOW;
-            if let Some(e) = failed {
+            if let Some(e) = watch.look(mesh, names.what) {
                 return Err(e);
             }
             let mut state = sys::ncclResult_t::ncclSuccess;
