@@ -4,7 +4,8 @@
 //! `export-hf`) is one that command's `--help` lists; every script and config a document
 //! names exists; every `--set key=` in the README and docs/ names a key of the configuration
 //! reference (docs/configuration.md); every figure row of the README's performance table has
-//! its command in docs/performance.md. (That the scripts the documents run are executable is
+//! its command in docs/performance.md, and the rows whose tables are there give its newest
+//! figures. (That the scripts the documents run are executable is
 //! `scripts.rs`.)
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -326,6 +327,169 @@ fn every_figure_of_the_readme_performance_table_has_its_command_in_docs_performa
         }
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The cells of every row of the first table after the heading that satisfies `pick`
+/// (header and rule included), and that heading.
+fn first_table_after(text: &str, pick: impl Fn(&str) -> bool) -> Option<(String, Vec<Vec<String>>)> {
+    let mut heading = None;
+    let mut rows = Vec::new();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            if heading.is_some() && !rows.is_empty() {
+                break;
+            }
+            let h = line.trim_start_matches('#').trim();
+            heading = pick(h).then(|| h.to_string());
+            continue;
+        }
+        if heading.is_some() {
+            if line.starts_with('|') {
+                rows.push(line.trim().trim_matches('|').split(" | ").map(|c| c.trim().to_string()).collect());
+            } else if !rows.is_empty() {
+                break;
+            }
+        }
+    }
+    heading.filter(|_| !rows.is_empty()).map(|h| (h, rows))
+}
+
+/// The README's performance rows whose tables are in docs/performance.md give that page's
+/// newest figures: the step rows (SimCLR, SimCSE) the ratios at batch 64 and 256 of the newest
+/// dated step table (`### Measured on <machine> (<date>)`, columns `step | batch | ... | step
+/// | ...`) with its machine and date; the collectives row the smallest and largest ratio of the
+/// "Collectives (CPU)" table; the loader row the ratio at 1 and 2 workers of the loader table.
+/// (The rows whose tables are on other pages, face.md, tiled_loss.md and gpu.md, are not
+/// compared here.)
+#[test]
+fn the_readme_performance_rows_give_the_newest_figures_of_docs_performance() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let performance = std::fs::read_to_string(repo().join("docs/performance.md")).unwrap();
+    let problems = compare_performance_rows(&readme, &performance);
+    assert!(problems.is_empty(), "README.md's performance table against docs/performance.md:\n{}", problems.join("\n"));
+}
+
+/// Adds a line to `problems` unless the README's figure `got` starts with `want`.
+fn check_figure(problems: &mut Vec<String>, what: &str, got: Option<&String>, want: String) {
+    match got {
+        Some(g) if g.starts_with(&want) => {}
+        Some(g) => problems.push(format!("`{what}`: the README says `{g}`, docs/performance.md's newest figures give `{want}`")),
+        None => problems.push(format!("`{what}`: no such row in the README's performance table")),
+    }
+}
+
+/// What differs between the README's performance rows and docs/performance.md's newest
+/// figures, one line each.
+fn compare_performance_rows(readme: &str, performance: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let Some((_, readme_rows)) = first_table_after(readme, |h| h == "Performance") else {
+        return vec!["README.md: no table under \"Performance\"".into()];
+    };
+    let readme_row = |prefix: &str| readme_rows.iter().find(|r| r[0].starts_with(prefix)).cloned();
+
+    // The newest dated step table.
+    let mut dated: Vec<(String, String, Vec<Vec<String>>)> = Vec::new();
+    let mut rest = performance;
+    while let Some((heading, rows)) = first_table_after(rest, |h| h.starts_with("Measured on ") && h.ends_with(')')) {
+        let at = rest.find(&format!(" {heading}")).unwrap() + heading.len();
+        rest = &rest[at..];
+        if rows[0].first().map(String::as_str) == Some("step") && rows[0].get(1).map(String::as_str) == Some("batch") {
+            let (machine, date) = heading["Measured on ".len()..heading.len() - 1].rsplit_once(" (").unwrap();
+            dated.push((date.to_string(), machine.to_string(), rows));
+        }
+    }
+    dated.sort();
+    let Some((date, machine, rows)) = dated.last() else {
+        return vec!["docs/performance.md: no dated step table (`### Measured on <machine> (<date>)`)".into()];
+    };
+    let step_col = rows[0].iter().skip(2).position(|c| c == "step").map(|i| i + 2).unwrap();
+    let ratio = |name: &str, batch: &str| {
+        rows.iter()
+            .find(|r| r[0].starts_with(name) && r[1] == batch)
+            .map(|r| r[step_col].clone())
+            .unwrap_or_else(|| panic!("docs/performance.md, Measured on {machine} ({date}): no {name} row at batch {batch}"))
+    };
+    for (row, name, peer) in [
+        ("SimCLR step, ResNet-18", "SimCLR", "PyTorch's time"),
+        ("SimCSE step, all-MiniLM-L6-v2", "SimCSE", "PyTorch + transformers' time"),
+    ] {
+        let r = readme_row(row);
+        check_figure(
+            &mut problems,
+            row,
+            r.as_ref().map(|r| &r[1]),
+            format!("{} / {} {peer}", ratio(name, "64"), ratio(name, "256")),
+        );
+        let at = r.as_ref().map(|r| r[2].clone());
+        match at {
+            Some(at) if at.contains(machine.as_str()) && at.ends_with(date.as_str()) => {}
+            Some(at) => problems.push(format!("`{row}`: the README says `{at}`, the newest table is {machine}, {date}")),
+            None => {}
+        }
+    }
+
+    // The collectives: every ratio of the table, smallest to largest.
+    if let Some((_, rows)) = first_table_after(performance, |h| h == "Collectives (CPU)") {
+        let mut ratios: Vec<(f64, String)> = rows
+            .iter()
+            .skip(2)
+            .flat_map(|r| r.iter().skip(1))
+            .filter_map(|c| c.rsplit_once(" (").map(|(_, x)| x.trim_end_matches(')').trim_end_matches('x').to_string()))
+            .map(|x| (x.parse::<f64>().unwrap(), x))
+            .collect();
+        ratios.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let row = "all_reduce, all_gather, reduce_scatter";
+        match (ratios.first(), ratios.last()) {
+            (Some(lo), Some(hi)) => {
+                check_figure(&mut problems, row, readme_row(row).as_ref().map(|r| &r[1]), format!("{}-{}x ", lo.1, hi.1));
+            }
+            _ => problems.push("docs/performance.md: the \"Collectives (CPU)\" table has no ratios".into()),
+        }
+    } else {
+        problems.push("docs/performance.md: no table under \"Collectives (CPU)\"".into());
+    }
+
+    // The loader: the last column at 1 and 2 workers.
+    if let Some((_, rows)) = first_table_after(performance, |h| h.starts_with("Loader")) {
+        let at = |w: &str| rows.iter().find(|r| r[0] == w).and_then(|r| r.last().cloned()).unwrap_or_default();
+        let row = "loader, SimCLR's two views";
+        check_figure(&mut problems, row, readme_row(row).as_ref().map(|r| &r[1]), format!("{} / {} ", at("1"), at("2")));
+    } else {
+        problems.push("docs/performance.md: no loader table".into());
+    }
+    problems
+}
+
+/// The comparison reports a README row that quotes older figures, and passes the right ones.
+#[test]
+fn an_older_figure_in_the_readme_is_reported() {
+    let performance = "## Collectives (CPU)\n\n| size | all_reduce |\n|---|---|\n| 1 MiB | 7.59 / 0.32 (23.9x) |\n| 16 MiB | 4.49 / 0.74 (6.1x) |\n\n\
+        ## Loader\n\n| workers | allgrad / torchvision |\n|---|---|\n| 1 | 3.59x |\n| 2 | 3.73x |\n\n\
+        ### Measured on AMD EPYC (2026-11-20)\n\n| step | batch | s | step | forward |\n|---|---|---|---|---|\n\
+        | SimCLR ResNet-18 | 64 | 1 / 1 | 0.90x | 1x |\n| SimCLR ResNet-18 | 256 | 1 / 1 | 0.60x | 1x |\n\
+        | SimCSE all-MiniLM-L6-v2 | 64 | 1 / 1 | 1.01x | 1x |\n| SimCSE all-MiniLM-L6-v2 | 256 | 1 / 1 | 0.95x | 1x |\n\n\
+        ### Measured on AMD EPYC (2026-11-28)\n\n| step | batch | s | step | forward |\n|---|---|---|---|---|\n\
+        | SimCLR ResNet-18 | 64 | 1 / 1 | 0.75x | 1x |\n| SimCLR ResNet-18 | 256 | 1 / 1 | 0.52x | 1x |\n\
+        | SimCSE all-MiniLM-L6-v2 | 64 | 1 / 1 | 0.85x | 1x |\n| SimCSE all-MiniLM-L6-v2 | 256 | 1 / 1 | 0.80x | 1x |\n";
+    let readme = |simcse: &str| {
+        format!(
+            "## Performance\n\n| what | figure | machine, date |\n|---|---|---|\n\
+             | all_reduce, all_gather, reduce_scatter, 2 ranks | 6.1-23.9x the bus bandwidth | x |\n\
+             | SimCLR step, ResNet-18, batch 64 / 256 | 0.75x / 0.52x PyTorch's time | 2-core AMD EPYC, 2026-11-28 |\n\
+             | SimCSE step, all-MiniLM-L6-v2, batch 64 / 256 | {simcse} |\n\
+             | loader, SimCLR's two views at 224 | 3.59x / 3.73x torchvision's samples/s | x |\n"
+        )
+    };
+    let good = readme("0.85x / 0.80x PyTorch + transformers' time | 2-core AMD EPYC, 2026-11-28");
+    assert_eq!(compare_performance_rows(&good, performance), Vec::<String>::new());
+    let old = readme("1.01x / 0.95x PyTorch + transformers' time | 2-vCPU AMD EPYC, 2026-11-23");
+    assert_eq!(
+        compare_performance_rows(&old, performance),
+        [
+            "`SimCSE step, all-MiniLM-L6-v2`: the README says `1.01x / 0.95x PyTorch + transformers' time`, docs/performance.md's newest figures give `0.85x / 0.80x PyTorch + transformers' time`",
+            "`SimCSE step, all-MiniLM-L6-v2`: the README says `2-vCPU AMD EPYC, 2026-11-23`, the newest table is AMD EPYC, 2026-11-28",
+        ]
+    );
 }
 
 /// Every `ALLGRAD_*` name in `text` (a name ending in `_` is a prefix being assembled, not a
