@@ -220,3 +220,57 @@ fn a_test_file_without_a_mod_line_is_named() {
     let e = uncompiled(pkg).unwrap_err();
     assert!(e.contains("tests/merged/main.rs: `mod gone;` finds neither"), "{e}");
 }
+
+/// Whether `tokens` read an environment variable whose name has `CHILD` in it
+/// (`std::env::var("ALLGRAD_TEST_CHILD")`).
+fn reads_a_child_variable(tokens: proc_macro2::TokenStream) -> bool {
+    use proc_macro2::TokenTree;
+    let trees: Vec<TokenTree> = tokens.into_iter().collect();
+    trees.iter().enumerate().any(|(i, t)| match t {
+        TokenTree::Group(g) => {
+            let called = i > 0 && matches!(&trees[i - 1], TokenTree::Ident(id) if id == "var");
+            let first = g.stream().into_iter().next().map(|t| t.to_string()).unwrap_or_default();
+            (called && first.starts_with('"') && first.contains("CHILD")) || reads_a_child_variable(g.stream())
+        }
+        _ => false,
+    })
+}
+
+/// A `#[test]` that does its work only when a test runs it again as a child process (it reads
+/// an `..._CHILD` variable and returns without it) is a child helper, not a test: it is marked
+/// `#[ignore = "child helper: ..."]`, so that it counts as no passed test (`.ci/run`'s summary
+/// leaves such helpers out of every count), and the test that starts it runs it with
+/// `--ignored` (or it would run nothing).
+#[test]
+fn child_helpers_are_ignored_and_run_with_ignored() {
+    use quote::ToTokens;
+    let mut problems = Vec::new();
+    let mut helpers = 0;
+    for pkg in packages() {
+        for file in rust_files(&pkg).into_iter().filter(|f| f.strip_prefix(&pkg).unwrap().starts_with("tests")) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            let parsed = syn::parse_file(&text).unwrap();
+            let rel = file.strip_prefix(repo()).unwrap().display().to_string();
+            for item in &parsed.items {
+                let syn::Item::Fn(f) = item else { continue };
+                if !f.attrs.iter().any(|a| a.path().is_ident("test")) || !reads_a_child_variable(f.block.to_token_stream()) {
+                    continue;
+                }
+                helpers += 1;
+                let name = f.sig.ident.to_string();
+                let marked = f
+                    .attrs
+                    .iter()
+                    .any(|a| a.path().is_ident("ignore") && a.to_token_stream().to_string().contains("\"child helper: "));
+                if !marked {
+                    problems.push(format!("{rel}: `{name}` is a child helper without #[ignore = \"child helper: ...\"]"));
+                }
+                if !text.contains(&format!("{name}\", \"--ignored\"")) {
+                    problems.push(format!("{rel}: nothing in this file runs `{name}` with `--ignored`"));
+                }
+            }
+        }
+    }
+    assert!(helpers >= 4, "only {helpers} child helpers found: is the scan broken?");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
