@@ -559,3 +559,212 @@ fn allgrad_variables_are_found_whole_and_prefixes_left_out() {
     let found = allgrad_variables(&format!("x {p}A_B=1 \"{p}C\" MY_{p}D {p}E_${{i}} ${p}F2"));
     assert_eq!(found, [format!("{p}A_B"), format!("{p}C"), format!("{p}F2")].into_iter().collect());
 }
+
+// ------------------------------------------------------------ which tests need what
+
+/// The needs `allgrad_testkit::Need` names, by their variant.
+const NEEDS: [(&str, &str); 6] =
+    [("MiniLm", "minilm"), ("DevShm", "shm"), ("NetNs", "netns"), ("Torch", "torch"), ("Unset", "env"), ("Simd", "simd")];
+
+/// The GPU test binaries (their tests skip by name in a build without CUDA; docs/testing.md
+/// lists them by file): left out of the scan below.
+const GPU_FILES: [&str; 7] = [
+    "tests/gpu_equivalence.rs",
+    "tests/gpu_faults.rs",
+    "crates/allgrad-nn/tests/conv_cuda.rs",
+    "crates/allgrad-nn/tests/fused_cuda.rs",
+    "crates/allgrad-train/tests/optim_cuda.rs",
+    "crates/allgrad-data/tests/loader_cuda.rs",
+    "crates/allgrad-dist/tests/nccl_ops.rs",
+];
+
+/// One function of a source file: its module path in its binary, whether it is a `#[test]`,
+/// the needs it names itself and the names it calls.
+struct Func {
+    path: String,
+    test: bool,
+    needs: BTreeSet<&'static str>,
+    calls: BTreeSet<String>,
+}
+
+/// The needs named in the arguments of a `skip(...)` call in `tokens` (`in_skip`: inside one
+/// already), and the names `tokens` call.
+fn scan_tokens(
+    tokens: proc_macro2::TokenStream,
+    in_skip: bool,
+    needs: &mut BTreeSet<&'static str>,
+    calls: &mut BTreeSet<String>,
+) {
+    use proc_macro2::TokenTree;
+    let trees: Vec<TokenTree> = tokens.into_iter().collect();
+    for (i, t) in trees.iter().enumerate() {
+        match t {
+            TokenTree::Group(g) => {
+                let mut skip_call = false;
+                if let (Some(TokenTree::Ident(id)), proc_macro2::Delimiter::Parenthesis) =
+                    (i.checked_sub(1).map(|j| &trees[j]), g.delimiter())
+                {
+                    calls.insert(id.to_string());
+                    skip_call = id == "skip";
+                }
+                scan_tokens(g.stream(), in_skip || skip_call, needs, calls);
+            }
+            TokenTree::Ident(id) if in_skip && id == "Need" => {
+                if let Some(TokenTree::Ident(v)) = trees.get(i + 3) {
+                    if let Some((_, key)) = NEEDS.iter().find(|(variant, _)| v == variant) {
+                        needs.insert(key);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn collect_funcs(items: &[syn::Item], module: &str, out: &mut Vec<Func>) {
+    use quote::ToTokens;
+    for item in items {
+        match item {
+            syn::Item::Fn(f) => {
+                let mut needs = BTreeSet::new();
+                let mut calls = BTreeSet::new();
+                scan_tokens(f.block.to_token_stream(), false, &mut needs, &mut calls);
+                let name = f.sig.ident.to_string();
+                out.push(Func {
+                    path: if module.is_empty() { name } else { format!("{module}::{name}") },
+                    // A child helper (`#[ignore = "child helper: ..."]`) is no test of its own.
+                    test: f.attrs.iter().any(|a| a.path().is_ident("test"))
+                        && !f
+                            .attrs
+                            .iter()
+                            .any(|a| a.path().is_ident("ignore") && a.to_token_stream().to_string().contains("child helper")),
+                    needs,
+                    calls,
+                });
+            }
+            syn::Item::Mod(m) => {
+                if let Some((_, inner)) = &m.content {
+                    let sub = if module.is_empty() { m.ident.to_string() } else { format!("{module}::{}", m.ident) };
+                    collect_funcs(inner, &sub, out);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Every test of the workspace that skips for want of something the machine may lack, as its
+/// skip line names it (`<binary>::<test>`), by need: a test that names the need itself or
+/// calls a function of its own file that does (helpers such as `hosts_or_skip`, followed
+/// through the file's functions); a need counts where it is an argument of a `skip(...)` call.
+fn tests_by_need() -> BTreeMap<&'static str, BTreeSet<String>> {
+    let mut out: BTreeMap<&'static str, BTreeSet<String>> = BTreeMap::new();
+    let mut packages = vec![(repo(), "allgrad".to_string())];
+    for e in std::fs::read_dir(repo().join("crates")).unwrap().flatten() {
+        packages.push((e.path(), e.file_name().to_string_lossy().replace('-', "_")));
+    }
+    for (pkg, lib) in packages {
+        let mut files = Vec::new();
+        fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+            for p in std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path()) {
+                if p.is_dir() {
+                    walk(&p, out);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    out.push(p);
+                }
+            }
+        }
+        walk(&pkg.join("src"), &mut files);
+        walk(&pkg.join("tests"), &mut files);
+        for file in files {
+            let rel = file.strip_prefix(repo()).unwrap().to_string_lossy().into_owned();
+            if GPU_FILES.contains(&rel.as_str()) {
+                continue;
+            }
+            let in_pkg = file.strip_prefix(&pkg).unwrap();
+            let mut parts: Vec<String> = in_pkg.iter().map(|s| s.to_string_lossy().into_owned()).collect();
+            let last = parts.pop().unwrap();
+            let stem = last.trim_end_matches(".rs").to_string();
+            // The binary and the module path within it, as the test harness names tests.
+            let (binary, mut module): (String, Vec<String>) = match parts[0].as_str() {
+                "src" => (lib.clone(), parts[1..].to_vec()),
+                _ if parts.len() == 1 => (stem.clone(), vec![]),
+                _ => (parts[1].clone(), parts[2..].to_vec()),
+            };
+            // A file's own name is a module, except a root's or a `mod.rs`'s.
+            let top_level_test = parts.len() == 1 && parts[0] == "tests";
+            if !(["lib", "main", "mod"].contains(&stem.as_str()) || top_level_test) {
+                module.push(stem);
+            }
+            let parsed = syn::parse_file(&std::fs::read_to_string(&file).unwrap()).unwrap();
+            let mut funcs = Vec::new();
+            collect_funcs(&parsed.items, &module.join("::"), &mut funcs);
+            // Needs through the file's own functions, to a fixed point.
+            let mut needs: BTreeMap<String, BTreeSet<&'static str>> = BTreeMap::new();
+            for f in &funcs {
+                needs.entry(f.path.rsplit("::").next().unwrap().to_string()).or_default().extend(&f.needs);
+            }
+            loop {
+                let mut changed = false;
+                for f in &funcs {
+                    let name = f.path.rsplit("::").next().unwrap().to_string();
+                    let mut got = needs[&name].clone();
+                    for c in &f.calls {
+                        if let Some(n) = needs.get(c) {
+                            got.extend(n);
+                        }
+                    }
+                    if got.len() > needs[&name].len() {
+                        needs.insert(name, got);
+                        changed = true;
+                    }
+                }
+                if !changed {
+                    break;
+                }
+            }
+            for f in funcs.iter().filter(|f| f.test) {
+                for need in &needs[f.path.rsplit("::").next().unwrap()] {
+                    out.entry(need).or_default().insert(format!("{binary}::{}", f.path));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// docs/testing.md's table of needs names exactly the tests that skip for each (root,
+/// network namespaces, `/dev/shm`, the SIMD levels, the MiniLM weights, PyTorch, an unset
+/// variable): a test that gains or loses a skip changes the table in the same commit.
+#[test]
+fn docs_testing_names_exactly_the_tests_that_skip_for_each_need() {
+    let text = std::fs::read_to_string(repo().join("docs/testing.md")).unwrap();
+    let (_, rows) = first_table_after(&text, |h| h == "Skips").expect("docs/testing.md: no table under \"Skips\"");
+    let found = tests_by_need();
+    assert!(found.get("shm").is_some_and(|t| t.len() >= 5), "the scan found too few shm tests: {found:?}");
+    let mut problems = Vec::new();
+    for (_, key) in NEEDS {
+        let Some(row) = rows.iter().find(|r| r[0] == format!("`{key}`")) else {
+            problems.push(format!("docs/testing.md: no row for `{key}`"));
+            continue;
+        };
+        let documented: BTreeSet<String> = row[1]
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|s| {
+                s.contains("::")
+                    && !GPU_FILES.iter().any(|g| s.starts_with(g.rsplit('/').next().unwrap().trim_end_matches(".rs")))
+            })
+            .map(str::to_string)
+            .collect();
+        let want = found.get(key).cloned().unwrap_or_default();
+        for t in want.difference(&documented) {
+            problems.push(format!("`{key}`: {t} skips without it, but docs/testing.md does not name it"));
+        }
+        for t in documented.difference(&want) {
+            problems.push(format!("`{key}`: docs/testing.md names {t}, which does not skip for it"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
