@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Checks a CLIP folder written by `export-hf` (or any CLIP folder allgrad reads):
 transformers' CLIPModel and CLIPTokenizer load it unchanged and give the token ids, image and
-text features, logits and loss that allgrad printed for the same inputs.  Run by hand (needs
-torch and transformers):
+text features, logits and loss that allgrad printed for the same inputs.  tests/repo/clip_launch.rs
+runs it on a trained export through ALLGRAD_PYTHON; by hand (needs torch and transformers):
 
     cargo run --release --example clip_features -- DIR > allgrad.json
     $PYTHON scripts/reference/check_clip_export.py DIR allgrad.json

@@ -4,7 +4,8 @@
 //! `export-hf`) is one that command's `--help` lists; every script and config a document
 //! names exists; every `--set key=` in the README and docs/ names a key of the configuration
 //! reference (docs/configuration.md); every figure row of the README's performance table has
-//! its command in docs/performance.md. (That the scripts the documents run are executable is
+//! its command in docs/performance.md, and the rows whose tables are there give its newest
+//! figures. (That the scripts the documents run are executable is
 //! `scripts.rs`.)
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -328,6 +329,169 @@ fn every_figure_of_the_readme_performance_table_has_its_command_in_docs_performa
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// The cells of every row of the first table after the heading that satisfies `pick`
+/// (header and rule included), and that heading.
+fn first_table_after(text: &str, pick: impl Fn(&str) -> bool) -> Option<(String, Vec<Vec<String>>)> {
+    let mut heading = None;
+    let mut rows = Vec::new();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            if heading.is_some() && !rows.is_empty() {
+                break;
+            }
+            let h = line.trim_start_matches('#').trim();
+            heading = pick(h).then(|| h.to_string());
+            continue;
+        }
+        if heading.is_some() {
+            if line.starts_with('|') {
+                rows.push(line.trim().trim_matches('|').split(" | ").map(|c| c.trim().to_string()).collect());
+            } else if !rows.is_empty() {
+                break;
+            }
+        }
+    }
+    heading.filter(|_| !rows.is_empty()).map(|h| (h, rows))
+}
+
+/// The README's performance rows whose tables are in docs/performance.md give that page's
+/// newest figures: the step rows (SimCLR, SimCSE) the ratios at batch 64 and 256 of the newest
+/// dated step table (`### Measured on <machine> (<date>)`, columns `step | batch | ... | step
+/// | ...`) with its machine and date; the collectives row the smallest and largest ratio of the
+/// "Collectives (CPU)" table; the loader row the ratio at 1 and 2 workers of the loader table.
+/// (The rows whose tables are on other pages, face.md, tiled_loss.md and gpu.md, are not
+/// compared here.)
+#[test]
+fn the_readme_performance_rows_give_the_newest_figures_of_docs_performance() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let performance = std::fs::read_to_string(repo().join("docs/performance.md")).unwrap();
+    let problems = compare_performance_rows(&readme, &performance);
+    assert!(problems.is_empty(), "README.md's performance table against docs/performance.md:\n{}", problems.join("\n"));
+}
+
+/// Adds a line to `problems` unless the README's figure `got` starts with `want`.
+fn check_figure(problems: &mut Vec<String>, what: &str, got: Option<&String>, want: String) {
+    match got {
+        Some(g) if g.starts_with(&want) => {}
+        Some(g) => problems.push(format!("`{what}`: the README says `{g}`, docs/performance.md's newest figures give `{want}`")),
+        None => problems.push(format!("`{what}`: no such row in the README's performance table")),
+    }
+}
+
+/// What differs between the README's performance rows and docs/performance.md's newest
+/// figures, one line each.
+fn compare_performance_rows(readme: &str, performance: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let Some((_, readme_rows)) = first_table_after(readme, |h| h == "Performance") else {
+        return vec!["README.md: no table under \"Performance\"".into()];
+    };
+    let readme_row = |prefix: &str| readme_rows.iter().find(|r| r[0].starts_with(prefix)).cloned();
+
+    // The newest dated step table.
+    let mut dated: Vec<(String, String, Vec<Vec<String>>)> = Vec::new();
+    let mut rest = performance;
+    while let Some((heading, rows)) = first_table_after(rest, |h| h.starts_with("Measured on ") && h.ends_with(')')) {
+        let at = rest.find(&format!(" {heading}")).unwrap() + heading.len();
+        rest = &rest[at..];
+        if rows[0].first().map(String::as_str) == Some("step") && rows[0].get(1).map(String::as_str) == Some("batch") {
+            let (machine, date) = heading["Measured on ".len()..heading.len() - 1].rsplit_once(" (").unwrap();
+            dated.push((date.to_string(), machine.to_string(), rows));
+        }
+    }
+    dated.sort();
+    let Some((date, machine, rows)) = dated.last() else {
+        return vec!["docs/performance.md: no dated step table (`### Measured on <machine> (<date>)`)".into()];
+    };
+    let step_col = rows[0].iter().skip(2).position(|c| c == "step").map(|i| i + 2).unwrap();
+    let ratio = |name: &str, batch: &str| {
+        rows.iter()
+            .find(|r| r[0].starts_with(name) && r[1] == batch)
+            .map(|r| r[step_col].clone())
+            .unwrap_or_else(|| panic!("docs/performance.md, Measured on {machine} ({date}): no {name} row at batch {batch}"))
+    };
+    for (row, name, peer) in [
+        ("SimCLR step, ResNet-18", "SimCLR", "PyTorch's time"),
+        ("SimCSE step, all-MiniLM-L6-v2", "SimCSE", "PyTorch + transformers' time"),
+    ] {
+        let r = readme_row(row);
+        check_figure(
+            &mut problems,
+            row,
+            r.as_ref().map(|r| &r[1]),
+            format!("{} / {} {peer}", ratio(name, "64"), ratio(name, "256")),
+        );
+        let at = r.as_ref().map(|r| r[2].clone());
+        match at {
+            Some(at) if at.contains(machine.as_str()) && at.ends_with(date.as_str()) => {}
+            Some(at) => problems.push(format!("`{row}`: the README says `{at}`, the newest table is {machine}, {date}")),
+            None => {}
+        }
+    }
+
+    // The collectives: every ratio of the table, smallest to largest.
+    if let Some((_, rows)) = first_table_after(performance, |h| h == "Collectives (CPU)") {
+        let mut ratios: Vec<(f64, String)> = rows
+            .iter()
+            .skip(2)
+            .flat_map(|r| r.iter().skip(1))
+            .filter_map(|c| c.rsplit_once(" (").map(|(_, x)| x.trim_end_matches(')').trim_end_matches('x').to_string()))
+            .map(|x| (x.parse::<f64>().unwrap(), x))
+            .collect();
+        ratios.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let row = "all_reduce, all_gather, reduce_scatter";
+        match (ratios.first(), ratios.last()) {
+            (Some(lo), Some(hi)) => {
+                check_figure(&mut problems, row, readme_row(row).as_ref().map(|r| &r[1]), format!("{}-{}x ", lo.1, hi.1));
+            }
+            _ => problems.push("docs/performance.md: the \"Collectives (CPU)\" table has no ratios".into()),
+        }
+    } else {
+        problems.push("docs/performance.md: no table under \"Collectives (CPU)\"".into());
+    }
+
+    // The loader: the last column at 1 and 2 workers.
+    if let Some((_, rows)) = first_table_after(performance, |h| h.starts_with("Loader")) {
+        let at = |w: &str| rows.iter().find(|r| r[0] == w).and_then(|r| r.last().cloned()).unwrap_or_default();
+        let row = "loader, SimCLR's two views";
+        check_figure(&mut problems, row, readme_row(row).as_ref().map(|r| &r[1]), format!("{} / {} ", at("1"), at("2")));
+    } else {
+        problems.push("docs/performance.md: no loader table".into());
+    }
+    problems
+}
+
+/// The comparison reports a README row that quotes older figures, and passes the right ones.
+#[test]
+fn an_older_figure_in_the_readme_is_reported() {
+    let performance = "## Collectives (CPU)\n\n| size | all_reduce |\n|---|---|\n| 1 MiB | 7.59 / 0.32 (23.9x) |\n| 16 MiB | 4.49 / 0.74 (6.1x) |\n\n\
+        ## Loader\n\n| workers | allgrad / torchvision |\n|---|---|\n| 1 | 3.59x |\n| 2 | 3.73x |\n\n\
+        ### Measured on AMD EPYC (2026-11-20)\n\n| step | batch | s | step | forward |\n|---|---|---|---|---|\n\
+        | SimCLR ResNet-18 | 64 | 1 / 1 | 0.90x | 1x |\n| SimCLR ResNet-18 | 256 | 1 / 1 | 0.60x | 1x |\n\
+        | SimCSE all-MiniLM-L6-v2 | 64 | 1 / 1 | 1.01x | 1x |\n| SimCSE all-MiniLM-L6-v2 | 256 | 1 / 1 | 0.95x | 1x |\n\n\
+        ### Measured on AMD EPYC (2026-11-28)\n\n| step | batch | s | step | forward |\n|---|---|---|---|---|\n\
+        | SimCLR ResNet-18 | 64 | 1 / 1 | 0.75x | 1x |\n| SimCLR ResNet-18 | 256 | 1 / 1 | 0.52x | 1x |\n\
+        | SimCSE all-MiniLM-L6-v2 | 64 | 1 / 1 | 0.85x | 1x |\n| SimCSE all-MiniLM-L6-v2 | 256 | 1 / 1 | 0.80x | 1x |\n";
+    let readme = |simcse: &str| {
+        format!(
+            "## Performance\n\n| what | figure | machine, date |\n|---|---|---|\n\
+             | all_reduce, all_gather, reduce_scatter, 2 ranks | 6.1-23.9x the bus bandwidth | x |\n\
+             | SimCLR step, ResNet-18, batch 64 / 256 | 0.75x / 0.52x PyTorch's time | 2-core AMD EPYC, 2026-11-28 |\n\
+             | SimCSE step, all-MiniLM-L6-v2, batch 64 / 256 | {simcse} |\n\
+             | loader, SimCLR's two views at 224 | 3.59x / 3.73x torchvision's samples/s | x |\n"
+        )
+    };
+    let good = readme("0.85x / 0.80x PyTorch + transformers' time | 2-core AMD EPYC, 2026-11-28");
+    assert_eq!(compare_performance_rows(&good, performance), Vec::<String>::new());
+    let old = readme("1.01x / 0.95x PyTorch + transformers' time | 2-vCPU AMD EPYC, 2026-11-23");
+    assert_eq!(
+        compare_performance_rows(&old, performance),
+        [
+            "`SimCSE step, all-MiniLM-L6-v2`: the README says `1.01x / 0.95x PyTorch + transformers' time`, docs/performance.md's newest figures give `0.85x / 0.80x PyTorch + transformers' time`",
+            "`SimCSE step, all-MiniLM-L6-v2`: the README says `2-vCPU AMD EPYC, 2026-11-23`, the newest table is AMD EPYC, 2026-11-28",
+        ]
+    );
+}
+
 /// Every `ALLGRAD_*` name in `text` (a name ending in `_` is a prefix being assembled, not a
 /// variable, and is left out).
 fn allgrad_variables(text: &str) -> BTreeSet<String> {
@@ -394,4 +558,213 @@ fn allgrad_variables_are_found_whole_and_prefixes_left_out() {
     let p = "ALLGRAD_";
     let found = allgrad_variables(&format!("x {p}A_B=1 \"{p}C\" MY_{p}D {p}E_${{i}} ${p}F2"));
     assert_eq!(found, [format!("{p}A_B"), format!("{p}C"), format!("{p}F2")].into_iter().collect());
+}
+
+// ------------------------------------------------------------ which tests need what
+
+/// The needs `allgrad_testkit::Need` names, by their variant.
+const NEEDS: [(&str, &str); 6] =
+    [("MiniLm", "minilm"), ("DevShm", "shm"), ("NetNs", "netns"), ("Torch", "torch"), ("Unset", "env"), ("Simd", "simd")];
+
+/// The GPU test binaries (their tests skip by name in a build without CUDA; docs/testing.md
+/// lists them by file): left out of the scan below.
+const GPU_FILES: [&str; 7] = [
+    "tests/gpu_equivalence.rs",
+    "tests/gpu_faults.rs",
+    "crates/allgrad-nn/tests/conv_cuda.rs",
+    "crates/allgrad-nn/tests/fused_cuda.rs",
+    "crates/allgrad-train/tests/optim_cuda.rs",
+    "crates/allgrad-data/tests/loader_cuda.rs",
+    "crates/allgrad-dist/tests/nccl_ops.rs",
+];
+
+/// One function of a source file: its module path in its binary, whether it is a `#[test]`,
+/// the needs it names itself and the names it calls.
+struct Func {
+    path: String,
+    test: bool,
+    needs: BTreeSet<&'static str>,
+    calls: BTreeSet<String>,
+}
+
+/// The needs named in the arguments of a `skip(...)` call in `tokens` (`in_skip`: inside one
+/// already), and the names `tokens` call.
+fn scan_tokens(
+    tokens: proc_macro2::TokenStream,
+    in_skip: bool,
+    needs: &mut BTreeSet<&'static str>,
+    calls: &mut BTreeSet<String>,
+) {
+    use proc_macro2::TokenTree;
+    let trees: Vec<TokenTree> = tokens.into_iter().collect();
+    for (i, t) in trees.iter().enumerate() {
+        match t {
+            TokenTree::Group(g) => {
+                let mut skip_call = false;
+                if let (Some(TokenTree::Ident(id)), proc_macro2::Delimiter::Parenthesis) =
+                    (i.checked_sub(1).map(|j| &trees[j]), g.delimiter())
+                {
+                    calls.insert(id.to_string());
+                    skip_call = id == "skip";
+                }
+                scan_tokens(g.stream(), in_skip || skip_call, needs, calls);
+            }
+            TokenTree::Ident(id) if in_skip && id == "Need" => {
+                if let Some(TokenTree::Ident(v)) = trees.get(i + 3) {
+                    if let Some((_, key)) = NEEDS.iter().find(|(variant, _)| v == variant) {
+                        needs.insert(key);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn collect_funcs(items: &[syn::Item], module: &str, out: &mut Vec<Func>) {
+    use quote::ToTokens;
+    for item in items {
+        match item {
+            syn::Item::Fn(f) => {
+                let mut needs = BTreeSet::new();
+                let mut calls = BTreeSet::new();
+                scan_tokens(f.block.to_token_stream(), false, &mut needs, &mut calls);
+                let name = f.sig.ident.to_string();
+                out.push(Func {
+                    path: if module.is_empty() { name } else { format!("{module}::{name}") },
+                    // A child helper (`#[ignore = "child helper: ..."]`) is no test of its own.
+                    test: f.attrs.iter().any(|a| a.path().is_ident("test"))
+                        && !f
+                            .attrs
+                            .iter()
+                            .any(|a| a.path().is_ident("ignore") && a.to_token_stream().to_string().contains("child helper")),
+                    needs,
+                    calls,
+                });
+            }
+            syn::Item::Mod(m) => {
+                if let Some((_, inner)) = &m.content {
+                    let sub = if module.is_empty() { m.ident.to_string() } else { format!("{module}::{}", m.ident) };
+                    collect_funcs(inner, &sub, out);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Every test of the workspace that skips for want of something the machine may lack, as its
+/// skip line names it (`<binary>::<test>`), by need: a test that names the need itself or
+/// calls a function of its own file that does (helpers such as `hosts_or_skip`, followed
+/// through the file's functions); a need counts where it is an argument of a `skip(...)` call.
+fn tests_by_need() -> BTreeMap<&'static str, BTreeSet<String>> {
+    let mut out: BTreeMap<&'static str, BTreeSet<String>> = BTreeMap::new();
+    let mut packages = vec![(repo(), "allgrad".to_string())];
+    for e in std::fs::read_dir(repo().join("crates")).unwrap().flatten() {
+        packages.push((e.path(), e.file_name().to_string_lossy().replace('-', "_")));
+    }
+    for (pkg, lib) in packages {
+        let mut files = Vec::new();
+        fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+            for p in std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path()) {
+                if p.is_dir() {
+                    walk(&p, out);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    out.push(p);
+                }
+            }
+        }
+        walk(&pkg.join("src"), &mut files);
+        walk(&pkg.join("tests"), &mut files);
+        for file in files {
+            let rel = file.strip_prefix(repo()).unwrap().to_string_lossy().into_owned();
+            if GPU_FILES.contains(&rel.as_str()) {
+                continue;
+            }
+            let in_pkg = file.strip_prefix(&pkg).unwrap();
+            let mut parts: Vec<String> = in_pkg.iter().map(|s| s.to_string_lossy().into_owned()).collect();
+            let last = parts.pop().unwrap();
+            let stem = last.trim_end_matches(".rs").to_string();
+            // The binary and the module path within it, as the test harness names tests.
+            let (binary, mut module): (String, Vec<String>) = match parts[0].as_str() {
+                "src" => (lib.clone(), parts[1..].to_vec()),
+                _ if parts.len() == 1 => (stem.clone(), vec![]),
+                _ => (parts[1].clone(), parts[2..].to_vec()),
+            };
+            // A file's own name is a module, except a root's or a `mod.rs`'s.
+            let top_level_test = parts.len() == 1 && parts[0] == "tests";
+            if !(["lib", "main", "mod"].contains(&stem.as_str()) || top_level_test) {
+                module.push(stem);
+            }
+            let parsed = syn::parse_file(&std::fs::read_to_string(&file).unwrap()).unwrap();
+            let mut funcs = Vec::new();
+            collect_funcs(&parsed.items, &module.join("::"), &mut funcs);
+            // Needs through the file's own functions, to a fixed point.
+            let mut needs: BTreeMap<String, BTreeSet<&'static str>> = BTreeMap::new();
+            for f in &funcs {
+                needs.entry(f.path.rsplit("::").next().unwrap().to_string()).or_default().extend(&f.needs);
+            }
+            loop {
+                let mut changed = false;
+                for f in &funcs {
+                    let name = f.path.rsplit("::").next().unwrap().to_string();
+                    let mut got = needs[&name].clone();
+                    for c in &f.calls {
+                        if let Some(n) = needs.get(c) {
+                            got.extend(n);
+                        }
+                    }
+                    if got.len() > needs[&name].len() {
+                        needs.insert(name, got);
+                        changed = true;
+                    }
+                }
+                if !changed {
+                    break;
+                }
+            }
+            for f in funcs.iter().filter(|f| f.test) {
+                for need in &needs[f.path.rsplit("::").next().unwrap()] {
+                    out.entry(need).or_default().insert(format!("{binary}::{}", f.path));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// docs/testing.md's table of needs names exactly the tests that skip for each (root,
+/// network namespaces, `/dev/shm`, the SIMD levels, the MiniLM weights, PyTorch, an unset
+/// variable): a test that gains or loses a skip changes the table in the same commit.
+#[test]
+fn docs_testing_names_exactly_the_tests_that_skip_for_each_need() {
+    let text = std::fs::read_to_string(repo().join("docs/testing.md")).unwrap();
+    let (_, rows) = first_table_after(&text, |h| h == "Skips").expect("docs/testing.md: no table under \"Skips\"");
+    let found = tests_by_need();
+    assert!(found.get("shm").is_some_and(|t| t.len() >= 5), "the scan found too few shm tests: {found:?}");
+    let mut problems = Vec::new();
+    for (_, key) in NEEDS {
+        let Some(row) = rows.iter().find(|r| r[0] == format!("`{key}`")) else {
+            problems.push(format!("docs/testing.md: no row for `{key}`"));
+            continue;
+        };
+        let documented: BTreeSet<String> = row[1]
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|s| {
+                s.contains("::")
+                    && !GPU_FILES.iter().any(|g| s.starts_with(g.rsplit('/').next().unwrap().trim_end_matches(".rs")))
+            })
+            .map(str::to_string)
+            .collect();
+        let want = found.get(key).cloned().unwrap_or_default();
+        for t in want.difference(&documented) {
+            problems.push(format!("`{key}`: {t} skips without it, but docs/testing.md does not name it"));
+        }
+        for t in documented.difference(&want) {
+            problems.push(format!("`{key}`: docs/testing.md names {t}, which does not skip for it"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

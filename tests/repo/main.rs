@@ -1,9 +1,9 @@
 //! The `allgrad` package's integration tests in one binary (one to compile and link instead of
 //! one per file): the programs (`train`, `launch`, `export-hf`, `write-shards`) run as processes,
 //! alone, under `launch`, across two network namespaces and under torchrun; the documents and
-//! scripts checked against the repository; and the crates' imports against their floors. Each
-//! module is one former file's tests. `cargo test --test repo torchrun::` runs one module's
-//! tests.
+//! scripts checked against the repository; the crates' imports against their floors; and every
+//! Rust file compiled by some target, every child helper marked as one (`sources`). Each module
+//! is one former file's tests. `cargo test --test repo torchrun::` runs one module's tests.
 //!
 //! The modules share a process, and their tests run on parallel threads. That is safe here: what
 //! they change they change in the processes they start (environment, current directory,
@@ -29,6 +29,7 @@ mod floors;
 mod launch;
 mod launch_restarts;
 mod scripts;
+mod sources;
 mod torchrun;
 mod train_cli;
 mod two_hosts;

@@ -519,3 +519,72 @@ esac"#,
     }
     assert!(!report.contains("| skipped |"), "{report}");
 }
+
+/// `scripts/ci/test_summary.sh` (CI's closing summary) on a fabricated log of two `cargo test`
+/// runs: a test that printed two skip lines is one skipped test, the child helpers are neither
+/// passed, ignored nor skipped tests, a test skipped in both runs is counted in each, and a
+/// skip for a required need fails the summary.
+#[test]
+fn the_ci_summary_counts_skipped_tests_not_skip_lines_and_leaves_child_helpers_out() {
+    let d = tempfile::tempdir().unwrap();
+    let log = d.path().join("test.log");
+    // Run 1: two binaries, 12 + 5 passed (3 of them skipped at run time), 1 diagnostic ignored
+    // and 2 child helpers. Run 2: 4 passed, 1 of them skipped.
+    std::fs::write(
+        &log,
+        "running 14 tests\n\
+         test simd::avx2_and_avx512 ... ok\n\
+         test launch::child_rank ... ignored, child helper: run as the ranks of launch::x\n\
+         test simclr::diagnostic ... ignored\n\
+         test result: ok. 12 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 1.00s\n\
+         running 6 tests\n\
+         test shm_processes::child_rank ... ignored, child helper: run as the ranks of this file's tests\n\
+         test result: ok. 5 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 1.00s\n\
+         running 4 tests\n\
+         test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.00s\n",
+    )
+    .unwrap();
+    let run1 = d.path().join("skipped-1.txt");
+    let run2 = d.path().join("skipped-2.txt");
+    std::fs::write(
+        &run1,
+        "SKIPPED nn::simd::avx2_and_avx512 [simd]: the CPU lacks AVX-512 (runs when: x)\n\
+         SKIPPED nn::simd::avx2_and_avx512 [simd]: the CPU lacks AVX2 (runs when: x)\n\
+         SKIPPED repo::two_hosts::a [netns]: not root (runs when: x)\n\
+         SKIPPED gpu_faults::b [gpu]: no CUDA (runs when: x)\n",
+    )
+    .unwrap();
+    std::fs::write(&run2, "SKIPPED gpu_faults::b [gpu]: no CUDA device (runs when: x)\n").unwrap();
+    let summary = |require: &str| {
+        let out = std::process::Command::new(root().join("scripts/ci/test_summary.sh"))
+            .arg(&log)
+            .arg("0")
+            .arg(&run1)
+            .arg(&run2)
+            .arg(d.path().join("no-such-run.txt"))
+            .env("ALLGRAD_REQUIRE", require)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+    };
+    let (code, out) = summary("env,shm");
+    assert_eq!(code, Some(0), "{out}");
+    // 21 passed by cargo's count, of which 3 + 1 skipped; 1 ignored + 4 skipped.
+    assert_eq!(out.lines().last(), Some("tests: 17 passed, 0 failed, 5 skipped"), "{out}");
+    for line in [
+        "ci: cargo test --workspace, then the GPU tests' harness on the CPU: 3 test runs (test binaries and doc-tests), exit status 0",
+        "ci: ignored (#[ignore], diagnostics run by hand): 1",
+        "ci:   simclr::diagnostic",
+        "ci: child helpers (run by other tests as child processes; not tests, not counted): 2",
+        "ci:   launch::child_rank (child helper: run as the ranks of launch::x)",
+        "ci: skipped at run time (counted by cargo as passed): 4",
+        "ci:   SKIPPED nn::simd::avx2_and_avx512 [simd]: the CPU lacks AVX2 (runs when: x)",
+    ] {
+        assert!(out.lines().any(|l| l == line), "missing `{line}` in:\n{out}");
+    }
+    // netns required: the summary fails, naming it.
+    let (code, out) = summary("env,netns");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("ci: error: a test skipped for want of [netns], which this machine provides"), "{out}");
+    assert_eq!(out.lines().last(), Some("tests: 17 passed, 0 failed, 5 skipped"), "{out}");
+}

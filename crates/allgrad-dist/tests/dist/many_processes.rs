@@ -30,8 +30,11 @@ fn say(line: String) {
     out.flush().unwrap();
 }
 
-/// What a child rank does (only when ALLGRAD_TEST_CHILD is set).
+/// What a child rank does (only when ALLGRAD_TEST_CHILD is set). A child helper, not a test:
+/// ignored, so that it does not count as a passed test, and run as each rank with `--ignored
+/// --exact`.
 #[test]
+#[ignore = "child helper: run as the ranks of this file's tests"]
 fn child_rank() {
     let Ok(mode) = std::env::var("ALLGRAD_TEST_CHILD") else { return };
     if mode == "limits" {
@@ -103,7 +106,8 @@ const LOW_FILES: u64 = 40;
 #[test]
 fn too_low_a_limit_on_open_files_is_refused_at_start_with_the_numbers() {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["many_processes::child_rank", "--exact", "--nocapture", "--test-threads=1"]).env("ALLGRAD_TEST_CHILD", "limits");
+    cmd.args(["many_processes::child_rank", "--ignored", "--exact", "--nocapture", "--test-threads=1"])
+        .env("ALLGRAD_TEST_CHILD", "limits");
     // SAFETY: only setrlimit, async-signal-safe, between fork and exec.
     unsafe {
         std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
@@ -136,7 +140,7 @@ fn sixty_four_processes_form_a_group_and_every_survivor_names_a_killed_rank() {
     let ranks: Vec<Watched> = (0..W)
         .map(|r| {
             let mut cmd = Command::new(&exe);
-            cmd.args(["many_processes::child_rank", "--exact", "--nocapture", "--test-threads=1"])
+            cmd.args(["many_processes::child_rank", "--ignored", "--exact", "--nocapture", "--test-threads=1"])
                 .env("ALLGRAD_TEST_CHILD", "1")
                 .env_remove("ALLGRAD_TREE_FROM")
                 .env("RANK", r.to_string())

@@ -38,8 +38,10 @@ fn input(r: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 31 + r * 17) % 23) as f32 - 11.0).collect()
 }
 
-/// What a child rank does, by ALLGRAD_TEST_CHILD.
+/// What a child rank does, by ALLGRAD_TEST_CHILD. A child helper, not a test: ignored, so
+/// that it does not count as a passed test, and run as each rank with `--ignored --exact`.
 #[test]
+#[ignore = "child helper: run as the ranks of this file's tests"]
 fn child_rank() {
     let Ok(mode) = std::env::var("ALLGRAD_TEST_CHILD") else { return };
     let say = |line: String| {
@@ -119,7 +121,7 @@ fn start(w: usize, mode: &str, env: impl Fn(usize) -> Vec<(&'static str, &'stati
     (0..w)
         .map(|r| {
             let mut cmd = Command::new(&exe);
-            cmd.args(["shm_processes::child_rank", "--exact", "--nocapture", "--test-threads=1"])
+            cmd.args(["shm_processes::child_rank", "--ignored", "--exact", "--nocapture", "--test-threads=1"])
                 .env_remove("ALLGRAD_SHM")
                 .env_remove("ALLGRAD_SHM_SLOT_BYTES")
                 .env_remove("ALLGRAD_PEER_WINDOW")
