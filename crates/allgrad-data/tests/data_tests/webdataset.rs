@@ -9,6 +9,7 @@ use allgrad_data::webdataset::{
     OnCorrupt, Sample, ShardReader, ShardStream, ShardWriter, StreamLoader, TarDataset, WebDatasetOptions,
 };
 use allgrad_data::{AugmentConfig, ColorMode, DataError, Dataset, LoaderConfig, Normalize, TwoViews};
+use allgrad_testkit::Need;
 use candle_core::Device;
 
 fn fixture() -> PathBuf {
@@ -89,13 +90,39 @@ fn shards_written_here_hold_the_same_samples() {
         a.iter().map(|s| (&s.key, &s.members)).collect::<Vec<_>>(),
         b.iter().map(|s| (&s.key, &s.members)).collect::<Vec<_>>()
     );
-    // GNU tar reads them too (when it is installed).
-    if let Ok(out) = std::process::Command::new("tar").arg("tf").arg(&ours[0]).output() {
-        assert!(out.status.success());
-        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().next(), Some("sample000.cls"));
+    // GNU tar reads them too.
+    if gnu_tar() {
+        let out = tar(&["--quoting-style=literal", "-tf"], &ours[0]);
+        assert_eq!(out.lines().next(), Some("sample000.cls"), "{out}");
     }
     let mut w = ShardWriter::new(dir.path(), "bad", 3).unwrap();
     assert!(w.write("a.b", &[("jpg", b"x")]).is_err());
+}
+
+/// Whether GNU tar is here; if not, the test says so ([`Need::Tar`]) and should return.
+fn gnu_tar() -> bool {
+    let version = std::process::Command::new("tar").arg("--version").output();
+    let gnu = version.as_ref().is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("GNU tar"));
+    if !gnu {
+        let why = match version {
+            Err(e) => format!("`tar --version` does not run ({e})"),
+            Ok(o) => {
+                format!("`tar --version` says `{}`, not GNU tar", String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or(""))
+            }
+        };
+        allgrad_testkit::skip(Need::Tar, &why);
+    }
+    gnu
+}
+
+/// GNU tar's output for `args` and `shard`; it must succeed.
+fn tar(args: &[&str], shard: &Path) -> String {
+    let mut cmd = std::process::Command::new("tar");
+    cmd.args(args).arg(shard).env("LC_ALL", "C.UTF-8");
+    let (out, _) = allgrad_testkit::process::run(&mut cmd, "tar", std::time::Duration::from_secs(60));
+    let text = String::from_utf8(out.stdout).expect("tar's listing is UTF-8");
+    assert!(out.status.success(), "tar {args:?} {}: {}\n{text}", shard.display(), String::from_utf8_lossy(&out.stderr));
+    text
 }
 
 /// Image shards for the stream tests: `n` samples of 24x20 RGB PNG, `per` per shard, class
