@@ -125,6 +125,80 @@ fn tar(args: &[&str], shard: &Path) -> String {
     text
 }
 
+/// Keys as users' shards have them: over 100 bytes, non-ASCII, in folders, member names of
+/// exactly 100 bytes and just over (the keys of `scripts/data/make_long_name_fixture.py`).
+fn awkward_keys() -> Vec<String> {
+    vec![
+        "short000".into(),
+        "a".repeat(120),
+        "café/naïve-ñandú-日本語-002".into(),
+        "長い名前".repeat(10) + "_003",
+        format!("dir_{}/sub_{}/x004", "d".repeat(60), "e".repeat(60)),
+        "b".repeat(96),
+        "c".repeat(99),
+        format!("über/{}/{}-007", "ß".repeat(60), "ø".repeat(40)),
+    ]
+}
+
+/// Samples as written: key and `(extension, bytes)` of each member.
+type Written = Vec<(String, Vec<(String, Vec<u8>)>)>;
+
+/// One sample per awkward key, written here 3 per shard: members `png` (a different image
+/// each), `cls`, `txt` (the key); the samples as written.
+fn awkward_shards(dir: &Path) -> (Vec<PathBuf>, Written) {
+    let mut w = ShardWriter::new(dir, "awk", 3).unwrap();
+    let mut written = Vec::new();
+    for (i, key) in awkward_keys().into_iter().enumerate() {
+        let img = image::RgbImage::from_fn(6, 4, |x, y| image::Rgb([(x * 40 + i as u32) as u8, (y * 60) as u8, (i * 31) as u8]));
+        let mut png = Vec::new();
+        image::DynamicImage::ImageRgb8(img).write_to(&mut std::io::Cursor::new(&mut png), image::ImageOutputFormat::Png).unwrap();
+        let members = vec![
+            ("png".to_string(), png),
+            ("cls".into(), (i % 3).to_string().into_bytes()),
+            ("txt".into(), key.clone().into_bytes()),
+        ];
+        let refs: Vec<(&str, &[u8])> = members.iter().map(|(e, b)| (e.as_str(), b.as_slice())).collect();
+        w.write(&key, &refs).unwrap();
+        written.push((key, members));
+    }
+    (w.finish().unwrap(), written)
+}
+
+#[test]
+fn shards_written_here_keep_long_and_non_ascii_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let (shards, written) = awkward_shards(dir.path());
+    assert!(written.iter().any(|(k, _)| k.len() > 100) && written.iter().any(|(k, _)| !k.is_ascii()));
+    // Read back here, through and at each indexed offset.
+    let samples = all_samples(&shards);
+    assert_eq!(samples.iter().map(|s| (s.key.clone(), s.members.clone())).collect::<Vec<_>>(), written);
+    let ds = TarDataset::open(&shards, ColorMode::Rgb, 0).unwrap();
+    for (i, s) in samples.iter().enumerate() {
+        let (at, offset) = ds.location(i).unwrap();
+        assert_eq!(ShardReader::open_at(at, offset).unwrap().next_sample().unwrap().as_ref(), Some(s), "sample {i}");
+        ds.get(i).unwrap();
+    }
+    // GNU tar lists every member under its full name and extracts the bytes written.
+    if !gnu_tar() {
+        return;
+    }
+    let out = dir.path().join("extracted");
+    std::fs::create_dir(&out).unwrap();
+    let mut listed = Vec::new();
+    for shard in &shards {
+        listed.extend(tar(&["--quoting-style=literal", "-tf"], shard).lines().map(str::to_string));
+        tar(&["-C", out.to_str().unwrap(), "-xf"], shard);
+    }
+    let names: Vec<String> = written.iter().flat_map(|(k, m)| m.iter().map(move |(e, _)| format!("{k}.{e}"))).collect();
+    assert_eq!(listed, names);
+    for (key, members) in &written {
+        for (ext, bytes) in members {
+            let file = out.join(format!("{key}.{ext}"));
+            assert_eq!(&std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display())), bytes, "{key}.{ext}");
+        }
+    }
+}
+
 /// Image shards for the stream tests: `n` samples of 24x20 RGB PNG, `per` per shard, class
 /// `i % 4`; sample `corrupt` (if any) has bytes that are no image.
 fn image_shards(dir: &Path, n: usize, per: usize, corrupt: Option<usize>) -> Vec<PathBuf> {
@@ -252,6 +326,59 @@ fn a_plan_that_starts_mid_epoch_gives_the_uninterrupted_batches() {
     }
 }
 
+/// A pipeline that hands the decoded image on as it is (one view: its bytes as floats), so a
+/// batch says exactly which samples it holds.
+struct Pixels;
+
+impl allgrad_data::Pipeline for Pixels {
+    fn num_views(&self) -> usize {
+        1
+    }
+
+    fn view(&self, img: &allgrad_data::Image, _: allgrad_data::ViewKey) -> allgrad_data::DataResult<allgrad_data::Chw> {
+        let data = img.pixels.iter().map(|&b| b as f32).collect::<Vec<_>>();
+        Ok(allgrad_data::Chw { channels: 1, height: 1, width: data.len(), data })
+    }
+}
+
+/// Every sample of `shards` by its decoded pixels: pixels -> key. The test images differ in
+/// every sample, so the pixels name the sample.
+fn keys_by_pixels(shards: &[PathBuf]) -> std::collections::HashMap<Vec<u8>, String> {
+    let mut out = std::collections::HashMap::new();
+    for s in all_samples(shards) {
+        let img = allgrad_data::decode_image(s.image().unwrap().1, ColorMode::Rgb, Path::new(&s.key)).unwrap();
+        assert!(out.insert(img.pixels, s.key.clone()).is_none(), "two samples with the same pixels");
+    }
+    out
+}
+
+/// The (position, key) of every sample of the batches `plan` gives, batch by batch, through
+/// [`Pixels`]: which sample, by key, and that its bytes are that sample's, exactly.
+fn keyed(
+    source: &Arc<ShardStream>,
+    keys: &std::collections::HashMap<Vec<u8>, String>,
+    epoch: u64,
+    plan: Vec<Vec<usize>>,
+    workers: usize,
+) -> Vec<Vec<(usize, String)>> {
+    let cfg = LoaderConfig { workers, prefetch: 2 };
+    let loader = StreamLoader::new(source.clone(), Arc::new(Pixels), 7, epoch, plan, &cfg, &Device::Cpu).unwrap();
+    loader
+        .map(|b| {
+            let b = b.unwrap();
+            let v = b.views[0].flatten_from(1).unwrap().to_vec2::<f32>().unwrap();
+            b.indices
+                .iter()
+                .zip(v)
+                .map(|(&p, px)| {
+                    let px: Vec<u8> = px.iter().map(|&f| f as u8).collect();
+                    (p, keys.get(&px).unwrap_or_else(|| panic!("position {p}: pixels of no sample")).clone())
+                })
+                .collect()
+        })
+        .collect()
+}
+
 #[test]
 fn corrupt_samples_are_errors_naming_them_or_skipped() {
     let dir = tempfile::tempdir().unwrap();
@@ -352,4 +479,55 @@ fn python_written_shards_train_as_the_same_samples_written_here() {
     let (a, b) = (run(&py, plan.clone(), 1), run(&rs, plan, 2));
     assert_eq!(a.len(), 3);
     assert!(a == b, "batches differ between the Python-written and the rewritten shards");
+}
+
+/// The long-name shards (`scripts/data/make_long_name_fixture.py`): the same samples written by
+/// webdataset's `TarWriter` (PAX) and by Python's tarfile as PAX, GNU and ustar.
+const LONG_NAME_SHARDS: [&str; 4] = ["long-wds.tar", "long-pax.tar", "long-gnu.tar", "long-ustar.tar"];
+
+#[test]
+fn long_and_non_ascii_names_read_by_the_stream_and_by_random_access() {
+    let manifest: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(fixture().join("long-manifest.json")).unwrap()).unwrap();
+    for name in LONG_NAME_SHARDS {
+        let path = fixture().join(name);
+        let expected = manifest[name].as_sequence().unwrap();
+        let keys: Vec<&str> = expected.iter().map(|m| m["key"].as_str().unwrap()).collect();
+        // What the fixture holds: keys over 100 bytes and non-ASCII ones (but for ustar, which
+        // has no room for the longest).
+        assert!(keys.iter().any(|k| k.len() > 100) && keys.iter().any(|k| !k.is_ascii()), "{name}");
+        // Read through: keys, members and bytes as written.
+        let samples = all_samples(std::slice::from_ref(&path));
+        assert_eq!(samples.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(), keys, "{name}");
+        for (s, m) in samples.iter().zip(expected) {
+            let members = m["members"].as_mapping().unwrap();
+            assert_eq!(s.members.len(), members.len(), "{name} {}", s.key);
+            for (ext, info) in members {
+                let bytes = s.member(ext.as_str().unwrap()).unwrap_or_else(|| panic!("{name}: {} lacks {ext:?}", s.key));
+                assert_eq!(bytes.len() as u64, info["len"].as_u64().unwrap(), "{name} {} {ext:?}", s.key);
+                assert_eq!(crc(bytes) as u64, info["crc32"].as_u64().unwrap(), "{name} {} {ext:?}", s.key);
+            }
+            assert_eq!(s.text().unwrap(), s.key, "{name}: the txt member holds the key");
+        }
+        // Random access: the sample at each indexed offset is the whole sample, long name
+        // included, and decodes to the image the stream read.
+        let ds = TarDataset::open(std::slice::from_ref(&path), ColorMode::Rgb, 0).unwrap();
+        assert_eq!(ds.len(), samples.len(), "{name}");
+        for (i, (s, m)) in samples.iter().zip(expected).enumerate() {
+            let (at, offset) = ds.location(i).unwrap();
+            let again = ShardReader::open_at(at, offset).unwrap().next_sample().unwrap();
+            assert_eq!(again.as_ref(), Some(s), "{name}: sample {i} read again at byte {offset}");
+            let img = ds.get(i).unwrap_or_else(|e| panic!("{name}: sample {i} (`{}`): {e}", s.key));
+            let streamed = allgrad_data::decode_image(s.image().unwrap().1, ColorMode::Rgb, &path).unwrap();
+            assert_eq!(img, streamed, "{name} {}", s.key);
+            assert_eq!(ds.label(i).unwrap() as u64, m["cls"].as_u64().unwrap());
+        }
+        // The training stream (one stream, no shuffling): every sample, in order, by its pixels.
+        let pixels = keys_by_pixels(std::slice::from_ref(&path));
+        let n = samples.len();
+        let opts = WebDatasetOptions { shuffle_buffer: 0, epoch_samples: n, ..options(1, false, OnCorrupt::Error) };
+        let source = Arc::new(ShardStream::new(vec![path.clone()], opts, n, ColorMode::Rgb).unwrap());
+        let got = keyed(&source, &pixels, 0, vec![(0..n).collect()], 1);
+        assert_eq!(got[0].iter().map(|(_, k)| k.as_str()).collect::<Vec<_>>(), keys, "{name}");
+    }
 }
