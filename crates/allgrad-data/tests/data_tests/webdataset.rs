@@ -199,6 +199,59 @@ fn shards_written_here_keep_long_and_non_ascii_names() {
     }
 }
 
+/// The output of `scripts/reference/<script>` with `args`, run by the Python that CI provides
+/// with webdataset (ALLGRAD_PYTHON, the PyTorch environment of `scripts/ci/get_torch.sh`); it
+/// must succeed. Without that Python, or when it cannot import webdataset, the test says so
+/// ([`Need::Torch`]) and gets `None`. (No separate probe: importing webdataset imports torch,
+/// seconds each time.)
+fn webdataset_python(script: &str, args: &[PathBuf]) -> Option<String> {
+    let Some(python) = std::env::var_os("ALLGRAD_PYTHON").filter(|p| !p.is_empty()).map(PathBuf::from) else {
+        allgrad_testkit::skip(Need::Torch, "ALLGRAD_PYTHON (a Python with webdataset 1.0.2) is unset");
+        return None;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference").join(script);
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg(&script).args(args);
+    let (out, _) = allgrad_testkit::process::run(&mut cmd, "a webdataset reference script", std::time::Duration::from_secs(120));
+    let (stdout, stderr) = (String::from_utf8(out.stdout).unwrap(), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() && stderr.contains("No module named 'webdataset'") {
+        let why = format!("ALLGRAD_PYTHON={} cannot import webdataset", python.display());
+        allgrad_testkit::skip(Need::Torch, &why);
+        return None;
+    }
+    assert!(out.status.success(), "{} {}: {}\n{stdout}\n{stderr}", python.display(), script.display(), out.status);
+    Some(stdout)
+}
+
+#[test]
+fn python_webdataset_reads_shards_written_here_as_written() {
+    // webdataset's own reader (`webdataset.WebDataset`, no shuffling) over shards written here:
+    // the same samples, in order, each member's length and CRC-32 as written; long and
+    // non-ASCII keys included (what a sample's members are called is the key webdataset
+    // groups them by, so a name it read wrong would split or rename a sample).
+    let dir = tempfile::tempdir().unwrap();
+    let (mut shards, mut written) = awkward_shards(dir.path());
+    let images = image_shards(&dir.path().join("images"), 10, 4, None);
+    for s in all_samples(&images) {
+        written.push((s.key.clone(), s.members.clone()));
+    }
+    shards.extend(images);
+    let Some(stdout) = webdataset_python("wds_read.py", &shards) else { return };
+    let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (last, read) = lines.split_last().unwrap();
+    assert_eq!(last["samples"].as_u64(), Some(written.len() as u64), "{stdout}");
+    assert_eq!(read.len(), written.len());
+    for ((key, members), got) in written.iter().zip(read) {
+        assert_eq!(got["key"].as_str(), Some(key.as_str()));
+        let got = got["members"].as_object().unwrap();
+        assert_eq!(got.len(), members.len(), "{key}: {got:?}");
+        for (ext, bytes) in members {
+            let m = &got[ext.as_str()];
+            assert_eq!((m[0].as_u64(), m[1].as_u64()), (Some(bytes.len() as u64), Some(crc(bytes) as u64)), "{key}.{ext}");
+        }
+    }
+}
+
 /// Image shards for the stream tests: `n` samples of 24x20 RGB PNG, `per` per shard, class
 /// `i % 4`; sample `corrupt` (if any) has bytes that are no image.
 fn image_shards(dir: &Path, n: usize, per: usize, corrupt: Option<usize>) -> Vec<PathBuf> {
