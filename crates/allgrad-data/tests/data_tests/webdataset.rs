@@ -362,9 +362,14 @@ fn stream_batches_do_not_depend_on_workers_ranks_or_micro_batches() {
 #[test]
 fn a_plan_that_starts_mid_epoch_gives_the_uninterrupted_batches() {
     let dir = tempfile::tempdir().unwrap();
-    for (corrupt, on_corrupt) in [(None, OnCorrupt::Error), (Some(5), OnCorrupt::Skip)] {
+    for (corrupt, on_corrupt, resampled) in [
+        (None, OnCorrupt::Error, true),
+        (Some(5), OnCorrupt::Skip, true),
+        (None, OnCorrupt::Error, false),
+        (Some(5), OnCorrupt::Skip, false),
+    ] {
         let shards = image_shards(dir.path(), 30, 4, corrupt);
-        let source = Arc::new(ShardStream::new(shards, options(4, true, on_corrupt), 12, ColorMode::Rgb).unwrap());
+        let source = Arc::new(ShardStream::new(shards, options(4, resampled, on_corrupt), 12, ColorMode::Rgb).unwrap());
         let whole = run(&source, plan(0..4, 0, 1, 1), 2);
         for start in 1..4 {
             // Rank 1 of 2 resuming at `start`: the tail of its uninterrupted batches.
@@ -432,6 +437,74 @@ fn keyed(
         .collect()
 }
 
+/// Shards of `shards` × `per` samples (keys `s0000`, ...), each image different.
+fn even_shards(dir: &Path, shards: usize, per: usize) -> Vec<PathBuf> {
+    image_shards(dir, shards * per, per, None)
+}
+
+#[test]
+fn without_resampling_an_epoch_gives_every_sample_once() {
+    // 12 shards of 4 samples, an epoch of all 48: each stream owns 12 / streams shards, which
+    // hold its 48 / streams samples of the epoch; every sample must come exactly once, whatever
+    // the shuffle buffer (larger than a stream's share included), the streams and W.
+    let dir = tempfile::tempdir().unwrap();
+    let shards = even_shards(dir.path(), 12, 4);
+    let keys = keys_by_pixels(&shards);
+    let mut all: Vec<String> = keys.values().cloned().collect();
+    all.sort();
+    for streams in [1, 3, 4] {
+        for buffer in [0, 1, 5, 13, 100] {
+            let opts = WebDatasetOptions { shuffle_buffer: buffer, ..options(streams, false, OnCorrupt::Error) };
+            let source = Arc::new(ShardStream::new(shards.clone(), opts, 12, ColorMode::Rgb).unwrap());
+            for w in [1, 2, 3, 4].into_iter().filter(|w| streams % w == 0) {
+                for epoch in [1, 2] {
+                    let mut seen: Vec<String> = (0..w)
+                        .flat_map(|r| keyed(&source, &keys, epoch, plan(0..4, r, w, 1), 1))
+                        .flatten()
+                        .map(|(_, k)| k)
+                        .collect();
+                    seen.sort();
+                    let twice: Vec<_> = seen.windows(2).filter(|p| p[0] == p[1]).map(|p| p[0].clone()).collect();
+                    assert!(
+                        seen == all,
+                        "{streams} streams, buffer {buffer}, W = {w}, epoch {epoch}: {} samples, repeated {twice:?}",
+                        seen.len()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_resumed_stream_gives_the_same_samples_by_key_and_bytes() {
+    // Resampled and not (the latter cycling through its shards: 30 samples in shards of 4 feed an
+    // epoch of 48), with a shuffle buffer, for several stream counts and W: rank r of W starting
+    // at step `start` gives exactly the samples (key and bytes) of the uninterrupted run's steps
+    // `start..`.
+    let dir = tempfile::tempdir().unwrap();
+    let shards = image_shards(dir.path(), 30, 4, None);
+    let keys = keys_by_pixels(&shards);
+    for resampled in [true, false] {
+        for (streams, buffer) in [(1, 5), (2, 3), (4, 5), (4, 0)] {
+            let opts = WebDatasetOptions { shuffle_buffer: buffer, ..options(streams, resampled, OnCorrupt::Error) };
+            let source = Arc::new(ShardStream::new(shards.clone(), opts, 12, ColorMode::Rgb).unwrap());
+            for w in [1, 2, 4].into_iter().filter(|w| streams % w == 0) {
+                for r in 0..w {
+                    let whole = keyed(&source, &keys, 1, plan(0..4, r, w, 1), 1);
+                    for start in 1..4 {
+                        let resumed = keyed(&source, &keys, 1, plan(start..4, r, w, 1), 2);
+                        assert!(
+                            resumed[..] == whole[start..],
+                            "resampled {resampled}, {streams} streams, buffer {buffer}, rank {r} of {w}, resumed at step {start}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn corrupt_samples_are_errors_naming_them_or_skipped() {
     let dir = tempfile::tempdir().unwrap();
@@ -452,6 +525,45 @@ fn corrupt_samples_are_errors_naming_them_or_skipped() {
     // Samples 0, 1, 2, 4, 5, ... : classes 0, 1, 2, 0, 1, 2, 3, ...
     assert_eq!(batches[0].2[..5], [0, 1, 2, 0, 1]);
     assert_eq!(source.skipped(), 1);
+}
+
+/// The first batch of `plan` over `shards`, or its error, within 20 s (a stream that never
+/// gives a batch fails the test instead of hanging it).
+fn first_batch_within(shards: Vec<PathBuf>, opts: WebDatasetOptions, plan: Vec<Vec<usize>>) -> Result<Vec<u32>, DataError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let source = Arc::new(ShardStream::new(shards, opts, 4, ColorMode::Rgb).unwrap());
+        let mut loader = StreamLoader::new(source, views(), 0, 0, plan, &LoaderConfig::default(), &Device::Cpu).unwrap();
+        let _ = tx.send(loader.next().unwrap().map(|b| b.labels.to_vec1::<u32>().unwrap()));
+    });
+    allgrad_testkit::process::recv_within(&rx, "the stream's first batch", std::time::Duration::from_secs(20))
+}
+
+#[test]
+fn a_stream_whose_every_sample_is_skipped_is_an_error_naming_a_shard() {
+    // Shards of webp-only samples (as img2dataset can write them): under on_corrupt: skip each
+    // sample is left out; once every shard a stream reads has given nothing else, the stream
+    // says so, naming a shard and why, instead of skipping forever.
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = ShardWriter::new(dir.path(), "webp", 3).unwrap();
+    for i in 0..6 {
+        w.write(&format!("w{i}"), &[("webp", b"RIFF\0\0\0\0WEBPVP8 "), ("cls", b"1")]).unwrap();
+    }
+    let webp = w.finish().unwrap();
+    let plan = vec![(0..4).collect()];
+    for (resampled, buffer) in [(true, 0), (true, 5), (false, 0), (false, 5)] {
+        let opts = WebDatasetOptions { shuffle_buffer: buffer, epoch_samples: 4, ..options(1, resampled, OnCorrupt::Skip) };
+        let err = first_batch_within(webp.clone(), opts.clone(), plan.clone()).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, DataError::Shard { .. }), "{msg}");
+        assert!(msg.contains("webp-00000") && msg.contains("no jpg, jpeg or png member (members: webp, cls)"), "{msg}");
+        assert!(msg.contains("every sample of this shard was left out"), "{msg}");
+        // With one good shard among them the stream goes on, leaving the others' samples out.
+        let good = image_shards(&dir.path().join("good"), 4, 4, None);
+        let mixed = [webp.clone(), good].concat();
+        let labels = first_batch_within(mixed, opts, plan.clone()).unwrap();
+        assert_eq!(labels.len(), 4);
+    }
 }
 
 #[test]
