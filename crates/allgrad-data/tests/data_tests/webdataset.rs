@@ -474,6 +474,31 @@ fn without_resampling_an_epoch_gives_every_sample_once() {
             }
         }
     }
+    // The same on the shards webdataset's own writer wrote (2 shards of 5): global batches of 2,
+    // an epoch of all 10.
+    let py = python_shards();
+    let keys = keys_by_pixels(&py);
+    let mut all: Vec<String> = keys.values().cloned().collect();
+    all.sort();
+    for streams in [1, 2] {
+        for buffer in [0, 3, 7] {
+            let opts =
+                WebDatasetOptions { shuffle_buffer: buffer, epoch_samples: 10, ..options(streams, false, OnCorrupt::Error) };
+            let source = Arc::new(ShardStream::new(py.clone(), opts, 2, ColorMode::Rgb).unwrap());
+            for w in [1, 2].into_iter().filter(|w| streams % w == 0) {
+                let mut seen: Vec<String> = (0..w)
+                    .flat_map(|r| {
+                        let plan = (0..5).map(|b| (2 * b..2 * b + 2).skip(r * 2 / w).take(2 / w).collect()).collect();
+                        keyed(&source, &keys, 1, plan, 1)
+                    })
+                    .flatten()
+                    .map(|(_, k)| k)
+                    .collect();
+                seen.sort();
+                assert_eq!(seen, all, "Python-written shards: {streams} streams, buffer {buffer}, W = {w}");
+            }
+        }
+    }
 }
 
 #[test]
