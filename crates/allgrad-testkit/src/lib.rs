@@ -49,6 +49,8 @@ pub enum Need {
     Unset(&'static str),
     /// A CPU with the named SIMD instruction set (`avx2`, `avx512`): a kernel's copy for it.
     Simd(&'static str),
+    /// GNU tar on PATH (`tar --version` says GNU tar): an independent reader of written shards.
+    Tar,
 }
 
 impl Need {
@@ -62,6 +64,7 @@ impl Need {
             Need::Gpu => "gpu",
             Need::Unset(_) => "env",
             Need::Simd(_) => "simd",
+            Need::Tar => "tar",
         }
     }
 
@@ -77,6 +80,7 @@ impl Need {
             Need::Gpu => "a CUDA build (--features cuda) on a machine with a CUDA device per rank".into(),
             Need::Unset(var) => format!("{var} is unset"),
             Need::Simd(set) => format!("the CPU has {set}"),
+            Need::Tar => "GNU tar is on PATH (`tar --version` names GNU tar)".into(),
         }
     }
 

@@ -76,9 +76,15 @@ pub struct WebDatasetOptions {
     pub shuffle_buffer: usize,
     /// Each stream draws its shards uniformly with replacement (true), or cycles through its
     /// share of a per-epoch permutation of the shards (false; needs at least `streams`
-    /// shards).
+    /// shards). Without resampling each pass over a stream's shards gives each of their
+    /// samples once (the shuffle buffer is emptied at the end of a pass), so an epoch gives
+    /// every sample exactly once when each stream's shards hold `epoch_samples / streams`
+    /// samples (for instance shards of equal size, a number of them that `streams` divides,
+    /// and `epoch_samples` their total).
     pub resampled: bool,
-    /// What a corrupt sample does.
+    /// What a corrupt sample does. Under `skip`, a stream all of whose shards have been read
+    /// through giving only corrupt samples (webp-only shards, say) is an error naming the last
+    /// such shard and why, instead of skipping forever.
     pub on_corrupt: OnCorrupt,
 }
 

@@ -19,7 +19,8 @@ use crate::error::{DataError, DataResult};
 pub struct Sample {
     /// The key shared by the members (path up to the first dot of the file name).
     pub key: String,
-    /// Byte offset of the first member's header in the shard.
+    /// Byte offset of the first member's first header in the shard (its PAX or GNU
+    /// long-name header when it has one): where [`ShardReader::open_at`] reads it again.
     pub offset: u64,
     /// `(extension, bytes)` of each member, in archive order; extensions lower-case.
     pub members: Vec<(String, Vec<u8>)>,
@@ -62,7 +63,7 @@ pub fn key_and_extension(path: &str) -> Option<(&str, String)> {
     Some((&path[..dot], path[dot + 1..].to_ascii_lowercase()))
 }
 
-/// A member as read: key, extension, offset of its header, bytes.
+/// A member as read: key, extension, offset of its first header, bytes.
 type Member = (String, String, u64, Vec<u8>);
 
 /// The samples of one shard, in order. Reading goes forward only (no seeking), so a shard
@@ -94,8 +95,8 @@ impl ShardReader {
         Ok(ShardReader { path: path.into(), reader, len, pos: 0, pending: None, done: false })
     }
 
-    /// Opens `path` at byte `offset`, the header of a sample's first member (a position a
-    /// [`Sample`] gave), to read a sample or a few (reads of 64 KiB).
+    /// Opens `path` at byte `offset`, the first header of a sample's first member (a
+    /// position a [`Sample`] gave), to read a sample or a few (reads of 64 KiB).
     pub fn open_at(path: &Path, offset: u64) -> DataResult<Self> {
         let mut r = Self::with_buffer(path, 1 << 16)?;
         r.reader.seek(SeekFrom::Start(offset)).map_err(|e| DataError::io(path, e))?;
@@ -136,6 +137,8 @@ impl ShardReader {
     /// understood.
     fn next_member(&mut self) -> DataResult<Option<Member>> {
         let mut long_name: Option<String> = None;
+        // Where the member starts: its first PAX or GNU long-name header, if it has one.
+        let mut start: Option<u64> = None;
         loop {
             let at = self.pos;
             let mut header = [0u8; BLOCK as usize];
@@ -173,6 +176,7 @@ impl ShardReader {
             self.pos += padded;
             if kind.is_gnu_longname() {
                 long_name = Some(String::from_utf8_lossy(&data).trim_end_matches('\0').to_string());
+                start.get_or_insert(at);
                 continue;
             }
             if kind.is_pax_local_extensions() {
@@ -181,10 +185,12 @@ impl ShardReader {
                         long_name = ext.value().ok().map(str::to_string);
                     }
                 }
+                start.get_or_insert(at);
                 continue;
             }
             if !kind.is_file() {
                 long_name = None;
+                start = None;
                 continue;
             }
             let path = match long_name.take() {
@@ -192,8 +198,9 @@ impl ShardReader {
                 None => String::from_utf8_lossy(&h.path_bytes()).into_owned(),
             };
             let path = path.strip_prefix("./").unwrap_or(&path).to_string();
+            let first = start.take().unwrap_or(at);
             let Some((key, ext)) = key_and_extension(&path) else { continue };
-            return Ok(Some((key.to_string(), ext, at, data)));
+            return Ok(Some((key.to_string(), ext, first, data)));
         }
     }
 

@@ -8,14 +8,18 @@
 //!   cycled;
 //! - its samples: the shards' samples in order, through a buffer of `shuffle_buffer`: the
 //!   buffer is filled, then the k-th sample out is the buffer's entry
-//!   `below(key(seed, e, l, k), len)`, replaced by the next sample read;
-//! - a corrupt sample is left out (`on_corrupt: skip`) or an error;
+//!   `below(key(seed, e, l, k), len)`, replaced by the next sample read; without `resampled`,
+//!   where a pass over the stream's shards ends the buffer is emptied before the next pass is
+//!   read, so each pass gives each of its samples exactly once;
+//! - a corrupt sample is left out (`on_corrupt: skip`) or an error; a stream all of whose
+//!   shards have been read through giving only corrupt samples is an error naming the last;
 //! - its m-th good sample is position `(m / q) · B + l · q + m % q` of the epoch, with
 //!   `q = B / streams`: global batch `m / q` takes q consecutive samples of each stream.
 //!
 //! Nothing here depends on the rank, the world size or the worker: those only choose which
 //! streams a thread reads.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -136,11 +140,33 @@ impl ShardStream {
             drawn: 0,
             reader: None,
             buffer: Vec::with_capacity(self.opts.shuffle_buffer),
+            draining: false,
+            empty_in_a_row: 0,
+            reads: BTreeMap::new(),
+            dead: BTreeSet::new(),
+            last_skip: None,
             emitted: 0,
             good: 0,
         }
     }
 }
+
+/// One read of a shard by a stream (its `drawn`-th), until all its samples are out of the
+/// shuffle buffer.
+struct ShardRead {
+    shard: usize,
+    /// Samples read from it.
+    samples: usize,
+    /// Of those, still in the shuffle buffer.
+    waiting: usize,
+    /// Whether one of its samples was good.
+    good: bool,
+    /// Whether it has been read to its end.
+    finished: bool,
+}
+
+/// A sample read, with the number of the shard read it came from and its shard.
+type Read = (u64, usize, Sample);
 
 /// One stream of one epoch, read forward.
 pub(super) struct Lane {
@@ -152,8 +178,23 @@ pub(super) struct Lane {
     own: Vec<usize>,
     /// Shards started.
     drawn: u64,
-    reader: Option<(usize, ShardReader)>,
-    buffer: Vec<(usize, Sample)>,
+    /// The shard being read: the number of the read, the shard, its reader.
+    reader: Option<(u64, usize, ShardReader)>,
+    buffer: Vec<Read>,
+    /// Without resampling: a pass over the stream's shards has ended and the buffer is being
+    /// emptied; the next pass is read once it is empty (so that every pass gives each of its
+    /// samples once).
+    draining: bool,
+    /// Shards read to their end in a row without a sample.
+    empty_in_a_row: usize,
+    /// The shard reads with samples still in the buffer (or not read to their end), by number.
+    reads: BTreeMap<u64, ShardRead>,
+    /// Shards of which a whole read gave only corrupt samples (under `on_corrupt: skip`) and
+    /// no sample since was good: when every shard the stream reads is here, it can give
+    /// nothing, and says so instead of skipping forever.
+    dead: BTreeSet<usize>,
+    /// The last sample left out as corrupt: its offset and why.
+    last_skip: Option<(u64, String)>,
     /// Samples taken out of the buffer.
     emitted: u64,
     /// Good samples given.
@@ -166,21 +207,34 @@ impl Lane {
         self.good
     }
 
-    /// The next sample read from the shards (endless: shards are drawn again and again).
-    fn read(&mut self) -> DataResult<(usize, Sample)> {
-        let mut empty_in_a_row = 0usize;
+    /// The next sample read from the shards (endless: shards are drawn again and again), or
+    /// `None` where a pass over the stream's own shards ends (without resampling).
+    fn read(&mut self) -> DataResult<Option<Read>> {
         loop {
-            if let Some((s, reader)) = &mut self.reader {
+            if let Some((d, s, reader)) = &mut self.reader {
+                let (d, s) = (*d, *s);
+                let read = self.reads.get_mut(&d).expect("a shard being read is listed");
                 if let Some(sample) = reader.next_sample()? {
-                    return Ok((*s, sample));
+                    read.samples += 1;
+                    read.waiting += 1;
+                    self.empty_in_a_row = 0;
+                    return Ok(Some((d, s, sample)));
                 }
+                read.finished = true;
+                let empty = read.samples == 0;
                 self.reader = None;
-                empty_in_a_row += 1;
-                if empty_in_a_row > 10 * self.src.shards.len() + 10 {
-                    return Err(DataError::Stream(format!(
-                        "stream {}: {} shards in a row held no sample; are the shards empty?",
-                        self.lane, empty_in_a_row
-                    )));
+                self.settle(d)?;
+                if empty {
+                    self.empty_in_a_row += 1;
+                    if self.empty_in_a_row > 10 * self.src.shards.len() + 10 {
+                        return Err(DataError::Stream(format!(
+                            "stream {}: {} shards in a row held no sample; are the shards empty?",
+                            self.lane, self.empty_in_a_row
+                        )));
+                    }
+                }
+                if !self.src.opts.resampled && self.drawn.is_multiple_of(self.own.len() as u64) {
+                    return Ok(None);
                 }
             }
             let s = if self.src.opts.resampled {
@@ -188,43 +242,96 @@ impl Lane {
             } else {
                 self.own[(self.drawn % self.own.len() as u64) as usize]
             };
+            let reader = ShardReader::open(&self.src.shards[s])?;
+            self.reads.insert(self.drawn, ShardRead { shard: s, samples: 0, waiting: 0, good: false, finished: false });
+            self.reader = Some((self.drawn, s, reader));
             self.drawn += 1;
-            self.reader = Some((s, ShardReader::open(&self.src.shards[s])?));
         }
     }
 
+    /// Shard read `d` once a sample of it is out of the buffer or it has been read to its
+    /// end: when both are done, whether it gave only corrupt samples, and then whether every
+    /// shard the stream reads did (an error).
+    fn settle(&mut self, d: u64) -> DataResult<()> {
+        let Some(read) = self.reads.get(&d) else { return Ok(()) };
+        if !read.finished || read.waiting > 0 {
+            return Ok(());
+        }
+        let read = self.reads.remove(&d).expect("looked up above");
+        if read.samples == 0 || read.good {
+            return Ok(());
+        }
+        self.dead.insert(read.shard);
+        let readable = if self.src.opts.resampled { self.src.shards.len() } else { self.own.len() };
+        if self.dead.len() < readable {
+            return Ok(());
+        }
+        let (offset, why) = self.last_skip.clone().unwrap_or_default();
+        Err(DataError::Shard {
+            shard: self.src.shards[read.shard].clone(),
+            offset,
+            reason: format!(
+                "every sample of this shard was left out as corrupt (on_corrupt: skip), and so was every sample of the \
+                 other shards stream {} reads ({readable} in all): it has no sample to give; the last left out: {why}",
+                self.lane
+            ),
+        })
+    }
+
     /// The next sample out of the shuffle buffer.
-    fn next_candidate(&mut self) -> DataResult<(usize, Sample)> {
+    fn next_candidate(&mut self) -> DataResult<Read> {
         let cap = self.src.opts.shuffle_buffer;
-        if cap == 0 {
-            return self.read();
+        loop {
+            if cap == 0 {
+                match self.read()? {
+                    Some(r) => return Ok(r),
+                    None => continue,
+                }
+            }
+            while !self.draining && self.buffer.len() < cap {
+                match self.read()? {
+                    Some(r) => self.buffer.push(r),
+                    None => self.draining = true,
+                }
+            }
+            if self.buffer.is_empty() {
+                // The end of a pass, the buffer emptied: the next pass.
+                self.draining = false;
+                continue;
+            }
+            let mut rng = stream(&[self.seed, TAG_SHUFFLE, self.epoch, self.lane as u64, self.emitted]);
+            let j = below(&mut rng, self.buffer.len());
+            self.emitted += 1;
+            return Ok(self.buffer.swap_remove(j));
         }
-        while self.buffer.len() < cap {
-            let s = self.read()?;
-            self.buffer.push(s);
-        }
-        let mut rng = stream(&[self.seed, TAG_SHUFFLE, self.epoch, self.lane as u64, self.emitted]);
-        let j = below(&mut rng, self.buffer.len());
-        self.emitted += 1;
-        Ok(self.buffer.swap_remove(j))
     }
 
     /// The next good sample: its image (decoded when `decode`) and class (0 without `cls`).
     /// Corrupt samples are skipped or an error, as configured; without `decode` only what
     /// can be checked without decoding is (the fast-forward of a resume under
     /// `on_corrupt: error`, where a sample that would not decode would have stopped the run).
+    /// Under `skip`, once every shard the stream reads has been read through giving only
+    /// corrupt samples, an error naming the last of them and why.
     pub(super) fn next_good(&mut self, decode: bool) -> DataResult<(Option<Image>, usize)> {
         loop {
-            let (s, sample) = self.next_candidate()?;
+            let (d, s, sample) = self.next_candidate()?;
             let path = self.src.shards[s].as_path();
-            match self.check(path, &sample, decode) {
+            let checked = self.check(path, &sample, decode);
+            let read = self.reads.get_mut(&d).expect("a shard read with samples in the buffer is listed");
+            read.waiting -= 1;
+            match checked {
                 Ok(out) => {
+                    read.good = true;
+                    self.dead.remove(&s);
+                    self.settle(d)?;
                     self.good += 1;
                     return Ok(out);
                 }
                 Err(e) if self.src.opts.on_corrupt == OnCorrupt::Skip => {
                     let n = self.src.skipped.fetch_add(1, Ordering::Relaxed) + 1;
                     tracing::warn!("skipping a corrupt sample ({n} so far): {e}");
+                    self.last_skip = Some((sample.offset, e.to_string()));
+                    self.settle(d)?;
                 }
                 Err(e) => return Err(e),
             }
