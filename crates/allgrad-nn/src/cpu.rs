@@ -143,26 +143,6 @@ pub(crate) fn lane_sum<T: Float>(a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> T {
     fold(acc)
 }
 
-/// Whether the CPU has AVX2 and FMA, for kernels that carry a copy compiled for them.
-///
-/// The crate is built for baseline x86-64 (SSE2) so that one binary runs on every x86-64 machine
-/// of a cluster; the GEMM crate picks its kernels at run time, and the few element-wise loops that
-/// show in profiles do the same: an `#[inline(always)]` body, called from a plain function and
-/// from a `#[target_feature(enable = "avx2,fma")]` one, chosen by this check (the standard
-/// library caches the detection). Neither copy reorders arithmetic (no fast-math, and FMA
-/// contraction is never implied), so both give identical results.
-#[inline]
-pub(crate) fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// A zero-filled vector of `len` elements, zeroed by the rayon pool. A large `vec![0; len]` is
 /// a calloc, and when the allocator hands back reused memory calloc clears it with one serial
 /// memset on the calling thread while the pool waits (a few percent of a 2-core ResNet step).

@@ -1,6 +1,6 @@
 //! Which SIMD instruction set allgrad-nn's own vectorised loops run with: the element-wise maths
 //! of [`crate::vmath`] (`exp`, `erf`: GELU, softmax, attention), the layer norm's rows, the
-//! channel sums and batch norm's passes; and, through the exported [`simd_dispatch!`](crate::simd_dispatch),
+//! channel sums, batch norm's passes and conv2d's im2col and col2im; and, through the exported [`simd_dispatch!`](crate::simd_dispatch),
 //! the loops of the tiled loss's fused kernel in allgrad-models.
 //!
 //! An op takes its [`SimdPlan`] (the level and the counters of the thread that plans it) once,

@@ -338,3 +338,23 @@ fn the_channel_sums_at_every_simd_level_match_their_composition_with_the_same_bi
         }
     }
 }
+
+#[test]
+fn conv2d_im2col_at_every_simd_level_matches_candle_with_the_same_bits() {
+    // 3x3 stride 2 (never Winograd): im2col in the forward and the weight gradient, col2im in
+    // the input gradient, against Candle's conv2d and its autograd in f64.
+    use allgrad_nn::{conv2d, ConvParams};
+    let p = ConvParams { stride: 2, padding: 1, dilation: 1, groups: 1 };
+    for dtype in [DType::F64, DType::F32] {
+        let x = rand_tensor(&[2, 3, 9, 11], 61, dtype);
+        let w = rand_tensor(&[4, 3, 3, 3], 62, dtype);
+        let r = rand_tensor(&[2, 4, 5, 6], 63, dtype);
+        let fused = |t: &[&Tensor]| conv2d(t[0], t[1], p);
+        let composed = |t: &[&Tensor]| {
+            let (x, w) = (t[0].to_dtype(DType::F64)?, t[1].to_dtype(DType::F64)?);
+            x.conv2d(&w, 1, 2, 1, 1)?.to_dtype(t[0].dtype())
+        };
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-6 };
+        check_levels_of("conv2d", &fused, &composed, &[x, w], &r, 3, false, tol);
+    }
+}
