@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use crate::backend::{dense, fused_float};
 use crate::cpu::{contiguous, float_kernel, zeros, Float, GRAIN};
 use crate::error::{fail, NnError};
-use crate::simd::SimdLevel;
+use crate::simd::SimdPlan;
 
 /// `out[i] = max(a[i] + b[i], 0)` (`b` absent: `max(a[i], 0)`), in parallel.
 fn relu_kernel<T: Float>(a: &[T], b: Option<&[T]>) -> Vec<T> {
@@ -163,13 +163,13 @@ fn elementwise<T: Float>(x: &[T], g: Option<&[T]>, f: impl Fn(&mut [MaybeUninit<
 }
 
 /// GELU of every element, in parallel, at `level`, in one pass (`crate::vmath` for f32).
-fn gelu_kernel<T: Float>(x: &[T], level: SimdLevel) -> Vec<T> {
+fn gelu_kernel<T: Float>(x: &[T], level: SimdPlan) -> Vec<T> {
     elementwise(x, None, |o, xs, _| T::gelu_into(level, o, xs))
 }
 
 /// The GELU's input gradient `g · GELU'(x)`, in parallel, at `level`, in one pass with one
 /// exponential per element (erf's tail and the normal density share it).
-fn gelu_grad_kernel<T: Float>(x: &[T], g: &[T], level: SimdLevel) -> Vec<T> {
+fn gelu_grad_kernel<T: Float>(x: &[T], g: &[T], level: SimdPlan) -> Vec<T> {
     elementwise(x, Some(g), |o, xs, gs| T::gelu_grad_into(level, o, xs, gs))
 }
 

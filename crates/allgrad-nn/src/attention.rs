@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use crate::backend::cpu_float;
 use crate::cpu::{contiguous, matmul, narrow, widen, zeros, Float, MatRef};
 use crate::error::{fail, NnError};
-use crate::simd::SimdLevel;
+use crate::simd::SimdPlan;
 
 const OP: &str = "attention";
 
@@ -196,7 +196,7 @@ impl CustomOp1 for AttentionOp {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims;
-        let level = crate::simd::simd_level()?;
+        let level = crate::simd::for_kernel()?;
         let out = match s {
             CpuStorage::F32(x) => CpuStorage::F32(self.consts.with(|b, m| Ok(forward(&contiguous(x, l), b, m, dims, level)))?),
             CpuStorage::F64(x) => CpuStorage::F64(self.consts.with(|b, m| Ok(forward(&contiguous(x, l), b, m, dims, level)))?),
@@ -237,7 +237,7 @@ impl CustomOp2 for AttentionBackward {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims;
-        let level = crate::simd::simd_level()?;
+        let level = crate::simd::for_kernel()?;
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(g)) => {
                 CpuStorage::F32(self.consts.with(|b, m| Ok(backward(&contiguous(x, l1), &contiguous(g, l2), b, m, dims, level)))?)
@@ -259,7 +259,7 @@ impl CustomOp2 for AttentionBackward {
 
 /// `p` (`len x len`) ← the probabilities `softmax(Q·Kᵀ·scale + bias)` of one sequence's
 /// head, before dropout; `x` is the sequence's packed `qkv` (`len x 3h`).
-fn probabilities<T: Float>(x: &[T], bias: &[T], head: usize, dims: Dims, p: &mut [T], scratch: &mut [T], level: SimdLevel) {
+fn probabilities<T: Float>(x: &[T], bias: &[T], head: usize, dims: Dims, p: &mut [T], scratch: &mut [T], level: SimdPlan) {
     let (len, h, d) = (dims.len, dims.hidden(), dims.d);
     let scale = T::from_f64(1.0 / (d as f64).sqrt());
     // Q (len x d) at columns head·d of the query part; Kᵀ (d x len): element (c, k) is
@@ -274,7 +274,7 @@ fn probabilities<T: Float>(x: &[T], bias: &[T], head: usize, dims: Dims, p: &mut
 }
 
 /// `row ← softmax(row)` (a row of only `-inf` gives zeros), with the vectorised `exp`.
-fn softmax_row<T: Float>(row: &mut [T], scratch: &mut [T], level: SimdLevel) {
+fn softmax_row<T: Float>(row: &mut [T], scratch: &mut [T], level: SimdPlan) {
     let mut m = T::NEG_INFINITY;
     for &v in row.iter() {
         if v > m || v.is_nan() {
@@ -293,7 +293,7 @@ fn softmax_row<T: Float>(row: &mut [T], scratch: &mut [T], level: SimdLevel) {
     row.iter_mut().zip(e.iter()).for_each(|(r, &v)| *r = v * inv);
 }
 
-fn forward<T: Float>(qkv: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims, level: SimdLevel) -> Vec<T> {
+fn forward<T: Float>(qkv: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims, level: SimdPlan) -> Vec<T> {
     let Dims { len, heads, d, .. } = dims;
     let h = dims.hidden();
     let mut out = zeros(dims.b * len * h);
@@ -321,7 +321,7 @@ fn forward<T: Float>(qkv: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims, leve
 /// `∂qkv` from `qkv`, the constants and `g = ∂context`, per sequence and head:
 /// `∂V = P̃ᵀ·G`, `∂P̃ = G·Vᵀ`, `∂P = ∂P̃⊙M`, `∂S = P⊙(∂P − rowsum(∂P⊙P))·scale`,
 /// `∂Q = ∂S·K`, `∂K = ∂Sᵀ·Q`, where `P̃ = P⊙M` is the dropped-out probabilities.
-fn backward<T: Float>(qkv: &[T], g: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims, level: SimdLevel) -> Vec<T> {
+fn backward<T: Float>(qkv: &[T], g: &[T], bias: &[T], mask: Option<&[T]>, dims: Dims, level: SimdPlan) -> Vec<T> {
     let Dims { len, heads, d, .. } = dims;
     let h = dims.hidden();
     let mut dqkv = zeros(qkv.len());

@@ -19,9 +19,10 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Re
 use rayon::prelude::*;
 
 use crate::backend::{cpu_float, fused_float};
-use crate::cpu::{contiguous, float_kernel, has_avx2, widen, zeros, Float};
+use crate::cpu::{contiguous, float_kernel, widen, zeros, Float};
 use crate::error::{fail, NnError};
 use crate::shape::geometry;
+use crate::simd::{dispatch, SimdPlan};
 
 /// Independent partial sums per channel: the additions of one f64 chain wait on each other,
 /// eight chains keep the pipeline full and let the loop vectorise.
@@ -65,26 +66,20 @@ fn accumulate<T: Float>(s1: &mut [f64; LANES], s2: &mut [f64; LANES], xs: &[T], 
 
 /// Per channel, `(Σ x, Σ x·y)` over all `n` images (`y = x` for moments), in f64; each channel
 /// is summed by one task in a fixed order (lanes, then the lanes in order), so the result does
-/// not depend on scheduling.
-fn per_channel<T: Float>(x: &[T], y: Option<&[T]>, n: usize, c: usize, inner: usize) -> Vec<(f64, f64)> {
-    let avx2 = has_avx2();
+/// not depend on scheduling; in `plan`'s copies ([`crate::simd`]), which give the same bits.
+fn per_channel<T: Float>(plan: SimdPlan, x: &[T], y: Option<&[T]>, n: usize, c: usize, inner: usize) -> Vec<(f64, f64)> {
+    let dims = (n, c, inner);
     (0..c)
         .into_par_iter()
         .map(|ch| {
-            if avx2 {
-                // SAFETY: the CPU has the features `channel_avx2` is compiled for.
-                unsafe { channel_avx2(x, y, (n, c, inner), ch) }
-            } else {
-                channel(x, y, (n, c, inner), ch)
-            }
+            dispatch!(
+                plan,
+                fn sum<T: Float>(x: &[T], y: Option<&[T]>, dims: (usize, usize, usize), ch: usize) -> (f64, f64) {
+                    channel(x, y, dims, ch)
+                }
+            )
         })
         .collect()
-}
-
-/// [`channel`] compiled for AVX2 (see [`has_avx2`]).
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn channel_avx2<T: Float>(x: &[T], y: Option<&[T]>, dims: (usize, usize, usize), ch: usize) -> (f64, f64) {
-    channel(x, y, dims, ch)
 }
 
 /// `(Σ x, Σ x·y)` of channel `ch`.
@@ -107,15 +102,16 @@ impl CustomOp1 for Moments {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, c, inner) = geometry(l.dims(), "channel_moments")?;
-        fn run<T: Float>(x: &[T], n: usize, c: usize, inner: usize) -> Vec<f64> {
-            let sums = per_channel(x, None, n, c, inner);
+        let plan = crate::simd::for_kernel()?;
+        fn run<T: Float>(plan: SimdPlan, x: &[T], n: usize, c: usize, inner: usize) -> Vec<f64> {
+            let sums = per_channel(plan, x, None, n, c, inner);
             sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect()
         }
         // The sums are f64 whatever the input's dtype (see `channel_moments`).
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F64(run(&contiguous(v, l), n, c, inner)),
-            CpuStorage::F64(v) => CpuStorage::F64(run(&contiguous(v, l), n, c, inner)),
-            CpuStorage::BF16(v) => CpuStorage::F64(run(&widen(&contiguous(v, l)), n, c, inner)),
+            CpuStorage::F32(v) => CpuStorage::F64(run(plan, &contiguous(v, l), n, c, inner)),
+            CpuStorage::F64(v) => CpuStorage::F64(run(plan, &contiguous(v, l), n, c, inner)),
+            CpuStorage::BF16(v) => CpuStorage::F64(run(plan, &widen(&contiguous(v, l)), n, c, inner)),
             _ => return fail(NnError::UnsupportedDType { op: "channel_moments", dtype: s.dtype() }),
         };
         Ok((out, Shape::from((2, c))))
@@ -210,15 +206,16 @@ impl CustomOp2 for GradDots {
 
     fn cpu_fwd(&self, sg: &CpuStorage, lg: &Layout, sx: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, c, inner) = geometry(lg.dims(), "channel_affine backward")?;
-        fn run<T: Float>(g: &[T], x: &[T], n: usize, c: usize, inner: usize) -> Vec<f64> {
-            let sums = per_channel(g, Some(x), n, c, inner);
+        let plan = crate::simd::for_kernel()?;
+        fn run<T: Float>(plan: SimdPlan, g: &[T], x: &[T], n: usize, c: usize, inner: usize) -> Vec<f64> {
+            let sums = per_channel(plan, g, Some(x), n, c, inner);
             sums.iter().map(|s| s.0).chain(sums.iter().map(|s| s.1)).collect()
         }
         let out = match (sg, sx) {
-            (CpuStorage::F32(g), CpuStorage::F32(x)) => run(&contiguous(g, lg), &contiguous(x, lx), n, c, inner),
-            (CpuStorage::F64(g), CpuStorage::F64(x)) => run(&contiguous(g, lg), &contiguous(x, lx), n, c, inner),
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => run(plan, &contiguous(g, lg), &contiguous(x, lx), n, c, inner),
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => run(plan, &contiguous(g, lg), &contiguous(x, lx), n, c, inner),
             (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
-                run(&widen(&contiguous(g, lg)), &widen(&contiguous(x, lx)), n, c, inner)
+                run(plan, &widen(&contiguous(g, lg)), &widen(&contiguous(x, lx)), n, c, inner)
             }
             _ => return fail(NnError::UnsupportedDType { op: "channel_affine backward", dtype: sg.dtype() }),
         };

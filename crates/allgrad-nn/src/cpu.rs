@@ -11,7 +11,7 @@ use gemm::Parallelism;
 use half::bf16;
 
 use crate::error::{fail, NnError};
-use crate::simd::{SimdLevel, LANES};
+use crate::simd::{SimdLevel, SimdPlan, LANES};
 
 /// Elements per parallel task of the element-wise kernels: large enough that a task outweighs
 /// its scheduling.
@@ -29,15 +29,15 @@ pub(crate) trait Float: WithDType {
     fn sqrt(self) -> Self;
     /// Whether the value is NaN.
     fn is_nan(self) -> bool;
-    /// `v ← e^v` over a slice: f64 through the C library, f32 through [`crate::vmath`] at
-    /// `level`.
-    fn exp_in_place(level: SimdLevel, xs: &mut [Self]);
-    /// `o[i] = x[i]/2 · (1 + erf(x[i]/√2))` in one pass: f64 through Candle's exact `erf`,
-    /// f32 through the vectorised formula of [`crate::vmath`] (erf's absolute error below
+    /// `v ← e^v` over a slice: f64 through the C library (one copy), f32 through
+    /// [`crate::vmath`] in `level`'s copy.
+    fn exp_in_place(level: SimdPlan, xs: &mut [Self]);
+    /// `o[i] = x[i]/2 · (1 + erf(x[i]/√2))` in one pass: f64 through Candle's exact `erf` in
+    /// one copy whatever the level (counted as baseline), f32 through the vectorised formula of [`crate::vmath`] (erf's absolute error below
     /// 3e-7, tested) in `level`'s copy ([`crate::simd`]).
-    fn gelu_into(level: SimdLevel, o: &mut [MaybeUninit<Self>], xs: &[Self]);
+    fn gelu_into(level: SimdPlan, o: &mut [MaybeUninit<Self>], xs: &[Self]);
     /// `o[i] = g[i] · GELU'(x[i])` in one pass, as [`Float::gelu_into`].
-    fn gelu_grad_into(level: SimdLevel, o: &mut [MaybeUninit<Self>], xs: &[Self], gs: &[Self]);
+    fn gelu_grad_into(level: SimdPlan, o: &mut [MaybeUninit<Self>], xs: &[Self], gs: &[Self]);
     /// This thread's pool of scratch buffers of this type (see [`Scratch`]).
     fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>>;
 }
@@ -62,13 +62,13 @@ macro_rules! impl_float {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
-            fn exp_in_place(level: SimdLevel, xs: &mut [Self]) {
+            fn exp_in_place(level: SimdPlan, xs: &mut [Self]) {
                 $exp(level, xs)
             }
-            fn gelu_into(level: SimdLevel, o: &mut [MaybeUninit<Self>], xs: &[Self]) {
+            fn gelu_into(level: SimdPlan, o: &mut [MaybeUninit<Self>], xs: &[Self]) {
                 $gelu(level, o, xs)
             }
-            fn gelu_grad_into(level: SimdLevel, o: &mut [MaybeUninit<Self>], xs: &[Self], gs: &[Self]) {
+            fn gelu_grad_into(level: SimdPlan, o: &mut [MaybeUninit<Self>], xs: &[Self], gs: &[Self]) {
                 $gelu_grad(level, o, xs, gs)
             }
             fn scratch_pool() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Vec<Self>>>> {
@@ -83,21 +83,29 @@ macro_rules! impl_float {
 impl_float!(f32, crate::vmath::exp_at, crate::vmath::gelu_at, crate::vmath::gelu_grad_at);
 impl_float!(f64, exp_f64_in_place, gelu_f64, gelu_grad_f64);
 
-fn gelu_f64(_: SimdLevel, o: &mut [MaybeUninit<f64>], xs: &[f64]) {
+/// f64 GELU: one copy, compiled for the baseline, whatever the level (its cost is Candle's exact
+/// `erf`, a scalar function called per element, which a wider copy of this loop would not
+/// vectorise), so it counts as a baseline run in [`crate::simd_paths`] at every level.
+fn gelu_f64(plan: SimdPlan, o: &mut [MaybeUninit<f64>], xs: &[f64]) {
+    plan.ran(SimdLevel::Baseline);
     let r = std::f64::consts::FRAC_1_SQRT_2;
     for (o, &x) in o.iter_mut().zip(xs) {
         o.write(0.5 * x * (1.0 + candle_core::cpu::erf::erf_f64(x * r)));
     }
 }
 
-fn gelu_grad_f64(_: SimdLevel, o: &mut [MaybeUninit<f64>], xs: &[f64], gs: &[f64]) {
+/// f64 GELU's gradient: one copy, as [`gelu_f64`].
+fn gelu_grad_f64(plan: SimdPlan, o: &mut [MaybeUninit<f64>], xs: &[f64], gs: &[f64]) {
+    plan.ran(SimdLevel::Baseline);
     let (r, c) = (std::f64::consts::FRAC_1_SQRT_2, 1.0 / (2.0 * std::f64::consts::PI).sqrt());
     for (o, (&x, &g)) in o.iter_mut().zip(xs.iter().zip(gs)) {
         o.write(g * (0.5 * (1.0 + candle_core::cpu::erf::erf_f64(x * r)) + x * (-0.5 * x * x).exp() * c));
     }
 }
 
-fn exp_f64_in_place(_: SimdLevel, xs: &mut [f64]) {
+/// f64 `exp`: the C library's, one copy, called from inside the copies of the loops around it
+/// (softmax, attention), which count the run.
+fn exp_f64_in_place(_: SimdPlan, xs: &mut [f64]) {
     xs.iter_mut().for_each(|v| *v = v.exp());
 }
 
@@ -133,26 +141,6 @@ pub(crate) fn lane_sum<T: Float>(a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> T {
         acc[j] += f(x, y);
     }
     fold(acc)
-}
-
-/// Whether the CPU has AVX2 and FMA, for kernels that carry a copy compiled for them.
-///
-/// The crate is built for baseline x86-64 (SSE2) so that one binary runs on every x86-64 machine
-/// of a cluster; the GEMM crate picks its kernels at run time, and the few element-wise loops that
-/// show in profiles do the same: an `#[inline(always)]` body, called from a plain function and
-/// from a `#[target_feature(enable = "avx2,fma")]` one, chosen by this check (the standard
-/// library caches the detection). Neither copy reorders arithmetic (no fast-math, and FMA
-/// contraction is never implied), so both give identical results.
-#[inline]
-pub(crate) fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }
 
 /// A zero-filled vector of `len` elements, zeroed by the rayon pool. A large `vec![0; len]` is

@@ -124,13 +124,15 @@ pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};
 pub use pool::{adaptive_avg_pool2d, avg_pool2d, avg_pool2d_composed, max_pool2d, max_pool2d_composed};
 pub use settings::{check_settings, parse_switch, CUDA_FUSED_VAR, WINOGRAD_VAR};
 #[doc(hidden)]
-pub use simd::{force_simd, simd_paths, ForcedSimd, SimdPaths};
+pub use simd::{force_simd, simd_paths, simd_plan, ForcedSimd, SimdPaths, SimdPlan};
 pub use simd::{simd_level, SimdLevel, SIMD_VAR};
 pub use softmax::{log_softmax_last_dim, softmax_last_dim};
 pub use tf32::{set_tf32, tf32};
 pub use trace::{host_traffic, process_host_traffic, set_op_timing, take_op_times, HostTraffic, OpTime, Pass};
 #[doc(hidden)]
 pub use trace::{kernel_paths, KernelPaths};
+#[doc(hidden)]
+pub use vmath::exp_at as exp_in_place_at;
 /// `v ← e^v` over an f32 slice, vectorised (AVX2 where the CPU has it); relative error a few
 /// units in the last place, inputs below -87 give 0, above 88 are clamped (see `vmath`'s tests).
 pub use vmath::exp_in_place;

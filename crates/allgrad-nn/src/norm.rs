@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use crate::backend::{cpu_float, cuda_float, dense};
 use crate::cpu::{contiguous, float_kernel, fold, lane_sum, run_split, zeros, Float, SplitKernel};
 use crate::error::{fail, NnError};
-use crate::simd::{dispatch, SimdLevel, LANES};
+use crate::simd::{dispatch, SimdPlan, LANES};
 
 /// `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension of `x`, with the
 /// biased variance (as PyTorch's `layer_norm`). `gamma` and `beta` have shape `(d,)` where `d`
@@ -294,7 +294,7 @@ fn ln_fwd_rows<T: Float>(ys: &mut [MaybeUninit<T>], xs: &[T], gamma: &[T], beta:
     }
 }
 
-fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64, level: SimdLevel) -> Vec<T> {
+fn ln_fwd<T: Float>(x: &[T], gamma: &[T], beta: &[T], eps: f64, level: SimdPlan) -> Vec<T> {
     let d = gamma.len();
     if d == 0 || x.is_empty() {
         return zeros(x.len());
@@ -365,7 +365,7 @@ fn ln_bwd_rows<T: Float>(dxs: &mut [MaybeUninit<T>], xs: &[T], gs: &[T], gamma: 
 /// Per row, with `x̂ = (x - mean) · rstd` and `ĝ = ∂y · gamma`:
 /// `∂x = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`, `∂gamma = Σ_rows ∂y · x̂`, `∂beta = Σ_rows ∂y`.
 /// Row blocks accumulate their own ∂gamma/∂beta, summed in block order (deterministic).
-fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64, level: SimdLevel) -> Vec<Vec<T>> {
+fn ln_bwd<T: Float>(x: &[T], gamma: &[T], gy: &[T], eps: f64, level: SimdPlan) -> Vec<Vec<T>> {
     let zero = T::from_f64(0.0);
     let d = gamma.len();
     let (mut dgamma, mut dbeta) = (zeros(d), zeros(d));

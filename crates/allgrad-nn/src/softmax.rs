@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use crate::backend::cpu_float;
 use crate::cpu::{contiguous, float_kernel, lane_sum, zeros, Float};
 use crate::error::{fail, NnError};
-use crate::simd::{dispatch, SimdLevel, LANES};
+use crate::simd::{dispatch, SimdPlan, LANES};
 
 /// `softmax(x)_i = exp(x_i - max x) / Σ_j exp(x_j - max x)` over the last dimension.
 ///
@@ -165,7 +165,7 @@ fn row_max<T: Float>(row: &[T]) -> T {
 /// `row ← softmax(row)` in place at `level` (a row of only `-inf` gives zeros): the max
 /// subtracted, the vectorised `exp` (`crate::vmath` in f32), the sum in lane sums.
 #[inline(always)]
-fn softmax_row<T: Float>(row: &mut [T], level: SimdLevel) {
+fn softmax_row<T: Float>(row: &mut [T], level: SimdPlan) {
     let m = row_max(row);
     if m == T::NEG_INFINITY {
         row.fill(T::from_f64(0.0));
@@ -180,7 +180,7 @@ fn softmax_row<T: Float>(row: &mut [T], level: SimdLevel) {
 /// `out ← log_softmax(x)` of one row at `level` (a row of only `-inf` stays `-inf`);
 /// `out` also holds the exponentials on the way.
 #[inline(always)]
-fn log_softmax_row<T: Float>(out: &mut [T], x: &[T], level: SimdLevel) {
+fn log_softmax_row<T: Float>(out: &mut [T], x: &[T], level: SimdPlan) {
     let m = row_max(x);
     if m == T::NEG_INFINITY {
         out.copy_from_slice(x);
@@ -194,7 +194,7 @@ fn log_softmax_row<T: Float>(out: &mut [T], x: &[T], level: SimdLevel) {
 
 /// One task's rows of the forward.
 #[inline(always)]
-fn fwd_rows<T: Float>(ys: &mut [T], xs: &[T], d: usize, kind: Kind, level: SimdLevel) {
+fn fwd_rows<T: Float>(ys: &mut [T], xs: &[T], d: usize, kind: Kind, level: SimdPlan) {
     for (yr, xr) in ys.chunks_mut(d).zip(xs.chunks(d)) {
         match kind {
             Kind::Softmax => {
@@ -206,7 +206,7 @@ fn fwd_rows<T: Float>(ys: &mut [T], xs: &[T], d: usize, kind: Kind, level: SimdL
     }
 }
 
-fn softmax_fwd<T: Float>(x: &[T], d: usize, kind: Kind, level: SimdLevel) -> Vec<T> {
+fn softmax_fwd<T: Float>(x: &[T], d: usize, kind: Kind, level: SimdPlan) -> Vec<T> {
     let mut y = zeros(x.len());
     if d == 0 || x.is_empty() {
         return y;
@@ -215,7 +215,7 @@ fn softmax_fwd<T: Float>(x: &[T], d: usize, kind: Kind, level: SimdLevel) -> Vec
     y.par_chunks_mut(rows * d).zip(x.par_chunks(rows * d)).for_each(|(ys, xs)| {
         dispatch!(
             level,
-            fn rows<T: Float>(ys: &mut [T], xs: &[T], d: usize, kind: Kind, level: SimdLevel) -> () {
+            fn rows<T: Float>(ys: &mut [T], xs: &[T], d: usize, kind: Kind, level: SimdPlan) -> () {
                 fwd_rows(ys, xs, d, kind, level)
             }
         )
@@ -226,7 +226,7 @@ fn softmax_fwd<T: Float>(x: &[T], d: usize, kind: Kind, level: SimdLevel) -> Vec
 /// One task's rows of the backward: softmax `∂x = y·(g − Σ y·g)`, log-softmax
 /// `∂x = g − e^y·Σ g`, the sums in lane sums.
 #[inline(always)]
-fn bwd_rows<T: Float>(dxs: &mut [T], ys: &[T], gs: &[T], d: usize, kind: Kind, level: SimdLevel) {
+fn bwd_rows<T: Float>(dxs: &mut [T], ys: &[T], gs: &[T], d: usize, kind: Kind, level: SimdPlan) {
     for ((dr, yr), gr) in dxs.chunks_mut(d).zip(ys.chunks(d)).zip(gs.chunks(d)) {
         match kind {
             Kind::Softmax => {
@@ -247,7 +247,7 @@ fn bwd_rows<T: Float>(dxs: &mut [T], ys: &[T], gs: &[T], d: usize, kind: Kind, l
     }
 }
 
-fn softmax_bwd<T: Float>(y: &[T], g: &[T], d: usize, kind: Kind, level: SimdLevel) -> Vec<T> {
+fn softmax_bwd<T: Float>(y: &[T], g: &[T], d: usize, kind: Kind, level: SimdPlan) -> Vec<T> {
     let mut dx = zeros(y.len());
     if d == 0 || y.is_empty() {
         return dx;
@@ -256,7 +256,7 @@ fn softmax_bwd<T: Float>(y: &[T], g: &[T], d: usize, kind: Kind, level: SimdLeve
     dx.par_chunks_mut(rows * d).zip(y.par_chunks(rows * d)).zip(g.par_chunks(rows * d)).for_each(|((dxs, ys), gs)| {
         dispatch!(
             level,
-            fn rows<T: Float>(dxs: &mut [T], ys: &[T], gs: &[T], d: usize, kind: Kind, level: SimdLevel) -> () {
+            fn rows<T: Float>(dxs: &mut [T], ys: &[T], gs: &[T], d: usize, kind: Kind, level: SimdPlan) -> () {
                 bwd_rows(dxs, ys, gs, d, kind, level)
             }
         )

@@ -116,7 +116,7 @@ fn gelu_grad_one(x: f32) -> f32 {
 }
 
 /// `o[i] = GELU(x[i])` at `level`, one pass (`o` written, never read).
-pub(crate) fn gelu_at(level: crate::simd::SimdLevel, o: &mut [MaybeUninit<f32>], xs: &[f32]) {
+pub(crate) fn gelu_at(level: crate::simd::SimdPlan, o: &mut [MaybeUninit<f32>], xs: &[f32]) {
     crate::simd::dispatch!(
         level,
         fn each(o: &mut [MaybeUninit<f32>], xs: &[f32]) {
@@ -128,7 +128,7 @@ pub(crate) fn gelu_at(level: crate::simd::SimdLevel, o: &mut [MaybeUninit<f32>],
 }
 
 /// `o[i] = g[i] · GELU'(x[i])` at `level`, one pass (`o` written, never read).
-pub(crate) fn gelu_grad_at(level: crate::simd::SimdLevel, o: &mut [MaybeUninit<f32>], xs: &[f32], gs: &[f32]) {
+pub(crate) fn gelu_grad_at(level: crate::simd::SimdPlan, o: &mut [MaybeUninit<f32>], xs: &[f32], gs: &[f32]) {
     crate::simd::dispatch!(
         level,
         fn each(o: &mut [MaybeUninit<f32>], xs: &[f32], gs: &[f32]) {
@@ -147,7 +147,8 @@ macro_rules! dispatched {
         }
 
         /// The same at a given level (the caller's [`crate::simd::simd_level`]).
-        pub(crate) fn $at(level: crate::simd::SimdLevel, xs: &mut [f32]) {
+        #[doc(hidden)]
+        pub fn $at(level: crate::simd::SimdPlan, xs: &mut [f32]) {
             crate::simd::dispatch!(level, fn each(xs: &mut [f32]) {
                 xs.iter_mut().for_each(|v| *v = $one(*v));
             })
@@ -223,7 +224,8 @@ mod tests {
         use crate::simd::SimdLevel;
         let xs = grid(-10.0, 10.0);
         let cpu = SimdLevel::detected();
-        for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|&l| l <= cpu) {
+        for lv in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|&l| l <= cpu) {
+            let level = crate::simd::SimdPlan::on_this_thread(lv);
             let (mut v, mut e) = (xs.clone(), xs.clone());
             erf_at(level, &mut v);
             exp_at(level, &mut e);

@@ -13,12 +13,18 @@
 //! block of `dQ` and `dK` sums its contributions in a fixed order (results do not depend on
 //! the number of threads), and no per-thread copies of `dK` are needed.
 //!
+//! The row loops around the GEMMs (the online log-sum-exp, the softmax's gradient) run in the
+//! copy of allgrad-nn's SIMD dispatch that `ALLGRAD_CPU_SIMD` picks (`allgrad_nn::simd_dispatch`,
+//! counted in `allgrad_nn::simd_paths`), every copy with the same bits; f64's `exp` is the C
+//! library's (one copy, inside them).
+//!
 //! Memory: one `tile x tile` buffer per running task (at most one per thread), from a pool
 //! that lives for one call, plus `dQ` and `dK` themselves.
 
 use std::ops::Range;
 use std::sync::Mutex;
 
+use allgrad_nn::{simd_dispatch, SimdPlan};
 use candle_core::WithDType;
 use rayon::prelude::*;
 
@@ -26,18 +32,18 @@ use super::pairs::{blocks, Pairs};
 
 /// The element types of the kernel.
 pub(super) trait Elem: WithDType + 'static {
-    /// `v ← e^v` over a slice (f32: vectorised; f64: the C library).
-    fn exp_slice(xs: &mut [Self]);
+    /// `v ← e^v` over a slice (f32: vectorised, in `plan`'s copy; f64: the C library).
+    fn exp_slice(plan: SimdPlan, xs: &mut [Self]);
 }
 
 impl Elem for f32 {
-    fn exp_slice(xs: &mut [f32]) {
-        allgrad_nn::exp_in_place(xs)
+    fn exp_slice(plan: SimdPlan, xs: &mut [f32]) {
+        allgrad_nn::exp_in_place_at(plan, xs)
     }
 }
 
 impl Elem for f64 {
-    fn exp_slice(xs: &mut [f64]) {
+    fn exp_slice(_: SimdPlan, xs: &mut [f64]) {
         xs.iter_mut().for_each(|v| *v = v.exp());
     }
 }
@@ -86,26 +92,30 @@ impl<T: Elem> Pool<T> {
 }
 
 /// `(lse per row, Σ_i (lse_i − s_{i, target_i}))`.
-pub(super) fn forward<T: Elem>(p: &Problem<T>) -> (Vec<T>, f64) {
+///
+/// # Errors
+/// A bad `ALLGRAD_CPU_SIMD` (see `allgrad_nn::simd_level`).
+pub(super) fn forward<T: Elem>(p: &Problem<T>) -> candle_core::Result<(Vec<T>, f64)> {
+    let plan = allgrad_nn::simd_plan()?;
     let pool = Pool::new();
-    let parts: Vec<(Vec<T>, f64)> = blocks(p.m, p.tile).into_par_iter().map(|rows| forward_rows(p, rows, &pool)).collect();
+    let parts: Vec<(Vec<T>, f64)> = blocks(p.m, p.tile).into_par_iter().map(|rows| forward_rows(plan, p, rows, &pool)).collect();
     let mut lse = Vec::with_capacity(p.m);
     let mut total = 0f64;
     for (l, s) in parts {
         lse.extend(l);
         total += s;
     }
-    (lse, total)
+    Ok((lse, total))
 }
 
-fn forward_rows<T: Elem>(p: &Problem<T>, rows: Range<usize>, pool: &Pool<T>) -> (Vec<T>, f64) {
+fn forward_rows<T: Elem>(plan: SimdPlan, p: &Problem<T>, rows: Range<usize>, pool: &Pool<T>) -> (Vec<T>, f64) {
     let tq = rows.len();
     let neg_inf = T::from_f64(f64::NEG_INFINITY);
     let mut run = Running { max: vec![neg_inf; tq], sum: vec![T::from_f64(0.0); tq], pos: vec![T::from_f64(0.0); tq] };
     for cols in blocks(p.n, p.tile) {
         pool.with(tq * cols.len(), |s| {
             logits(p, &rows, &cols, s);
-            forward_block(p, &rows, &cols, s, &mut run)
+            forward_block(plan, p, &rows, &cols, s, &mut run)
         });
     }
     let mut total = 0f64;
@@ -129,24 +139,38 @@ struct Running<T> {
 
 /// Folds one block of logits `s` (`rows x cols`, special columns applied) into the rows'
 /// running maximum and sum (the online log-sum-exp), and records the target logits.
-fn forward_block<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, s: &mut [T], run: &mut Running<T>) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU has AVX2 (checked just above).
-        unsafe { forward_block_avx2(p, rows, cols, s, run) };
-        return;
-    }
-    forward_block_body(p, rows, cols, s, run)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn forward_block_avx2<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, s: &mut [T], run: &mut Running<T>) {
-    forward_block_body(p, rows, cols, s, run)
+fn forward_block<T: Elem>(
+    plan: SimdPlan,
+    p: &Problem<T>,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+    s: &mut [T],
+    run: &mut Running<T>,
+) {
+    simd_dispatch!(
+        plan,
+        fn block<T: Elem>(
+            plan: SimdPlan,
+            p: &Problem<T>,
+            rows: &Range<usize>,
+            cols: &Range<usize>,
+            s: &mut [T],
+            run: &mut Running<T>,
+        ) -> () {
+            forward_block_body(plan, p, rows, cols, s, run)
+        }
+    )
 }
 
 #[inline(always)]
-fn forward_block_body<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, s: &mut [T], run: &mut Running<T>) {
+fn forward_block_body<T: Elem>(
+    plan: SimdPlan,
+    p: &Problem<T>,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+    s: &mut [T],
+    run: &mut Running<T>,
+) {
     let (tq, tk) = (rows.len(), cols.len());
     let neg_inf = T::from_f64(f64::NEG_INFINITY);
     for r in 0..tq {
@@ -170,15 +194,9 @@ fn forward_block_body<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range
             run.max[r] = new;
         }
         lanes::add(row, T::from_f64(0.0) - new);
-        T::exp_slice(row);
+        T::exp_slice(plan, row);
         run.sum[r] += lanes::sum(row);
     }
-}
-
-/// Whether the CPU has AVX2 (the standard library caches the detection).
-#[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
 }
 
 /// Row loops written with `LANES` independent accumulators, so that the compiler vectorises
@@ -271,7 +289,11 @@ fn logits<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, out
 }
 
 /// The gradients of `g · Σ_i (lse_i − s_{i, target_i})`; `need` = [dQ, dK, temperature].
-pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]) -> Grads<T> {
+///
+/// # Errors
+/// A bad `ALLGRAD_CPU_SIMD` (see `allgrad_nn::simd_level`).
+pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]) -> candle_core::Result<Grads<T>> {
+    let plan = allgrad_nn::simd_plan()?;
     let (rb, cb) = (blocks(p.m, p.tile), blocks(p.n, p.tile));
     let mut dq = vec![T::from_f64(0.0); if need[0] { p.m * p.d } else { 0 }];
     let mut dk = vec![T::from_f64(0.0); if need[1] { p.n_grad * p.d } else { 0 }];
@@ -280,7 +302,7 @@ pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]
     let pool = Pool::new();
     let mut ds_dot_s = 0f64;
     if rb.is_empty() || cb.is_empty() {
-        return Grads { dq: need[0].then_some(dq), dk: need[1].then_some(dk), ds_dot_s };
+        return Ok(Grads { dq: need[0].then_some(dq), dk: need[1].then_some(dk), ds_dot_s });
     }
     // Waves over the longer side: each task of a wave owns one block of dQ and one of dK.
     let rows_lead = rb.len() <= cb.len();
@@ -311,11 +333,11 @@ pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]
         };
         let sums: Vec<f64> = tasks
             .into_par_iter()
-            .map(|(i, dqi, j, dkj)| tile_backward(p, &rb[i], &cb[j], lse, g, dqi, dkj, need, &pool))
+            .map(|(i, dqi, j, dkj)| tile_backward(plan, p, (&rb[i], &cb[j]), lse, g, dqi, dkj, need, &pool))
             .collect();
         ds_dot_s += sums.iter().sum::<f64>();
     }
-    Grads { dq: need[0].then_some(dq), dk: need[1].then_some(dk), ds_dot_s }
+    Ok(Grads { dq: need[0].then_some(dq), dk: need[1].then_some(dk), ds_dot_s })
 }
 
 /// `buf` (rows of `d` elements) cut into the given consecutive blocks of rows; all empty when
@@ -337,9 +359,9 @@ fn split_blocks<'a, T>(buf: &'a mut [T], blocks: &[Range<usize>], d: usize) -> V
 /// One block pair of the backward; returns its `Σ dS ⊙ (s − boost)`.
 #[allow(clippy::too_many_arguments)]
 fn tile_backward<T: Elem>(
+    plan: SimdPlan,
     p: &Problem<T>,
-    rows: &Range<usize>,
-    cols: &Range<usize>,
+    (rows, cols): (&Range<usize>, &Range<usize>),
     lse: &[T],
     g: T,
     dqi: &mut [T],
@@ -351,7 +373,7 @@ fn tile_backward<T: Elem>(
     pool.with(tq * tk + tk, |buf| {
         let (s, scaled) = buf.split_at_mut(tq * tk);
         logits(p, rows, cols, s);
-        let acc = backward_block(p, rows, cols, s, scaled, lse, g, need[2]);
+        let acc = backward_block(plan, p, (rows, cols), s, scaled, lse, g, need[2]);
         let ds = Mat { data: &*s, rs: tk, cs: 1 };
         if need[0] {
             let kj = Mat { data: &p.k[cols.start * d..cols.end * d], rs: d, cs: 1 };
@@ -372,45 +394,38 @@ fn tile_backward<T: Elem>(
 /// (`scaled` is a row of scratch).
 #[allow(clippy::too_many_arguments)]
 fn backward_block<T: Elem>(
+    plan: SimdPlan,
     p: &Problem<T>,
-    rows: &Range<usize>,
-    cols: &Range<usize>,
+    block: (&Range<usize>, &Range<usize>),
     s: &mut [T],
     scaled: &mut [T],
     lse: &[T],
     g: T,
     dot_s: bool,
 ) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { backward_block_avx2(p, rows, cols, s, scaled, lse, g, dot_s) };
-    }
-    backward_block_body(p, rows, cols, s, scaled, lse, g, dot_s)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-fn backward_block_avx2<T: Elem>(
-    p: &Problem<T>,
-    rows: &Range<usize>,
-    cols: &Range<usize>,
-    s: &mut [T],
-    scaled: &mut [T],
-    lse: &[T],
-    g: T,
-    dot_s: bool,
-) -> f64 {
-    backward_block_body(p, rows, cols, s, scaled, lse, g, dot_s)
+    simd_dispatch!(
+        plan,
+        fn block<T: Elem>(
+            plan: SimdPlan,
+            p: &Problem<T>,
+            block: (&Range<usize>, &Range<usize>),
+            s: &mut [T],
+            scaled: &mut [T],
+            lse: &[T],
+            g: T,
+            dot_s: bool,
+        ) -> f64 {
+            backward_block_body(plan, p, block, s, scaled, lse, g, dot_s)
+        }
+    )
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn backward_block_body<T: Elem>(
+    plan: SimdPlan,
     p: &Problem<T>,
-    rows: &Range<usize>,
-    cols: &Range<usize>,
+    (rows, cols): (&Range<usize>, &Range<usize>),
     s: &mut [T],
     scaled: &mut [T],
     lse: &[T],
@@ -427,7 +442,7 @@ fn backward_block_body<T: Elem>(
             scaled.copy_from_slice(row);
         }
         lanes::add(row, T::from_f64(0.0) - lse[row_id]);
-        T::exp_slice(row); // excluded columns: e^-inf = 0
+        T::exp_slice(plan, row); // excluded columns: e^-inf = 0
         lanes::scale(row, g);
         if let Some(t) = p.pairs.target_in(row_id, cols) {
             row[t] -= g;

@@ -225,7 +225,7 @@ fn fused_forward(q: &Tensor, k: &Tensor, p: &Tensor, pairs: &Pairs, tile: usize)
     fn run<T: Elem>(q: &Tensor, k: &Tensor, t: f64, pairs: &Pairs, tile: usize) -> Result<(f64, Tensor)> {
         let (qs, ks) = (cpu_slice::<T>(q)?, cpu_slice::<T>(k)?);
         let prob = problem(&qs, &ks, q, k, t, pairs, tile)?;
-        let (lse, value) = cpu::forward(&prob);
+        let (lse, value) = cpu::forward(&prob)?;
         Ok((value, Tensor::from_vec(lse, prob.m, &Device::Cpu)?))
     }
     match q.dtype() {
@@ -280,7 +280,7 @@ fn fused_backward(
     ) -> Result<[Option<Tensor>; 3]> {
         let (qs, ks, ls) = (cpu_slice::<T>(q)?, cpu_slice::<T>(k)?, cpu_slice::<T>(lse)?);
         let prob = Problem { n_grad, ..problem(&qs, &ks, q, k, t, pairs, tile)? };
-        let grads = cpu::backward(&prob, &ls, T::from_f64(g), need);
+        let grads = cpu::backward(&prob, &ls, T::from_f64(g), need)?;
         let dq = grads.dq.map(|v| Tensor::from_vec(v, (prob.m, prob.d), &Device::Cpu)).transpose()?;
         let dk = grads.dk.map(|v| Tensor::from_vec(v, (n_grad, prob.d), &Device::Cpu)).transpose()?;
         // s = raw / τ (+ boost): ∂s/∂τ = −(s − boost) / τ.

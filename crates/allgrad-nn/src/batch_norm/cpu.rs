@@ -4,14 +4,16 @@
 //! its `∂x` (and `∂skip`) pass ([`backward_pass`], [`dx_kernel`]). Each takes its per-channel
 //! constants as slices; what they are and where they come from is the layer's business.
 //!
-//! Every pass is parallel over runs of whole rows (or over channels for the sums), with a copy
-//! compiled for AVX2 chosen at run time ([`has_avx2`]), and sums in f64 in a fixed order.
+//! Every pass is parallel over runs of whole rows (or over channels for the sums), with copies
+//! per SIMD level chosen by the plan of the op ([`crate::simd`], `ALLGRAD_CPU_SIMD`), which
+//! all give the same bits, and sums in f64 in a fixed order.
 
 use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use crate::cpu::{has_avx2, Float, GRAIN};
+use crate::cpu::{Float, GRAIN};
+use crate::simd::{dispatch, SimdPlan};
 
 /// One normalisation's per-channel scale and shift `(a, b)`.
 pub(super) type Affine<'a> = (&'a [f64], &'a [f64]);
@@ -19,8 +21,10 @@ pub(super) type Affine<'a> = (&'a [f64], &'a [f64]);
 /// `out = tail(a[c]·x + b[c])` (`third`: the skip input, or the shortcut's input), parallel
 /// over runs of whole rows; `ab` the scale and shift per channel, `ab2` the shortcut's. The
 /// tail: a ReLU with `relu` (always with `third`); `round_bf16`: each normalisation's output
-/// rounded to bf16 before a residual sum, as an unfused bf16 batch norm stores it.
+/// rounded to bf16 before a residual sum, as an unfused bf16 batch norm stores it. `plan`: the
+/// copies' level.
 pub(super) fn forward_kernel<T: Float>(
+    plan: SimdPlan,
     x: &[T],
     third: Option<&[T]>,
     (relu, round_bf16): (bool, bool),
@@ -36,10 +40,9 @@ pub(super) fn forward_kernel<T: Float>(
     let rows = (GRAIN / inner).max(1);
     let split = x.len() > rows * inner;
     crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
-    let avx2 = has_avx2();
     let mut out = Vec::with_capacity(x.len());
     out.spare_capacity_mut()[..x.len()].par_chunks_mut(rows * inner).enumerate().for_each(|(t, o)| {
-        let task = ForwardTask {
+        let task = &ForwardTask {
             x,
             skip: third,
             a: &a,
@@ -50,12 +53,12 @@ pub(super) fn forward_kernel<T: Float>(
             inner,
             start: t * rows * inner,
         };
-        if avx2 {
-            // SAFETY: the CPU has the features `forward_rows_avx2` is compiled for.
-            unsafe { forward_rows_avx2(&task, o) }
-        } else {
-            forward_rows(&task, o)
-        }
+        dispatch!(
+            plan,
+            fn rows<T: Float>(task: &ForwardTask<'_, T>, o: &mut [MaybeUninit<T>]) -> () {
+                forward_rows(task, o)
+            }
+        )
     });
     // SAFETY: the chunks cover the first `x.len()` elements and `forward_rows` writes every
     // element of its chunk; the pool writes them first, so no page is zeroed and then rewritten.
@@ -77,12 +80,6 @@ struct ForwardTask<'a, T> {
     round_bf16: bool,
     inner: usize,
     start: usize,
-}
-
-/// [`forward_rows`] compiled for AVX2 (see [`has_avx2`]).
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn forward_rows_avx2<T: Float>(task: &ForwardTask<'_, T>, out: &mut [MaybeUninit<T>]) {
-    forward_rows(task, out)
 }
 
 /// Writes every element of `out`.
@@ -141,8 +138,9 @@ fn forward_rows<T: Float>(task: &ForwardTask<'_, T>, out: &mut [MaybeUninit<T>])
 const LANES: usize = 8;
 
 /// Per channel, this rank's `(Σ g', Σ g'·(x − μ))` in f64, each channel summed by one task in a
-/// fixed order.
+/// fixed order, in `plan`'s copies.
 pub(super) fn channel_sums<T: Float>(
+    plan: SimdPlan,
     g: &[T],
     x: &[T],
     y: &[T],
@@ -150,30 +148,30 @@ pub(super) fn channel_sums<T: Float>(
     relu: bool,
     (n, c, inner): (usize, usize, usize),
 ) -> Vec<(f64, f64)> {
-    let avx2 = has_avx2();
     (0..c)
         .into_par_iter()
-        .map(|ch| match (avx2, relu) {
-            // SAFETY: `has_avx2` checked the CPU for the features these copies are compiled for.
-            (true, true) => unsafe { channel_sum_avx2::<T, true>(g, x, y, mean[ch], (n, c, inner), ch) },
-            (true, false) => unsafe { channel_sum_avx2::<T, false>(g, x, y, mean[ch], (n, c, inner), ch) },
-            (false, true) => channel_sum::<T, true>(g, x, y, mean[ch], (n, c, inner), ch),
-            (false, false) => channel_sum::<T, false>(g, x, y, mean[ch], (n, c, inner), ch),
+        .map(|ch| {
+            let (mu, dims) = (mean[ch], (n, c, inner));
+            dispatch!(
+                plan,
+                fn sum<T: Float>(
+                    g: &[T],
+                    x: &[T],
+                    y: &[T],
+                    mu: f64,
+                    relu: bool,
+                    dims: (usize, usize, usize),
+                    ch: usize,
+                ) -> (f64, f64) {
+                    if relu {
+                        channel_sum::<T, true>(g, x, y, mu, dims, ch)
+                    } else {
+                        channel_sum::<T, false>(g, x, y, mu, dims, ch)
+                    }
+                }
+            )
         })
         .collect()
-}
-
-/// [`channel_sum`] compiled for AVX2 (see [`has_avx2`]).
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn channel_sum_avx2<T: Float, const RELU: bool>(
-    g: &[T],
-    x: &[T],
-    y: &[T],
-    mu: f64,
-    dims: (usize, usize, usize),
-    ch: usize,
-) -> (f64, f64) {
-    channel_sum::<T, RELU>(g, x, y, mu, dims, ch)
 }
 
 /// `(Σ g', Σ g'·(x − μ))` of channel `ch` of `(n, c, inner)` values, `g'` being `g` where `y > 0`
@@ -216,14 +214,26 @@ fn channel_sum<T: Float, const RELU: bool>(
 /// `∂x = k·g' + c1·(x − μ) + c0` per channel (`[k, c1, c0, μ]` rounded to `T`), parallel over
 /// runs of whole rows: the device path's `∂x` on the CPU (the host path computes the same with
 /// [`backward_pass`], with `∂skip` in the same pass).
-pub(super) fn dx_kernel<T: Float>(g: &[T], x: &[T], y: &[T], [k, c1, c0, mu]: [&[T]; 4], relu: bool, inner: usize) -> Vec<T> {
-    backward_pass(&RowCoefficients { g, x, y, k, c1, c0, mu, relu, inner }, false).0
+pub(super) fn dx_kernel<T: Float>(
+    plan: SimdPlan,
+    g: &[T],
+    x: &[T],
+    y: &[T],
+    [k, c1, c0, mu]: [&[T]; 4],
+    relu: bool,
+    inner: usize,
+) -> Vec<T> {
+    backward_pass(plan, &RowCoefficients { g, x, y, k, c1, c0, mu, relu, inner }, false).0
 }
 
 /// `∂x`, and with `want_skip` `∂skip` (the gradient through the ReLU), of every row, parallel
-/// over runs of whole rows. Both are written once, by the pool, without zeroing them first (a
+/// over runs of whole rows, in `plan`'s copies. Both are written once, by the pool, without zeroing them first (a
 /// zeroing pass would add a third of this pass's memory traffic).
-pub(super) fn backward_pass<T: Float>(coef: &RowCoefficients<'_, T>, want_skip: bool) -> (Vec<T>, Option<Vec<T>>) {
+pub(super) fn backward_pass<T: Float>(
+    plan: SimdPlan,
+    coef: &RowCoefficients<'_, T>,
+    want_skip: bool,
+) -> (Vec<T>, Option<Vec<T>>) {
     let len = coef.x.len();
     if len == 0 {
         return (Vec::new(), want_skip.then(Vec::new));
@@ -231,14 +241,18 @@ pub(super) fn backward_pass<T: Float>(coef: &RowCoefficients<'_, T>, want_skip: 
     let chunk = (GRAIN / coef.inner).max(1) * coef.inner;
     let split = len > chunk;
     crate::trace::count(|t| if split { t.batch_norm_split += 1 } else { t.batch_norm_whole += 1 });
-    let avx2 = has_avx2();
     let run = |start: usize, dxc: &mut [MaybeUninit<T>], dsc: Option<&mut [MaybeUninit<T>]>| {
-        if avx2 {
-            // SAFETY: the CPU has the features `backward_rows_avx2` is compiled for.
-            unsafe { backward_rows_avx2(coef, start, dxc, dsc) }
-        } else {
-            backward_rows(coef, start, dxc, dsc)
-        }
+        dispatch!(
+            plan,
+            fn rows<T: Float>(
+                coef: &RowCoefficients<'_, T>,
+                start: usize,
+                dxc: &mut [MaybeUninit<T>],
+                dsc: Option<&mut [MaybeUninit<T>]>,
+            ) -> () {
+                backward_rows(coef, start, dxc, dsc)
+            }
+        )
     };
     let (mut dx, mut dskip) = (Vec::with_capacity(len), Vec::with_capacity(if want_skip { len } else { 0 }));
     let dxs = &mut dx.spare_capacity_mut()[..len];
@@ -271,17 +285,6 @@ pub(super) struct RowCoefficients<'a, T> {
     pub mu: &'a [T],
     pub relu: bool,
     pub inner: usize,
-}
-
-/// [`backward_rows`] compiled for AVX2 (see [`has_avx2`]).
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn backward_rows_avx2<T: Float>(
-    coef: &RowCoefficients<'_, T>,
-    start: usize,
-    dx: &mut [MaybeUninit<T>],
-    dskip: Option<&mut [MaybeUninit<T>]>,
-) {
-    backward_rows(coef, start, dx, dskip)
 }
 
 /// `∂x` (and `∂skip`, the gradient through the ReLU) of the rows starting at element `start`:

@@ -26,6 +26,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Re
 use crate::cpu::{contiguous, float_kernel, Float};
 use crate::error::{fail, NnError};
 use crate::shape::geometry;
+use crate::simd::SimdPlan;
 
 /// Sums a tensor of per-channel f64 partial sums over the ranks that share the batch
 /// statistics (an all_reduce with `Sum` of a tensor on its device); called once per backward of
@@ -276,16 +277,17 @@ fn sums_pairs(
     dims: (usize, usize, usize),
 ) -> Result<Vec<(f64, f64)>> {
     use super::cpu::channel_sums;
+    let plan = crate::simd::for_kernel()?;
     Ok(match (sg, sx, sy) {
         (CpuStorage::F32(g), CpuStorage::F32(x), CpuStorage::F32(y)) => {
-            channel_sums(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), mean, relu, dims)
+            channel_sums(plan, &contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), mean, relu, dims)
         }
         (CpuStorage::F64(g), CpuStorage::F64(x), CpuStorage::F64(y)) => {
-            channel_sums(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), mean, relu, dims)
+            channel_sums(plan, &contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), mean, relu, dims)
         }
         (CpuStorage::BF16(g), CpuStorage::BF16(x), CpuStorage::BF16(y)) => {
             let w = |v: &[half::bf16], l: &Layout| crate::cpu::widen(&contiguous(v, l));
-            channel_sums(&w(g, lg), &w(x, lx), &w(y, ly), mean, relu, dims)
+            channel_sums(plan, &w(g, lg), &w(x, lx), &w(y, ly), mean, relu, dims)
         }
         _ => return fail(NnError::UnsupportedDType { op: "batch_norm backward", dtype: sx.dtype() }),
     })
@@ -365,13 +367,15 @@ impl CustomOp3 for Dx {
     ) -> Result<(CpuStorage, Shape)> {
         let (_, c, inner) = geometry(lx.dims(), "batch_norm backward")?;
         let relu = self.relu;
+        let plan = crate::simd::for_kernel()?;
         let out = with_cpu_f64(&self.table, |t| -> Result<CpuStorage> {
-            fn run<T: Float>(g: &[T], x: &[T], y: &[T], t: &[f64], c: usize, relu: bool, inner: usize) -> Vec<T> {
+            #[allow(clippy::too_many_arguments)]
+            fn run<T: Float>(plan: SimdPlan, g: &[T], x: &[T], y: &[T], t: &[f64], c: usize, relu: bool, inner: usize) -> Vec<T> {
                 let row = |r: usize| -> Vec<T> { t[r * c..(r + 1) * c].iter().map(|&v| T::from_f64(v)).collect() };
-                super::cpu::dx_kernel(g, x, y, [&row(0), &row(1), &row(2), &row(3)], relu, inner)
+                super::cpu::dx_kernel(plan, g, x, y, [&row(0), &row(1), &row(2), &row(3)], relu, inner)
             }
             Ok(float_kernel!("batch_norm backward", sg => g, sx => x, sy => y;
-                run(&contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), t, c, relu, inner)))
+                run(plan, &contiguous(g, lg), &contiguous(x, lx), &contiguous(y, ly), t, c, relu, inner)))
         })??;
         Ok((out, lx.shape().clone()))
     }

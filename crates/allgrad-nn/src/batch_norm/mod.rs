@@ -492,11 +492,12 @@ fn norm_backward<T: Float>(
     want_skip: bool,
     (n, c, inner): (usize, usize, usize),
 ) -> Result<NormGrads<T>> {
-    let sums = channel_sums(g, x, y, &norm.mean, relu, (n, c, inner));
+    let plan = crate::simd::for_kernel()?;
+    let sums = channel_sums(plan, g, x, y, &norm.mean, relu, (n, c, inner));
     let HostCoefficients { k, c1, c0, mu: mu_t, dgb: dgb_wide } = coefficients::<T>(norm, &sums)?;
     let dgb: Vec<T> = dgb_wide.iter().map(|&v| T::from_f64(v)).collect();
     let coef = RowCoefficients { g, x, y, k: &k, c1: &c1, c0: &c0, mu: &mu_t, relu, inner };
-    let (dx, dskip) = backward_pass(&coef, want_skip);
+    let (dx, dskip) = backward_pass(plan, &coef, want_skip);
     Ok((dx, dskip, dgb))
 }
 
@@ -562,8 +563,9 @@ impl CustomOp2 for Forward {
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, _sgb: &CpuStorage, _lgb: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, _, inner) = geometry(lx.dims(), "batch_norm")?;
         let p = &self.0;
+        let plan = crate::simd::for_kernel()?;
         let out = p.with_affine(|ab, ab2| -> Result<CpuStorage> {
-            Ok(float_kernel!("batch_norm", sx => x; forward_kernel(&contiguous(x, lx), None, (p.relu, p.round_bf16), (ab, ab2), inner)))
+            Ok(float_kernel!("batch_norm", sx => x; forward_kernel(plan, &contiguous(x, lx), None, (p.relu, p.round_bf16), (ab, ab2), inner)))
         })??;
         Ok((out, lx.shape().clone()))
     }
@@ -606,9 +608,10 @@ impl CustomOp3 for ForwardSkip {
     ) -> Result<(CpuStorage, Shape)> {
         let (_, _, inner) = geometry(lx.dims(), "batch_norm")?;
         let p = &self.0;
+        let plan = crate::simd::for_kernel()?;
         let out = p.with_affine(|ab, ab2| -> Result<CpuStorage> {
             Ok(float_kernel!("batch_norm", sx => x, ss => s;
-                forward_kernel(&contiguous(x, lx), Some(&contiguous(s, ls)), (p.relu, p.round_bf16), (ab, ab2), inner)))
+                forward_kernel(plan, &contiguous(x, lx), Some(&contiguous(s, ls)), (p.relu, p.round_bf16), (ab, ab2), inner)))
         })??;
         Ok((out, lx.shape().clone()))
     }

@@ -24,6 +24,7 @@ use rayon::prelude::*;
 use super::im2col::{col2im, im2col, ConvGeom};
 use super::winograd;
 use crate::cpu::{matmul, zeros, BatchPlan, Float, MatRef, Scratch, Strides4};
+use crate::simd::SimdPlan;
 
 /// Output columns a GEMM should cover at least (see the module docs).
 const TARGET_COLS: usize = 512;
@@ -65,20 +66,20 @@ fn band_rows(g: &ConvGeom, budget: usize) -> usize {
 
 /// Forward: 3x3 convolutions with stride 1 and padding 1 by Winograd's F(2x2, 3x3) where
 /// [`winograd::applies`], every other one by [`conv_fwd_im2col`].
-pub(crate) fn conv_fwd<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
+pub(crate) fn conv_fwd<T: Float>(simd: SimdPlan, x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
     if winograd::applies(g) {
         return winograd::forward(x, &Strides4::of(xl), w, g);
     }
-    conv_fwd_im2col(x, xl, w, g)
+    conv_fwd_im2col(simd, x, xl, w, g)
 }
 
 /// Forward by im2col + GEMM: per block of images and group, `Y_g = W_g · [im2col(x[n, g]) ...]`;
 /// a single image with a large column matrix in bands of output rows.
-pub(crate) fn conv_fwd_im2col<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
-    conv_fwd_with(x, xl, w, g, COL_BUDGET)
+pub(crate) fn conv_fwd_im2col<T: Float>(simd: SimdPlan, x: &[T], xl: &Layout, w: &[T], g: &ConvGeom) -> Vec<T> {
+    conv_fwd_with(simd, x, xl, w, g, COL_BUDGET)
 }
 
-fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: usize) -> Vec<T> {
+fn conv_fwd_with<T: Float>(simd: SimdPlan, x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: usize) -> Vec<T> {
     let st = Strides4::of(xl);
     let (p, kdim, og, cg, out_img) = (g.p(), g.kdim(), g.og(), g.cg(), g.out_img());
     // Keep at least one block per thread when the batch allows it.
@@ -114,7 +115,7 @@ fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: 
                     while r0 < g.oh {
                         let r1 = (r0 + band).min(g.oh);
                         let cols = (r1 - r0) * g.ow;
-                        im2col(x, base, &st, g, grp * cg, (r0, r1), col, cols);
+                        im2col(simd, x, base, &st, g, grp * cg, (r0, r1), col, cols);
                         let rhs = MatRef::new(&col[..], cols, 1);
                         matmul(&mut yg[r0 * g.ow..], p, false, lhs, rhs, (og, cols, kdim), plan.gemm);
                         r0 = r1;
@@ -122,7 +123,7 @@ fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: 
                     continue;
                 }
                 for j in 0..imgs {
-                    im2col(x, st.offset + (first + j) * st.n, &st, g, grp * cg, (0, g.oh), &mut col[j * p..], ld);
+                    im2col(simd, x, st.offset + (first + j) * st.n, &st, g, grp * cg, (0, g.oh), &mut col[j * p..], ld);
                 }
                 let rhs = MatRef::new(&col[..], ld, 1);
                 matmul(yb, ld, false, lhs, rhs, (og, imgs * p, kdim), plan.gemm);
@@ -135,7 +136,9 @@ fn conv_fwd_with<T: Float>(x: &[T], xl: &Layout, w: &[T], g: &ConvGeom, budget: 
 
 /// Backward: the input gradient of a convolution that [`winograd::applies`] to by Winograd's
 /// F(2x2, 3x3), everything else by [`conv_bwd_im2col`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn conv_bwd<T: Float>(
+    simd: SimdPlan,
     x: &[T],
     xl: &Layout,
     w: &[T],
@@ -146,17 +149,19 @@ pub(crate) fn conv_bwd<T: Float>(
 ) -> (Vec<T>, Vec<T>) {
     if want_input && winograd::applies(g) {
         let dx = winograd::input_grad(w, gy, g);
-        let (_, dw) = conv_bwd_im2col(x, xl, w, gy, g, false, want_weight);
+        let (_, dw) = conv_bwd_im2col(simd, x, xl, w, gy, g, false, want_weight);
         return (dx, dw);
     }
-    conv_bwd_im2col(x, xl, w, gy, g, want_input, want_weight)
+    conv_bwd_im2col(simd, x, xl, w, gy, g, want_input, want_weight)
 }
 
 /// Backward by im2col + GEMM: per block of images and group, `∂W_gᵀ += col · ∂Y_gᵀ` and
 /// `∂x[n, g] = col2im(W_gᵀ · ∂Y_g)` (a single image with a large column matrix in bands of output
 /// rows). Images are cut into a fixed number of chunks; each chunk accumulates its own weight
 /// gradient and the chunks are summed in order, so the result does not depend on scheduling.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn conv_bwd_im2col<T: Float>(
+    simd: SimdPlan,
     x: &[T],
     xl: &Layout,
     w: &[T],
@@ -165,10 +170,12 @@ pub(crate) fn conv_bwd_im2col<T: Float>(
     want_input: bool,
     want_weight: bool,
 ) -> (Vec<T>, Vec<T>) {
-    conv_bwd_with(x, xl, w, gy, g, (want_input, want_weight), COL_BUDGET)
+    conv_bwd_with(simd, x, xl, w, gy, g, (want_input, want_weight), COL_BUDGET)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn conv_bwd_with<T: Float>(
+    simd: SimdPlan,
     x: &[T],
     xl: &Layout,
     w: &[T],
@@ -180,8 +187,9 @@ fn conv_bwd_with<T: Float>(
     let zero = T::from_f64(0.0);
     let st = Strides4::of(xl);
     if want_weight && weight_by_slabs(g) {
-        let dw = conv_dw_slabs(x, &st, gy, g, SLAB_COL_BUDGET);
-        let (dx, _) = if want_input { conv_bwd_with(x, xl, w, gy, g, (true, false), budget) } else { (Vec::new(), Vec::new()) };
+        let dw = conv_dw_slabs(simd, x, &st, gy, g, SLAB_COL_BUDGET);
+        let (dx, _) =
+            if want_input { conv_bwd_with(simd, x, xl, w, gy, g, (true, false), budget) } else { (Vec::new(), Vec::new()) };
         return (dx, dw);
     }
     let (p, kdim, og, cg, out_img) = (g.p(), g.kdim(), g.og(), g.cg(), g.out_img());
@@ -233,7 +241,7 @@ fn conv_bwd_with<T: Float>(
                             let gyg = MatRef::new(&gy[n * out_img + grp * og * p + r0 * g.ow..], p, 1);
                             if want_weight {
                                 // ∂W_gᵀ (kdim x og) += col (kdim x bc) · ∂Y_g bandᵀ (bc x og)
-                                im2col(x, base, &st, g, grp * cg, (r0, r1), &mut col, bc);
+                                im2col(simd, x, base, &st, g, grp * cg, (r0, r1), &mut col, bc);
                                 let gyt = MatRef::new(gyg.data, 1, p);
                                 let colm = MatRef::new(&col[..], bc, 1);
                                 matmul(&mut dw[dwg_range.clone()], og, n > first || r0 > 0, colm, gyt, (kdim, og, bc), plan.gemm);
@@ -241,7 +249,7 @@ fn conv_bwd_with<T: Float>(
                             if want_input {
                                 // ∂col (kdim x bc) = W_gᵀ (kdim x og) · ∂Y_g band (og x bc)
                                 matmul(&mut dcol, bc, false, wt, gyg, (kdim, bc, og), plan.gemm);
-                                col2im(&mut dcol, g, (r0, r1), &mut dxc[dxg_range(0)], bc);
+                                col2im(simd, &mut dcol, g, (r0, r1), &mut dxc[dxg_range(0)], bc);
                             }
                             r0 = r1;
                         }
@@ -260,7 +268,7 @@ fn conv_bwd_with<T: Float>(
                             MatRef::new(&x[st.offset + n * st.n + grp * cg * st.c..], st.c, 1)
                         } else {
                             for j in 0..imgs {
-                                im2col(x, st.offset + (n + j) * st.n, &st, g, grp * cg, (0, g.oh), &mut col[j * p..], ld);
+                                im2col(simd, x, st.offset + (n + j) * st.n, &st, g, grp * cg, (0, g.oh), &mut col[j * p..], ld);
                             }
                             MatRef::new(&col[..], ld, 1)
                         };
@@ -274,7 +282,7 @@ fn conv_bwd_with<T: Float>(
                         } else {
                             matmul(&mut dcol, ld, false, wt, gyg, (kdim, cols, og), plan.gemm);
                             for j in 0..imgs {
-                                col2im(&mut dcol[j * p..], g, (0, g.oh), &mut dxc[dxg_range(j)], ld);
+                                col2im(simd, &mut dcol[j * p..], g, (0, g.oh), &mut dxc[dxg_range(j)], ld);
                             }
                         }
                     }
@@ -319,7 +327,7 @@ fn weight_by_slabs(g: &ConvGeom) -> bool {
 /// at most `col_budget` elements) in a fixed order, so there are no partial weights to sum and
 /// each GEMM's inner dimension is a whole block's output pixels. The result depends only on the
 /// geometry and the pool size.
-fn conv_dw_slabs<T: Float>(x: &[T], st: &Strides4, gy: &[T], g: &ConvGeom, col_budget: usize) -> Vec<T> {
+fn conv_dw_slabs<T: Float>(simd: SimdPlan, x: &[T], st: &Strides4, gy: &[T], g: &ConvGeom, col_budget: usize) -> Vec<T> {
     let (p, kdim, og, cg, out_img) = (g.p(), g.kdim(), g.og(), g.cg(), g.out_img());
     let kk = g.kh * g.kw;
     let threads = rayon::current_num_threads().max(1);
@@ -346,7 +354,7 @@ fn conv_dw_slabs<T: Float>(x: &[T], st: &Strides4, gy: &[T], g: &ConvGeom, col_b
                 let cols = imgs * p;
                 gather_block(&gy[n * out_img + grp * og * p..], out_img, og, p, imgs, &mut gyb, ld);
                 for j in 0..imgs {
-                    im2col(x, st.offset + (n + j) * st.n, st, &sub, grp * cg + c0, (0, g.oh), &mut col[j * p..], ld);
+                    im2col(simd, x, st.offset + (n + j) * st.n, st, &sub, grp * cg + c0, (0, g.oh), &mut col[j * p..], ld);
                 }
                 // ∂W_g[:, slab]ᵀ (rows x og) += col (rows x cols) · ∂Y_gᵀ (cols x og)
                 let lhs = MatRef::new(&col[..], ld, 1);
@@ -443,10 +451,13 @@ mod tests {
             let gy = data(n * g.out_img(), 3);
             let xl = Layout::contiguous((n, c, h, w));
             let what = format!("n {n} stride {stride} pad {pad} dil {dil} groups {groups}");
-            let (banded, whole) = (conv_fwd_with(&x, &xl, &wt, &g, 1), conv_fwd_with(&x, &xl, &wt, &g, usize::MAX));
+            let (banded, whole) = (
+                conv_fwd_with(crate::simd::active(), &x, &xl, &wt, &g, 1),
+                conv_fwd_with(crate::simd::active(), &x, &xl, &wt, &g, usize::MAX),
+            );
             assert!(max_rel(&banded, &whole) < 1e-14, "forward, {what}");
-            let banded = conv_bwd_with(&x, &xl, &wt, &gy, &g, (true, true), 1);
-            let whole = conv_bwd_with(&x, &xl, &wt, &gy, &g, (true, true), usize::MAX);
+            let banded = conv_bwd_with(crate::simd::active(), &x, &xl, &wt, &gy, &g, (true, true), 1);
+            let whole = conv_bwd_with(crate::simd::active(), &x, &xl, &wt, &gy, &g, (true, true), usize::MAX);
             assert!(max_rel(&banded.0, &whole.0) < 1e-14, "backward ∂x, {what}");
             assert!(max_rel(&banded.1, &whole.1) < 1e-14, "backward ∂w, {what}");
         }
@@ -498,7 +509,7 @@ mod tests {
             for threads in [1, 2, 3] {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
                 for budget in [1, usize::MAX] {
-                    let got = pool.install(|| conv_dw_slabs(&x, &st, &gy, &g, budget));
+                    let got = pool.install(|| conv_dw_slabs(crate::simd::active(), &x, &st, &gy, &g, budget));
                     let what = format!("n {n} c {c} o {o} stride {stride} pad {pad} dil {dil} groups {groups}, {threads} threads, budget {budget}");
                     assert!(max_rel(&got, &want) < 1e-13, "{what}: {}", max_rel(&got, &want));
                 }

@@ -2,7 +2,8 @@
 //! image into a matrix so that a convolution becomes one GEMM, `col2im` folds such a matrix
 //! back, summing overlaps (the adjoint of `im2col`, used for the input gradient).
 
-use crate::cpu::{has_avx2, Float, Strides4};
+use crate::cpu::{Float, Strides4};
+use crate::simd::{dispatch, SimdPlan};
 
 /// The resolved geometry of one 2-D convolution (all sizes in elements).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,6 +116,7 @@ impl ConvGeom {
 /// the previous; with fewer rows than `oh` the matrix is one band of the image's.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn im2col<T: Float>(
+    plan: SimdPlan,
     x: &[T],
     base: usize,
     st: &Strides4,
@@ -124,28 +126,21 @@ pub(crate) fn im2col<T: Float>(
     col: &mut [T],
     ld: usize,
 ) {
-    if has_avx2() {
-        // SAFETY: the CPU has the features `im2col_avx2` is compiled for.
-        unsafe { im2col_avx2(x, base, st, g, c0, rows, col, ld) }
-    } else {
-        im2col_body(x, base, st, g, c0, rows, col, ld)
-    }
-}
-
-/// [`im2col_body`] compiled for AVX2 (see [`has_avx2`]).
-#[allow(clippy::too_many_arguments)]
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn im2col_avx2<T: Float>(
-    x: &[T],
-    base: usize,
-    st: &Strides4,
-    g: &ConvGeom,
-    c0: usize,
-    rows: (usize, usize),
-    col: &mut [T],
-    ld: usize,
-) {
-    im2col_body(x, base, st, g, c0, rows, col, ld)
+    dispatch!(
+        plan,
+        fn copy<T: Float>(
+            x: &[T],
+            base: usize,
+            st: &Strides4,
+            g: &ConvGeom,
+            c0: usize,
+            rows: (usize, usize),
+            col: &mut [T],
+            ld: usize,
+        ) -> () {
+            im2col_body(x, base, st, g, c0, rows, col, ld)
+        }
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -263,19 +258,13 @@ fn band((lo, hi): (usize, usize), r0: usize, r1: usize) -> (usize, usize) {
 /// the input element it was read from.
 ///
 /// `col` is scratch: the entries of taps that fall into the padding may be overwritten.
-pub(crate) fn col2im<T: Float>(col: &mut [T], g: &ConvGeom, rows: (usize, usize), dx: &mut [T], ld: usize) {
-    if has_avx2() {
-        // SAFETY: the CPU has the features `col2im_avx2` is compiled for.
-        unsafe { col2im_avx2(col, g, rows, dx, ld) }
-    } else {
-        col2im_body(col, g, rows, dx, ld)
-    }
-}
-
-/// [`col2im_body`] compiled for AVX2 (see [`has_avx2`]).
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn col2im_avx2<T: Float>(col: &mut [T], g: &ConvGeom, rows: (usize, usize), dx: &mut [T], ld: usize) {
-    col2im_body(col, g, rows, dx, ld)
+pub(crate) fn col2im<T: Float>(plan: SimdPlan, col: &mut [T], g: &ConvGeom, rows: (usize, usize), dx: &mut [T], ld: usize) {
+    dispatch!(
+        plan,
+        fn copy<T: Float>(col: &mut [T], g: &ConvGeom, rows: (usize, usize), dx: &mut [T], ld: usize) -> () {
+            col2im_body(col, g, rows, dx, ld)
+        }
+    )
 }
 
 #[inline(always)]

@@ -276,12 +276,13 @@ impl CustomOp2 for Conv2dOp {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = &self.g;
         let shape = Shape::from((g.n, g.o, g.oh, g.ow));
+        let plan = crate::simd::for_kernel()?;
         if let (CpuStorage::BF16(x), CpuStorage::F32(w)) = (s1, s2) {
             // A bf16 input with an f32 weight (autocast): the weight as its bf16 values.
             let (x, w) = (widen(x), bf16_values(&contiguous(w, l2)));
-            return Ok((CpuStorage::BF16(narrow(conv_fwd(&x, l1, &w, g))), shape));
+            return Ok((CpuStorage::BF16(narrow(conv_fwd(plan, &x, l1, &w, g))), shape));
         }
-        let out = float_kernel!("conv2d", s1 => x, s2 => w; conv_fwd(x, l1, &contiguous(w, l2), g));
+        let out = float_kernel!("conv2d", s1 => x, s2 => w; conv_fwd(plan, x, l1, &contiguous(w, l2), g));
         Ok((out, shape))
     }
 
@@ -310,7 +311,9 @@ impl SplitKernel<3> for Conv2dBackward {
 
     /// `[∂x, ∂w]`, each empty when not wanted.
     fn run<T: Float>(&self, [(x, lx), (w, lw), (gy, lgy)]: [(&[T], &Layout); 3]) -> Result<Vec<Vec<T>>> {
-        let (dx, dw) = conv_bwd(x, lx, &contiguous(w, lw), &contiguous(gy, lgy), &self.g, self.want_input, self.want_weight);
+        let plan = crate::simd::for_kernel()?;
+        let (dx, dw) =
+            conv_bwd(plan, x, lx, &contiguous(w, lw), &contiguous(gy, lgy), &self.g, self.want_input, self.want_weight);
         Ok(vec![dx, dw])
     }
 }

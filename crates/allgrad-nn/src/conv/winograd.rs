@@ -320,9 +320,9 @@ mod tests {
             let gy = data(n * g.out_img(), 3);
             let xl = Layout::contiguous((n, c, h, w));
             let what = format!("n {n} c {c} o {o} {h}x{w}");
-            let want = conv_fwd_im2col(&x, &xl, &wt, &g);
+            let want = conv_fwd_im2col(crate::simd::active(), &x, &xl, &wt, &g);
             assert!(max_rel(&forward(&x, &Strides4::of(&xl), &wt, &g), &want) < 1e-14, "forward f64, {what}");
-            let (want_dx, _) = conv_bwd_im2col(&x, &xl, &wt, &gy, &g, true, false);
+            let (want_dx, _) = conv_bwd_im2col(crate::simd::active(), &x, &xl, &wt, &gy, &g, true, false);
             assert!(max_rel(&input_grad(&wt, &gy, &g), &want_dx) < 1e-14, "∂x f64, {what}");
 
             let (x32, w32, gy32): (Vec<f32>, Vec<f32>, Vec<f32>) = (
@@ -331,8 +331,8 @@ mod tests {
                 gy.iter().map(|v| *v as f32).collect(),
             );
             let got = forward(&x32, &Strides4::of(&xl), &w32, &g);
-            assert!(max_rel(&got, &conv_fwd_im2col(&x32, &xl, &w32, &g)) < 1e-6, "forward f32, {what}");
-            let want_dx32 = conv_bwd_im2col(&x32, &xl, &w32, &gy32, &g, true, false).0;
+            assert!(max_rel(&got, &conv_fwd_im2col(crate::simd::active(), &x32, &xl, &w32, &g)) < 1e-6, "forward f32, {what}");
+            let want_dx32 = conv_bwd_im2col(crate::simd::active(), &x32, &xl, &w32, &gy32, &g, true, false).0;
             assert!(max_rel(&input_grad(&w32, &gy32, &g), &want_dx32) < 1e-6, "∂x f32, {what}");
         }
     }
