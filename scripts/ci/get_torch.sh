@@ -3,7 +3,8 @@
 # virtual environment outside the repository, for the tests that need torchrun and PyTorch's
 # TCPStore (tests/repo/torchrun.rs, run with ALLGRAD_WITH_TORCH=1), with the reference packages that
 # tests compare against in the same environment, pinned: transformers (a trained CLIP export loaded
-# by `CLIPModel`) and webdataset (allgrad-written shards read by webdataset's own reader). Reuses the
+# by `CLIPModel`), webdataset (allgrad-written shards read by webdataset's own reader) and
+# tensorboard (a run's events file read by TensorBoard's own reader). Reuses the
 # environment when it already imports those versions. Prints the environment's path as its last line.
 #
 #   scripts/ci/get_torch.sh [VENV]    (default: $ALLGRAD_TORCH_VENV, else ~/.cache/allgrad/torch-2.15.0)
@@ -13,7 +14,7 @@
 set -euo pipefail
 version=2.15.0
 # The reference packages (pip's requirement syntax), each checked by its installed version below.
-refs=(transformers==5.24.0 webdataset==1.0.2)
+refs=(transformers==5.24.0 webdataset==1.0.2 tensorboard==2.21.0)
 venv=${1:-${ALLGRAD_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/allgrad/torch-$version}}
 python=${PYTHON:-python3}
 have_torch() { [[ -x $venv/bin/python && -x $venv/bin/torchrun ]] &&

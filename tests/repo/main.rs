@@ -30,6 +30,7 @@ mod launch;
 mod launch_restarts;
 mod scripts;
 mod sources;
+mod tensorboard;
 mod torchrun;
 mod train_cli;
 mod two_hosts;

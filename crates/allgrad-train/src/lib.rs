@@ -9,8 +9,8 @@
 //! Errors are [`TrainError`]s; the environment variables it reads are in [`settings`]. A
 //! run directory ([`run_dir`]) holds `config.yaml`, `metrics.jsonl`, `checkpoints/step_<N>/`
 //! (`model.safetensors`, `optimizer.safetensors`, `buffers.safetensors`, `state.json`),
-//! `checkpoints/latest` and `loss.png` (loss, learning rate and evaluation metrics against
-//! steps).
+//! `checkpoints/latest`, `loss.png` (loss, learning rate and evaluation metrics against
+//! steps) and TensorBoard's `events.out.tfevents.*` ([`tensorboard`]).
 
 #![warn(missing_docs)]
 
@@ -29,6 +29,7 @@ pub mod run;
 pub mod run_dir;
 pub mod settings;
 mod step_grads;
+pub mod tensorboard;
 mod trace;
 pub mod trainer;
 

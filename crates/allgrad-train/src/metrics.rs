@@ -38,6 +38,33 @@ pub struct Record {
     pub eval: std::collections::BTreeMap<String, f64>,
 }
 
+impl Record {
+    /// The line's scalars by name, as TensorBoard gets them: `loss`, `lr`, `samples_per_s`,
+    /// `grad_norm`, `host_traffic/<field>` and each evaluation figure under its own name;
+    /// `step` and `epoch` are where they stand, not scalars.
+    pub fn scalars(&self) -> Vec<(String, f64)> {
+        let mut out = Vec::new();
+        let named = [("loss", self.loss), ("lr", self.lr), ("samples_per_s", self.samples_per_s), ("grad_norm", self.grad_norm)];
+        for (name, v) in named {
+            if let Some(v) = v {
+                out.push((name.to_string(), v));
+            }
+        }
+        if let Some(t) = &self.host_traffic {
+            let fields = [
+                ("step_reads", t.step_reads),
+                ("step_uploads", t.step_uploads),
+                ("reads", t.reads),
+                ("uploads", t.uploads),
+                ("syncs", t.syncs),
+            ];
+            out.extend(fields.iter().map(|(k, v)| (format!("host_traffic/{k}"), *v as f64)));
+        }
+        out.extend(self.eval.iter().map(|(k, v)| (k.clone(), *v)));
+        out
+    }
+}
+
 /// A step's host traffic ([`allgrad_nn::HostTraffic`]) in a metrics line: what a step on a
 /// device keeps at zero (`step_reads`) and what it moves in all.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -33,6 +33,7 @@ use crate::params::ParamStore;
 use crate::profile::{StepProfile, StepProfiler};
 use crate::settings::Settings;
 use crate::step_grads::StepGrads;
+use crate::tensorboard::EventsWriter;
 
 /// The objective's buffers by name, as kept before a step that may be skipped.
 type Buffers = std::collections::HashMap<String, Tensor>;
@@ -90,6 +91,8 @@ pub struct Trainer {
     total_steps: usize,
     out_dir: Option<PathBuf>,
     metrics: Option<MetricsLog>,
+    /// Rank 0's TensorBoard events file (`log.tensorboard`).
+    tensorboard: Option<EventsWriter>,
     profiler: StepProfiler,
 }
 
@@ -191,8 +194,32 @@ impl Trainer {
             }
             _ => None,
         };
+        let tensorboard = match (&out_dir, pg.rank(), cfg.log.tensorboard) {
+            (Some(dir), 0, true) => {
+                Some(EventsWriter::create(dir, resume.then_some(step)).map_err(|(path, source)| TrainError::Io {
+                    action: "creating the TensorBoard events file",
+                    path,
+                    source,
+                })?)
+            }
+            _ => None,
+        };
         let profiler = StepProfiler::new(&cfg.device, cfg.settings.profile);
-        Ok(Trainer { cfg, pg, objective, params, sharded, optimizer, sampler, step, total_steps, out_dir, metrics, profiler })
+        Ok(Trainer {
+            cfg,
+            pg,
+            objective,
+            params,
+            sharded,
+            optimizer,
+            sampler,
+            step,
+            total_steps,
+            out_dir,
+            metrics,
+            tensorboard,
+            profiler,
+        })
     }
 
     /// Parameters by name (sorted).
@@ -358,6 +385,10 @@ impl Trainer {
     }
 
     fn record(&mut self, r: Record) -> TrainResult<()> {
+        if let Some(t) = &mut self.tensorboard {
+            let path = t.path().to_path_buf();
+            t.scalars(r.step, &r.scalars()).map_err(|source| TrainError::Io { action: "writing", path, source })?;
+        }
         if let Some(m) = &mut self.metrics {
             let path = m.path().to_path_buf();
             m.write(r).map_err(|source| TrainError::Io { action: "writing", path, source })?;

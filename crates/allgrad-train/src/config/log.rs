@@ -1,5 +1,6 @@
 //! The `log` section: how often `metrics.jsonl` gets a line, how rank 0 shows progress, and
-//! whether `loss.png` is drawn (the writers: `crate::metrics`).
+//! whether `loss.png` and TensorBoard's events file are written (the writers: `crate::metrics`,
+//! `crate::tensorboard`).
 
 use serde::{Deserialize, Serialize};
 
@@ -13,6 +14,11 @@ pub struct LogConfig {
     pub progress: Progress,
     /// Draw `loss.png` at the end.
     pub plot: bool,
+    /// Write every scalar of `metrics.jsonl` (loss, learning rate, samples/s, gradient norm,
+    /// host traffic, evaluation figures) at the same step to a TensorBoard events file beside
+    /// it, `events.out.tfevents.<secs>.<host>`, rank 0 only, flushed after each record. On by
+    /// default: a few hundred bytes per line.
+    pub tensorboard: bool,
 }
 
 /// How rank 0 shows progress.
@@ -31,6 +37,6 @@ pub enum Progress {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig { every: 10, progress: Progress::Auto, plot: true }
+        LogConfig { every: 10, progress: Progress::Auto, plot: true, tensorboard: true }
     }
 }
