@@ -311,8 +311,11 @@ fn with_a_peer_window_of_two_a_killed_process_is_found_by_ranks_whose_first_look
         for &r in &held {
             signal(r, libc::SIGCONT);
         }
-        if failed.is_empty() && attempt < 3 {
-            // The stop landed between two calls (see above).
+        if failed != running && attempt < 3 {
+            // The stop landed between two calls (see above), for all the running ranks or for
+            // some (a rank already past the call's last barrier waits in the next call's header
+            // exchange; seen once for rank 7 on a loaded 2-core machine): tried again. Every
+            // running rank must name the victim in one of the three runs.
             continue;
         }
         assert_eq!(failed, running, "the running ranks that named rank {VICTIM} within 5 s (attempt {attempt})");
