@@ -121,11 +121,16 @@ pub fn cached_gradients(
     grads: &mut [Tensor],
 ) -> TrainResult<f64> {
     let step = cached_step(objective, batch, pg, chunk, loss_divisor, params, grads)?;
+    // The loss and every chunk's replay figures in one read, as the trainer's device path does.
+    let mut read: Vec<&Tensor> = vec![&step.loss];
     for r in &step.replays {
-        let v = allgrad_nn::transfer::read_batched(&[&r.diff, &r.scale])?;
+        read.extend([&r.diff, &r.scale]);
+    }
+    let figures = allgrad_nn::transfer::read_batched(&read)?;
+    for (r, v) in step.replays.iter().zip(figures[1..].chunks(2)) {
         r.verify(v[0], v[1])?;
     }
-    Ok(step.loss.to_scalar::<f64>()?)
+    Ok(figures[0])
 }
 
 /// A cached micro-batch's results as tensors, read by nobody yet: what the device path of the

@@ -22,7 +22,6 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ("allgrad-train/src/ddp.rs", 1, "the host path's gradient buckets (a device reduces a tensor)"),
     ("allgrad-train/src/trainer.rs", 3, "the host path's loss and norm; the finite check before a checkpoint"),
     ("allgrad-train/src/optim/mod.rs", 1, "the host path's gradient norm (LARS and clipping)"),
-    ("allgrad-train/src/grad_cache.rs", 1, "cached_gradients' loss for callers on the host path"),
     // The CPU collectives: their host copies stand for NCCL's work in device memory.
     ("allgrad-dist/src/group/tensors.rs", 9, "the CPU backend's tensor collectives (8 reads in one uncounted scope)"),
     // Staging of CUDA collectives through pinned memory, counted by hand where it copies.
