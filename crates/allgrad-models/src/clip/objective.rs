@@ -7,7 +7,7 @@ use std::sync::Arc;
 use allgrad_data::{IdxDataset, Split};
 use allgrad_dist::ProcessGroup;
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use candle_nn::{Init, VarBuilder};
+use candle_nn::VarBuilder;
 
 use super::data::{ClassCaptions, CsvPairs, PairSource, Pixels};
 use super::folder::{ClipFolder, ClipTokenizer, ClipWeights};
@@ -192,12 +192,13 @@ impl Objective for Clip {
             // SigLIP's own initial scale (a checkpoint's value wins when pretrained).
             cfg.logit_scale_init_value = self.loss.siglip_scale_init;
         }
+        // A sigmoid loss learns a logit bias (SigLIP's model has its own; a checkpoint's wins).
+        let bias_init = siglip.then_some(self.loss.siglip_bias_init);
         let model = match &self.weights {
-            Some(w) => w.init_model(&cfg, vb.clone())?,
-            None => ClipModel::new(&vb, &cfg)?,
+            Some(w) => w.init_model(&cfg, bias_init, vb.clone())?,
+            None => ClipModel::with_bias(&vb, &cfg, bias_init)?,
         };
-        let bias =
-            if siglip { Some(vb.get_with_hints((), "logit_bias", Init::Const(self.loss.siglip_bias_init))?) } else { None };
+        let bias = if siglip { model.logit_bias.clone() } else { None };
         self.net = Some((model, bias));
         Ok(())
     }
