@@ -12,10 +12,13 @@
 //! - [`ClipFolder`], [`export_clip_folder`]: Hugging Face CLIP and SigLIP folders in and out.
 //! - [`PairSource`]: image-caption pairs ([`CsvPairs`], [`ClassCaptions`]).
 //! - [`Clip`]: the objective (`method: clip` in allgrad-train), with gradient caching
-//!   (both towers embed each chunk) and zero-shot / retrieval evaluation.
+//!   (both towers embed each chunk).
+//! - [`ClipEvaluation`]: zero-shot classification and retrieval on an IDX test split or an
+//!   image folder, each rank embedding its share.
 
 mod config;
 mod data;
+mod eval;
 mod folder;
 pub mod loss;
 mod model;
@@ -24,6 +27,7 @@ mod settings;
 
 pub use config::{Activation, Architecture, ClipConfig, ClipTextConfig, ClipVisionConfig, TextPooling, LEGACY_EOS, OPENAI_EOT};
 pub use data::{ClassCaptions, CsvPairs, PairSource, Pixels};
+pub use eval::{open_test_set, ClipEvaluation, EvalShare};
 pub use folder::{export_clip_folder, ClipFolder, ClipTokenizer, ClipWeights};
 pub use loss::{clip_loss, clip_loss_tiled, clip_scale, siglip_loss, siglip_loss_ring};
 pub use model::{ClipModel, TextTower, VisionTower, SIGLIP_BIAS_INIT};

@@ -20,6 +20,7 @@ mod bert_model;
 mod bert_reference;
 mod clip_data;
 mod clip_eos;
+mod clip_eval;
 mod clip_init;
 mod clip_loss;
 mod clip_reference;
