@@ -45,10 +45,13 @@ pub struct ClipEvaluation {
     dim: usize,
 }
 
+/// A labelled test set and each class's names (its name first, then synonyms).
+pub type TestSet = (Arc<dyn Dataset>, Vec<Vec<String>>);
+
 /// The test images and their classes' names: `eval.images` (an image folder; names from
 /// `eval.classes`, else the sub-folders' with `_` as a space), else the test split of
 /// `data.images` (an IDX folder) named by `data.classes`.
-pub fn open_test_set(data: &ClipData, cfg: &ClipEval) -> Result<(Arc<dyn Dataset>, Vec<Vec<String>>)> {
+pub fn open_test_set(data: &ClipData, cfg: &ClipEval) -> Result<TestSet> {
     match (&cfg.images, &data.images) {
         (Some(dir), _) => {
             let folder = ImageFolder::open(dir, &FolderOptions::default()).map_err(|e| msg(format!("eval.images: {e}")))?;

@@ -27,7 +27,7 @@ mod settings;
 
 pub use config::{Activation, Architecture, ClipConfig, ClipTextConfig, ClipVisionConfig, TextPooling, LEGACY_EOS, OPENAI_EOT};
 pub use data::{ClassCaptions, CsvPairs, PairSource, Pixels};
-pub use eval::{open_test_set, ClipEvaluation, EvalShare};
+pub use eval::{open_test_set, ClipEvaluation, EvalShare, TestSet};
 pub use folder::{export_clip_folder, ClipFolder, ClipTokenizer, ClipWeights};
 pub use loss::{clip_loss, clip_loss_tiled, clip_scale, siglip_loss, siglip_loss_ring};
 pub use model::{ClipModel, TextTower, VisionTower, SIGLIP_BIAS_INIT};
