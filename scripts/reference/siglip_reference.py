@@ -15,8 +15,9 @@ sigmoid loss of three images and captions, f32. The text goes in as SigLIP was t
 padded to the context length with the pad id, no attention mask, pooled at the last position.
 
 `check` loads DIR with SiglipModel.from_pretrained and compares its outputs on the same inputs
-with allgrad's (the JSON of the siglip test: captions, ids, image_features, text_features,
-logits_per_image, loss); prints the relative errors (norm-wise) and exits 1 when the ids
+with allgrad's (the JSON of the siglip test, or of `cargo run --release --example clip_features
+-- DIR` for any SigLIP folder whose tokenizer.json the fast tokenizer reads: captions, ids,
+image_features, text_features, logits_per_image, loss); prints the relative errors (norm-wise) and exits 1 when the ids
 differ or an error exceeds 1e-5. crates/allgrad-models/tests/models/siglip_reference.rs runs
 both through ALLGRAD_PYTHON.
 """
@@ -53,17 +54,18 @@ def tokenizer(folder):
     return PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"))
 
 
-def ids_of(tok, pad_id):
-    """Token ids as allgrad's tokenizer gives them (unpadded), and the batch padded to CONTEXT."""
+def ids_of(tok, pad_id, context):
+    """Token ids as allgrad's tokenizer gives them (unpadded), and the batch padded to the context length."""
     ids = [tok(c)["input_ids"] for c in CAPTIONS]
-    padded = torch.tensor([r + [pad_id] * (CONTEXT - len(r)) for r in ids], dtype=torch.long)
+    padded = torch.tensor([r + [pad_id] * (context - len(r)) for r in ids], dtype=torch.long)
     return ids, padded
 
 
 def outputs(model, tok):
     v = model.config.vision_config
     px = pixels(v.num_channels, v.image_size)
-    ids, padded = ids_of(tok, model.config.text_config.pad_token_id)
+    t = model.config.text_config
+    ids, padded = ids_of(tok, t.pad_token_id, t.max_position_embeddings)
     with torch.no_grad():
         o = model(input_ids=padded, pixel_values=px, return_loss=True)
         img = model.get_image_features(pixel_values=px)
