@@ -6,24 +6,30 @@
 //!   rank's columns through the differentiable collectives (the ring through
 //!   `allgrad_dist::ring_shift`); W-invariant by the sum rule.
 //! - [`ClipModel`]: a Vision Transformer and CLIP's causal text transformer with projections
-//!   and the learned logit scale, under `transformers`' `CLIPModel` parameter names.
-//! - [`ClipFolder`], [`export_clip_folder`]: Hugging Face CLIP folders in and out.
+//!   and the learned logit scale, under `transformers`' `CLIPModel` parameter names; or
+//!   SigLIP's towers (attention-pool head, last-token text pooling, logit bias) under
+//!   `SiglipModel`'s ([`Architecture`]).
+//! - [`ClipFolder`], [`export_clip_folder`]: Hugging Face CLIP and SigLIP folders in and out.
 //! - [`PairSource`]: image-caption pairs ([`CsvPairs`], [`ClassCaptions`]).
 //! - [`Clip`]: the objective (`method: clip` in allgrad-train), with gradient caching
-//!   (both towers embed each chunk) and zero-shot / retrieval evaluation.
+//!   (both towers embed each chunk).
+//! - [`ClipEvaluation`]: zero-shot classification and retrieval on an IDX test split or an
+//!   image folder, each rank embedding its share.
 
 mod config;
 mod data;
+mod eval;
 mod folder;
 pub mod loss;
 mod model;
 mod objective;
 mod settings;
 
-pub use config::{Activation, ClipConfig, ClipTextConfig, ClipVisionConfig};
+pub use config::{Activation, Architecture, ClipConfig, ClipTextConfig, ClipVisionConfig, TextPooling, LEGACY_EOS, OPENAI_EOT};
 pub use data::{ClassCaptions, CsvPairs, PairSource, Pixels};
+pub use eval::{open_test_set, ClipEvaluation, EvalShare, TestSet};
 pub use folder::{export_clip_folder, ClipFolder, ClipTokenizer, ClipWeights};
 pub use loss::{clip_loss, clip_loss_tiled, clip_scale, siglip_loss, siglip_loss_ring};
-pub use model::{ClipModel, TextTower, VisionTower};
+pub use model::{ClipModel, TextTower, VisionTower, SIGLIP_BIAS_INIT};
 pub use objective::{Clip, OPENAI_MEAN, OPENAI_STD};
 pub use settings::{ClipData, ClipEval, ClipLoss, ClipModelSection, LossKind};

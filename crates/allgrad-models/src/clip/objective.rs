@@ -6,10 +6,11 @@ use std::sync::Arc;
 
 use allgrad_data::{IdxDataset, Split};
 use allgrad_dist::ProcessGroup;
-use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use candle_nn::{Init, VarBuilder};
+use candle_core::{Device, IndexOp, Result, Tensor};
+use candle_nn::VarBuilder;
 
 use super::data::{ClassCaptions, CsvPairs, PairSource, Pixels};
+use super::eval::{open_test_set, ClipEvaluation};
 use super::folder::{ClipFolder, ClipTokenizer, ClipWeights};
 use super::loss::{clip_loss, clip_loss_tiled, siglip_loss, siglip_loss_ring};
 use super::model::ClipModel;
@@ -21,17 +22,6 @@ use crate::{Batch, EmbeddingObjective, Objective};
 pub const OPENAI_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 /// See [`OPENAI_MEAN`].
 pub const OPENAI_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
-
-/// The evaluation data: the test split captioned with the held-out templates (images, labels
-/// and retrieval captions), and the prompts of every class.
-struct Evaluation {
-    cfg: ClipEval,
-    test: ClassCaptions,
-    /// Token ids of every class's prompts.
-    prompts: Vec<Vec<Vec<u32>>>,
-    /// Token ids of the retrieval captions.
-    captions: Vec<Vec<u32>>,
-}
 
 /// CLIP or SigLIP (`loss.kind`) on image-caption pairs. Parameters: `transformers`' `CLIPModel`
 /// names, and `logit_bias` with SigLIP.
@@ -48,7 +38,7 @@ pub struct Clip {
     tiling: Tiling,
     net: Option<(ClipModel, Option<Tensor>)>,
     device: Device,
-    eval: Option<Evaluation>,
+    eval: Option<ClipEvaluation>,
 }
 
 fn tokenize(tokenizer: &ClipTokenizer, texts: impl Iterator<Item = Result<String>>) -> Result<Vec<Vec<u32>>> {
@@ -95,24 +85,13 @@ impl Clip {
         Ok(Clip { folder, weights, tokenizer, source, tokens, pixels, loss, tiling, net: None, device, eval: None })
     }
 
-    /// Evaluates zero-shot classification and retrieval on the test split of `data.images`
-    /// (before training and after every epoch).
+    /// Evaluates zero-shot classification and retrieval (before training and after every
+    /// epoch) on the test split of `data.images` or the image folder `eval.images`, each rank
+    /// embedding its share ([`ClipEvaluation`]).
     pub fn with_evaluation(mut self, data: &ClipData, cfg: &ClipEval) -> Result<Self> {
-        let Some(dir) = &data.images else { candle_core::bail!("clip: eval needs data.images (its test split and class names)") };
-        if cfg.templates.is_empty() || cfg.batch == 0 {
-            candle_core::bail!("clip: eval.templates must not be empty and eval.batch must be at least 1");
-        }
-        let images = Arc::new(IdxDataset::open_dir(dir, Split::Test).map_err(|e| candle_core::Error::Msg(e.to_string()))?);
-        // Checks the class names (one non-empty list per class) and the templates first.
-        let test = ClassCaptions::new(images, data.classes.clone(), cfg.templates.clone(), 1, None)?;
-        let prompts = data
-            .classes
-            .iter()
-            .map(|names| tokenize(&self.tokenizer, cfg.templates.iter().map(|t| Ok(t.replace("{}", &names[0])))))
-            .collect::<Result<Vec<_>>>()?;
-        let n = cfg.retrieval.min(test.len());
-        let captions = tokenize(&self.tokenizer, (0..n).map(|i| test.caption(i)))?;
-        self.eval = Some(Evaluation { cfg: cfg.clone(), test, prompts, captions });
+        let (images, classes) = open_test_set(data, cfg)?;
+        let dim = self.folder.config.projection_dim;
+        self.eval = Some(ClipEvaluation::new(images, classes, cfg, &self.tokenizer, dim)?);
         Ok(self)
     }
 
@@ -138,50 +117,6 @@ impl Clip {
     fn embed_texts(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
         self.model()?.text.forward(ids, self.tokenizer.pad_id(), &self.device)
     }
-
-    /// Embeddings of `n` items, rank r embedding its contiguous share in chunks of `batch`,
-    /// gathered (no gradient): every rank gets all `n` rows.
-    fn embed_shared(
-        &self,
-        n: usize,
-        batch: usize,
-        pg: &ProcessGroup,
-        f: impl Fn(Range<usize>) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        let (w, r) = (pg.world_size(), pg.rank());
-        let (lo, hi) = (n * r / w, n * (r + 1) / w);
-        let mut parts = Vec::new();
-        for s in (lo..hi).step_by(batch.max(1)) {
-            parts.push(f(s..(s + batch).min(hi))?.detach());
-        }
-        let d = self.folder.config.projection_dim;
-        let mine = if parts.is_empty() {
-            Tensor::zeros((0, d), DType::F32, &self.device)?
-        } else {
-            Tensor::cat(&parts, 0)?.to_dtype(DType::F32)?
-        };
-        pg.all_gather(&mine)
-    }
-}
-
-/// Fraction of rows of `scores` (`[n, m]`) whose `target(i)` is among their `k` highest.
-fn recall_at(scores: &[Vec<f32>], target: impl Fn(usize) -> usize, k: usize) -> f64 {
-    let hits = scores
-        .iter()
-        .enumerate()
-        .filter(|(i, row)| {
-            let t = row[target(*i)];
-            // Ties count against the target: ranked after every equal score.
-            row.iter().filter(|s| **s >= t).count() <= k
-        })
-        .count();
-    hits as f64 / scores.len().max(1) as f64
-}
-
-fn cosines(a: &Tensor, b: &Tensor) -> Result<Vec<Vec<f32>>> {
-    let a = crate::losses::l2_normalize(a)?;
-    let b = crate::losses::l2_normalize(b)?;
-    a.matmul(&b.t()?)?.to_vec2::<f32>()
 }
 
 impl Objective for Clip {
@@ -192,12 +127,13 @@ impl Objective for Clip {
             // SigLIP's own initial scale (a checkpoint's value wins when pretrained).
             cfg.logit_scale_init_value = self.loss.siglip_scale_init;
         }
+        // A sigmoid loss learns a logit bias (SigLIP's model has its own; a checkpoint's wins).
+        let bias_init = siglip.then_some(self.loss.siglip_bias_init);
         let model = match &self.weights {
-            Some(w) => w.init_model(&cfg, vb.clone())?,
-            None => ClipModel::new(&vb, &cfg)?,
+            Some(w) => w.init_model(&cfg, bias_init, vb.clone())?,
+            None => ClipModel::with_bias(&vb, &cfg, bias_init)?,
         };
-        let bias =
-            if siglip { Some(vb.get_with_hints((), "logit_bias", Init::Const(self.loss.siglip_bias_init))?) } else { None };
+        let bias = if siglip { model.logit_bias.clone() } else { None };
         self.net = Some((model, bias));
         Ok(())
     }
@@ -216,41 +152,7 @@ impl Objective for Clip {
 
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         let Some(ev) = &self.eval else { return Ok(Vec::new()) };
-        let mut out = Vec::new();
-        let b = ev.cfg.batch;
-        let test = &ev.test;
-        if ev.cfg.zero_shot > 0 {
-            let n = ev.cfg.zero_shot.min(test.len());
-            let idx: Vec<usize> = (0..n).collect();
-            let img = self.embed_shared(n, b, pg, |r| self.embed_images(test, &idx[r]))?;
-            // One direction per class: its prompts' normalised embeddings averaged.
-            let mut classes = Vec::new();
-            for p in &ev.prompts {
-                let t = crate::losses::l2_normalize(&self.embed_texts(p)?.detach().to_dtype(DType::F32)?)?;
-                classes.push(t.mean(0)?);
-            }
-            let classes = Tensor::stack(&classes, 0)?;
-            let scores = cosines(&img, &classes)?;
-            let correct = (0..n).filter(|&i| {
-                let row = &scores[i];
-                let best = (0..row.len()).max_by(|a, b| row[*a].total_cmp(&row[*b])).unwrap_or(0);
-                test.label(i).map(|l| l == best).unwrap_or(false)
-            });
-            out.push(("zero_shot_top1".to_string(), correct.count() as f64 / n.max(1) as f64));
-        }
-        let n = ev.captions.len();
-        if n > 0 {
-            let idx: Vec<usize> = (0..n).collect();
-            let img = self.embed_shared(n, b, pg, |r| self.embed_images(test, &idx[r]))?;
-            let txt = self.embed_shared(n, b, pg, |r| self.embed_texts(&ev.captions[r]))?;
-            let i2t = cosines(&img, &txt)?;
-            let t2i = cosines(&txt, &img)?;
-            for k in [1, 5] {
-                out.push((format!("image_to_text_r@{k}"), recall_at(&i2t, |i| i, k)));
-                out.push((format!("text_to_image_r@{k}"), recall_at(&t2i, |i| i, k)));
-            }
-        }
-        Ok(out)
+        ev.run(self.model()?, &self.pixels, self.tokenizer.pad_id(), pg, &self.device)
     }
 }
 

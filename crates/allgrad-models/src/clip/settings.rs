@@ -151,7 +151,7 @@ fn eval_batch() -> usize {
 }
 
 /// The `eval` section: zero-shot classification and image-text retrieval on the test split
-/// of `data.images`, before training and after every epoch.
+/// of `data.images` or on the image folder `images`, before training and after every epoch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClipEval {
@@ -169,6 +169,14 @@ pub struct ClipEval {
     /// Images embedded per forward pass.
     #[serde(default = "eval_batch")]
     pub batch: usize,
+    /// An image folder to evaluate on instead of the test split of `data.images`: one
+    /// sub-folder per class (sorted by name), PNG or JPEG files inside.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<PathBuf>,
+    /// With `images`: each class's names (in the sub-folders' sorted order), its name first,
+    /// then synonyms (default: each sub-folder's name, `_` read as a space).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub classes: Vec<Vec<String>>,
 }
 
 #[cfg(test)]

@@ -50,7 +50,7 @@ impl Method for ClipMethod {
     type Sections = ClipSections;
 
     fn path_keys(&self) -> &'static [&'static str] {
-        &["data.csv", "data.images", "model.dir"]
+        &["data.csv", "data.images", "model.dir", "eval.images"]
     }
 
     fn validate(&self, s: &ClipSections, run: &RunConfig, _world_size: usize) -> Result<(), SectionError> {
@@ -126,8 +126,31 @@ impl Method for ClipMethod {
             }
         }
         if let Some(e) = &s.eval {
-            if d.images.is_none() {
-                return Err(SectionError::new("eval", "needs data.images (its test split and class names)"));
+            match &e.images {
+                Some(dir) if !dir.is_dir() => {
+                    return Err(SectionError::new(
+                        "eval.images",
+                        format!("{} is not a folder (an image folder: one sub-folder per class)", dir.display()),
+                    ))
+                }
+                Some(_) => {}
+                None if d.images.is_none() => {
+                    return Err(SectionError::new(
+                        "eval",
+                        "needs eval.images (an image folder) or data.images (its test split and class names)",
+                    ))
+                }
+                None => {
+                    if !e.classes.is_empty() {
+                        return Err(SectionError::new(
+                            "eval.classes",
+                            "applies to eval.images only (data.classes names the IDX classes)",
+                        ));
+                    }
+                }
+            }
+            if e.classes.iter().any(|c| c.is_empty()) {
+                return Err(SectionError::new("eval.classes", "each class needs a list of names (its name first)"));
             }
             if e.templates.is_empty() {
                 return Err(SectionError::new("eval.templates", "needs at least one template"));
