@@ -62,11 +62,10 @@ impl Readers {
         let w = &self.work;
         let layout = w.source.layout();
         let first = layout.locate(positions[0]).1;
-        if !self.lanes.contains_key(&lane) {
-            let opened = w.source.open_lane(w.seed, w.epoch, lane, first)?;
-            self.lanes.insert(lane, opened);
-        }
-        let reader = self.lanes.get_mut(&lane).expect("inserted above");
+        let reader = match self.lanes.entry(lane) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => e.insert(w.source.open_lane(w.seed, w.epoch, lane, first)?),
+        };
         if reader.good() > first {
             return Err(DataError::Stream(format!(
                 "position {} of stream {lane} was asked for after later ones (plans must ascend)",
