@@ -15,3 +15,4 @@
 mod fashion_mnist;
 mod views_pinned;
 mod webdataset;
+mod webdataset_resume;
