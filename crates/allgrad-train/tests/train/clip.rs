@@ -3,7 +3,7 @@
 //! Fashion-MNIST images captioned from class names: 2 and 3 ranks end 4 AdamW steps with the
 //! same per-step losses and parameters as 1 rank at the same global batch of 12 (f64, 1e-10),
 //! for CLIP's loss whole and tiled, SigLIP's in both forms, and with gradient caching; a
-//! cached step equals the plain one.
+//! cached step equals the plain one; both ring forms (tiled, cached) equal the gather forms.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -147,6 +147,27 @@ fn siglip_gather_and_ring_on_2_and_3_ranks_equal_1_rank_in_f64() {
 fn siglip_ring_with_gradient_caching_equals_the_plain_step() {
     let one = train(1, LossKind::SiglipRing, None, None, 4);
     assert_same(&train(2, LossKind::SiglipRing, None, Some(4), 4), &one, 1e-10, "ring cached (chunk 4) W=2 vs plain W=1");
+}
+
+#[test]
+fn the_clip_ring_on_2_and_3_ranks_with_tiles_and_gradient_caching_equals_the_gathered_clip_on_1_rank() {
+    let gather = train(1, LossKind::Clip, None, None, 4);
+    assert_same(&train(1, LossKind::ClipRing, None, None, 4), &gather, 1e-10, "clip_ring W=1 vs clip W=1");
+    for (w, tile, chunk) in [(2, None, None), (3, Some(2), None), (2, Some(3), Some(2)), (3, None, Some(3))] {
+        assert_same(
+            &train(w, LossKind::ClipRing, tile, chunk, 4),
+            &gather,
+            1e-10,
+            &format!("clip_ring tile {tile:?} cache {chunk:?} W={w} vs clip W=1"),
+        );
+    }
+    let siglip = train(1, LossKind::SiglipGather, None, None, 4);
+    assert_same(
+        &train(3, LossKind::SiglipRing, Some(2), Some(2), 4),
+        &siglip,
+        1e-10,
+        "siglip_ring tiled cached W=3 vs gather W=1",
+    );
 }
 
 #[test]
