@@ -16,17 +16,18 @@
 #       doubled from 256 until the peak passes the budget, then halved intervals down to 64.
 #
 # Common options: --steps N (timed steps per run, default 3), --threads N (per rank, default 1),
-# --tile T (allgrad's loss.tile, default 0: none). PYTHON is the interpreter with torch and
+# --tile T (allgrad's loss.tile, default 0: none), --profile release|dev (the cargo profile of
+# allgrad's binaries, default release; dev builds into target/debug, for a quick check only). PYTHON is the interpreter with torch and
 # open-clip-torch (scripts/ci/get_torch.sh; without it only allgrad runs). Run on an idle
 # machine: the load average is printed before and after.
 #
-#   scripts/bench/bench_ring_memory.sh memory --local-batch 32 --dim 16 --worlds "2 3" --steps 1   # a quick check
+#   scripts/bench/bench_ring_memory.sh memory --local-batch 32 --dim 16 --worlds "2 3" --steps 1 --profile dev   # a quick check
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-}
-[[ $what == memory || $what == time || $what == fit ]] || { sed -n '2,24p' "$0"; exit 2; }
+[[ $what == memory || $what == time || $what == fit ]] || { sed -n '2,26p' "$0"; exit 2; }
 shift
-local_batch=1024 dim=512 worlds="" losses="clip siglip" rounds=3 gib=1 steps=3 threads=1 tile=0
+local_batch=1024 dim=512 worlds="" losses="clip siglip" rounds=3 gib=1 steps=3 threads=1 tile=0 profile=release
 while (($#)); do
     case "$1" in
         --local-batch) local_batch=$2; shift 2 ;;
@@ -38,7 +39,8 @@ while (($#)); do
         --steps) steps=$2; shift 2 ;;
         --threads) threads=$2; shift 2 ;;
         --tile) tile=$2; shift 2 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        --profile) profile=$2; shift 2 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "bench_ring_memory.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -46,7 +48,11 @@ if [[ -z $worlds ]]; then
     case $what in memory) worlds="2 4 8 16" ;; time) worlds="2 4 8" ;; fit) worlds="8" ;; esac
 fi
 PYTHON=${PYTHON:-python3}
-cargo build --release -q -p allgrad -p allgrad-bench --bin launch --bin bench_ring_memory >&2
+case $profile in
+    release) bin=target/release; cargo build --release -q --workspace --bin launch --bin bench_ring_memory >&2 ;;
+    dev) bin=target/debug; cargo build -q --workspace --bin launch --bin bench_ring_memory >&2 ;;
+    *) echo "bench_ring_memory.sh: --profile is release or dev, not $profile" >&2; exit 2 ;;
+esac
 peer=1
 "$PYTHON" -c "import importlib.metadata as m, torch; assert m.version('open_clip_torch') == '3.3.0'" 2>/dev/null ||
     { peer=0; echo "no torch with open-clip-torch 3.3.0 for $PYTHON: allgrad only" >&2; }
@@ -60,8 +66,8 @@ run() {
         out=$("$PYTHON" scripts/bench/bench_ring_memory.py --nproc "$w" --loss "$loss" --local-batch "$b" --dim "$dim" \
             --steps "$steps" --threads "$threads" 2>&1) || { echo fail; return; }
     else
-        out=$(RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads target/release/launch --nproc-per-node "$w" \
-            target/release/bench_ring_memory --loss "$loss" --form "$form" --local-batch "$b" --dim "$dim" \
+        out=$(RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads "$bin/launch" --nproc-per-node "$w" \
+            "$bin/bench_ring_memory" --loss "$loss" --form "$form" --local-batch "$b" --dim "$dim" \
             --tile "$tile" --steps "$steps" 2>&1) || { echo fail; return; }
     fi
     grep '^bench_ring_memory:' <<<"$out" | awk '

@@ -4,7 +4,7 @@
 //! the gather form or the ring form, nothing else (no model).
 //!
 //! ```text
-//! cargo build --release -p allgrad -p allgrad-bench --bin launch --bin bench_ring_memory
+//! cargo build --release --workspace --bin launch --bin bench_ring_memory
 //! target/release/launch --nproc-per-node 4 target/release/bench_ring_memory \
 //!     --loss siglip --form ring --local-batch 1024 --dim 512
 //! ```

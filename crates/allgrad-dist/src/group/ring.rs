@@ -170,7 +170,9 @@ impl ProcessGroup {
         let of = |k: usize| &all[k * width..(k + 1) * width];
         // The first word that differs between ranks, with the ranks holding each value.
         let mut differs = None;
-        for j in 1..width {
+        // The settings first (they name what differs: another loss is reported as such, not
+        // as the row width that follows from it), then the row width.
+        for j in (2..width).chain([1]) {
             let mut values: Vec<(i64, Vec<usize>)> = Vec::new();
             for k in 0..w {
                 let v = of(k)[j];

@@ -239,7 +239,7 @@ impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
             if down {
                 recvs.push(RingMessage { peer: self.sched.prev(me, true), origin: o_down, data: &mut next_down[..] });
             }
-            let prev_down = s - 1 >= 1 && s - 1 <= down_steps;
+            let prev_down = s >= 2 && s - 1 <= down_steps;
             self.pass.exchange(&sends, &mut recvs, || -> Result<()> {
                 visit(self.sched.origin(me, s - 1, false), &cur_up)?;
                 if prev_down {
@@ -324,7 +324,7 @@ impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
                 recvs.push(RingMessage { peer: *peer, origin: me, data: &mut buf[..] });
             }
             let visiting = s - 1 <= steps;
-            let prev_down = s - 1 >= 1 && s - 1 <= down_steps;
+            let prev_down = s >= 2 && s - 1 <= down_steps;
             let fresh = self.pass.exchange(&sends, &mut recvs, || -> Result<Vec<(usize, Vec<T>)>> {
                 let mut out = Vec::new();
                 if !visiting {

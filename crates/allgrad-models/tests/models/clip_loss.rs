@@ -226,8 +226,25 @@ fn ranks_with_different_ring_settings_fail_on_every_rank_naming_the_setting_and_
             "rank {r}: {e}"
         );
     }
-    // Another loss on rank 0 (SigLIP's blocks of width 2D are as wide as CLIP's images and
-    // texts of width D together: the loss itself is named), then another width on rank 1.
+    // Another loss on rank 0 (named as such, though its blocks are narrower too), then, with
+    // SigLIP's blocks of width 2D as wide as CLIP's of width D, the loss alone; then another
+    // width on rank 1.
+    let errors = world
+        .run(|pg| {
+            let r = pg.rank();
+            let x = Tensor::from_vec(embeddings(2 * D, r as f64)[..2 * D].to_vec(), (2, D), &CPU)?;
+            let (s, b) = (Tensor::new(1.0f64, &CPU)?, Tensor::new(-1.0f64, &CPU)?);
+            let out = if r == 0 {
+                siglip_loss_ring(&x, &x, &s, &b, RingOptions::default(), &pg)
+            } else {
+                clip_loss_ring(&x, &x, &s, RingOptions::default(), &pg)
+            };
+            Ok(out.map(|_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e.contains("the loss (clip_ring or siglip_ring) differs") && e.contains("rank(s) [0]: 1"), "rank {r}: {e}");
+    }
     let errors = world
         .run(|pg| {
             let r = pg.rank();
@@ -259,7 +276,7 @@ fn ranks_with_different_ring_settings_fail_on_every_rank_naming_the_setting_and_
         })
         .unwrap();
     for (r, e) in errors.iter().enumerate() {
-        assert!(e.contains("differs") && e.contains(&format!("rank(s) [1]: {}", 2 * (D + 1))), "rank {r}: {e}");
+        assert!(e.contains("the embedding width d differs") && e.contains(&format!("rank(s) [1]: {}", D + 1)), "rank {r}: {e}");
     }
 }
 
