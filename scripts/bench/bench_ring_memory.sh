@@ -70,7 +70,8 @@ run() {
             "$bin/bench_ring_memory" --loss "$loss" --form "$form" --local-batch "$b" --dim "$dim" \
             --tile "$tile" --steps "$steps" 2>&1) || { echo fail; return; }
     fi
-    grep '^bench_ring_memory:' <<<"$out" | awk '
+    # launch prefixes each rank's lines with "[rankN]: ".
+    sed 's/^\[rank[0-9]*\]: //' <<<"$out" | grep '^bench_ring_memory:' | awk '
         { for (i = 1; i < NF; i++) v[$i] = $(i + 1); s = v["step_s"];
           if (v["peak_rss_step_mib"] > r) r = v["peak_rss_step_mib"]; if (v["heap_step_mib"] > h) h = v["heap_step_mib"]; n++ }
         END { if (n == 0) print "fail"; else printf "%s %.1f %s\n", s, r, (h == "" ? "nan" : h) }'
@@ -82,7 +83,7 @@ case $what in
 memory)
     printf '%-7s %-9s %4s %8s %12s %12s\n' loss form W local rss_step_mib heap_mib
     for loss in $losses; do for w in $worlds; do for form in $forms; do
-        read -r s r h <<<"$(run "$w" "$loss" "$form" "$local_batch") x x"
+        read -r s r h _ <<<"$(run "$w" "$loss" "$form" "$local_batch") x x x"
         [[ $s == fail ]] && r=fail h=fail
         printf '%-7s %-9s %4s %8s %12s %12s\n' "$loss" "$form" "$w" "$local_batch" "$r" "$h"
     done; done; done ;;
