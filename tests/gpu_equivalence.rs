@@ -2,8 +2,9 @@
 //! same global batch, through `launch` and the shipped configs (shortened with `--set`):
 //! SimCLR (SyncBatchNorm), BarlowTwins, SimCSE unsupervised and supervised (a small BERT from
 //! a random initialisation; all-MiniLM-L6-v2 where scripts/data/get_minilm.sh has fetched it), the
-//! face head (negative-class sampling on, class-sharded), vectors, and CLIP and SigLIP's ring
-//! form (the tiny CLIP architecture from a random initialisation). Each runs 3 optimizer
+//! face head (negative-class sampling on, class-sharded), vectors, and CLIP (gathered, and the
+//! ring in tiles) and SigLIP's ring form (the tiny CLIP architecture from a random
+//! initialisation). Each runs 3 optimizer
 //! steps at W = 1 and W = 2 (and W = 3 for the face head: shards of 667, 667 and 666
 //! classes), and again at W = 1 on the CPU; every parameter, batch-norm buffer and assembled
 //! head shard of the final checkpoints, and every logged loss, is compared.
@@ -182,4 +183,10 @@ fn clip_on_2_ranks_equals_1_rank() {
 #[test]
 fn clip_siglip_ring_on_2_ranks_equals_1_rank() {
     equivalence("siglip_ring", "configs/clip.yaml", &["loss={kind: siglip_ring}", CLIP_SGD], &[2]);
+}
+
+/// CLIP's memory-flat ring, in tiles, its embeddings staged from the GPU through host memory.
+#[test]
+fn clip_ring_tiled_on_2_ranks_equals_1_rank() {
+    equivalence("clip_ring", "configs/clip.yaml", &["loss={kind: clip_ring, tile: 4}", CLIP_SGD], &[2]);
 }

@@ -30,7 +30,8 @@
 #  3. equivalence_images, equivalence_text, equivalence_clip: every method through `launch` and
 #     the shipped configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the
 #     GPU == 1 rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR,
-#     BarlowTwins and the face head; SimCSE and vectors; CLIP and SigLIP's ring form;
+#     BarlowTwins and the face head; SimCSE and vectors; CLIP (gathered, and the memory-flat
+#     ring in tiles) and SigLIP's ring form;
 #  4. fault_drill: a rank SIGKILLed while training on the GPU; the other fails within the
 #     timeout naming it; the last checkpoint loads (tests/gpu_faults.rs);
 #  5. bench_r18, bench_r50, bench_simcse: the training step beside PyTorch on the same GPU,
@@ -327,7 +328,7 @@ want equivalence_images && part equivalence_images "SimCLR, BarlowTwins, face he
 want equivalence_text && part equivalence_text "SimCSE (3 variants), vectors: W = 2 == W = 1 on the GPU, GPU == CPU" \
     "$bin/gpu_equivalence" $t simcse vectors
 # shellcheck disable=SC2086
-want equivalence_clip && part equivalence_clip "CLIP, SigLIP (ring): W = 2 == W = 1 on the GPU, GPU == CPU" \
+want equivalence_clip && part equivalence_clip "CLIP (gathered; ring, tiled), SigLIP (ring): W = 2 == W = 1 on the GPU, GPU == CPU" \
     "$bin/gpu_equivalence" $t clip_
 # shellcheck disable=SC2086
 want fault_drill && part fault_drill "a rank SIGKILLed on the GPU path" "$bin/gpu_faults" $t

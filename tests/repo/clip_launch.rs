@@ -1,6 +1,8 @@
 //! `method: clip` as processes: `configs/clip.yaml` (shrunk: 36 pairs, global batch 12, 3
 //! steps, f64) on 2 and 3 ranks under `launch` ends with the parameters of 1 rank, for CLIP's
-//! loss (plain, and tiled with gradient caching) and SigLIP's (gathered and ring); `export-hf`
+//! loss (plain, tiled with gradient caching, and the ring tiled with gradient caching) and
+//! SigLIP's (gathered and ring), and the rings on 3 ranks end where the gather forms on 1 do;
+//! `export-hf`
 //! writes the run as a Hugging Face CLIP folder that reads back to the trained parameters, and
 //! that transformers' `CLIPModel` loads and computes allgrad's logits from (ALLGRAD_PYTHON).
 
@@ -86,6 +88,7 @@ fn clip_and_siglip_on_2_and_3_launched_ranks_end_where_1_rank_does_and_export() 
         ("clip-tiled-cached", vec!["loss={kind: clip, tile: 4}", "train.cache_chunk=2"]),
         ("siglip-gather", vec!["loss={kind: siglip_gather}"]),
         ("siglip-ring", vec!["loss={kind: siglip_ring}"]),
+        ("clip-ring-tiled-cached", vec!["loss={kind: clip_ring, tile: 3}", "train.cache_chunk=2"]),
     ] {
         let dir = |w: usize| d.path().join(format!("{tag}-w{w}"));
         let mut one = Command::new(env!("CARGO_BIN_EXE_train"));
@@ -99,6 +102,11 @@ fn clip_and_siglip_on_2_and_3_launched_ranks_end_where_1_rank_does_and_export() 
             let (e, name) = max_rel(&latest(&dir(w)), &reference);
             assert!(e <= 1e-10, "{tag} W={w}: parameters differ from 1 rank's by {e:.2e} (relative) in {name}");
         }
+    }
+    // The ring forms end where the gather forms do (the gather on 1 rank, the ring on 3).
+    for (ring, gather) in [("clip-ring-tiled-cached", "clip"), ("siglip-ring", "siglip-gather")] {
+        let (e, name) = max_rel(&latest(&d.path().join(format!("{ring}-w3"))), &latest(&d.path().join(format!("{gather}-w1"))));
+        assert!(e <= 1e-10, "{ring} W=3 vs {gather} W=1: parameters differ by {e:.2e} (relative) in {name}");
     }
     // The trained CLIP run as a Hugging Face folder, read back.
     let out = d.path().join("hf");

@@ -72,7 +72,7 @@ pub use elastic::Elastic;
 pub use env::WorldInfo;
 pub use error::{DistError, DistResult};
 pub use gpu::CudaPath;
-pub use group::ProcessGroup;
+pub use group::{ProcessGroup, RingCounts, RingMessage, RingPass, RingSchedule, RingSetting};
 pub use ops::{
     all_gather, all_reduce, all_to_all, all_to_all_sizes, broadcast, ppermute, reduce_scatter, ring_destinations, ring_shift,
 };

@@ -18,6 +18,13 @@ pub struct TiledPaths {
     pub blocks_forward: u64,
     /// Backwards through a scores function on tensor blocks.
     pub blocks_backward: u64,
+    /// Forward passes of the memory-flat ring losses (`crate::clip::ring`), each a ring of
+    /// point-to-point exchanges on the host with a communication thread.
+    pub ring_forward: u64,
+    /// Their backward passes (the ring run again, tiles recomputed).
+    pub ring_backward: u64,
+    /// Ring passes whose inputs lived on another device and were staged through host memory.
+    pub ring_staged: u64,
 }
 
 impl TiledPaths {
@@ -28,6 +35,9 @@ impl TiledPaths {
             fused_backward: self.fused_backward - before.fused_backward,
             blocks_forward: self.blocks_forward - before.blocks_forward,
             blocks_backward: self.blocks_backward - before.blocks_backward,
+            ring_forward: self.ring_forward - before.ring_forward,
+            ring_backward: self.ring_backward - before.ring_backward,
+            ring_staged: self.ring_staged - before.ring_staged,
         }
     }
 }

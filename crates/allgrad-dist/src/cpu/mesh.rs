@@ -42,6 +42,9 @@ pub(crate) enum OpCode {
     Setup = 9,
     /// A permutation of the ranks' tensors: each rank sends to one rank, receives from one.
     Permute = 10,
+    /// One exchange of a ring pass: each rank sends to and receives from the peers the pass's
+    /// schedule names, with sizes known from the pass's one check.
+    Ring = 11,
 }
 
 pub(crate) fn op_name(code: u8) -> &'static str {
@@ -56,6 +59,7 @@ pub(crate) fn op_name(code: u8) -> &'static str {
         8 => "send/recv",
         9 => "group setup",
         10 => "permute",
+        11 => "ring exchange",
         _ => "unknown op",
     }
 }

@@ -20,6 +20,7 @@ pub(crate) mod cuda;
 mod cuda_path;
 pub(crate) mod fd_limit;
 pub(crate) mod host_ops;
+mod ring;
 mod slices;
 mod tensors;
 
@@ -39,6 +40,7 @@ use crate::settings::{host_memory, message_cap, CudaCollectives, Settings};
 use crate::wire::digest;
 use connect::{bind_ip_toward, connect_mesh, resolve};
 use cuda_path::CudaDecision;
+pub use ring::{RingCounts, RingMessage, RingPass, RingSchedule, RingSetting};
 
 /// What every group of one process shares: the job's identity and the rendezvous store.
 struct Context {
@@ -61,6 +63,8 @@ struct State {
     p2p_sent: Vec<u64>,
     p2p_recvd: Vec<u64>,
     subgroups: u64,
+    /// What this group's ring passes did so far (`ring`).
+    ring: ring::RingCounts,
     /// The group's path for CUDA tensors, once chosen (`cuda_path`).
     cuda: Option<CudaDecision>,
     /// The group's NCCL communicator, made by its first collective on a CUDA tensor.
@@ -172,6 +176,7 @@ impl ProcessGroup {
             p2p_sent: vec![0; n],
             p2p_recvd: vec![0; n],
             subgroups: 0,
+            ring: ring::RingCounts::default(),
             cuda: None,
             #[cfg(feature = "nccl")]
             nccl: None,

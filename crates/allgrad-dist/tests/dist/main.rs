@@ -27,6 +27,7 @@ mod failures;
 mod invariance_check;
 mod many_processes;
 mod redistribution;
+mod ring_pass;
 mod rooted_and_p2p;
 mod shm_processes;
 mod subgroups;

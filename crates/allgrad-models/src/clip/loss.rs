@@ -1,5 +1,6 @@
-//! Image-text losses over the global batch: CLIP's symmetric InfoNCE (whole or in tiles) and
-//! SigLIP's sigmoid loss (all-gather form and ring form).
+//! Image-text losses over the global batch, gather forms: CLIP's symmetric InfoNCE (whole or in
+//! tiles) and SigLIP's sigmoid loss (the ring forms, whose memory does not grow with the ranks,
+//! are in [`super::ring`]).
 //!
 //! Every loss here is in the local-loss form: rank r scores its own `b_r` images against the
 //! texts of EVERY rank (and, for CLIP, its own texts against every rank's images), reaching
@@ -9,7 +10,7 @@
 //! and sum of replicated gradients, W ranks train exactly like one process. No
 //! "times world size" correction appears anywhere.
 
-use allgrad_dist::{all_gather, ring_shift, ProcessGroup};
+use allgrad_dist::{all_gather, ProcessGroup};
 use candle_core::{Result, Tensor};
 
 use crate::losses::{l2_normalize, logsumexp, placement, Temperature};
@@ -133,32 +134,6 @@ pub fn siglip_loss(
     }
     if offset + b < total {
         sum = (sum + sigmoid_block(&img, &all_txt.narrow(0, offset + b, total - offset - b)?, &scale, &bias, false)?)?;
-    }
-    sum.neg()? * (pg.world_size() as f64 / total as f64)
-}
-
-/// [`siglip_loss`] in the ring form: the text embeddings travel around the ranks
-/// ([`allgrad_dist::ring_shift`], a differentiable point-to-point exchange) and at each of the
-/// W steps every rank scores its images against the block it holds (its own texts first, the
-/// only block with positives); the texts' gradient returns along the ring in the backward. The
-/// same loss and gradients as the all-gather form, to rounding. Each rank talks to its two
-/// neighbours only; the blocks and their logits stay in the graph for the backward, so peak
-/// memory is the gather form's (a block-recomputing op would bound it to one block).
-pub fn siglip_loss_ring(
-    images: &Tensor,
-    texts: &Tensor,
-    logit_scale: &Tensor,
-    logit_bias: &Tensor,
-    pg: &ProcessGroup,
-) -> Result<Tensor> {
-    check("siglip_loss_ring", images, texts)?;
-    let (_, total) = placement(images.dim(0)?, pg)?;
-    let [img, txt, scale, bias] = siglip_parts(images, texts, logit_scale, logit_bias)?;
-    let mut block = txt;
-    let mut sum = sigmoid_block(&img, &block, &scale, &bias, true)?;
-    for _ in 1..pg.world_size() {
-        block = ring_shift(&block, 1, pg)?;
-        sum = (sum + sigmoid_block(&img, &block, &scale, &bias, false)?)?;
     }
     sum.neg()? * (pg.world_size() as f64 / total as f64)
 }

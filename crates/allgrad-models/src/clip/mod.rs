@@ -2,9 +2,10 @@
 //! SigLIP (Zhai et al., 2023).
 //!
 //! - [`loss`]: CLIP's symmetric InfoNCE (whole, or in tiles through [`crate::tiled`]) and
-//!   SigLIP's sigmoid loss in its all-gather and ring forms, each rank's rows against every
-//!   rank's columns through the differentiable collectives (the ring through
-//!   `allgrad_dist::ring_shift`); W-invariant by the sum rule.
+//!   SigLIP's sigmoid loss in its all-gather form, each rank's rows against every rank's
+//!   columns through the differentiable collectives; W-invariant by the sum rule.
+//! - [`ring`]: both losses in the ring form, whose memory does not grow with the ranks: each
+//!   rank keeps its own blocks and per-row statistics, the backward runs the ring again.
 //! - [`ClipModel`]: a Vision Transformer and CLIP's causal text transformer with projections
 //!   and the learned logit scale, under `transformers`' `CLIPModel` parameter names; or
 //!   SigLIP's towers (attention-pool head, last-token text pooling, logit bias) under
@@ -23,13 +24,15 @@ mod folder;
 pub mod loss;
 mod model;
 mod objective;
+pub mod ring;
 mod settings;
 
 pub use config::{Activation, Architecture, ClipConfig, ClipTextConfig, ClipVisionConfig, TextPooling, LEGACY_EOS, OPENAI_EOT};
 pub use data::{ClassCaptions, CsvPairs, PairSource, Pixels};
 pub use eval::{open_test_set, ClipEvaluation, EvalShare, TestSet};
 pub use folder::{export_clip_folder, ClipFolder, ClipTokenizer, ClipWeights};
-pub use loss::{clip_loss, clip_loss_tiled, clip_scale, siglip_loss, siglip_loss_ring};
+pub use loss::{clip_loss, clip_loss_tiled, clip_scale, siglip_loss};
 pub use model::{ClipModel, TextTower, VisionTower, SIGLIP_BIAS_INIT};
 pub use objective::{Clip, OPENAI_MEAN, OPENAI_STD};
+pub use ring::{clip_loss_ring, siglip_loss_ring, RingOptions};
 pub use settings::{ClipData, ClipEval, ClipLoss, ClipModelSection, LossKind};

@@ -12,8 +12,9 @@ use candle_nn::VarBuilder;
 use super::data::{ClassCaptions, CsvPairs, PairSource, Pixels};
 use super::eval::{open_test_set, ClipEvaluation};
 use super::folder::{ClipFolder, ClipTokenizer, ClipWeights};
-use super::loss::{clip_loss, clip_loss_tiled, siglip_loss, siglip_loss_ring};
+use super::loss::{clip_loss, clip_loss_tiled, siglip_loss};
 use super::model::ClipModel;
+use super::ring::{clip_loss_ring, siglip_loss_ring, RingOptions};
 use super::settings::{ClipData, ClipEval, ClipLoss, ClipModelSection, LossKind};
 use crate::tiled::Tiling;
 use crate::{Batch, EmbeddingObjective, Objective};
@@ -122,7 +123,7 @@ impl Clip {
 impl Objective for Clip {
     fn build(&mut self, vb: VarBuilder) -> Result<()> {
         let mut cfg = self.folder.config.clone();
-        let siglip = self.loss.kind != LossKind::Clip;
+        let siglip = matches!(self.loss.kind, LossKind::SiglipGather | LossKind::SiglipRing);
         if siglip {
             // SigLIP's own initial scale (a checkpoint's value wins when pretrained).
             cfg.logit_scale_init_value = self.loss.siglip_scale_init;
@@ -183,7 +184,10 @@ impl EmbeddingObjective for Clip {
             (LossKind::Clip, None, _) => clip_loss(&img, &txt, s, pg),
             (LossKind::Clip, Some(tile), _) => clip_loss_tiled(&img, &txt, s, tile, pg),
             (LossKind::SiglipGather, _, Some(b)) => siglip_loss(&img, &txt, s, b, pg),
-            (LossKind::SiglipRing, _, Some(b)) => siglip_loss_ring(&img, &txt, s, b, pg),
+            (LossKind::ClipRing, tile, _) => clip_loss_ring(&img, &txt, s, RingOptions { tile, ..Default::default() }, pg),
+            (LossKind::SiglipRing, tile, Some(b)) => {
+                siglip_loss_ring(&img, &txt, s, b, RingOptions { tile, ..Default::default() }, pg)
+            }
             _ => candle_core::bail!("clip: SigLIP without its logit bias (built for another loss)"),
         }
     }

@@ -14,20 +14,25 @@ use crate::ModelError;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LossKind {
-    /// CLIP's symmetric InfoNCE over the global batch.
+    /// CLIP's symmetric InfoNCE over the global batch, every rank's embeddings gathered.
     #[default]
     Clip,
+    /// CLIP's symmetric InfoNCE, the embeddings passed around a ring; memory independent of
+    /// the number of ranks ([`crate::clip::ring`]).
+    ClipRing,
     /// SigLIP's sigmoid loss, every text gathered at once.
     SiglipGather,
-    /// SigLIP's sigmoid loss, the texts passed around a ring of point-to-point exchanges.
+    /// SigLIP's sigmoid loss, the texts passed around a ring of point-to-point exchanges;
+    /// memory independent of the number of ranks ([`crate::clip::ring`]).
     SiglipRing,
 }
 
 impl LossKind {
-    /// The name in a config (`clip`, `siglip_gather`, `siglip_ring`).
+    /// The name in a config (`clip`, `clip_ring`, `siglip_gather`, `siglip_ring`).
     pub fn name(self) -> &'static str {
         match self {
             LossKind::Clip => "clip",
+            LossKind::ClipRing => "clip_ring",
             LossKind::SiglipGather => "siglip_gather",
             LossKind::SiglipRing => "siglip_ring",
         }
@@ -45,11 +50,12 @@ fn siglip_bias() -> f64 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClipLoss {
-    /// `clip` (default), `siglip_gather` or `siglip_ring`.
+    /// `clip` (default), `clip_ring`, `siglip_gather` or `siglip_ring`.
     #[serde(default)]
     pub kind: LossKind,
-    /// CLIP only: compute each direction's logits in `tile x tile` blocks (exact; memory
-    /// independent of the batch; [`Tiling`]).
+    /// `clip`, `clip_ring` and `siglip_ring`: compute the logits in `tile x tile` blocks
+    /// (exact; memory independent of the batch; [`Tiling`]); in the ring kinds, inside each
+    /// received block.
     #[serde(default)]
     pub tile: Option<usize>,
     /// Not available: CLIP's tiled loss keeps no queue of past keys; the key is read only to
@@ -79,19 +85,23 @@ impl Default for ClipLoss {
 
 impl ClipLoss {
     /// `tile`, checked ([`Tiling::without_queue`]: a `queue` is refused), and refused with
-    /// SigLIP's kinds; the error names the key.
+    /// `siglip_gather`; the error names the key.
     pub fn tiling(&self) -> Result<Tiling, ModelError> {
         let tiling = Tiling::without_queue(self.tile, self.queue, self.kind.name())?;
-        if tiling.tile().is_some() && self.kind != LossKind::Clip {
+        if tiling.tile().is_some() && self.kind == LossKind::SiglipGather {
             return Err(ModelError::LossKey {
                 key: "tile",
-                msg: format!(
-                    "loss.tile applies to kind clip only, not {} (SigLIP's ring form bounds its blocks already)",
-                    self.kind.name()
-                ),
+                msg: "loss.tile applies to kinds clip, clip_ring and siglip_ring, not siglip_gather (its logits are \
+                      whole; siglip_ring computes them block by block, in tiles with loss.tile)"
+                    .into(),
             });
         }
         Ok(tiling)
+    }
+
+    /// Whether the loss is a ring form (`clip_ring`, `siglip_ring`).
+    pub fn is_ring(&self) -> bool {
+        matches!(self.kind, LossKind::ClipRing | LossKind::SiglipRing)
     }
 }
 
@@ -194,11 +204,15 @@ mod tests {
     fn the_tile_is_checked_once_and_a_queue_or_a_siglip_tile_refused() {
         assert_eq!(ClipLoss { tile: Some(4), ..Default::default() }.tiling().unwrap().tile(), Some(4));
         assert_eq!(ClipLoss { kind: LossKind::SiglipRing, ..Default::default() }.tiling().unwrap(), Tiling::UNTILED);
+        // The ring kinds take a tile (inside each received block).
+        for kind in [LossKind::ClipRing, LossKind::SiglipRing] {
+            assert_eq!(ClipLoss { kind, tile: Some(4), ..Default::default() }.tiling().unwrap().tile(), Some(4), "{kind:?}");
+        }
         let (key, msg) = refused(ClipLoss { tile: Some(0), ..Default::default() });
         assert!(key == "tile" && msg.starts_with("loss.tile = 0") && msg.contains("at least 1"), "{msg}");
         let (key, msg) = refused(ClipLoss { tile: Some(4), queue: Some(2), ..Default::default() });
         assert!(key == "queue" && msg.starts_with("loss.queue = 2: the clip loss keeps no queue"), "{msg}");
         let (key, msg) = refused(ClipLoss { kind: LossKind::SiglipGather, tile: Some(4), ..Default::default() });
-        assert!(key == "tile" && msg.contains("applies to kind clip only, not siglip_gather"), "{msg}");
+        assert!(key == "tile" && msg.contains("applies to kinds clip, clip_ring and siglip_ring, not siglip_gather"), "{msg}");
     }
 }

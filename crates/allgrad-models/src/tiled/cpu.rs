@@ -31,7 +31,7 @@ use rayon::prelude::*;
 use super::pairs::{blocks, Pairs};
 
 /// The element types of the kernel.
-pub(super) trait Elem: WithDType + 'static {
+pub(crate) trait Elem: WithDType + 'static {
     /// `v ← e^v` over a slice (f32: vectorised, in `plan`'s copy; f64: the C library).
     fn exp_slice(plan: SimdPlan, xs: &mut [Self]);
 }

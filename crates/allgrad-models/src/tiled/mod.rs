@@ -107,7 +107,43 @@ pub use queue::{load_queue_buffers, queue_buffers, KeyQueue};
 pub use tiling::{Tiling, QUEUED_LOSSES, TILED_LOSSES};
 
 use crate::temperature::Temperature;
+pub(crate) use cpu::Elem as KernelElem;
 use op::Kernel;
+
+/// `q·kᵀ · scale` of `m` query rows against `n` key rows (`d` wide, row-major host slices)
+/// by the fused CPU kernel in `tile x tile` blocks: each row's log-sum-exp over these keys
+/// alone. The ring losses combine the blocks' log-sum-exps ([`crate::clip`]).
+pub(crate) fn dot_lse<T: KernelElem>(
+    q: &[T],
+    k: &[T],
+    (m, n, d): (usize, usize, usize),
+    scale: f64,
+    tile: usize,
+) -> Result<Vec<T>> {
+    let pairs = Pairs::default();
+    let p = cpu::Problem { q, k, m, n, n_grad: n, d, inv_t: T::from_f64(scale), pairs: &pairs, tile };
+    Ok(cpu::forward(&p)?.0)
+}
+
+/// The gradients of `g · Σ_i (lse_i − s_{i,i})` restricted to this block of keys (the `s_{i,i}`
+/// term only when `own`: the block holds the rows' positives on its diagonal), `lse` each row's
+/// log-sum-exp over EVERY key of the loss: `(dq, dk, Σ dS ⊙ s)`, by the fused CPU kernel.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dot_grads<T: KernelElem>(
+    q: &[T],
+    k: &[T],
+    (m, n, d): (usize, usize, usize),
+    scale: f64,
+    tile: usize,
+    own: bool,
+    lse: &[T],
+    g: f64,
+) -> Result<(Vec<T>, Vec<T>, f64)> {
+    let pairs = if own { Pairs { target: Some((0..m).collect()), ..Default::default() } } else { Pairs::default() };
+    let p = cpu::Problem { q, k, m, n, n_grad: n, d, inv_t: T::from_f64(scale), pairs: &pairs, tile };
+    let gr = cpu::backward(&p, lse, T::from_f64(g), [true, true, true])?;
+    Ok((gr.dq.unwrap_or_default(), gr.dk.unwrap_or_default(), gr.ds_dot_s))
+}
 
 /// The logits of a block of queries against a block of keys: what a pairwise loss of your own
 /// provides to [`tiled_cross_entropy`]. Implemented by closures

@@ -2,7 +2,11 @@
 //! - W = 1..4 ranks (uneven shards, asymmetric data) against one process on the global batch:
 //!   loss, the gradients of every rank's image and text embeddings (under the trainer's 1/W)
 //!   and of the logit scale and bias (summed over ranks, / W), f64 1e-10;
-//! - the tiled CLIP loss against the untiled one, the ring SigLIP against the all-gather form;
+//! - the tiled CLIP loss against the untiled one;
+//! - the ring forms of both losses (one way and both ways, whole blocks and tiles) against the
+//!   gather forms on one process, W = 1..8 with uneven shards; what their passes exchanged
+//!   (one check per pass, the documented number of exchanges, all overlapped, one frame per
+//!   peer and step); ranks that run the ring with different settings;
 //! - an independent reference: both losses written as plain f64 loops, values and, by central
 //!   differences of those loops, gradients;
 //! - the logit scale's clamp at 100.
@@ -10,8 +14,9 @@
 // The plain references are formulas of (row, column): the loops index by both on purpose.
 #![allow(clippy::needless_range_loop)]
 
-use allgrad_dist::{run_threads, ProcessGroup};
-use allgrad_models::clip::{clip_loss, clip_loss_tiled, siglip_loss, siglip_loss_ring};
+use allgrad_dist::{run_threads, ProcessGroup, RingCounts, ThreadWorld};
+use allgrad_models::clip::{clip_loss, clip_loss_ring, clip_loss_tiled, siglip_loss, siglip_loss_ring, RingOptions};
+use allgrad_models::tiled_paths;
 use allgrad_testkit::close::assert_rel;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -32,15 +37,20 @@ enum Form {
     Clip,
     ClipTiled(usize),
     SiglipGather,
-    SiglipRing,
+    /// The ring forms: both ways or one way, and the tile.
+    ClipRing(bool, Option<usize>),
+    SiglipRing(bool, Option<usize>),
 }
+
+const SIGLIP_RING: Form = Form::SiglipRing(true, None);
 
 fn apply(form: Form, img: &Tensor, txt: &Tensor, s: &Tensor, b: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
     match form {
         Form::Clip => clip_loss(img, txt, s, pg),
         Form::ClipTiled(t) => clip_loss_tiled(img, txt, s, t, pg),
         Form::SiglipGather => siglip_loss(img, txt, s, b, pg),
-        Form::SiglipRing => siglip_loss_ring(img, txt, s, b, pg),
+        Form::ClipRing(bidirectional, tile) => clip_loss_ring(img, txt, s, RingOptions { bidirectional, tile }, pg),
+        Form::SiglipRing(bidirectional, tile) => siglip_loss_ring(img, txt, s, b, RingOptions { bidirectional, tile }, pg),
     }
 }
 
@@ -50,10 +60,22 @@ type Outcome = (f64, Vec<f64>, Vec<f64>, f64, f64);
 /// The [`Outcome`] on W ranks, rank r holding rows `n r / W .. n (r + 1) / W`, each rank's
 /// backward scaled by 1/W as the trainer does.
 fn run(form: Form, w: usize, n: usize, scale: f64, bias: f64) -> Outcome {
+    let shards: Vec<usize> = (0..w).map(|r| n * (r + 1) / w - n * r / w).collect();
+    run_shards(form, &shards, scale, bias).0
+}
+
+/// What a rank's ring passes did in one forward and backward, and its tiled-path counts.
+type Exchanged = (RingCounts, allgrad_models::TiledPaths);
+
+/// [`run`] with rank r holding `shards[r]` rows (consecutive), and what each rank exchanged.
+fn run_shards(form: Form, shards: &[usize], scale: f64, bias: f64) -> (Outcome, Vec<Exchanged>) {
+    let (w, n) = (shards.len(), shards.iter().sum::<usize>());
     let (img, txt) = (embeddings(n, 0.0), embeddings(n, 1.3));
     let out = run_threads(w, |pg| {
         let r = pg.rank();
-        let (lo, hi) = (n * r / w, n * (r + 1) / w);
+        let lo: usize = shards[..r].iter().sum();
+        let hi = lo + shards[r];
+        let (ring0, paths0) = (pg.ring_counts(), tiled_paths());
         let part = |v: &[f64]| Var::from_tensor(&Tensor::from_vec(v[lo * D..hi * D].to_vec(), (hi - lo, D), &CPU)?);
         let (i, t) = (part(&img)?, part(&txt)?);
         let s = Var::from_tensor(&Tensor::new(scale, &CPU)?)?;
@@ -61,18 +83,21 @@ fn run(form: Form, w: usize, n: usize, scale: f64, bias: f64) -> Outcome {
         let loss = apply(form, i.as_tensor(), t.as_tensor(), s.as_tensor(), b.as_tensor(), &pg)?;
         let g = (&loss / w as f64)?.backward()?;
         let get = |v: &Var| g.get(v).map(flat).unwrap_or_else(|| vec![0.0; v.elem_count()]);
-        Ok((loss.to_scalar::<f64>()?, get(&i), get(&t), get(&s)[0], get(&b)[0]))
+        let exchanged = (pg.ring_counts().since(ring0), tiled_paths().since(paths0));
+        Ok(((loss.to_scalar::<f64>()?, get(&i), get(&t), get(&s)[0], get(&b)[0]), exchanged))
     })
     .unwrap();
     let mut total: Outcome = (0.0, Vec::new(), Vec::new(), 0.0, 0.0);
-    for (l, gi, gt, gs, gb) in out {
+    let mut exchanged = Vec::new();
+    for ((l, gi, gt, gs, gb), e) in out {
+        exchanged.push(e);
         total.0 += l / w as f64;
         total.1.extend(gi);
         total.2.extend(gt);
         total.3 += gs;
         total.4 += gb;
     }
-    total
+    (total, exchanged)
 }
 
 fn assert_same(got: &Outcome, want: &Outcome, tol: f64, what: &str) {
@@ -85,8 +110,15 @@ fn assert_same(got: &Outcome, want: &Outcome, tol: f64, what: &str) {
     }
 }
 
-const FORMS: [Form; 6] =
-    [Form::Clip, Form::ClipTiled(1), Form::ClipTiled(3), Form::ClipTiled(64), Form::SiglipGather, Form::SiglipRing];
+const FORMS: [Form; 7] = [
+    Form::Clip,
+    Form::ClipTiled(1),
+    Form::ClipTiled(3),
+    Form::ClipTiled(64),
+    Form::SiglipGather,
+    SIGLIP_RING,
+    Form::ClipRing(true, None),
+];
 
 #[test]
 fn every_loss_on_w_ranks_equals_one_process_uneven_shards_included() {
@@ -108,7 +140,143 @@ fn the_tiled_clip_loss_equals_the_untiled_one_and_the_ring_the_gather() {
             assert_same(&run(Form::ClipTiled(tile), w, 10, 1.7, 0.0), &whole, 1e-10, &format!("tile {tile} W={w}"));
         }
         let gather = run(Form::SiglipGather, w, 10, 1.7, -2.0);
-        assert_same(&run(Form::SiglipRing, w, 10, 1.7, -2.0), &gather, 1e-10, &format!("ring vs gather W={w}"));
+        assert_same(&run(SIGLIP_RING, w, 10, 1.7, -2.0), &gather, 1e-10, &format!("ring vs gather W={w}"));
+    }
+}
+
+/// Uneven shards of W ranks, none alike: 1 to 4 rows.
+fn uneven(w: usize) -> Vec<usize> {
+    (0..w).map(|r| (r * 5 + 2) % 4 + 1).collect()
+}
+
+#[test]
+fn the_ring_losses_equal_the_gather_forms_on_1_to_8_ranks_with_uneven_shards_both_ways_and_in_tiles() {
+    for w in 1..=8 {
+        let shards = uneven(w);
+        let n: usize = shards.iter().sum();
+        // The gather forms on one process over the same global batch.
+        let clip = run_shards(Form::Clip, &[n], 1.7, -2.0).0;
+        let siglip = run_shards(Form::SiglipGather, &[n], 1.7, -2.0).0;
+        for (form, want) in [
+            (Form::ClipRing(true, None), &clip),
+            (Form::ClipRing(false, Some(2)), &clip),
+            (Form::ClipRing(true, Some(1)), &clip),
+            (Form::SiglipRing(true, None), &siglip),
+            (Form::SiglipRing(false, None), &siglip),
+            (Form::SiglipRing(true, Some(2)), &siglip),
+        ] {
+            let (got, _) = run_shards(form, &shards, 1.7, -2.0);
+            assert_same(&got, want, 1e-10, &format!("{form:?} W={w} shards {shards:?} vs the gather form on one process"));
+        }
+    }
+}
+
+#[test]
+fn a_ring_pass_checks_once_and_exchanges_point_to_point_overlapped_with_the_scoring() {
+    for w in [1, 2, 3, 4, 5, 8] {
+        for bidirectional in [true, false] {
+            for form in [Form::ClipRing(bidirectional, Some(2)), Form::SiglipRing(bidirectional, None)] {
+                let (_, exchanged) = run_shards(form, &uneven(w), 1.7, -2.0);
+                // The schedule: W − 1 steps one way; both ways ⌈(W − 1)/2⌉ steps, ⌊(W − 1)/2⌋
+                // of them sending down as well as up.
+                let (up, down) = if bidirectional { (w / 2, (w - 1) / 2) } else { (w - 1, 0) };
+                // The backward: a block per step as in the forward, each block's gradient sent
+                // home two exchanges after the block arrived (one or two more exchanges).
+                let backward = match up {
+                    0 => 0,
+                    1 => 2,
+                    s => s + 2,
+                };
+                for (r, (ring, paths)) in exchanged.iter().enumerate() {
+                    let what = format!("{form:?} W={w} rank {r}");
+                    assert_eq!((ring.passes, ring.checks), (2, 2), "{what}: one check per pass, forward and backward");
+                    assert_eq!(ring.exchanges, (up + backward) as u64, "{what}: exchanges {ring:?}");
+                    assert_eq!(ring.overlapped, ring.exchanges, "{what}: every exchange ran beside the scoring");
+                    // Forward: one block per direction and step, nothing else (no count
+                    // exchange); backward: the blocks again, and each visited block's gradient.
+                    let messages = 2 * (up + down) + (w - 1);
+                    assert_eq!(ring.messages_sent, messages as u64, "{what}: messages {ring:?}");
+                    // Messages to one peer in one exchange travel as one frame.
+                    assert!(ring.frames_sent <= ring.messages_sent && (w == 1 || ring.frames_sent > 0), "{what}: {ring:?}");
+                    assert_eq!((paths.ring_forward, paths.ring_backward, paths.ring_staged), (1, 1, 0), "{what}: {paths:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_with_different_ring_settings_fail_on_every_rank_naming_the_setting_and_the_ranks() {
+    let world =
+        ThreadWorld::new(3).timeout(std::time::Duration::from_secs(20)).watchdog(Some(std::time::Duration::from_secs(60)));
+    let errors = world
+        .run(|pg| {
+            let r = pg.rank();
+            let img = Tensor::from_vec(embeddings(2, r as f64), (2, D), &CPU)?;
+            let txt = Tensor::from_vec(embeddings(2, 0.5 + r as f64), (2, D), &CPU)?;
+            let s = Tensor::new(1.0f64, &CPU)?;
+            // Rank 2 runs the ring one way, the others both ways.
+            let opts = RingOptions { bidirectional: r != 2, tile: None };
+            Ok(clip_loss_ring(&img, &txt, &s, opts, &pg).map(|_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    for (r, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("bidirectional differs") && e.contains("rank(s) [0, 1]: 1") && e.contains("rank(s) [2]: 0"),
+            "rank {r}: {e}"
+        );
+    }
+    // Another loss on rank 0 (named as such, though its blocks are narrower too), then, with
+    // SigLIP's blocks of width 2D as wide as CLIP's of width D, the loss alone; then another
+    // width on rank 1.
+    let errors = world
+        .run(|pg| {
+            let r = pg.rank();
+            let x = Tensor::from_vec(embeddings(2 * D, r as f64)[..2 * D].to_vec(), (2, D), &CPU)?;
+            let (s, b) = (Tensor::new(1.0f64, &CPU)?, Tensor::new(-1.0f64, &CPU)?);
+            let out = if r == 0 {
+                siglip_loss_ring(&x, &x, &s, &b, RingOptions::default(), &pg)
+            } else {
+                clip_loss_ring(&x, &x, &s, RingOptions::default(), &pg)
+            };
+            Ok(out.map(|_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e.contains("the loss (clip_ring or siglip_ring) differs") && e.contains("rank(s) [0]: 1"), "rank {r}: {e}");
+    }
+    let errors = world
+        .run(|pg| {
+            let r = pg.rank();
+            let rows = |d: usize| Tensor::from_vec(embeddings(2 * d, r as f64)[..2 * d].to_vec(), (2, d), &CPU);
+            let (s, b) = (Tensor::new(1.0f64, &CPU)?, Tensor::new(-1.0f64, &CPU)?);
+            let out = if r == 0 {
+                siglip_loss_ring(&rows(2 * D)?, &rows(2 * D)?, &s, &b, RingOptions::default(), &pg)
+            } else {
+                clip_loss_ring(&rows(D)?, &rows(D)?, &s, RingOptions::default(), &pg)
+            };
+            Ok(out.map(|_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    for (r, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("the loss (clip_ring or siglip_ring) differs")
+                && e.contains("rank(s) [0]: 1")
+                && e.contains("rank(s) [1, 2]: 0"),
+            "rank {r}: {e}"
+        );
+    }
+    let errors = world
+        .run(|pg| {
+            let r = pg.rank();
+            let d = if r == 1 { D + 1 } else { D };
+            let x = Tensor::from_vec(embeddings(2 * d, r as f64)[..2 * d].to_vec(), (2, d), &CPU)?;
+            let s = Tensor::new(1.0f64, &CPU)?;
+            Ok(clip_loss_ring(&x, &x, &s, RingOptions::default(), &pg).map(|_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e.contains("the embedding width d differs") && e.contains(&format!("rank(s) [1]: {}", D + 1)), "rank {r}: {e}");
     }
 }
 
@@ -163,14 +331,22 @@ fn siglip_plain(img: &[f64], txt: &[f64], s: f64, bias: f64) -> f64 {
 fn plain(form: Form, img: &[f64], txt: &[f64], s: f64, bias: f64) -> f64 {
     match form {
         Form::Clip | Form::ClipTiled(_) => clip_plain(img, txt, s),
-        Form::SiglipGather | Form::SiglipRing => siglip_plain(img, txt, s, bias),
+        Form::ClipRing(..) => clip_plain(img, txt, s),
+        Form::SiglipGather | Form::SiglipRing(..) => siglip_plain(img, txt, s, bias),
     }
 }
 
 #[test]
 fn values_and_gradients_match_plain_f64_loops_and_their_central_differences() {
     let n = 6;
-    for (form, s) in [(Form::Clip, 1.7), (Form::ClipTiled(4), 1.7), (Form::SiglipGather, 1.2), (Form::SiglipRing, 1.2)] {
+    for (form, s) in [
+        (Form::Clip, 1.7),
+        (Form::ClipTiled(4), 1.7),
+        (Form::SiglipGather, 1.2),
+        (SIGLIP_RING, 1.2),
+        (Form::ClipRing(true, Some(2)), 1.7),
+        (Form::SiglipRing(false, Some(4)), 1.2),
+    ] {
         let bias = -1.5;
         let (img, txt) = (embeddings(n, 0.0), embeddings(n, 1.3));
         let want = plain(form, &img, &txt, s, bias);
@@ -203,7 +379,7 @@ fn values_and_gradients_match_plain_f64_loops_and_their_central_differences() {
             assert_rel(&got.1, &gi, 1e-7, &format!("{form:?} W={w}: image gradients vs central differences"));
             assert_rel(&got.2, &gt, 1e-7, &format!("{form:?} W={w}: text gradients vs central differences"));
             assert_rel(&[got.3], &[gs], 1e-7, &format!("{form:?} W={w}: logit scale gradient vs central difference"));
-            if matches!(form, Form::SiglipGather | Form::SiglipRing) {
+            if matches!(form, Form::SiglipGather | Form::SiglipRing(..)) {
                 let gb = fd(&|e| plain(form, &img, &txt, s, bias + e));
                 assert_rel(&[got.4], &[gb], 1e-7, &format!("{form:?} W={w}: bias gradient vs central difference"));
             }
@@ -215,7 +391,7 @@ fn values_and_gradients_match_plain_f64_loops_and_their_central_differences() {
 fn the_logit_scale_is_clamped_at_100_with_no_gradient_past_it() {
     let s = 100f64.ln() + 0.5;
     let (img, txt) = (embeddings(6, 0.0), embeddings(6, 1.3));
-    for form in [Form::Clip, Form::ClipTiled(2)] {
+    for form in [Form::Clip, Form::ClipTiled(2), Form::ClipRing(true, None)] {
         let got = run(form, 2, 6, s, 0.0);
         assert_rel(&[got.0], &[clip_plain(&img, &txt, 100f64.ln())], 1e-12, &format!("{form:?}: the loss at scale 100"));
         assert_eq!(got.3, 0.0, "{form:?}: the clamped scale has no gradient");

@@ -5,7 +5,7 @@
 //! method: clip
 //! data: { images: data/fashion-mnist, classes: [[t-shirt, tee], ...], templates: ["a photo of a {}."] }  # or csv: pairs.csv
 //! model: { dir: data/clip-tiny, pretrained: false }   # a Hugging Face CLIP folder
-//! loss: { kind: clip }                                       # tile: T | kind: siglip_gather | siglip_ring
+//! loss: { kind: clip }                 # tile: T | kind: clip_ring (tile: T) | siglip_gather | siglip_ring (tile: T)
 //! eval: { templates: ["a picture of a {}"], zero_shot: 1000, retrieval: 200 }
 //! ```
 

@@ -3,8 +3,9 @@
 //! Fashion-MNIST images captioned from class names: 2 and 3 ranks end 4 AdamW steps with the
 //! same per-step losses and parameters as 1 rank at the same global batch of 12 (f64, 1e-10),
 //! for CLIP's loss whole and tiled, SigLIP's in both forms, and with gradient caching; a
-//! cached step equals the plain one. The same for SigLIP's architecture (a `SiglipModel`
-//! folder: attention-pool head, last-token text pooling, its own logit bias).
+//! cached step equals the plain one; both ring forms (tiled, cached) equal the gather forms. The
+//! same for SigLIP's architecture (a `SiglipModel` folder: attention-pool head, last-token text
+//! pooling, its own logit bias).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -202,6 +203,27 @@ fn siglips_architecture_on_2_and_3_ranks_equals_1_rank_in_f64() {
         assert!(moved > 1e-4, "{name} moved by {moved:e} in 4 steps");
     }
     assert_eq!(one.params["logit_bias"].len(), 1);
+}
+
+#[test]
+fn the_clip_ring_on_2_and_3_ranks_with_tiles_and_gradient_caching_equals_the_gathered_clip_on_1_rank() {
+    let gather = train(1, LossKind::Clip, None, None, 4);
+    assert_same(&train(1, LossKind::ClipRing, None, None, 4), &gather, 1e-10, "clip_ring W=1 vs clip W=1");
+    for (w, tile, chunk) in [(2, None, None), (3, Some(2), None), (2, Some(3), Some(2)), (3, None, Some(3))] {
+        assert_same(
+            &train(w, LossKind::ClipRing, tile, chunk, 4),
+            &gather,
+            1e-10,
+            &format!("clip_ring tile {tile:?} cache {chunk:?} W={w} vs clip W=1"),
+        );
+    }
+    let siglip = train(1, LossKind::SiglipGather, None, None, 4);
+    assert_same(
+        &train(3, LossKind::SiglipRing, Some(2), Some(2), 4),
+        &siglip,
+        1e-10,
+        "siglip_ring tiled cached W=3 vs gather W=1",
+    );
 }
 
 #[test]

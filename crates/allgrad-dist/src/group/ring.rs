@@ -1,0 +1,356 @@
+//! Ring passes: a loss that visits every rank's block in turn (the memory-flat ring losses of
+//! `allgrad_models::clip`) opens a [`RingPass`], which checks once, across the group, that
+//! every rank runs the same pass with the same settings and learns every rank's block size;
+//! then each step exchanges blocks with the peers the [`RingSchedule`] names, point to point,
+//! with no further count exchange or mesh-wide check. Each exchange runs on a communication
+//! thread while the calling thread computes ([`RingPass::exchange`]): the next block is in
+//! flight while the current one is scored.
+//!
+//! Sizes are known from the check: every message is the block of one rank (its `origin`), of
+//! `rows[origin] x unit` elements, and both ends check its length before anything moves. A rank
+//! whose block changes size mid-pass fails with an error naming it and the size the pass
+//! announced, and tells every peer (no peer waits for a message that will not come); a peer
+//! that receives a frame of another length fails naming both ranks.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::ProcessGroup;
+use crate::cpu::call::Call;
+use crate::cpu::mesh::{OpCode, RecvOp, SendOp};
+use crate::error::{DistError, DistResult};
+use crate::reduce::Elem;
+
+/// Most settings a pass checks.
+const MAX_SETTINGS: usize = 8;
+
+/// One setting every rank of a ring pass must share (the loss, its direction, the width of
+/// a row...): its name, for the error, and its value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingSetting {
+    /// What the setting is, as an error names it.
+    pub name: &'static str,
+    /// Its value on this rank.
+    pub value: u64,
+}
+
+/// Which ranks' blocks a ring visits at each step. Blocks travel `up` (rank r's block to rank
+/// r + 1) and, when bidirectional, `down` too (to rank r − 1): at step s (1-based) rank r
+/// receives the block of rank `r − s` going up and of rank `r + s` going down. Unidirectional:
+/// W − 1 steps up. Bidirectional: ⌈(W − 1)/2⌉ steps up and ⌊(W − 1)/2⌋ down, about W/2 steps
+/// in all, every other rank's block visited once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingSchedule {
+    /// Ranks in the ring.
+    pub world: usize,
+    /// Whether blocks travel both ways.
+    pub bidirectional: bool,
+}
+
+impl RingSchedule {
+    /// Steps up (and steps in all: the down steps are the first of them).
+    pub fn steps(&self) -> usize {
+        let others = self.world.saturating_sub(1);
+        if self.bidirectional {
+            others.div_ceil(2)
+        } else {
+            others
+        }
+    }
+
+    /// Steps down (0 unless bidirectional).
+    pub fn steps_down(&self) -> usize {
+        if self.bidirectional {
+            self.world.saturating_sub(1) / 2
+        } else {
+            0
+        }
+    }
+
+    /// The rank whose block `rank` receives at step `s` going up (`down`: going down).
+    pub fn origin(&self, rank: usize, s: usize, down: bool) -> usize {
+        let w = self.world;
+        if down {
+            (rank + s) % w
+        } else {
+            (rank + w - s % w) % w
+        }
+    }
+
+    /// The neighbour a block going up (`down`: going down) is sent to from `rank`.
+    pub fn next(&self, rank: usize, down: bool) -> usize {
+        let w = self.world;
+        if down {
+            (rank + w - 1) % w
+        } else {
+            (rank + 1) % w
+        }
+    }
+
+    /// The neighbour a block going up (`down`: going down) arrives from at `rank`.
+    pub fn prev(&self, rank: usize, down: bool) -> usize {
+        self.next(rank, !down)
+    }
+}
+
+/// What the ring passes of a group did so far ([`ProcessGroup::ring_counts`]; for tests, which
+/// assert on counts, never on time).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingCounts {
+    /// Passes opened.
+    pub passes: u64,
+    /// Checks across the group (one per pass).
+    pub checks: u64,
+    /// Point-to-point exchanges that moved at least one message.
+    pub exchanges: u64,
+    /// Those of them that ran on the communication thread while the caller computed.
+    pub overlapped: u64,
+    /// Messages sent (blocks, and blocks' gradients going home).
+    pub messages_sent: u64,
+    /// Frames sent (one per peer per exchange: messages to one peer travel together).
+    pub frames_sent: u64,
+}
+
+impl RingCounts {
+    /// The counts taken since `before` (an earlier reading of the same group).
+    pub fn since(self, before: RingCounts) -> RingCounts {
+        RingCounts {
+            passes: self.passes - before.passes,
+            checks: self.checks - before.checks,
+            exchanges: self.exchanges - before.exchanges,
+            overlapped: self.overlapped - before.overlapped,
+            messages_sent: self.messages_sent - before.messages_sent,
+            frames_sent: self.frames_sent - before.frames_sent,
+        }
+    }
+}
+
+/// A ring pass, opened by [`ProcessGroup::ring_pass`]: every rank's block size, and the
+/// exchanges of its steps.
+pub struct RingPass {
+    pg: ProcessGroup,
+    what: String,
+    seq: u64,
+    rows: Vec<usize>,
+    unit: usize,
+    step: AtomicU64,
+}
+
+/// One message of an exchange: the block (or a block's gradient) of rank `origin`, sent to or
+/// received from `peer`.
+pub struct RingMessage<B> {
+    /// The peer (group rank).
+    pub peer: usize,
+    /// The rank whose block this is: the message holds `rows[origin] x unit` elements.
+    pub origin: usize,
+    /// The elements.
+    pub data: B,
+}
+
+impl ProcessGroup {
+    /// Opens a ring pass named `what` (for errors): one all_gather across the group of this
+    /// rank's block size (`rows` rows of `unit` elements) and its `settings`, after which every
+    /// rank knows every block's size. Ranks whose settings differ, or whose rows are not
+    /// whole, fail on every rank with an error naming the ranks and the values; the group is
+    /// left broken (a pass that ran with different settings would be wrong).
+    pub fn ring_pass(&self, what: &str, rows: usize, unit: usize, settings: &[RingSetting]) -> DistResult<RingPass> {
+        if settings.len() > MAX_SETTINGS {
+            return Err(DistError::Invalid(format!("ring pass {what}: at most {MAX_SETTINGS} settings, got {}", settings.len())));
+        }
+        let w = self.world_size();
+        // Words per rank: rows, unit, the number of settings, the settings.
+        let width = 3 + MAX_SETTINGS;
+        let mut own = vec![0i64; width];
+        own[0] = rows as i64;
+        own[1] = unit as i64;
+        own[2] = settings.len() as i64;
+        for (j, s) in settings.iter().enumerate() {
+            own[3 + j] = s.value as i64;
+        }
+        let all = if w == 1 { own.clone() } else { self.all_gather_slice(&own)? };
+        let of = |k: usize| &all[k * width..(k + 1) * width];
+        // The first word that differs between ranks, with the ranks holding each value.
+        let mut differs = None;
+        // The settings first (they name what differs: another loss is reported as such, not
+        // as the row width that follows from it), then the row width.
+        for j in (2..width).chain([1]) {
+            let mut values: Vec<(i64, Vec<usize>)> = Vec::new();
+            for k in 0..w {
+                let v = of(k)[j];
+                match values.iter_mut().find(|(x, _)| *x == v) {
+                    Some((_, ranks)) => ranks.push(k),
+                    None => values.push((v, vec![k])),
+                }
+            }
+            if values.len() > 1 {
+                differs = Some((j, values));
+                break;
+            }
+        }
+        let mut st = self.lock();
+        st.ring.passes += 1;
+        st.ring.checks += 1;
+        if let Some((j, values)) = differs {
+            let name = match j {
+                1 => "the row width".to_string(),
+                2 => "the number of settings (a different loss?)".to_string(),
+                j => settings.get(j - 3).map_or_else(|| format!("setting #{}", j - 3), |s| s.name.to_string()),
+            };
+            let held: Vec<String> = values.iter().map(|(v, ranks)| format!("rank(s) {ranks:?}: {v}")).collect();
+            let err = DistError::Invalid(format!(
+                "ring pass {what} on {}: the ranks run it with different settings: {name} differs ({}); every rank must \
+                 run the same ring loss with the same settings",
+                self.name(),
+                held.join("; ")
+            ));
+            return Err(st.mesh.fail(err));
+        }
+        st.seq += 1;
+        let seq = st.seq;
+        drop(st);
+        let rows = (0..w).map(|k| of(k)[0] as usize).collect();
+        Ok(RingPass { pg: self.clone(), what: what.to_string(), seq, rows, unit, step: AtomicU64::new(0) })
+    }
+
+    /// What this group's ring passes did so far (for tests).
+    #[doc(hidden)]
+    pub fn ring_counts(&self) -> RingCounts {
+        self.lock().ring
+    }
+}
+
+impl RingPass {
+    /// Every rank's block rows, in rank order, as checked when the pass opened.
+    pub fn rows(&self) -> &[usize] {
+        &self.rows
+    }
+
+    /// Elements per row.
+    pub fn unit(&self) -> usize {
+        self.unit
+    }
+
+    /// The group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// The elements of rank `origin`'s block.
+    pub fn len_of(&self, origin: usize) -> usize {
+        self.rows[origin] * self.unit
+    }
+
+    /// Sends `sends` and receives `recvs` on a communication thread while `during` runs on
+    /// this one, and returns what `during` returned once both are done. Messages to one peer
+    /// travel in one frame, in the order listed; the receiver must list its messages from this
+    /// rank in the same order. Every message's length is checked against its origin's block
+    /// size before anything moves: a wrong one fails here, naming this rank, and tells every
+    /// peer. With no messages `during` simply runs.
+    pub fn exchange<T: Elem + Send + Sync, R>(
+        &self,
+        sends: &[RingMessage<&[T]>],
+        recvs: &mut [RingMessage<&mut [T]>],
+        during: impl FnOnce() -> R,
+    ) -> DistResult<R> {
+        let step = self.step.fetch_add(1, Ordering::Relaxed) + 1;
+        let me = self.pg.rank();
+        let w = self.pg.world_size();
+        for (dir, peer, origin, len) in sends
+            .iter()
+            .map(|m| ("send", m.peer, m.origin, m.data.len()))
+            .chain(recvs.iter().map(|m| ("receive", m.peer, m.origin, m.data.len())))
+        {
+            if peer >= w || origin >= w || peer == me {
+                return Err(DistError::Invalid(format!(
+                    "ring pass {} on {}: rank {me} cannot {dir} rank {origin}'s block with rank {peer}",
+                    self.what,
+                    self.pg.name()
+                )));
+            }
+            if len != self.len_of(origin) {
+                let err = DistError::Invalid(format!(
+                    "ring pass {} on {}, step {step}: rank {me} would {dir} a block of rank {origin} of {len} elements ({} \
+                     rows of {}), but the pass announced {} rows: a block changed size mid-pass",
+                    self.what,
+                    self.pg.name(),
+                    len as f64 / self.unit.max(1) as f64,
+                    self.unit,
+                    self.rows[origin]
+                ));
+                return Err(self.pg.lock().mesh.fail(err));
+            }
+        }
+        if sends.is_empty() && recvs.is_empty() {
+            return Ok(during());
+        }
+        // Messages grouped per peer, in the order listed: one frame each way per peer.
+        let mut send_peers: Vec<usize> = Vec::new();
+        for m in sends {
+            if !send_peers.contains(&m.peer) {
+                send_peers.push(m.peer);
+            }
+        }
+        let joined: Vec<(usize, std::borrow::Cow<'_, [T]>)> = send_peers
+            .iter()
+            .map(|&p| {
+                let parts: Vec<&[T]> = sends.iter().filter(|m| m.peer == p).map(|m| m.data).collect();
+                let data = if parts.len() == 1 { std::borrow::Cow::Borrowed(parts[0]) } else { parts.concat().into() };
+                (p, data)
+            })
+            .collect();
+        let mut recv_peers: Vec<(usize, usize)> = Vec::new();
+        for m in recvs.iter() {
+            match recv_peers.iter_mut().find(|(p, _)| *p == m.peer) {
+                Some((_, n)) => *n += m.data.len(),
+                None => recv_peers.push((m.peer, m.data.len())),
+            }
+        }
+        let mut inbox: Vec<Vec<T>> = recv_peers.iter().map(|(_, n)| vec![T::zeroed(); *n]).collect();
+        let what = format!("{} step {step}", self.what);
+        let (out, sent) = std::thread::scope(|sc| {
+            let comm = sc.spawn(|| -> DistResult<()> {
+                let mut st = self.pg.lock();
+                st.mesh.check_usable()?;
+                let call = Call { op: OpCode::Ring, redop: None, seq: self.seq, meta: 0, what: &what };
+                let esz = T::DTYPE.size_in_bytes();
+                let mut s_ops: Vec<SendOp> = joined
+                    .iter()
+                    .map(|(p, d)| SendOp {
+                        peer: *p,
+                        header: call.header::<T>(step as u32, d.len() * esz),
+                        data: bytemuck::cast_slice(d),
+                    })
+                    .collect();
+                let mut r_ops: Vec<RecvOp> = recv_peers
+                    .iter()
+                    .zip(inbox.iter_mut())
+                    .map(|((p, n), buf)| RecvOp {
+                        peer: *p,
+                        expect: call.header::<T>(step as u32, n * esz),
+                        data: bytemuck::cast_slice_mut(buf),
+                        acc: None,
+                    })
+                    .collect();
+                st.mesh.exchange(&mut s_ops, &mut r_ops, &what)?;
+                st.ring.exchanges += 1;
+                st.ring.overlapped += 1;
+                st.ring.frames_sent += s_ops.len() as u64;
+                st.ring.messages_sent += sends.len() as u64;
+                Ok(())
+            });
+            let out = during();
+            let sent =
+                comm.join().unwrap_or_else(|_| Err(DistError::Invalid(format!("{what}: the communication thread panicked"))));
+            (out, sent)
+        });
+        sent?;
+        // Each peer's frame, split into its messages in the order listed.
+        let mut taken = vec![0usize; recv_peers.len()];
+        for m in recvs.iter_mut() {
+            let k = recv_peers.iter().position(|(p, _)| *p == m.peer).expect("listed above");
+            let n = m.data.len();
+            m.data.copy_from_slice(&inbox[k][taken[k]..taken[k] + n]);
+            taken[k] += n;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,135 @@
+//! Ring passes (`ProcessGroup::ring_pass`): blocks delivered by the schedule on W = 1..6, both
+//! ways and one way, with sizes known from the one check; a block whose size changes mid-pass
+//! and ranks that open different passes fail on every rank, naming the ranks, never hang.
+
+use std::time::Duration;
+
+use allgrad_dist::{RingMessage, RingSchedule, RingSetting, ThreadWorld};
+
+/// Rank r's block: `rows(r)` rows of 3 values that name the rank and the position.
+fn block(r: usize) -> Vec<f64> {
+    (0..rows(r) * 3).map(|i| (r * 1000 + i) as f64).collect()
+}
+
+fn rows(r: usize) -> usize {
+    (r * 3 + 1) % 4 + 1
+}
+
+fn world(w: usize) -> ThreadWorld {
+    ThreadWorld::new(w).timeout(Duration::from_secs(20)).watchdog(Some(Duration::from_secs(60)))
+}
+
+#[test]
+fn every_rank_receives_every_other_block_once_in_the_schedules_order() {
+    for w in 1..=6 {
+        for bidirectional in [true, false] {
+            let seen = world(w)
+                .run(|pg| {
+                    let me = pg.rank();
+                    let sched = RingSchedule { world: w, bidirectional };
+                    let pass = pg.ring_pass("test ring", rows(me), 3, &[RingSetting { name: "test", value: 7 }])?;
+                    assert_eq!(pass.rows(), (0..w).map(rows).collect::<Vec<_>>());
+                    let mut seen = vec![me];
+                    let (mut up, mut down) = (block(me), block(me));
+                    for s in 1..=sched.steps() {
+                        let both = s <= sched.steps_down();
+                        let (o_up, o_down) = (sched.origin(me, s, false), sched.origin(me, s, true));
+                        let mut next_up = vec![0.0; pass.len_of(o_up)];
+                        let mut next_down = vec![0.0; if both { pass.len_of(o_down) } else { 0 }];
+                        let mut sends = vec![RingMessage {
+                            peer: sched.next(me, false),
+                            origin: sched.origin(me, s - 1, false),
+                            data: &up[..],
+                        }];
+                        let mut recvs = vec![RingMessage { peer: sched.prev(me, false), origin: o_up, data: &mut next_up[..] }];
+                        if both {
+                            sends.push(RingMessage {
+                                peer: sched.next(me, true),
+                                origin: sched.origin(me, s - 1, true),
+                                data: &down[..],
+                            });
+                            recvs.push(RingMessage { peer: sched.prev(me, true), origin: o_down, data: &mut next_down[..] });
+                        }
+                        pass.exchange(&sends, &mut recvs, || ())?;
+                        drop((sends, recvs));
+                        assert_eq!(next_up, block(o_up), "W={w} rank {me} step {s} up");
+                        seen.push(o_up);
+                        up = next_up;
+                        if both {
+                            assert_eq!(next_down, block(o_down), "W={w} rank {me} step {s} down");
+                            seen.push(o_down);
+                            down = next_down;
+                        }
+                    }
+                    let counts = pg.ring_counts();
+                    assert_eq!((counts.passes, counts.checks), (1, 1));
+                    seen.sort();
+                    Ok(seen)
+                })
+                .unwrap();
+            for (r, s) in seen.iter().enumerate() {
+                assert_eq!(s, &(0..w).collect::<Vec<_>>(), "W={w} bidirectional={bidirectional} rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_block_that_changes_size_mid_pass_fails_on_every_rank_naming_the_rank() {
+    let w = 4;
+    let errors = world(w)
+        .run(|pg| {
+            let me = pg.rank();
+            let sched = RingSchedule { world: w, bidirectional: false };
+            let pass = pg.ring_pass("test ring", rows(me), 3, &[])?;
+            let mut cur = block(me);
+            for s in 1..=sched.steps() {
+                // Rank 1 sends one row too many at step 2.
+                let send = if me == 1 && s == 2 { [cur.clone(), vec![0.0; 3]].concat() } else { cur.clone() };
+                let o = sched.origin(me, s, false);
+                let mut next = vec![0.0; pass.len_of(o)];
+                let sends =
+                    [RingMessage { peer: sched.next(me, false), origin: sched.origin(me, s - 1, false), data: &send[..] }];
+                let mut recvs = [RingMessage { peer: sched.prev(me, false), origin: o, data: &mut next[..] }];
+                if let Err(e) = pass.exchange(&sends, &mut recvs, || ()) {
+                    return Ok(e.to_string());
+                }
+                cur = next;
+            }
+            Ok("no error".into())
+        })
+        .unwrap();
+    assert!(
+        errors[1].contains("rank 1 would send a block of rank 0")
+            && errors[1].contains("changed size mid-pass")
+            && errors[1].contains(&format!("announced {} rows", rows(0))),
+        "{}",
+        errors[1]
+    );
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e != "no error" && e.contains("rank 1"), "rank {r}: {e}");
+    }
+}
+
+#[test]
+fn ranks_that_open_different_passes_fail_on_every_rank_naming_both_values() {
+    let errors = world(3)
+        .run(|pg| {
+            let me = pg.rank();
+            let value = if me == 0 { 2 } else { 1 };
+            Ok(pg.ring_pass("test ring", 2, 3, &[RingSetting { name: "directions", value }]).map(|_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    for (r, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("directions differs") && e.contains("rank(s) [0]: 2") && e.contains("rank(s) [1, 2]: 1"),
+            "rank {r}: {e}"
+        );
+    }
+    // Another row width is another pass too.
+    let errors =
+        world(2).run(|pg| Ok(pg.ring_pass("test ring", 2, 3 + pg.rank(), &[]).map(|_| ()).unwrap_err().to_string())).unwrap();
+    for e in &errors {
+        assert!(e.contains("the row width differs") && e.contains("rank(s) [1]: 4"), "{e}");
+    }
+}
