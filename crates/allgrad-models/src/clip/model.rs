@@ -266,7 +266,8 @@ pub struct ClipModel {
     pub vision: VisionTower,
     /// The text tower.
     pub text: TextTower,
-    /// `logit_scale` (`[]`, as in `transformers`): logits are `exp(min(s, ln 100)) · cos`.
+    /// `logit_scale` (`[]`, as in `transformers`): logits are `exp(s) · cos` (the trainer
+    /// keeps `s` in `[0, ln 100]`, [`super::loss::MAX_LOGIT_SCALE`]).
     pub logit_scale: Tensor,
 }
 
@@ -280,7 +281,7 @@ impl ClipModel {
         })
     }
 
-    /// `[n_images, n_texts]` logits of CLIP: `exp(min(s, ln 100))` times the cosine of every
+    /// `[n_images, n_texts]` logits of CLIP: `exp(s)` times the cosine of every
     /// image and text embedding (`logits_per_image` of `transformers`).
     pub fn logits(&self, image_embeds: &Tensor, text_embeds: &Tensor) -> Result<Tensor> {
         let i = crate::losses::l2_normalize(image_embeds)?;
