@@ -134,7 +134,7 @@ impl Trainer {
         // parameter two groups claim, stops the run here).
         let shapes: Vec<(String, Vec<usize>)> = all.iter().map(|(n, v)| (n.clone(), v.dims().to_vec())).collect();
         let rules = crate::optim::groups::resolve(&cfg.optim, &cfg.param_groups, &shapes).map_err(TrainError::Setup)?;
-        let (frozen, params): (Vec<(String, Var)>, Vec<(String, Var)>) = all.into_iter().partition(|(n, _)| rules[n].frozen);
+        let (frozen, params): (Vec<_>, Vec<_>) = all.into_iter().partition(|(n, _)| rules[n].frozen);
         if let Some((name, _)) = frozen.iter().find(|(n, _)| objective.is_sharded(n)) {
             return Err(TrainError::Setup(format!(
                 "param_groups: parameter {name} is sharded across ranks and cannot be frozen: leave it out of the frozen group"
