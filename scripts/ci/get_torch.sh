@@ -5,8 +5,9 @@
 # tests compare against in the same environment, pinned: transformers (a trained CLIP export loaded
 # by `CLIPModel`), webdataset (allgrad-written shards read by webdataset's own reader) and
 # tensorboard (a run's events file read by TensorBoard's own reader), and, installed without
-# their dependencies (they would pull another torch), open-clip-torch (OpenCLIP's own losses
-# beside allgrad's ring losses in scripts/bench/bench_ring_memory.sh). Reuses the
+# their dependencies (they would pull another torch), open-clip-torch (OpenCLIP's own losses,
+# schedule and parameter groups in the recipe-parity test, and its losses beside allgrad's ring
+# losses in scripts/bench/bench_ring_memory.sh). Reuses the
 # environment when it already imports those versions. Prints the environment's path as its last line.
 #
 #   scripts/ci/get_torch.sh [VENV]    (default: $ALLGRAD_TORCH_VENV, else ~/.cache/allgrad/torch-2.15.0)

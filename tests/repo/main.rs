@@ -22,6 +22,7 @@
 mod common;
 
 mod clip_launch;
+mod clip_recipe_parity;
 mod device_reads;
 mod docs;
 mod first_run;

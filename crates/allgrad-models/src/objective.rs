@@ -138,6 +138,13 @@ pub trait Objective: Send {
         Ok(None)
     }
 
+    /// The interval `[lo, hi]` the trainer clamps parameter `name` to after every optimizer
+    /// update, on the parameter itself (CLIP's logit scale: `[0, ln 100]`, as OpenCLIP clamps
+    /// it). Asked once, when the trainer is built. Default: `None` (not clamped).
+    fn clamp_after_step(&self, _name: &str) -> Option<(f64, f64)> {
+        None
+    }
+
     /// Evaluation metrics (name, value), logged at the end of every epoch and of the run.
     fn evaluate(&mut self, _pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         Ok(Vec::new())

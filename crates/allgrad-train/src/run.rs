@@ -78,6 +78,7 @@ pub fn trainer_config(cfg: &RunConfig, device: Device, settings: Settings) -> Tr
         device,
         train: cfg.train.clone(),
         optim: cfg.optim.clone(),
+        param_groups: cfg.param_groups.clone(),
         schedule: cfg.schedule.clone(),
         checkpoint: cfg.checkpoint.clone(),
         log: cfg.log.clone(),

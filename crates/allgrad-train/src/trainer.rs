@@ -25,7 +25,9 @@ use allgrad_models::{Batch, Objective};
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::checkpoint::{self, shards, Contents, RestoreTarget, TrainState};
-use crate::config::{CheckpointConfig, ComputePrecision, LogConfig, NonFinite, OptimConfig, ScheduleConfig, TrainSection};
+use crate::config::{
+    CheckpointConfig, ComputePrecision, LogConfig, NonFinite, OptimConfig, ParamGroupsConfig, ScheduleConfig, TrainSection,
+};
 use crate::ddp::{sync_gradients, DEFAULT_BUCKET_BYTES};
 use crate::error::{TrainError, TrainResult};
 use crate::metrics::{plot, MetricsLog, ProgressView, Record, StepTraffic};
@@ -54,6 +56,9 @@ pub struct TrainerConfig {
     pub train: TrainSection,
     /// Optimizer.
     pub optim: OptimConfig,
+    /// Parameter groups: each parameter's weight decay and learning-rate scale, and the
+    /// frozen ones.
+    pub param_groups: ParamGroupsConfig,
     /// Learning-rate schedule.
     pub schedule: ScheduleConfig,
     /// Checkpointing.
@@ -84,8 +89,15 @@ pub struct Trainer {
     cfg: TrainerConfig,
     pg: ProcessGroup,
     objective: Box<dyn Objective>,
+    /// The trained parameters (name order).
     params: Vec<(String, Var)>,
     sharded: Vec<bool>,
+    /// The frozen parameters (a frozen group of `param_groups`; name order, replicated):
+    /// checkpointed, never updated.
+    frozen: Vec<(String, Var)>,
+    /// Parameters clamped after every update ([`Objective::clamp_after_step`]): index into
+    /// `params` and the interval.
+    clamps: Vec<(usize, f64, f64)>,
     optimizer: Optimizer,
     sampler: DistributedSampler,
     step: usize,
@@ -111,16 +123,38 @@ impl Trainer {
         cfg.precision.check_dtype(cfg.dtype).map_err(TrainError::Setup)?;
         cfg.precision.check_device(&cfg.device).map_err(TrainError::Setup)?;
         cfg.precision.apply_tf32();
-        let store = ParamStore::new(cfg.seed);
+        let groups = cfg.param_groups.clone();
+        let store = ParamStore::new(cfg.seed).with_frozen(move |name| crate::optim::groups::is_frozen(&groups, name));
         objective.bind(&pg)?;
         objective.build(store.var_builder(cfg.dtype, &cfg.device))?;
-        let params = store.vars();
-        if params.is_empty() {
+        let all = store.vars();
+        if all.is_empty() {
             return Err(TrainError::Setup("the objective created no parameters in build()".into()));
         }
+        // Every parameter's rule (before the first step: a pattern that matches nothing, or a
+        // parameter two groups claim, stops the run here).
+        let shapes: Vec<(String, Vec<usize>)> = all.iter().map(|(n, v)| (n.clone(), v.dims().to_vec())).collect();
+        let rules = crate::optim::groups::resolve(&cfg.optim, &cfg.param_groups, &shapes).map_err(TrainError::Setup)?;
+        let (frozen, params): (Vec<_>, Vec<_>) = all.into_iter().partition(|(n, _)| rules[n].frozen);
+        if let Some((name, _)) = frozen.iter().find(|(n, _)| objective.is_sharded(n)) {
+            return Err(TrainError::Setup(format!(
+                "param_groups: parameter {name} is sharded across ranks and cannot be frozen: leave it out of the frozen group"
+            )));
+        }
         let sharded: Vec<bool> = params.iter().map(|(n, _)| objective.is_sharded(n)).collect();
+        let mut clamps = Vec::new();
+        for (i, (name, _)) in params.iter().enumerate() {
+            if let Some((lo, hi)) = objective.clamp_after_step(name) {
+                if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
+                    return Err(TrainError::Setup(format!(
+                        "the objective clamps {name} to [{lo}, {hi}] (Objective::clamp_after_step): not an interval"
+                    )));
+                }
+                clamps.push((i, lo, hi));
+            }
+        }
         // Replicated parameters start identical everywhere: broadcast from rank 0 in name order.
-        for ((_, v), sh) in params.iter().zip(&sharded) {
+        for ((_, v), sh) in params.iter().zip(&sharded).chain(frozen.iter().map(|p| (p, &false))) {
             if !sh {
                 v.set(&pg.broadcast(v.as_tensor(), 0)?)?;
             }
@@ -147,7 +181,7 @@ impl Trainer {
             Some(m) => m.min(t.epochs * per_epoch),
             None => t.epochs * per_epoch,
         };
-        let mut optimizer = Optimizer::new(cfg.optim.clone());
+        let mut optimizer = Optimizer::with_rules(cfg.optim.clone(), rules);
         let mut step = 0;
         if resume {
             let dir = out_dir.as_ref().ok_or_else(|| TrainError::Setup("resuming needs an output directory".into()))?;
@@ -166,9 +200,10 @@ impl Trainer {
                     let path = ck.path.clone();
                     let written_by = ck.state.world_size;
                     let stream = ck.stream.take();
+                    let (every, every_sharded) = with_frozen(&params, &sharded, &frozen);
                     let to = RestoreTarget {
-                        params: &params,
-                        sharded: &sharded,
+                        params: &every,
+                        sharded: &every_sharded,
                         optimizer: &mut optimizer,
                         objective: objective.as_mut(),
                         world_size: w,
@@ -227,6 +262,8 @@ impl Trainer {
             objective,
             params,
             sharded,
+            frozen,
+            clamps,
             optimizer,
             sampler,
             step,
@@ -238,9 +275,20 @@ impl Trainer {
         })
     }
 
-    /// Parameters by name (sorted).
+    /// The trained parameters by name (sorted); the frozen ones are [`Trainer::frozen_params`].
     pub fn params(&self) -> &[(String, Var)] {
         &self.params
+    }
+
+    /// The frozen parameters by name (sorted): a frozen group of `param_groups`.
+    pub fn frozen_params(&self) -> &[(String, Var)] {
+        &self.frozen
+    }
+
+    /// Every parameter's rule: learning-rate scale, weight decay, LARS's adaptation, frozen
+    /// ([`crate::optim::groups`]).
+    pub fn param_rules(&self) -> &std::collections::BTreeMap<String, crate::optim::ParamRule> {
+        self.optimizer.rules()
     }
 
     /// The objective's buffers (non-trainable state such as batch-norm running statistics).
@@ -583,6 +631,7 @@ impl Trainer {
             })
             .collect();
         self.optimizer.step_grads(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
+        self.clamp_params()?;
         self.profiler.record("optimizer", m);
         Ok(StepOutcome::Applied { loss, grad_norm })
     }
@@ -652,6 +701,8 @@ impl Trainer {
                 self.optimizer.step_grads(&self.params, &grads, &self.sharded, &rows, lr, &self.pg)?;
             }
         }
+        // After a skipped update this clamps values the last one already clamped: no change.
+        self.clamp_params()?;
         self.profiler.record("optimizer", m);
         let m = self.profiler.mark();
         // The loss, the norm and the replay checks of gradient caching, in one read.
@@ -675,6 +726,18 @@ impl Trainer {
             self.optimizer.undo_step();
         }
         self.non_finite(loss, grad_norm, &grads, kept)
+    }
+
+    /// Clamps the parameters the objective bounds ([`Objective::clamp_after_step`]) to their
+    /// interval, in place on the device (constants made there: no upload, no read).
+    fn clamp_params(&self) -> Result<()> {
+        for &(i, lo, hi) in &self.clamps {
+            let v = &self.params[i].1;
+            let t = v.as_tensor().detach();
+            let c = allgrad_nn::transfer::constant;
+            v.set(&t.broadcast_maximum(&c(&t, lo)?)?.broadcast_minimum(&c(&t, hi)?)?)?;
+        }
+        Ok(())
     }
 
     /// A step whose loss or gradient norm is not finite: the error, or the skip of
@@ -763,7 +826,8 @@ impl Trainer {
         if self.pg.rank() != 0 && !any_sharded {
             return Ok(());
         }
-        let (model, optimizer, shard) = shards::split(&self.params, &self.sharded, self.optimizer.state());
+        let (every, every_sharded) = with_frozen(&self.params, &self.sharded, &self.frozen);
+        let (model, optimizer, shard) = shards::split(&every, &every_sharded, self.optimizer.state());
         let per_epoch = self.sampler.steps_per_epoch();
         let state = TrainState {
             step: self.step,
@@ -772,6 +836,7 @@ impl Trainer {
             optimizer_steps: self.optimizer.steps,
             seed: self.cfg.seed,
             world_size: self.pg.world_size(),
+            groups: Some(self.optimizer.rules().clone()),
         };
         let buffers = self.objective.buffers()?;
         let (keep, fault) = (self.cfg.checkpoint.keep_last, self.cfg.settings.fault);
@@ -794,6 +859,15 @@ impl Trainer {
     pub fn out_dir(&self) -> Option<&Path> {
         self.out_dir.as_deref()
     }
+}
+
+/// The trained and the frozen parameters together, in name order, with whether each is sharded
+/// (a frozen one never is): what a checkpoint holds.
+fn with_frozen(params: &[(String, Var)], sharded: &[bool], frozen: &[(String, Var)]) -> (Vec<(String, Var)>, Vec<bool>) {
+    let mut every: Vec<((String, Var), bool)> =
+        params.iter().cloned().zip(sharded.iter().copied()).chain(frozen.iter().cloned().map(|p| (p, false))).collect();
+    every.sort_by(|a, b| a.0 .0.cmp(&b.0 .0));
+    every.into_iter().unzip()
 }
 
 enum StepOutcome {

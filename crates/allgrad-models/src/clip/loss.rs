@@ -16,15 +16,16 @@ use candle_core::{Result, Tensor};
 use crate::losses::{l2_normalize, logsumexp, placement, Temperature};
 use crate::tiled::{scaled_dot_cross_entropy, Pairs};
 
-/// CLIP's cap on the logit scale: `exp(logit_scale)` is clamped at 100.
+/// CLIP's cap on the logit scale's multiplier: the parameter `logit_scale` is clamped to
+/// `[0, ln 100]` after every optimizer step (the objective's
+/// [`crate::Objective::clamp_after_step`], which the trainer applies), as OpenCLIP clamps it.
 pub const MAX_LOGIT_SCALE: f64 = 100.0;
 
-/// `exp(min(logit_scale, ln 100))`: CLIP's multiplier of the cosine similarities. CLIP clamps
-/// the parameter at `ln 100` after each step; clamping in the forward instead gives the same
-/// multiplier and a zero gradient past the cap, and leaves the optimizer alone.
+/// `exp(logit_scale)`: CLIP's multiplier of the cosine similarities, uncapped, as in
+/// OpenCLIP's and `transformers`' forward (the cap is a clamp of the parameter after each
+/// step, [`MAX_LOGIT_SCALE`]), so an exported model computes the same logits in `transformers`.
 pub fn clip_scale(logit_scale: &Tensor) -> Result<Tensor> {
-    let s = logit_scale.flatten_all()?;
-    s.broadcast_minimum(&allgrad_nn::transfer::constant(&s, MAX_LOGIT_SCALE.ln())?)?.exp()
+    logit_scale.flatten_all()?.exp()
 }
 
 fn check(loss: &str, images: &Tensor, texts: &Tensor) -> Result<()> {
@@ -49,8 +50,8 @@ fn cross_entropy_sum(logits: &Tensor, offset: usize) -> Result<Tensor> {
 
 /// CLIP's symmetric InfoNCE (Radford et al., 2021) over the global batch: image i against
 /// the texts of every rank (its positive: its own caption) and text i against every rank's
-/// images, with logits `exp(min(s, ln 100)) · cos`, `s` the learned `logit_scale` (one
-/// number). Returns `(W / 2B) Σ_{i local} (ℓ^{image→text}_i + ℓ^{text→image}_i)`; the mean
+/// images, with logits `exp(s) · cos`, `s` the learned `logit_scale` (one number, clamped
+/// to `[0, ln 100]` after each step by the trainer). Returns `(W / 2B) Σ_{i local} (ℓ^{image→text}_i + ℓ^{text→image}_i)`; the mean
 /// over ranks is `transformers`' `CLIPModel` loss on the global batch.
 pub fn clip_loss(images: &Tensor, texts: &Tensor, logit_scale: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
     check("clip_loss", images, texts)?;
@@ -67,7 +68,7 @@ pub fn clip_loss(images: &Tensor, texts: &Tensor, logit_scale: &Tensor, pg: &Pro
 
 /// [`clip_loss`] with both directions' logits computed in `tile x tile` blocks
 /// ([`crate::tiled`]): the same loss and gradients to rounding, never holding a `b x B`
-/// matrix. The temperature is `1 / exp(min(s, ln 100))`, learned through the tiles' backward.
+/// matrix. The temperature is `1 / exp(s)`, learned through the tiles' backward.
 pub fn clip_loss_tiled(images: &Tensor, texts: &Tensor, logit_scale: &Tensor, tile: usize, pg: &ProcessGroup) -> Result<Tensor> {
     check("clip_loss_tiled", images, texts)?;
     let b = images.dim(0)?;

@@ -474,7 +474,8 @@ pub struct ClipModel {
     pub vision: VisionTower,
     /// The text tower.
     pub text: TextTower,
-    /// `logit_scale` (`[]` in CLIP, `[1]` in SigLIP, as in `transformers`).
+    /// `logit_scale` (`[]` in CLIP, `[1]` in SigLIP, as in `transformers`): logits are
+    /// `exp(s) · cos` (the trainer keeps `s` in `[0, ln 100]`, [`super::loss::MAX_LOGIT_SCALE`]).
     pub logit_scale: Tensor,
     /// `logit_bias` (`[1]` in SigLIP; `[]` for a CLIP model trained with a sigmoid loss; absent
     /// otherwise).
@@ -511,9 +512,8 @@ impl ClipModel {
         })
     }
 
-    /// `[n_images, n_texts]` logits as `transformers` computes them: CLIP's
-    /// `exp(min(s, ln 100)) · cos` (`CLIPModel`'s `logits_per_image`), SigLIP's
-    /// `exp(s) · cos + b` (`SiglipModel`'s).
+    /// `[n_images, n_texts]` logits as `transformers` computes them: CLIP's `exp(s) · cos`
+    /// (`CLIPModel`'s `logits_per_image`), SigLIP's `exp(s) · cos + b` (`SiglipModel`'s).
     pub fn logits(&self, image_embeds: &Tensor, text_embeds: &Tensor) -> Result<Tensor> {
         let i = crate::losses::l2_normalize(image_embeds)?;
         let t = crate::losses::l2_normalize(text_embeds)?;

@@ -143,6 +143,12 @@ impl Objective for Clip {
         self.tokens.len()
     }
 
+    /// `logit_scale` in `[0, ln 100]` after every step, as OpenCLIP clamps it (for SigLIP's
+    /// loss on these towers too: OpenCLIP's training loop clamps every model's scale).
+    fn clamp_after_step(&self, name: &str) -> Option<(f64, f64)> {
+        (name == "logit_scale").then(|| (0.0, super::loss::MAX_LOGIT_SCALE.ln()))
+    }
+
     fn loss(&mut self, batch: &Batch, pg: &ProcessGroup) -> Result<Tensor> {
         crate::loss_of_embedded_batch(self, batch, pg)
     }

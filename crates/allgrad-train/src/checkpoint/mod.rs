@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::config::CheckpointConfig;
 use crate::error::{TrainError, TrainResult};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, ParamRule};
 use crate::settings::FaultStage;
 
 /// Everything about the run's position that a resume needs, besides tensors.
@@ -56,6 +56,11 @@ pub struct TrainState {
     pub seed: u64,
     /// World size of the run that wrote the checkpoint.
     pub world_size: usize,
+    /// Every parameter's rule (`param_groups` resolved): a run resumes only with the same.
+    /// Absent in checkpoints written before parameter groups existed, whose runs updated every
+    /// parameter as the optimizer's config says ([`crate::optim::groups::legacy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<BTreeMap<String, ParamRule>>,
 }
 
 /// A loaded checkpoint.
@@ -306,6 +311,11 @@ pub fn restore(ck: Checkpoint, to: RestoreTarget) -> TrainResult<usize> {
         // In the parameter's own dtype (the run's, or bf16 face centres).
         v.set(&t.to_dtype(v.dtype())?)?;
     }
+    // The same rule for every parameter (learning-rate scale, weight decay, frozen), or the
+    // resumed run would not be the uninterrupted one.
+    let shapes: BTreeMap<String, Vec<usize>> = to.params.iter().map(|(n, v)| (n.clone(), v.dims().to_vec())).collect();
+    crate::optim::groups::check_resume(ck.state.groups.as_ref(), to.optimizer.rules(), to.optimizer.config(), &shapes)
+        .map_err(|e| mismatch(format!("its parameter groups differ: {e}")))?;
     to.objective.load_buffers(&ck.buffers).map_err(|e| mismatch(format!("its buffers do not fit the model: {e}")))?;
     to.optimizer.load_state(ck.optimizer, ck.state.optimizer_steps);
     Ok(ck.state.step)

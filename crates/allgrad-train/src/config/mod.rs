@@ -14,7 +14,7 @@
 //! ```
 //!
 //! The trainer owns `seed`, `device`, `dtype`, `precision`, `dist`, `method`, `optim`,
-//! `schedule`, `train`, `checkpoint` and `log`; every other top-level section (`data`,
+//! `param_groups`, `schedule`, `train`, `checkpoint` and `log`; every other top-level section (`data`,
 //! `model`, `loss`, ...) belongs to the method that `method:` names, which reads it (see
 //! [`crate::method`]).
 //! [`RunConfig::load`], [`RunConfig::parse`] and [`RunConfig::validate`] know the built-in
@@ -29,13 +29,14 @@
 //! This folder is the bottom of the crate: it imports nothing from the rest of it, and the
 //! components import their sections from here. The top-level keys `seed`, `device`, `dtype`,
 //! `dist` and `method` are here; each section has its file: `train` ([`train`]), `optim`
-//! ([`optim`]), `schedule` ([`schedule`]), `precision` ([`precision`]), `checkpoint`
+//! ([`optim`]), `param_groups` ([`groups`]), `schedule` ([`schedule`]), `precision` ([`precision`]), `checkpoint`
 //! ([`checkpoint`]) and `log` ([`log`]). [`ConfigError`] is in [`error`], the `--set`
 //! arguments in `overrides.rs`, the method's sections once deserialised (kept with the config
 //! from parsing to building) in `parsed.rs`.
 
 pub mod checkpoint;
 pub mod error;
+pub mod groups;
 pub mod log;
 pub mod optim;
 mod overrides;
@@ -52,6 +53,7 @@ use serde::{Deserialize, Serialize};
 
 pub use checkpoint::CheckpointConfig;
 pub use error::ConfigError;
+pub use groups::{GroupConfig, ParamGroupsConfig};
 pub use log::{LogConfig, Progress};
 pub use optim::OptimConfig;
 use overrides::Override;
@@ -61,8 +63,8 @@ pub use schedule::{Decay, ScheduleConfig};
 pub use train::{NonFinite, TrainSection};
 
 /// The top-level keys the trainer owns; every other one belongs to the method.
-pub const TRAINER_KEYS: [&str; 11] =
-    ["seed", "device", "dtype", "precision", "dist", "method", "optim", "schedule", "train", "checkpoint", "log"];
+pub const TRAINER_KEYS: [&str; 12] =
+    ["seed", "device", "dtype", "precision", "dist", "method", "optim", "param_groups", "schedule", "train", "checkpoint", "log"];
 
 /// A whole run: the trainer's sections, typed, and the method's, raw.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -89,6 +91,10 @@ pub struct RunConfig {
     /// The optimizer.
     #[serde(default)]
     pub optim: OptimConfig,
+    /// Which parameters take weight decay, with which learning-rate scale, and which are
+    /// frozen ([`groups`]).
+    #[serde(default)]
+    pub param_groups: ParamGroupsConfig,
     /// The learning-rate schedule.
     #[serde(default)]
     pub schedule: ScheduleConfig,
@@ -285,6 +291,7 @@ impl RunConfig {
             return Err(bad("log.every must be at least 1".into()));
         }
         self.optim.validate().map_err(bad)?;
+        self.param_groups.validate(&self.optim).map_err(bad)?;
         self.precision.check_dtype(self.candle_dtype()).map_err(bad)?;
         self.validate_device(Build::THIS).map_err(bad)
     }

@@ -36,7 +36,8 @@ pub enum OptimConfig {
         #[serde(default = "default_trust")]
         trust_coefficient: f64,
         /// Exclude biases and normalisation parameters (every 1-D parameter) from adaptation
-        /// and weight decay.
+        /// and weight decay. Kept for older configs: `false` has the effect of
+        /// `param_groups.exclude_1d: false` on a LARS run (the two must both be true to exclude).
         #[serde(default = "yes")]
         exclude_1d: bool,
     },
@@ -93,6 +94,26 @@ impl OptimConfig {
         match self {
             OptimConfig::Sgd { lr, .. } | OptimConfig::Lars { lr, .. } | OptimConfig::Adamw { lr, .. } => *lr,
         }
+    }
+
+    /// The configured weight decay (the default rule's: see the `param_groups` section).
+    pub fn weight_decay(&self) -> f64 {
+        match self {
+            OptimConfig::Sgd { weight_decay, .. }
+            | OptimConfig::Lars { weight_decay, .. }
+            | OptimConfig::Adamw { weight_decay, .. } => *weight_decay,
+        }
+    }
+
+    /// This config with weight decay `wd` (a parameter group's).
+    pub fn with_weight_decay(&self, wd: f64) -> OptimConfig {
+        let mut c = self.clone();
+        match &mut c {
+            OptimConfig::Sgd { weight_decay, .. }
+            | OptimConfig::Lars { weight_decay, .. }
+            | OptimConfig::Adamw { weight_decay, .. } => *weight_decay = wd,
+        }
+        c
     }
 
     /// Checks the values; the message names the key.

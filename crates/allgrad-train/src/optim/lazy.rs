@@ -139,6 +139,12 @@ impl LrLog {
         self.lrs.clear();
     }
 
+    /// The same log with every rate times `scale` (a parameter group's learning rates: the
+    /// product is the dense step's `lr * scale`, bit for bit).
+    pub(crate) fn scaled(&self, scale: f64) -> LrLog {
+        LrLog { base: self.base, lrs: self.lrs.iter().map(|lr| lr * scale).collect() }
+    }
+
     /// Records the rate of the next update.
     pub(crate) fn push(&mut self, lr: f64) {
         self.lrs.push(lr);

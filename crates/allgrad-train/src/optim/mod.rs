@@ -16,9 +16,16 @@
 //! current value at every step (over all ranks for a sharded parameter), which a deferred
 //! row does not have.
 //!
+//! Each parameter follows its rule ([`ParamRule`]: learning-rate scale, weight decay, LARS's
+//! adaptation), resolved from the `param_groups` section by [`groups`]; every path (fused,
+//! lazy, composed, on the CPU or CUDA) takes the parameter's weight decay and its scaled
+//! learning rate. [`Optimizer::new`] without rules updates every parameter as the config
+//! says ([`groups::legacy`]).
+//!
 //! The `optim` section, [`OptimConfig`], is the config's (`config/optim.rs`).
 
 mod fused;
+pub mod groups;
 mod lazy;
 
 use std::collections::BTreeMap;
@@ -27,6 +34,7 @@ use allgrad_dist::{ProcessGroup, ReduceOp};
 use candle_core::{DType, Result, Tensor, Var};
 
 pub use crate::config::OptimConfig;
+pub use groups::ParamRule;
 use lazy::{Behind, LrLog, Rule};
 
 /// Which rows (dim 0) of a parameter an update changes, and the form of its gradient.
@@ -62,6 +70,8 @@ pub struct Optimizer {
     lazy: BTreeMap<String, Vec<u64>>,
     /// The learning rate of every update a deferred row may still need.
     lrs: LrLog,
+    /// Each parameter's rule (absent: [`groups::legacy`]).
+    rules: BTreeMap<String, ParamRule>,
 }
 
 fn sq_norm(t: &Tensor) -> Result<f64> {
@@ -74,9 +84,44 @@ pub(crate) fn sq_norm_tensor(t: &Tensor) -> Result<Tensor> {
 }
 
 impl Optimizer {
-    /// A fresh optimizer.
+    /// A fresh optimizer; every parameter is updated as `cfg` says ([`groups::legacy`]).
     pub fn new(cfg: OptimConfig) -> Self {
-        Optimizer { cfg, state: BTreeMap::new(), steps: 0, lazy: BTreeMap::new(), lrs: LrLog::default() }
+        Self::with_rules(cfg, BTreeMap::new())
+    }
+
+    /// A fresh optimizer whose parameters follow `rules` (by name; one not there: as `cfg`
+    /// says). A frozen parameter must not be given to it.
+    pub fn with_rules(cfg: OptimConfig, rules: BTreeMap<String, ParamRule>) -> Self {
+        Optimizer { cfg, state: BTreeMap::new(), steps: 0, lazy: BTreeMap::new(), lrs: LrLog::default(), rules }
+    }
+
+    /// The optimizer's config.
+    pub fn config(&self) -> &OptimConfig {
+        &self.cfg
+    }
+
+    /// The rules given to [`Optimizer::with_rules`] (for checkpoints).
+    pub fn rules(&self) -> &BTreeMap<String, ParamRule> {
+        &self.rules
+    }
+
+    /// Parameter `name`'s config (its weight decay) and learning-rate scale; an error for a
+    /// frozen one.
+    fn param_cfg(&self, name: &str, w: &Tensor) -> Result<(OptimConfig, ParamRule)> {
+        let rule = self.rules.get(name).cloned().unwrap_or_else(|| groups::legacy(&self.cfg, w.dims()));
+        if rule.frozen {
+            candle_core::bail!("optimizer: parameter {name} is frozen (param_groups) but was given an update");
+        }
+        Ok((self.cfg.with_weight_decay(rule.weight_decay), rule))
+    }
+
+    /// The learning rates of deferred updates, scaled by `scale` (borrowed when 1).
+    fn scaled_lrs(&self, scale: f64) -> std::borrow::Cow<'_, LrLog> {
+        if scale == 1.0 {
+            std::borrow::Cow::Borrowed(&self.lrs)
+        } else {
+            std::borrow::Cow::Owned(self.lrs.scaled(scale))
+        }
     }
 
     /// The state tensors, for checkpoints. Rows of a row-sparse update may be behind (see
@@ -131,33 +176,36 @@ impl Optimizer {
         }
         behind.iter().for_each(|r| done[*r as usize] = to);
         crate::trace::count(|c| c.replayed_rows += behind.len() as u64);
-        let rule = Rule::of(&self.cfg).ok_or_else(|| candle_core::Error::Msg("lazy update under LARS".into()))?;
         let w = p.as_tensor();
-        let slots: Vec<Tensor> = slot_names(&self.cfg).iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
-        lazy::bring_up(rule, w, &slots, Behind { rows: &behind, from: &from }, to, None, &self.lrs)
+        let (cfg, prule) = self.param_cfg(name, w)?;
+        let rule = Rule::of(&cfg).ok_or_else(|| candle_core::Error::Msg("lazy update under LARS".into()))?;
+        let slots: Vec<Tensor> = slot_names(&cfg).iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
+        lazy::bring_up(rule, w, &slots, Behind { rows: &behind, from: &from }, to, None, &self.scaled_lrs(prule.lr_scale))
     }
 
     /// Brings every row of `name` up to `to` updates.
     fn flush_param(&mut self, name: &str, p: &Var, to: u64) -> Result<()> {
         let Some(done) = self.lazy.remove(name) else { return Ok(()) };
-        let rule = Rule::of(&self.cfg).ok_or_else(|| candle_core::Error::Msg("lazy update under LARS".into()))?;
+        let w = p.as_tensor();
+        let (cfg, prule) = self.param_cfg(name, w)?;
+        let rule = Rule::of(&cfg).ok_or_else(|| candle_core::Error::Msg("lazy update under LARS".into()))?;
         let (rows, from): (Vec<u32>, Vec<u64>) =
             done.iter().enumerate().filter(|(_, d)| **d < to).map(|(r, d)| (r as u32, *d)).unzip();
         if rows.is_empty() {
             return Ok(());
         }
         crate::trace::count(|c| c.replayed_rows += rows.len() as u64);
-        let w = p.as_tensor();
-        let slots: Vec<Tensor> = slot_names(&self.cfg).iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
-        lazy::bring_up(rule, w, &slots, Behind { rows: &rows, from: &from }, to, None, &self.lrs)
+        let slots: Vec<Tensor> = slot_names(&cfg).iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
+        lazy::bring_up(rule, w, &slots, Behind { rows: &rows, from: &from }, to, None, &self.scaled_lrs(prule.lr_scale))
     }
 
     /// The lazy step of parameter `name` (see the module docs), or `false` when it does not
     /// apply (LARS, a tensor off the fused path). `t` is this update's number.
     fn step_lazy(&mut self, name: &str, p: &Var, g: &Tensor, rows: &[u32], keep_others: bool, t: u64) -> Result<bool> {
-        let Some(rule) = Rule::of(&self.cfg) else { return Ok(false) };
         let w = p.as_tensor();
-        let names = slot_names(&self.cfg);
+        let (cfg, prule) = self.param_cfg(name, w)?;
+        let Some(rule) = Rule::of(&cfg) else { return Ok(false) };
+        let names = slot_names(&cfg);
         let slots: Vec<Tensor> = names.iter().map(|s| self.slot(name, s, w)).collect::<Result<_>>()?;
         if !lazy::applies(w, &slots, g, rows.len()) {
             return Ok(false);
@@ -167,7 +215,7 @@ impl Optimizer {
             // Nothing is deferred: the rows not in the gradient do not change.
             self.flush_param(name, p, t - 1)?;
             let from = vec![t - 1; rows.len()];
-            lazy::bring_up(rule, w, &slots, Behind { rows, from: &from }, t, Some(g), &self.lrs)?;
+            lazy::bring_up(rule, w, &slots, Behind { rows, from: &from }, t, Some(g), &self.scaled_lrs(prule.lr_scale))?;
         } else {
             let done = self.lazy.entry(name.to_string()).or_insert_with(|| vec![t - 1; n]);
             let from: Vec<u64> = rows.iter().map(|r| done[*r as usize]).collect();
@@ -179,7 +227,7 @@ impl Optimizer {
                 c.replayed_rows += caught_up as u64;
                 c.deferred_rows += left as u64;
             });
-            lazy::bring_up(rule, w, &slots, Behind { rows, from: &from }, t, Some(g), &self.lrs)?;
+            lazy::bring_up(rule, w, &slots, Behind { rows, from: &from }, t, Some(g), &self.scaled_lrs(prule.lr_scale))?;
         }
         for (slot, value) in names.iter().zip(slots) {
             self.set_slot(name, slot, value);
@@ -305,10 +353,13 @@ impl Optimizer {
         }
         self.lrs.push(lr);
         let t = step as i32;
-        let cfg = self.cfg.clone();
+        let base_lr = lr;
         for (i, ((name, p), g)) in params.iter().zip(grads).enumerate() {
             // Detached: ops on the variable (or on a gradient with its graph) would be tracked.
             let (w, g) = (&p.as_tensor().detach(), &g.detach());
+            // This parameter's weight decay and learning rate (its group's).
+            let (cfg, rule) = self.param_cfg(name, w)?;
+            let lr = base_lr * rule.lr_scale;
             let (g, row_mask): (Tensor, Option<Vec<bool>>) = match rows.get(i) {
                 Some(RowUpdate::Sparse { rows: ids, keep_others }) => {
                     check_sparse(name, w, g, ids)?;
@@ -381,24 +432,23 @@ impl Optimizer {
                     }
                     (d * lr)?
                 }
-                OptimConfig::Lars { momentum, weight_decay, trust_coefficient, exclude_1d, .. } => {
-                    let excluded = exclude_1d && w.rank() <= 1;
-                    let d = if excluded {
-                        g.clone()
+                OptimConfig::Lars { momentum, weight_decay, trust_coefficient, .. } => {
+                    // The rule's weight decay (none on excluded 1-D parameters by default),
+                    // then the trust ratio where the rule adapts.
+                    let d = if weight_decay > 0.0 { (g + (w * weight_decay)?)? } else { g.clone() };
+                    let d = if !rule.lars_adaptation {
+                        d
+                    } else if guard.is_some() {
+                        // On the device: the same arithmetic as below, as tensor ops.
+                        lars_trust_on_device(w, &d, sharded[i], trust_coefficient, pg)?
                     } else {
-                        let d = if weight_decay > 0.0 { (g + (w * weight_decay)?)? } else { g.clone() };
-                        if guard.is_some() {
-                            // On the device: the same arithmetic as below, as tensor ops.
-                            lars_trust_on_device(w, &d, sharded[i], trust_coefficient, pg)?
-                        } else {
-                            let mut norms = [sq_norm(w)?, sq_norm(&d)?];
-                            if sharded[i] {
-                                pg.all_reduce_slice(&mut norms, ReduceOp::Sum)?;
-                            }
-                            let (wn, dn) = (norms[0].sqrt(), norms[1].sqrt());
-                            let trust = if wn > 0.0 && dn > 0.0 { trust_coefficient * wn / dn } else { 1.0 };
-                            (d * trust)?
+                        let mut norms = [sq_norm(w)?, sq_norm(&d)?];
+                        if sharded[i] {
+                            pg.all_reduce_slice(&mut norms, ReduceOp::Sum)?;
                         }
+                        let (wn, dn) = (norms[0].sqrt(), norms[1].sqrt());
+                        let trust = if wn > 0.0 && dn > 0.0 { trust_coefficient * wn / dn } else { 1.0 };
+                        (d * trust)?
                     };
                     let buf = ((self.slot(name, "momentum", w)? * momentum)? + &d)?;
                     self.set_slot(name, "momentum", buf.clone());
@@ -687,6 +737,217 @@ mod tests {
                     assert!(!t.track_op(), "{cfg:?} step {step}: state slot {key} carries a computation graph");
                 }
             }
+        }
+    }
+
+    /// The plain f64 update of one element list under `cfg` with `rule`: the formulas written
+    /// out (SGD with momentum/nesterov and L2 decay, LARS with its trust ratio over the whole
+    /// parameter, AdamW with decoupled decay), the learning rate `lr * rule.lr_scale`.
+    fn reference_step(cfg: &OptimConfig, rule: &ParamRule, w: &mut [f64], g: &[f64], s: &mut [Vec<f64>; 2], t: i32, lr: f64) {
+        let lr = lr * rule.lr_scale;
+        let wd = rule.weight_decay;
+        match *cfg {
+            OptimConfig::Sgd { momentum, nesterov, .. } => {
+                for k in 0..w.len() {
+                    let mut d = g[k] + wd * w[k];
+                    if momentum > 0.0 {
+                        s[0][k] = momentum * s[0][k] + d;
+                        d = if nesterov { d + momentum * s[0][k] } else { s[0][k] };
+                    }
+                    w[k] -= lr * d;
+                }
+            }
+            OptimConfig::Lars { momentum, trust_coefficient, .. } => {
+                let d: Vec<f64> = (0..w.len()).map(|k| g[k] + wd * w[k]).collect();
+                let norm = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
+                let (wn, dn) = (norm(w), norm(&d));
+                let trust = if rule.lars_adaptation && wn > 0.0 && dn > 0.0 { trust_coefficient * wn / dn } else { 1.0 };
+                for k in 0..w.len() {
+                    s[0][k] = momentum * s[0][k] + d[k] * trust;
+                    w[k] -= lr * s[0][k];
+                }
+            }
+            OptimConfig::Adamw { beta1, beta2, eps, .. } => {
+                for k in 0..w.len() {
+                    s[0][k] = beta1 * s[0][k] + (1.0 - beta1) * g[k];
+                    s[1][k] = beta2 * s[1][k] + (1.0 - beta2) * g[k] * g[k];
+                    let upd = (s[0][k] / (1.0 - beta1.powi(t))) / ((s[1][k] / (1.0 - beta2.powi(t))).sqrt() + eps);
+                    w[k] -= lr * (upd + wd * w[k]);
+                }
+            }
+        }
+    }
+
+    fn values(t: &Tensor) -> Vec<f64> {
+        t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+    }
+
+    /// Every rule of the parameter groups, through each path an optimizer takes (SGD and
+    /// AdamW fused, and composed through a strided gradient; LARS composed, host and device
+    /// trust ratio), against the plain f64 formulas: the default rule (decay on a 2-D weight,
+    /// none on a bias and a 0-D scale), a group with its own learning-rate scale and weight
+    /// decay on a 2-D weight, a group with its own decay on a 1-D parameter, a group with only
+    /// a learning-rate scale (on the 0-D scale), and LARS's adaptation switched off by a group.
+    #[test]
+    fn each_group_rule_matches_the_plain_f64_update_on_every_path() {
+        use crate::config::{GroupConfig, ParamGroupsConfig};
+        let pg = ProcessGroup::single();
+        let shapes: [(&str, Vec<usize>); 5] = [
+            ("a.weight", vec![6, 4]),
+            ("a.bias", vec![4]),
+            ("b.weight", vec![5, 3]),
+            ("b.bias", vec![3]),
+            ("logit_scale", vec![]),
+        ];
+        let group = |params: &[&str]| GroupConfig {
+            params: params.iter().map(|s| s.to_string()).collect(),
+            lr_scale: 1.0,
+            weight_decay: None,
+            lars_adaptation: None,
+            frozen: false,
+        };
+        let cfgs = [
+            OptimConfig::Sgd { lr: 0.1, momentum: 0.9, nesterov: true, weight_decay: 0.05 },
+            OptimConfig::Sgd { lr: 0.1, momentum: 0.0, nesterov: false, weight_decay: 0.05 },
+            OptimConfig::Adamw { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.2 },
+            OptimConfig::Lars { lr: 0.5, momentum: 0.9, weight_decay: 0.01, trust_coefficient: 0.02, exclude_1d: true },
+        ];
+        for cfg in cfgs {
+            let lars = matches!(cfg, OptimConfig::Lars { .. });
+            let mut groups = vec![
+                GroupConfig { lr_scale: 0.5, weight_decay: Some(0.3), ..group(&["b.weight"]) },
+                GroupConfig { weight_decay: Some(0.07), ..group(&["b.bias"]) },
+                GroupConfig { lr_scale: 4.0, ..group(&["logit_*"]) },
+            ];
+            if lars {
+                groups[0].lars_adaptation = Some(false);
+            }
+            let pgc = ParamGroupsConfig { exclude_1d: true, groups };
+            let named: Vec<(String, Vec<usize>)> = shapes.iter().map(|(n, d)| (n.to_string(), d.clone())).collect();
+            let rules = groups::resolve(&cfg, &pgc, &named).unwrap();
+            // The rules the test means to exercise (else it proves less than its name says).
+            assert_eq!(rules["a.weight"].weight_decay, cfg.weight_decay());
+            assert_eq!((rules["a.bias"].weight_decay, rules["logit_scale"].weight_decay), (0.0, 0.0));
+            assert_eq!((rules["b.weight"].lr_scale, rules["b.weight"].weight_decay), (0.5, 0.3));
+            assert_eq!(rules["b.bias"].weight_decay, 0.07);
+            assert_eq!(rules["logit_scale"].lr_scale, 4.0);
+            assert_eq!(rules["a.weight"].lars_adaptation, lars);
+            assert!(!rules["b.weight"].lars_adaptation && !rules["a.bias"].lars_adaptation);
+            // Gradients: contiguous (fused where it applies) or strided (the composed path).
+            for strided in [false, true] {
+                for guarded in [false, true] {
+                    let init = |n: usize, k0: usize| -> Vec<f64> {
+                        (0..n).map(|k| (((k + k0) * 37 % 23) as f64 - 11.0) / 9.0 + 0.05).collect()
+                    };
+                    let params: Vec<(String, Var)> = named
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (n, d))| {
+                            let count: usize = d.iter().product();
+                            (
+                                n.clone(),
+                                Var::from_tensor(&Tensor::from_vec(init(count, i * 5), d.as_slice(), &Device::Cpu).unwrap())
+                                    .unwrap(),
+                            )
+                        })
+                        .collect();
+                    let mut reference: Vec<Vec<f64>> = params.iter().map(|(_, v)| values(v.as_tensor())).collect();
+                    let mut state: Vec<[Vec<f64>; 2]> =
+                        reference.iter().map(|w| [vec![0.0; w.len()], vec![0.0; w.len()]]).collect();
+                    let mut opt = Optimizer::with_rules(cfg.clone(), rules.clone());
+                    let before = crate::trace::optim_paths();
+                    for step in 1..=3usize {
+                        let lr = cfg.lr() * (1.0 - 0.2 * step as f64);
+                        let gv: Vec<Vec<f64>> = reference
+                            .iter()
+                            .enumerate()
+                            .map(|(i, w)| (0..w.len()).map(|k| ((k * 13 + step * 7 + i) % 17) as f64 / 17.0 - 0.4).collect())
+                            .collect();
+                        let grads: Vec<Tensor> = named
+                            .iter()
+                            .zip(&gv)
+                            .map(|((_, d), g)| {
+                                let t = Tensor::from_vec(g.clone(), d.as_slice(), &Device::Cpu).unwrap();
+                                if strided && d.len() == 2 {
+                                    // The same values through a transposed copy: not contiguous.
+                                    t.t().unwrap().contiguous().unwrap().t().unwrap()
+                                } else {
+                                    t
+                                }
+                            })
+                            .collect();
+                        let sharded = vec![false; params.len()];
+                        if guarded {
+                            let ok = Tensor::new(&[1u8], &Device::Cpu).unwrap().reshape(()).unwrap();
+                            let all = vec![RowUpdate::All; params.len()];
+                            assert!(opt.step_guarded(&params, &grads, &sharded, &all, lr, &pg, &ok).unwrap());
+                        } else {
+                            opt.step(&params, &grads, &sharded, lr, &pg).unwrap();
+                        }
+                        for (i, (name, _)) in named.iter().enumerate() {
+                            reference_step(&cfg, &rules[name], &mut reference[i], &gv[i], &mut state[i], step as i32, lr);
+                        }
+                    }
+                    let paths = crate::trace::optim_paths().since(before);
+                    if lars {
+                        assert_eq!(paths.composed, 15, "{cfg:?}: LARS composes every update");
+                    } else if strided {
+                        assert_eq!(paths.composed, 6, "{cfg:?}: the two strided 2-D gradients compose");
+                    } else {
+                        assert_eq!(paths.fused_cpu, 15, "{cfg:?}: every update fused");
+                    }
+                    for ((name, v), want) in params.iter().zip(&reference) {
+                        let what = format!("{cfg:?} strided {strided} guarded {guarded}: {name}");
+                        allgrad_testkit::close::assert_rel(&values(v.as_tensor()), want, 1e-12, &what);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row-sparse gradient of a parameter in a group (learning-rate scale 2.5, weight decay
+    /// 0.1) takes the lazy path and ends, after a flush, where the plain f64 dense update
+    /// with the group's rule (zero gradient in the rows not read) ends; a frozen parameter
+    /// given to the optimizer is an error naming it.
+    #[test]
+    fn the_lazy_update_of_a_row_sparse_gradient_follows_its_group() {
+        let pg = ProcessGroup::single();
+        let rule = ParamRule { frozen: false, lr_scale: 2.5, weight_decay: 0.1, lars_adaptation: false };
+        for cfg in [
+            OptimConfig::Sgd { lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.01 },
+            OptimConfig::Adamw { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.01 },
+        ] {
+            let (n, d) = (8usize, 3usize);
+            let init: Vec<f64> = (0..n * d).map(|k| (k as f64 * 0.37).sin()).collect();
+            let w = Var::from_tensor(&Tensor::from_vec(init.clone(), (n, d), &Device::Cpu).unwrap()).unwrap();
+            let params = [("head".to_string(), w.clone())];
+            let mut opt = Optimizer::with_rules(cfg.clone(), [("head".to_string(), rule.clone())].into());
+            let mut reference = init;
+            let mut state = [vec![0.0; n * d], vec![0.0; n * d]];
+            let before = crate::trace::optim_paths();
+            for (step, rows) in [vec![1u32, 4], vec![0, 4, 7], vec![2]].into_iter().enumerate() {
+                let lr = cfg.lr() / (step + 1) as f64;
+                let gr: Vec<f64> = (0..rows.len() * d).map(|k| ((k * 5 + step) % 7) as f64 / 7.0 - 0.3).collect();
+                let mut dense = vec![0.0; n * d];
+                for (i, r) in rows.iter().enumerate() {
+                    dense[*r as usize * d..(*r as usize + 1) * d].copy_from_slice(&gr[i * d..(i + 1) * d]);
+                }
+                let g = Tensor::from_vec(gr, (rows.len(), d), &Device::Cpu).unwrap();
+                let upd = [RowUpdate::Sparse { rows, keep_others: false }];
+                opt.step_grads(&params, &[g], &[true], &upd, lr, &pg).unwrap();
+                reference_step(&cfg, &rule, &mut reference, &dense, &mut state, step as i32 + 1, lr);
+            }
+            opt.flush(&params).unwrap();
+            let paths = crate::trace::optim_paths().since(before);
+            assert_eq!(paths.lazy_updates, 3, "{cfg:?}: the lazy path did not run");
+            assert!(paths.deferred_rows > 0 && paths.replayed_rows > 0, "{cfg:?}: {paths:?}");
+            allgrad_testkit::close::assert_rel(&values(w.as_tensor()), &reference, 1e-12, &format!("{cfg:?} lazy with a group"));
+            // A frozen parameter is never given to the optimizer.
+            let frozen = ParamRule { frozen: true, lr_scale: 0.0, weight_decay: 0.0, lars_adaptation: false };
+            let mut opt = Optimizer::with_rules(cfg.clone(), [("head".to_string(), frozen)].into());
+            let g = Tensor::zeros((n, d), DType::F64, &Device::Cpu).unwrap();
+            let e = opt.step(&params, &[g], &[false], 0.1, &pg).unwrap_err().to_string();
+            assert!(e.contains("parameter head is frozen"), "{e}");
         }
     }
 }

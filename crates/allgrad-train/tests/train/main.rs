@@ -40,6 +40,7 @@ mod grad_cache_images;
 mod grad_cache_simcse;
 mod lazy_update;
 mod loss_trace;
+mod param_groups;
 mod registry;
 mod resume_images;
 mod simclr;

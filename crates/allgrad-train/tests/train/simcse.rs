@@ -82,6 +82,7 @@ fn train(w: usize, dtype: DType, supervised: bool, steps: usize) -> Run {
             cache_chunk: None,
         },
         optim: OptimConfig::Adamw { lr: 3e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
+        param_groups: Default::default(),
         schedule: ScheduleConfig { warmup_steps: 2, ..Default::default() },
         checkpoint: CheckpointConfig::default(),
         log: LogConfig { progress: Progress::Quiet, plot: false, ..Default::default() },

@@ -222,6 +222,7 @@ fn a_skipped_step_leaves_the_queue_of_past_keys_as_it_was() {
             device: candle_core::Device::Cpu,
             train: allgrad_train::TrainSection { global_batch: 8, epochs: 1, ..cfg.train.clone() },
             optim: cfg.optim.clone(),
+            param_groups: Default::default(),
             schedule: Default::default(),
             checkpoint: Default::default(),
             log: cfg.log.clone(),

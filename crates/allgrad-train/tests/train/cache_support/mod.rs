@@ -60,6 +60,7 @@ pub fn trainer_config(train: TrainSection, optim: OptimConfig) -> TrainerConfig 
         device: Device::Cpu,
         train,
         optim,
+        param_groups: Default::default(),
         schedule: ScheduleConfig::default(),
         checkpoint: CheckpointConfig::default(),
         log: LogConfig { progress: Progress::Quiet, plot: false, ..Default::default() },
