@@ -21,6 +21,7 @@ mod bert_reference;
 mod clip_data;
 mod clip_loss;
 mod clip_reference;
+mod face_bin;
 mod face_head;
 mod face_margin_softmax;
 mod face_sparse;
