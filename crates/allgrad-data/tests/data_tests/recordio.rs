@@ -13,21 +13,21 @@ use allgrad_data::{
 };
 use allgrad_testkit::Need;
 
-/// Runs `recordio_write.py OUT --writer WRITER` with the Python in `var`; `None` (after a skip
-/// line) when `var` is unset.
-fn write_reference(var: &str, writer: &str, need: Need, out: &Path) -> Option<serde_json::Value> {
-    let Some(python) = std::env::var_os(var).filter(|p| !p.is_empty()).map(PathBuf::from) else {
-        allgrad_testkit::skip(need, &format!("{var} is unset"));
-        return None;
-    };
+/// The Python named by `var`, when set.
+fn python(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var).filter(|p| !p.is_empty()).map(PathBuf::from)
+}
+
+/// Runs `recordio_write.py OUT --writer WRITER` with `python`; what it expects back.
+fn write_reference(python: &Path, writer: &str, out: &Path) -> serde_json::Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference/recordio_write.py");
-    let mut cmd = std::process::Command::new(&python);
+    let mut cmd = std::process::Command::new(python);
     cmd.arg(&script).arg(out).args(["--writer", writer]);
     let (o, _) = allgrad_testkit::process::run(&mut cmd, "recordio_write.py", std::time::Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{} {}: {}\n{stderr}", python.display(), script.display(), o.status);
     let text = std::fs::read_to_string(out.join("expected.json")).unwrap();
-    Some(serde_json::from_str(&text).unwrap())
+    serde_json::from_str(&text).unwrap()
 }
 
 /// Both layouts read back: the same samples, classes and pixels (PNG exactly; JPEG within
@@ -58,7 +58,10 @@ fn check_reads_back(out: &Path, expected: &serde_json::Value) {
 #[test]
 fn recordio_written_by_mxnet_reads_back_with_its_labels_and_pixels() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(expected) = write_reference("ALLGRAD_MXNET_PYTHON", "mxnet", Need::Mxnet, dir.path()) else { return };
+    let Some(py) = python("ALLGRAD_MXNET_PYTHON") else {
+        return allgrad_testkit::skip(Need::Mxnet, "ALLGRAD_MXNET_PYTHON is unset");
+    };
+    let expected = write_reference(&py, "mxnet", dir.path());
     assert_eq!(expected["writer"], "mxnet");
     check_reads_back(dir.path(), &expected);
 }
@@ -66,7 +69,10 @@ fn recordio_written_by_mxnet_reads_back_with_its_labels_and_pixels() {
 #[test]
 fn recordio_written_from_the_published_format_reads_back_with_its_labels_and_pixels() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(expected) = write_reference("ALLGRAD_PYTHON", "format", Need::Torch, dir.path()) else { return };
+    let Some(py) = python("ALLGRAD_PYTHON") else {
+        return allgrad_testkit::skip(Need::Torch, "ALLGRAD_PYTHON (a Python with NumPy and Pillow) is unset");
+    };
+    let expected = write_reference(&py, "format", dir.path());
     check_reads_back(dir.path(), &expected);
 }
 
