@@ -38,6 +38,9 @@ impl Default for VerifyConfig {
     }
 }
 
+/// One embedding per image, in file order.
+pub type Embeddings = Vec<Vec<f32>>;
+
 /// The `eval` section: the benchmarks' verification `.bin` files, scored as insightface does
 /// ([`super::verification::insightface_accuracy`]) at every evaluation.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -140,7 +143,7 @@ impl FaceObjective {
 
     /// The raw embeddings of `.bin` `b`'s images and of their mirror images, every image's in
     /// file order: each rank embeds a contiguous share and all ranks gather them.
-    pub fn bin_embeddings(&self, b: usize, pg: &ProcessGroup) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
+    pub fn bin_embeddings(&self, b: usize, pg: &ProcessGroup) -> Result<(Embeddings, Embeddings)> {
         let bin = &self.bins[b];
         let eval = self.source.eval().ok_or(ModelError::NotBuilt { objective: "face (image data)" })?;
         let backbone = self.backbone()?;
