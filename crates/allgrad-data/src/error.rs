@@ -137,6 +137,40 @@ pub enum DataError {
         source: zune_jpeg::errors::DecodeErrors,
     },
 
+    /// A RecordIO record that cannot be used: a bad magic number, a length past the end of
+    /// the file (an `.idx` offset that does not match the `.rec`), a header too short, a
+    /// label that is not a class id.
+    #[error("{path}, record at offset {offset}: {reason}")]
+    Record {
+        /// The `.rec` file.
+        path: PathBuf,
+        /// Byte offset of the record (or of the part of it at fault).
+        offset: u64,
+        /// What is wrong, with the value read.
+        reason: String,
+    },
+
+    /// A line of a RecordIO `.idx` or `property` file that cannot be read.
+    #[error("{path}, line {line}: {reason}")]
+    RecordIndex {
+        /// The file.
+        path: PathBuf,
+        /// The line (from 1; 0 when the fault is not on one line).
+        line: usize,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A verification `.bin` file that is not a pickle of `(list of image bytes, list of
+    /// bool)` with two images per pair.
+    #[error("{path}: not a verification .bin: {reason}")]
+    VerificationBin {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A webdataset shard that does not exist or cannot be opened.
     #[error("webdataset shard {shard}: cannot open: {source}")]
     ShardMissing {

@@ -4,7 +4,9 @@
 //!
 //! - Readers, each a [`Dataset`] of 8-bit [`Image`]s with class labels: [`IdxDataset`]
 //!   (MNIST / Fashion-MNIST, raw or gzipped), [`ImageFolder`] (PNG/JPEG in one sub-folder per
-//!   class) and [`Cifar10`] (binary batches); [`InMemory`] for images already in memory.
+//!   class), [`Cifar10`] (binary batches) and [`RecordIo`] (MXNet's indexed RecordIO, the face
+//!   training sets of insightface); [`InMemory`] for images already in memory. The face
+//!   benchmarks' verification pairs: [`VerificationBin`].
 //!   Corrupt or truncated files give a [`DataError`] naming the file and the fault; nothing
 //!   panics on bad input.
 //! - Augmentations ([`Augment`], configured by [`AugmentConfig`]; [`TwoViews`] for pairs):
@@ -38,6 +40,7 @@ mod cifar;
 mod dataset;
 mod decode;
 mod error;
+mod face_bin;
 mod folder;
 mod host;
 mod idx;
@@ -46,6 +49,7 @@ mod loader;
 #[cfg(feature = "cuda")]
 mod pinned;
 mod read;
+mod recordio;
 pub mod rng;
 mod sampler;
 pub mod webdataset;
@@ -58,9 +62,11 @@ pub use cifar::{Cifar10, CIFAR10_CLASSES, CIFAR_RECORD, CIFAR_SIDE};
 pub use dataset::{Dataset, InMemory, Split};
 pub use decode::{decode_image, is_jpeg, ColorMode};
 pub use error::{DataError, DataResult};
+pub use face_bin::VerificationBin;
 pub use folder::{FolderOptions, ImageFolder};
 pub use host::{pinned_uploads, Batch};
 pub use idx::IdxDataset;
 pub use image::{Chw, FloatImage, Image};
 pub use loader::{Loader, LoaderConfig};
+pub use recordio::{OnBadRecord, RecordHeader, RecordIo, RecordIoOptions, RecordIoWriter, IR_HEADER_LEN, RECORD_MAGIC};
 pub use sampler::DistributedSampler;

@@ -51,6 +51,9 @@ pub enum Need {
     Simd(&'static str),
     /// GNU tar on PATH (`tar --version` says GNU tar): an independent reader of written shards.
     Tar,
+    /// MXNet 1.9.1 in its own Python environment, named by `ALLGRAD_MXNET_PYTHON`
+    /// (`scripts/ci/get_mxnet.sh`): the writer of reference RecordIO files.
+    Mxnet,
 }
 
 impl Need {
@@ -65,6 +68,7 @@ impl Need {
             Need::Unset(_) => "env",
             Need::Simd(_) => "simd",
             Need::Tar => "tar",
+            Need::Mxnet => "mxnet",
         }
     }
 
@@ -81,6 +85,7 @@ impl Need {
             Need::Unset(var) => format!("{var} is unset"),
             Need::Simd(set) => format!("the CPU has {set}"),
             Need::Tar => "GNU tar is on PATH (`tar --version` names GNU tar)".into(),
+            Need::Mxnet => "ALLGRAD_MXNET_PYTHON names a Python with mxnet 1.9.1 (scripts/ci/get_mxnet.sh installs one)".into(),
         }
     }
 

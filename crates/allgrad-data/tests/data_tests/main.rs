@@ -13,6 +13,7 @@
 //! count of pinned uploads (`allgrad_data::pinned_uploads`) and asserts exact differences.
 
 mod fashion_mnist;
+mod recordio;
 mod views_pinned;
 mod webdataset;
 mod webdataset_resume;

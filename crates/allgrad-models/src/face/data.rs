@@ -6,10 +6,15 @@
 //! - `images`: an image data set on disk (the image methods' `data` section; for the glyph
 //!   stand-in, `data/glyphs` in IDX format with 32-bit labels): identities A in `train`,
 //!   disjoint identities B in `test` for open-set verification.
+//! - `recordio`: an insightface training set, `train.rec`/`train.idx`/`property` in `dir`
+//!   ([`allgrad_data::RecordIo`]); no held-out split (verification comes from the `.bin` files
+//!   of `eval.verification`).
 
 use std::sync::Arc;
 
-use allgrad_data::{Augment, AugmentConfig, Dataset, Split, ViewKey};
+use std::path::PathBuf;
+
+use allgrad_data::{Augment, AugmentConfig, ColorMode, Dataset, OnBadRecord, RecordIo, RecordIoOptions, Split, ViewKey};
 use allgrad_rng::{normals, stream};
 use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -29,6 +34,36 @@ pub enum FaceData {
     Synthetic(SyntheticFaces),
     /// Images on disk.
     Images(Box<ImageData>),
+    /// An indexed RecordIO training set.
+    Recordio(Box<RecordIoData>),
+}
+
+/// The `recordio` data: insightface's `train.rec`, `train.idx` and `property` in one folder.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RecordIoData {
+    /// The folder of `train.rec`, `train.idx` and (optionally) `property`.
+    pub dir: PathBuf,
+    /// Channel conversion of every image (and of the `.bin` images of `eval.verification`).
+    #[serde(default)]
+    pub color: ColorMode,
+    /// A bad record: `error` (the default) or `skip` (left out, with a warning).
+    #[serde(default)]
+    pub on_corrupt: OnBadRecord,
+    /// Augmentations of the training images (the normalisation is also the evaluation's).
+    #[serde(default)]
+    pub augment: AugmentConfig,
+}
+
+impl FaceData {
+    /// The colour mode the images are read in (RGB for synthetic data, which has none).
+    pub fn color(&self) -> ColorMode {
+        match self {
+            FaceData::Synthetic(_) => ColorMode::Rgb,
+            FaceData::Images(d) => d.folder.color,
+            FaceData::Recordio(d) => d.color,
+        }
+    }
 }
 
 /// Synthetic identities.
@@ -53,7 +88,7 @@ fn default_noise() -> f64 {
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Source {
     Synthetic { cfg: SyntheticFaces, classes: usize, seed: u64 },
-    Images { train: Arc<dyn Dataset>, test: Arc<dyn Dataset>, augment: Augment, eval: Augment },
+    Images { train: Arc<dyn Dataset>, test: Option<Arc<dyn Dataset>>, augment: Augment, eval: Augment },
 }
 
 impl Source {
@@ -77,7 +112,23 @@ impl Source {
                 }
                 let augment = Augment::new(d.augment.clone()).map_err(ModelError::Augment)?;
                 let eval = Augment::new(AugmentConfig::eval(d.augment.normalize.clone())).map_err(ModelError::Augment)?;
-                Ok(Source::Images { train, test, augment, eval })
+                Ok(Source::Images { train, test: Some(test), augment, eval })
+            }
+            FaceData::Recordio(d) => {
+                let opts = RecordIoOptions { color: d.color, on_corrupt: d.on_corrupt };
+                let err = |source| ModelError::OpenData { dir: d.dir.clone(), source };
+                let train: Arc<dyn Dataset> = Arc::new(RecordIo::open(&d.dir, &opts).map_err(err)?);
+                if train.num_classes() > classes {
+                    return Err(ModelError::HeadInput(format!(
+                        "{}: the training set has {} identities, more than head.num_classes = {classes}",
+                        d.dir.display(),
+                        train.num_classes()
+                    ))
+                    .into());
+                }
+                let augment = Augment::new(d.augment.clone()).map_err(ModelError::Augment)?;
+                let eval = Augment::new(AugmentConfig::eval(d.augment.normalize.clone())).map_err(ModelError::Augment)?;
+                Ok(Source::Images { train, test: None, augment, eval })
             }
         }
     }
@@ -140,10 +191,11 @@ impl Source {
     pub(crate) fn test_batch(&self, indices: &[usize], device: &Device, dtype: DType) -> Result<Option<(Tensor, Vec<usize>)>> {
         match self {
             Source::Synthetic { .. } => Ok(None),
-            Source::Images { test, eval, .. } => {
+            Source::Images { test: Some(test), eval, .. } => {
                 let key = |i: usize| ViewKey { seed: 0, epoch: 0, index: i as u64, view: 0 };
                 images(test, eval, indices, key, device, dtype).map(Some)
             }
+            Source::Images { test: None, .. } => Ok(None),
         }
     }
 
@@ -151,7 +203,15 @@ impl Source {
     pub(crate) fn test(&self) -> Option<&Arc<dyn Dataset>> {
         match self {
             Source::Synthetic { .. } => None,
-            Source::Images { test, .. } => Some(test),
+            Source::Images { test, .. } => test.as_ref(),
+        }
+    }
+
+    /// The evaluation pipeline (images only): the training data's normalisation, nothing random.
+    pub(crate) fn eval(&self) -> Option<&Augment> {
+        match self {
+            Source::Synthetic { .. } => None,
+            Source::Images { eval, .. } => Some(eval),
         }
     }
 }

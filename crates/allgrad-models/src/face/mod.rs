@@ -41,8 +41,8 @@ pub mod softmax;
 pub mod verification;
 
 pub use backbone::FaceModel;
-pub use data::{FaceData, SyntheticFaces};
+pub use data::{FaceData, RecordIoData, SyntheticFaces};
 pub use head::{CentreStorage, CentreUpdate, FaceHead, HeadConfig, Unsampled};
 pub use margin::{Margin, MarginConfig};
-pub use objective::{FaceObjective, VerifyConfig, CENTRES_PARAM};
+pub use objective::{EvalConfig, FaceObjective, VerifyConfig, CENTRES_PARAM};
 pub use shard::RowRange;

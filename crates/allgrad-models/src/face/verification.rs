@@ -7,6 +7,15 @@
 //!   fold the threshold that is best on the other nine is applied to it; the mean accuracy.
 //! - TPR at FAR 1e-3 (the IJB style): over ALL pairs, the threshold that at most a fraction
 //!   1e-3 of the negative pairs pass, and the fraction of positive pairs above it.
+//!
+//! And the benchmarks' own pairs (the `.bin` files of LFW, CFP-FP, AgeDB-30, ...) scored as
+//! insightface's `verification.py` scores them ([`insightface_accuracy`]): the embeddings of
+//! each image and of its mirror image added and L2-normalised ([`flip_sum_normalised`]), the
+//! squared distance of each pair, thresholds 0, 0.01, ..., 3.99 (a pair is "same" when its
+//! distance is below), 10 folds of consecutive pairs in file order (scikit-learn's `KFold`
+//! without shuffling: the first `n % 10` folds one pair longer), each fold scored at the
+//! threshold (the first, in grid order, of the best) of the other nine; the mean and the
+//! population standard deviation of the ten accuracies.
 
 use allgrad_rng::{shuffle, stream};
 
@@ -104,6 +113,109 @@ pub fn kfold_accuracy(pairs: &[(f32, bool)], folds: usize) -> f64 {
         total += hits as f64 / (hi - lo) as f64;
     }
     total / folds as f64
+}
+
+/// Each image's embedding plus its mirror image's, L2-normalised, in f64 (insightface adds the
+/// two network outputs in f64 and normalises with scikit-learn's `normalize`, which leaves a
+/// zero row as it is).
+pub fn flip_sum_normalised(plain: &[Vec<f32>], flipped: &[Vec<f32>]) -> Vec<Vec<f64>> {
+    plain
+        .iter()
+        .zip(flipped)
+        .map(|(a, b)| {
+            let v: Vec<f64> = a.iter().zip(b).map(|(x, y)| f64::from(*x) + f64::from(*y)).collect();
+            let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let norm = if norm == 0.0 { 1.0 } else { norm };
+            v.into_iter().map(|x| x / norm).collect()
+        })
+        .collect()
+}
+
+/// The figures of a verification `.bin` under insightface's protocol.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BinAccuracy {
+    /// Mean accuracy over the folds.
+    pub accuracy: f64,
+    /// Population standard deviation of the folds' accuracies (NumPy's `np.std`).
+    pub std: f64,
+    /// Each fold's accuracy.
+    pub folds: Vec<f64>,
+    /// Each fold's threshold (chosen on the other folds).
+    pub thresholds: Vec<f64>,
+}
+
+/// insightface's 10-fold accuracy (see the module docs) of embeddings `emb` (two rows per pair,
+/// pair `i` rows `2i` and `2i + 1`) with `issame[i]` whether pair `i` matches. Needs at least
+/// `folds` pairs (`NaN` figures otherwise).
+pub fn insightface_accuracy(emb: &[Vec<f64>], issame: &[bool], folds: usize) -> BinAccuracy {
+    let n = issame.len().min(emb.len() / 2);
+    let dist: Vec<f64> = (0..n).map(|i| emb[2 * i].iter().zip(&emb[2 * i + 1]).map(|(a, b)| (a - b) * (a - b)).sum()).collect();
+    let thresholds: Vec<f64> = (0..400).map(|k| k as f64 * 0.01).collect();
+    if n < folds || folds < 2 {
+        return BinAccuracy { accuracy: f64::NAN, std: f64::NAN, folds: Vec::new(), thresholds: Vec::new() };
+    }
+    let accuracy = |t: f64, pairs: &mut dyn Iterator<Item = usize>| {
+        let (mut right, mut count) = (0usize, 0usize);
+        for i in pairs {
+            right += usize::from((dist[i] < t) == issame[i]);
+            count += 1;
+        }
+        right as f64 / count as f64
+    };
+    // scikit-learn's KFold: fold f holds n / folds pairs, one more for the first n % folds.
+    let mut bounds = vec![0usize];
+    for f in 0..folds {
+        bounds.push(bounds[f] + n / folds + usize::from(f < n % folds));
+    }
+    let (mut accs, mut chosen) = (Vec::with_capacity(folds), Vec::with_capacity(folds));
+    for f in 0..folds {
+        let (lo, hi) = (bounds[f], bounds[f + 1]);
+        let mut best = (f64::NEG_INFINITY, 0.0);
+        for &t in &thresholds {
+            let a = accuracy(t, &mut (0..lo).chain(hi..n));
+            if a > best.0 {
+                best = (a, t);
+            }
+        }
+        accs.push(accuracy(best.1, &mut (lo..hi)));
+        chosen.push(best.1);
+    }
+    let mean = numpy_sum(&accs) / folds as f64;
+    let squares: Vec<f64> = accs.iter().map(|a| (a - mean) * (a - mean)).collect();
+    let std = (numpy_sum(&squares) / folds as f64).sqrt();
+    BinAccuracy { accuracy: mean, std, folds: accs, thresholds: chosen }
+}
+
+/// A sum in NumPy's order (its pairwise summation of a contiguous f64 array: eight running
+/// sums combined as a tree, the remainder added after; halves above 128 values), so that the
+/// mean and standard deviation are NumPy's to the last bit, not only to the printed digits.
+/// Hand-written: no crate sums in NumPy's order.
+fn numpy_sum(a: &[f64]) -> f64 {
+    fn pairwise(a: &[f64]) -> f64 {
+        let n = a.len();
+        if n < 8 {
+            a.iter().fold(0.0, |s, x| s + x)
+        } else if n <= 128 {
+            let mut r = [0.0; 8];
+            r.copy_from_slice(&a[..8]);
+            let whole = n - n % 8;
+            for i in (8..whole).step_by(8) {
+                for (acc, x) in r.iter_mut().zip(&a[i..i + 8]) {
+                    *acc += x;
+                }
+            }
+            let mut res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+            for x in &a[whole..] {
+                res += x;
+            }
+            res
+        } else {
+            let half = n / 2;
+            let half = half - half % 8;
+            pairwise(&a[..half]) + pairwise(&a[half..])
+        }
+    }
+    0.0 + pairwise(a)
 }
 
 #[cfg(test)]

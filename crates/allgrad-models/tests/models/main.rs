@@ -24,6 +24,7 @@ mod clip_eval;
 mod clip_init;
 mod clip_loss;
 mod clip_reference;
+mod face_bin;
 mod face_head;
 mod face_margin_softmax;
 mod face_sparse;

@@ -346,6 +346,11 @@ fn lookup_mut<'v>(mut node: &'v mut serde_yaml::Value, parts: &[&str]) -> Option
 /// directory itself when empty); the folders are resolved (symbolic links, `..`) when the
 /// path exists. Anything else (an absolute path, `null`, a number) is left alone.
 fn resolve_path(v: &mut serde_yaml::Value, base: &Path) {
+    // A list of paths (e.g. `eval.verification`): each one.
+    if let Some(list) = v.as_sequence_mut() {
+        list.iter_mut().for_each(|item| resolve_path(item, base));
+        return;
+    }
     let Some(s) = v.as_str() else { return };
     if s.is_empty() || Path::new(s).is_absolute() {
         return;

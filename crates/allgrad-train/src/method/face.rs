@@ -1,9 +1,10 @@
 //! `face`: the class-sharded face-recognition method ([`FaceObjective`]): a backbone, the
 //! ArcFace / CosFace head whose centres are split across ranks, Partial FC, open-set
-//! verification. Sections: `data` (`synthetic` or `images`), `model` (`linear` or `resnet`),
-//! `head`, and optionally `verify`.
+//! verification. Sections: `data` (`synthetic`, `images` or `recordio`), `model` (`linear` or
+//! `resnet`), `head`, and optionally `verify` (pairs drawn from the held-out identities) and
+//! `eval` (the benchmarks' verification `.bin` files).
 
-use allgrad_models::face::{CentreStorage, FaceData, FaceModel, FaceObjective, HeadConfig, VerifyConfig};
+use allgrad_models::face::{CentreStorage, EvalConfig, FaceData, FaceModel, FaceObjective, HeadConfig, VerifyConfig};
 use allgrad_models::Objective;
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
@@ -24,6 +25,9 @@ pub struct FaceSections {
     /// Open-set verification.
     #[serde(default)]
     pub verify: VerifyConfig,
+    /// The benchmarks' verification `.bin` files.
+    #[serde(default)]
+    pub eval: EvalConfig,
 }
 
 /// `face`: see the module docs.
@@ -33,7 +37,7 @@ impl Method for Face {
     type Sections = FaceSections;
 
     fn path_keys(&self) -> &'static [&'static str] {
-        &["data.dir"]
+        &["data.dir", "eval.verification"]
     }
 
     fn validate(&self, s: &FaceSections, run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
@@ -74,13 +78,28 @@ impl Method for Face {
         if kinds.0 != kinds.1 {
             return Err(SectionError::new(
                 "model.kind",
-                "data.kind `synthetic` takes model.kind `linear`, `images` takes `resnet`",
+                "data.kind `synthetic` takes model.kind `linear`, `images` and `recordio` take `resnet`",
             ));
+        }
+        if !s.eval.verification.is_empty() && kinds.0 {
+            return Err(SectionError::new("eval.verification", "verification .bin files need image data (images or recordio)"));
+        }
+        if s.eval.batch == 0 {
+            return Err(SectionError::new("eval.batch", "must be positive"));
         }
         Ok(())
     }
 
     fn objective(&self, s: FaceSections, run: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>> {
-        Ok(Box::new(FaceObjective::new(&s.data, s.model, s.head, s.verify, run.seed, device.clone(), run.candle_dtype())?))
+        Ok(Box::new(FaceObjective::with_eval(
+            &s.data,
+            s.model,
+            s.head,
+            s.verify,
+            s.eval,
+            run.seed,
+            device.clone(),
+            run.candle_dtype(),
+        )?))
     }
 }
