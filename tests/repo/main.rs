@@ -28,6 +28,7 @@ mod first_run;
 mod floors;
 mod launch;
 mod launch_restarts;
+mod outside_crate;
 mod scripts;
 mod sources;
 mod tensorboard;
