@@ -3,8 +3,9 @@
 # virtual environment outside the repository, for the tests that need torchrun and PyTorch's
 # TCPStore (tests/repo/torchrun.rs, run with ALLGRAD_WITH_TORCH=1), with the reference packages that
 # tests compare against in the same environment, pinned: transformers (a trained CLIP export loaded
-# by `CLIPModel`), webdataset (allgrad-written shards read by webdataset's own reader) and
-# tensorboard (a run's events file read by TensorBoard's own reader). Reuses the
+# by `CLIPModel`), webdataset (allgrad-written shards read by webdataset's own reader),
+# tensorboard (a run's events file read by TensorBoard's own reader), and torchvision and timm (an
+# exported ResNet loaded by `torchvision.models.resnet18` and `timm.create_model`). Reuses the
 # environment when it already imports those versions. Prints the environment's path as its last line.
 #
 #   scripts/ci/get_torch.sh [VENV]    (default: $ALLGRAD_TORCH_VENV, else ~/.cache/allgrad/torch-2.15.0)
@@ -15,6 +16,9 @@ set -euo pipefail
 version=2.15.0
 # The reference packages (pip's requirement syntax), each checked by its installed version below.
 refs=(transformers==5.24.0 webdataset==1.0.2 tensorboard==2.21.0)
+# Installed with --no-deps: their requirements would pull another torch (torchvision pins one),
+# and what else they import (pyyaml, huggingface_hub, safetensors) comes with transformers.
+nodeps=(torchvision==0.29.2 timm==1.0.31)
 venv=${1:-${ALLGRAD_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/allgrad/torch-$version}}
 python=${PYTHON:-python3}
 have_torch() { [[ -x $venv/bin/python && -x $venv/bin/torchrun ]] &&
@@ -22,8 +26,8 @@ have_torch() { [[ -x $venv/bin/python && -x $venv/bin/torchrun ]] &&
 # Every reference package at its pinned version.
 have_refs() {
   local want got
-  want=$(printf '%s\n' "${refs[@]}")
-  got=$("$venv/bin/python" - "${refs[@]}" <<'PY' 2>/dev/null
+  want=$(printf '%s\n' "${refs[@]}" "${nodeps[@]}")
+  got=$("$venv/bin/python" - "${refs[@]}" "${nodeps[@]}" <<'PY' 2>/dev/null
 import importlib.metadata as m, sys
 for r in sys.argv[1:]:
     name = r.split("==")[0]
@@ -37,8 +41,9 @@ if have; then
   echo "torch $version already in $venv"
 elif have_torch; then
   "$venv/bin/python" -m pip install --no-cache-dir --quiet "${refs[@]}"
-  have || { echo "error: ${refs[*]} in $venv do not import" >&2; exit 1; }
-  echo "torch $version already in $venv; ${refs[*]} installed"
+  "$venv/bin/python" -m pip install --no-cache-dir --quiet --no-deps "${nodeps[@]}"
+  have || { echo "error: ${refs[*]} ${nodeps[*]} in $venv do not import" >&2; exit 1; }
+  echo "torch $version already in $venv; ${refs[*]} ${nodeps[*]} installed"
 else
   if [[ -e $venv ]]; then
     # Only a virtual environment (a failed earlier install) is replaced.
@@ -49,6 +54,7 @@ else
   "$python" -m venv "$venv"
   # No cache: the wheels would double the disk used.
   "$venv/bin/python" -m pip install --no-cache-dir --quiet "torch==$version" "${refs[@]}"
+  "$venv/bin/python" -m pip install --no-cache-dir --quiet --no-deps "${nodeps[@]}"
   have || { echo "error: torch $version in $venv does not import" >&2; exit 1; }
   echo "torch $version installed in $venv"
 fi

@@ -24,6 +24,7 @@ mod common;
 mod clip_launch;
 mod device_reads;
 mod docs;
+mod export;
 mod first_run;
 mod floors;
 mod launch;

@@ -33,7 +33,7 @@ impl Method for Face {
     type Sections = FaceSections;
 
     fn path_keys(&self) -> &'static [&'static str] {
-        &["data.dir"]
+        &["data.dir", "model.init_from"]
     }
 
     fn validate(&self, s: &FaceSections, run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
