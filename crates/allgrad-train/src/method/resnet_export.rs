@@ -188,13 +188,16 @@ fn f32_cpu(t: &Tensor) -> TrainResult<Tensor> {
     Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
 }
 
+/// Tensors by name, in the order they are written.
+type Named = Vec<(String, Tensor)>;
+
 /// The head's tensors under `nn.Sequential` indices, and the description of its layers.
-fn head_tensors(run: &Run, ck: &Checkpoint, batches: i64) -> TrainResult<(Vec<(String, Tensor)>, Vec<String>)> {
+fn head_tensors(run: &Run, ck: &Checkpoint, batches: i64) -> TrainResult<(Named, Vec<String>)> {
     let param = |k: &str| ck.model.get(k).ok_or_else(|| setup(format!("the checkpoint has no parameter `{k}`")));
     let buffer = |k: &str| ck.buffers.get(k).ok_or_else(|| setup(format!("the checkpoint has no buffer `{k}`")));
     let mut out = Vec::new();
     let mut layers = Vec::new();
-    let put_bn = |out: &mut Vec<(String, Tensor)>, layers: &mut Vec<String>, i: usize, from: &str| -> TrainResult<()> {
+    let put_bn = |out: &mut Named, layers: &mut Vec<String>, i: usize, from: &str| -> TrainResult<()> {
         let w = param(&format!("{from}.weight"))?;
         layers.push(format!("BatchNorm1d({})", w.dim(0)?));
         out.push((format!("{i}.weight"), f32_cpu(w)?));
@@ -204,7 +207,7 @@ fn head_tensors(run: &Run, ck: &Checkpoint, batches: i64) -> TrainResult<(Vec<(S
         out.push((format!("{i}.num_batches_tracked"), Tensor::new(batches, &Device::Cpu)?));
         Ok(())
     };
-    let put_linear = |out: &mut Vec<(String, Tensor)>, layers: &mut Vec<String>, i: usize, from: &str| -> TrainResult<()> {
+    let put_linear = |out: &mut Named, layers: &mut Vec<String>, i: usize, from: &str| -> TrainResult<()> {
         let w = param(&format!("{from}.weight"))?;
         let (o, inp) = w.dims2()?;
         out.push((format!("{i}.weight"), f32_cpu(w)?));
@@ -242,7 +245,7 @@ fn head_tensors(run: &Run, ck: &Checkpoint, batches: i64) -> TrainResult<(Vec<(S
     Ok((out, layers))
 }
 
-fn save(tensors: Vec<(String, Tensor)>, path: &Path) -> TrainResult<()> {
+fn save(tensors: Named, path: &Path) -> TrainResult<()> {
     let map: HashMap<String, Tensor> = tensors.into_iter().collect();
     allgrad_models::save_safetensors(&map, path)?;
     Ok(())
