@@ -268,11 +268,13 @@ fn write(run: &Run, ck: &Checkpoint, format: ExportFormat, out: &Path) -> TrainR
     save(head, &out.join(head_file))?;
 
     let c = cfg.in_channels;
-    let per_channel = |v: &[f32]| -> Vec<f32> {
+    // As the config wrote them (0.286, not the f64 nearest to the f32 0.286), one per channel.
+    let per_channel = |v: &[f32]| -> Vec<f64> {
+        let v: Vec<f64> = v.iter().map(|x| x.to_string().parse().unwrap_or(f64::from(*x))).collect();
         if v.len() == 1 {
             vec![v[0]; c]
         } else {
-            v.to_vec()
+            v
         }
     };
     let (mean, std, size) = match run.augment {
