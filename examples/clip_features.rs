@@ -16,9 +16,9 @@
 
 use std::path::PathBuf;
 
+use allgrad::candle::{DType, Device, Tensor};
 use allgrad::dist::ProcessGroup;
 use allgrad::models::clip::{clip_loss, siglip_loss, Architecture, ClipFolder};
-use candle_core::{DType, Device, Tensor};
 
 const CAPTIONS: [&str; 3] = ["a photo of a sneaker.", "a black and white photo of the dress", "this is an ankle boot for sale"];
 
@@ -40,7 +40,7 @@ fn main() -> anyhow::Result<()> {
     let pixels = Tensor::from_vec(px, (3, c, s, s), &Device::Cpu)?;
     let model = folder.model(DType::F32, &Device::Cpu)?;
     let tok = folder.tokenizer(folder.config.text_config.max_position_embeddings)?;
-    let ids: Vec<Vec<u32>> = CAPTIONS.iter().map(|t| tok.encode(t)).collect::<candle_core::Result<_>>()?;
+    let ids: Vec<Vec<u32>> = CAPTIONS.iter().map(|t| tok.encode(t)).collect::<allgrad::candle::Result<_>>()?;
     let img = model.vision.forward(&pixels)?;
     let txt = model.text.forward(&ids, tok.pad_id(), &Device::Cpu)?;
     let logits = model.logits(&img, &txt)?;

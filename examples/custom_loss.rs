@@ -26,6 +26,8 @@
 //! add `--set points.tile=16` and the loss never holds more than 16 x 16 distances (the
 //! start-up check also compares the tiled term with the whole-matrix one).
 
+use allgrad::candle::{DType, Device, IndexOp, Result, Tensor, D};
+use allgrad::candle_nn::{Linear, Module, VarBuilder};
 use allgrad::dist::{all_gather, ProcessGroup, WorldInfo};
 use allgrad::models::rng::{normals, stream};
 use allgrad::models::tiled::{tiled_cross_entropy, Pairs};
@@ -33,8 +35,6 @@ use allgrad::models::{loss_of_embedded_batch, Batch, EmbeddingObjective, Objecti
 use allgrad::testing::check_world_size_invariance;
 use allgrad::train::method::{Method, SectionError};
 use allgrad::train::{cli, Registry, RunConfig};
-use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
-use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 /// Alignment of the two views, plus log E exp(-2 |z_i - z_j|^2) of each local embedding
@@ -111,7 +111,7 @@ impl PointsObjective {
 impl EmbeddingObjective for PointsObjective {
     /// Both views of samples `rows` of the batch, `[n, 2, 3]`.
     fn embed(&mut self, batch: &Batch, rows: std::ops::Range<usize>, _pg: &ProcessGroup) -> Result<Tensor> {
-        let Some(layer) = self.layer.as_ref() else { candle_core::bail!("align_uniform used before build") };
+        let Some(layer) = self.layer.as_ref() else { allgrad::candle::bail!("align_uniform used before build") };
         let part = batch.part(rows);
         Tensor::stack(&[layer.forward(&self.views(&part, 1)?)?, layer.forward(&self.views(&part, 2)?)?], 1)
     }
@@ -122,7 +122,7 @@ impl EmbeddingObjective for PointsObjective {
 
 impl Objective for PointsObjective {
     fn build(&mut self, vb: VarBuilder) -> Result<()> {
-        self.layer = Some(candle_nn::linear(2, 3, vb.pp("embed"))?);
+        self.layer = Some(allgrad::candle_nn::linear(2, 3, vb.pp("embed"))?);
         Ok(())
     }
     fn num_samples(&self) -> usize {
@@ -182,7 +182,7 @@ fn check_invariance(rank0: bool) -> Result<()> {
     }
     let (a, b) = (whole[0].reference_loss, tiled[0].reference_loss);
     if (a - b).abs() > 1e-10 * a.abs().max(1.0) {
-        candle_core::bail!("the tiled uniformity {b} differs from the whole-matrix one {a}");
+        allgrad::candle::bail!("the tiled uniformity {b} differs from the whole-matrix one {a}");
     }
     Ok(())
 }

@@ -11,10 +11,10 @@
 //! - the same with Prod: 30 and 30, summing to 60 (an all_reduce whose backward reduces the
 //!   gradient with PROD, as torch.distributed.nn does, prints 12 and 18).
 
+use allgrad::candle::{Device, Tensor, Var};
 use allgrad::dist::{all_reduce, ProcessGroup, ReduceOp};
-use candle_core::{Device, Tensor, Var};
 
-fn x_grad(pg: &ProcessGroup, op: ReduceOp, scale_by_rank: bool) -> candle_core::Result<f64> {
+fn x_grad(pg: &ProcessGroup, op: ReduceOp, scale_by_rank: bool) -> allgrad::candle::Result<f64> {
     let x = Var::from_tensor(&Tensor::new(&[1f64], &Device::Cpu)?)?;
     let k = (pg.rank() + 2) as f64;
     let s = all_reduce(&(x.as_tensor() * k)?, op, pg)?;

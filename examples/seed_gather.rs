@@ -9,10 +9,10 @@
 //! r = z_0 * z_1; out = r.mean(). Under the sum rule y.grad is 12 on rank 0 and 18 on
 //! rank 1; dividing the loss by W gives 6 and 9, the single-process gradient.
 
+use allgrad::candle::{Device, Tensor, Var};
 use allgrad::dist::{all_gather, ProcessGroup};
-use candle_core::{Device, Tensor, Var};
 
-fn y_grad(pg: &ProcessGroup, divide_by_w: bool) -> candle_core::Result<f32> {
+fn y_grad(pg: &ProcessGroup, divide_by_w: bool) -> allgrad::candle::Result<f32> {
     let x = Var::from_tensor(&Tensor::full(if pg.rank() == 0 { 1f32 } else { 0. }, (2, 2), &Device::Cpu)?)?;
     let y = (x.as_tensor() + 2.0)?;
     let z = (&y * &y)?;

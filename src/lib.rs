@@ -15,6 +15,9 @@
 //! - [`launch`]: the torchrun-style launcher behind the `launch` binary (re-exported from
 //!   [`dist::launch`]).
 //! - [`tune_allocator`]: allocator settings that make CPU training steps much faster.
+//! - [`candle`] and [`candle_nn`]: Candle as allgrad builds it (candle-core with allgrad's patch,
+//!   and candle-nn on it). Name tensors through them (`allgrad::candle::Tensor`): a crate that
+//!   depends on allgrad then needs no Candle dependency of its own.
 
 #![warn(missing_docs)]
 
@@ -24,6 +27,8 @@ pub use allgrad_models as models;
 pub use allgrad_nn as nn;
 pub use allgrad_rng as rng;
 pub use allgrad_train as train;
+pub use candle_core as candle;
+pub use candle_nn;
 
 mod alloc;
 

@@ -3,11 +3,12 @@
 # virtual environment outside the repository, for the tests that need torchrun and PyTorch's
 # TCPStore (tests/repo/torchrun.rs, run with ALLGRAD_WITH_TORCH=1), with the reference packages that
 # tests compare against in the same environment, pinned: transformers (a trained CLIP export loaded
-# by `CLIPModel`), webdataset (allgrad-written shards read by webdataset's own reader) and
+# by `CLIPModel`), webdataset (allgrad-written shards read by webdataset's own reader),
 # tensorboard (a run's events file read by TensorBoard's own reader), and, installed without
 # their dependencies (they would pull another torch), open-clip-torch (OpenCLIP's own losses,
 # schedule and parameter groups in the recipe-parity test, and its losses beside allgrad's ring
-# losses in scripts/bench/bench_ring_memory.sh). Reuses the
+# losses in scripts/bench/bench_ring_memory.sh), torchvision and timm (an exported ResNet loaded by
+# `torchvision.models.resnet18` and `timm.create_model`). Reuses the
 # environment when it already imports those versions. Prints the environment's path as its last line.
 #
 #   scripts/ci/get_torch.sh [VENV]    (default: $ALLGRAD_TORCH_VENV, else ~/.cache/allgrad/torch-2.15.0)
@@ -18,8 +19,10 @@ set -euo pipefail
 version=2.15.0
 # The reference packages (pip's requirement syntax), each checked by its installed version below.
 refs=(transformers==5.24.0 webdataset==1.0.2 tensorboard==2.21.0)
-# Reference packages installed with --no-deps: what they need beside torch is in refs or unused.
-nodeps=(open-clip-torch==3.3.0)
+# Installed with --no-deps: their requirements would pull another torch (torchvision pins one),
+# and what else they import (pyyaml, huggingface_hub, safetensors) comes with transformers or is
+# unused.
+nodeps=(open-clip-torch==3.3.0 torchvision==0.29.2 timm==1.0.31)
 venv=${1:-${ALLGRAD_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/allgrad/torch-$version}}
 python=${PYTHON:-python3}
 have_torch() { [[ -x $venv/bin/python && -x $venv/bin/torchrun ]] &&

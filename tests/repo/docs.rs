@@ -1,7 +1,7 @@
 //! The documentation cannot go stale unnoticed: every relative link in the README, the docs
 //! and the other Markdown files of the repository points at a file (and heading) that
 //! exists; every flag quoted with one of allgrad's commands (`train`, `launch`, `embed`,
-//! `export-hf`) is one that command's `--help` lists; every script and config a document
+//! `export`, `export-hf`) is one that command's `--help` lists; every script and config a document
 //! names exists; every `--set key=` in the README and docs/ names a key of the configuration
 //! reference (docs/configuration.md); every figure row of the README's performance table has
 //! its command in docs/performance.md, and the rows whose tables are there give its newest
@@ -146,6 +146,7 @@ fn help_flags() -> BTreeMap<&'static str, BTreeSet<String>> {
         ("train", env!("CARGO_BIN_EXE_train")),
         ("launch", env!("CARGO_BIN_EXE_launch")),
         ("embed", env!("CARGO_BIN_EXE_embed")),
+        ("export", env!("CARGO_BIN_EXE_export")),
         ("export-hf", env!("CARGO_BIN_EXE_export-hf")),
         ("write-shards", env!("CARGO_BIN_EXE_write-shards")),
     ];

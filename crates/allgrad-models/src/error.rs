@@ -40,6 +40,15 @@ pub enum ModelError {
     /// A ResNet depth other than 18, 34 or 50.
     #[error("model.depth must be 18, 34 or 50, got {0}")]
     ResNetDepth(usize),
+    /// `model.init_from` names a file that is not a torchvision / timm ResNet of the
+    /// encoder's shape.
+    #[error("model.init_from {}: {detail}", path.display())]
+    InitFrom {
+        /// The file.
+        path: PathBuf,
+        /// What does not match.
+        detail: String,
+    },
     /// A ResNet of width 0, or with other than 1 or 3 input channels.
     #[error("model.width must be positive and model.in_channels 1 or 3 (got {width} and {in_channels})")]
     ResNetShape {

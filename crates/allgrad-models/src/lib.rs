@@ -25,10 +25,10 @@
 //!   losses over the global batch, Hugging Face folders in and out; `method: clip`).
 //!
 //! The modules import one way, each only from those before it: the errors (`error.rs`), `trace`,
-//! `rng`, `files`; `batch_norm` and `resnet`; the temperature, the tiled losses and
-//! [`losses`]; the [`Objective`] trait and what it speaks of (`objective.rs`); [`bert`]; then
-//! the methods ([`image_ssl`], [`vectors`], [`simcse`], [`clip`], and [`face`], whose image
-//! data are those of [`image_ssl`]).
+//! `rng`, `files`; `batch_norm` and `resnet`; the temperature, the tiled losses, [`losses`] and
+//! [`resnet_io`] (a ResNet in torchvision's layout, out and in); the [`Objective`] trait and what
+//! it speaks of (`objective.rs`); [`bert`]; then the methods ([`image_ssl`], [`vectors`],
+//! [`simcse`], [`clip`], and [`face`], whose image data are those of [`image_ssl`]).
 
 #![warn(missing_docs)]
 
@@ -42,6 +42,7 @@ pub mod image_ssl;
 pub mod losses;
 mod objective;
 pub mod resnet;
+pub mod resnet_io;
 pub mod rng;
 pub mod simcse;
 mod temperature;

@@ -33,6 +33,10 @@ pub enum FaceModel {
         /// Dropout before the FC layer (masks keyed by seed, step and global sample index).
         #[serde(default)]
         dropout: f64,
+        /// A torchvision or timm ResNet safetensors file the encoder starts from (see
+        /// [`crate::resnet_io::read_init`]).
+        #[serde(default)]
+        init_from: Option<std::path::PathBuf>,
     },
 }
 
@@ -98,8 +102,8 @@ impl Backbone {
         model.validate()?;
         Ok(match model {
             FaceModel::Linear { embedding } => Backbone::Linear(candle_nn::linear(in_dim, *embedding, vb.pp("linear"))?),
-            FaceModel::Resnet { encoder, embedding, dropout } => {
-                let enc = ResNet::new(encoder, vb.pp("encoder"))?;
+            FaceModel::Resnet { encoder, embedding, dropout, init_from } => {
+                let enc = crate::resnet_io::build_resnet(encoder, init_from.as_ref(), vb.pp("encoder"))?;
                 let f = enc.feature_dim();
                 let e = vb.pp("embedding");
                 Backbone::Resnet {

@@ -18,6 +18,9 @@ pub struct ImageModel {
     pub encoder: ResNetConfig,
     /// The projection head.
     pub projector: ProjectorConfig,
+    /// A torchvision or timm ResNet safetensors file the encoder starts from (parameters and
+    /// running statistics; `fc.*` is ignored): see [`crate::resnet_io::read_init`].
+    pub init_from: Option<std::path::PathBuf>,
 }
 
 /// The projection MLP: `layers` linear layers with ReLU between them (2: SimCLR v1,

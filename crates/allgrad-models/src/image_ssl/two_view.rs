@@ -74,9 +74,10 @@ impl TwoViewImages {
         })
     }
 
-    /// Creates the encoder (`encoder.*`) and projector (`projector.*`) parameters.
+    /// Creates the encoder (`encoder.*`, from `model.init_from` when given) and projector
+    /// (`projector.*`) parameters.
     pub fn build(&mut self, vb: VarBuilder) -> Result<()> {
-        let enc = ResNet::new(&self.model.encoder, vb.pp("encoder"))?;
+        let enc = crate::resnet_io::build_resnet(&self.model.encoder, self.model.init_from.as_ref(), vb.pp("encoder"))?;
         let proj = Projector::new(&self.model.projector, enc.feature_dim(), self.model.encoder.sync_bn, vb.pp("projector"))?;
         self.net = Some((enc, proj));
         Ok(())

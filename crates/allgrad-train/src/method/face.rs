@@ -37,7 +37,7 @@ impl Method for Face {
     type Sections = FaceSections;
 
     fn path_keys(&self) -> &'static [&'static str] {
-        &["data.dir", "eval.verification"]
+        &["data.dir", "eval.verification", "model.init_from"]
     }
 
     fn validate(&self, s: &FaceSections, run: &RunConfig, world_size: usize) -> Result<(), SectionError> {

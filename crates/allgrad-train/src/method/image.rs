@@ -42,7 +42,7 @@ impl Method for ImageMethod {
     type Sections = ContrastiveSections;
 
     fn path_keys(&self) -> &'static [&'static str] {
-        &["data.dir"]
+        &["data.dir", "model.init_from"]
     }
 
     fn validate(&self, s: &ContrastiveSections, run: &RunConfig, world_size: usize) -> Result<(), SectionError> {

@@ -56,6 +56,7 @@ pub mod clip_export;
 pub mod contrastive;
 pub mod face;
 pub mod image;
+pub mod resnet_export;
 mod run_export;
 pub mod simcse;
 pub mod simcse_export;
