@@ -45,6 +45,7 @@ mod image;
 mod loader;
 #[cfg(feature = "cuda")]
 mod pinned;
+mod preprocess;
 mod read;
 pub mod rng;
 mod sampler;
@@ -52,15 +53,16 @@ pub mod webdataset;
 
 pub use augment::{
     Augment, AugmentConfig, ColorJitter, CropBox, GaussianBlur, Normalize, Pipeline, RandomGrayscale, RandomHorizontalFlip,
-    RandomResizedCrop, Stage, TwoViews, ViewKey,
+    RandomResizedCrop, Resample, Stage, TwoViews, ViewKey,
 };
 pub use cifar::{Cifar10, CIFAR10_CLASSES, CIFAR_RECORD, CIFAR_SIDE};
 pub use dataset::{Dataset, InMemory, Split};
-pub use decode::{decode_image, is_jpeg, ColorMode};
+pub use decode::{decode_counts, decode_image, is_jpeg, ColorMode};
 pub use error::{DataError, DataResult};
 pub use folder::{FolderOptions, ImageFolder};
 pub use host::{pinned_uploads, Batch};
 pub use idx::IdxDataset;
 pub use image::{Chw, FloatImage, Image};
 pub use loader::{Loader, LoaderConfig};
+pub use preprocess::Preprocess;
 pub use sampler::DistributedSampler;

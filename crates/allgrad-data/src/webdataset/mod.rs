@@ -2,7 +2,8 @@
 //!
 //! A shard is a tar file; consecutive members with the same key (file name up to its first
 //! dot) form one sample, each member under its extension: `jpg`/`jpeg`/`png` for the image,
-//! `cls` for the class id, `txt` or `json` for text ([`shard`]). Shards are listed as paths
+//! `cls` for the class id, `txt` or `json` for text ([`shard`]); image-caption pairs carry their
+//! caption in a member or a field of the `json` member ([`CaptionField`], [`ShardStream::with_caption`]). Shards are listed as paths
 //! or brace patterns, `train-{000000..000127}.tar` ([`expand`]).
 //!
 //! Two ways to read them:
@@ -34,7 +35,7 @@ mod write;
 pub use index::TarDataset;
 pub use loader::StreamLoader;
 pub use pattern::expand;
-pub use shard::{Sample, ShardReader};
+pub use shard::{CaptionField, Sample, ShardReader};
 pub use stream::{ShardStream, StreamLayout};
 pub use write::ShardWriter;
 

@@ -8,22 +8,33 @@
 //! - [`ClipModel`]: a Vision Transformer and CLIP's causal text transformer with projections
 //!   and the learned logit scale, under `transformers`' `CLIPModel` parameter names.
 //! - [`ClipFolder`], [`export_clip_folder`]: Hugging Face CLIP folders in and out.
-//! - [`PairSource`]: image-caption pairs ([`CsvPairs`], [`ClassCaptions`]).
+//! - [`ImageProcessor`]: a folder's `preprocessor_config.json`, run by allgrad-data's
+//!   [`allgrad_data::Preprocess`] (Pillow's bicubic resize, centre crop, normalisation;
+//!   OpenCLIP's random crop for training).
+//! - [`CsvPairs`], [`ClassCaptions`]: image-caption pairs as data sets; webdataset shards as a
+//!   stream; [`PairData`]: the training pairs through the loader's threads ([`ClipInputs`]).
+//! - [`ClipEvaluation`]: zero-shot classification and retrieval.
 //! - [`Clip`]: the objective (`method: clip` in allgrad-train), with gradient caching
-//!   (both towers embed each chunk) and zero-shot / retrieval evaluation.
+//!   (both towers embed each chunk).
 
 mod config;
 mod data;
+mod evaluate;
 mod folder;
+mod inputs;
 pub mod loss;
 mod model;
 mod objective;
+mod preprocess;
 mod settings;
 
 pub use config::{Activation, ClipConfig, ClipTextConfig, ClipVisionConfig};
-pub use data::{ClassCaptions, CsvPairs, PairSource, Pixels};
+pub use data::{ClassCaptions, CsvPairs};
+pub use evaluate::ClipEvaluation;
 pub use folder::{export_clip_folder, ClipFolder, ClipTokenizer, ClipWeights};
+pub use inputs::{ClipInputs, PairData};
 pub use loss::{clip_loss, clip_loss_tiled, clip_scale, siglip_loss, siglip_loss_ring};
 pub use model::{ClipModel, TextTower, VisionTower};
-pub use objective::{Clip, OPENAI_MEAN, OPENAI_STD};
+pub use objective::{image_processor, Clip};
+pub use preprocess::{ImageProcessor, OPENAI_MEAN, OPENAI_STD, PREPROCESSOR_CONFIG};
 pub use settings::{ClipData, ClipEval, ClipLoss, ClipModelSection, LossKind};

@@ -5,6 +5,8 @@
 
 use std::path::PathBuf;
 
+use allgrad_data::webdataset::{CaptionField, WebDatasetOptions};
+use allgrad_data::LoaderConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::tiled::Tiling;
@@ -109,17 +111,21 @@ pub struct ClipModelSection {
     /// context length).
     #[serde(default)]
     pub max_len: Option<usize>,
-    /// Per-channel mean of the input standardisation (default: OpenAI CLIP's for 3
-    /// channels, 0.5 for 1).
+    /// Per-channel mean of the input standardisation (default: the folder's
+    /// `preprocessor_config.json`, else OpenAI CLIP's for 3 channels, 0.5 for 1).
     #[serde(default)]
     pub mean: Option<Vec<f32>>,
-    /// Per-channel standard deviation (default: OpenAI CLIP's for 3 channels, 0.5 for 1).
+    /// Per-channel standard deviation (default: as `mean`).
     #[serde(default)]
     pub std: Option<Vec<f32>>,
 }
 
-/// The `data` section: exactly one of `csv` and `images`.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+fn random_crop() -> Option<[f64; 2]> {
+    Some([0.9, 1.0])
+}
+
+/// The `data` section: exactly one of `csv`, `images` and `shards`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClipData {
     /// A CSV of pairs, header `image,caption` (paths relative to the CSV's folder).
@@ -135,9 +141,48 @@ pub struct ClipData {
     /// With `images`: caption templates, each with one `{}` for a class name.
     #[serde(default)]
     pub templates: Vec<String>,
-    /// Use only the first `limit` pairs.
+    /// Use only the first `limit` pairs (`csv` and `images`).
     #[serde(default)]
     pub limit: Option<usize>,
+    /// A folder of webdataset shards of image-caption pairs (as img2dataset or `write-shards
+    /// --captions` write them): `jpg`/`png` members with the caption in `caption`; the shards
+    /// and the stream's settings are `webdataset`'s (paths relative to this folder).
+    #[serde(default)]
+    pub shards: Option<PathBuf>,
+    /// With `shards`: the training shards, epoch length, streams, shuffle buffer and what a
+    /// corrupt sample (one without its caption among them) does.
+    #[serde(default)]
+    pub webdataset: WebDatasetOptions,
+    /// With `shards`: where a sample's caption is, `txt` (a member) or `json:caption` (a field
+    /// of the `json` member). Default `txt`.
+    #[serde(default)]
+    pub caption: CaptionField,
+    /// The loader's worker threads and prefetch: images are decoded and preprocessed and
+    /// captions tokenized there, never on the training thread.
+    #[serde(default)]
+    pub loader: LoaderConfig,
+    /// OpenCLIP's training augmentation: a random box of this fraction of the image's area
+    /// (aspect ratio 3/4 to 4/3) resized to the model's input, in place of the resize and
+    /// centre crop of evaluation. `null`: training images are preprocessed as for evaluation.
+    #[serde(default = "random_crop")]
+    pub random_crop: Option<[f64; 2]>,
+}
+
+impl Default for ClipData {
+    fn default() -> Self {
+        ClipData {
+            csv: None,
+            images: None,
+            classes: Vec::new(),
+            templates: Vec::new(),
+            limit: None,
+            shards: None,
+            webdataset: WebDatasetOptions::default(),
+            caption: CaptionField::default(),
+            loader: LoaderConfig::default(),
+            random_crop: random_crop(),
+        }
+    }
 }
 
 fn zero_shot() -> usize {
@@ -151,7 +196,7 @@ fn eval_batch() -> usize {
 }
 
 /// The `eval` section: zero-shot classification and image-text retrieval on the test split
-/// of `data.images`, before training and after every epoch.
+/// of `data.images` (or `eval.images`), before training and after every epoch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClipEval {
@@ -169,6 +214,23 @@ pub struct ClipEval {
     /// Images embedded per forward pass.
     #[serde(default = "eval_batch")]
     pub batch: usize,
+    /// The IDX folder whose test split is evaluated, when the training pairs are not
+    /// `data.images` (shards, a CSV). Default: `data.images`.
+    #[serde(default)]
+    pub images: Option<PathBuf>,
+    /// Its classes' names, as `data.classes` (default: `data.classes`).
+    #[serde(default)]
+    pub classes: Vec<Vec<String>>,
+}
+
+impl ClipEval {
+    /// The evaluated IDX folder and its class names: `eval.images` and `eval.classes`, else
+    /// `data.images` and `data.classes`.
+    pub fn source<'a>(&'a self, data: &'a ClipData) -> (Option<&'a PathBuf>, &'a [Vec<String>]) {
+        let images = self.images.as_ref().or(data.images.as_ref());
+        let classes = if self.classes.is_empty() { &data.classes } else { &self.classes };
+        (images, classes)
+    }
 }
 
 #[cfg(test)]

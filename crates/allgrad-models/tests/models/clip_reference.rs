@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 
 use allgrad_dist::ProcessGroup;
-use allgrad_models::clip::{clip_loss, export_clip_folder, ClipFolder};
+use allgrad_models::clip::{clip_loss, export_clip_folder, ClipFolder, ImageProcessor};
 use allgrad_testkit::close::{assert_rel, rel_err};
 use candle_core::{DType, Device, Tensor};
 
@@ -93,8 +93,10 @@ fn tiny_clip_matches_transformers_ids_features_logits_and_loss() {
 fn an_exported_folder_reads_back_to_the_same_model() {
     let params = candle_core::safetensors::load(folder().join("model.safetensors"), &Device::Cpu).unwrap();
     let out = tempfile::tempdir().unwrap();
-    export_clip_folder(&params, &folder(), out.path()).unwrap();
-    for file in ["config.json", "tokenizer.json", "model.safetensors"] {
+    let processor = ImageProcessor::default_for(&ClipFolder::open(&folder()).unwrap().config);
+    export_clip_folder(&params, &folder(), out.path(), &processor).unwrap();
+    assert_eq!(ImageProcessor::read(&out.path().join("preprocessor_config.json")).unwrap(), processor);
+    for file in ["config.json", "tokenizer.json", "model.safetensors", "preprocessor_config.json"] {
         assert!(out.path().join(file).is_file(), "{file} missing from the export");
     }
     let (a, b) = (outputs(&folder()), outputs(out.path()));

@@ -20,6 +20,7 @@ mod bert_model;
 mod bert_reference;
 mod clip_data;
 mod clip_loss;
+mod clip_preprocess;
 mod clip_reference;
 mod face_head;
 mod face_margin_softmax;

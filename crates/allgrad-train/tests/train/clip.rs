@@ -32,6 +32,7 @@ fn data() -> ClipData {
         classes: names.iter().map(|n| vec![n.to_string(), format!("{n} item")]).collect(),
         templates: vec!["a photo of a {}.".into(), "{}".into(), "this is the {} for sale".into()],
         limit: Some(36),
+        ..Default::default()
     }
 }
 
@@ -66,7 +67,7 @@ fn train(w: usize, kind: LossKind, tile: Option<usize>, cache_chunk: Option<usiz
         settings: Default::default(),
     };
     run_threads(w, |pg| {
-        let objective = Clip::new(&model, loss.clone(), &data(), 5, Device::Cpu)?;
+        let objective = Clip::new(&model, loss.clone(), &data(), 5, 12, Device::Cpu)?;
         let mut t = Trainer::new(cfg.clone(), Box::new(objective), pg, None, false)?;
         let losses = (1..=steps).map(|s| Ok(t.train_until(s)?.last_loss)).collect::<candle_core::Result<Vec<_>>>()?;
         let mut params = BTreeMap::new();
@@ -197,7 +198,7 @@ fn a_pretrained_folder_starts_the_trainer_from_its_weights() {
     };
     let want = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     let got = run_threads(1, |pg| {
-        let objective = Clip::new(&model, ClipLoss::default(), &data(), 5, Device::Cpu)?;
+        let objective = Clip::new(&model, ClipLoss::default(), &data(), 5, 12, Device::Cpu)?;
         let t = Trainer::new(cfg.clone(), Box::new(objective), pg, None, false)?;
         let mut params = BTreeMap::new();
         for (n, v) in t.params() {
