@@ -160,10 +160,12 @@ mod tests {
         let v = eval.apply(&img, key(0)).unwrap();
         assert_eq!(v.shape(), (3, 8, 8));
         assert_eq!(v.data[0], (want.pixels[0] as f32 / 255.0 - 0.5) / 0.25);
-        // Training: the same for the same key, another box for another sample.
+        // Training: the same for the same key, another box for another sample (an image where
+        // boxes of the drawn area and ratio fit, not the centre crop of the fallback).
         let train = clip(Some([0.5, 1.0]));
-        assert_eq!(train.apply(&img, key(3)).unwrap(), train.apply(&img, key(3)).unwrap());
-        assert_ne!(train.apply(&img, key(3)).unwrap(), train.apply(&img, key(4)).unwrap());
+        let big = picture(40, 36, 3);
+        assert_eq!(train.apply(&big, key(3)).unwrap(), train.apply(&big, key(3)).unwrap());
+        assert_ne!(train.apply(&big, key(3)).unwrap(), train.apply(&big, key(4)).unwrap());
         assert_eq!(train.eval(), eval);
         // Gray in, three channels out.
         assert_eq!(eval.apply(&picture(9, 9, 1), key(0)).unwrap().shape(), (3, 8, 8));

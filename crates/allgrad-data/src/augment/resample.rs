@@ -129,11 +129,9 @@ pub fn resize_pil(img: &Image, b: CropBox, out_width: usize, out_height: usize, 
     } else {
         (0, b.height, None)
     };
-    let mut tmp: Vec<u8>;
-    let tmp_width;
-    if out_width != b.width {
+    let (tmp, tmp_width) = if out_width != b.width {
         let t = taps(b.width, out_width, filter);
-        tmp = vec![0u8; rows * out_width * c];
+        let mut tmp = vec![0u8; rows * out_width * c];
         for r in 0..rows {
             let y = b.y + rows_first + r;
             let src = &img.pixels[(y * img.width + b.x) * c..(y * img.width + b.x + b.width) * c];
@@ -148,15 +146,15 @@ pub fn resize_pil(img: &Image, b: CropBox, out_width: usize, out_height: usize, 
                 }
             }
         }
-        tmp_width = out_width;
+        (tmp, out_width)
     } else {
-        tmp = Vec::with_capacity(rows * b.width * c);
+        let mut tmp = Vec::with_capacity(rows * b.width * c);
         for r in 0..rows {
             let y = b.y + rows_first + r;
             tmp.extend_from_slice(&img.pixels[(y * img.width + b.x) * c..(y * img.width + b.x + b.width) * c]);
         }
-        tmp_width = b.width;
-    }
+        (tmp, b.width)
+    };
     let Some(t) = vertical else {
         return Image { width: tmp_width, height: rows, channels: c, pixels: tmp };
     };

@@ -5,7 +5,8 @@
 //! allgrad, gives the processor's pixel values from the pixels Pillow decoded (to float
 //! rounding: the same bytes after the resize), and from allgrad's own JPEG decoder within the
 //! decoders' difference (stated). A preprocessor config with a resample filter allgrad does not
-//! run is an error naming it and the file.
+//! run is an error naming it and the file. (And the objective's pretrained weights are dropped
+//! once `build` has copied them into the parameters.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -109,4 +110,28 @@ fn a_preprocessor_config_with_a_filter_allgrad_does_not_run_is_an_error_naming_i
     // Written back, it reads to the same settings.
     p.write(&file).unwrap();
     assert_eq!(ImageProcessor::read(&file).unwrap(), p);
+}
+
+#[test]
+fn pretrained_weights_are_dropped_once_copied_into_the_parameters() {
+    use allgrad_models::clip::{Clip, ClipData, ClipLoss, ClipModelSection};
+    use allgrad_models::Objective;
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let model = ClipModelSection { dir: repo.join("data/clip-tiny"), pretrained: true, max_len: None, mean: None, std: None };
+    let data = ClipData {
+        images: Some(repo.join("data/fashion-mnist")),
+        classes: (0..10).map(|c| vec![format!("class {c}")]).collect(),
+        templates: vec!["a {}".into()],
+        limit: Some(16),
+        ..Default::default()
+    };
+    let mut clip = Clip::new(&model, ClipLoss::default(), &data, 0, 8, candle_core::Device::Cpu).unwrap();
+    assert!(clip.holds_pretrained_weights());
+    let vars = candle_nn::VarMap::new();
+    clip.build(candle_nn::VarBuilder::from_varmap(&vars, candle_core::DType::F32, &candle_core::Device::Cpu)).unwrap();
+    assert!(!clip.holds_pretrained_weights(), "the safetensors are still held after build");
+    // The parameters hold the folder's values.
+    let file = candle_core::safetensors::load(repo.join("data/clip-tiny/model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let want = file["logit_scale"].to_vec0::<f32>().unwrap();
+    assert_eq!(clip.model().unwrap().logit_scale.to_vec0::<f32>().unwrap(), want);
 }
