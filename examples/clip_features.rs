@@ -1,11 +1,14 @@
-//! Prints the image and text features (projected, not normalised), the logits and the CLIP
-//! loss that allgrad computes for a Hugging Face CLIP folder on fixed inputs, as one JSON
-//! object: what `scripts/reference/check_clip_export.py` compares with `transformers`' `CLIPModel` on the
-//! same inputs (an exported run, or any CLIP folder).
+//! Prints the image and text features (projected, not normalised), the logits and the loss
+//! (CLIP's, or SigLIP's sigmoid loss for a SigLIP folder) that allgrad computes for a Hugging
+//! Face CLIP or SigLIP folder on fixed inputs, as one JSON object: what
+//! `scripts/reference/check_clip_export.py` compares with `transformers`' `CLIPModel` on the
+//! same inputs (an exported run, or any CLIP folder), and `siglip_reference.py check` with
+//! `SiglipModel`.
 //!
 //! ```text
 //! cargo run --release --example clip_features -- DIR > allgrad.json
-//! $PYTHON scripts/reference/check_clip_export.py DIR allgrad.json
+//! $PYTHON scripts/reference/check_clip_export.py DIR allgrad.json          # CLIP
+//! $PYTHON scripts/reference/siglip_reference.py check DIR allgrad.json     # SigLIP
 //! ```
 //!
 //! Inputs: three captions, and three images whose pixel (b, c, y, x) is
@@ -14,7 +17,7 @@
 use std::path::PathBuf;
 
 use allgrad::dist::ProcessGroup;
-use allgrad::models::clip::{clip_loss, ClipFolder};
+use allgrad::models::clip::{clip_loss, siglip_loss, Architecture, ClipFolder};
 use candle_core::{DType, Device, Tensor};
 
 const CAPTIONS: [&str; 3] = ["a photo of a sneaker.", "a black and white photo of the dress", "this is an ankle boot for sale"];
@@ -41,7 +44,11 @@ fn main() -> anyhow::Result<()> {
     let img = model.vision.forward(&pixels)?;
     let txt = model.text.forward(&ids, tok.pad_id(), &Device::Cpu)?;
     let logits = model.logits(&img, &txt)?;
-    let loss = clip_loss(&img, &txt, &model.logit_scale, &ProcessGroup::single())?;
+    let pg = ProcessGroup::single();
+    let loss = match (folder.config.model_type, &model.logit_bias) {
+        (Architecture::Siglip, Some(bias)) => siglip_loss(&img, &txt, &model.logit_scale, bias, &pg)?,
+        _ => clip_loss(&img, &txt, &model.logit_scale, &pg)?,
+    };
     let out = serde_json::json!({
         "captions": CAPTIONS,
         "ids": ids,

@@ -296,3 +296,64 @@ fn simclr_on_webdataset_shards_killed_mid_epoch_ends_bitwise_where_an_uninterrup
         .collect();
     assert!(resumed.iter().any(|s| s % 4 != 0), "every resume was at an epoch boundary: {resumed:?}");
 }
+
+/// The largest difference of two final checkpoints' values, relative to each tensor's largest
+/// value (floored at 1e-3), and where.
+fn worst_difference(a: &BTreeMap<String, Vec<f64>>, b: &BTreeMap<String, Vec<f64>>) -> (f64, String) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let mut worst = (0f64, String::new());
+    for (name, x) in a {
+        let scale = x.iter().fold(1e-3f64, |s, v| s.max(v.abs()));
+        let d = x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs() / scale).fold(0f64, f64::max);
+        if d > worst.0 {
+            worst = (d, name.clone());
+        }
+    }
+    worst
+}
+
+#[test]
+fn simclr_on_webdataset_shards_stopped_on_2_ranks_resumes_on_3_and_on_1_where_2_ranks_end() {
+    // 6 streams, global batches of 12, epochs of 48 samples (4 steps), two epochs, in f64. The
+    // 2-rank job stops in the middle of the first epoch (step 2) and of the second (step 6);
+    // resumed on 3 ranks and on 1 from the saved stream position, both end where the
+    // uninterrupted 2-rank job ends (only the rounding of sums split over other ranks
+    // differs), with and without resampling.
+    let d = webdataset_job();
+    let limit = Duration::from_secs(300);
+    for resampled in ["true", "false"] {
+        let sets: Vec<String> = [
+            "dtype=f64",
+            "optim.lr=0.05",
+            "train.epochs=2",
+            "train.global_batch=12",
+            "data.webdataset.streams=6",
+            "data.webdataset.epoch_samples=48",
+            &format!("data.webdataset.resampled={resampled}"),
+        ]
+        .iter()
+        .flat_map(|s| ["--set".to_string(), s.to_string()])
+        .collect();
+        let straight = d.path().join(format!("straight-{resampled}"));
+        ok(&run(launched(d.path(), 2, &[], &straight).args(&sets), "the uninterrupted 2-rank job", limit));
+        let want = final_values(&straight);
+        assert_eq!(want["step"], vec![8.0]);
+        for (stop, w) in [(2, 3), (6, 1)] {
+            let out = d.path().join(format!("resumed-{resampled}-{stop}-{w}"));
+            let mut first = launched(d.path(), 2, &[], &out);
+            first.args(&sets).args(["--stop-after", &stop.to_string()]);
+            ok(&run(&mut first, "the stopped 2-rank job", limit));
+            assert!(out.join(format!("checkpoints/step_{stop}/stream.json")).exists(), "no stream position saved");
+            let mut second = launched(d.path(), w, &[], &out);
+            second.args(&sets).arg("--resume").env("ALLGRAD_LOG", "info");
+            let err = ok(&run(&mut second, "the resumed job", limit));
+            assert!(err.contains("the stream resumes at its saved position"), "the saved position was not used:\n{err}");
+            let (worst, name) = worst_difference(&want, &final_values(&out));
+            assert!(
+                worst <= 1e-10,
+                "resampled {resampled}, stopped at step {stop} on 2 ranks, resumed on {w}: largest relative difference \
+                 {worst:.2e} in {name}"
+            );
+        }
+    }
+}

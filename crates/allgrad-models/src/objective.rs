@@ -159,6 +159,20 @@ pub trait Objective: Send {
         Ok(Vec::new())
     }
 
+    /// Where the training stream this rank reads stands (the streams of `webdataset` shards it
+    /// reads, after the last batch it took), saved in checkpoints (every rank's merged). Default:
+    /// none (the data is not a stream, or its position is the sampler's).
+    fn stream_state(&self) -> Result<Option<allgrad_data::webdataset::StreamState>> {
+        Ok(None)
+    }
+
+    /// Resumes the training stream from a checkpoint's [`Objective::stream_state`] (every
+    /// rank's merged): the streams read on from there instead of from the epoch's start.
+    /// Default: an error, so a saved position is never dropped silently.
+    fn resume_stream(&mut self, _state: allgrad_data::webdataset::StreamState) -> Result<()> {
+        candle_core::bail!("this objective reads no stream, but the checkpoint holds a stream position (stream.json)")
+    }
+
     /// Restores what [`Objective::buffers`] returned (on resume). Default: an error unless
     /// `buffers` is empty, so state is never dropped silently.
     fn load_buffers(&mut self, buffers: &HashMap<String, Tensor>) -> Result<()> {

@@ -33,6 +33,10 @@ pub struct Record {
     /// step this line is about, rank 0's.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub host_traffic: Option<StepTraffic>,
+    /// A stream of `webdataset` shards: the samples (and shard faults) its streams left out so
+    /// far in this epoch (`on_corrupt: skip`), over all ranks.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub data_skipped: Option<u64>,
     /// Evaluation metrics.
     #[serde(flatten)]
     pub eval: std::collections::BTreeMap<String, f64>,
@@ -40,7 +44,7 @@ pub struct Record {
 
 impl Record {
     /// The line's scalars by name, as TensorBoard gets them: `loss`, `lr`, `samples_per_s`,
-    /// `grad_norm`, `host_traffic/<field>` and each evaluation figure under its own name;
+    /// `grad_norm`, `host_traffic/<field>`, `data_skipped` and each evaluation figure under its own name;
     /// `step` and `epoch` are where they stand, not scalars.
     pub fn scalars(&self) -> Vec<(String, f64)> {
         let mut out = Vec::new();
@@ -59,6 +63,9 @@ impl Record {
                 ("syncs", t.syncs),
             ];
             out.extend(fields.iter().map(|(k, v)| (format!("host_traffic/{k}"), *v as f64)));
+        }
+        if let Some(n) = self.data_skipped {
+            out.push(("data_skipped".into(), n as f64));
         }
         out.extend(self.eval.iter().map(|(k, v)| (k.clone(), *v)));
         out
@@ -306,6 +313,7 @@ mod tests {
             samples_per_s: None,
             grad_norm: None,
             host_traffic: None,
+            data_skipped: None,
             eval: eval.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         }
     }

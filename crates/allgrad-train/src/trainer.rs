@@ -18,6 +18,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use allgrad_data::webdataset::StreamState;
 use allgrad_data::DistributedSampler;
 use allgrad_dist::{ProcessGroup, ReduceOp};
 use allgrad_models::{Batch, Objective};
@@ -164,6 +165,7 @@ impl Trainer {
                     shards::load_into(&mut ck, &wants, pg.rank(), w, &cfg.device)?;
                     let path = ck.path.clone();
                     let written_by = ck.state.world_size;
+                    let stream = ck.stream.take();
                     let to = RestoreTarget {
                         params: &params,
                         sharded: &sharded,
@@ -174,6 +176,20 @@ impl Trainer {
                         dtype: cfg.dtype,
                     };
                     step = checkpoint::restore(ck, to)?;
+                    if let Some(s) = stream {
+                        // Each rank takes the saved position of the streams it reads now (any
+                        // world size: the streams are fixed, their ranks are not).
+                        if pg.rank() == 0 {
+                            tracing::info!(
+                                "the stream resumes at its saved position ({} streams, stream.json)",
+                                s.lanes().count()
+                            );
+                        }
+                        objective.resume_stream(s).map_err(|e| TrainError::CheckpointMismatch {
+                            path: path.join("stream.json"),
+                            reason: e.to_string(),
+                        })?;
+                    }
                     if pg.rank() == 0 {
                         tracing::info!("resumed from {} at step {step}", path.display());
                         if written_by != w {
@@ -326,6 +342,7 @@ impl Trainer {
                             samples_per_s: Some(sps),
                             grad_norm: Some(grad_norm),
                             host_traffic: self.step_traffic(),
+                            data_skipped: self.data_skipped()?,
                             eval: Default::default(),
                         })?;
                         window = (Instant::now(), 0);
@@ -377,6 +394,7 @@ impl Trainer {
                 samples_per_s: None,
                 grad_norm: None,
                 host_traffic: None,
+                data_skipped: None,
                 eval: eval.iter().cloned().collect(),
             };
             self.record(r)?;
@@ -696,8 +714,41 @@ impl Trainer {
         Ok((sums[0] + sums[1]).sqrt())
     }
 
+    /// A stream's samples left out so far in this epoch, over all ranks (each rank reads its
+    /// own streams); `None` when the data is not a stream. Every rank calls it.
+    fn data_skipped(&self) -> TrainResult<Option<u64>> {
+        if !self.objective.sequential() {
+            return Ok(None);
+        }
+        let own = self.objective.stream_state()?.map_or(0, |s| s.skipped());
+        let mut n = [own as i64];
+        self.pg.all_reduce_slice(&mut n, ReduceOp::Sum)?;
+        Ok(Some(n[0] as u64))
+    }
+
+    /// The position of the training stream (every rank's streams, merged), for a checkpoint;
+    /// `None` when the data is not a stream. Every rank calls it.
+    fn stream_state(&self) -> TrainResult<Option<StreamState>> {
+        if !self.objective.sequential() {
+            return Ok(None);
+        }
+        let own = self.objective.stream_state()?.unwrap_or_default();
+        let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Setup(format!("encoding the stream position: {e}")))?;
+        let (all, counts) = self.pg.all_gather_v_slice(&bytes, &[])?;
+        let mut merged = StreamState::default();
+        let mut at = 0;
+        for (r, n) in counts.into_iter().enumerate() {
+            let part: StreamState = serde_json::from_slice(&all[at..at + n])
+                .map_err(|e| TrainError::Setup(format!("rank {r}'s stream position does not parse: {e}")))?;
+            merged.merge(part).map_err(|e| TrainError::Setup(format!("rank {r}'s stream position: {e}")))?;
+            at += n;
+        }
+        Ok((!merged.is_empty()).then_some(merged))
+    }
+
     fn save_checkpoint(&mut self) -> TrainResult<()> {
         let Some(dir) = self.out_dir.clone() else { return Ok(()) };
+        let stream = self.stream_state()?;
         // Rows behind (row-sparse updates) are brought up to date: the checkpoint holds the
         // dense update's values and state.
         self.optimizer.flush(&self.params)?;
@@ -724,7 +775,8 @@ impl Trainer {
         };
         let buffers = self.objective.buffers()?;
         let (keep, fault) = (self.cfg.checkpoint.keep_last, self.cfg.settings.fault);
-        let contents = Contents { model: &model, optimizer: &optimizer, buffers: &buffers, state: &state };
+        let contents =
+            Contents { model: &model, optimizer: &optimizer, buffers: &buffers, state: &state, stream: stream.as_ref() };
         if !any_sharded {
             checkpoint::save(&dir, &contents, keep, fault)?;
             return Ok(());

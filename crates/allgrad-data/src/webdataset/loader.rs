@@ -7,7 +7,10 @@
 //! and for each batch in order builds the part of each of its streams (decode, then the
 //! views keyed by the position). The consumer takes the parts in the same (batch, stream)
 //! order, so nothing waits in a cycle, and joins them in position order. A stream that the
-//! plan enters in the middle (a resume) is first read forward to that point.
+//! plan enters in the middle (a resume) starts from its saved state when the stream has one
+//! ([`ShardStream::resume_from`]), and is read forward from there (or from the epoch's start)
+//! to that point. Each part carries its stream's state after it; when a batch is handed out,
+//! those become the stream's position ([`ShardStream::state`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +20,7 @@ use std::thread::JoinHandle;
 
 use candle_core::Device;
 
-use super::stream::{Lane, ShardStream};
+use super::stream::{Lane, LaneState, ShardStream};
 use crate::augment::{Pipeline, ViewKey};
 use crate::error::{DataError, DataResult};
 use crate::host::{to_batch, Batch, HostBatch, HostView, Staging};
@@ -31,6 +34,8 @@ struct Part {
     views: Vec<HostView>,
     labels: Vec<u32>,
     tokens: Vec<Vec<u32>>,
+    /// The stream's state after this part.
+    state: LaneState,
 }
 
 /// Every batch's positions grouped by stream: `(stream, positions)`, streams ascending.
@@ -57,8 +62,11 @@ impl Readers {
     fn part(&mut self, batch: usize, lane: usize, positions: &[usize]) -> DataResult<Part> {
         let w = &self.work;
         let layout = w.source.layout();
-        let reader = self.lanes.entry(lane).or_insert_with(|| w.source.lane(w.seed, w.epoch, lane));
         let first = layout.locate(positions[0]).1;
+        let reader = match self.lanes.entry(lane) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => e.insert(w.source.open_lane(w.seed, w.epoch, lane, first)?),
+        };
         if reader.good() > first {
             return Err(DataError::Stream(format!(
                 "position {} of stream {lane} was asked for after later ones (plans must ascend)",
@@ -88,9 +96,13 @@ impl Readers {
         });
         let key = |p: usize, view| ViewKey { seed: w.seed, epoch: w.epoch, index: p as u64, view };
         let views = assemble(samples, positions.len(), w.pipeline.as_ref(), &w.staging, key)?;
-        Ok(Part { batch, lane, positions: positions.to_vec(), views, labels, tokens })
+        let state = reader.state();
+        Ok(Part { batch, lane, positions: positions.to_vec(), views, labels, tokens, state })
     }
 }
+
+/// A batch and its streams' states after it.
+type Built = (Batch, Vec<LaneState>);
 
 /// Batches of stream positions, built ahead on worker threads; an iterator like
 /// [`crate::Loader`], with the same [`Batch`] items. Dropping it stops the workers.
@@ -104,7 +116,7 @@ pub struct StreamLoader {
     device: Device,
     failed: bool,
     /// With copies to a device: the next batch, its copy started (see [`crate::host`]).
-    ahead: Option<DataResult<Batch>>,
+    ahead: Option<DataResult<Built>>,
 }
 
 impl StreamLoader {
@@ -195,7 +207,7 @@ impl StreamLoader {
         self.work.groups.len()
     }
 
-    fn build(&mut self, b: usize) -> DataResult<HostBatch> {
+    fn build(&mut self, b: usize) -> DataResult<(HostBatch, Vec<LaneState>)> {
         let groups = self.work.groups.clone();
         let mut parts = Vec::with_capacity(groups[b].len());
         for (lane, positions) in &groups[b] {
@@ -212,7 +224,9 @@ impl StreamLoader {
             parts.push(part);
         }
         let mut host = HostBatch { indices: Vec::new(), views: Vec::new(), labels: Vec::new(), tokens: Vec::new() };
+        let mut states = Vec::with_capacity(parts.len());
         for part in parts {
+            states.push(part.state);
             let first = part.positions[0];
             host.indices.extend(part.positions);
             host.labels.extend(part.labels);
@@ -228,19 +242,19 @@ impl StreamLoader {
                 view.parts.extend(more.parts);
             }
         }
-        Ok(host)
+        Ok((host, states))
     }
 }
 
 impl StreamLoader {
     /// The next batch of the plan as tensors.
-    fn take(&mut self) -> Option<DataResult<Batch>> {
+    fn take(&mut self) -> Option<DataResult<Built>> {
         let b = self.next;
         if b >= self.num_batches() || self.failed {
             return None;
         }
         self.next += 1;
-        let out = self.build(b).and_then(|h| to_batch(h, &self.device));
+        let out = self.build(b).and_then(|(h, states)| Ok((to_batch(h, &self.device)?, states)));
         // A stream that failed cannot go on: the batches after it would not be the plan's.
         self.failed = out.is_err();
         Some(out)
@@ -251,15 +265,21 @@ impl Iterator for StreamLoader {
     type Item = DataResult<Batch>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if !self.work.staging.copies_ahead() {
-            return self.take();
-        }
-        // To a device: hand out this batch once the next one's copy has been started.
-        let current = self.ahead.take().or_else(|| self.take())?;
-        if current.is_ok() {
-            self.ahead = self.take();
-        }
-        Some(current)
+        let current = if !self.work.staging.copies_ahead() {
+            self.take()?
+        } else {
+            // To a device: hand out this batch once the next one's copy has been started.
+            let current = self.ahead.take().or_else(|| self.take())?;
+            if current.is_ok() {
+                self.ahead = self.take();
+            }
+            current
+        };
+        // Handed out: its streams' states are the stream's position now.
+        Some(current.map(|(batch, states)| {
+            self.work.source.record(states);
+            batch
+        }))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {

@@ -3,8 +3,9 @@
 //! A shard is a tar file; consecutive members with the same key (file name up to its first
 //! dot) form one sample, each member under its extension: `jpg`/`jpeg`/`png` for the image,
 //! `cls` for the class id, `txt` or `json` for text ([`shard`]); image-caption pairs carry their
-//! caption in a member or a field of the `json` member ([`CaptionField`], [`ShardStream::with_caption`]). Shards are listed as paths
-//! or brace patterns, `train-{000000..000127}.tar` ([`expand`]).
+//! caption in a member or a field of the `json` member ([`CaptionField`],
+//! [`ShardStream::with_caption`]). Shards are listed as paths or brace patterns,
+//! `train-{000000..000127}.tar` ([`expand`]), several in one entry joined by `::` ([`shard_paths`]).
 //!
 //! Two ways to read them:
 //!
@@ -36,7 +37,7 @@ pub use index::TarDataset;
 pub use loader::StreamLoader;
 pub use pattern::expand;
 pub use shard::{CaptionField, Sample, ShardReader};
-pub use stream::{ShardStream, StreamLayout};
+pub use stream::{LaneState, ShardStream, StreamLayout, StreamState};
 pub use write::ShardWriter;
 
 use std::path::{Path, PathBuf};
@@ -87,6 +88,19 @@ pub struct WebDatasetOptions {
     /// through giving only corrupt samples (webp-only shards, say) is an error naming the last
     /// such shard and why, instead of skipping forever.
     pub on_corrupt: OnCorrupt,
+    /// Under `on_corrupt: skip`, the most a stream may leave out in one epoch, as a fraction
+    /// in (0, 1) of its share of the epoch (`epoch_samples / streams`): a stream that leaves
+    /// out more stops the run with an error naming the count. `None` (the default): no limit.
+    pub max_skipped: Option<f64>,
+    /// On resume, when a shard the checkpoint's stream position names is missing or changed
+    /// (size or modification time): `false` (the default) stops with an error naming the
+    /// shard; `true` logs it and restarts the epoch's streams from their first shards (the
+    /// steps already taken in that epoch see their samples again).
+    pub reshard_ok: bool,
+    /// The member extensions a training sample keeps (`[jpg, jpeg, png, cls]`, say): the others
+    /// are dropped as each sample is read, before it waits in a shuffle buffer. Empty (the
+    /// default): every member is kept.
+    pub fields: Vec<String>,
 }
 
 impl Default for WebDatasetOptions {
@@ -99,6 +113,9 @@ impl Default for WebDatasetOptions {
             shuffle_buffer: 1000,
             resampled: true,
             on_corrupt: OnCorrupt::Error,
+            max_skipped: None,
+            reshard_ok: false,
+            fields: Vec::new(),
         }
     }
 }
@@ -129,6 +146,14 @@ impl WebDatasetOptions {
                 format!("train.global_batch = {global_batch} is not divisible by webdataset.streams = {}", self.streams),
             );
         }
+        if let Some(f) = self.max_skipped {
+            if !(f > 0.0 && f < 1.0) {
+                return bad(
+                    "webdataset.max_skipped",
+                    format!("webdataset.max_skipped = {f} is not a fraction in (0, 1) (leave it out for no limit)"),
+                );
+            }
+        }
         if self.epoch_samples < global_batch {
             return bad(
                 "webdataset.epoch_samples",
@@ -149,11 +174,21 @@ impl WebDatasetOptions {
     }
 }
 
-/// The shard paths of `patterns`, each expanded, relative ones joined to `dir`.
+/// The shard paths of `patterns`, relative ones joined to `dir`: each entry may join several
+/// with `::` (as OpenCLIP's `--train-data` does, `a-{0..9}.tar::b-{0..4}.tar`), and each of
+/// those is a brace pattern ([`expand`]).
 pub fn shard_paths(patterns: &[String], dir: &Path) -> DataResult<Vec<PathBuf>> {
     let mut out = Vec::new();
     for p in patterns {
-        out.extend(expand(p)?.into_iter().map(|name| dir.join(name)));
+        for part in p.split("::") {
+            if part.trim().is_empty() {
+                return Err(DataError::Config {
+                    field: "webdataset shards",
+                    reason: format!("`{p}`: an empty entry between `::` separators"),
+                });
+            }
+            out.extend(expand(part.trim())?.into_iter().map(|name| dir.join(name)));
+        }
     }
     Ok(out)
 }

@@ -7,9 +7,15 @@
 //! file that does not exist, a header that is not a tar header, a member whose data runs past
 //! the end of the file, an archive without its end-of-archive blocks (a file cut exactly
 //! between two members), a key that appears twice in a row with the same extension.
+//!
+//! A shard whose name ends in `.gz` or `.tgz` (`train-000000.tar.gz`) is read through gzip:
+//! forward only, so reading it from a byte offset (random access, a resume) decompresses the
+//! shard up to there; corrupt compressed data is an error naming the shard like any other.
 
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
+
+use flate2::read::MultiGzDecoder;
 use std::path::{Path, PathBuf};
 
 use crate::error::{DataError, DataResult};
@@ -127,20 +133,47 @@ pub fn key_and_extension(path: &str) -> Option<(&str, String)> {
 /// A member as read: key, extension, offset of its first header, bytes.
 type Member = (String, String, u64, Vec<u8>);
 
+/// A shard's bytes: the file, or the file through gzip.
+enum Source {
+    Plain(BufReader<File>),
+    Gz(BufReader<MultiGzDecoder<File>>),
+}
+
+impl Read for Source {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Source::Plain(r) => r.read(buf),
+            Source::Gz(r) => r.read(buf),
+        }
+    }
+}
+
+/// Whether `path` names a gzip-compressed shard (`.gz`, `.tgz`).
+fn gzipped(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gz") || e.eq_ignore_ascii_case("tgz"))
+}
+
 /// The samples of one shard, in order. Reading goes forward only (no seeking), so a shard
 /// may be any file the OS reads sequentially.
 pub struct ShardReader {
     path: PathBuf,
-    reader: BufReader<File>,
+    reader: Source,
+    /// The file's length (of a plain shard; unknown, `u64::MAX`, through gzip).
     len: u64,
     /// Offset of the next header.
     pos: u64,
     /// The first member of the next sample, already read.
     pending: Option<Member>,
+    /// What went wrong reading on after the last sample given (where that read started, the
+    /// error): the next call returns it, so that the sample before a fault is given whole.
+    deferred: Option<(u64, DataError)>,
     done: bool,
 }
 
 const BLOCK: u64 = 512;
+
+/// The largest member read from a gzip-compressed shard (1 GiB).
+const MAX_GZ_MEMBER: u64 = 1 << 30;
 
 impl ShardReader {
     /// Opens `path` to read it through (reads of 1 MiB); a missing or unreadable file is an
@@ -151,18 +184,51 @@ impl ShardReader {
 
     fn with_buffer(path: &Path, bytes: usize) -> DataResult<Self> {
         let file = File::open(path).map_err(|source| DataError::ShardMissing { shard: path.into(), source })?;
-        let len = file.metadata().map_err(|e| DataError::io(path, e))?.len();
-        let reader = BufReader::with_capacity(bytes, file);
-        Ok(ShardReader { path: path.into(), reader, len, pos: 0, pending: None, done: false })
+        let (reader, len) = if gzipped(path) {
+            (Source::Gz(BufReader::with_capacity(bytes, MultiGzDecoder::new(file))), u64::MAX)
+        } else {
+            let len = file.metadata().map_err(|e| DataError::io(path, e))?.len();
+            (Source::Plain(BufReader::with_capacity(bytes, file)), len)
+        };
+        Ok(ShardReader { path: path.into(), reader, len, pos: 0, pending: None, deferred: None, done: false })
     }
 
     /// Opens `path` at byte `offset`, the first header of a sample's first member (a
     /// position a [`Sample`] gave), to read a sample or a few (reads of 64 KiB).
     pub fn open_at(path: &Path, offset: u64) -> DataResult<Self> {
         let mut r = Self::with_buffer(path, 1 << 16)?;
-        r.reader.seek(SeekFrom::Start(offset)).map_err(|e| DataError::io(path, e))?;
-        r.pos = offset;
+        r.seek_to(offset)?;
         Ok(r)
+    }
+
+    /// Opens `path` to read it through from byte `offset` (a [`ShardReader::resume_point`]),
+    /// or, when `done`, as read to its end.
+    pub(crate) fn resume(path: &Path, offset: u64, done: bool) -> DataResult<Self> {
+        let mut r = Self::open(path)?;
+        r.seek_to(offset)?;
+        r.done = done;
+        Ok(r)
+    }
+
+    /// Where the next sample starts (its first header), and whether the shard has been read
+    /// to its end: what [`ShardReader::resume`] takes to read on from here.
+    pub(crate) fn resume_point(&self) -> (u64, bool) {
+        match &self.deferred {
+            Some((at, _)) => (*at, false),
+            None => (self.pending.as_ref().map_or(self.pos, |m| m.2), self.done),
+        }
+    }
+
+    /// Moves a reader at byte 0 to byte `offset` (through gzip: reads up to there).
+    fn seek_to(&mut self, offset: u64) -> DataResult<()> {
+        match &mut self.reader {
+            Source::Plain(r) => {
+                r.seek(SeekFrom::Start(offset)).map_err(|e| DataError::io(&self.path, e))?;
+            }
+            Source::Gz(_) => self.skip(offset)?,
+        }
+        self.pos = offset;
+        Ok(())
     }
 
     /// The shard's path.
@@ -186,6 +252,9 @@ impl ShardReader {
                 }
                 Ok(k) => n += k,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if matches!(self.reader, Source::Gz(_)) => {
+                    return Err(self.corrupt(self.pos, format!("{what}: the gzip stream does not decode ({e})")))
+                }
                 Err(e) => return Err(DataError::io(&self.path, e)),
             }
         }
@@ -218,7 +287,15 @@ impl ShardReader {
             }
             let size = h.entry_size().map_err(|e| self.corrupt(at, format!("member size unreadable ({e})")))?;
             let padded = size.div_ceil(BLOCK) * BLOCK;
-            if self.pos + size > self.len {
+            // Through gzip the file's length is unknown: a member's size is bounded instead, so a
+            // corrupt header cannot ask for more memory than any image needs.
+            if self.len == u64::MAX && size > MAX_GZ_MEMBER {
+                return Err(self.corrupt(
+                    at,
+                    format!("a member of {size} bytes, over the {MAX_GZ_MEMBER} bytes a gzip shard's member may have"),
+                ));
+            }
+            if self.pos.saturating_add(size) > self.len {
                 return Err(self.corrupt(
                     at,
                     format!("a member of {size} bytes starts at byte {} but the file ends at byte {}", self.pos, self.len),
@@ -266,14 +343,25 @@ impl ShardReader {
     }
 
     fn skip(&mut self, n: u64) -> DataResult<()> {
-        if n > 0 {
-            self.reader.seek_relative(n as i64).map_err(|e| DataError::io(&self.path, e))?;
+        if n == 0 {
+            return Ok(());
         }
-        Ok(())
+        match &mut self.reader {
+            Source::Plain(r) => r.seek_relative(n as i64).map_err(|e| DataError::io(&self.path, e)),
+            Source::Gz(r) => match std::io::copy(&mut r.take(n), &mut std::io::sink()) {
+                Ok(k) if k == n => Ok(()),
+                Ok(k) => Err(self.corrupt(self.pos, format!("the file ends {k} bytes into a skip of {n}"))),
+                Err(e) => Err(self.corrupt(self.pos, format!("the gzip stream does not decode ({e})"))),
+            },
+        }
     }
 
     /// The next sample, or `None` after the last.
     pub fn next_sample(&mut self) -> DataResult<Option<Sample>> {
+        if let Some((_, e)) = self.deferred.take() {
+            self.done = true;
+            return Err(e);
+        }
         if self.done {
             return Ok(None);
         }
@@ -290,13 +378,23 @@ impl ShardReader {
         let (key, ext, offset, data) = first;
         let mut sample = Sample { key, offset, members: vec![(ext, data)] };
         loop {
-            match self.next_member()? {
+            let at = self.pos;
+            let next = match self.next_member() {
+                Ok(next) => next,
+                Err(e) => {
+                    // The sample so far is whole (every member read); the fault comes next.
+                    self.deferred = Some((at, e));
+                    break;
+                }
+            };
+            match next {
                 None => {
                     self.done = true;
                     break;
                 }
                 Some((key, ext, at, data)) if key == sample.key => {
                     if sample.members.iter().any(|(e, _)| *e == ext) {
+                        self.done = true;
                         return Err(self.corrupt(at, format!("sample `{key}` has two `{ext}` members")));
                     }
                     sample.members.push((ext, data));

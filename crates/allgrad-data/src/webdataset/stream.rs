@@ -18,13 +18,21 @@
 //!
 //! Nothing here depends on the rank, the world size or the worker: those only choose which
 //! streams a thread reads.
+//!
+//! A stream's whole state is small: its counters (good samples given, samples taken out of
+//! the buffer, shards drawn, samples left out: every random draw is keyed by one of them, so
+//! they are its random state), where it is in the shard it reads (a byte offset), and its
+//! shuffle buffer as (shard, byte offset) of each sample ([`LaneState`]). A checkpoint keeps
+//! that for every stream ([`StreamState`]); a resume opens the shard at the offset and reads
+//! the buffer's samples again, one seek each: it costs the buffer, not the position.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use allgrad_rng::{below, shuffle, stream};
+use serde::{Deserialize, Serialize};
 
 use super::index::{decode_sample, member_names};
 use super::shard::{CaptionField, Sample, ShardReader};
@@ -77,6 +85,132 @@ pub struct ShardStream {
     skipped: AtomicU64,
     /// Image-caption pairs: where each sample's caption is (a sample without it is corrupt).
     caption: Option<CaptionField>,
+    /// Samples read from shards (the buffer's, read again on resume, included).
+    samples_read: AtomicU64,
+    /// Each stream's state after the last batch a loader handed out.
+    consumed: Mutex<BTreeMap<usize, LaneState>>,
+    /// Where to resume ([`ShardStream::resume_from`]), and whether the epoch restarts instead.
+    resume: Mutex<Option<(StreamState, bool)>>,
+}
+
+/// What identifies a shard's contents: its path, size and modification time.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct ShardStamp {
+    path: PathBuf,
+    bytes: u64,
+    /// Seconds and nanoseconds since the Unix epoch, where the file system keeps it.
+    modified: Option<(u64, u32)>,
+}
+
+impl ShardStamp {
+    fn of(path: &Path) -> std::io::Result<ShardStamp> {
+        let meta = std::fs::metadata(path)?;
+        let modified = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| (d.as_secs(), d.subsec_nanos()));
+        Ok(ShardStamp { path: path.into(), bytes: meta.len(), modified })
+    }
+}
+
+/// Where one stream stands after some batch: its counters (every random draw is keyed by
+/// them), the shard it reads and the byte offset of its next sample there, its shuffle buffer
+/// as (shard read, shard, byte offset) of each sample, and its bookkeeping of shard reads.
+/// Saved in checkpoints (inside [`StreamState`]); its fields are the stream's own.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LaneState {
+    lane: usize,
+    epoch: u64,
+    good: u64,
+    emitted: u64,
+    drawn: u64,
+    skipped: u64,
+    /// (shard read, shard, offset of its next sample, read to its end).
+    reader: Option<(u64, usize, u64, bool)>,
+    buffer: Vec<(u64, usize, u64)>,
+    draining: bool,
+    empty_in_a_row: usize,
+    reads: Vec<(u64, ShardRead)>,
+    dead: Vec<usize>,
+    last_skip: Option<(u64, String)>,
+}
+
+impl LaneState {
+    /// The stream.
+    pub fn lane(&self) -> usize {
+        self.lane
+    }
+
+    /// The epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Good samples it has given in the epoch.
+    pub fn good(&self) -> u64 {
+        self.good
+    }
+
+    /// Samples (and shard faults) it has left out in the epoch (`on_corrupt: skip`).
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
+}
+
+/// The position of a training stream: every stream's [`LaneState`] after the same batch, with
+/// the layout they were read in and the size and modification time of every shard they name.
+/// Each rank knows its own streams; [`StreamState::merge`] joins the ranks' parts, and any
+/// number of ranks resumes from the whole ([`ShardStream::resume_from`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StreamState {
+    streams: usize,
+    global_batch: usize,
+    shard_count: usize,
+    lanes: BTreeMap<usize, LaneState>,
+    stamps: BTreeMap<usize, ShardStamp>,
+}
+
+impl StreamState {
+    /// Whether it holds no stream.
+    pub fn is_empty(&self) -> bool {
+        self.lanes.is_empty()
+    }
+
+    /// The streams it holds.
+    pub fn lanes(&self) -> impl Iterator<Item = &LaneState> {
+        self.lanes.values()
+    }
+
+    /// Samples its streams left out in their epoch (`on_corrupt: skip`).
+    pub fn skipped(&self) -> u64 {
+        self.lanes.values().map(|l| l.skipped).sum()
+    }
+
+    /// Adds `other`'s streams (another rank's part of the same position). Parts read with other
+    /// layouts or shard lists are an error.
+    pub fn merge(&mut self, other: StreamState) -> DataResult<()> {
+        if other.is_empty() {
+            return Ok(());
+        }
+        if self.is_empty() {
+            let lanes = std::mem::take(&mut self.lanes);
+            *self = other;
+            self.lanes.extend(lanes);
+            return Ok(());
+        }
+        let key = |s: &StreamState| (s.streams, s.global_batch, s.shard_count);
+        if key(self) != key(&other) {
+            return Err(DataError::Stream(format!(
+                "stream positions of different layouts: (streams, global batch, shards) {:?} and {:?}",
+                key(self),
+                key(&other)
+            )));
+        }
+        self.lanes.extend(other.lanes);
+        self.stamps.extend(other.stamps);
+        Ok(())
+    }
 }
 
 impl ShardStream {
@@ -100,7 +234,17 @@ impl ShardStream {
             });
         }
         let layout = StreamLayout { global_batch, streams: opts.streams };
-        Ok(ShardStream { shards, opts, layout, color, skipped: AtomicU64::new(0), caption: None })
+        Ok(ShardStream {
+            shards,
+            opts,
+            layout,
+            color,
+            skipped: AtomicU64::new(0),
+            samples_read: AtomicU64::new(0),
+            consumed: Mutex::new(BTreeMap::new()),
+            resume: Mutex::new(None),
+            caption: None,
+        })
     }
 
     /// The stream of image-caption pairs: every sample's caption is read from `field` and
@@ -115,6 +259,186 @@ impl ShardStream {
     /// Where the captions are read from, for image-caption pairs.
     pub fn caption(&self) -> Option<&CaptionField> {
         self.caption.as_ref()
+    }
+
+    /// Samples read from the shards so far by this process: every sample a stream read, and
+    /// on resume each shuffle buffer's samples read again. What a resume costs, counted.
+    pub fn samples_read(&self) -> u64 {
+        self.samples_read.load(Ordering::Relaxed)
+    }
+
+    /// Where the streams this process read stand after the last batch a loader handed out
+    /// (each stream's latest state), with the size and modification time of the shards they
+    /// name. Empty before any batch.
+    pub fn state(&self) -> DataResult<StreamState> {
+        let lanes = self.consumed.lock().expect("stream state lock").clone();
+        let mut stamps = BTreeMap::new();
+        for l in lanes.values() {
+            let named = l.reader.iter().map(|r| r.1).chain(l.buffer.iter().map(|b| b.1)).chain(l.reads.iter().map(|r| r.1.shard));
+            for s in named {
+                if let std::collections::btree_map::Entry::Vacant(e) = stamps.entry(s) {
+                    let path = &self.shards[s];
+                    e.insert(ShardStamp::of(path).map_err(|e| DataError::io(path, e))?);
+                }
+            }
+        }
+        Ok(StreamState {
+            streams: self.layout.streams,
+            global_batch: self.layout.global_batch,
+            shard_count: self.shards.len(),
+            lanes,
+            stamps,
+        })
+    }
+
+    /// Resumes from `state` (every stream's, or at least this process's): a stream that a
+    /// loader enters at the saved position of the saved epoch starts from its saved state
+    /// (the shard opened at the saved offset, the buffer's samples read again), not from the
+    /// epoch's start. Errors: a state of another layout (streams, global batch, number of
+    /// shards); a shard it names missing or changed (size or modification time), unless
+    /// `reshard_ok`, which logs it and restarts the saved epoch's streams from their first
+    /// shards instead.
+    pub fn resume_from(&self, state: StreamState) -> DataResult<()> {
+        if state.is_empty() {
+            return Ok(());
+        }
+        if (state.streams, state.global_batch) != (self.layout.streams, self.layout.global_batch) {
+            return Err(DataError::Stream(format!(
+                "the checkpoint's stream position was read as {} streams of global batches of {}, this run has {} and {}: \
+                 the data order would differ (set webdataset.streams and train.global_batch as they were)",
+                state.streams, state.global_batch, self.layout.streams, self.layout.global_batch
+            )));
+        }
+        let changed = self.changed_shard(&state);
+        let restart = match changed {
+            None => false,
+            Some(why) if self.opts.reshard_ok => {
+                let epoch = state.lanes.values().map(|l| l.epoch).max().unwrap_or(0);
+                tracing::warn!(
+                    target: "allgrad_data::webdataset",
+                    "{why}; webdataset.reshard_ok: restarting epoch {epoch}'s streams from their first shards"
+                );
+                true
+            }
+            Some(why) => {
+                return Err(DataError::Stream(format!(
+                    "{why}: the checkpoint's stream position cannot be read (set webdataset.reshard_ok: true to restart \
+                     the epoch's streams instead)"
+                )))
+            }
+        };
+        *self.resume.lock().expect("stream state lock") = Some((state, restart));
+        Ok(())
+    }
+
+    /// Why the shards of `state` are not those of this stream, if they are not.
+    fn changed_shard(&self, state: &StreamState) -> Option<String> {
+        if state.shard_count != self.shards.len() {
+            return Some(format!(
+                "the shard list had {} shards when the checkpoint was written, it has {} now",
+                state.shard_count,
+                self.shards.len()
+            ));
+        }
+        for (&i, saved) in &state.stamps {
+            let path = &self.shards[i];
+            if *path != saved.path {
+                return Some(format!(
+                    "shard {i} of the list was {} when the checkpoint was written, it is {} now",
+                    saved.path.display(),
+                    path.display()
+                ));
+            }
+            match ShardStamp::of(path) {
+                Err(e) => return Some(format!("shard {} is missing ({e})", path.display())),
+                Ok(now) if now != *saved => {
+                    return Some(format!(
+                        "shard {} changed since the checkpoint was written ({} bytes, modified {:?} then; {} bytes, \
+                         modified {:?} now)",
+                        path.display(),
+                        saved.bytes,
+                        saved.modified,
+                        now.bytes,
+                        now.modified
+                    ))
+                }
+                Ok(_) => {}
+            }
+        }
+        None
+    }
+
+    /// Drops the members `webdataset.fields` does not list (when it lists any).
+    fn keep_fields(&self, sample: &mut Sample) {
+        let fields = &self.opts.fields;
+        if !fields.is_empty() {
+            sample.members.retain(|(ext, _)| fields.iter().any(|f| f == ext));
+        }
+    }
+
+    /// Notes the states of the streams of a batch handed out.
+    pub(super) fn record(&self, states: Vec<LaneState>) {
+        let mut consumed = self.consumed.lock().expect("stream state lock");
+        for s in states {
+            consumed.insert(s.lane, s);
+        }
+    }
+
+    /// Stream `lane` of `epoch` for a plan whose first sample of it is its `first`-th good
+    /// one: from the saved state when [`ShardStream::resume_from`] has one of this epoch at
+    /// or before `first` (then read forward from there), else from the epoch's start.
+    pub(super) fn open_lane(self: &Arc<Self>, seed: u64, epoch: u64, lane: usize, first: u64) -> DataResult<Lane> {
+        let saved = {
+            let resume = self.resume.lock().expect("stream state lock");
+            match &*resume {
+                Some((state, restart)) => state.lanes.get(&lane).filter(|s| s.epoch == epoch).map(|s| (s.clone(), *restart)),
+                None => None,
+            }
+        };
+        match saved {
+            Some((_, true)) => {
+                // The epoch restarts: the stream's first samples fill the positions from here.
+                let mut l = self.lane(seed, epoch, lane);
+                l.good = first;
+                Ok(l)
+            }
+            Some((s, false)) if s.good <= first => self.restore(seed, &s),
+            _ => Ok(self.lane(seed, epoch, lane)),
+        }
+    }
+
+    /// The stream as `s` saved it: the shard being read opened at its offset, the buffer's
+    /// samples read again (one seek each).
+    fn restore(self: &Arc<Self>, seed: u64, s: &LaneState) -> DataResult<Lane> {
+        let bad = |shard: usize| {
+            DataError::Stream(format!("the saved position of stream {} names shard {shard}, of {}", s.lane, self.shards.len()))
+        };
+        let path = |shard: usize| self.shards.get(shard).ok_or_else(|| bad(shard));
+        let mut l = self.lane(seed, s.epoch, s.lane);
+        if let Some((d, shard, offset, done)) = s.reader {
+            l.reader = Some((d, shard, ShardReader::resume(path(shard)?, offset, done)?));
+        }
+        for &(d, shard, offset) in &s.buffer {
+            let p = path(shard)?;
+            let mut sample = ShardReader::open_at(p, offset)?.next_sample()?.ok_or_else(|| DataError::Shard {
+                shard: p.clone(),
+                offset,
+                reason: "no sample where the saved shuffle buffer has one".into(),
+            })?;
+            self.keep_fields(&mut sample);
+            self.samples_read.fetch_add(1, Ordering::Relaxed);
+            l.buffer.push((d, shard, sample));
+        }
+        l.good = s.good;
+        l.emitted = s.emitted;
+        l.drawn = s.drawn;
+        l.skipped = s.skipped;
+        l.draining = s.draining;
+        l.empty_in_a_row = s.empty_in_a_row;
+        l.reads = s.reads.iter().cloned().collect();
+        l.dead = s.dead.iter().copied().collect();
+        l.last_skip = s.last_skip.clone();
+        Ok(l)
     }
 
     /// Samples per epoch.
@@ -163,12 +487,14 @@ impl ShardStream {
             last_skip: None,
             emitted: 0,
             good: 0,
+            skipped: 0,
         }
     }
 }
 
 /// One read of a shard by a stream (its `drawn`-th), until all its samples are out of the
 /// shuffle buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct ShardRead {
     shard: usize,
     /// Samples read from it.
@@ -218,6 +544,8 @@ pub(super) struct Lane {
     emitted: u64,
     /// Good samples given.
     good: u64,
+    /// Samples (and shard faults) left out.
+    skipped: u64,
 }
 
 impl Lane {
@@ -226,14 +554,69 @@ impl Lane {
         self.good
     }
 
+    /// Where the stream stands now (see [`LaneState`]).
+    pub(super) fn state(&self) -> LaneState {
+        LaneState {
+            lane: self.lane,
+            epoch: self.epoch,
+            good: self.good,
+            emitted: self.emitted,
+            drawn: self.drawn,
+            skipped: self.skipped,
+            reader: self.reader.as_ref().map(|(d, s, r)| {
+                let (offset, done) = r.resume_point();
+                (*d, *s, offset, done)
+            }),
+            buffer: self.buffer.iter().map(|(d, s, sample)| (*d, *s, sample.offset)).collect(),
+            draining: self.draining,
+            empty_in_a_row: self.empty_in_a_row,
+            reads: self.reads.iter().map(|(d, r)| (*d, r.clone())).collect(),
+            dead: self.dead.iter().copied().collect(),
+            last_skip: self.last_skip.clone(),
+        }
+    }
+
+    /// Leaves out what `e` says is corrupt (at byte `offset` of its shard): logged, counted,
+    /// and, past `max_skipped` of the stream's share of the epoch, an error naming the count.
+    fn leave_out(&mut self, offset: u64, e: &DataError) -> DataResult<()> {
+        self.skipped += 1;
+        let n = self.src.skipped.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::warn!("skipping ({n} so far in this process): {e}");
+        self.last_skip = Some((offset, e.to_string()));
+        if let Some(f) = self.src.opts.max_skipped {
+            let share = self.src.opts.epoch_samples / self.src.opts.streams;
+            if self.skipped as f64 > f * share as f64 {
+                return Err(DataError::Stream(format!(
+                    "stream {} left out {} samples in epoch {}, more than webdataset.max_skipped = {f} of its {share} \
+                     samples of the epoch; the last: {e}",
+                    self.lane, self.skipped, self.epoch
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The next sample read from the shards (endless: shards are drawn again and again), or
     /// `None` where a pass over the stream's own shards ends (without resampling).
     fn read(&mut self) -> DataResult<Option<Read>> {
         loop {
             if let Some((d, s, reader)) = &mut self.reader {
                 let (d, s) = (*d, *s);
+                let got = match reader.next_sample() {
+                    Ok(got) => got,
+                    // A broken shard (cut short, a bad header, a repeated member): under
+                    // `skip`, the rest of this read of it is left out, as one fault.
+                    Err(e @ DataError::Shard { .. }) if self.src.opts.on_corrupt == OnCorrupt::Skip => {
+                        let offset = if let DataError::Shard { offset, .. } = &e { *offset } else { 0 };
+                        self.leave_out(offset, &e)?;
+                        None
+                    }
+                    Err(e) => return Err(e),
+                };
                 let read = self.reads.get_mut(&d).expect("a shard being read is listed");
-                if let Some(sample) = reader.next_sample()? {
+                if let Some(mut sample) = got {
+                    self.src.keep_fields(&mut sample);
+                    self.src.samples_read.fetch_add(1, Ordering::Relaxed);
                     read.samples += 1;
                     read.waiting += 1;
                     self.empty_in_a_row = 0;
@@ -348,9 +731,7 @@ impl Lane {
                     return Ok(out);
                 }
                 Err(e) if self.src.opts.on_corrupt == OnCorrupt::Skip => {
-                    let n = self.src.skipped.fetch_add(1, Ordering::Relaxed) + 1;
-                    tracing::warn!("skipping a corrupt sample ({n} so far): {e}");
-                    self.last_skip = Some((sample.offset, e.to_string()));
+                    self.leave_out(sample.offset, &e)?;
                     self.settle(d)?;
                 }
                 Err(e) => return Err(e),

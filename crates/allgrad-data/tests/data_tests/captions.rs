@@ -157,3 +157,31 @@ fn an_indexed_data_sets_text_is_encoded_on_the_loaders_threads() {
     let e = out[1].as_ref().unwrap_err().to_string();
     assert!(e.contains("sample 4 has no text"), "{e}");
 }
+
+#[test]
+fn a_captioned_stream_resumed_from_its_saved_position_gives_the_uninterrupted_captions() {
+    // Captions read after a resume come from the samples the saved position names (the shard
+    // reopened at its offset, the shuffle buffer's samples read again), not from the epoch's start.
+    let dir = tempfile::tempdir().unwrap();
+    let shards = shards(dir.path(), None);
+    let opts = WebDatasetOptions { shuffle_buffer: 3, ..options(OnCorrupt::Error) };
+    let stream = || {
+        Arc::new(ShardStream::new(shards.clone(), opts.clone(), 4, ColorMode::Rgb).unwrap().with_caption(CaptionField::default()))
+    };
+    let plan: Vec<Vec<usize>> = (0..4).map(|b| (b * 4..b * 4 + 4).collect()).collect();
+    let cfg = LoaderConfig { workers: 2, prefetch: 2 };
+    let read = |s: Arc<ShardStream>, plan: Vec<Vec<usize>>| -> Vec<Vec<Vec<u32>>> {
+        StreamLoader::new(s, Arc::new(Bytes), 3, 0, plan, &cfg, &Device::Cpu).unwrap().map(|b| b.unwrap().tokens).collect()
+    };
+    let whole = read(stream(), plan.clone());
+    let first = stream();
+    assert_eq!(read(first.clone(), plan[..2].to_vec()), whole[..2]);
+    let state = first.state().unwrap();
+    assert!(!state.is_empty(), "the stream saved its position");
+    let resumed = stream();
+    resumed.resume_from(state).unwrap();
+    let rest = read(resumed.clone(), plan[2..].to_vec());
+    assert_eq!(rest, whole[2..], "the resumed captions are the uninterrupted run's");
+    // What the resume read: the buffers' samples again and the 8 new ones, not the epoch from its start.
+    assert!(resumed.samples_read() < 16, "read {} samples", resumed.samples_read());
+}

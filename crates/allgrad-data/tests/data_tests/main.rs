@@ -16,3 +16,4 @@ mod captions;
 mod fashion_mnist;
 mod views_pinned;
 mod webdataset;
+mod webdataset_resume;

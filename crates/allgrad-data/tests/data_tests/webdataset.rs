@@ -254,7 +254,7 @@ fn python_webdataset_reads_shards_written_here_as_written() {
 
 /// Image shards for the stream tests: `n` samples of 24x20 RGB PNG, `per` per shard, class
 /// `i % 4`; sample `corrupt` (if any) has bytes that are no image.
-fn image_shards(dir: &Path, n: usize, per: usize, corrupt: Option<usize>) -> Vec<PathBuf> {
+pub(crate) fn image_shards(dir: &Path, n: usize, per: usize, corrupt: Option<usize>) -> Vec<PathBuf> {
     let mut w = ShardWriter::new(dir, "img", per).unwrap();
     for i in 0..n {
         let img = image::RgbImage::from_fn(24, 20, |x, y| {
@@ -271,7 +271,7 @@ fn image_shards(dir: &Path, n: usize, per: usize, corrupt: Option<usize>) -> Vec
     w.finish().unwrap()
 }
 
-fn options(streams: usize, resampled: bool, on_corrupt: OnCorrupt) -> WebDatasetOptions {
+pub(crate) fn options(streams: usize, resampled: bool, on_corrupt: OnCorrupt) -> WebDatasetOptions {
     WebDatasetOptions {
         train: vec!["unused".into()],
         epoch_samples: 48,
@@ -283,15 +283,15 @@ fn options(streams: usize, resampled: bool, on_corrupt: OnCorrupt) -> WebDataset
     }
 }
 
-fn views() -> Arc<TwoViews> {
+pub(crate) fn views() -> Arc<TwoViews> {
     let cfg = AugmentConfig { normalize: Normalize::identity(), ..AugmentConfig::simclr(8) };
     Arc::new(TwoViews::new(cfg).unwrap())
 }
 
 /// Flattened batches: (positions, views, labels).
-type Flat = (Vec<usize>, Vec<Vec<f32>>, Vec<u32>);
+pub(crate) type Flat = (Vec<usize>, Vec<Vec<f32>>, Vec<u32>);
 
-fn run(source: &Arc<ShardStream>, plan: Vec<Vec<usize>>, workers: usize) -> Vec<Flat> {
+pub(crate) fn run(source: &Arc<ShardStream>, plan: Vec<Vec<usize>>, workers: usize) -> Vec<Flat> {
     let cfg = LoaderConfig { workers, prefetch: 2 };
     let loader = StreamLoader::new(source.clone(), views(), 7, 1, plan, &cfg, &Device::Cpu).unwrap();
     loader
@@ -305,7 +305,7 @@ fn run(source: &Arc<ShardStream>, plan: Vec<Vec<usize>>, workers: usize) -> Vec<
 
 /// Rank `r` of `w`'s slices of global batches `steps` (global batch 12), in `acc`
 /// micro-batches each, as the trainer plans them.
-fn plan(steps: std::ops::Range<usize>, r: usize, w: usize, acc: usize) -> Vec<Vec<usize>> {
+pub(crate) fn plan(steps: std::ops::Range<usize>, r: usize, w: usize, acc: usize) -> Vec<Vec<usize>> {
     let (b, local) = (12, 12 / w);
     let mut out = Vec::new();
     for s in steps {
@@ -386,7 +386,7 @@ fn a_plan_that_starts_mid_epoch_gives_the_uninterrupted_batches() {
 
 /// A pipeline that hands the decoded image on as it is (one view: its bytes as floats), so a
 /// batch says exactly which samples it holds.
-struct Pixels;
+pub(crate) struct Pixels;
 
 impl allgrad_data::Pipeline for Pixels {
     fn num_views(&self) -> usize {
@@ -401,7 +401,7 @@ impl allgrad_data::Pipeline for Pixels {
 
 /// Every sample of `shards` by its decoded pixels: pixels -> key. The test images differ in
 /// every sample, so the pixels name the sample.
-fn keys_by_pixels(shards: &[PathBuf]) -> std::collections::HashMap<Vec<u8>, String> {
+pub(crate) fn keys_by_pixels(shards: &[PathBuf]) -> std::collections::HashMap<Vec<u8>, String> {
     let mut out = std::collections::HashMap::new();
     for s in all_samples(shards) {
         let img = allgrad_data::decode_image(s.image().unwrap().1, ColorMode::Rgb, Path::new(&s.key)).unwrap();
@@ -412,7 +412,7 @@ fn keys_by_pixels(shards: &[PathBuf]) -> std::collections::HashMap<Vec<u8>, Stri
 
 /// The (position, key) of every sample of the batches `plan` gives, batch by batch, through
 /// [`Pixels`]: which sample, by key, and that its bytes are that sample's, exactly.
-fn keyed(
+pub(crate) fn keyed(
     source: &Arc<ShardStream>,
     keys: &std::collections::HashMap<Vec<u8>, String>,
     epoch: u64,
@@ -554,7 +554,11 @@ fn corrupt_samples_are_errors_naming_them_or_skipped() {
 
 /// The first batch of `plan` over `shards`, or its error, within 20 s (a stream that never
 /// gives a batch fails the test instead of hanging it).
-fn first_batch_within(shards: Vec<PathBuf>, opts: WebDatasetOptions, plan: Vec<Vec<usize>>) -> Result<Vec<u32>, DataError> {
+pub(crate) fn first_batch_within(
+    shards: Vec<PathBuf>,
+    opts: WebDatasetOptions,
+    plan: Vec<Vec<usize>>,
+) -> Result<Vec<u32>, DataError> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let source = Arc::new(ShardStream::new(shards, opts, 4, ColorMode::Rgb).unwrap());
@@ -720,4 +724,65 @@ fn long_and_non_ascii_names_read_by_the_stream_and_by_random_access() {
         let got = keyed(&source, &pixels, 0, vec![(0..n).collect()], 1);
         assert_eq!(got[0].iter().map(|(_, k)| k.as_str()).collect::<Vec<_>>(), keys, "{name}");
     }
+}
+
+#[test]
+fn shard_lists_joined_by_double_colons_gzip_shards_and_a_field_selection() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = image_shards(dir.path(), 12, 4, None);
+    // `::` joins lists, each a brace pattern.
+    let listed = allgrad_data::webdataset::shard_paths(&["img-000000.tar::img-{000001..000002}.tar".into()], dir.path()).unwrap();
+    assert_eq!(listed, shards);
+    let err = allgrad_data::webdataset::shard_paths(&["img-000000.tar::".into()], dir.path()).unwrap_err().to_string();
+    assert!(err.contains("img-000000.tar::") && err.contains("empty entry"), "{err}");
+    // The same shards gzip-compressed (`.tar.gz`): the same samples, stream, random access and
+    // resume from a saved position.
+    let gz: Vec<PathBuf> = shards
+        .iter()
+        .map(|s| {
+            let to = s.with_extension("tar.gz");
+            let mut enc = flate2::write::GzEncoder::new(std::fs::File::create(&to).unwrap(), flate2::Compression::default());
+            std::io::Write::write_all(&mut enc, &std::fs::read(s).unwrap()).unwrap();
+            enc.finish().unwrap();
+            to
+        })
+        .collect();
+    assert!(all_samples(&gz) == all_samples(&shards));
+    let o = options(4, true, OnCorrupt::Error);
+    let plain = Arc::new(ShardStream::new(shards.clone(), o.clone(), 12, ColorMode::Rgb).unwrap());
+    let zipped = Arc::new(ShardStream::new(gz.clone(), o.clone(), 12, ColorMode::Rgb).unwrap());
+    let whole = run(&plain, plan(0..4, 0, 1, 1), 1);
+    assert!(run(&zipped, plan(0..4, 0, 1, 1), 2) == whole, "gzip shards stream otherwise");
+    let (a, b) = (TarDataset::open(&shards, ColorMode::Rgb, 0).unwrap(), TarDataset::open(&gz, ColorMode::Rgb, 0).unwrap());
+    for i in (0..12).rev() {
+        assert_eq!(a.get(i).unwrap(), b.get(i).unwrap(), "sample {i} by random access");
+    }
+    let first = Arc::new(ShardStream::new(gz.clone(), o.clone(), 12, ColorMode::Rgb).unwrap());
+    run(&first, plan(0..2, 0, 1, 1), 1);
+    let resumed = Arc::new(ShardStream::new(gz.clone(), o.clone(), 12, ColorMode::Rgb).unwrap());
+    resumed.resume_from(first.state().unwrap()).unwrap();
+    assert!(run(&resumed, plan(2..4, 0, 1, 1), 1)[..] == whole[2..], "resumed on gzip shards");
+    // A gzip shard cut short: an error naming it and the byte.
+    let cut = dir.path().join("cut.tar.gz");
+    let bytes = std::fs::read(&gz[0]).unwrap();
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let mut r = ShardReader::open(&cut).unwrap();
+    let err = loop {
+        match r.next_sample() {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("a cut gzip shard read to its end"),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, DataError::Shard { .. }) && err.to_string().contains("cut.tar.gz"), "{err}");
+    // A field selection keeps only the members listed: without `cls`, every label is 0; with
+    // it, the batches are the unselected ones.
+    let png_only = WebDatasetOptions { fields: vec!["png".into()], ..o.clone() };
+    let source = Arc::new(ShardStream::new(shards.clone(), png_only, 12, ColorMode::Rgb).unwrap());
+    let got = run(&source, plan(0..4, 0, 1, 1), 1);
+    assert!(got.iter().all(|b| b.2.iter().all(|&l| l == 0)) && whole.iter().any(|b| b.2.iter().any(|&l| l != 0)));
+    assert!(got.iter().zip(&whole).all(|(g, w)| g.1 == w.1), "the images are those of the unselected stream");
+    let both = WebDatasetOptions { fields: vec!["png".into(), "cls".into()], ..o };
+    let source = Arc::new(ShardStream::new(shards, both, 12, ColorMode::Rgb).unwrap());
+    assert!(run(&source, plan(0..4, 0, 1, 1), 1) == whole);
 }

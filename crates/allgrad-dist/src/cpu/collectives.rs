@@ -375,7 +375,12 @@ impl Mesh {
         }
         let esz = T::DTYPE.size_in_bytes();
         let nbytes = buf.len() * esz;
+        if self.uses_tree() && nbytes <= DIRECT_BYTES {
+            self.rooted_paths.broadcast_tree += 1;
+            return self.tree_broadcast(c, buf, root);
+        }
         if nbytes <= DIRECT_BYTES || w == 2 {
+            self.rooted_paths.broadcast_direct += 1;
             if r == root {
                 let mut sends: Vec<SendOp> = (0..w)
                     .filter(|p| *p != r)
@@ -389,6 +394,7 @@ impl Mesh {
             return Ok(());
         }
         // Pipelined chain root -> root+1 -> ... -> root-1, one segment per step.
+        self.rooted_paths.broadcast_chain += 1;
         let pos = (r + w - root) % w;
         let seg = (SEGMENT_BYTES / esz).max(1);
         let segs: Vec<Range<usize>> = (0..buf.len()).step_by(seg).map(|s| s..(s + seg).min(buf.len())).collect();
@@ -432,7 +438,12 @@ impl Mesh {
         let esz = T::DTYPE.size_in_bytes();
         let n = buf.len();
         let nbytes = n * esz;
+        if self.tree_all_reduce_fits(nbytes, n) {
+            self.rooted_paths.reduce_tree += 1;
+            return self.tree_reduce(c, op, buf, root);
+        }
         if nbytes * (w - 1) <= DIRECT_BYTES || n < w {
+            self.rooted_paths.reduce_direct += 1;
             if r == root {
                 let mut raw = self.take_scratch(n * w * esz);
                 let all = typed::<T>(&mut raw, n * w);
@@ -455,6 +466,7 @@ impl Mesh {
             return Ok(());
         }
         // Ring reduce-scatter, then every rank sends the chunk it owns to the root.
+        self.rooted_paths.reduce_ring += 1;
         let chunks = split_even(n, w);
         let mine = chunks[r].clone();
         let mut reduced = vec![T::zeroed(); mine.len()];

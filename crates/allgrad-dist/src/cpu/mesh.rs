@@ -132,6 +132,8 @@ pub(crate) struct Mesh {
     pub shm: Option<Segment>,
     /// How many all_reduce calls took each path (tests observe the path through it).
     pub paths: AllReducePaths,
+    /// How many broadcast and reduce calls took each path (tests observe the path through it).
+    pub rooted_paths: RootedPaths,
     /// Frames and poll(2) calls of this group so far (benchmarks count them).
     pub counts: WireCounts,
     /// Groups of at least this many ranks take the binomial tree (`tree`).
@@ -226,6 +228,25 @@ pub struct AllReducePaths {
     pub tree: u64,
 }
 
+/// Which path each broadcast and reduce of a group took
+/// ([`crate::ProcessGroup::rooted_paths`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RootedPaths {
+    /// Small broadcasts: the root sends to every other rank, in one round.
+    pub broadcast_direct: u64,
+    /// Small broadcasts of large groups: log2(W) rounds down a binomial tree rooted at the root.
+    pub broadcast_tree: u64,
+    /// Large broadcasts: a pipelined chain from the root.
+    pub broadcast_chain: u64,
+    /// Small reduces: every rank sends to the root, in one round.
+    pub reduce_direct: u64,
+    /// Small reduces of large groups: log2(W) rounds up the binomial tree of the all_reduce.
+    pub reduce_tree: u64,
+    /// Large reduces: a ring reduce-scatter, then each rank's block to the root.
+    pub reduce_ring: u64,
+}
+
 impl Mesh {
     pub fn new(group: String, rank: usize, members: Vec<usize>, peers: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
         let n = peers.len();
@@ -240,6 +261,7 @@ impl Mesh {
             scratch: Vec::new(),
             shm: None,
             paths: AllReducePaths::default(),
+            rooted_paths: RootedPaths::default(),
             counts: WireCounts::default(),
             tree_from: crate::settings::DEFAULT_TREE_FROM,
             peer_window: crate::settings::DEFAULT_PEER_WINDOW,

@@ -1,7 +1,7 @@
 //! Binomial-tree algorithms for large groups (at least ALLGRAD_TREE_FROM ranks, default
 //! [`DEFAULT_TREE_FROM`](crate::settings::DEFAULT_TREE_FROM)): the check that every rank makes the same call (the header exchange of the
-//! shared-memory and NCCL paths, and the barrier), and all_reduce, all_gather and
-//! reduce_scatter of small messages.
+//! shared-memory and NCCL paths, and the barrier), and all_reduce, all_gather,
+//! reduce_scatter, broadcast and reduce of small messages.
 //!
 //! The full-mesh versions in `collectives` send every peer a frame: W - 1 frames out and
 //! W - 1 in per rank and call, W(W - 1) in all, 1,047,552 per call at W = 1,024. Through the
@@ -134,6 +134,78 @@ impl Mesh {
         let mut sends: Vec<SendOp> =
             kids.iter().map(|&k| SendOp { peer: k, header: c.header::<T>(1, n * esz), data: bytes(buf) }).collect();
         self.exchange(&mut sends, &mut [], c.what)
+    }
+
+    /// Copies `root`'s `buf` to every rank down a binomial tree rooted at `root` (ranks
+    /// renumbered from the root): log2(W) rounds, at most log2(W) frames out per rank where
+    /// the direct path has the root send W - 1.
+    pub(crate) fn tree_broadcast<T: Elem>(&mut self, c: &Call, buf: &mut [T], root: usize) -> DistResult<()> {
+        let w = self.size();
+        let h = c.header::<T>(0, std::mem::size_of_val(buf));
+        let (parent, kids) = tree_links((self.rank + w - root) % w, w);
+        let from_root = |x: usize| (x + root) % w;
+        if let Some(p) = parent {
+            let mut recvs = [RecvOp { peer: from_root(p), expect: h, data: bytes_mut(buf), acc: None }];
+            self.exchange(&mut [], &mut recvs, c.what)?;
+        }
+        let mut sends: Vec<SendOp> = kids.iter().map(|&k| SendOp { peer: from_root(k), header: h, data: bytes(buf) }).collect();
+        self.exchange(&mut sends, &mut [], c.what)
+    }
+
+    /// Reduces every rank's `buf` into `root`'s up the tree of [`Mesh::tree_all_reduce`]
+    /// (rooted at rank 0, so the association is the same and a reduce gives the all_reduce's
+    /// bits), then rank 0 hands the result to `root` when that is another rank. Other ranks'
+    /// buffers are left unchanged.
+    pub(crate) fn tree_reduce<T: Elem>(&mut self, c: &Call, op: ReduceOp, buf: &mut [T], root: usize) -> DistResult<()> {
+        let (w, r, n) = (self.size(), self.rank, buf.len());
+        let esz = T::DTYPE.size_in_bytes();
+        let (parent, kids) = tree_links(r, w);
+        // This rank's subtree's value, then one block per child.
+        let mut raw = self.take_scratch((kids.len() + 1) * n * esz);
+        let all = &mut bytemuck::cast_slice_mut::<u64, T>(&mut raw)[..(kids.len() + 1) * n];
+        let (own, parts) = all.split_at_mut(n);
+        {
+            let mut recvs = Vec::with_capacity(kids.len());
+            let mut rest = &mut parts[..];
+            for &k in &kids {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                recvs.push(RecvOp { peer: k, expect: c.header::<T>(0, n * esz), data: bytes_mut(head), acc: None });
+                rest = tail;
+            }
+            self.exchange(&mut [], &mut recvs, c.what)?;
+        }
+        // The root accumulates in place; every other rank in scratch, its buffer untouched.
+        let in_place = r == root && r == 0;
+        let acc: &mut [T] = if in_place {
+            &mut *buf
+        } else {
+            own.copy_from_slice(buf);
+            own
+        };
+        for i in 0..kids.len() {
+            T::combine(op, acc, &parts[i * n..(i + 1) * n]);
+        }
+        match parent {
+            Some(p) => {
+                let mut sends = [SendOp { peer: p, header: c.header::<T>(0, n * esz), data: bytes(acc) }];
+                self.exchange(&mut sends, &mut [], c.what)?;
+            }
+            None => {
+                if op == ReduceOp::Avg {
+                    T::divide(acc, w);
+                }
+                if root != 0 {
+                    let mut sends = [SendOp { peer: root, header: c.header::<T>(1, n * esz), data: bytes(acc) }];
+                    self.exchange(&mut sends, &mut [], c.what)?;
+                }
+            }
+        }
+        self.put_scratch(raw);
+        if r == root && r != 0 {
+            let mut recvs = [RecvOp { peer: 0, expect: c.header::<T>(1, n * esz), data: bytes_mut(buf), acc: None }];
+            self.exchange(&mut [], &mut recvs, c.what)?;
+        }
+        Ok(())
     }
 
     /// Gathers every rank's block (`counts` elements each, this rank's already in place in

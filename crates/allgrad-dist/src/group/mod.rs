@@ -251,6 +251,12 @@ impl ProcessGroup {
         self.lock().mesh.paths
     }
 
+    /// How many of this group's broadcast and reduce calls took each path so far (for tests).
+    #[doc(hidden)]
+    pub fn rooted_paths(&self) -> crate::cpu::mesh::RootedPaths {
+        self.lock().mesh.rooted_paths
+    }
+
     /// How many of its connections this rank looks at each time for a dead or failed peer
     /// while it waits on shared memory or NCCL (ALLGRAD_PEER_WINDOW; for tests).
     #[doc(hidden)]

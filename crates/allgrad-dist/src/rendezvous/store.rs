@@ -7,11 +7,17 @@
 //! requests rather than W(W - 1)/2), atomic `add`, `delete`, `check`. Every connection must present the job token first. Keys, values and
 //! the store's total size are bounded, and every length is checked before allocation, so a
 //! hostile client can neither crash the server nor make it allocate without bound.
+//!
+//! A request that waits is woken only by the keys it waits for: a `get` when its key appears, a
+//! `get_many` once the last of its keys does (each waiter keeps the number of its keys still
+//! missing, updated as keys come and go). While W ranks form a group, each sets one key and
+//! reads W: the server wakes each waiter once, W wake-ups in all, where waking every waiter on
+//! every `set` cost about W² ([`StoreServer::wake_ups`] counts them).
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -47,13 +53,85 @@ const ST_ERROR: u8 = 2;
 struct Table {
     map: HashMap<String, Vec<u8>>,
     bytes: usize,
+    /// `get` requests waiting, by the key they wait for.
+    key_waits: HashMap<String, Vec<Arc<Wait>>>,
+    /// `get_many` requests waiting, by their prefix.
+    prefix_waits: HashMap<String, Vec<Arc<Wait>>>,
+}
+
+/// One waiting request. `missing` (a `get_many`'s keys not yet there) changes only under the
+/// table's lock; it is atomic only so that a `Wait` can be shared.
+struct Wait {
+    woken: Condvar,
+    /// How many keys: `{prefix}0 .. {prefix}{count - 1}` (1 for a `get`).
+    count: usize,
+    missing: std::sync::atomic::AtomicUsize,
+}
+
+impl Wait {
+    fn new(count: usize, missing: usize) -> Arc<Wait> {
+        Arc::new(Wait { woken: Condvar::new(), count, missing: missing.into() })
+    }
 }
 
 struct Shared {
     table: Mutex<Table>,
-    changed: Condvar,
     stop: AtomicBool,
     token: String,
+    /// Waiters woken by a key they waited for (not by the periodic check for a stop).
+    wake_ups: AtomicU64,
+}
+
+impl Shared {
+    fn wake(&self, w: &Wait) {
+        self.wake_ups.fetch_add(1, Ordering::Relaxed);
+        w.woken.notify_one();
+    }
+
+    /// `key` has just appeared (`present`) in the table, or left it: wake its `get`s, and count it
+    /// for (or against) the `get_many`s whose range holds it, waking those it completes.
+    fn key_changed(&self, t: &Table, key: &str, present: bool) {
+        if present {
+            for w in t.key_waits.get(key).into_iter().flatten() {
+                self.wake(w);
+            }
+        }
+        // `key` is `{prefix}{i}` for every split where what follows is a decimal without
+        // leading zeros: the prefix may itself end in digits.
+        let digits = key.len() - key.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+        for start in key.len() - digits..key.len() {
+            let (prefix, number) = key.split_at(start);
+            if number.len() > 1 && number.starts_with('0') {
+                continue;
+            }
+            let Ok(i) = number.parse::<usize>() else { continue };
+            for w in t.prefix_waits.get(prefix).into_iter().flatten().filter(|w| i < w.count) {
+                if present {
+                    if w.missing.fetch_sub(1, Ordering::Relaxed) == 1 {
+                        self.wake(w);
+                    }
+                } else {
+                    w.missing.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Waits on `w` (registered by the caller) for at most `left`, or 200 ms at a time so that a
+    /// stopping server is noticed.
+    fn wait_on<'a>(&self, t: std::sync::MutexGuard<'a, Table>, w: &Wait, left: Duration) -> std::sync::MutexGuard<'a, Table> {
+        w.woken.wait_timeout(t, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0
+    }
+}
+
+/// Removes `w` from the waiters of `key` in `waits`.
+fn unregister(waits: &mut HashMap<String, Vec<Arc<Wait>>>, key: &str, w: &Arc<Wait>) {
+    if let Some(list) = waits.get_mut(key) {
+        list.retain(|x| !Arc::ptr_eq(x, w));
+        if list.is_empty() {
+            waits.remove(key);
+        }
+    }
 }
 
 /// The store server. It runs on background threads until dropped.
@@ -78,9 +156,9 @@ impl StoreServer {
         listener.set_nonblocking(true).map_err(|e| DistError::io("configuring the store listener", e))?;
         let shared = Arc::new(Shared {
             table: Mutex::new(Table::default()),
-            changed: Condvar::new(),
             stop: AtomicBool::new(false),
             token: token.to_string(),
+            wake_ups: AtomicU64::new(0),
         });
         let s = shared.clone();
         let accept = std::thread::Builder::new()
@@ -94,12 +172,23 @@ impl StoreServer {
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// How many times a waiting `get` or `get_many` was woken by the keys it waited for, since
+    /// the server started (the measure of the store's work while a group forms).
+    pub fn wake_ups(&self) -> u64 {
+        self.shared.wake_ups.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        self.shared.changed.notify_all();
+        {
+            let t = self.shared.table.lock().unwrap_or_else(|p| p.into_inner());
+            for w in t.key_waits.values().chain(t.prefix_waits.values()).flatten() {
+                w.woken.notify_one();
+            }
+        }
         if let Some(h) = self.accept.take() {
             let _ = h.join();
         }
@@ -192,23 +281,31 @@ fn handle(shared: &Shared, cmd: u8, key: String, val: Vec<u8>, arg: u64) -> (u8,
                 return (ST_ERROR, format!("store is full ({MAX_TOTAL} bytes)").into_bytes());
             }
             t.bytes = new_total;
-            t.map.insert(key, val);
-            shared.changed.notify_all();
+            if t.map.insert(key.clone(), val).is_none() {
+                shared.key_changed(&t, &key, true);
+            }
             (ST_OK, Vec::new())
         }
         CMD_GET => {
             // A wait too long to represent (a hostile u64::MAX) waits until the server stops.
             let deadline = Instant::now().checked_add(Duration::from_millis(arg));
-            loop {
+            if let Some(v) = t.map.get(&key) {
+                return (ST_OK, v.clone());
+            }
+            let w = Wait::new(1, 1);
+            t.key_waits.entry(key.clone()).or_default().push(w.clone());
+            let answer = loop {
                 if let Some(v) = t.map.get(&key) {
-                    return (ST_OK, v.clone());
+                    break (ST_OK, v.clone());
                 }
                 let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
                 if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
-                    return (ST_MISSING, Vec::new());
+                    break (ST_MISSING, Vec::new());
                 }
-                t = shared.changed.wait_timeout(t, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
-            }
+                t = shared.wait_on(t, &w, left);
+            };
+            unregister(&mut t.key_waits, &key, &w);
+            answer
         }
         CMD_ADD => {
             let cur = match t.map.get(&key) {
@@ -217,16 +314,20 @@ fn handle(shared: &Shared, cmd: u8, key: String, val: Vec<u8>, arg: u64) -> (u8,
                 Some(_) => return (ST_ERROR, format!("key {key:?} does not hold a counter").into_bytes()),
             };
             let next = cur.wrapping_add(arg as i64);
-            if !t.map.contains_key(&key) {
+            let new = !t.map.contains_key(&key);
+            if new {
                 t.bytes += key.len() + 8;
             }
-            t.map.insert(key, next.to_le_bytes().to_vec());
-            shared.changed.notify_all();
+            t.map.insert(key.clone(), next.to_le_bytes().to_vec());
+            if new {
+                shared.key_changed(&t, &key, true);
+            }
             (ST_OK, next.to_le_bytes().to_vec())
         }
         CMD_DELETE => match t.map.remove(&key) {
             Some(v) => {
                 t.bytes -= key.len() + v.len();
+                shared.key_changed(&t, &key, false);
                 (ST_OK, vec![1])
             }
             None => (ST_OK, vec![0]),
@@ -238,21 +339,26 @@ fn handle(shared: &Shared, cmd: u8, key: String, val: Vec<u8>, arg: u64) -> (u8,
                 _ => return (ST_ERROR, format!("get_many wants a count of at most {MAX_MANY} as 4 bytes").into_bytes()),
             };
             let deadline = Instant::now().checked_add(Duration::from_millis(arg));
-            let mut next = 0;
-            loop {
-                // Keys found stay found (only `delete` removes one, and nobody deletes these
-                // while ranks wait for them): look from the first missing one on.
-                while next < count && t.map.contains_key(&format!("{key}{next}")) {
-                    next += 1;
-                }
-                if next == count {
-                    break;
-                }
-                let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
-                if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
+            let first_missing = |t: &Table| (0..count).find(|i| !t.map.contains_key(&format!("{key}{i}")));
+            if first_missing(&t).is_some() {
+                // Counted once here; from now on `key_changed` keeps the count as keys come and go.
+                let missing = (0..count).filter(|i| !t.map.contains_key(&format!("{key}{i}"))).count();
+                let w = Wait::new(count, missing);
+                t.prefix_waits.entry(key.clone()).or_default().push(w.clone());
+                let gone = loop {
+                    if w.missing.load(Ordering::Relaxed) == 0 {
+                        break None;
+                    }
+                    let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
+                    if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
+                        break first_missing(&t);
+                    }
+                    t = shared.wait_on(t, &w, left);
+                };
+                unregister(&mut t.prefix_waits, &key, &w);
+                if let Some(next) = gone {
                     return (ST_MISSING, (next as u32).to_le_bytes().to_vec());
                 }
-                t = shared.changed.wait_timeout(t, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
             }
             let mut body = Vec::new();
             for i in 0..count {
@@ -495,6 +601,63 @@ mod tests {
         assert!(e.contains("\"g/addr/3\"") && e.contains("timed out"), "{e}");
         // Too many keys: refused before asking.
         assert!(c.get_many("g/addr/", MAX_MANY + 1).is_err());
+    }
+
+    /// A group's formation: every rank sets its key and reads all W. Each waiting `get_many` is
+    /// woken once, by the last of its keys: at most W wake-ups, where waking every waiter on
+    /// every `set` gave about W²/2.
+    #[test]
+    fn forming_a_group_wakes_each_waiter_once() {
+        const W: usize = 48;
+        let (s, addr) = server();
+        let go = Arc::new(std::sync::Barrier::new(W));
+        let ranks: Vec<_> = (0..W)
+            .map(|r| {
+                let (addr, go) = (addr.clone(), go.clone());
+                std::thread::spawn(move || {
+                    let c = StoreClient::connect(&addr, "tok", r, Duration::from_secs(30)).unwrap();
+                    go.wait();
+                    // Staggered, so that most ranks wait while the others arrive.
+                    std::thread::sleep(Duration::from_millis(2 * r as u64));
+                    c.set(&format!("w/addr/{r}"), format!("rank {r}").as_bytes()).unwrap();
+                    c.get_many("w/addr/", W).unwrap()
+                })
+            })
+            .collect();
+        let want: Vec<Vec<u8>> = (0..W).map(|r| format!("rank {r}").into_bytes()).collect();
+        for t in ranks {
+            assert_eq!(t.join().unwrap(), want);
+        }
+        let wakes = s.wake_ups();
+        assert!(wakes >= 1 && wakes <= W as u64, "{wakes} wake-ups for {W} ranks forming a group (at most {W})");
+    }
+
+    /// Keys that come, go and come back: a `get_many` answers only when all are there at once,
+    /// and a prefix that ends in digits is told apart from a longer one.
+    #[test]
+    fn get_many_counts_keys_that_leave_and_return() {
+        let (s, addr) = server();
+        let c = StoreClient::connect(&addr, "tok", 0, Duration::from_secs(5)).unwrap();
+        let a2 = addr.clone();
+        let t = std::thread::spawn(move || {
+            let c = StoreClient::connect(&a2, "tok", 1, Duration::from_secs(5)).unwrap();
+            c.get_many("p1/", 3).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        c.set("p1/0", b"a").unwrap();
+        c.set("p1/1", b"b").unwrap();
+        assert!(c.delete("p1/0").unwrap());
+        // Not in the range, or under another prefix: none of them counts.
+        c.set("p1/3", b"x").unwrap();
+        c.set("p1/01", b"x").unwrap();
+        c.set("p12", b"x").unwrap();
+        assert_eq!(c.add("p1/2", 7).unwrap(), 7);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!t.is_finished(), "get_many answered while p1/0 was missing");
+        assert_eq!(s.wake_ups(), 0);
+        c.set("p1/0", b"A").unwrap();
+        assert_eq!(t.join().unwrap(), vec![b"A".to_vec(), b"b".to_vec(), 7i64.to_le_bytes().to_vec()]);
+        assert_eq!(s.wake_ups(), 1);
     }
 
     #[test]

@@ -151,6 +151,73 @@ fn tree_all_gather_and_reduce_scatter_match_the_serial_reference() {
     }
 }
 
+/// Small broadcasts and reduces of a large group go through the tree, from and to every root:
+/// a broadcast gives every rank the root's bits; a reduce gives the root the serial reference
+/// (exact inputs) and the tree all_reduce's bits (rounding inputs: the same association), and
+/// leaves every other rank's input as it was. A broadcast costs each rank at most its children's
+/// frames, never the W - 1 of the direct path's root.
+#[test]
+fn tree_broadcast_and_reduce_match_the_serial_reference_from_every_root() {
+    for w in [2, 3, 5, 6, 8] {
+        run(w, |pg| {
+            let r = pg.rank();
+            for dtype in [DType::F32, DType::F64, DType::I64, DType::U8] {
+                for n in [0, 1, 7, 300] {
+                    for root in 0..w {
+                        let s = salt("tree broadcast", dtype, n * 16 + root);
+                        let parts: Vec<Vec<f64>> = (0..w).map(|q| gen(dtype, Kind::General, q, s, 0..n)).collect();
+                        let what = format!("tree broadcast W={w} {dtype:?} n={n} root={root}");
+                        let (before, frames) = (pg.rooted_paths(), pg.wire_counts().frames_sent);
+                        let y = pg.broadcast(&tensor(dtype, &parts[r], &[n]), root)?;
+                        let after = pg.rooted_paths();
+                        assert_eq!(after.broadcast_tree, before.broadcast_tree + 1, "{what}: the tree did not run ({after:?})");
+                        assert_eq!((after.broadcast_direct, after.broadcast_chain), (0, 0), "{what}: {after:?}");
+                        let rel = (r + w - root) % w;
+                        let lowbit = if rel == 0 { usize::MAX } else { rel & rel.wrapping_neg() };
+                        let children = (0..usize::BITS).map(|k| 1usize << k).take_while(|d| *d < lowbit && rel + d < w).count();
+                        assert_eq!(pg.wire_counts().frames_sent - frames, children as u64, "{what} rank {r}: frames sent");
+                        check(&what, &y, dtype, &[n], true, &parts[root]);
+
+                        for kind in [Kind::General, Kind::Rough] {
+                            if is_int(dtype) && kind == Kind::Rough {
+                                continue;
+                            }
+                            let s = salt("tree reduce", dtype, n * 16 + root);
+                            let parts: Vec<Vec<f64>> = (0..w).map(|q| gen(dtype, kind, q, s, 0..n)).collect();
+                            let x = tensor(dtype, &parts[r], &[n]);
+                            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
+                                if is_int(dtype) && op == ReduceOp::Avg {
+                                    continue;
+                                }
+                                let what = format!("tree reduce({op:?}) W={w} {dtype:?} n={n} root={root} {kind:?}");
+                                let before = pg.rooted_paths();
+                                let y = pg.reduce(&x, root, op)?;
+                                let after = pg.rooted_paths();
+                                assert_eq!(after.reduce_tree, before.reduce_tree + 1, "{what}: the tree did not run ({after:?})");
+                                assert_eq!((after.reduce_direct, after.reduce_ring), (0, 0), "{what}: {after:?}");
+                                if r != root {
+                                    assert_eq!(bits_digest(&y), bits_digest(&x), "{what}: rank {r}'s input changed");
+                                } else if kind == Kind::General {
+                                    check(&what, &y, dtype, &[n], exact_op(op, dtype), &fold(op, dtype, &parts));
+                                }
+                                // The root's bits are the all_reduce's, on every rank's word.
+                                let all = pg.all_reduce(&x, op)?;
+                                let root_bits = pg.broadcast(&Tensor::new(&[bits_digest(&y) as i64], &Device::Cpu)?, root)?;
+                                assert_eq!(
+                                    root_bits.to_vec1::<i64>()?[0] as u64,
+                                    bits_digest(&all),
+                                    "{what}: the root's result differs bitwise from the tree all_reduce's"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
 #[test]
 fn tree_barrier_holds_every_rank_until_all_arrive() {
     let w = 6;
@@ -270,6 +337,10 @@ fn below_the_threshold_small_calls_keep_the_one_round_full_mesh() {
             pg.all_reduce_slice(&mut [1.0f32; 3], ReduceOp::Sum)?;
             assert_eq!(pg.wire_counts().frames_sent - before, (w - 1) as u64);
             assert_eq!((pg.all_reduce_paths().direct, pg.all_reduce_paths().tree), (1, 0));
+            pg.broadcast_slice(&mut [1.0f32; 3], 1)?;
+            pg.reduce_slice(&mut [1.0f32; 3], 2, ReduceOp::Sum)?;
+            let p = pg.rooted_paths();
+            assert_eq!((p.broadcast_direct, p.broadcast_tree, p.reduce_direct, p.reduce_tree), (1, 0, 1, 0), "{p:?}");
             Ok(())
         })
         .unwrap();

@@ -16,8 +16,13 @@ impl Dense {
     /// Creates (or loads) `weight` and `bias` under `vb`; fresh weights are normal with
     /// standard deviation `std`, fresh biases zero (BERT's initialisation).
     pub fn new(vb: VarBuilder, inp: usize, out: usize, std: f64) -> Result<Self> {
-        let weight = vb.get_with_hints((out, inp), "weight", Init::Randn { mean: 0.0, stdev: std })?;
-        let bias = vb.get_with_hints(out, "bias", Init::Const(0.0))?;
+        Self::with_init(vb, inp, out, Init::Randn { mean: 0.0, stdev: std }, Init::Const(0.0))
+    }
+
+    /// [`Dense::new`] with the fresh weights drawn from `weight` and the biases from `bias`.
+    pub fn with_init(vb: VarBuilder, inp: usize, out: usize, weight: Init, bias: Init) -> Result<Self> {
+        let weight = vb.get_with_hints((out, inp), "weight", weight)?;
+        let bias = vb.get_with_hints(out, "bias", bias)?;
         Ok(Dense { weight, bias })
     }
 

@@ -1,6 +1,6 @@
-//! Hugging Face CLIP folders in and out: `config.json`, `model.safetensors` (the names of
-//! `transformers`' `CLIPModel`) and `tokenizer.json`, read into a [`ClipModel`], and a trained
-//! model written back as a folder `CLIPModel.from_pretrained` loads.
+//! Hugging Face CLIP and SigLIP folders in and out: `config.json`, `model.safetensors` (the
+//! names of `transformers`' `CLIPModel` or `SiglipModel`) and `tokenizer.json`, read into a
+//! [`ClipModel`], and a trained model written back as a folder `from_pretrained` loads.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -10,7 +10,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 use tokenizers::{Tokenizer, TruncationParams};
 
-use super::config::ClipConfig;
+use super::config::{ClipConfig, TextPooling};
 use super::model::ClipModel;
 use super::preprocess::ImageProcessor;
 
@@ -18,8 +18,9 @@ fn msg(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
-/// CLIP's tokenizer (`tokenizer.json`): start and end-of-text tokens added, truncated to the
-/// text tower's context length (the end-of-text token kept last).
+/// The tokenizer of a CLIP or SigLIP folder (`tokenizer.json`): its special tokens added,
+/// truncated to the text tower's context length. For CLIP, the end-of-text token (where the
+/// text is pooled) is checked to end every caption, kept last when a caption is cut, and pads.
 #[derive(Clone)]
 pub struct ClipTokenizer {
     inner: Tokenizer,
@@ -29,11 +30,16 @@ pub struct ClipTokenizer {
 }
 
 impl ClipTokenizer {
-    /// Reads `tokenizer.json`; sequences longer than `max_len` tokens are cut to `max_len`,
-    /// their last token replaced by the end-of-text token (so they are still pooled there).
-    /// Padding is `<|endoftext|>` when the vocabulary has it (as OpenAI's tokenizer pads),
-    /// else `<pad>`, else 0.
-    pub fn from_file(path: &Path, max_len: usize) -> Result<Self> {
+    /// Reads `tokenizer.json`; sequences longer than `max_len` tokens are cut to `max_len`.
+    ///
+    /// `pooling` is the text tower's ([`ClipConfig::text_pooling`]). CLIP pools at the
+    /// end-of-text token, so the tokenizer must end every caption with it: the token of
+    /// `eos_token_id` ([`TextPooling::FirstOf`]), or with the legacy `eos_token_id` 2
+    /// ([`TextPooling::LargestId`]) `<|endoftext|>`, which must be the vocabulary's largest
+    /// id. Otherwise an error says which is missing (rather than pooling at position 0). A
+    /// cut caption's last token is replaced by the end-of-text token; captions are padded
+    /// with it. SigLIP ([`TextPooling::Last`]) pads with `pad_id` (its `pad_token_id`).
+    pub fn from_file(path: &Path, max_len: usize, pooling: TextPooling, pad_id: u32) -> Result<Self> {
         if max_len < 2 {
             candle_core::bail!("clip tokenizer: max_len must be at least 2 (start and end of text), got {max_len}");
         }
@@ -42,8 +48,51 @@ impl ClipTokenizer {
             .with_truncation(Some(TruncationParams { max_length: max_len, ..Default::default() }))
             .map_err(|e| msg(format!("tokenizer {}: truncation to {max_len}: {e}", path.display())))?;
         inner.with_padding(None);
-        let eot_id = inner.token_to_id("<|endoftext|>");
-        let pad_id = eot_id.or_else(|| inner.token_to_id("<pad>")).unwrap_or(0);
+        let eot_id = match pooling {
+            TextPooling::Last => None,
+            TextPooling::FirstOf(eos) => {
+                if inner.id_to_token(eos).is_none() {
+                    candle_core::bail!(
+                        "tokenizer {} has no token of id {eos} (text_config.eos_token_id), the end-of-text token \
+                         where CLIP pools the text: set eos_token_id to the tokenizer's end-of-text id",
+                        path.display()
+                    );
+                }
+                Some(eos)
+            }
+            TextPooling::LargestId => {
+                let Some(eot) = inner.token_to_id("<|endoftext|>") else {
+                    candle_core::bail!(
+                        "tokenizer {} has no <|endoftext|> token, and text_config.eos_token_id is the legacy 2 (pool at \
+                         the largest id, OpenAI's end-of-text): set eos_token_id to the tokenizer's end-of-text id",
+                        path.display()
+                    );
+                };
+                let largest = inner.get_vocab(true).into_values().max().unwrap_or(0);
+                if eot != largest {
+                    candle_core::bail!(
+                        "tokenizer {}: <|endoftext|> is id {eot}, not the largest id {largest}, and \
+                         text_config.eos_token_id is the legacy 2 (pool at the largest id): set eos_token_id to {eot}",
+                        path.display()
+                    );
+                }
+                Some(eot)
+            }
+        };
+        if let Some(eot) = eot_id {
+            // The tokenizer must end a caption with it (its post-processor appends it).
+            let probe = inner.encode("a", true).map_err(|e| msg(format!("tokenizer {}: {e}", path.display())))?;
+            if probe.get_ids().last() != Some(&eot) {
+                let name = inner.id_to_token(eot).unwrap_or_default();
+                candle_core::bail!(
+                    "tokenizer {} does not end a caption with the end-of-text token {name:?} (id {eot}), where CLIP pools \
+                     the text (it encodes \"a\" as {:?})",
+                    path.display(),
+                    probe.get_ids()
+                );
+            }
+        }
+        let pad_id = eot_id.unwrap_or(pad_id);
         Ok(ClipTokenizer { inner, pad_id, max_len, eot_id })
     }
 
@@ -52,7 +101,7 @@ impl ClipTokenizer {
         self.pad_id
     }
 
-    /// Token ids of `text`, start and end-of-text included, at most `max_len` of them.
+    /// Token ids of `text`, the tokenizer's special tokens included, at most `max_len` of them.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, true).map_err(|e| msg(format!("tokenizing {text:?}: {e}")))?;
         let mut ids = enc.get_ids().to_vec();
@@ -79,8 +128,13 @@ impl ClipWeights {
         Ok(ClipWeights { tensors, file: file.to_path_buf() })
     }
 
-    fn tensor(&self, name: &str, shape: &Shape) -> Result<&Tensor> {
+    fn tensor(&self, name: &str, shape: &Shape) -> Result<Tensor> {
         let t = self.tensors.get(name).ok_or_else(|| msg(format!("CLIP weights {}: no tensor {name}", self.file.display())))?;
+        // A one-number tensor is read whether stored as `[]` or `[1]` (CLIP's logit scale is
+        // the one, SigLIP's the other).
+        if t.elem_count() == 1 && shape.elem_count() == 1 {
+            return t.reshape(shape);
+        }
         if t.shape() != shape {
             candle_core::bail!(
                 "CLIP weights {}: tensor {name} has shape {:?}, the config needs {:?}",
@@ -89,7 +143,7 @@ impl ClipWeights {
                 shape.dims()
             );
         }
-        Ok(t)
+        Ok(t.clone())
     }
 
     /// A model of these weights alone (constants: inference).
@@ -99,13 +153,19 @@ impl ClipWeights {
     }
 
     /// A model whose parameters are created through `vb` (the trainer's seeded variables)
-    /// and then overwritten with these weights: training starts from the checkpoint.
-    pub fn init_model(&self, cfg: &ClipConfig, vb: VarBuilder<'_>) -> Result<ClipModel> {
+    /// and then overwritten with these weights: training starts from the checkpoint. With
+    /// `bias_init` (a sigmoid loss) the model has a logit bias: the checkpoint's when it holds
+    /// one (a SigLIP folder, or an export of a run with a sigmoid loss), else `bias_init`.
+    pub fn init_model(&self, cfg: &ClipConfig, bias_init: Option<f64>, vb: VarBuilder<'_>) -> Result<ClipModel> {
         let (dtype, device) = (vb.dtype(), vb.device().clone());
         let backend = Pretrained { weights: self.clone(), into: Some(vb) };
-        ClipModel::new(&VarBuilder::from_backend(Box::new(backend), dtype, device), cfg)
+        ClipModel::with_bias(&VarBuilder::from_backend(Box::new(backend), dtype, device), cfg, bias_init)
     }
 }
+
+/// Tensors a checkpoint may lack, which then take their initial value: the logit bias (a CLIP
+/// checkpoint has none; a sigmoid loss starts it from its initial value).
+const OPTIONAL: [&str; 1] = ["logit_bias"];
 
 /// A VarBuilder backend reading [`ClipWeights`]; with `into`, each tensor is copied into the
 /// variable `into` creates under the same name.
@@ -116,6 +176,12 @@ struct Pretrained<'a> {
 
 impl SimpleBackend for Pretrained<'_> {
     fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        if OPTIONAL.contains(&name) && !self.weights.tensors.contains_key(name) {
+            return match &self.into {
+                None => Ok(h.var(s, dtype, dev)?.as_tensor().clone()),
+                Some(vb) => vb.get_with_hints_dtype(s, name, h, dtype),
+            };
+        }
         let value = self.weights.tensor(name, &s)?.to_dtype(dtype)?.to_device(dev)?.contiguous()?;
         match &self.into {
             None => Ok(value),
@@ -169,7 +235,9 @@ impl ClipFolder {
         self.weights()?.model(&self.config, dtype, device)
     }
 
-    /// Its tokenizer, cutting at `max_len` tokens (at most the context length).
+    /// Its tokenizer, cutting at `max_len` tokens (at most the context length); for CLIP, an
+    /// error when it does not end captions with the end-of-text token the text tower pools
+    /// at ([`ClipTokenizer::from_file`]).
     pub fn tokenizer(&self, max_len: usize) -> Result<ClipTokenizer> {
         let limit = self.config.text_config.max_position_embeddings;
         if max_len > limit {
@@ -178,7 +246,13 @@ impl ClipFolder {
                 self.dir.display()
             );
         }
-        ClipTokenizer::from_file(&self.dir.join("tokenizer.json"), max_len)
+        let t = &self.config.text_config;
+        ClipTokenizer::from_file(
+            &self.dir.join("tokenizer.json"),
+            max_len,
+            self.config.text_pooling(),
+            t.pad_token_id.unwrap_or(1),
+        )
     }
 }
 
@@ -186,11 +260,13 @@ impl ClipFolder {
 const COPIED: [&str; 5] = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"];
 
 /// Writes the model whose parameters are `params` (Hugging Face names; other names are left
-/// out) as a folder `out` that `transformers`' `CLIPModel.from_pretrained` loads: `source`'s
-/// `config.json` and tokenizer files, the image preprocessing the run used as
-/// `preprocessor_config.json` (`processor`; `CLIPImageProcessor` reads it), and the
-/// parameters in f32 as `model.safetensors`. Every tensor the config needs must be present
-/// with its shape (checked by loading the folder back before returning).
+/// out) as a folder `out` that `transformers`' `CLIPModel.from_pretrained` (or
+/// `SiglipModel.from_pretrained`, as `config.json` says) loads: `source`'s `config.json` and
+/// tokenizer files, the image preprocessing the run used as `preprocessor_config.json`
+/// (`processor`; `CLIPImageProcessor` reads it), and the parameters in f32 as
+/// `model.safetensors`, `logit_bias` included when the run has one (SigLIP's; `CLIPModel`
+/// ignores it, and allgrad reads it back). Every tensor the config needs must be present with
+/// its shape (checked by loading the folder back before returning).
 pub fn export_clip_folder(params: &HashMap<String, Tensor>, source: &Path, out: &Path, processor: &ImageProcessor) -> Result<()> {
     let folder = ClipFolder::open(source)?;
     std::fs::create_dir_all(out).map_err(|e| msg(format!("creating {}: {e}", out.display())))?;
@@ -200,6 +276,7 @@ pub fn export_clip_folder(params: &HashMap<String, Tensor>, source: &Path, out: 
             || name.starts_with("text_model.")
             || name.ends_with("_projection.weight")
             || name == "logit_scale"
+            || name == "logit_bias"
         {
             tensors.insert(name.clone(), t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?);
         }

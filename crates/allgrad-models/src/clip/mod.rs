@@ -6,20 +6,23 @@
 //!   rank's columns through the differentiable collectives (the ring through
 //!   `allgrad_dist::ring_shift`); W-invariant by the sum rule.
 //! - [`ClipModel`]: a Vision Transformer and CLIP's causal text transformer with projections
-//!   and the learned logit scale, under `transformers`' `CLIPModel` parameter names.
-//! - [`ClipFolder`], [`export_clip_folder`]: Hugging Face CLIP folders in and out.
+//!   and the learned logit scale, under `transformers`' `CLIPModel` parameter names; or
+//!   SigLIP's towers (attention-pool head, last-token text pooling, logit bias) under
+//!   `SiglipModel`'s ([`Architecture`]).
+//! - [`ClipFolder`], [`export_clip_folder`]: Hugging Face CLIP and SigLIP folders in and out.
 //! - [`ImageProcessor`]: a folder's `preprocessor_config.json`, run by allgrad-data's
 //!   [`allgrad_data::Preprocess`] (Pillow's bicubic resize, centre crop, normalisation;
 //!   OpenCLIP's random crop for training).
 //! - [`CsvPairs`], [`ClassCaptions`]: image-caption pairs as data sets; webdataset shards as a
 //!   stream; [`PairData`]: the training pairs through the loader's threads ([`ClipInputs`]).
-//! - [`ClipEvaluation`]: zero-shot classification and retrieval.
+//! - [`ClipEvaluation`]: zero-shot classification and retrieval on an IDX test split or an
+//!   image folder ([`open_test_set`]), each rank embedding its share.
 //! - [`Clip`]: the objective (`method: clip` in allgrad-train), with gradient caching
 //!   (both towers embed each chunk).
 
 mod config;
 mod data;
-mod evaluate;
+mod eval;
 mod folder;
 mod inputs;
 pub mod loss;
@@ -28,13 +31,13 @@ mod objective;
 mod preprocess;
 mod settings;
 
-pub use config::{Activation, ClipConfig, ClipTextConfig, ClipVisionConfig};
+pub use config::{Activation, Architecture, ClipConfig, ClipTextConfig, ClipVisionConfig, TextPooling, LEGACY_EOS, OPENAI_EOT};
 pub use data::{ClassCaptions, CsvPairs};
-pub use evaluate::ClipEvaluation;
+pub use eval::{has_idx_test_split, open_test_set, ClipEvaluation, EvalShare, TestSet};
 pub use folder::{export_clip_folder, ClipFolder, ClipTokenizer, ClipWeights};
 pub use inputs::{ClipInputs, PairData};
 pub use loss::{clip_loss, clip_loss_tiled, clip_scale, siglip_loss, siglip_loss_ring};
-pub use model::{ClipModel, TextTower, VisionTower};
+pub use model::{ClipModel, TextTower, VisionTower, SIGLIP_BIAS_INIT};
 pub use objective::{image_processor, Clip};
 pub use preprocess::{ImageProcessor, OPENAI_MEAN, OPENAI_STD, PREPROCESSOR_CONFIG};
 pub use settings::{ClipData, ClipEval, ClipLoss, ClipModelSection, LossKind};

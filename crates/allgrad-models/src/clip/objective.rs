@@ -6,10 +6,10 @@ use std::ops::Range;
 
 use allgrad_dist::ProcessGroup;
 use candle_core::{Device, IndexOp, Result, Tensor};
-use candle_nn::{Init, VarBuilder};
+use candle_nn::VarBuilder;
 
 use super::config::ClipConfig;
-use super::evaluate::ClipEvaluation;
+use super::eval::{open_test_set, ClipEvaluation};
 use super::folder::{ClipFolder, ClipTokenizer, ClipWeights};
 use super::inputs::{ClipInputs, PairData};
 use super::loss::{clip_loss, clip_loss_tiled, siglip_loss, siglip_loss_ring};
@@ -34,7 +34,8 @@ pub struct Clip {
     tiling: Tiling,
     net: Option<(ClipModel, Option<Tensor>)>,
     device: Device,
-    eval: Option<ClipEvaluation>,
+    /// The evaluation and its images' preprocessing (the evaluation view).
+    eval: Option<(ClipEvaluation, allgrad_data::Preprocess)>,
 }
 
 /// The image preprocessing of `model`'s folder, with the section's `mean` and `std` in place
@@ -76,11 +77,15 @@ impl Clip {
         Ok(Clip { config, weights, tokenizer, processor, data, loss, tiling, net: None, device, eval: None })
     }
 
-    /// Evaluates zero-shot classification and retrieval on the test split of `data.images`
-    /// (before training and after every epoch).
+    /// Evaluates zero-shot classification and retrieval (before training and after every
+    /// epoch) on `eval.images` or the test split of `data.images` ([`open_test_set`]), the
+    /// images through the model's evaluation preprocessing, each rank embedding its share
+    /// ([`ClipEvaluation`]).
     pub fn with_evaluation(mut self, data: &ClipData, cfg: &ClipEval) -> Result<Self> {
+        let (images, classes) = open_test_set(data, cfg)?;
         let view = self.processor.pipeline(self.config.vision_config.num_channels, None)?;
-        self.eval = Some(ClipEvaluation::new(data, cfg, &self.tokenizer, view)?);
+        let ev = ClipEvaluation::new(images, classes, cfg, &self.tokenizer, self.config.projection_dim)?;
+        self.eval = Some((ev, view));
         Ok(self)
     }
 
@@ -109,13 +114,14 @@ impl Objective for Clip {
             // SigLIP's own initial scale (a checkpoint's value wins when pretrained).
             cfg.logit_scale_init_value = self.loss.siglip_scale_init;
         }
-        // The pretrained tensors are copied into the parameters, then dropped.
+        // The pretrained tensors are copied into the parameters, then dropped. A sigmoid loss
+        // learns a logit bias (SigLIP's model has its own; a checkpoint's wins).
+        let bias_init = siglip.then_some(self.loss.siglip_bias_init);
         let model = match self.weights.take() {
-            Some(w) => w.init_model(&cfg, vb.clone())?,
-            None => ClipModel::new(&vb, &cfg)?,
+            Some(w) => w.init_model(&cfg, bias_init, vb.clone())?,
+            None => ClipModel::with_bias(&vb, &cfg, bias_init)?,
         };
-        let bias =
-            if siglip { Some(vb.get_with_hints((), "logit_bias", Init::Const(self.loss.siglip_bias_init))?) } else { None };
+        let bias = if siglip { model.logit_bias.clone() } else { None };
         self.net = Some((model, bias));
         Ok(())
     }
@@ -141,8 +147,8 @@ impl Objective for Clip {
     }
 
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
-        let Some(ev) = &self.eval else { return Ok(Vec::new()) };
-        ev.evaluate(self.model()?, self.config.projection_dim, &self.device, pg)
+        let Some((ev, view)) = &self.eval else { return Ok(Vec::new()) };
+        ev.run(self.model()?, view, self.tokenizer.pad_id(), pg, &self.device)
     }
 }
 

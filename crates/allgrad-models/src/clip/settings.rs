@@ -195,8 +195,9 @@ fn eval_batch() -> usize {
     250
 }
 
-/// The `eval` section: zero-shot classification and image-text retrieval on the test split
-/// of `data.images` (or `eval.images`), before training and after every epoch.
+/// The `eval` section: zero-shot classification and image-text retrieval on `eval.images` or
+/// the test split of `data.images` ([`super::open_test_set`]), before training and after
+/// every epoch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClipEval {
@@ -214,23 +215,16 @@ pub struct ClipEval {
     /// Images embedded per forward pass.
     #[serde(default = "eval_batch")]
     pub batch: usize,
-    /// The IDX folder whose test split is evaluated, when the training pairs are not
-    /// `data.images` (shards, a CSV). Default: `data.images`.
-    #[serde(default)]
+    /// What to evaluate on instead of the test split of `data.images` (a run training from
+    /// shards or a CSV names one here): an IDX folder (its test split) or an image folder (one
+    /// sub-folder per class, sorted by name, PNG or JPEG files inside).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<PathBuf>,
-    /// Its classes' names, as `data.classes` (default: `data.classes`).
-    #[serde(default)]
+    /// The evaluated classes' names (in the IDX labels' order, or the sub-folders' sorted
+    /// order), each its name first, then synonyms. Default: `data.classes` for an IDX test
+    /// split, each sub-folder's name (`_` read as a space) for an image folder.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub classes: Vec<Vec<String>>,
-}
-
-impl ClipEval {
-    /// The evaluated IDX folder and its class names: `eval.images` and `eval.classes`, else
-    /// `data.images` and `data.classes`.
-    pub fn source<'a>(&'a self, data: &'a ClipData) -> (Option<&'a PathBuf>, &'a [Vec<String>]) {
-        let images = self.images.as_ref().or(data.images.as_ref());
-        let classes = if self.classes.is_empty() { &data.classes } else { &self.classes };
-        (images, classes)
-    }
 }
 
 #[cfg(test)]

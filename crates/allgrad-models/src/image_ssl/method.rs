@@ -177,6 +177,14 @@ impl Objective for TwoViewMethod {
         Ok(out)
     }
 
+    fn stream_state(&self) -> Result<Option<allgrad_data::webdataset::StreamState>> {
+        self.images.stream_state()
+    }
+
+    fn resume_stream(&mut self, state: allgrad_data::webdataset::StreamState) -> Result<()> {
+        self.images.resume_stream(state)
+    }
+
     fn load_buffers(&mut self, buffers: &std::collections::HashMap<String, Tensor>) -> Result<()> {
         let rest = self.queue.load_from(buffers)?;
         self.images.load_buffers(&rest)

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use allgrad_data::webdataset::{ShardStream, StreamLoader};
+use allgrad_data::webdataset::{ShardStream, StreamLoader, StreamState};
 use allgrad_data::{Augment, AugmentConfig, Dataset, Loader, LoaderConfig, Split, TwoViews};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -99,6 +99,16 @@ impl TwoViewImages {
         self.stream.as_ref().ok_or_else(|| {
             candle_core::Error::Msg("the webdataset stream needs the run's global batch (TwoViewImages::set_global_batch)".into())
         })
+    }
+
+    /// Where this rank's training streams stand (`webdataset`; `None` for the other formats).
+    pub fn stream_state(&self) -> Result<Option<StreamState>> {
+        self.stream.as_ref().map(|s| s.state().map_err(data_err)).transpose()
+    }
+
+    /// Resumes the training stream from a saved position (see [`ShardStream::resume_from`]).
+    pub fn resume_stream(&mut self, state: StreamState) -> Result<()> {
+        self.stream()?.resume_from(state).map_err(data_err)
     }
 
     /// Training samples per epoch (`webdataset.epoch_samples` for a stream).

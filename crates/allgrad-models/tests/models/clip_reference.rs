@@ -5,7 +5,8 @@
 //!
 //!     $PYTHON scripts/data/make_tiny_clip.py --reference
 //!
-//! and an exported folder read back equals the source.
+//! and an exported folder read back equals the source; a learned logit bias is exported and
+//! read back.
 
 use std::path::PathBuf;
 
@@ -101,4 +102,31 @@ fn an_exported_folder_reads_back_to_the_same_model() {
     }
     let (a, b) = (outputs(&folder()), outputs(out.path()));
     assert_eq!((a.0, a.1, a.2), (b.0, b.1, b.2), "the exported model computes other numbers");
+}
+
+#[test]
+fn a_learned_logit_bias_is_exported_and_read_back_and_a_checkpoint_without_one_starts_at_the_init() {
+    // A CLIP model trained with a sigmoid loss has a logit bias: the export writes it, a run
+    // starting from the export reads it (not its initial value), and so does inference.
+    let mut params = candle_core::safetensors::load(folder().join("model.safetensors"), &Device::Cpu).unwrap();
+    params.insert("logit_bias".into(), Tensor::new(-3.5f32, &Device::Cpu).unwrap());
+    let out = tempfile::tempdir().unwrap();
+    let processor = ImageProcessor::default_for(&ClipFolder::open(&folder()).unwrap().config);
+    export_clip_folder(&params, &folder(), out.path(), &processor).unwrap();
+    let written = candle_core::safetensors::load(out.path().join("model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(written["logit_bias"].to_scalar::<f32>().unwrap(), -3.5, "logit_bias written");
+
+    let bias_of = |dir: &std::path::Path| {
+        let f = ClipFolder::open(dir).unwrap();
+        let vars = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+        let m = f.weights().unwrap().init_model(&f.config, Some(-10.0), vb).unwrap();
+        let var = vars.data().lock().unwrap()["logit_bias"].as_tensor().to_scalar::<f32>().unwrap();
+        (m.logit_bias.unwrap().to_scalar::<f32>().unwrap(), var)
+    };
+    assert_eq!(bias_of(out.path()), (-3.5, -3.5), "a run starting from the export reads its bias");
+    assert_eq!(bias_of(&folder()), (-10.0, -10.0), "a CLIP checkpoint without a bias starts it at the init");
+    let inference = ClipFolder::open(out.path()).unwrap().model(DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(inference.logit_bias.unwrap().to_scalar::<f32>().unwrap(), -3.5);
+    assert!(ClipFolder::open(&folder()).unwrap().model(DType::F32, &Device::Cpu).unwrap().logit_bias.is_none());
 }

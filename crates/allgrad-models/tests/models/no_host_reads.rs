@@ -33,7 +33,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     // Outside the step: evaluation, tests' helpers, checks of users' inputs.
     ("allgrad-nn/src/loss.rs", 1, "cross_entropy's target check (evaluation's linear probe)"),
     ("allgrad-models/src/bert/encode.rs", 2, "embedding and similarity for evaluation and `embed`"),
-    ("allgrad-models/src/clip/objective.rs", 1, "zero-shot evaluation"),
+    ("allgrad-models/src/clip/eval.rs", 1, "zero-shot and retrieval evaluation: the gathered cosines, scored on the host"),
     ("allgrad-models/src/face/objective.rs", 1, "verification embeddings (evaluation)"),
     ("allgrad-models/src/image_ssl/evaluation.rs", 2, "kNN and linear-probe evaluation"),
     ("allgrad-models/src/vectors.rs", 1, "the vectors method's retrieval evaluation"),

@@ -2,6 +2,11 @@
 //! `state.json`, with `DIR/checkpoints/latest` naming the newest; and [`restore`], which puts
 //! a loaded checkpoint back into a run.
 //!
+//! `stream.json` (when the data is a stream of `webdataset` shards) holds the stream's position:
+//! every stream's counters, shard, byte offset and shuffle buffer as (shard, offset) pairs
+//! ([`allgrad_data::webdataset::StreamState`]), gathered from every rank and written by rank 0,
+//! so that a resume on any number of ranks seeks there instead of reading the epoch again.
+//!
 //! `buffers.safetensors` holds the objective's non-trainable state
 //! ([`allgrad_models::Objective::buffers`]: batch-norm running statistics). Rank 0 writes
 //! it. With SyncBatchNorm the running statistics are identical on every rank by construction
@@ -25,6 +30,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 
+use allgrad_data::webdataset::StreamState;
 use allgrad_models::Objective;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -62,6 +68,8 @@ pub struct Checkpoint {
     pub buffers: HashMap<String, Tensor>,
     /// Position and random state.
     pub state: TrainState,
+    /// The training stream's position (`stream.json`), when the run read a stream.
+    pub stream: Option<StreamState>,
     /// Where it was read from.
     pub path: PathBuf,
 }
@@ -105,6 +113,8 @@ pub struct Contents<'a> {
     pub buffers: &'a [(String, Tensor)],
     /// Position and random state.
     pub state: &'a TrainState,
+    /// The training stream's position, every rank's streams (a stream's runs only).
+    pub stream: Option<&'a StreamState>,
 }
 
 /// Writes a checkpoint of `state.step` under `run_dir/checkpoints` and prunes old ones;
@@ -158,6 +168,12 @@ impl Staged {
         let json = serde_json::to_vec_pretty(c.state).map_err(|e| TrainError::checkpoint(&state_path, "encoding", e))?;
         fs::write(&state_path, json).map_err(io_err(&state_path, "writing"))?;
         fsync(&state_path)?;
+        if let Some(stream) = c.stream {
+            let path = tmp.join("stream.json");
+            let json = serde_json::to_vec(stream).map_err(|e| TrainError::checkpoint(&path, "encoding", e))?;
+            fs::write(&path, json).map_err(io_err(&path, "writing"))?;
+            fsync(&path)?;
+        }
         fsync(tmp)?;
         fault(fault_at, FaultStage::Rename);
         Ok(())
@@ -231,7 +247,13 @@ pub fn load_latest(run_dir: &Path, device: &Device) -> TrainResult<Option<Checkp
     let state_path = dir.join("state.json");
     let raw = fs::read(&state_path).map_err(io_err(&state_path, "reading"))?;
     let state: TrainState = serde_json::from_slice(&raw).map_err(|e| TrainError::checkpoint(&state_path, "parsing", e))?;
-    Ok(Some(Checkpoint { model, optimizer, buffers, state, path: dir }))
+    let stream_path = dir.join("stream.json");
+    let stream = match fs::read(&stream_path) {
+        Ok(raw) => Some(serde_json::from_slice(&raw).map_err(|e| TrainError::checkpoint(&stream_path, "parsing", e))?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(TrainError::checkpoint(&stream_path, "reading", e)),
+    };
+    Ok(Some(Checkpoint { model, optimizer, buffers, state, stream, path: dir }))
 }
 
 /// Where a run is put back: its parameters, which of them are sharded, its optimizer and

@@ -14,7 +14,8 @@ use std::path::Path;
 use allgrad_data::webdataset::{CaptionField, WebDatasetOptions};
 use allgrad_data::DataError;
 use allgrad_models::clip::{
-    image_processor, ClassCaptions, Clip, ClipConfig, ClipData, ClipEval, ClipFolder, ClipLoss, ClipModelSection,
+    has_idx_test_split, image_processor, ClassCaptions, Clip, ClipConfig, ClipData, ClipEval, ClipFolder, ClipLoss,
+    ClipModelSection,
 };
 use allgrad_models::Objective;
 use candle_core::Device;
@@ -132,19 +133,47 @@ impl Method for ClipMethod {
             }
         }
         if let Some(e) = &s.eval {
-            let (images, classes) = e.source(d);
-            let Some(dir) = images else {
-                return Err(SectionError::new("eval", "needs eval.images or data.images (a test split and class names)"));
-            };
-            need_file("eval.images", &dir.join("t10k-images-idx3-ubyte.gz"), "an IDX folder with a test split")?;
-            ClassCaptions::check(classes, &e.templates).map_err(|(which, msg)| {
-                let key = match (which, e.classes.is_empty()) {
-                    ("templates", _) => "eval.templates",
-                    (_, true) => "data.classes",
-                    (_, false) => "eval.classes",
+            // eval.images: an IDX folder (its test split) or an image folder (one sub-folder per
+            // class); without it, data.images' test split. eval.classes names the classes of
+            // either (else data.classes for an IDX split, the sub-folders' names for a folder).
+            let idx =
+                match (&e.images, &d.images) {
+                    (Some(dir), _) if !dir.is_dir() => {
+                        return Err(SectionError::new(
+                            "eval.images",
+                            format!(
+                            "{} is not a folder (an IDX folder with a test split, or an image folder: one sub-folder per class)",
+                            dir.display()
+                        ),
+                        ))
+                    }
+                    (Some(dir), _) => has_idx_test_split(dir),
+                    (None, Some(dir)) if !has_idx_test_split(dir) => {
+                        return Err(SectionError::new(
+                            "data.images",
+                            format!("{} has no t10k-images-idx3-ubyte(.gz) (the test split evaluated)", dir.display()),
+                        ))
+                    }
+                    (None, Some(_)) => true,
+                    (None, None) => return Err(SectionError::new(
+                        "eval",
+                        "needs eval.images (an IDX folder or an image folder) or data.images (its test split and class names)",
+                    )),
                 };
-                SectionError::new(key, msg)
-            })?;
+            let classes = if e.classes.is_empty() && idx { &d.classes } else { &e.classes };
+            if idx || !e.classes.is_empty() {
+                ClassCaptions::check(classes, &e.templates).map_err(|(which, msg)| {
+                    let key = match (which, e.classes.is_empty()) {
+                        ("templates", _) => "eval.templates",
+                        (_, true) => "data.classes",
+                        (_, false) => "eval.classes",
+                    };
+                    SectionError::new(key, msg)
+                })?;
+            } else {
+                ClassCaptions::check(&[vec!["class".to_string()]], &e.templates)
+                    .map_err(|(_, msg)| SectionError::new("eval.templates", msg))?;
+            }
             if e.batch == 0 {
                 return Err(SectionError::new("eval.batch", "must be at least 1"));
             }

@@ -1,7 +1,7 @@
-//! A CLIP run's model as a Hugging Face folder that `transformers`' `CLIPModel` loads: the
-//! run directory's `config.yaml` gives the source folder (architecture, tokenizer); its newest
-//! checkpoint gives the trained weights (SigLIP's `logit_bias` is not part of `CLIPModel` and
-//! is left out).
+//! A CLIP or SigLIP run's model as a Hugging Face folder that `transformers`' `CLIPModel` (or
+//! `SiglipModel`) loads: the run directory's `config.yaml` gives the source folder
+//! (architecture, tokenizer); its newest checkpoint gives the trained weights, `logit_bias`
+//! included when the run learned one (a sigmoid loss).
 
 use std::path::{Path, PathBuf};
 

@@ -3,7 +3,8 @@
 //! Fashion-MNIST images captioned from class names: 2 and 3 ranks end 4 AdamW steps with the
 //! same per-step losses and parameters as 1 rank at the same global batch of 12 (f64, 1e-10),
 //! for CLIP's loss whole and tiled, SigLIP's in both forms, and with gradient caching; a
-//! cached step equals the plain one.
+//! cached step equals the plain one. The same for SigLIP's architecture (a `SiglipModel`
+//! folder: attention-pool head, last-token text pooling, its own logit bias).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -42,7 +43,34 @@ struct Run {
 }
 
 fn train(w: usize, kind: LossKind, tile: Option<usize>, cache_chunk: Option<usize>, steps: usize) -> Run {
-    let model = ClipModelSection { dir: repo().join("data/clip-tiny"), pretrained: false, max_len: None, mean: None, std: None };
+    train_in(&repo().join("data/clip-tiny"), w, kind, tile, cache_chunk, steps)
+}
+
+/// A tiny `SiglipModel` folder for 28 x 28 gray images, with `data/clip-tiny`'s tokenizer.
+fn siglip_folder() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(repo().join("data/clip-tiny/tokenizer.json"), dir.path().join("tokenizer.json")).unwrap();
+    let config = serde_json::json!({
+        "model_type": "siglip",
+        "text_config": {"vocab_size": 707, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "max_position_embeddings": 16, "pad_token_id": 706,
+                        "eos_token_id": 706, "projection_size": 48},
+        "vision_config": {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_channels": 1, "image_size": 28, "patch_size": 7}
+    });
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    dir
+}
+
+fn train_in(
+    dir: &std::path::Path,
+    w: usize,
+    kind: LossKind,
+    tile: Option<usize>,
+    cache_chunk: Option<usize>,
+    steps: usize,
+) -> Run {
+    let model = ClipModelSection { dir: dir.to_path_buf(), pretrained: false, max_len: None, mean: None, std: None };
     let loss = ClipLoss { kind, tile, ..Default::default() };
     let cfg = TrainerConfig {
         seed: 5,
@@ -148,6 +176,33 @@ fn siglip_gather_and_ring_on_2_and_3_ranks_equal_1_rank_in_f64() {
 fn siglip_ring_with_gradient_caching_equals_the_plain_step() {
     let one = train(1, LossKind::SiglipRing, None, None, 4);
     assert_same(&train(2, LossKind::SiglipRing, None, Some(4), 4), &one, 1e-10, "ring cached (chunk 4) W=2 vs plain W=1");
+}
+
+#[test]
+fn siglips_architecture_on_2_and_3_ranks_equals_1_rank_in_f64() {
+    let dir = siglip_folder();
+    // The attention-pool head's packed in-projection bias holds its key bias, which the
+    // softmax cancels as the blocks' (see `comparable`): left out of the comparison.
+    let keep = |r: &Run| Run {
+        losses: r.losses.clone(),
+        params: r.params.iter().filter(|(n, _)| !n.ends_with("in_proj_bias")).map(|(n, v)| (n.clone(), v.clone())).collect(),
+    };
+    let one = keep(&train_in(dir.path(), 1, LossKind::SiglipGather, None, None, 4));
+    assert!(one.losses.iter().all(|l| l.is_finite() && *l > 0.01), "losses {:?}", one.losses);
+    for (w, kind, chunk) in
+        [(2, LossKind::SiglipGather, None), (3, LossKind::SiglipRing, None), (2, LossKind::SiglipRing, Some(3))]
+    {
+        let run = keep(&train_in(dir.path(), w, kind, None, chunk, 4));
+        assert_same(&run, &one, 1e-10, &format!("SigLIP architecture, {kind:?} cache {chunk:?} W={w} vs W=1"));
+    }
+    // Not vacuous: the head, the text head and the logit bias (shape [1], SigLIP's own) move.
+    let start = train_in(dir.path(), 1, LossKind::SiglipGather, None, None, 0);
+    for name in ["vision_model.head.probe", "vision_model.head.mlp.fc2.weight", "text_model.head.bias", "logit_bias"] {
+        let (a, b) = (&one.params[name], &start.params[name]);
+        let moved = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max);
+        assert!(moved > 1e-4, "{name} moved by {moved:e} in 4 steps");
+    }
+    assert_eq!(one.params["logit_bias"].len(), 1);
 }
 
 #[test]

@@ -51,6 +51,7 @@ fn configs() -> Vec<(PathBuf, Vec<String>)> {
         ("barlowtwins.yaml", &["loss=null", "data.loader={workers: 0}"]),
         ("simcse.yaml", &["eval.sts=sts-b.tsv", "model.pooling=cls"]),
         ("simcse.yaml", &["loss={temperature: 0.05, tile: 16, queue: 1}"]),
+        ("clip.yaml", &["eval.images=test-images", "eval.classes=[[boot, ankle boot], [bag]]"]),
         ("face.yaml", &["head.margin={kind: arcface}"]),
         ("face.yaml", &["head.update=dense", "head.unsampled=frozen"]),
         ("face.yaml", &["head.storage=bf16"]),
