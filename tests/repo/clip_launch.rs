@@ -4,7 +4,9 @@
 //! SigLIP's (gathered and ring), and the rings on 3 ranks end where the gather forms on 1 do;
 //! `export-hf`
 //! writes the run as a Hugging Face CLIP folder that reads back to the trained parameters, and
-//! that transformers' `CLIPModel` loads and computes allgrad's logits from (ALLGRAD_PYTHON).
+//! that transformers' `CLIPModel` loads and computes allgrad's logits from (ALLGRAD_PYTHON);
+//! `configs/clip_shards.yaml` (shrunk) trains from shards `write-shards --captions` wrote, on 2
+//! ranks as on 1.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -226,4 +228,57 @@ fn a_trained_clip_export_loads_in_transformers_and_gives_allgrads_logits() {
         seen += 1;
     }
     assert_eq!(seen, 4, "check_clip_export.py printed {seen} errors, not 4:\n{text}");
+}
+
+/// `configs/clip_shards.yaml` (shrunk: 48 pairs of captioned shards written by `write-shards
+/// --captions configs/clip.yaml`, global batch 12, 3 steps, f64) on 2 ranks under `launch` ends
+/// with the parameters of 1 rank: the stream of shards gives every rank its part of the same
+/// global batches, decoded, randomly cropped and tokenized on the loader's threads.
+#[test]
+fn clip_from_captioned_shards_on_2_launched_ranks_ends_where_1_rank_does() {
+    let d = tempfile::tempdir().unwrap();
+    let limit = Duration::from_secs(300);
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let shards = d.path().join("shards");
+    let mut write = Command::new(env!("CARGO_BIN_EXE_write-shards"));
+    write.args(["--format", "idx", "--dir"]).arg(repo.join("data/fashion-mnist"));
+    write.args(["--captions"]).arg(repo.join("configs/clip.yaml")).args(["--out"]).arg(&shards);
+    write.args(["--per-shard", "12", "--limit", "48"]);
+    let (out, _) = common::run_with_watchdog(&mut write, limit);
+    ok(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "train-{000000..000003}.tar");
+    let run = |w: usize| {
+        let dir = d.path().join(format!("w{w}"));
+        let sets = [
+            "dtype=f64".to_string(),
+            format!("data.shards={}", shards.display()),
+            "data.webdataset={train: [\"train-{000000..000003}.tar\"], epoch_samples: 48, streams: 4, shuffle_buffer: 6, resampled: false}".into(),
+            "train.global_batch=12".into(),
+            "train.max_steps=3".into(),
+            "train.eval=false".into(),
+            "log.progress=quiet".into(),
+            "log.plot=false".into(),
+            "schedule.warmup_steps=1".into(),
+        ];
+        let mut a = vec!["--config".to_string(), repo.join("configs/clip_shards.yaml").display().to_string()];
+        for s in sets {
+            a.push("--set".into());
+            a.push(s);
+        }
+        a.push("--output-dir".into());
+        a.push(dir.display().to_string());
+        let mut c = if w == 1 {
+            Command::new(env!("CARGO_BIN_EXE_train"))
+        } else {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_launch"));
+            c.args(["--nproc-per-node", &w.to_string(), env!("CARGO_BIN_EXE_train")]);
+            c
+        };
+        c.args(a);
+        ok(&common::run_with_watchdog(&mut c, limit).0);
+        latest(&dir)
+    };
+    let one = run(1);
+    let (e, name) = max_rel(&run(2), &one);
+    assert!(e <= 1e-10, "shards W=2: parameters differ from 1 rank's by {e:.2e} (relative) in {name}");
 }

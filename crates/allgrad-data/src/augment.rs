@@ -25,6 +25,7 @@ mod crop;
 mod flip;
 mod jitter;
 mod normalize;
+mod resample;
 
 pub use blur::{gaussian_blur, gaussian_blur_composed, gaussian_kernel, GaussianBlur};
 pub use crop::{resize_bilinear, resize_box, CropBox, RandomResizedCrop};
@@ -34,6 +35,7 @@ pub use jitter::{
     RandomGrayscale,
 };
 pub use normalize::Normalize;
+pub use resample::{centre_box, resize_pil, shortest_side, Resample};
 
 use serde::{Deserialize, Serialize};
 
@@ -144,6 +146,21 @@ pub trait Pipeline: Send + Sync {
 
     /// View `key.view` of `img`.
     fn view(&self, img: &Image, key: ViewKey) -> DataResult<Chw>;
+
+    /// Whether the pipeline takes each sample's text (its caption: [`crate::Dataset::text`],
+    /// a shard sample's caption member): then every sample needs one, and the loaders turn it
+    /// into token ids with [`Pipeline::encode_text`] on their threads, into
+    /// [`crate::Batch::tokens`]. Default: false (batches carry no text).
+    fn takes_text(&self) -> bool {
+        false
+    }
+
+    /// The token ids of `text` (called only when [`Pipeline::takes_text`]). Default: an error.
+    fn encode_text(&self, text: &str) -> DataResult<Vec<u32>> {
+        Err(DataError::Text {
+            reason: format!("this pipeline takes no text (given {:?})", text.chars().take(40).collect::<String>()),
+        })
+    }
 }
 
 /// A validated augmentation pipeline (one view per call).

@@ -24,6 +24,12 @@ pub trait Dataset: Send + Sync {
 
     /// Number of classes.
     fn num_classes(&self) -> usize;
+
+    /// The text of sample `index` (a caption), for a data set of image-text pairs. Default:
+    /// none.
+    fn text(&self, _index: usize) -> DataResult<Option<String>> {
+        Ok(None)
+    }
 }
 
 /// Which part of a dataset with a standard train/test split to open.

@@ -8,7 +8,9 @@
 //! writes RGB straight into the buffer the [`Image`] keeps; it is the slowest stage of the
 //! loader for ImageNet-sized files (docs/data.md), so its speed is the loader's.
 
+use std::cell::Cell;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 use zune_core::bytestream::ZCursor;
@@ -38,9 +40,26 @@ pub fn is_jpeg(bytes: &[u8]) -> bool {
     bytes.len() >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF
 }
 
+/// Images [`decode_image`] was asked to decode, by this process.
+static DECODES: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// Images [`decode_image`] was asked to decode, by this thread.
+    static DECODES_HERE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many images [`decode_image`] (every decode of an encoded file in the crate) was asked
+/// to decode: `(by this process, by the calling thread)`. What a test of where decoding happens
+/// reads (none on a training thread whose loader decodes on its workers; one per sample).
+pub fn decode_counts() -> (u64, u64) {
+    (DECODES.load(Ordering::Relaxed), DECODES_HERE.with(|c| c.get()))
+}
+
 /// Decodes `bytes` (a whole JPEG or PNG file) into 1 or 3 channels as `color` says; `name`
 /// names the source in errors.
 pub fn decode_image(bytes: &[u8], color: ColorMode, name: &Path) -> DataResult<Image> {
+    DECODES.fetch_add(1, Ordering::Relaxed);
+    DECODES_HERE.with(|c| c.set(c.get() + 1));
     if is_jpeg(bytes) {
         decode_jpeg(bytes, color, name)
     } else {
@@ -89,16 +108,8 @@ fn decode_jpeg(bytes: &[u8], color: ColorMode, name: &Path) -> DataResult<Image>
     if rgb_out {
         return Ok(rgb);
     }
-    // One channel from a colour file: the `image` crate's luma (Rec. 709), as for PNG.
-    let buf = image::RgbImage::from_raw(width as u32, height as u32, rgb.pixels).ok_or(DataError::ImageShape {
-        width,
-        height,
-        channels: 3,
-        expected: width * height * 3,
-        found: 0,
-    })?;
-    let luma = image::DynamicImage::ImageRgb8(buf).to_luma8();
-    Image::new(width, height, 1, luma.into_raw())
+    // One channel from a colour file: the crate's one gray conversion, as for PNG.
+    rgb.to_channels(1)
 }
 
 fn decode_other(bytes: &[u8], color: ColorMode, name: &Path) -> DataResult<Image> {

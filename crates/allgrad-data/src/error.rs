@@ -206,6 +206,13 @@ pub enum DataError {
         reason: String,
     },
 
+    /// A sample's text (a caption) is missing or could not be turned into token ids.
+    #[error("text: {reason}")]
+    Text {
+        /// What is wrong (the sample, what it lacks or why its text could not be encoded).
+        reason: String,
+    },
+
     /// A webdataset stream asked for a position its plan cannot give.
     #[error("webdataset stream: {0}")]
     Stream(String),

@@ -25,6 +25,9 @@ pub struct Batch {
     pub views: Vec<Tensor>,
     /// `[B]` u32 class ids.
     pub labels: Tensor,
+    /// Each sample's text as token ids, in batch order, when the pipeline takes text
+    /// ([`crate::Pipeline::takes_text`]); empty otherwise.
+    pub tokens: Vec<Vec<u32>>,
 }
 
 /// Views copied to a device through the pinned path, in this process.
@@ -105,6 +108,7 @@ pub(crate) struct HostBatch {
     pub(crate) indices: Vec<usize>,
     pub(crate) views: Vec<HostView>,
     pub(crate) labels: Vec<u32>,
+    pub(crate) tokens: Vec<Vec<u32>>,
 }
 
 /// The tensors of a host batch on `device`: for plain buffers the vectors become CPU
@@ -143,5 +147,5 @@ pub(crate) fn to_batch(host: HostBatch, device: &Device) -> DataResult<Batch> {
         views.push(tensor);
     }
     let labels = Tensor::from_vec(host.labels, n, device)?;
-    Ok(Batch { indices: host.indices, views, labels })
+    Ok(Batch { indices: host.indices, views, labels, tokens: host.tokens })
 }

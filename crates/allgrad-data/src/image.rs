@@ -42,6 +42,37 @@ impl Image {
         self.pixels[(y * self.width + x) * self.channels + c]
     }
 
+    /// The image with `channels` channels (1 or 3): gray replicated to RGB, RGB to gray by
+    /// the `image` crate's luma (Rec. 709 weights), the one gray conversion of the crate
+    /// (decoding to [`crate::ColorMode::Gray`] uses it too); unchanged when it has them.
+    pub fn to_channels(self, channels: usize) -> DataResult<Image> {
+        match (self.channels, channels) {
+            (a, b) if a == b => Ok(self),
+            (1, 3) => {
+                let pixels = self.pixels.iter().flat_map(|&p| [p; 3]).collect();
+                Ok(Image { channels: 3, pixels, ..self })
+            }
+            (3, 1) => {
+                let (width, height) = (self.width, self.height);
+                let buf = image::RgbImage::from_raw(width as u32, height as u32, self.pixels).ok_or(DataError::ImageShape {
+                    width,
+                    height,
+                    channels: 3,
+                    expected: width * height * 3,
+                    found: 0,
+                })?;
+                Image::new(width, height, 1, image::DynamicImage::ImageRgb8(buf).to_luma8().into_raw())
+            }
+            (have, _) => Err(DataError::ImageShape {
+                width: self.width,
+                height: self.height,
+                channels,
+                expected: self.width * self.height * channels,
+                found: self.width * self.height * have,
+            }),
+        }
+    }
+
     /// The image as a PNG file (lossless: it decodes to these bytes), for writing shards
     /// from data sets held as raw pixels.
     pub fn to_png(&self) -> DataResult<Vec<u8>> {

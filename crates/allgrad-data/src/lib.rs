@@ -48,6 +48,7 @@ mod image;
 mod loader;
 #[cfg(feature = "cuda")]
 mod pinned;
+mod preprocess;
 mod read;
 mod recordio;
 pub mod rng;
@@ -56,11 +57,11 @@ pub mod webdataset;
 
 pub use augment::{
     Augment, AugmentConfig, ColorJitter, CropBox, GaussianBlur, Normalize, Pipeline, RandomGrayscale, RandomHorizontalFlip,
-    RandomResizedCrop, Stage, TwoViews, ViewKey,
+    RandomResizedCrop, Resample, Stage, TwoViews, ViewKey,
 };
 pub use cifar::{Cifar10, CIFAR10_CLASSES, CIFAR_RECORD, CIFAR_SIDE};
 pub use dataset::{Dataset, InMemory, Split};
-pub use decode::{decode_image, is_jpeg, ColorMode};
+pub use decode::{decode_counts, decode_image, is_jpeg, ColorMode};
 pub use error::{DataError, DataResult};
 pub use face_bin::VerificationBin;
 pub use folder::{FolderOptions, ImageFolder};
@@ -68,5 +69,6 @@ pub use host::{pinned_uploads, Batch};
 pub use idx::IdxDataset;
 pub use image::{Chw, FloatImage, Image};
 pub use loader::{Loader, LoaderConfig};
+pub use preprocess::Preprocess;
 pub use recordio::{OnBadRecord, RecordHeader, RecordIo, RecordIoOptions, RecordIoWriter, IR_HEADER_LEN, RECORD_MAGIC};
 pub use sampler::DistributedSampler;

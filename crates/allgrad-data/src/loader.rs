@@ -68,14 +68,21 @@ impl Plan {
     fn build(&self, b: usize) -> DataResult<HostBatch> {
         let indices = &self.batches[b];
         let mut labels = Vec::with_capacity(indices.len());
+        let mut tokens = Vec::new();
         let samples = indices.iter().map(|&index| {
             let img = self.dataset.get(index)?;
             labels.push(self.dataset.label(index)? as u32);
+            if self.pipeline.takes_text() {
+                let text = self.dataset.text(index)?.ok_or_else(|| DataError::Text {
+                    reason: format!("sample {index} has no text, which the pipeline takes (a caption)"),
+                })?;
+                tokens.push(self.pipeline.encode_text(&text)?);
+            }
             Ok((index, img))
         });
         let key = |index: usize, view| ViewKey { seed: self.seed, epoch: self.epoch, index: index as u64, view };
         let views = assemble(samples, indices.len(), self.pipeline.as_ref(), &self.staging, key)?;
-        Ok(HostBatch { indices: indices.clone(), views, labels })
+        Ok(HostBatch { indices: indices.clone(), views, labels, tokens })
     }
 }
 

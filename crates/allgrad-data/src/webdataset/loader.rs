@@ -33,6 +33,7 @@ struct Part {
     positions: Vec<usize>,
     views: Vec<HostView>,
     labels: Vec<u32>,
+    tokens: Vec<Vec<u32>>,
     /// The stream's state after this part.
     state: LaneState,
 }
@@ -74,19 +75,29 @@ impl Readers {
         }
         reader.fast_forward(first)?;
         let mut labels = Vec::with_capacity(positions.len());
+        let mut tokens = Vec::new();
+        let pipeline = w.pipeline.as_ref();
+        if pipeline.takes_text() && w.source.caption().is_none() {
+            return Err(DataError::Stream(
+                "the pipeline takes captions but the stream reads none (ShardStream::with_caption)".into(),
+            ));
+        }
         let samples = positions.iter().map(|&p| {
             let (_, m) = layout.locate(p);
             if m != reader.good() {
                 return Err(DataError::Stream(format!("batch {batch}: positions of stream {lane} are not consecutive at {p}")));
             }
-            let (img, label) = reader.next_good(true)?;
+            let (img, label, caption) = reader.next_good(true)?;
             labels.push(label as u32);
+            if let (true, Some(text)) = (pipeline.takes_text(), caption) {
+                tokens.push(pipeline.encode_text(&text)?);
+            }
             Ok((p, img.expect("decoded when asked to")))
         });
         let key = |p: usize, view| ViewKey { seed: w.seed, epoch: w.epoch, index: p as u64, view };
         let views = assemble(samples, positions.len(), w.pipeline.as_ref(), &w.staging, key)?;
         let state = reader.state();
-        Ok(Part { batch, lane, positions: positions.to_vec(), views, labels, state })
+        Ok(Part { batch, lane, positions: positions.to_vec(), views, labels, tokens, state })
     }
 }
 
@@ -212,13 +223,14 @@ impl StreamLoader {
             }
             parts.push(part);
         }
-        let mut host = HostBatch { indices: Vec::new(), views: Vec::new(), labels: Vec::new() };
+        let mut host = HostBatch { indices: Vec::new(), views: Vec::new(), labels: Vec::new(), tokens: Vec::new() };
         let mut states = Vec::with_capacity(parts.len());
         for part in parts {
             states.push(part.state);
             let first = part.positions[0];
             host.indices.extend(part.positions);
             host.labels.extend(part.labels);
+            host.tokens.extend(part.tokens);
             if host.views.is_empty() {
                 host.views = part.views;
                 continue;

@@ -2,9 +2,10 @@
 //!
 //! A shard is a tar file; consecutive members with the same key (file name up to its first
 //! dot) form one sample, each member under its extension: `jpg`/`jpeg`/`png` for the image,
-//! `cls` for the class id, `txt` or `json` for text ([`shard`]). Shards are listed as paths
-//! or brace patterns, `train-{000000..000127}.tar` ([`expand`]), several in one entry joined
-//! by `::` ([`shard_paths`]).
+//! `cls` for the class id, `txt` or `json` for text ([`shard`]); image-caption pairs carry their
+//! caption in a member or a field of the `json` member ([`CaptionField`],
+//! [`ShardStream::with_caption`]). Shards are listed as paths or brace patterns,
+//! `train-{000000..000127}.tar` ([`expand`]), several in one entry joined by `::` ([`shard_paths`]).
 //!
 //! Two ways to read them:
 //!
@@ -35,7 +36,7 @@ mod write;
 pub use index::TarDataset;
 pub use loader::StreamLoader;
 pub use pattern::expand;
-pub use shard::{Sample, ShardReader};
+pub use shard::{CaptionField, Sample, ShardReader};
 pub use stream::{LaneState, ShardStream, StreamLayout, StreamState};
 pub use write::ShardWriter;
 

@@ -56,6 +56,67 @@ impl Sample {
     pub fn text(&self) -> Option<String> {
         self.member("txt").map(|b| String::from_utf8_lossy(b).into_owned())
     }
+
+    /// The caption `field` names; `Err(why)` when the sample lacks it (the member, the JSON
+    /// field, or valid JSON), naming what it has.
+    pub fn caption(&self, field: &CaptionField) -> Result<String, String> {
+        let members = || self.members.iter().map(|(e, _)| e.as_str()).collect::<Vec<_>>().join(", ");
+        match field {
+            CaptionField::Member(ext) => match self.member(ext) {
+                Some(b) => Ok(String::from_utf8_lossy(b).into_owned()),
+                None => Err(format!("no caption: no `{ext}` member (members: {})", members())),
+            },
+            CaptionField::Json(key) => {
+                let raw = self.member("json").ok_or_else(|| format!("no caption: no `json` member (members: {})", members()))?;
+                let value: serde_json::Value =
+                    serde_json::from_slice(raw).map_err(|e| format!("no caption: the `json` member is not JSON ({e})"))?;
+                match value.get(key) {
+                    Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                    Some(other) => Err(format!("no caption: field `{key}` of the `json` member is not a string ({other})")),
+                    None => Err(format!("no caption: the `json` member has no field `{key}`")),
+                }
+            }
+        }
+    }
+}
+
+/// Where a sample's caption is, for image-text pairs: a member read as UTF-8 text (`txt`, as
+/// img2dataset writes captions), or a string field of the `json` member (`json:caption`). In a
+/// config, that string.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum CaptionField {
+    /// The member with this extension.
+    Member(String),
+    /// This field of the `json` member.
+    Json(String),
+}
+
+impl Default for CaptionField {
+    fn default() -> Self {
+        CaptionField::Member("txt".into())
+    }
+}
+
+impl TryFrom<String> for CaptionField {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.split_once(':') {
+            Some(("json", key)) if !key.is_empty() => Ok(CaptionField::Json(key.into())),
+            None if !s.is_empty() && !s.contains('.') => Ok(CaptionField::Member(s.to_ascii_lowercase())),
+            _ => Err(format!("caption `{s}`: give a member's extension (`txt`) or a field of the json member (`json:caption`)")),
+        }
+    }
+}
+
+impl From<CaptionField> for String {
+    fn from(c: CaptionField) -> String {
+        match c {
+            CaptionField::Member(ext) => ext,
+            CaptionField::Json(key) => format!("json:{key}"),
+        }
+    }
 }
 
 /// The webdataset key and extension of a member path: `dir/a.b.c` is key `dir/a`, extension

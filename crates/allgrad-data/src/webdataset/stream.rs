@@ -35,7 +35,7 @@ use allgrad_rng::{below, shuffle, stream};
 use serde::{Deserialize, Serialize};
 
 use super::index::{decode_sample, member_names};
-use super::shard::{Sample, ShardReader};
+use super::shard::{CaptionField, Sample, ShardReader};
 use super::{OnCorrupt, WebDatasetOptions};
 use crate::decode::ColorMode;
 use crate::error::{DataError, DataResult};
@@ -83,6 +83,8 @@ pub struct ShardStream {
     layout: StreamLayout,
     color: ColorMode,
     skipped: AtomicU64,
+    /// Image-caption pairs: where each sample's caption is (a sample without it is corrupt).
+    caption: Option<CaptionField>,
     /// Samples read from shards (the buffer's, read again on resume, included).
     samples_read: AtomicU64,
     /// Each stream's state after the last batch a loader handed out.
@@ -241,7 +243,22 @@ impl ShardStream {
             samples_read: AtomicU64::new(0),
             consumed: Mutex::new(BTreeMap::new()),
             resume: Mutex::new(None),
+            caption: None,
         })
+    }
+
+    /// The stream of image-caption pairs: every sample's caption is read from `field` and
+    /// handed out with it (the loader's [`crate::Batch::tokens`], through a pipeline that
+    /// takes text); a sample without it is corrupt (an error naming the shard and the key, or
+    /// left out under `on_corrupt: skip`).
+    pub fn with_caption(mut self, field: CaptionField) -> Self {
+        self.caption = Some(field);
+        self
+    }
+
+    /// Where the captions are read from, for image-caption pairs.
+    pub fn caption(&self) -> Option<&CaptionField> {
+        self.caption.as_ref()
     }
 
     /// Samples read from the shards so far by this process: every sample a stream read, and
@@ -490,6 +507,9 @@ struct ShardRead {
     finished: bool,
 }
 
+/// A good sample: its image (when decoded), class and caption (image-caption pairs).
+pub(super) type Good = (Option<Image>, usize, Option<String>);
+
 /// A sample read, with the number of the shard read it came from and its shard.
 type Read = (u64, usize, Sample);
 
@@ -688,13 +708,14 @@ impl Lane {
         }
     }
 
-    /// The next good sample: its image (decoded when `decode`) and class (0 without `cls`).
+    /// The next good sample: its image (decoded when `decode`), class (0 without `cls`) and,
+    /// for image-caption pairs, caption.
     /// Corrupt samples are skipped or an error, as configured; without `decode` only what
     /// can be checked without decoding is (the fast-forward of a resume under
     /// `on_corrupt: error`, where a sample that would not decode would have stopped the run).
     /// Under `skip`, once every shard the stream reads has been read through giving only
     /// corrupt samples, an error naming the last of them and why.
-    pub(super) fn next_good(&mut self, decode: bool) -> DataResult<(Option<Image>, usize)> {
+    pub(super) fn next_good(&mut self, decode: bool) -> DataResult<Good> {
         loop {
             let (d, s, sample) = self.next_candidate()?;
             let path = self.src.shards[s].as_path();
@@ -718,7 +739,7 @@ impl Lane {
         }
     }
 
-    fn check(&self, path: &Path, sample: &Sample, decode: bool) -> DataResult<(Option<Image>, usize)> {
+    fn check(&self, path: &Path, sample: &Sample, decode: bool) -> DataResult<Good> {
         let class = match sample.class() {
             None => 0,
             Some(Ok(c)) => c,
@@ -731,6 +752,15 @@ impl Lane {
                 })
             }
         };
+        let caption = match &self.src.caption {
+            None => None,
+            Some(field) => Some(sample.caption(field).map_err(|reason| DataError::CorruptSample {
+                shard: path.into(),
+                key: sample.key.clone(),
+                offset: sample.offset,
+                reason,
+            })?),
+        };
         if !decode {
             if sample.image().is_none() {
                 return Err(DataError::CorruptSample {
@@ -740,9 +770,9 @@ impl Lane {
                     reason: format!("no jpg, jpeg or png member (members: {})", member_names(sample)),
                 });
             }
-            return Ok((None, class));
+            return Ok((None, class, caption));
         }
-        Ok((Some(decode_sample(path, sample, self.src.color)?), class))
+        Ok((Some(decode_sample(path, sample, self.src.color)?), class, caption))
     }
 
     /// Reads forward until `target` good samples have been given. Under `on_corrupt: skip`

@@ -12,6 +12,7 @@
 //! build and run by name (`build_cuda_bins.sh`, `gpu_ci.sh`); it also reads the process-wide
 //! count of pinned uploads (`allgrad_data::pinned_uploads`) and asserts exact differences.
 
+mod captions;
 mod fashion_mnist;
 mod recordio;
 mod views_pinned;

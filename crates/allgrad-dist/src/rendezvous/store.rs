@@ -340,7 +340,7 @@ fn handle(shared: &Shared, cmd: u8, key: String, val: Vec<u8>, arg: u64) -> (u8,
             };
             let deadline = Instant::now().checked_add(Duration::from_millis(arg));
             let first_missing = |t: &Table| (0..count).find(|i| !t.map.contains_key(&format!("{key}{i}")));
-            if first_missing(&*t).is_some() {
+            if first_missing(&t).is_some() {
                 // Counted once here; from now on `key_changed` keeps the count as keys come and go.
                 let missing = (0..count).filter(|i| !t.map.contains_key(&format!("{key}{i}"))).count();
                 let w = Wait::new(count, missing);
@@ -351,7 +351,7 @@ fn handle(shared: &Shared, cmd: u8, key: String, val: Vec<u8>, arg: u64) -> (u8,
                     }
                     let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
                     if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
-                        break first_missing(&*t);
+                        break first_missing(&t);
                     }
                     t = shared.wait_on(t, &w, left);
                 };

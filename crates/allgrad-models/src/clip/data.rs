@@ -1,36 +1,23 @@
-//! Image-caption pairs: a [`PairSource`] gives sample i's image and caption by global index.
-//! Two sources ship: [`CsvPairs`] (a CSV of image path and caption) and [`ClassCaptions`]
+//! Image-caption pairs as data sets of the loader ([`allgrad_data::Dataset`] with each sample's
+//! caption as its text): [`CsvPairs`] (a CSV of image path and caption) and [`ClassCaptions`]
 //! (a labelled image data set whose captions are made from class names, synonyms and
-//! templates). Another source (webdataset shards of `jpg` + `txt`, say) plugs in by
-//! implementing the trait; the objective sees nothing else.
+//! templates). Webdataset shards of image-caption pairs are read as a stream
+//! (`allgrad_data::webdataset::ShardStream::with_caption`). Images are decoded and captions
+//! tokenized on the loader's threads ([`super::inputs`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use allgrad_data::{Dataset, Image};
+use allgrad_data::{ColorMode, DataError, DataResult, Dataset, Image};
 use candle_core::Result;
 
 fn msg(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
-/// Image-caption pairs by global sample index.
-pub trait PairSource: Send + Sync {
-    /// Number of pairs.
-    fn len(&self) -> usize;
-    /// True when there are none.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Pair `index`'s image, 8-bit HWC.
-    fn image(&self, index: usize) -> Result<Image>;
-    /// Pair `index`'s caption.
-    fn caption(&self, index: usize) -> Result<String>;
-}
-
 /// Pairs listed in a CSV file: a header `image,caption`, then one pair a line; an image path
 /// is taken from the CSV's folder when relative; a caption may be quoted (`"..."`, with `""`
-/// for a quote). Images are decoded when asked for (PNG or JPEG).
+/// for a quote). Images are decoded when asked for (PNG or JPEG); every sample is class 0.
 #[derive(Clone, Debug)]
 pub struct CsvPairs {
     rows: Vec<(PathBuf, String)>,
@@ -88,26 +75,37 @@ impl CsvPairs {
     }
 }
 
-impl PairSource for CsvPairs {
+impl CsvPairs {
+    /// Pair `index`'s image file.
+    pub fn path(&self, index: usize) -> DataResult<&Path> {
+        self.rows.get(index).map(|(p, _)| p.as_path()).ok_or(DataError::IndexOutOfRange { index, len: self.rows.len() })
+    }
+
+    /// Pair `index`'s caption.
+    pub fn caption(&self, index: usize) -> DataResult<&str> {
+        self.rows.get(index).map(|(_, c)| c.as_str()).ok_or(DataError::IndexOutOfRange { index, len: self.rows.len() })
+    }
+}
+
+impl Dataset for CsvPairs {
     fn len(&self) -> usize {
         self.rows.len()
     }
-    fn image(&self, index: usize) -> Result<Image> {
-        let (path, _) =
-            self.rows.get(index).ok_or_else(|| msg(format!("pair {index} out of range ({} pairs)", self.rows.len())))?;
-        let img = image::open(path).map_err(|e| msg(format!("decoding {}: {e}", path.display())))?;
-        let (width, height) = (img.width() as usize, img.height() as usize);
-        Ok(if img.color().has_color() {
-            Image { width, height, channels: 3, pixels: img.to_rgb8().into_raw() }
-        } else {
-            Image { width, height, channels: 1, pixels: img.to_luma8().into_raw() }
-        })
+    /// Pair `index`'s image file decoded (allgrad-data's decoder: JPEG or PNG), gray files as
+    /// one channel, colour files as three.
+    fn get(&self, index: usize) -> DataResult<Image> {
+        let (path, _) = self.rows.get(index).ok_or(DataError::IndexOutOfRange { index, len: self.rows.len() })?;
+        let bytes = std::fs::read(path).map_err(|source| DataError::Io { path: path.clone(), source })?;
+        allgrad_data::decode_image(&bytes, ColorMode::Auto, path)
     }
-    fn caption(&self, index: usize) -> Result<String> {
-        self.rows
-            .get(index)
-            .map(|(_, c)| c.clone())
-            .ok_or_else(|| msg(format!("pair {index} out of range ({} pairs)", self.rows.len())))
+    fn label(&self, index: usize) -> DataResult<usize> {
+        self.caption(index).map(|_| 0)
+    }
+    fn num_classes(&self) -> usize {
+        1
+    }
+    fn text(&self, index: usize) -> DataResult<Option<String>> {
+        self.caption(index).map(|c| Some(c.to_string()))
     }
 }
 
@@ -133,37 +131,37 @@ impl ClassCaptions {
         seed: u64,
         limit: Option<usize>,
     ) -> Result<Self> {
-        if names.len() != images.num_classes() || names.iter().any(|n| n.is_empty()) {
+        Self::check(&names, &templates).map_err(|(_, m)| msg(format!("class captions: {m}")))?;
+        if names.len() != images.num_classes() {
             candle_core::bail!(
                 "class captions: {} classes need a non-empty list of names each, got {} lists",
                 images.num_classes(),
                 names.len()
             );
         }
-        if templates.is_empty() || templates.iter().any(|t| t.matches("{}").count() != 1) {
-            candle_core::bail!("class captions: templates must be non-empty, each with exactly one {{}}: {templates:?}");
-        }
         let limit = limit.unwrap_or(usize::MAX).min(images.len());
         Ok(ClassCaptions { images, names, templates, seed, limit })
     }
 
-    /// Sample `index`'s class.
-    pub fn label(&self, index: usize) -> Result<usize> {
-        self.images.label(index).map_err(msg)
-    }
-}
-
-impl PairSource for ClassCaptions {
-    fn len(&self) -> usize {
-        self.limit
-    }
-    fn image(&self, index: usize) -> Result<Image> {
-        if index >= self.limit {
-            candle_core::bail!("pair {index} out of range ({} pairs)", self.limit);
+    /// The one check of class names and templates (`Err((which, why))`, `which` being
+    /// `"classes"` or `"templates"`): every class a non-empty list of names, at least one
+    /// template, each with exactly one `{}`.
+    pub fn check(names: &[Vec<String>], templates: &[String]) -> std::result::Result<(), (&'static str, String)> {
+        if names.is_empty() || names.iter().any(|n| n.is_empty()) {
+            return Err(("classes", "each class needs a non-empty list of names (its name first, then synonyms)".into()));
         }
-        self.images.get(index).map_err(msg)
+        if templates.is_empty() {
+            return Err(("templates", "needs at least one template".into()));
+        }
+        if let Some(t) = templates.iter().find(|t| t.matches("{}").count() != 1) {
+            return Err(("templates", format!("{t:?} must hold exactly one {{}} (the class name)")));
+        }
+        Ok(())
     }
-    fn caption(&self, index: usize) -> Result<String> {
+
+    /// Sample `index`'s caption: a template filled with a name of its class, both picked by
+    /// a hash of (seed, index).
+    pub fn caption(&self, index: usize) -> DataResult<String> {
         let names = &self.names[self.label(index)?];
         let h = allgrad_rng::key_hash(&[self.seed, index as u64]);
         let name = &names[(h % names.len() as u64) as usize];
@@ -172,49 +170,26 @@ impl PairSource for ClassCaptions {
     }
 }
 
-/// How images become the vision tower's input: channels, side, per-channel mean and std.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Pixels {
-    /// Channels the tower takes (1 or 3).
-    pub channels: usize,
-    /// Side of the square input.
-    pub size: usize,
-    /// Per-channel mean subtracted after scaling to [0, 1].
-    pub mean: Vec<f32>,
-    /// Per-channel standard deviation divided by.
-    pub std: Vec<f32>,
-}
-
-impl Pixels {
-    /// `img` as `channels x size x size` floats: gray to RGB by repetition and RGB to gray by
-    /// the mean of the channels, resized (bilinear) when its size differs, scaled to [0, 1] and
-    /// standardised.
-    pub fn chw(&self, img: &Image) -> Result<Vec<f32>> {
-        let (w, h, c) = (img.width, img.height, img.channels);
-        let mut px: Vec<u8> = match (c, self.channels) {
-            (a, b) if a == b => img.pixels.clone(),
-            (1, 3) => img.pixels.iter().flat_map(|p| [*p; 3]).collect(),
-            (3, 1) => img.pixels.chunks(3).map(|p| ((p[0] as u32 + p[1] as u32 + p[2] as u32) / 3) as u8).collect(),
-            (a, b) => candle_core::bail!("an image of {a} channels cannot feed a tower of {b}"),
-        };
-        let s = self.size;
-        if (w, h) != (s, s) {
-            px = if self.channels == 3 {
-                let im =
-                    image::RgbImage::from_raw(w as u32, h as u32, px).ok_or_else(|| msg("image buffer of the wrong size"))?;
-                image::imageops::resize(&im, s as u32, s as u32, image::imageops::FilterType::Triangle).into_raw()
-            } else {
-                let im =
-                    image::GrayImage::from_raw(w as u32, h as u32, px).ok_or_else(|| msg("image buffer of the wrong size"))?;
-                image::imageops::resize(&im, s as u32, s as u32, image::imageops::FilterType::Triangle).into_raw()
-            };
+impl Dataset for ClassCaptions {
+    fn len(&self) -> usize {
+        self.limit
+    }
+    fn get(&self, index: usize) -> DataResult<Image> {
+        if index >= self.limit {
+            return Err(DataError::IndexOutOfRange { index, len: self.limit });
         }
-        let k = self.channels;
-        let mut out = vec![0f32; k * s * s];
-        for (i, p) in px.iter().enumerate() {
-            let (pos, ch) = (i / k, i % k);
-            out[ch * s * s + pos] = (*p as f32 / 255.0 - self.mean[ch]) / self.std[ch];
+        self.images.get(index)
+    }
+    fn label(&self, index: usize) -> DataResult<usize> {
+        if index >= self.limit {
+            return Err(DataError::IndexOutOfRange { index, len: self.limit });
         }
-        Ok(out)
+        self.images.label(index)
+    }
+    fn num_classes(&self) -> usize {
+        self.images.num_classes()
+    }
+    fn text(&self, index: usize) -> DataResult<Option<String>> {
+        self.caption(index).map(Some)
     }
 }

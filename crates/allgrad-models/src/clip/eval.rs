@@ -2,19 +2,22 @@
 //! ranks: each rank embeds its contiguous share of the test images, of the classes' prompts
 //! and of the retrieval captions (in chunks of `eval.batch`), the shares are gathered, and
 //! every rank scores the same gathered embeddings, so the figures do not depend on the world
-//! size. The test set is the test split of an IDX folder (`data.images`) or an image folder
-//! with one sub-folder per class (`eval.images`), the classes named by `eval.classes`, the
-//! sub-folders' names or `data.classes`.
+//! size. The images go through the model's evaluation preprocessing (allgrad-data's
+//! [`Preprocess`], the view the objective's `preprocessor_config.json` describes). The test
+//! set ([`open_test_set`]) is `eval.images` (the test split of an IDX folder, or an image
+//! folder with one sub-folder per class), else the test split of `data.images`; its classes
+//! are named by `eval.classes`, else by the sub-folders' names (an image folder) or
+//! `data.classes` (an IDX split). A run that trains from shards or a CSV evaluates this way too.
 
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-use allgrad_data::{Dataset, FolderOptions, IdxDataset, ImageFolder, Split};
+use allgrad_data::{Dataset, FolderOptions, IdxDataset, ImageFolder, Preprocess, Split, ViewKey};
 use allgrad_dist::ProcessGroup;
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::data::{ClassCaptions, PairSource, Pixels};
+use super::data::ClassCaptions;
 use super::folder::ClipTokenizer;
 use super::model::ClipModel;
 use super::settings::{ClipData, ClipEval};
@@ -48,13 +51,28 @@ pub struct ClipEvaluation {
 /// A labelled test set and each class's names (its name first, then synonyms).
 pub type TestSet = (Arc<dyn Dataset>, Vec<Vec<String>>);
 
-/// The test images and their classes' names: `eval.images` (an image folder; names from
-/// `eval.classes`, else the sub-folders' with `_` as a space), else the test split of
-/// `data.images` (an IDX folder) named by `data.classes`.
+/// Whether `dir` holds an IDX test split (`t10k-images-idx3-ubyte`, gzipped or not): then
+/// `eval.images` means that split, else an image folder.
+pub fn has_idx_test_split(dir: &Path) -> bool {
+    ["t10k-images-idx3-ubyte", "t10k-images-idx3-ubyte.gz"].iter().any(|f| dir.join(f).is_file())
+}
+
+/// The test images and their classes' names. `eval.images` is either an IDX folder (its test
+/// split, named by `eval.classes`, else `data.classes`) or an image folder (one sub-folder per
+/// class, named by `eval.classes`, else the sub-folders' names with `_` as a space); without
+/// it, the test split of `data.images` (an IDX folder) named by `eval.classes`, else
+/// `data.classes`.
 pub fn open_test_set(data: &ClipData, cfg: &ClipEval) -> Result<TestSet> {
+    let idx = |dir: &Path, key: &str| -> Result<TestSet> {
+        let images = IdxDataset::open_dir(dir, Split::Test).map_err(|e| msg(format!("{key}: {e}")))?;
+        let names = if cfg.classes.is_empty() { data.classes.clone() } else { cfg.classes.clone() };
+        Ok((Arc::new(images), names))
+    };
     match (&cfg.images, &data.images) {
+        (Some(dir), _) if has_idx_test_split(dir) => idx(dir, "eval.images"),
         (Some(dir), _) => {
-            let folder = ImageFolder::open(dir, &FolderOptions::default()).map_err(|e| msg(format!("eval.images: {e}")))?;
+            let folder = ImageFolder::open(dir, &FolderOptions::default())
+                .map_err(|e| msg(format!("eval.images (an image folder, no IDX test split in it): {e}")))?;
             let names = if cfg.classes.is_empty() {
                 folder.classes().iter().map(|c| vec![c.replace('_', " ")]).collect()
             } else if cfg.classes.len() == folder.classes().len() {
@@ -70,11 +88,10 @@ pub fn open_test_set(data: &ClipData, cfg: &ClipEval) -> Result<TestSet> {
             };
             Ok((Arc::new(folder), names))
         }
-        (None, Some(dir)) => {
-            let images = IdxDataset::open_dir(dir, Split::Test).map_err(msg)?;
-            Ok((Arc::new(images), data.classes.clone()))
+        (None, Some(dir)) => idx(dir, "data.images"),
+        (None, None) => {
+            candle_core::bail!("clip: eval needs eval.images (an IDX folder or an image folder) or data.images (an IDX folder)")
         }
-        (None, None) => candle_core::bail!("clip: eval needs eval.images (an image folder) or data.images (an IDX folder)"),
     }
 }
 
@@ -101,7 +118,7 @@ impl ClipEvaluation {
             .map(|names| tokenize(&mut cfg.templates.iter().map(|t| Ok(t.replace("{}", &names[0])))))
             .collect::<Result<Vec<_>>>()?;
         let n = cfg.retrieval.min(test.len());
-        let captions = tokenize(&mut (0..n).map(|i| test.caption(i)))?;
+        let captions = tokenize(&mut (0..n).map(|i| test.caption(i).map_err(msg)))?;
         Ok(ClipEvaluation { cfg: cfg.clone(), test, prompts, captions, dim })
     }
 
@@ -110,19 +127,19 @@ impl ClipEvaluation {
     pub fn run(
         &self,
         model: &ClipModel,
-        pixels: &Pixels,
+        view: &Preprocess,
         pad_id: u32,
         pg: &ProcessGroup,
         device: &Device,
     ) -> Result<Vec<(String, f64)>> {
-        Ok(self.run_counted(model, pixels, pad_id, pg, device)?.0)
+        Ok(self.run_counted(model, view, pad_id, pg, device)?.0)
     }
 
     /// [`ClipEvaluation::run`], with the rows this rank embedded.
     pub fn run_counted(
         &self,
         model: &ClipModel,
-        pixels: &Pixels,
+        view: &Preprocess,
         pad_id: u32,
         pg: &ProcessGroup,
         device: &Device,
@@ -133,7 +150,7 @@ impl ClipEvaluation {
         let images = |r: Range<usize>, share: &mut EvalShare| -> Result<Tensor> {
             share.images += r.len();
             let idx: Vec<usize> = r.collect();
-            model.vision.forward(&batch_of(pixels, test, &idx, device)?)
+            model.vision.forward(&batch_of(view, test, &idx, device)?)
         };
         if self.cfg.zero_shot > 0 {
             let n = self.cfg.zero_shot.min(test.len());
@@ -156,7 +173,7 @@ impl ClipEvaluation {
             let mut correct = 0usize;
             for (i, row) in scores.iter().enumerate() {
                 let best = (0..row.len()).max_by(|a, b| row[*a].total_cmp(&row[*b])).unwrap_or(0);
-                correct += usize::from(test.label(i)? == best);
+                correct += usize::from(test.label(i).map_err(msg)? == best);
             }
             out.push(("zero_shot_top1".to_string(), correct as f64 / n.max(1) as f64));
         }
@@ -198,13 +215,17 @@ impl ClipEvaluation {
     }
 }
 
-/// The images of `indices` as `[n, c, s, s]` f32.
-fn batch_of(p: &Pixels, source: &dyn PairSource, indices: &[usize], device: &Device) -> Result<Tensor> {
-    let mut all = Vec::with_capacity(indices.len() * p.channels * p.size * p.size);
+/// The images of `indices` through `view` (the evaluation preprocessing) as `[n, c, h, w]` f32.
+fn batch_of(view: &Preprocess, test: &ClassCaptions, indices: &[usize], device: &Device) -> Result<Tensor> {
+    let mut all = Vec::new();
+    let mut shape = (view.channels, 0, 0);
     for &i in indices {
-        all.extend(p.chw(&source.image(i)?)?);
+        let img = test.get(i).map_err(msg)?;
+        let chw = view.apply(&img, ViewKey { seed: 0, epoch: 0, index: i as u64, view: 0 }).map_err(msg)?;
+        shape = (chw.channels, chw.height, chw.width);
+        all.extend(chw.data);
     }
-    Tensor::from_vec(all, (indices.len(), p.channels, p.size, p.size), device)
+    Tensor::from_vec(all, (indices.len(), shape.0, shape.1, shape.2), device)
 }
 
 /// Fraction of rows of `scores` (`[n, m]`) whose `target(i)` is among their `k` highest.

@@ -12,6 +12,7 @@ use tokenizers::{Tokenizer, TruncationParams};
 
 use super::config::{ClipConfig, TextPooling};
 use super::model::ClipModel;
+use super::preprocess::ImageProcessor;
 
 fn msg(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
@@ -256,23 +257,17 @@ impl ClipFolder {
 }
 
 /// Files of the source folder copied into an export when present (`tokenizer.json` must be).
-const COPIED: [&str; 6] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "preprocessor_config.json",
-];
+const COPIED: [&str; 5] = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"];
 
 /// Writes the model whose parameters are `params` (Hugging Face names; other names are left
 /// out) as a folder `out` that `transformers`' `CLIPModel.from_pretrained` (or
 /// `SiglipModel.from_pretrained`, as `config.json` says) loads: `source`'s `config.json` and
-/// tokenizer files, and the parameters in f32 as `model.safetensors`, `logit_bias` included
-/// when the run has one (SigLIP's; `CLIPModel` ignores it, and allgrad reads it back). Every
-/// tensor the config needs must be present with its shape (checked by loading the folder back
-/// before returning).
-pub fn export_clip_folder(params: &HashMap<String, Tensor>, source: &Path, out: &Path) -> Result<()> {
+/// tokenizer files, the image preprocessing the run used as `preprocessor_config.json`
+/// (`processor`; `CLIPImageProcessor` reads it), and the parameters in f32 as
+/// `model.safetensors`, `logit_bias` included when the run has one (SigLIP's; `CLIPModel`
+/// ignores it, and allgrad reads it back). Every tensor the config needs must be present with
+/// its shape (checked by loading the folder back before returning).
+pub fn export_clip_folder(params: &HashMap<String, Tensor>, source: &Path, out: &Path, processor: &ImageProcessor) -> Result<()> {
     let folder = ClipFolder::open(source)?;
     std::fs::create_dir_all(out).map_err(|e| msg(format!("creating {}: {e}", out.display())))?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
@@ -297,6 +292,7 @@ pub fn export_clip_folder(params: &HashMap<String, Tensor>, source: &Path, out: 
             candle_core::bail!("export: {} has no tokenizer.json", source.display());
         }
     }
+    processor.write(&out.join(super::preprocess::PREPROCESSOR_CONFIG))?;
     let file = out.join("model.safetensors");
     crate::save_safetensors(&tensors, &file)?;
     // Read back: every tensor the architecture needs, with its shape.

@@ -5,6 +5,8 @@
 
 use std::path::PathBuf;
 
+use allgrad_data::webdataset::{CaptionField, WebDatasetOptions};
+use allgrad_data::LoaderConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::tiled::Tiling;
@@ -119,17 +121,21 @@ pub struct ClipModelSection {
     /// context length).
     #[serde(default)]
     pub max_len: Option<usize>,
-    /// Per-channel mean of the input standardisation (default: OpenAI CLIP's for 3
-    /// channels, 0.5 for 1).
+    /// Per-channel mean of the input standardisation (default: the folder's
+    /// `preprocessor_config.json`, else OpenAI CLIP's for 3 channels, 0.5 for 1).
     #[serde(default)]
     pub mean: Option<Vec<f32>>,
-    /// Per-channel standard deviation (default: OpenAI CLIP's for 3 channels, 0.5 for 1).
+    /// Per-channel standard deviation (default: as `mean`).
     #[serde(default)]
     pub std: Option<Vec<f32>>,
 }
 
-/// The `data` section: exactly one of `csv` and `images`.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+fn random_crop() -> Option<[f64; 2]> {
+    Some([0.9, 1.0])
+}
+
+/// The `data` section: exactly one of `csv`, `images` and `shards`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClipData {
     /// A CSV of pairs, header `image,caption` (paths relative to the CSV's folder).
@@ -145,9 +151,48 @@ pub struct ClipData {
     /// With `images`: caption templates, each with one `{}` for a class name.
     #[serde(default)]
     pub templates: Vec<String>,
-    /// Use only the first `limit` pairs.
+    /// Use only the first `limit` pairs (`csv` and `images`).
     #[serde(default)]
     pub limit: Option<usize>,
+    /// A folder of webdataset shards of image-caption pairs (as img2dataset or `write-shards
+    /// --captions` write them): `jpg`/`png` members with the caption in `caption`; the shards
+    /// and the stream's settings are `webdataset`'s (paths relative to this folder).
+    #[serde(default)]
+    pub shards: Option<PathBuf>,
+    /// With `shards`: the training shards, epoch length, streams, shuffle buffer and what a
+    /// corrupt sample (one without its caption among them) does.
+    #[serde(default)]
+    pub webdataset: WebDatasetOptions,
+    /// With `shards`: where a sample's caption is, `txt` (a member) or `json:caption` (a field
+    /// of the `json` member). Default `txt`.
+    #[serde(default)]
+    pub caption: CaptionField,
+    /// The loader's worker threads and prefetch: images are decoded and preprocessed and
+    /// captions tokenized there, never on the training thread.
+    #[serde(default)]
+    pub loader: LoaderConfig,
+    /// OpenCLIP's training augmentation: a random box of this fraction of the image's area
+    /// (aspect ratio 3/4 to 4/3) resized to the model's input, in place of the resize and
+    /// centre crop of evaluation. `null`: training images are preprocessed as for evaluation.
+    #[serde(default = "random_crop")]
+    pub random_crop: Option<[f64; 2]>,
+}
+
+impl Default for ClipData {
+    fn default() -> Self {
+        ClipData {
+            csv: None,
+            images: None,
+            classes: Vec::new(),
+            templates: Vec::new(),
+            limit: None,
+            shards: None,
+            webdataset: WebDatasetOptions::default(),
+            caption: CaptionField::default(),
+            loader: LoaderConfig::default(),
+            random_crop: random_crop(),
+        }
+    }
 }
 
 fn zero_shot() -> usize {
@@ -160,8 +205,9 @@ fn eval_batch() -> usize {
     250
 }
 
-/// The `eval` section: zero-shot classification and image-text retrieval on the test split
-/// of `data.images` or on the image folder `images`, before training and after every epoch.
+/// The `eval` section: zero-shot classification and image-text retrieval on `eval.images` or
+/// the test split of `data.images` ([`super::open_test_set`]), before training and after
+/// every epoch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClipEval {
@@ -179,12 +225,14 @@ pub struct ClipEval {
     /// Images embedded per forward pass.
     #[serde(default = "eval_batch")]
     pub batch: usize,
-    /// An image folder to evaluate on instead of the test split of `data.images`: one
-    /// sub-folder per class (sorted by name), PNG or JPEG files inside.
+    /// What to evaluate on instead of the test split of `data.images` (a run training from
+    /// shards or a CSV names one here): an IDX folder (its test split) or an image folder (one
+    /// sub-folder per class, sorted by name, PNG or JPEG files inside).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<PathBuf>,
-    /// With `images`: each class's names (in the sub-folders' sorted order), its name first,
-    /// then synonyms (default: each sub-folder's name, `_` read as a space).
+    /// The evaluated classes' names (in the IDX labels' order, or the sub-folders' sorted
+    /// order), each its name first, then synonyms. Default: `data.classes` for an IDX test
+    /// split, each sub-folder's name (`_` read as a space) for an image folder.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub classes: Vec<Vec<String>>,
 }

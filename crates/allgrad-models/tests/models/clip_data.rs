@@ -1,11 +1,10 @@
 //! Image-caption pairs: the CSV source (quoting, errors that name the file and the line), the
-//! class-caption source (captions fixed per sample and seed, every template and name used), and
-//! the conversion of images to the tower's input (channels, size, standardisation).
+//! class-caption source (captions fixed per sample and seed, every template and name used).
 
 use std::sync::Arc;
 
-use allgrad_data::{Image, InMemory};
-use allgrad_models::clip::{ClassCaptions, CsvPairs, PairSource, Pixels};
+use allgrad_data::{Dataset, Image, InMemory};
+use allgrad_models::clip::{ClassCaptions, CsvPairs};
 
 fn png(path: &std::path::Path, w: u32, h: u32) {
     image::GrayImage::from_fn(w, h, |x, y| image::Luma([(x * 10 + y) as u8])).save(path).unwrap();
@@ -23,10 +22,12 @@ fn a_csv_of_pairs_reads_quoted_captions_and_decodes_its_images() {
     assert_eq!(pairs.len(), 2);
     assert_eq!(pairs.caption(0).unwrap(), "a plain caption");
     assert_eq!(pairs.caption(1).unwrap(), "a boot, \"ankle\" kind");
-    let img = pairs.image(0).unwrap();
+    assert_eq!(pairs.text(1).unwrap().as_deref(), Some("a boot, \"ankle\" kind"), "the caption is the sample's text");
+    let img = pairs.get(0).unwrap();
     assert_eq!((img.width, img.height, img.channels), (4, 3, 1));
     assert_eq!(img.pixels[5], 11, "pixel (1, 1) of the file");
-    assert!(pairs.image(2).unwrap_err().to_string().contains("pair 2 out of range (2 pairs)"));
+    let e = pairs.get(2).unwrap_err().to_string();
+    assert!(e.contains("index 2 is out of range for a dataset of 2 samples"), "{e}");
 }
 
 #[test]
@@ -67,6 +68,7 @@ fn class_captions_are_fixed_per_sample_and_seed_and_use_every_template_and_name(
         let own = &names[i % 2];
         assert!(own.iter().any(|n| cap.contains(n.as_str())), "sample {i} (class {}): {cap}", i % 2);
     }
+    assert_eq!(a.text(3).unwrap(), Some(caps[3].clone()), "the caption is the sample's text");
     for t in ["a cat", "a kitty", "the dog here", "puppy!"] {
         assert!(caps.iter().any(|c| c == t), "{t} never drawn");
     }
@@ -74,22 +76,4 @@ fn class_captions_are_fixed_per_sample_and_seed_and_use_every_template_and_name(
     assert!(bad.err().unwrap().to_string().contains("exactly one {}"));
     let bad = ClassCaptions::new(labelled(4, 2), names[..1].to_vec(), templates, 0, None);
     assert!(bad.err().unwrap().to_string().contains("2 classes need a non-empty list of names each, got 1"));
-}
-
-#[test]
-fn pixels_convert_channels_resize_and_standardise() {
-    // Gray to 3 channels: the value repeated, each channel standardised on its own.
-    let gray = Image::new(2, 1, 1, vec![0, 255]).unwrap();
-    let rgb = Pixels { channels: 3, size: 2, mean: vec![0.5, 0.0, 1.0], std: vec![0.5, 1.0, 2.0] };
-    let out = rgb.chw(&Image::new(2, 2, 1, vec![0, 255, 255, 0]).unwrap()).unwrap();
-    assert_eq!(out, [-1.0, 1.0, 1.0, -1.0, 0.0, 1.0, 1.0, 0.0, -0.5, 0.0, 0.0, -0.5]);
-    // RGB to gray: the channels' mean.
-    let one = Pixels { channels: 1, size: 1, mean: vec![0.0], std: vec![1.0] };
-    let px = one.chw(&Image::new(1, 1, 3, vec![30, 60, 90]).unwrap()).unwrap();
-    assert!((px[0] - 60.0 / 255.0).abs() < 1e-7, "{px:?}");
-    // Another size is resized to the tower's side.
-    let two = Pixels { channels: 1, size: 2, mean: vec![0.0], std: vec![1.0] };
-    assert_eq!(two.chw(&gray).unwrap().len(), 4);
-    let bad = Pixels { channels: 2, size: 2, mean: vec![0.0; 2], std: vec![1.0; 2] };
-    assert!(bad.chw(&gray).unwrap_err().to_string().contains("1 channels cannot feed a tower of 2"));
 }

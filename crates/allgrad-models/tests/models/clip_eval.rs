@@ -6,8 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
+use allgrad_data::{Normalize, Preprocess, Resample};
 use allgrad_dist::{run_threads, ProcessGroup};
-use allgrad_models::clip::{open_test_set, ClipData, ClipEval, ClipEvaluation, ClipFolder, EvalShare, Pixels};
+use allgrad_models::clip::{open_test_set, ClipData, ClipEval, ClipEvaluation, ClipFolder, EvalShare};
 use candle_core::{DType, Device};
 
 fn tiny() -> PathBuf {
@@ -17,7 +18,7 @@ fn tiny() -> PathBuf {
 const CLASSES: [&str; 4] = ["ankle_boot", "bag", "coat", "sneaker"];
 
 /// `root/<class>/<i>.png`: 7 images a class, 28 x 28 gray with a class-dependent stripe
-/// pattern, one of them RGB and 32 x 30 (converted and resized on the way in).
+/// pattern, one of them RGB and 32 x 30 (converted, resized and cropped on the way in).
 fn image_folder(root: &Path) {
     for (c, class) in CLASSES.iter().enumerate() {
         let dir = root.join(class);
@@ -54,8 +55,16 @@ fn evaluate(w: usize, data: &ClipData, cfg: &ClipEval) -> Vec<(Vec<(String, f64)
         let tok = folder.tokenizer(16)?;
         let (images, classes) = open_test_set(data, cfg)?;
         let ev = ClipEvaluation::new(images, classes, cfg, &tok, folder.config.projection_dim)?;
-        let pixels = Pixels { channels: 1, size: 28, mean: vec![0.5], std: vec![0.5] };
-        ev.run_counted(&model, &pixels, tok.pad_id(), &pg, &Device::Cpu)
+        // The evaluation view: the shorter side to 28 (bicubic), the centre 28 x 28.
+        let view = Preprocess {
+            channels: 1,
+            shortest_edge: Some(28),
+            crop: Some([28, 28]),
+            resample: Resample::Bicubic,
+            normalize: Normalize { mean: vec![0.5], std: vec![0.5] },
+            random_crop: None,
+        };
+        ev.run_counted(&model, &view, tok.pad_id(), &pg, &Device::Cpu)
     })
     .unwrap()
 }

@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use allgrad_dist::ProcessGroup;
-use allgrad_models::clip::{clip_loss, export_clip_folder, ClipFolder};
+use allgrad_models::clip::{clip_loss, export_clip_folder, ClipFolder, ImageProcessor};
 use allgrad_testkit::close::{assert_rel, rel_err};
 use candle_core::{DType, Device, Tensor};
 
@@ -94,8 +94,10 @@ fn tiny_clip_matches_transformers_ids_features_logits_and_loss() {
 fn an_exported_folder_reads_back_to_the_same_model() {
     let params = candle_core::safetensors::load(folder().join("model.safetensors"), &Device::Cpu).unwrap();
     let out = tempfile::tempdir().unwrap();
-    export_clip_folder(&params, &folder(), out.path()).unwrap();
-    for file in ["config.json", "tokenizer.json", "model.safetensors"] {
+    let processor = ImageProcessor::default_for(&ClipFolder::open(&folder()).unwrap().config);
+    export_clip_folder(&params, &folder(), out.path(), &processor).unwrap();
+    assert_eq!(ImageProcessor::read(&out.path().join("preprocessor_config.json")).unwrap(), processor);
+    for file in ["config.json", "tokenizer.json", "model.safetensors", "preprocessor_config.json"] {
         assert!(out.path().join(file).is_file(), "{file} missing from the export");
     }
     let (a, b) = (outputs(&folder()), outputs(out.path()));
@@ -109,7 +111,8 @@ fn a_learned_logit_bias_is_exported_and_read_back_and_a_checkpoint_without_one_s
     let mut params = candle_core::safetensors::load(folder().join("model.safetensors"), &Device::Cpu).unwrap();
     params.insert("logit_bias".into(), Tensor::new(-3.5f32, &Device::Cpu).unwrap());
     let out = tempfile::tempdir().unwrap();
-    export_clip_folder(&params, &folder(), out.path()).unwrap();
+    let processor = ImageProcessor::default_for(&ClipFolder::open(&folder()).unwrap().config);
+    export_clip_folder(&params, &folder(), out.path(), &processor).unwrap();
     let written = candle_core::safetensors::load(out.path().join("model.safetensors"), &Device::Cpu).unwrap();
     assert_eq!(written["logit_bias"].to_scalar::<f32>().unwrap(), -3.5, "logit_bias written");
 

@@ -23,6 +23,7 @@ mod clip_eos;
 mod clip_eval;
 mod clip_init;
 mod clip_loss;
+mod clip_preprocess;
 mod clip_reference;
 mod face_bin;
 mod face_head;

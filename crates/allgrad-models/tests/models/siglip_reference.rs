@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use allgrad_dist::ProcessGroup;
-use allgrad_models::clip::{export_clip_folder, siglip_loss, Architecture, ClipFolder, ClipModel};
+use allgrad_models::clip::{export_clip_folder, siglip_loss, Architecture, ClipFolder, ClipModel, ImageProcessor};
 use allgrad_testkit::close::{assert_rel, rel_err};
 use allgrad_testkit::Need;
 use candle_core::{DType, Device, Tensor};
@@ -136,7 +136,8 @@ fn tiny_siglip_matches_transformers_and_an_export_loads_in_siglipmodel() {
         })
         .collect();
     let out = tmp.path().join("out");
-    export_clip_folder(&params, &src, &out).unwrap();
+    let processor = ImageProcessor::of_folder(&src, &ClipFolder::open(&src).unwrap().config).unwrap();
+    export_clip_folder(&params, &src, &out, &processor).unwrap();
     let written = candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();
     let bias = written.get("logit_bias").expect("the export writes logit_bias");
     assert_eq!(flat(bias), vec![(-2.5f32 * 1.03 + 0.01) as f64], "logit_bias written");

@@ -11,7 +11,12 @@
 
 use std::path::Path;
 
-use allgrad_models::clip::{Clip, ClipConfig, ClipData, ClipEval, ClipLoss, ClipModelSection};
+use allgrad_data::webdataset::{CaptionField, WebDatasetOptions};
+use allgrad_data::DataError;
+use allgrad_models::clip::{
+    has_idx_test_split, image_processor, ClassCaptions, Clip, ClipConfig, ClipData, ClipEval, ClipFolder, ClipLoss,
+    ClipModelSection,
+};
 use allgrad_models::Objective;
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
@@ -50,38 +55,43 @@ impl Method for ClipMethod {
     type Sections = ClipSections;
 
     fn path_keys(&self) -> &'static [&'static str] {
-        &["data.csv", "data.images", "model.dir", "eval.images"]
+        &["data.csv", "data.images", "data.shards", "eval.images", "model.dir"]
     }
 
-    fn validate(&self, s: &ClipSections, run: &RunConfig, _world_size: usize) -> Result<(), SectionError> {
+    /// The one validation of the sections: the objective relies on it and checks nothing
+    /// again (the image preprocessing is checked by building it, as the objective does).
+    fn validate(&self, s: &ClipSections, run: &RunConfig, world_size: usize) -> Result<(), SectionError> {
         let d = &s.data;
-        match (&d.csv, &d.images) {
-            (Some(csv), None) => need_file("data.csv", csv, "a CSV of image,caption")?,
-            (None, Some(dir)) => {
+        let class_captions = |key: &str| {
+            ClassCaptions::check(&d.classes, &d.templates)
+                .map_err(|(which, msg)| SectionError::new(format!("{key}.{which}"), msg))
+        };
+        match (&d.csv, &d.images, &d.shards) {
+            (Some(csv), None, None) => need_file("data.csv", csv, "a CSV of image,caption")?,
+            (None, Some(dir), None) => {
                 need_file("data.images", &dir.join("train-images-idx3-ubyte.gz"), "an IDX folder")?;
-                if d.classes.is_empty() || d.classes.iter().any(|c| c.is_empty()) {
-                    return Err(SectionError::new(
-                        "data.classes",
-                        "each class needs a list of names (its name first, then synonyms)",
-                    ));
-                }
-                if d.templates.is_empty() {
-                    return Err(SectionError::new("data.templates", "needs at least one template"));
-                }
-                if let Some(t) = d.templates.iter().find(|t| t.matches("{}").count() != 1) {
-                    return Err(SectionError::new(
-                        "data.templates",
-                        format!("{t:?} must hold exactly one {{}} (the class name)"),
-                    ));
+                class_captions("data")?;
+            }
+            (None, None, Some(dir)) => {
+                d.webdataset.validate(run.train.global_batch, world_size).map_err(|e| match e {
+                    DataError::Config { field, reason } => SectionError::new(format!("data.{field}"), reason),
+                    e => SectionError::new("data.webdataset", e.to_string()),
+                })?;
+                let shards = d.webdataset.train_shards(dir).map_err(|e| SectionError::new("data.webdataset.train", e.to_string()))?;
+                if let Some(missing) = shards.iter().find(|p| !p.is_file()) {
+                    return Err(SectionError::new("data.webdataset.train", format!("shard {} does not exist", missing.display())));
                 }
             }
-            (Some(_), Some(_)) => return Err(SectionError::new("data", "give `csv` or `images`, not both")),
-            (None, None) => {
+            (None, None, None) => {
                 return Err(SectionError::new(
                     "data",
-                    "needs `csv` (pairs) or `images` (an IDX folder captioned from class names)",
+                    "needs `csv` (pairs), `images` (an IDX folder captioned from class names) or `shards` (webdataset shards of pairs)",
                 ))
             }
+            _ => return Err(SectionError::new("data", "give one of `csv`, `images` and `shards`")),
+        }
+        if d.shards.is_none() && (d.webdataset != WebDatasetOptions::default() || d.caption != CaptionField::default()) {
+            return Err(SectionError::new("data.webdataset", "webdataset and caption apply to `shards` only"));
         }
         if let Some(limit) = d.limit {
             if limit < run.train.global_batch {
@@ -107,17 +117,14 @@ impl Method for ClipMethod {
                 ));
             }
         }
-        let c = cfg.vision_config.num_channels;
-        for (key, v) in [("model.mean", &m.mean), ("model.std", &m.std)] {
-            if let Some(v) = v {
-                if v.len() != c {
-                    return Err(SectionError::new(key, format!("needs {c} entries (the tower's channels), got {}", v.len())));
-                }
-            }
-        }
-        if m.std.as_ref().is_some_and(|v| v.iter().any(|s| !(s.is_finite() && *s > 0.0))) {
-            return Err(SectionError::new("model.std", "every entry must be positive"));
-        }
+        // The preprocessing the objective will run: the folder's preprocessor_config.json (an
+        // unknown resample filter named), the mean and std against the tower's channels.
+        let folder = ClipFolder { dir: m.dir.clone(), config: cfg };
+        let processor = image_processor(m, &folder).map_err(|e| SectionError::new("model.dir", e.to_string()))?;
+        let key = if m.mean.is_some() || m.std.is_some() { "model.mean" } else { "model.dir" };
+        processor.pipeline(folder.config.vision_config.num_channels, d.random_crop).map_err(|e| {
+            SectionError::new(if e.to_string().contains("crop") { "data.random_crop" } else { key }, e.to_string())
+        })?;
         let l = &s.loss;
         l.tiling().map_err(|e| SectionError::from_model(e, "loss"))?;
         for (key, v) in [("loss.siglip_scale_init", l.siglip_scale_init), ("loss.siglip_bias_init", l.siglip_bias_init)] {
@@ -126,37 +133,46 @@ impl Method for ClipMethod {
             }
         }
         if let Some(e) = &s.eval {
-            match &e.images {
-                Some(dir) if !dir.is_dir() => {
-                    return Err(SectionError::new(
-                        "eval.images",
-                        format!("{} is not a folder (an image folder: one sub-folder per class)", dir.display()),
-                    ))
-                }
-                Some(_) => {}
-                None if d.images.is_none() => {
-                    return Err(SectionError::new(
-                        "eval",
-                        "needs eval.images (an image folder) or data.images (its test split and class names)",
-                    ))
-                }
-                None => {
-                    if !e.classes.is_empty() {
+            // eval.images: an IDX folder (its test split) or an image folder (one sub-folder per
+            // class); without it, data.images' test split. eval.classes names the classes of
+            // either (else data.classes for an IDX split, the sub-folders' names for a folder).
+            let idx =
+                match (&e.images, &d.images) {
+                    (Some(dir), _) if !dir.is_dir() => {
                         return Err(SectionError::new(
-                            "eval.classes",
-                            "applies to eval.images only (data.classes names the IDX classes)",
-                        ));
+                            "eval.images",
+                            format!(
+                            "{} is not a folder (an IDX folder with a test split, or an image folder: one sub-folder per class)",
+                            dir.display()
+                        ),
+                        ))
                     }
-                }
-            }
-            if e.classes.iter().any(|c| c.is_empty()) {
-                return Err(SectionError::new("eval.classes", "each class needs a list of names (its name first)"));
-            }
-            if e.templates.is_empty() {
-                return Err(SectionError::new("eval.templates", "needs at least one template"));
-            }
-            if let Some(t) = e.templates.iter().find(|t| t.matches("{}").count() != 1) {
-                return Err(SectionError::new("eval.templates", format!("{t:?} must hold exactly one {{}}")));
+                    (Some(dir), _) => has_idx_test_split(dir),
+                    (None, Some(dir)) if !has_idx_test_split(dir) => {
+                        return Err(SectionError::new(
+                            "data.images",
+                            format!("{} has no t10k-images-idx3-ubyte(.gz) (the test split evaluated)", dir.display()),
+                        ))
+                    }
+                    (None, Some(_)) => true,
+                    (None, None) => return Err(SectionError::new(
+                        "eval",
+                        "needs eval.images (an IDX folder or an image folder) or data.images (its test split and class names)",
+                    )),
+                };
+            let classes = if e.classes.is_empty() && idx { &d.classes } else { &e.classes };
+            if idx || !e.classes.is_empty() {
+                ClassCaptions::check(classes, &e.templates).map_err(|(which, msg)| {
+                    let key = match (which, e.classes.is_empty()) {
+                        ("templates", _) => "eval.templates",
+                        (_, true) => "data.classes",
+                        (_, false) => "eval.classes",
+                    };
+                    SectionError::new(key, msg)
+                })?;
+            } else {
+                ClassCaptions::check(&[vec!["class".to_string()]], &e.templates)
+                    .map_err(|(_, msg)| SectionError::new("eval.templates", msg))?;
             }
             if e.batch == 0 {
                 return Err(SectionError::new("eval.batch", "must be at least 1"));
@@ -166,7 +182,7 @@ impl Method for ClipMethod {
     }
 
     fn objective(&self, s: ClipSections, run: &RunConfig, device: &Device) -> candle_core::Result<Box<dyn Objective>> {
-        let mut objective = Clip::new(&s.model, s.loss, &s.data, run.seed, device.clone())?;
+        let mut objective = Clip::new(&s.model, s.loss, &s.data, run.seed, run.train.global_batch, device.clone())?;
         if let Some(e) = &s.eval {
             objective = objective.with_evaluation(&s.data, e)?;
         }

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use allgrad_models::clip::export_clip_folder;
+use allgrad_models::clip::{export_clip_folder, image_processor, ClipFolder};
 
 use super::clip::ClipSections;
 use crate::error::TrainResult;
@@ -14,6 +14,8 @@ use crate::error::TrainResult;
 /// (default `run_dir/hf`) and returns its path.
 pub fn export_run(run_dir: &Path, out: Option<&Path>) -> TrainResult<PathBuf> {
     let (sections, ck, out) = super::run_export::read_run::<ClipSections>(run_dir, out, "clip")?;
-    export_clip_folder(&ck.model, &sections.model.dir, &out)?;
+    let folder = ClipFolder::open(&sections.model.dir)?;
+    let processor = image_processor(&sections.model, &folder)?;
+    export_clip_folder(&ck.model, &sections.model.dir, &out, &processor)?;
     Ok(out)
 }

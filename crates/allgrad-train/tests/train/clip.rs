@@ -34,6 +34,7 @@ fn data() -> ClipData {
         classes: names.iter().map(|n| vec![n.to_string(), format!("{n} item")]).collect(),
         templates: vec!["a photo of a {}.".into(), "{}".into(), "this is the {} for sale".into()],
         limit: Some(36),
+        ..Default::default()
     }
 }
 
@@ -96,7 +97,7 @@ fn train_in(
         settings: Default::default(),
     };
     run_threads(w, |pg| {
-        let objective = Clip::new(&model, loss.clone(), &data(), 5, Device::Cpu)?;
+        let objective = Clip::new(&model, loss.clone(), &data(), 5, 12, Device::Cpu)?;
         let mut t = Trainer::new(cfg.clone(), Box::new(objective), pg, None, false)?;
         let losses = (1..=steps).map(|s| Ok(t.train_until(s)?.last_loss)).collect::<candle_core::Result<Vec<_>>>()?;
         let mut params = BTreeMap::new();
@@ -276,7 +277,7 @@ fn a_pretrained_folder_starts_the_trainer_from_its_weights() {
     };
     let want = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     let got = run_threads(1, |pg| {
-        let objective = Clip::new(&model, ClipLoss::default(), &data(), 5, Device::Cpu)?;
+        let objective = Clip::new(&model, ClipLoss::default(), &data(), 5, 12, Device::Cpu)?;
         let t = Trainer::new(cfg.clone(), Box::new(objective), pg, None, false)?;
         let mut params = BTreeMap::new();
         for (n, v) in t.params() {

@@ -40,6 +40,13 @@ fn load_validate_and_step(path: &Path, model: Option<&Path>) {
             fixed.push("model.max_len=16".into());
         }
     }
+    // A CLIP run from shards: captioned shards of the bundled images written here, as
+    // `write-shards --captions` writes them (10 shards of 8 pairs, the names the config lists).
+    let shards = tempfile::tempdir().unwrap();
+    if cfg.method == "clip" && cfg.sections().get("data").and_then(|d| d.get("shards")).is_some() {
+        write_caption_shards(shards.path(), &root);
+        fixed.push(format!("data.shards={}", shards.path().display()));
+    }
     let cfg = RunConfig::load(path, &fixed).unwrap_or_else(|e| panic!("{e}"));
     for w in [1, 2] {
         cfg.validate(w, path).unwrap_or_else(|e| panic!("{} on {w} rank(s): {e}", path.display()));
@@ -55,6 +62,19 @@ fn load_validate_and_step(path: &Path, model: Option<&Path>) {
     let losses = run_threads(2, |pg| Ok(run::build(&small, pg, None, false)?.train()?.last_loss))
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     assert!(losses[0].is_finite() && losses[0] == losses[1], "{}: losses {losses:?}", path.display());
+}
+
+/// `train-000000.tar` .. `train-000009.tar` in `dir`, 8 captioned Fashion-MNIST pairs each.
+fn write_caption_shards(dir: &Path, root: &Path) {
+    use allgrad_data::Dataset;
+    let images = allgrad_data::IdxDataset::open_dir(root.join("data/fashion-mnist"), allgrad_data::Split::Train).unwrap();
+    let mut w = allgrad_data::webdataset::ShardWriter::new(dir, "train", 8).unwrap();
+    for i in 0..80 {
+        let caption = format!("a photo of class {}", images.label(i).unwrap());
+        w.write(&format!("train_{i:08}"), &[("png", &images.get(i).unwrap().to_png().unwrap()), ("txt", caption.as_bytes())])
+            .unwrap();
+    }
+    assert_eq!(w.finish().unwrap().len(), 10);
 }
 
 #[test]
