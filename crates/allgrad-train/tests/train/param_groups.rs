@@ -35,6 +35,7 @@ fn data() -> ClipData {
         classes: names.iter().map(|n| vec![n.to_string()]).collect(),
         templates: vec!["a photo of a {}.".into()],
         limit: Some(36),
+        ..Default::default()
     }
 }
 
@@ -110,7 +111,7 @@ fn train_loss(
     let mut cfg = config(groups, steps, 2);
     cfg.optim = OptimConfig::Adamw { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.2 };
     let runs = run_threads(w, |pg| {
-        let objective = Clip::new(&model, loss.clone(), &data(), 5, Device::Cpu)?;
+        let objective = Clip::new(&model, loss.clone(), &data(), 5, 12, Device::Cpu)?;
         let mut t = Trainer::new(cfg.clone(), Box::new(objective), pg, out.map(Path::to_path_buf), resume)?;
         let losses = (t.step() + 1..=steps).map(|s| Ok(t.train_until(s)?.last_loss)).collect::<candle_core::Result<Vec<_>>>()?;
         let mut params = BTreeMap::new();
