@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """OpenCLIP's side of scripts/bench/bench_ring_memory.sh: the loss and its backward alone on
 W processes over gloo, with open-clip-torch 3.3.0's own, unmodified losses:
 `ClipLoss(local_loss=True, gather_with_grad=True)` (each rank scores its rows against the

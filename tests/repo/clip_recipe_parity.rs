@@ -59,7 +59,7 @@ fn ok(what: &str, out: &Output) {
 
 fn config(c: &Case, data: &Path) -> String {
     format!(
-        "seed: 0\nmethod: clip\ndtype: f64\ndata: {{csv: {csv}}}\nmodel: {{dir: {model}, pretrained: true}}\n\
+        "seed: 0\nmethod: clip\ndtype: f64\ndata: {{csv: {csv}, random_crop: null}}\nmodel: {{dir: {model}, pretrained: true}}\n\
          loss: {loss}\noptim: {{kind: adamw, lr: {lr:e}, beta1: 0.9, beta2: 0.98, eps: 1.0e-6, weight_decay: 0.2}}\n\
          param_groups:\n{groups}schedule: {{warmup_steps: {warmup}, decay: cosine}}\n\
          train: {{global_batch: 12, epochs: 2, max_steps: {STEPS}, shuffle: false, eval: false}}\n\
