@@ -20,6 +20,8 @@ fn repo() -> PathBuf {
 const NOT_KEYS: &[(&str, &str)] = &[
     ("loss.png", "the plot a run writes (`log.plot`), a file name"),
     ("model.safetensors", "the weights file of a `model.dir` folder, a file name"),
+    ("train.rec", "the records of a RecordIO set in `data.dir`, a file name"),
+    ("train.idx", "the index of a RecordIO set in `data.dir`, a file name"),
 ];
 
 /// The shipped configs, each as it is, then the variants: (config file, `--set` arguments).
