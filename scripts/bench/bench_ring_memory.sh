@@ -72,9 +72,10 @@ run() {
     fi
     # launch prefixes each rank's lines with "[rankN]: ".
     sed 's/^\[rank[0-9]*\]: //' <<<"$out" | grep '^bench_ring_memory:' | awk '
+        BEGIN { h = -1 }
         { for (i = 1; i < NF; i++) v[$i] = $(i + 1); s = v["step_s"];
           if (v["peak_rss_step_mib"] > r) r = v["peak_rss_step_mib"]; if (v["heap_step_mib"] > h) h = v["heap_step_mib"]; n++ }
-        END { if (n == 0) print "fail"; else printf "%s %.1f %s\n", s, r, (h == "" ? "nan" : h) }'
+        END { if (n == 0) print "fail"; else printf "%s %.1f %s\n", s, r, (h < 0 ? "nan" : h) }'
 }
 forms="gather ring"
 ((peer)) && forms="$forms openclip"

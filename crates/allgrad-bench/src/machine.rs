@@ -1,9 +1,10 @@
 //! What the machine is doing: load average, CPU time used by every process (from
 //! `/proc/stat`, Linux only), what the processor is (SIMD level, caches) and this process's
-//! resource usage (getrusage, and allocations where the binary installs [`Counting`]).
+//! resource usage (getrusage, and allocations where the binary installs [`Counting`], or the
+//! heap's live and peak bytes where it installs [`Peak`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 /// The system allocator, counting allocations and their bytes (a binary installs it with
@@ -33,6 +34,64 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         System.dealloc(ptr, layout)
     }
+}
+
+/// The system allocator, keeping the heap's live bytes and their peak (the memory benchmarks
+/// install it with `#[global_allocator]`; [`heap_live`], [`heap_peak`], [`reset_heap_peak`]).
+pub struct Peak;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+fn grew(bytes: usize) {
+    let now = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+// SAFETY: every call forwards to the system allocator with the caller's arguments; the
+// counters are only statistics.
+unsafe impl GlobalAlloc for Peak {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+            grew(new_size);
+        }
+        p
+    }
+}
+
+/// Heap bytes live now (under [`Peak`]).
+pub fn heap_live() -> usize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+/// The most heap bytes live at once since the last [`reset_heap_peak`] (under [`Peak`]).
+pub fn heap_peak() -> usize {
+    PEAK.load(Ordering::Relaxed)
+}
+
+/// Starts a new peak from `bytes`; returns the peak until now.
+pub fn reset_heap_peak(bytes: usize) -> usize {
+    PEAK.swap(bytes, Ordering::Relaxed)
 }
 
 /// The processor in one paragraph: model, the widest SIMD level it has, the level allgrad-nn's

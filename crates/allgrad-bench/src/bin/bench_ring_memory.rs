@@ -19,63 +19,17 @@
 //! `/proc/self/clear_refs` before them) minus the resident set before them. `step_s` is the
 //! mean time of a timed step, the largest over ranks (one barrier before each step).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use allgrad::dist::ProcessGroup;
 use allgrad::models::clip::{clip_loss, clip_loss_ring, clip_loss_tiled, siglip_loss, siglip_loss_ring, RingOptions};
+use allgrad_bench::machine;
 use anyhow::Result;
 use candle_core::{Device, Tensor, Var};
 use clap::Parser;
 
-/// The system allocator, counting the bytes it holds and their peak.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(bytes: usize) {
-    let now = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-// SAFETY: every call forwards to the system allocator with the caller's arguments; the
-// counters are only statistics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-            grew(new_size);
-        }
-        p
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: machine::Peak = machine::Peak;
 
 /// The CLIP or SigLIP loss alone, gather or ring; one rank.
 #[derive(Parser)]
@@ -162,9 +116,9 @@ fn main() -> Result<()> {
     pg.barrier()?;
     // SAFETY: malloc_trim only returns free memory of the allocator's arenas to the system.
     unsafe { libc::malloc_trim(0) };
-    let (rss0, heap0) = (status_mib("VmRSS:")?, LIVE.load(Ordering::Relaxed));
+    let (rss0, heap0) = (status_mib("VmRSS:")?, machine::heap_live());
     std::fs::write("/proc/self/clear_refs", "5")?;
-    PEAK.store(heap0, Ordering::Relaxed);
+    machine::reset_heap_peak(heap0);
     let mut total = 0f64;
     for _ in 0..args.steps {
         pg.barrier()?;
@@ -183,7 +137,7 @@ fn main() -> Result<()> {
         args.dim,
         args.tile,
         worst[0],
-        mib(PEAK.load(Ordering::Relaxed).saturating_sub(heap0)),
+        mib(machine::heap_peak().saturating_sub(heap0)),
         status_mib("VmHWM:")? - rss0,
     );
     Ok(())

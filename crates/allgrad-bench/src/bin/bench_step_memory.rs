@@ -24,59 +24,12 @@
 //! cargo run --release -p allgrad-bench --bin bench_step_memory -- --depth 18 --batch 64
 //! ```
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
+use allgrad_bench::machine;
 use allgrad_bench::simclr_step::AllgradStep;
 use clap::Parser;
 
-/// The system allocator, counting the bytes it holds for us and their peak.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(bytes: usize) {
-    let now = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-// SAFETY: every call forwards to the system allocator with the caller's arguments; the
-// counters are only statistics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-            grew(new_size);
-        }
-        p
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: machine::Peak = machine::Peak;
 
 /// Peak memory of allgrad's SimCLR step.
 #[derive(Parser)]
@@ -140,19 +93,19 @@ fn main() -> anyhow::Result<()> {
         unsafe { libc::malloc_trim(0) };
     }
     let mut step = AllgradStep::new(args.batch, args.width, args.depth, &candle_core::Device::Cpu)?.bf16(bf16);
-    let (setup, heap_setup) = (status_mib("VmRSS:")?, LIVE.load(Ordering::Relaxed));
+    let (setup, heap_setup) = (status_mib("VmRSS:")?, machine::heap_live());
     // Writing 5 resets the peak resident set to the current one (Linux 4.0 and later).
     std::fs::write("/proc/self/clear_refs", "5")?;
-    PEAK.store(heap_setup, Ordering::Relaxed);
+    machine::reset_heap_peak(heap_setup);
     let mut at_fwd = None;
     // The allocator's peak within each phase, over the steps.
     let (mut fwd_peak, mut bwd_peak) = (0usize, 0usize);
     for _ in 0..args.steps {
         step.run_probed(&mut |phase| {
             if phase == "fwd" && at_fwd.is_none() {
-                at_fwd = Some((status_mib("VmRSS:").unwrap_or(f64::NAN), LIVE.load(Ordering::Relaxed)));
+                at_fwd = Some((status_mib("VmRSS:").unwrap_or(f64::NAN), machine::heap_live()));
             }
-            let peak = PEAK.swap(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+            let peak = machine::reset_heap_peak(machine::heap_live());
             match phase {
                 "fwd" => fwd_peak = fwd_peak.max(peak),
                 "bwd" => bwd_peak = bwd_peak.max(peak),
@@ -160,7 +113,7 @@ fn main() -> anyhow::Result<()> {
             }
         })?;
     }
-    let heap_peak = fwd_peak.max(bwd_peak).max(PEAK.load(Ordering::Relaxed));
+    let heap_peak = fwd_peak.max(bwd_peak).max(machine::heap_peak());
     let (fwd, heap_fwd) = at_fwd.unwrap_or((f64::NAN, 0));
     println!(
         "MEM side=allgrad depth={} batch={} precision={} threads={} steps={} warmup_batch={} setup={setup:.0} fwd={fwd:.0} peak={:.0} \
