@@ -55,8 +55,9 @@ fn cudnn_since(before: KernelPaths) -> (u64, u64) {
 }
 
 /// A run on CUDA is a forward, the backward through autograd and `conv2d_backward` called
-/// alone: three passes, each through cuDNN.
-const PASSES: u64 = 3;
+/// alone, each backward one cuDNN call per gradient (each gradient in a buffer of its own):
+/// five passes, each through cuDNN.
+const PASSES: u64 = 5;
 
 /// Which values [`run_on`] convolves: [`values`] cast to the run's dtype, [`values`] rounded to
 /// bf16 first (the inputs a bf16 run sees, for an f64 reference), or their magnitudes (an f64

@@ -289,6 +289,13 @@ fn the_finalize_ops_and_device_statistics_on_cuda_equal_the_cpu_twins() -> Resul
                     let y = batch_norm(x.as_tensor(), g1.as_tensor(), b1.as_tensor(), &s1, 1e-5, t)?;
                     let grads = loss(&y, 7)?.backward()?;
                     let traffic = host_traffic() - before;
+                    // The loss's own traffic (its constant's upload, the launch parameters of
+                    // its broadcast gradient), measured alone on a tensor of y's shape: the
+                    // batch norm's forward and backward must add nothing to it.
+                    let z = Var::from_tensor(&y.detach())?;
+                    let alone = host_traffic();
+                    loss(z.as_tensor(), 7)?.backward()?;
+                    let traffic = traffic - (host_traffic() - alone);
                     set_device_path(was);
                     let mut out = vec![host(&y)?];
                     for v in [&x, &s, &g1, &b1, &g2, &b2] {
