@@ -8,9 +8,9 @@
 //! ```
 //!
 //! Reads split `--split` of the data set at `--dir` in `--format` (`folder`: the image files
-//! of `DIR/<split>/<class>/`, kept as they are, JPEG or PNG; `idx`, `cifar10`: the decoded
+//! of `DIR/<split>/<class>/`, kept as they are, JPEG, PNG or WebP; `idx`, `cifar10`: the decoded
 //! images, written as PNG) and writes `OUT/<prefix>-000000.tar`, ... with `--per-shard`
-//! samples each: members `<key>.jpg|png` and `<key>.cls` (the class id), keys
+//! samples each: members `<key>.jpg|png|webp` and `<key>.cls` (the class id), keys
 //! `<split>_<index>`. The samples are shuffled first (keyed by `--seed`; `--in-order` keeps
 //! the data set's order), so that every shard mixes the classes, as a shuffle buffer needs.
 //! For a folder, `OUT/classes.txt` lists the class names by id. Prints the shard pattern

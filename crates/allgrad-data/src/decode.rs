@@ -1,10 +1,12 @@
-//! Decoding an encoded image (JPEG, PNG) held in memory into an 8-bit [`Image`] with the
+//! Decoding an encoded image (JPEG, PNG, WebP) held in memory into an 8-bit [`Image`] with the
 //! channels a [`ColorMode`] asks for.
 //!
 //! JPEGs (recognised by their first bytes `FF D8 FF`, whatever the file is called) go to
 //! zune-jpeg, in strict mode: a file cut short or with a corrupt entropy-coded stream is an
 //! error, where a lenient decoder would return an image half filled with grey. Other formats
-//! (PNG) go to the `image` crate. zune-jpeg decodes with SIMD IDCT and colour conversion and
+//! (PNG, and WebP, lossless or lossy, as img2dataset can write them) go to the `image` crate;
+//! an image with an alpha channel keeps its colour channels (the alpha is dropped, as Pillow's
+//! `convert("RGB")` drops it). zune-jpeg decodes with SIMD IDCT and colour conversion and
 //! writes RGB straight into the buffer the [`Image`] keeps; it is the slowest stage of the
 //! loader for ImageNet-sized files (docs/data.md), so its speed is the loader's.
 
@@ -55,7 +57,7 @@ pub fn decode_counts() -> (u64, u64) {
     (DECODES.load(Ordering::Relaxed), DECODES_HERE.with(|c| c.get()))
 }
 
-/// Decodes `bytes` (a whole JPEG or PNG file) into 1 or 3 channels as `color` says; `name`
+/// Decodes `bytes` (a whole JPEG, PNG or WebP file) into 1 or 3 channels as `color` says; `name`
 /// names the source in errors.
 pub fn decode_image(bytes: &[u8], color: ColorMode, name: &Path) -> DataResult<Image> {
     DECODES.fetch_add(1, Ordering::Relaxed);

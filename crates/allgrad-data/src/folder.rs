@@ -1,4 +1,4 @@
-//! An image folder dataset: one sub-folder per class, PNG or JPEG files inside.
+//! An image folder dataset: one sub-folder per class, PNG, JPEG or WebP files inside.
 //!
 //! ```text
 //! root/cat/001.png      class 0 ("cat")
@@ -9,7 +9,7 @@
 //! Class ids follow the sorted sub-folder names; files within a class are sorted by name, so
 //! sample indices do not depend on the file system's listing order. Only the files directly
 //! inside a class folder count (no recursion); names starting with `.` and extensions other
-//! than `png`, `jpg`, `jpeg` (any case) are ignored. An empty class folder still takes a
+//! than `png`, `jpg`, `jpeg`, `webp` (any case) are ignored. An empty class folder still takes a
 //! class id, so ids stay stable when a class has no images.
 
 use std::path::{Path, PathBuf};
@@ -132,10 +132,10 @@ fn list(dir: &Path) -> DataResult<Vec<PathBuf>> {
 
 fn is_image_name(p: &Path) -> bool {
     let ext = p.extension().map(|e| e.to_string_lossy().to_ascii_lowercase());
-    matches!(ext.as_deref(), Some("png" | "jpg" | "jpeg"))
+    matches!(ext.as_deref(), Some("png" | "jpg" | "jpeg" | "webp"))
 }
 
-/// Decodes a PNG or JPEG file (format from the content).
+/// Decodes a PNG, JPEG or WebP file (format from the content).
 fn decode(path: &Path, color: ColorMode) -> DataResult<Image> {
     let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
     crate::decode::decode_image(&bytes, color, path)

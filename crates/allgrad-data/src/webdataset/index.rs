@@ -58,7 +58,7 @@ fn class_of(path: &Path, sample: &Sample) -> DataResult<usize> {
     let corrupt =
         |reason: String| DataError::CorruptSample { shard: path.into(), key: sample.key.clone(), offset: sample.offset, reason };
     if sample.image().is_none() {
-        return Err(corrupt(format!("no jpg, jpeg or png member (members: {})", member_names(sample))));
+        return Err(corrupt(format!("no jpg, jpeg, png or webp member (members: {})", member_names(sample))));
     }
     match sample.class() {
         None => Err(corrupt("no cls member (evaluation samples need their class)".into())),
@@ -76,7 +76,7 @@ pub(super) fn decode_sample(path: &Path, sample: &Sample, color: ColorMode) -> D
     let corrupt =
         |reason: String| DataError::CorruptSample { shard: path.into(), key: sample.key.clone(), offset: sample.offset, reason };
     let (ext, bytes) =
-        sample.image().ok_or_else(|| corrupt(format!("no jpg, jpeg or png member (members: {})", member_names(sample))))?;
+        sample.image().ok_or_else(|| corrupt(format!("no jpg, jpeg, png or webp member (members: {})", member_names(sample))))?;
     let name = PathBuf::from(format!("{}:{}.{ext}", path.display(), sample.key));
     crate::decode::decode_image(bytes, color, &name).map_err(|e| corrupt(e.to_string()))
 }

@@ -85,7 +85,7 @@ pub struct WebDatasetOptions {
     /// and `epoch_samples` their total).
     pub resampled: bool,
     /// What a corrupt sample does. Under `skip`, a stream all of whose shards have been read
-    /// through giving only corrupt samples (webp-only shards, say) is an error naming the last
+    /// through giving only corrupt samples (shards of GIF images only, say) is an error naming the last
     /// such shard and why, instead of skipping forever.
     pub on_corrupt: OnCorrupt,
     /// Under `on_corrupt: skip`, the most a stream may leave out in one epoch, as a fraction

@@ -32,15 +32,19 @@ pub struct Sample {
     pub members: Vec<(String, Vec<u8>)>,
 }
 
+/// The extensions of the members read as a sample's image, in order of preference.
+const IMAGE_MEMBERS: [&str; 4] = ["jpg", "jpeg", "png", "webp"];
+
 impl Sample {
     /// The bytes of the member with extension `ext`, if any.
     pub fn member(&self, ext: &str) -> Option<&[u8]> {
         self.members.iter().find(|(e, _)| e == ext).map(|(_, b)| b.as_slice())
     }
 
-    /// The image member: the first of `jpg`, `jpeg`, `png` present (its extension, bytes).
+    /// The image member: the first of `jpg`, `jpeg`, `png`, `webp` present (its extension,
+    /// bytes).
     pub fn image(&self) -> Option<(&str, &[u8])> {
-        ["jpg", "jpeg", "png"].iter().find_map(|e| self.member(e).map(|b| (*e, b)))
+        IMAGE_MEMBERS.iter().find_map(|e| self.member(e).map(|b| (*e, b)))
     }
 
     /// The class id of the `cls` member (an integer in ASCII, surrounding white space

@@ -767,7 +767,7 @@ impl Lane {
                     shard: path.into(),
                     key: sample.key.clone(),
                     offset: sample.offset,
-                    reason: format!("no jpg, jpeg or png member (members: {})", member_names(sample)),
+                    reason: format!("no jpg, jpeg, png or webp member (members: {})", member_names(sample)),
                 });
             }
             return Ok((None, class, caption));

@@ -18,3 +18,4 @@ mod recordio;
 mod views_pinned;
 mod webdataset;
 mod webdataset_resume;
+mod webp;

@@ -570,26 +570,26 @@ pub(crate) fn first_batch_within(
 
 #[test]
 fn a_stream_whose_every_sample_is_skipped_is_an_error_naming_a_shard() {
-    // Shards of webp-only samples (as img2dataset can write them): under on_corrupt: skip each
-    // sample is left out; once every shard a stream reads has given nothing else, the stream
-    // says so, naming a shard and why, instead of skipping forever.
+    // Shards of gif-only samples (a format the reader does not take): under on_corrupt: skip
+    // each sample is left out; once every shard a stream reads has given nothing else, the
+    // stream says so, naming a shard and why, instead of skipping forever.
     let dir = tempfile::tempdir().unwrap();
-    let mut w = ShardWriter::new(dir.path(), "webp", 3).unwrap();
+    let mut w = ShardWriter::new(dir.path(), "gif", 3).unwrap();
     for i in 0..6 {
-        w.write(&format!("w{i}"), &[("webp", b"RIFF\0\0\0\0WEBPVP8 "), ("cls", b"1")]).unwrap();
+        w.write(&format!("w{i}"), &[("gif", b"GIF89a\x01\0\x01\0"), ("cls", b"1")]).unwrap();
     }
-    let webp = w.finish().unwrap();
+    let gif = w.finish().unwrap();
     let plan = vec![(0..4).collect()];
     for (resampled, buffer) in [(true, 0), (true, 5), (false, 0), (false, 5)] {
         let opts = WebDatasetOptions { shuffle_buffer: buffer, epoch_samples: 4, ..options(1, resampled, OnCorrupt::Skip) };
-        let err = first_batch_within(webp.clone(), opts.clone(), plan.clone()).unwrap_err();
+        let err = first_batch_within(gif.clone(), opts.clone(), plan.clone()).unwrap_err();
         let msg = err.to_string();
         assert!(matches!(err, DataError::Shard { .. }), "{msg}");
-        assert!(msg.contains("webp-00000") && msg.contains("no jpg, jpeg or png member (members: webp, cls)"), "{msg}");
+        assert!(msg.contains("gif-00000") && msg.contains("no jpg, jpeg, png or webp member (members: gif, cls)"), "{msg}");
         assert!(msg.contains("every sample of this shard was left out"), "{msg}");
         // With one good shard among them the stream goes on, leaving the others' samples out.
         let good = image_shards(&dir.path().join("good"), 4, 4, None);
-        let mixed = [webp.clone(), good].concat();
+        let mixed = [gif.clone(), good].concat();
         let labels = first_batch_within(mixed, opts, plan.clone()).unwrap();
         assert_eq!(labels.len(), 4);
     }

@@ -17,7 +17,7 @@ fn msg(e: impl std::fmt::Display) -> candle_core::Error {
 
 /// Pairs listed in a CSV file: a header `image,caption`, then one pair a line; an image path
 /// is taken from the CSV's folder when relative; a caption may be quoted (`"..."`, with `""`
-/// for a quote). Images are decoded when asked for (PNG or JPEG); every sample is class 0.
+/// for a quote). Images are decoded when asked for (PNG, JPEG or WebP); every sample is class 0.
 #[derive(Clone, Debug)]
 pub struct CsvPairs {
     rows: Vec<(PathBuf, String)>,
@@ -91,7 +91,7 @@ impl Dataset for CsvPairs {
     fn len(&self) -> usize {
         self.rows.len()
     }
-    /// Pair `index`'s image file decoded (allgrad-data's decoder: JPEG or PNG), gray files as
+    /// Pair `index`'s image file decoded (allgrad-data's decoder: JPEG, PNG or WebP), gray files as
     /// one channel, colour files as three.
     fn get(&self, index: usize) -> DataResult<Image> {
         let (path, _) = self.rows.get(index).ok_or(DataError::IndexOutOfRange { index, len: self.rows.len() })?;

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use allgrad_data::webdataset::{ShardStream, StreamLoader};
+use allgrad_data::webdataset::{ShardStream, StreamLoader, StreamState};
 use allgrad_data::{ColorMode, DataError, DataResult, Dataset, IdxDataset, Image, Loader, Pipeline, Preprocess, Split, ViewKey};
 use candle_core::{Device, Result, Tensor};
 
@@ -149,6 +149,27 @@ impl PairData {
             }
         });
         Ok(())
+    }
+
+    /// Where this rank's training streams stand after the last batch taken (shards; `None`
+    /// for the indexed sources, whose position is the sampler's).
+    pub fn stream_state(&self) -> Result<Option<StreamState>> {
+        match &self.source {
+            Source::Stream(s) => Ok(Some(s.state().map_err(data_err)?)),
+            Source::Indexed(_) => Ok(None),
+        }
+    }
+
+    /// Resumes the training stream from a saved position (see [`ShardStream::resume_from`]):
+    /// the streams this rank reads start there, not at the epoch's start. An error for the
+    /// indexed sources (a checkpoint's stream position is never dropped silently).
+    pub fn resume_stream(&mut self, state: StreamState) -> Result<()> {
+        match &self.source {
+            Source::Stream(s) => s.resume_from(state).map_err(data_err),
+            Source::Indexed(_) => {
+                candle_core::bail!("clip: the checkpoint holds a stream position (stream.json), but the pairs are not shards")
+            }
+        }
     }
 
     /// How many batches came from the loader's plan (the rest were built when asked for).

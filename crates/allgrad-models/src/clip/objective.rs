@@ -153,6 +153,15 @@ impl Objective for Clip {
         Some(self)
     }
 
+    /// Where this rank's streams of shards stand (`data.shards`), saved in checkpoints.
+    fn stream_state(&self) -> Result<Option<allgrad_data::webdataset::StreamState>> {
+        self.data.stream_state()
+    }
+
+    fn resume_stream(&mut self, state: allgrad_data::webdataset::StreamState) -> Result<()> {
+        self.data.resume_stream(state)
+    }
+
     fn evaluate(&mut self, pg: &ProcessGroup) -> Result<Vec<(String, f64)>> {
         let Some((ev, view)) = &self.eval else { return Ok(Vec::new()) };
         ev.run(self.model()?, view, self.tokenizer.pad_id(), pg, &self.device)

@@ -155,7 +155,7 @@ pub struct ClipData {
     #[serde(default)]
     pub limit: Option<usize>,
     /// A folder of webdataset shards of image-caption pairs (as img2dataset or `write-shards
-    /// --captions` write them): `jpg`/`png` members with the caption in `caption`; the shards
+    /// --captions` write them): `jpg`/`png`/`webp` members with the caption in `caption`; the shards
     /// and the stream's settings are `webdataset`'s (paths relative to this folder).
     #[serde(default)]
     pub shards: Option<PathBuf>,
@@ -227,7 +227,7 @@ pub struct ClipEval {
     pub batch: usize,
     /// What to evaluate on instead of the test split of `data.images` (a run training from
     /// shards or a CSV names one here): an IDX folder (its test split) or an image folder (one
-    /// sub-folder per class, sorted by name, PNG or JPEG files inside).
+    /// sub-folder per class, sorted by name, PNG, JPEG or WebP files inside).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<PathBuf>,
     /// The evaluated classes' names (in the IDX labels' order, or the sub-folders' sorted

@@ -28,6 +28,7 @@ mod face_support;
 mod barlow_twins;
 mod bf16;
 mod clip;
+mod clip_img2dataset;
 mod config_paths;
 mod config_reference;
 mod configs;
