@@ -2,16 +2,19 @@
 # allgrad's control plane at W ranks (processes) on this one machine, beside PyTorch gloo.
 #
 #   scripts/bench/bench_scale_ranks.sh [--sizes 8,32,128,256,512,1024] [--nnodes 1] [--iters 20] \
-#       [--time-limit-s 600] [--no-gloo] [--no-kill]
+#       [--time-limit-s 600] [--no-gloo] [--no-kill] [--start-only]
 #
-# For each W: `bench_scale_ranks` (time to a formed group, 4-byte and 1 MiB all_reduce and
+# For each W: `bench_scale_ranks` (the start of the W processes, first to last, and the
+# group's formation after the last start, apart; 4-byte and 1 MiB all_reduce and
 # all_gather, frames per call, open fds, threads and memory per rank, time for the survivors to
 # name a SIGKILLed rank), then the same with gloo through torchrun
 # (scripts/bench/bench_scale_gloo.py) when torch is importable. --nnodes K > 1 runs allgrad's ranks
 # under K launchers with ALLGRAD_SHM=0 (TCP between the simulated hosts); gloo always runs
 # under one torchrun. Each job is stopped at --time-limit-s; a W whose estimated memory exceeds
 # what the machine has available is skipped, with the estimate printed. The machine's limits
-# are printed first. Rows go to $BENCH_OUT/scale.jsonl (default: a new temporary folder).
+# are printed first. --start-only: the ranks note when they were forked and started and exit
+# without joining (the cost of starting W processes through the launcher alone; no gloo).
+# Rows go to $BENCH_OUT/scale.jsonl (default: a new temporary folder).
 # ALLGRAD_BENCH_BIN names a prebuilt bench_scale_ranks; TORCHRUN and PYTHON name gloo's
 # (default: those of ~/.cache/allgrad/torch-2.15.0, as scripts/ci/get_torch.sh installs them).
 set -euo pipefail
@@ -23,6 +26,7 @@ ITERS=20
 LIMIT=600
 GLOO=1
 KILL=()
+START_ONLY=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --sizes) SIZES="$2"; shift 2 ;;
@@ -31,7 +35,8 @@ while [[ $# -gt 0 ]]; do
         --time-limit-s) LIMIT="$2"; shift 2 ;;
         --no-gloo) GLOO=0; shift ;;
         --no-kill) KILL=(--no-kill); shift ;;
-        -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --start-only) START_ONLY=(--start-only); GLOO=0; shift ;;
+        -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench_scale_ranks.sh: unknown argument $1" >&2; exit 64 ;;
     esac
 done
@@ -94,7 +99,7 @@ for W in "${WS[@]}"; do
     # allgrad: ranks plus the kernel's sockets, up to about 8 KiB for each of the W - 1 per rank.
     PER=$(( RANK_MB + (W * 8) / 1024 + 1 ))
     if estimate_ok allgrad "$W" "$PER"; then
-        "$BIN" --nproc "$W" --nnodes "$NNODES" --iters "$ITERS" --time-limit-s "$LIMIT" "${KILL[@]}" \
+        "$BIN" --nproc "$W" --nnodes "$NNODES" --iters "$ITERS" --time-limit-s "$LIMIT" "${KILL[@]}" "${START_ONLY[@]}" \
             --json "$OUT/scale.jsonl" --out "$OUT/allgrad-$W" 2> >(tail -n 20 >&2) || echo "   (harness exited with $?)"
         M=$(last_uss_mb "$OUT/scale.jsonl"); [[ -n "$M" ]] && RANK_MB=$M
     fi

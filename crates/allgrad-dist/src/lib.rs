@@ -64,7 +64,7 @@ mod wire;
 pub use rendezvous::{elastic, env, slurm, store, torch_store};
 
 #[doc(hidden)]
-pub use cpu::mesh::{AllReducePaths, RootedPaths, WireCounts};
+pub use cpu::mesh::{AllReducePaths, PairwisePaths, RootedPaths, WireCounts};
 pub use cpu::shm::job::{remove_job_segments, shm_job_prefix, shm_rank_prefix};
 #[doc(hidden)]
 pub use dispatch::__private;

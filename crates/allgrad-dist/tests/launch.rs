@@ -3,7 +3,7 @@
 //! previous ones when it returns. (The launcher as a program is tested in the `allgrad`
 //! crate's tests/repo/launch.rs.)
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -95,4 +95,30 @@ fn a_second_launch_after_an_interrupted_one_is_not_interrupted() {
     let second = launch(&cfg(2, &["sh", "-c", "sleep 0.2; exit 0"])).unwrap();
     assert_eq!(second, Outcome::Success);
     set_handler(libc::SIGINT, libc::SIG_DFL);
+}
+
+/// The launcher copies every rank's output on one thread: its threads do not grow with the
+/// number of ranks (a thread per pipe made it hold two per rank, and each later fork copied
+/// the mappings of them all).
+#[test]
+fn the_launcher_holds_as_many_threads_for_32_ranks_as_for_one() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let threads = || std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0);
+    let before = threads();
+    let (most, done) = (AtomicUsize::new(0), AtomicBool::new(false));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::SeqCst) {
+                most.fetch_max(threads(), Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        let outcome = launch(&cfg(32, &["sh", "-c", "sleep 0.5"]));
+        done.store(true, Ordering::SeqCst);
+        assert_eq!(outcome.unwrap(), Outcome::Success);
+    });
+    // The sampling thread, the output thread, and room for a thread of the test harness
+    // starting meanwhile; two per rank would be 64 more.
+    let grew = most.load(Ordering::SeqCst).saturating_sub(before);
+    assert!(grew <= 4, "the launcher of 32 ranks ran with {grew} more threads than before it started");
 }

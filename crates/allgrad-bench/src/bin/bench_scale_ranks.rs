@@ -1,11 +1,12 @@
 //! `bench_scale_ranks`: what one job of W ranks (processes) costs allgrad's control plane on
-//! one machine: time to a formed group, latency of small and 1 MiB collectives, the frames
-//! each call exchanges, file descriptors, threads and memory per rank, and how long the
-//! survivors take to name a SIGKILLed rank.
+//! one machine: starting the processes and, apart from it, forming the group once the last
+//! one has started; latency of small and 1 MiB collectives, the frames each call exchanges,
+//! file descriptors, threads and memory per rank, and how long the survivors take to name a
+//! SIGKILLed rank.
 //!
 //! ```text
 //! cargo run --release -p allgrad-bench --bin bench_scale_ranks -- --nproc 128 \
-//!     [--nnodes 4] [--iters 20] [--time-limit-s 600] [--no-kill] [--json rows.jsonl]
+//!     [--nnodes 4] [--iters 20] [--time-limit-s 600] [--no-kill] [--start-only] [--json rows.jsonl]
 //! ```
 //!
 //! Run without RANK it is the harness: it starts `--nnodes` launchers (itself again, each
@@ -24,8 +25,15 @@
 //! ignore SIGTERM in this last phase, so that the launcher stopping the job after the victim's
 //! death does not cut the measurement short (they are SIGKILLed at the time limit).
 //!
-//! Times are wall-clock (`CLOCK_REALTIME`, one machine): formation counts from the moment
-//! the harness started the launchers, so it includes starting W processes.
+//! Times are wall-clock (`CLOCK_REALTIME`, one machine), from the moment the harness started
+//! the launchers. Each rank notes when the launcher forked it (its start time in
+//! `/proc/self/stat`, to the kernel's clock tick, 10 ms on most systems), when its `main` ran,
+//! when its group was formed and when its first barrier was done. The row shows the
+//! start (first to last rank forked and started, fork to `main` per rank) apart from the
+//! group's formation after the last rank started: while the later ranks are being started the
+//! earlier ones already connect to each other, so a start that takes long may be the
+//! formation's work competing with it. `--start-only` tells them apart: its ranks note their
+//! start and exit without joining, so the row is the cost of starting W processes alone.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -65,6 +73,10 @@ struct Args {
     /// The rank that SIGKILLs itself in the kill phase (default W/2).
     #[arg(long)]
     victim: Option<usize>,
+    /// Ranks note when they were forked and started, and exit without joining the group: the
+    /// cost of starting W processes through the launcher alone.
+    #[arg(long)]
+    start_only: bool,
     /// Folder for the ranks' reports (default: a new temporary folder, removed at the end).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -279,7 +291,13 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
     let reps = reports(out, w);
     let have = reps.iter().filter(|r| r.is_some()).count();
     let mut s = String::new();
-    writeln!(s, "== allgrad, W = {w} ranks, {} node(s){}", args.nnodes, if args.nnodes > 1 { ", ALLGRAD_SHM=0" } else { "" })?;
+    writeln!(
+        s,
+        "== allgrad, W = {w} ranks, {} node(s){}{}",
+        args.nnodes,
+        if args.nnodes > 1 { ", ALLGRAD_SHM=0" } else { "" },
+        if args.start_only { ", start only (the ranks exit without joining)" } else { "" }
+    )?;
     writeln!(
         s,
         "   reports: {have} of {w} ranks; harness wall time {:.1} s{}",
@@ -298,9 +316,41 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
         }
         Ok(())
     };
+    show(&mut s, "process forked (since harness)", "forked_s", 1.0, "s")?;
     show(&mut s, "process started (since harness)", "started_s", 1.0, "s")?;
+    if let Some(st) = stats(fork_to_main(&reps)) {
+        writeln!(
+            s,
+            "   {:<34} min {:>10.3}  median {:>10.3}  max {:>10.3} s ({} ranks)",
+            "fork to main, per rank", st.min, st.median, st.max, st.n
+        )?;
+    }
+    if let (Some(f), Some(st)) = (stats(column(&reps, "forked_s")), stats(column(&reps, "started_s"))) {
+        writeln!(
+            s,
+            "   {:<34} forked over {:.3} s ({:.2} ms per rank), started over {:.3} s ({:.2} ms per rank)",
+            "start, first to last rank",
+            f.max - f.min,
+            (f.max - f.min) * 1e3 / (f.n.max(2) - 1) as f64,
+            st.max - st.min,
+            (st.max - st.min) * 1e3 / (st.n.max(2) - 1) as f64
+        )?;
+    }
+    if args.start_only {
+        return Ok(s.trim_end().to_string());
+    }
     show(&mut s, "group formed (since harness)", "formed_s", 1.0, "s")?;
     show(&mut s, "first barrier done (since harness)", "ready_s", 1.0, "s")?;
+    for (label, k) in [("group formed after the last start", "formed_s"), ("first barrier after the last start", "ready_s")] {
+        match after_last_start(&reps, k) {
+            Some(st) => writeln!(
+                s,
+                "   {label:<34} min {:>10.3}  median {:>10.3}  max {:>10.3} s ({} ranks)",
+                st.min, st.median, st.max, st.n
+            )?,
+            None => writeln!(s, "   {label:<34} (not every rank reported its start)")?,
+        }
+    }
     show(&mut s, "open fds", "fds", 1.0, "")?;
     show(&mut s, "threads", "threads", 1.0, "")?;
     show(&mut s, "RSS (shared pages counted whole)", "rss_kb", 1.0 / 1024.0, "MiB")?;
@@ -321,7 +371,7 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
             _ => writeln!(s, "   {label:<34} (not measured)")?,
         }
     }
-    if !args.no_kill {
+    if !args.no_kill && !args.start_only {
         let kill = reps.get(victim).and_then(|r| r.as_ref()).and_then(|m| num(m, "kill_ns"));
         let det: Vec<f64> = column(&reps, "detect_ns");
         let named = column(&reps, "named_victim").iter().filter(|x| **x == 1.0).count();
@@ -344,6 +394,22 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
     Ok(s.trim_end().to_string())
 }
 
+/// Per rank, from the launcher's fork to its `main` (seconds).
+fn fork_to_main(reps: &[Option<BTreeMap<String, String>>]) -> Vec<f64> {
+    reps.iter().flatten().filter_map(|m| Some(num(m, "started_s")? - num(m, "forked_s")?)).collect()
+}
+
+/// Per rank, the time of `key` after the last rank's `main` ran (seconds); `None` unless every
+/// rank reported its start (the last start is not known otherwise).
+fn after_last_start(reps: &[Option<BTreeMap<String, String>>], key: &str) -> Option<Stats> {
+    let starts = column(reps, "started_s");
+    if starts.len() != reps.len() {
+        return None;
+    }
+    let last = starts.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    stats(column(reps, key).into_iter().map(|t| t - last).collect())
+}
+
 fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<String> {
     let w = args.nproc;
     let reps = reports(out, w);
@@ -352,6 +418,20 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
         args.nnodes,
         reps.iter().filter(|r| r.is_some()).count()
     );
+    write!(s, ",\"start_only\":{}", args.start_only)?;
+    for k in ["forked_s", "started_s"] {
+        if let Some(st) = stats(column(&reps, k)) {
+            write!(s, ",\"{k}_min\":{},\"{k}_median\":{},\"{k}_max\":{}", st.min, st.median, st.max)?;
+        }
+    }
+    if let Some(st) = stats(fork_to_main(&reps)) {
+        write!(s, ",\"fork_to_main_s_median\":{},\"fork_to_main_s_max\":{}", st.median, st.max)?;
+    }
+    for k in ["formed_s", "ready_s"] {
+        if let Some(st) = after_last_start(&reps, k) {
+            write!(s, ",\"{k}_after_last_start_median\":{},\"{k}_after_last_start_max\":{}", st.median, st.max)?;
+        }
+    }
     for k in ["formed_s", "ready_s", "fds", "threads", "rss_kb", "pss_kb", "uss_kb", "pss_end_kb", "form_frames"] {
         if let Some(st) = stats(column(&reps, k)) {
             write!(s, ",\"{k}_median\":{},\"{k}_max\":{}", st.median, st.max)?;
@@ -365,7 +445,7 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
             write!(s, ",\"{k}_frames_max\":{}", st.max)?;
         }
     }
-    if !args.no_kill {
+    if !args.no_kill && !args.start_only {
         let kill = reps.get(victim).and_then(|r| r.as_ref()).and_then(|m| num(m, "kill_ns"));
         if let (Some(k), Some(st)) = (kill, stats(column(&reps, "detect_ns"))) {
             write!(
@@ -409,6 +489,16 @@ fn rank_main(args: &Args) -> Result<()> {
     let out = PathBuf::from(std::env::var(ENV_OUT).context("the harness's output folder")?);
     let victim: usize = std::env::var("ALLGRAD_SCALE_VICTIM").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX);
     let secs = |t: u128| (t.saturating_sub(t0)) as f64 / 1e9;
+    let forked = forked_ns(started);
+    if args.start_only {
+        let rank = std::env::var("RANK").context("RANK")?;
+        let mut rep = Report { path: out.join(format!("rank-{rank}.txt")), text: String::new() };
+        if let Some(f) = forked {
+            rep.put("forked_s", secs(f));
+        }
+        rep.put("started_s", secs(started));
+        return rep.flush();
+    }
 
     let pg = ProcessGroup::from_env().context("joining the job")?;
     let formed = now_ns();
@@ -417,6 +507,9 @@ fn rank_main(args: &Args) -> Result<()> {
     let ready = now_ns();
     let rank = pg.rank();
     let mut rep = Report { path: out.join(format!("rank-{rank}.txt")), text: String::new() };
+    if let Some(f) = forked {
+        rep.put("forked_s", secs(f));
+    }
     rep.put("started_s", secs(started));
     rep.put("formed_s", secs(formed));
     rep.put("ready_s", secs(ready));
@@ -528,6 +621,30 @@ fn rank_main(args: &Args) -> Result<()> {
     std::process::exit(1);
 }
 
+/// When this process was forked, as wall-clock nanoseconds, given the wall clock `now`: its
+/// start time in /proc/self/stat (clock ticks since boot) against the boot-time clock, to the
+/// tick. `None` where either cannot be read.
+fn forked_ns(now: u128) -> Option<u128> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let start_ticks = start_ticks(&stat)?;
+    // SAFETY: sysconf has no preconditions; clock_gettime writes the timespec it is given.
+    let (tick, boot) = unsafe {
+        let mut ts: libc::timespec = std::mem::zeroed();
+        (libc::sysconf(libc::_SC_CLK_TCK), (libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) == 0).then_some(ts))
+    };
+    let (tick, boot) = (u128::try_from(tick).ok().filter(|t| *t > 0)?, boot?);
+    let boot_ns = u128::try_from(boot.tv_sec).ok()? * 1_000_000_000 + u128::try_from(boot.tv_nsec).ok()?;
+    let age = boot_ns.checked_sub(start_ticks as u128 * 1_000_000_000 / tick)?;
+    now.checked_sub(age)
+}
+
+/// Field 22 of a /proc/PID/stat line (the start time, in clock ticks after boot); the command
+/// name (field 2, in parentheses) may hold spaces and parentheses, so fields count from the
+/// last ')'.
+fn start_ticks(stat: &str) -> Option<u64> {
+    stat[stat.rfind(')')? + 1..].split_whitespace().nth(19)?.parse().ok()
+}
+
 /// Whether `msg` names `rank N` as a whole word.
 fn names_rank(msg: &str, n: usize) -> bool {
     let pat = format!("rank {n}");
@@ -542,6 +659,17 @@ fn field(text: &str, key: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_start_time_is_field_22_of_proc_stat_after_the_command_name() {
+        let line = "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 120 0 0 0 1 2 0 0 20 0 1 0 98765 1000 100";
+        assert_eq!(start_ticks(line), Some(98765));
+        assert_eq!(start_ticks("4242 (x) S 1"), None);
+        // This process's own: forked before now, and not before the machine booted.
+        let now = now_ns();
+        let f = forked_ns(now).expect("the fork time of this process");
+        assert!(f <= now, "forked {f} after now {now}");
+    }
 
     #[test]
     fn rank_names_are_whole_words() {

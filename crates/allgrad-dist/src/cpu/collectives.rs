@@ -8,7 +8,9 @@
 //! host, large all_reduce, all_gather and reduce_scatter calls go through shared memory
 //! instead (`shm::ops`). Groups of ALLGRAD_TREE_FROM ranks or more (default 32) replace the
 //! one-round direct paths of all_reduce, all_gather, reduce_scatter and barrier by a binomial
-//! tree (`tree`), whose frames per call grow with log2(W) per rank instead of W.
+//! tree (`tree`), whose frames per call grow with log2(W) per rank instead of W, and run
+//! all_to_all's sizes, and its data when the blocks are small, through Bruck's log2(W)
+//! rounds (`bruck`).
 //!
 //! Longer than the project's ~500-line aim on purpose: the direct and ring variant of every
 //! collective share the `Call` state and the buffer helpers, and they are read side by side to
@@ -16,6 +18,7 @@
 
 use std::ops::Range;
 
+use crate::cpu::bruck::BRUCK_BLOCK_BYTES;
 use crate::cpu::call::{ranges, split_even, Call};
 use crate::cpu::mesh::{Mesh, RecvOp, SendOp};
 use crate::error::{DistError, DistResult};
@@ -489,7 +492,9 @@ impl Mesh {
     }
 
     /// Sends block j of `input` (`send_counts[j]` elements) to rank j; returns the blocks
-    /// received from every rank, in rank order, and their sizes.
+    /// received from every rank, in rank order, and their sizes. Groups that take the tree
+    /// exchange the sizes in Bruck's log2(W) rounds, and small blocks too (`bruck`); the
+    /// others, and large blocks, send every peer its block directly.
     pub(crate) fn all_to_all_v<T: Elem>(
         &mut self,
         c: &Call,
@@ -498,36 +503,42 @@ impl Mesh {
         max_bytes: u64,
     ) -> DistResult<(Vec<T>, Vec<usize>)> {
         let (w, r) = (self.size(), self.rank);
-        let mine: Vec<u64> = send_counts.iter().map(|x| *x as u64).collect();
-        let recv_counts = if w == 1 { mine } else { self.exchange_counts(c, 0, &mine)? };
-        let esz = T::DTYPE.size_in_bytes() as u64;
-        let total = recv_counts.iter().try_fold(0u64, |a, b| a.checked_add(*b)).and_then(|t| t.checked_mul(esz));
-        let recv_counts = match total {
-            Some(t) if t <= max_bytes => recv_counts.into_iter().map(|x| x as usize).collect::<Vec<_>>(),
-            _ => {
-                return Err(self.fail(DistError::Protocol {
-                    peer: usize::MAX,
-                    group: self.group.clone(),
-                    detail: format!(
-                        "all_to_all would receive {recv_counts:?} elements of {esz} bytes, over the limit of {max_bytes} bytes \
-                         (ALLGRAD_MAX_MESSAGE_BYTES)"
-                    ),
-                }))
-            }
-        };
         let in_blocks = ranges(send_counts);
+        let esz = T::DTYPE.size_in_bytes() as u64;
+        if w == 1 {
+            self.check_all_to_all_total(send_counts, esz, max_bytes)?;
+            return Ok((input.to_vec(), send_counts.to_vec()));
+        }
+        let (recv_counts, bruck, step) = if self.uses_tree() {
+            let sizes = self.bruck_sizes::<T>(c, send_counts)?;
+            self.check_all_to_all_total(&sizes.recv_counts, esz, max_bytes)?;
+            if sizes.largest <= BRUCK_BLOCK_BYTES {
+                self.pairwise_paths.all_to_all_bruck += 1;
+                let out = self.bruck_data(c, input, send_counts, &sizes)?;
+                return Ok((out, sizes.recv_counts));
+            }
+            (sizes.recv_counts, true, sizes.data_step)
+        } else {
+            let mine: Vec<u64> = send_counts.iter().map(|x| *x as u64).collect();
+            let got = self.exchange_counts(c, 0, &mine)?;
+            let got: Vec<usize> = got.into_iter().map(|x| x as usize).collect();
+            self.check_all_to_all_total(&got, esz, max_bytes)?;
+            (got, false, 1)
+        };
+        if bruck {
+            self.pairwise_paths.all_to_all_bruck_sizes += 1;
+        } else {
+            self.pairwise_paths.all_to_all_direct += 1;
+        }
         let out_blocks = ranges(&recv_counts);
         let mut out = vec![T::zeroed(); recv_counts.iter().sum()];
         out[out_blocks[r].clone()].copy_from_slice(&input[in_blocks[r].clone()]);
-        if w == 1 {
-            return Ok((out, recv_counts));
-        }
         let esz = esz as usize;
         let mut sends: Vec<SendOp> = (0..w)
             .filter(|p| *p != r)
             .map(|p| SendOp {
                 peer: p,
-                header: c.header::<T>(1, in_blocks[p].len() * esz),
+                header: c.header::<T>(step, in_blocks[p].len() * esz),
                 data: bytes(&input[in_blocks[p].clone()]),
             })
             .collect();
@@ -535,10 +546,27 @@ impl Mesh {
             .into_iter()
             .enumerate()
             .filter(|(p, _)| *p != r)
-            .map(|(p, b)| RecvOp { peer: p, expect: c.header::<T>(1, b.len() * esz), data: bytes_mut(b), acc: None })
+            .map(|(p, b)| RecvOp { peer: p, expect: c.header::<T>(step, b.len() * esz), data: bytes_mut(b), acc: None })
             .collect();
         self.exchange(&mut sends, &mut recvs, c.what)?;
         Ok((out, recv_counts))
+    }
+
+    /// Refuses an all_to_all whose blocks to receive (`recv_counts` elements of `esz` bytes,
+    /// announced by the peers) add up to more than `max_bytes`, before anything is allocated.
+    fn check_all_to_all_total(&mut self, recv_counts: &[usize], esz: u64, max_bytes: u64) -> DistResult<()> {
+        let total = recv_counts.iter().try_fold(0u64, |a, b| a.checked_add(*b as u64)).and_then(|t| t.checked_mul(esz));
+        match total {
+            Some(t) if t <= max_bytes => Ok(()),
+            _ => Err(self.fail(DistError::Protocol {
+                peer: usize::MAX,
+                group: self.group.clone(),
+                detail: format!(
+                    "all_to_all would receive {recv_counts:?} elements of {esz} bytes, over the limit of {max_bytes} bytes \
+                     (ALLGRAD_MAX_MESSAGE_BYTES)"
+                ),
+            })),
+        }
     }
 
     /// Sends `input` to rank `dst` and returns what rank `src` sent here, talking to those two
@@ -589,9 +617,14 @@ impl Mesh {
     pub(crate) fn barrier(&mut self, c: &Call) -> DistResult<()> {
         let (w, r) = (self.size(), self.rank);
         let h = Header { dtype: 0, ..c.header::<u8>(0, 0) };
+        if w == 1 {
+            return Ok(());
+        }
         if self.uses_tree() {
+            self.pairwise_paths.barrier_tree += 1;
             return self.tree_agree(h, c.what);
         }
+        self.pairwise_paths.barrier_direct += 1;
         let mut sends: Vec<SendOp> = (0..w).filter(|p| *p != r).map(|p| SendOp { peer: p, header: h, data: &[] }).collect();
         let mut recvs: Vec<RecvOp> =
             (0..w).filter(|p| *p != r).map(|p| RecvOp { peer: p, expect: h, data: &mut [], acc: None }).collect();

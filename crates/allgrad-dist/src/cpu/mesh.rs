@@ -138,6 +138,8 @@ pub(crate) struct Mesh {
     pub paths: AllReducePaths,
     /// How many broadcast and reduce calls took each path (tests observe the path through it).
     pub rooted_paths: RootedPaths,
+    /// How many all_to_all and barrier calls took each path (tests observe the path through it).
+    pub pairwise_paths: PairwisePaths,
     /// Frames and poll(2) calls of this group so far (benchmarks count them).
     pub counts: WireCounts,
     /// Groups of at least this many ranks take the binomial tree (`tree`).
@@ -251,6 +253,26 @@ pub struct RootedPaths {
     pub reduce_ring: u64,
 }
 
+/// Which path each all_to_all and barrier of a group took, calls in which every rank hears
+/// from every other ([`crate::ProcessGroup::pairwise_paths`]). Groups of one rank count none.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PairwisePaths {
+    /// all_to_all of groups below the tree's threshold: every rank sends every other its
+    /// block's size, then the block, each in one round.
+    pub all_to_all_direct: u64,
+    /// all_to_all of large groups with small blocks: a check up the tree, then sizes, then
+    /// blocks, in Bruck's log2(W) rounds each.
+    pub all_to_all_bruck: u64,
+    /// all_to_all of large groups with a large block somewhere: a check up the tree, sizes in
+    /// Bruck's rounds, then every block straight to its rank in one round.
+    pub all_to_all_bruck_sizes: u64,
+    /// Barriers of groups below the tree's threshold: one round, every rank to every other.
+    pub barrier_direct: u64,
+    /// Barriers of large groups: up and down the binomial tree, 2 log2(W) rounds.
+    pub barrier_tree: u64,
+}
+
 impl Mesh {
     pub fn new(group: String, rank: usize, members: Vec<usize>, peers: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
         let n = peers.len();
@@ -266,6 +288,7 @@ impl Mesh {
             shm: None,
             paths: AllReducePaths::default(),
             rooted_paths: RootedPaths::default(),
+            pairwise_paths: PairwisePaths::default(),
             counts: WireCounts::default(),
             tree_from: crate::settings::DEFAULT_TREE_FROM,
             peer_window: crate::settings::DEFAULT_PEER_WINDOW,

@@ -99,6 +99,21 @@ impl Mesh {
         self.exchange(&mut sends, &mut [], what)
     }
 
+    /// Sends header `h` (without payload) to the parent once every child's has come and
+    /// matched: the first half of [`Mesh::tree_agree`], which no rank waits through. Bruck's
+    /// all_to_all starts with it: every call of a tree group starts by hearing from its
+    /// children, so a call that starts otherwise (Bruck's first round hears from rank r - 1)
+    /// could wait on a rank that waits on it when the ranks' calls differ; after this step
+    /// they fail at the first tree edge between the calls, naming both.
+    pub(crate) fn tree_up(&mut self, h: Header, what: &str) -> DistResult<()> {
+        let (parent, kids) = tree_links(self.rank, self.size());
+        let mut recvs: Vec<RecvOp> = kids.iter().map(|&k| RecvOp { peer: k, expect: h, data: &mut [], acc: None }).collect();
+        let mut sends: Vec<SendOp> = parent.iter().map(|&p| SendOp { peer: p, header: h, data: &[] }).collect();
+        // The children first: a rank sends up only what its whole subtree agreed on.
+        self.exchange(&mut [], &mut recvs, what)?;
+        self.exchange(&mut sends, &mut [], what)
+    }
+
     /// In-place all_reduce through the tree: the subtrees' partial results go up and are
     /// combined in rank order, the root's result comes down.
     pub(crate) fn tree_all_reduce<T: Elem>(&mut self, c: &Call, op: ReduceOp, buf: &mut [T]) -> DistResult<()> {

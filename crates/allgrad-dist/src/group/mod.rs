@@ -262,6 +262,12 @@ impl ProcessGroup {
         self.lock().mesh.rooted_paths
     }
 
+    /// How many of this group's all_to_all and barrier calls took each path so far (for tests).
+    #[doc(hidden)]
+    pub fn pairwise_paths(&self) -> crate::cpu::mesh::PairwisePaths {
+        self.lock().mesh.pairwise_paths
+    }
+
     /// How many of its connections this rank looks at each time for a dead or failed peer
     /// while it waits on shared memory or NCCL (ALLGRAD_PEER_WINDOW; for tests).
     #[doc(hidden)]

@@ -80,6 +80,14 @@ pub enum LaunchError {
         suggest: u64,
     },
 
+    /// The thread that copies the ranks' output could not be started.
+    #[error("starting the thread that copies the ranks' output: {source}")]
+    Output {
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
     /// A rank's process could not be started (the ranks already started were stopped).
     #[error("starting rank {rank}: {program}: {source}")]
     Spawn {

@@ -2,7 +2,7 @@
 //!
 //! Each child gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 //! MASTER_PORT and ALLGRAD_JOB_TOKEN; its output lines are prefixed with its rank
-//! (`output.rs`). When one rank fails the others are stopped (SIGTERM, then SIGKILL after a
+//! (`output.rs`, one thread for every rank's output). When one rank fails the others are stopped (SIGTERM, then SIGKILL after a
 //! grace period) and the launcher exits with the failing rank's code (`supervise.rs`).
 //! SIGINT/SIGTERM sent to the launcher reach every rank; the handlers that catch them are
 //! installed only while [`launch`] runs and the previous ones are restored when it returns
@@ -25,8 +25,6 @@ mod output;
 mod signals;
 mod spawn;
 mod supervise;
-
-use std::sync::{Arc, Mutex};
 
 pub use config::{free_port, LaunchConfig, Outcome};
 pub use error::LaunchError;
@@ -87,9 +85,8 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
 /// signal arrives); the job's shared-memory files are removed before returning.
 fn run_once(job: &Job, signals: &signals::SignalGuard) -> Result<Outcome, LaunchError> {
     let cfg = job.cfg;
-    let out_lock = Arc::new(Mutex::new(()));
     let mut children: Vec<(usize, std::process::Child)> = Vec::with_capacity(cfg.nproc_per_node);
-    let mut pumps = Vec::new();
+    let mut pumps = output::Pumps::start(output::launcher_streams()).map_err(|source| LaunchError::Output { source })?;
     let terminal = output::stderr_is_terminal();
     for local in 0..cfg.nproc_per_node {
         let rank = cfg.global_rank(local);
@@ -106,19 +103,18 @@ fn run_once(job: &Job, signals: &signals::SignalGuard) -> Result<Outcome, Launch
         };
         let prefix = if cfg.prefix { format!("[rank{rank}]: ") } else { String::new() };
         if let Some(out) = child.stdout.take() {
-            pumps.push(output::pump(out, prefix.clone(), show, Stream::Out, out_lock.clone()));
+            pumps.add(out, prefix.clone(), show, Stream::Out);
         }
         if let Some(err) = child.stderr.take() {
-            pumps.push(output::pump(err, prefix, show, Stream::Err, out_lock.clone()));
+            pumps.add(err, prefix, show, Stream::Err);
         }
         children.push((rank, child));
     }
+    let pumps = pumps.finish();
 
     let pids: Vec<u32> = children.iter().map(|(_, c)| c.id()).collect();
     let outcome = supervise::supervise(&mut children, signals, cfg.grace);
-    for p in pumps {
-        let _ = p.join();
-    }
+    let _ = pumps.join();
     remove_segments(job.token, &pids);
     Ok(outcome)
 }

@@ -3,9 +3,11 @@
 //! shared memory off so that every call goes over TCP: all_reduce (every op and dtype),
 //! all_gather (equal and uneven sizes) and reduce_scatter against the serial f64 reference,
 //! results bitwise identical on every rank, the barrier, mismatched calls and a departed rank
-//! failing every rank with the same messages as the full mesh, and the frames a call costs.
-//! Every test checks that the tree path ran (the group's path counters), so that it fails if
-//! the full-mesh path ran instead.
+//! failing every rank with the same messages as the full mesh, and the frames a call costs;
+//! all_to_all in Bruck's rounds (equal and uneven blocks, empty ones, a large block on one
+//! rank), against the serial reference and bitwise against the direct path, here and above
+//! the default threshold. Every test checks that the tree path ran (the group's path
+//! counters), so that it fails if the full-mesh path ran instead.
 
 use crate::common::*;
 
@@ -220,31 +222,223 @@ fn tree_broadcast_and_reduce_match_the_serial_reference_from_every_root() {
 
 #[test]
 fn tree_barrier_holds_every_rank_until_all_arrive() {
-    let w = 6;
-    let arrived = AtomicUsize::new(0);
-    run(w, |pg| {
-        // Rank 5, a leaf deep in the tree, arrives last.
-        if pg.rank() == 5 {
-            std::thread::sleep(Duration::from_millis(300));
-        }
-        arrived.fetch_add(1, Ordering::SeqCst);
-        let frames = pg.wire_counts();
-        pg.barrier()?;
-        assert_eq!(arrived.load(Ordering::SeqCst), w, "rank {} left the barrier early", pg.rank());
-        // Through the tree: rank 0 exchanges with its children 1, 2 and 4 only.
-        if pg.rank() == 0 {
-            let d = pg.wire_counts();
-            assert_eq!((d.frames_sent - frames.frames_sent, d.frames_received - frames.frames_received), (3, 3));
-        }
+    for w in 2..=8 {
+        let arrived = AtomicUsize::new(0);
+        run(w, |pg| {
+            let r = pg.rank();
+            for round in 1..=3 {
+                // Ranks arrive at different times; in the first round the last rank, a leaf deep
+                // in the tree, arrives well after the others.
+                let wait = if round == 1 && r == w - 1 { 300 } else { (r * 7 % 11) as u64 };
+                std::thread::sleep(Duration::from_millis(wait));
+                arrived.fetch_add(1, Ordering::SeqCst);
+                let (frames, paths) = (pg.wire_counts(), pg.pairwise_paths());
+                pg.barrier()?;
+                let seen = arrived.load(Ordering::SeqCst);
+                assert_eq!(seen, round * w, "W={w}: rank {r} left barrier {round} with {seen} arrivals");
+                let after = pg.pairwise_paths();
+                assert_eq!(after.barrier_tree, paths.barrier_tree + 1, "W={w}: the tree barrier did not run ({after:?})");
+                assert_eq!(after.barrier_direct, 0, "W={w}: {after:?}");
+                // Through the tree: one frame up to the parent and one down to each child, and
+                // as many back, where the full mesh sends and receives W - 1.
+                let d = pg.wire_counts();
+                let links = tree_children(r, w) + (r != 0) as usize;
+                assert_eq!(
+                    (d.frames_sent - frames.frames_sent, d.frames_received - frames.frames_received),
+                    (links as u64, links as u64),
+                    "W={w}: rank {r}'s barrier frames"
+                );
+                // Nobody starts the next round before everyone has looked.
+                pg.barrier()?;
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The children of rank `r` in the binomial tree of `w` ranks rooted at 0.
+fn tree_children(r: usize, w: usize) -> usize {
+    let lowbit = if r == 0 { usize::MAX } else { r & r.wrapping_neg() };
+    (0..usize::BITS).map(|k| 1usize << k).take_while(|d| *d < lowbit && r + d < w).count()
+}
+
+/// Bruck's rounds in a group of `w` ranks: ceil(log2(w)).
+fn bruck_rounds(w: usize) -> u64 {
+    (0..usize::BITS).map(|k| 1usize << k).take_while(|d| *d < w).count() as u64
+}
+
+/// Which path an all_to_all took, from the group's counters before and after it.
+fn all_to_all_path(before: allgrad_dist::PairwisePaths, after: allgrad_dist::PairwisePaths) -> &'static str {
+    let d = (
+        after.all_to_all_direct - before.all_to_all_direct,
+        after.all_to_all_bruck - before.all_to_all_bruck,
+        after.all_to_all_bruck_sizes - before.all_to_all_bruck_sizes,
+    );
+    match d {
+        (1, 0, 0) => "direct",
+        (0, 1, 0) => "bruck",
+        (0, 0, 1) => "bruck sizes",
+        _ => panic!("one all_to_all counted {d:?} (direct, bruck, bruck sizes)"),
+    }
+}
+
+/// The all_to_all cases of the Bruck tests, each checked against the serial reference on
+/// rank `pg.rank()`: equal blocks of every dtype, uneven ones with empty blocks, rows of no
+/// elements, and a block of 4 KiB from the last rank to rank 0 only (every other block 48
+/// bytes or less), so that one rank alone sees a large block. Returns each case's name, the
+/// path it took (`all_to_all_path`), the frames this rank sent, and the bits received.
+fn all_to_all_cases(pg: &ProcessGroup) -> candle_core::Result<Vec<(String, &'static str, u64, u64)>> {
+    let (w, r) = (pg.world_size(), pg.rank());
+    let mut out = Vec::new();
+    let mut one = |what: String, x: &Tensor, send: &[usize], want: &[f64], want_sizes: &[usize]| -> candle_core::Result<()> {
+        let (before, frames) = (pg.pairwise_paths(), pg.wire_counts().frames_sent);
+        let (y, got) = pg.all_to_all_sizes(x, send)?;
+        let path = all_to_all_path(before, pg.pairwise_paths());
+        let sent = pg.wire_counts().frames_sent - frames;
+        assert_eq!(got, want_sizes, "{what} on rank {r}: received sizes");
+        let mut dims = vec![want_sizes.iter().sum()];
+        dims.extend_from_slice(&x.dims()[1..]);
+        check(&format!("{what} on rank {r}"), &y, x.dtype(), &dims, true, want);
+        out.push((what, path, sent, bits_digest(&y)));
         Ok(())
-    });
+    };
+    for dtype in DTYPES {
+        // Equal blocks: row j of [W, n] goes to rank j.
+        for n in [1, 5] {
+            let s = salt("bruck all_to_all", dtype, n);
+            let x = tensor(dtype, &gen(dtype, Kind::General, r, s, 0..w * n), &[w, n]);
+            let want: Vec<f64> = (0..w).flat_map(|q| gen(dtype, Kind::General, q, s, r * n..(r + 1) * n)).collect();
+            one(format!("all_to_all W={w} {dtype:?} [{w}, {n}]"), &x, &vec![1; w], &want, &vec![1; w])?;
+        }
+    }
+    for dtype in [DType::F32, DType::F64, DType::U8, DType::I64] {
+        // Uneven blocks of 3 columns, some empty: rank q sends split(q, j) rows to rank j; and
+        // a 4 KiB block from the last rank to rank 0 in the large case.
+        for large in [false, true] {
+            let split = |q: usize, j: usize| {
+                let rows = if (q + j) % 3 == 1 { 0 } else { 1 + (q + 2 * j) % 2 };
+                if large && q == w - 1 && j == 0 {
+                    (4096 / dtype.size_in_bytes()).div_ceil(COLS)
+                } else {
+                    rows
+                }
+            };
+            let s = salt("bruck all_to_all_sizes", dtype, large as usize);
+            let send: Vec<usize> = (0..w).map(|j| split(r, j)).collect();
+            let rows: usize = send.iter().sum();
+            let x = tensor(dtype, &gen(dtype, Kind::General, r, s, 0..rows * COLS), &[rows, COLS]);
+            let recv: Vec<usize> = (0..w).map(|q| split(q, r)).collect();
+            let mut want = Vec::new();
+            for (q, from_q) in recv.iter().enumerate() {
+                let sent_by_q: Vec<usize> = (0..w).map(|j| split(q, j)).collect();
+                let off = offsets(&sent_by_q)[r];
+                want.extend(gen(dtype, Kind::General, q, s, off * COLS..(off + from_q) * COLS));
+            }
+            one(format!("all_to_all_sizes W={w} {dtype:?} large={large} send {send:?}"), &x, &send, &want, &recv)?;
+        }
+    }
+    // Rows of no elements: the row counts themselves go through.
+    let x = Tensor::zeros((w, 0), DType::F32, &Device::Cpu)?;
+    let before = pg.pairwise_paths();
+    let (y, got) = pg.all_to_all_sizes(&x, &vec![1; w])?;
+    let path = all_to_all_path(before, pg.pairwise_paths());
+    assert_eq!((y.dims(), got), (&[w, 0][..], vec![1; w]), "all_to_all of empty rows W={w}");
+    out.push((format!("all_to_all of empty rows W={w}"), path, 0, 0));
+    Ok(out)
+}
+
+/// The frames rank `r` of `w` sends in an all_to_all of a tree group: one up the tree, then
+/// one per Bruck round for the sizes, then one per round for the data (`bruck`) or one to
+/// every peer (`bruck sizes`).
+fn bruck_frames(path: &str, r: usize, w: usize) -> u64 {
+    let data = if path == "bruck" { bruck_rounds(w) } else { w as u64 - 1 };
+    (r != 0) as u64 + bruck_rounds(w) + data
+}
+
+/// all_to_all of large groups goes through Bruck's log2(W) rounds: the serial reference on
+/// every rank, the direct path's bits (the same calls in a group below the threshold), 1 + 2
+/// ceil(log2(W)) frames sent per rank (a check up the tree, sizes, then blocks) where the
+/// direct path sends 2(W - 1), and every rank agreeing to send the data directly when one rank
+/// alone has a block too large for Bruck.
+#[test]
+fn bruck_all_to_all_matches_the_serial_reference_and_the_direct_path_bitwise() {
+    for w in 2..=9 {
+        let bruck = run(w, |pg| all_to_all_cases(&pg));
+        let direct = ThreadWorld::new(w)
+            .timeout(TIMEOUT)
+            .shm(false)
+            .run(|pg| all_to_all_cases(&pg))
+            .unwrap_or_else(|e| panic!("direct world of {w} ranks failed: {e}"));
+        for r in 0..w {
+            for (b, d) in bruck[r].iter().zip(&direct[r]) {
+                let what = format!("{} on rank {r}", b.0);
+                assert_eq!(d.1, "direct", "{what}: below the threshold");
+                let large = b.0.contains("large=true");
+                assert_eq!(b.1, if large { "bruck sizes" } else { "bruck" }, "{what}: the path");
+                assert_eq!(b.3, d.3, "{what}: Bruck's result differs bitwise from the direct path's");
+                if !b.0.contains("empty rows") {
+                    assert_eq!(b.2, bruck_frames(b.1, r, w), "{what}: frames sent");
+                    assert_eq!(d.2, 2 * (w as u64 - 1), "{what}: frames sent by the direct path");
+                }
+            }
+        }
+    }
+}
+
+/// Above the default threshold (32 ranks), with no setting: all_to_all takes Bruck's rounds
+/// and the barrier the tree, with the direct path's bits (the same calls with the threshold
+/// raised past the group).
+#[test]
+fn above_the_default_threshold_all_to_all_and_the_barrier_take_log2_w_rounds() {
+    // The default threshold is 32.
+    let w = 33;
+    let calls = |pg: ProcessGroup| {
+        let r = pg.rank();
+        let cases = all_to_all_cases(&pg)?;
+        // The barrier's frames: one up to the parent and one down to each child.
+        let (frames, paths) = (pg.wire_counts(), pg.pairwise_paths());
+        pg.barrier()?;
+        let barrier = pg.pairwise_paths();
+        let sent = pg.wire_counts().frames_sent - frames.frames_sent;
+        let tree = barrier.barrier_tree - paths.barrier_tree;
+        let direct = barrier.barrier_direct - paths.barrier_direct;
+        Ok((cases, (tree, direct, sent, tree_children(r, w) + (r != 0) as usize)))
+    };
+    let tree = ThreadWorld::new(w).timeout(TIMEOUT).shm(false).run(calls).unwrap_or_else(|e| panic!("W={w}: {e}"));
+    let mesh = ThreadWorld::new(w)
+        .timeout(TIMEOUT)
+        .shm(false)
+        .tree_from(w + 1)
+        .run(calls)
+        .unwrap_or_else(|e| panic!("W={w} below the threshold: {e}"));
+    for r in 0..w {
+        let ((t_cases, t_barrier), (m_cases, m_barrier)) = (&tree[r], &mesh[r]);
+        assert_eq!((t_barrier.0, t_barrier.1), (1, 0), "rank {r}: the barrier did not take the tree");
+        assert_eq!(t_barrier.2, t_barrier.3 as u64, "rank {r}: barrier frames through the tree");
+        assert_eq!((m_barrier.0, m_barrier.1, m_barrier.2), (0, 1, w as u64 - 1), "rank {r}: the full mesh's barrier");
+        for (b, d) in t_cases.iter().zip(m_cases) {
+            let what = format!("{} on rank {r}", b.0);
+            let large = b.0.contains("large=true");
+            assert_eq!((b.1, d.1), (if large { "bruck sizes" } else { "bruck" }, "direct"), "{what}: the paths");
+            assert_eq!(b.3, d.3, "{what}: Bruck's result differs bitwise from the direct path's");
+            if !b.0.contains("empty rows") {
+                assert_eq!(b.2, bruck_frames(b.1, r, w), "{what}: frames sent");
+            }
+        }
+    }
 }
 
 #[test]
 fn mismatched_calls_fail_every_rank_through_the_tree_naming_both_calls() {
     // (the odd rank, its call, the others' call): a leaf and an inner node of the tree.
     for (w, odd) in [(5, 4), (7, 2), (8, 3)] {
-        for (odd_op, op) in [("all_gather", "all_reduce"), ("barrier", "all_reduce"), ("all_reduce", "reduce_scatter")] {
+        for (odd_op, op) in [
+            ("all_gather", "all_reduce"),
+            ("barrier", "all_reduce"),
+            ("all_reduce", "reduce_scatter"),
+            ("all_to_all", "all_reduce"),
+            ("barrier", "all_to_all"),
+        ] {
             let case = format!("W={w}: rank {odd} {odd_op}, the others {op}");
             let start = Instant::now();
             let errs = tree_world(w)
@@ -254,6 +448,7 @@ fn mismatched_calls_fail_every_rank_through_the_tree_naming_both_calls() {
                         "all_gather" => pg.all_gather(&x).map(|_| ()),
                         "barrier" => pg.barrier().map_err(Into::into),
                         "reduce_scatter" => pg.reduce_scatter(&x, ReduceOp::Sum).map(|_| ()),
+                        "all_to_all" => pg.all_to_all(&x).map(|_| ()),
                         _ => pg.all_reduce(&x, ReduceOp::Sum).map(|_| ()),
                     };
                     Ok(res.err().map(|e| e.to_string()))
@@ -270,23 +465,29 @@ fn mismatched_calls_fail_every_rank_through_the_tree_naming_both_calls() {
 }
 
 #[test]
-fn a_departed_rank_fails_every_survivor_of_a_tree_all_reduce_naming_it() {
+fn a_departed_rank_fails_every_survivor_of_a_tree_all_reduce_or_bruck_all_to_all_naming_it() {
     // A leaf, an inner node and the root of the tree.
-    for (w, dead) in [(6, 5), (8, 4), (5, 0)] {
-        let start = Instant::now();
-        let errs = tree_world(w)
-            .run(|pg| {
-                if pg.rank() == dead {
-                    return Ok(None);
-                }
-                let x = tensor(DType::F32, &[1.0, 2.0, 3.0], &[3]);
-                Ok(Some(pg.all_reduce(&x, ReduceOp::Sum).err().map(|e| e.to_string())))
-            })
-            .unwrap_or_else(|e| panic!("W={w}: {e}"));
-        assert!(start.elapsed() < Duration::from_secs(10), "W={w}, rank {dead} gone: took {:?}", start.elapsed());
-        for (r, e) in errs.iter().enumerate().filter(|(r, _)| *r != dead) {
-            let e = e.as_ref().unwrap().as_deref().unwrap_or_else(|| panic!("W={w}: rank {r}'s all_reduce succeeded"));
-            assert!(names_rank(e, dead), "W={w}: rank {r}'s error does not name rank {dead}: {e}");
+    for call in ["all_reduce", "all_to_all"] {
+        for (w, dead) in [(6, 5), (8, 4), (5, 0)] {
+            let start = Instant::now();
+            let errs = tree_world(w)
+                .run(|pg| {
+                    if pg.rank() == dead {
+                        return Ok(None);
+                    }
+                    let res = if call == "all_reduce" {
+                        pg.all_reduce(&tensor(DType::F32, &[1.0, 2.0, 3.0], &[3]), ReduceOp::Sum).map(|_| ())
+                    } else {
+                        pg.all_to_all(&tensor(DType::F32, &vec![1.0; 2 * w], &[w, 2])).map(|_| ())
+                    };
+                    Ok(Some(res.err().map(|e| e.to_string())))
+                })
+                .unwrap_or_else(|e| panic!("{call} W={w}: {e}"));
+            assert!(start.elapsed() < Duration::from_secs(10), "{call} W={w}, rank {dead} gone: took {:?}", start.elapsed());
+            for (r, e) in errs.iter().enumerate().filter(|(r, _)| *r != dead) {
+                let e = e.as_ref().unwrap().as_deref().unwrap_or_else(|| panic!("{call} W={w}: rank {r}'s call succeeded"));
+                assert!(names_rank(e, dead), "{call} W={w}: rank {r}'s error does not name rank {dead}: {e}");
+            }
         }
     }
 }
@@ -341,6 +542,17 @@ fn below_the_threshold_small_calls_keep_the_one_round_full_mesh() {
             pg.reduce_slice(&mut [1.0f32; 3], 2, ReduceOp::Sum)?;
             let p = pg.rooted_paths();
             assert_eq!((p.broadcast_direct, p.broadcast_tree, p.reduce_direct, p.reduce_tree), (1, 0, 1, 0), "{p:?}");
+            let before = pg.wire_counts().frames_sent;
+            pg.all_to_all_v_slice(&[1.0f32; 4], &[1; 4], &[])?;
+            pg.barrier()?;
+            // Sizes and data to every peer, then the barrier's frame to every peer.
+            assert_eq!(pg.wire_counts().frames_sent - before, 3 * (w - 1) as u64);
+            let p = pg.pairwise_paths();
+            assert_eq!(
+                (p.all_to_all_direct, p.all_to_all_bruck, p.all_to_all_bruck_sizes, p.barrier_direct, p.barrier_tree),
+                (1, 0, 0, 1, 0),
+                "{p:?}"
+            );
             Ok(())
         })
         .unwrap();
