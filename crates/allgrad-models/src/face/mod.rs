@@ -32,6 +32,7 @@
 pub mod backbone;
 pub mod data;
 pub mod head;
+pub mod insightface;
 pub mod margin;
 pub mod normalize;
 pub mod objective;
