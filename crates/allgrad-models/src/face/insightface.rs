@@ -368,7 +368,9 @@ impl DepthWise {
     }
 }
 
-/// One entry of MobileFaceNet's `layers`.
+/// One entry of MobileFaceNet's `layers` (built once per run: the size difference of the
+/// variants does not matter).
+#[allow(clippy::large_enum_variant)]
 enum Stage {
     Conv(ConvBlock),
     DepthWise(DepthWise),
@@ -530,8 +532,11 @@ pub struct Entry {
 /// A backend that hands out zero-stride placeholders and records what was asked for, so that
 /// a layout costs no parameter memory (IResNet-100 has 65M parameters).
 struct Recorder {
-    seen: Arc<Mutex<Vec<(String, Vec<usize>)>>>,
+    seen: Arc<Mutex<Recorded>>,
 }
+
+/// Parameter names and shapes, in the order they were asked for.
+type Recorded = Vec<(String, Vec<usize>)>;
 
 impl SimpleBackend for Recorder {
     fn get(&self, s: Shape, name: &str, _: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
