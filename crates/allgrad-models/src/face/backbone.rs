@@ -3,18 +3,16 @@
 //! (BatchNorm → Dropout → FC → BatchNorm), or insightface's own IResNet and MobileFaceNet
 //! under its parameter names ([`super::insightface`]).
 
-use allgrad_rng::{bernoulli, stream};
 use candle_core::{Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use super::forward_pass::dropout_mask;
+pub use super::forward_pass::Pass;
 use super::insightface::{self, Arch, InsightfaceConfig, InsightfaceNet};
-use crate::batch_norm::{BatchNorm, Mode};
+use crate::batch_norm::BatchNorm;
 use crate::resnet::{ResNet, ResNetConfig};
 use crate::ModelError;
-
-/// Key word of the dropout masks.
-const DROPOUT_KEY: u64 = 0xD409_0C7F_0000_0004;
 
 /// The `model` section of the face method.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -173,19 +171,6 @@ impl FaceModel {
     }
 }
 
-/// Where a forward pass is: the mode, and the keys of its dropout masks.
-#[derive(Clone, Copy)]
-pub struct Pass<'a> {
-    /// Training or evaluation, and the group of SyncBatchNorm.
-    pub mode: Mode<'a>,
-    /// The run's seed.
-    pub seed: u64,
-    /// The optimizer step.
-    pub step: usize,
-    /// Global indices of the samples.
-    pub indices: &'a [usize],
-}
-
 /// A built backbone (built once per run: the size difference of the variants does not matter).
 #[allow(clippy::large_enum_variant)]
 pub enum Backbone {
@@ -259,16 +244,4 @@ impl Backbone {
             Backbone::Insightface(net) => net.batch_norms(),
         }
     }
-}
-
-/// Inverted-dropout multipliers `[b, width]`: 0 or `1/(1-p)`, each row from the stream
-/// `[seed, DROPOUT_KEY, step, global index]`, so they do not depend on W.
-pub(crate) fn dropout_mask(width: usize, p: f64, pass: Pass, device: &candle_core::Device) -> Result<Tensor> {
-    let keep = 1.0 / (1.0 - p);
-    let mut v = Vec::with_capacity(pass.indices.len() * width);
-    for &i in pass.indices {
-        let mut rng = stream(&[pass.seed, DROPOUT_KEY, pass.step as u64, i as u64]);
-        v.extend((0..width).map(|_| if bernoulli(&mut rng, p) { 0.0 } else { keep }));
-    }
-    Tensor::from_vec(v, (pass.indices.len(), width), device)
 }

@@ -35,7 +35,7 @@ use candle_core::{DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, Linear, Module, VarBuilder};
 
-use super::backbone::{dropout_mask, Pass};
+use super::forward_pass::{dropout_mask, Pass};
 use crate::batch_norm::{BatchNorm, Mode};
 use crate::resnet_io::Preloaded;
 use crate::ModelError;

@@ -31,6 +31,7 @@
 
 pub mod backbone;
 pub mod data;
+pub mod forward_pass;
 pub mod head;
 pub mod insightface;
 pub mod margin;
