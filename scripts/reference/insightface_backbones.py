@@ -10,8 +10,9 @@ written here, independently of allgrad's code, from the architecture of insightf
 `width`, `in_channels` and `input_size` may differ from its 64, 3 and 112, so that tests run
 small networks on a CPU (with the defaults the module is insightface's).
 
-    insightface_backbones.py layout --arch iresnet100
-        prints {name: shape} of the state dict (one JSON line)
+    insightface_backbones.py layout --arch iresnet100 [--next layout --arch mbf ...]
+        prints {name: shape} of the state dict (one JSON line per configuration; `--next`
+        separates several, run in one process)
     insightface_backbones.py make --arch iresnet18 --width 16 --out DIR [--n 3]
         random parameters, running statistics set by training-mode forwards of random
         images, then in evaluation mode: DIR/backbone.pth (the state dict saved by
@@ -31,6 +32,7 @@ The architecture options: --arch iresnet18|34|50|100|200 or mbf (get_mbf) or mbf
 
 import argparse
 import json
+import sys
 
 import torch
 from torch import nn
@@ -203,6 +205,17 @@ def randomize(model, gen, n_calib, shape):
 
 
 def main():
+    argv, groups = sys.argv[1:], [[]]
+    for arg in argv:
+        if arg == "--next":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    for g in groups:
+        run(g)
+
+
+def run(argv):
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["layout", "make", "check"])
     p.add_argument("--arch", required=True)
@@ -218,7 +231,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights")
     p.add_argument("--inputs")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(2)
     if a.mode == "layout":
         with torch.device("meta"):

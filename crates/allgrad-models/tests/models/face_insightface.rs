@@ -91,12 +91,21 @@ fn iresnet_18_to_200_and_mobilefacenets_have_the_references_state_dict_names_and
         mbf(2, [1, 4, 6, 2], None),
         mbf(4, [2, 8, 12, 4], None),
     ];
-    for model in cases {
-        let f = flags(&model);
-        let mut args = os(&["layout"]);
-        args.extend(f.iter().map(|s| s.into()));
-        let Some(out) = reference(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>()) else { return };
-        let want: HashMap<String, Vec<usize>> = serde_json::from_str(out.trim()).unwrap();
+    // One Python process for all (importing torch costs seconds on the CI machine).
+    let mut args = Vec::new();
+    for (i, model) in cases.iter().enumerate() {
+        if i > 0 {
+            args.push("--next".to_string());
+        }
+        args.push("layout".into());
+        args.extend(flags(model));
+    }
+    let Some(out) = reference(&args.iter().map(OsStr::new).collect::<Vec<_>>()) else { return };
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), cases.len(), "{out}");
+    for (model, line) in cases.iter().zip(lines) {
+        let f = flags(model);
+        let want: HashMap<String, Vec<usize>> = serde_json::from_str(line).unwrap();
         let (cfg, _) = model.insightface().unwrap();
         let layout = insightface::layout(&cfg).unwrap();
         let got: HashMap<String, Vec<usize>> = layout.iter().map(|e| (e.name.clone(), e.shape.clone())).collect();
@@ -105,7 +114,11 @@ fn iresnet_18_to_200_and_mobilefacenets_have_the_references_state_dict_names_and
         let mut extra: Vec<_> = got.iter().filter(|(k, _)| !want.contains_key(*k)).collect();
         missing.sort();
         extra.sort();
-        assert!(missing.is_empty() && extra.is_empty(), "{f:?}: reference entries not in allgrad's layout (or of another shape): {missing:?}; allgrad's not in the reference: {extra:?}");
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "{f:?}: reference entries not in allgrad's layout (or of another shape): {missing:?}; allgrad's not in the \
+             reference: {extra:?}"
+        );
         let params: usize =
             layout.iter().filter(|e| matches!(e.slot, Slot::Param | Slot::Unit)).map(|e| e.shape.iter().product::<usize>()).sum();
         eprintln!("{f:?}: {} state-dict entries, {params} parameter values", layout.len());
