@@ -10,7 +10,10 @@
 //!   `num_batches_tracked` the steps), which `scripts/reference/insightface_backbones.py` (an
 //!   independent PyTorch IResNet with insightface's module names, through ALLGRAD_PYTHON)
 //!   loads with `strict=True` and whose embeddings of four faces equal allgrad's from the
-//!   checkpoint (f32); `--format torchvision` is refused pointing to safetensors.
+//!   checkpoint (f32); `--format torchvision` is refused pointing to safetensors;
+//! - keys that do not fit (a depth insightface has no IResNet of, an `input_size` that is not
+//!   the crop size or not a multiple of 16, a zero width or stack, 2 input channels, dropout
+//!   of 1, MobileFaceNet's unknown `dropout`) are refused when the config is read, naming the key.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -223,4 +226,36 @@ fn an_exported_iresnet_run_has_insightfaces_names_and_loads_strictly_in_pytorch(
     assert_eq!(line["emb"], serde_json::json!([4, 8]));
     let e = line["f32_rel"].as_f64().unwrap();
     assert!(e <= EXPORT_TOL, "PyTorch's f32 embeddings of the export are {e:e} from allgrad's (> {EXPORT_TOL:e})");
+}
+
+#[test]
+fn insightface_model_keys_that_do_not_fit_are_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = |model: &str| -> String {
+        let text = format!(
+            "method: face\ndata:\n  kind: recordio\n  dir: {}\n  augment: {{crop: {{size: 32}}}}\nmodel: {model}\n\
+             head: {{num_classes: 6}}\ntrain: {{global_batch: 12}}\n",
+            dir.path().display()
+        );
+        let path = Path::new("face-insightface-keys.yaml");
+        match RunConfig::parse(&text, path, &[]) {
+            Err(e) => e.to_string(),
+            Ok(cfg) => cfg.validate(1, path).err().map(|e| e.to_string()).unwrap_or_default(),
+        }
+    };
+    let cases = [
+        ("{kind: iresnet, depth: 51, input_size: 32}", "model.depth", "18, 34, 50, 100 or 200, got 51"),
+        ("{kind: iresnet, depth: 50}", "model.input_size", "is 112, and data.augment.crop.size is 32"),
+        ("{kind: iresnet, depth: 18, input_size: 24}", "model.input_size", "multiple of 16"),
+        ("{kind: iresnet, depth: 18, input_size: 32, width: 0}", "model.width", "must be positive"),
+        ("{kind: iresnet, depth: 18, input_size: 32, in_channels: 2}", "model.in_channels", "must be 1 or 3, got 2"),
+        ("{kind: iresnet, depth: 18, input_size: 32, dropout: 1.0}", "model.dropout", "[0, 1)"),
+        ("{kind: mobilefacenet, input_size: 32, blocks: [1, 0, 1, 1]}", "model.blocks", "at least one block"),
+        ("{kind: mobilefacenet, input_size: 32, dropout: 0.1}", "dropout", "unknown field"),
+    ];
+    for (model, key, words) in cases {
+        let err = check(model);
+        assert!(err.contains(key) && err.contains(words), "{model}: expected `{key}` and `{words}` in: {err}");
+    }
+    assert_eq!(check("{kind: iresnet, depth: 18, input_size: 32}"), "", "a config that fits");
 }
