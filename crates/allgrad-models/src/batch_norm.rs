@@ -96,6 +96,18 @@ impl BatchNorm {
         Ok(BatchNorm { weight, bias, running: Mutex::new((zeros, ones)), eps, momentum, sync, name })
     }
 
+    /// As [`BatchNorm::new`], with the weight held at 1 and not a parameter (only `bias` is
+    /// created through `vb`): insightface's embedding layer `features`, a BatchNorm1d whose
+    /// weight it sets to 1 and freezes.
+    pub fn with_unit_weight(channels: usize, sync: bool, vb: VarBuilder) -> Result<Self> {
+        let bias = vb.get_with_hints(channels, "bias", candle_nn::Init::Const(0.0))?;
+        let weight = Tensor::ones(channels, DType::F32, vb.device())?.to_dtype(bias.dtype())?;
+        let zeros = Tensor::zeros(channels, DType::F32, vb.device())?.to_dtype(vb.dtype())?;
+        let ones = Tensor::ones(channels, DType::F32, vb.device())?.to_dtype(vb.dtype())?;
+        let BatchNormConfig { eps, momentum, .. } = BatchNormConfig::default();
+        Ok(BatchNorm { weight, bias, running: Mutex::new((zeros, ones)), eps, momentum, sync, name: vb.prefix() })
+    }
+
     /// Normalises `x`.
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         self.forward_then(x, mode, BnTail::Identity)

@@ -154,6 +154,14 @@ pub enum ModelError {
         /// What does not fit, and what does.
         reason: String,
     },
+    /// A key of the `model` section that does not fit (insightface's face backbones).
+    #[error("model.{key}: {reason}")]
+    ModelKey {
+        /// The key in the `model` section.
+        key: &'static str,
+        /// What does not fit, and what does.
+        reason: String,
+    },
 }
 
 impl From<ModelError> for candle_core::Error {

@@ -223,10 +223,10 @@ pub fn read_init(path: &Path, cfg: &ResNetConfig) -> Result<HashMap<String, Tens
 
 /// A VarBuilder backend that creates each variable through `inner` (the run's parameter
 /// store, at its root) and then sets it to the file's value when the file has one.
-struct Preloaded<'a> {
-    inner: VarBuilder<'a>,
+pub(crate) struct Preloaded<'a> {
+    pub(crate) inner: VarBuilder<'a>,
     /// By full parameter name.
-    values: HashMap<String, Tensor>,
+    pub(crate) values: HashMap<String, Tensor>,
 }
 
 impl SimpleBackend for Preloaded<'_> {

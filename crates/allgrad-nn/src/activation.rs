@@ -256,6 +256,27 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
     dense(x)?.apply_op1(Relu)
 }
 
+/// PyTorch's `nn.PReLU(C)`: `max(x, 0) + a_c · min(x, 0)` with one slope `a_c` per channel
+/// (dim 1 of `[N, C]` or `[N, C, ...]`), composed from [`relu`] and broadcast products (no fused
+/// kernel: the face backbones that use it spend their time in the convolutions), so its
+/// backward is that of the composition: `∂/∂x` is 1 or `a_c`, `∂/∂a_c` sums `min(x, 0)`. The
+/// slopes are cast to `x`'s dtype (f32 slopes on bf16 activations under autocast, with an f32
+/// gradient).
+///
+/// # Errors
+/// When `x` has fewer than 2 dims or `a` is not `[C]`.
+pub fn prelu(x: &Tensor, a: &Tensor) -> Result<Tensor> {
+    let c = if x.rank() >= 2 { x.dim(1)? } else { 0 };
+    if a.dims() != [c] {
+        return fail(NnError::ShapeMismatch { op: "prelu", shapes: vec![x.shape().clone(), a.shape().clone()] });
+    }
+    let mut shape = vec![1; x.rank()];
+    shape[1] = c;
+    let pos = relu(x)?;
+    let neg = (x - &pos)?;
+    pos + neg.broadcast_mul(&a.to_dtype(x.dtype())?.reshape(shape)?)?
+}
+
 /// `max(a + b, 0)` in one pass (a residual connection and its activation; one kernel on CUDA
 /// with feature `cuda`), with a one-pass backward giving both inputs the same gradient;
 /// `(a + b).relu()` off the fast path.

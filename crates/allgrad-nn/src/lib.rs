@@ -106,7 +106,7 @@ mod trace;
 pub mod transfer;
 mod vmath;
 
-pub use activation::{add_relu, gelu_erf, gelu_erf_composed, relu};
+pub use activation::{add_relu, gelu_erf, gelu_erf_composed, prelu, relu};
 pub use attention::{attention, attention_composed};
 pub use backend::has_fused_kernels;
 pub use batch_norm::finalize;

@@ -1,18 +1,18 @@
 //! The networks that turn a sample into an embedding: a linear map (synthetic vectors; tests
-//! and smoke runs) or the image methods' ResNet with arcface_torch's embedding layer
-//! (BatchNorm → Dropout → FC → BatchNorm).
+//! and smoke runs), the image methods' ResNet with arcface_torch's embedding layer
+//! (BatchNorm → Dropout → FC → BatchNorm), or insightface's own IResNet and MobileFaceNet
+//! under its parameter names ([`super::insightface`]).
 
-use allgrad_rng::{bernoulli, stream};
 use candle_core::{Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::batch_norm::{BatchNorm, Mode};
+use super::forward_pass::dropout_mask;
+pub use super::forward_pass::Pass;
+use super::insightface::{self, Arch, InsightfaceConfig, InsightfaceNet};
+use crate::batch_norm::BatchNorm;
 use crate::resnet::{ResNet, ResNetConfig};
 use crate::ModelError;
-
-/// Key word of the dropout masks.
-const DROPOUT_KEY: u64 = 0xD409_0C7F_0000_0004;
 
 /// The `model` section of the face method.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -38,20 +38,129 @@ pub enum FaceModel {
         #[serde(default)]
         init_from: Option<std::path::PathBuf>,
     },
+    /// insightface's IResNet with its embedding layers, under the names of its `backbone.pth`.
+    Iresnet {
+        /// 18, 34, 50, 100 or 200.
+        depth: usize,
+        /// Channels of the stem and the first stage (insightface: 64).
+        #[serde(default = "width_64")]
+        width: usize,
+        /// Input channels (insightface: 3).
+        #[serde(default = "rgb")]
+        in_channels: usize,
+        /// The faces' height and width, a multiple of 16 (insightface: 112).
+        #[serde(default = "face_size")]
+        input_size: usize,
+        /// Embedding width (insightface: 512).
+        #[serde(default = "embedding_512")]
+        embedding: usize,
+        /// Dropout before `fc` (masks keyed by seed, step and global sample index).
+        #[serde(default)]
+        dropout: f64,
+        /// Synchronise the batch statistics across ranks (SyncBatchNorm).
+        #[serde(default = "yes")]
+        sync_bn: bool,
+        /// A safetensors file of insightface's names to start from (see
+        /// [`insightface::read_init`]).
+        #[serde(default)]
+        init_from: Option<std::path::PathBuf>,
+    },
+    /// insightface's MobileFaceNet, under the names of its `backbone.pth`.
+    Mobilefacenet {
+        /// The stem's channels are `64 * scale` (insightface's `get_mbf`: 2).
+        #[serde(default = "scale_2")]
+        scale: usize,
+        /// Residual blocks of the four stacks (`get_mbf`: [1, 4, 6, 2]).
+        #[serde(default = "mbf_blocks")]
+        blocks: [usize; 4],
+        /// Input channels (insightface: 3).
+        #[serde(default = "rgb")]
+        in_channels: usize,
+        /// The faces' height and width, a multiple of 16 (insightface: 112).
+        #[serde(default = "face_size")]
+        input_size: usize,
+        /// Embedding width (insightface: 512).
+        #[serde(default = "embedding_512")]
+        embedding: usize,
+        /// Synchronise the batch statistics across ranks (SyncBatchNorm).
+        #[serde(default = "yes")]
+        sync_bn: bool,
+        /// A safetensors file of insightface's names to start from.
+        #[serde(default)]
+        init_from: Option<std::path::PathBuf>,
+    },
+}
+
+fn width_64() -> usize {
+    64
+}
+fn rgb() -> usize {
+    3
+}
+fn face_size() -> usize {
+    112
+}
+fn embedding_512() -> usize {
+    512
+}
+fn yes() -> bool {
+    true
+}
+fn scale_2() -> usize {
+    2
+}
+fn mbf_blocks() -> [usize; 4] {
+    [1, 4, 6, 2]
 }
 
 impl FaceModel {
     /// The embedding width.
     pub fn embedding(&self) -> usize {
         match self {
-            FaceModel::Linear { embedding } | FaceModel::Resnet { embedding, .. } => *embedding,
+            FaceModel::Linear { embedding }
+            | FaceModel::Resnet { embedding, .. }
+            | FaceModel::Iresnet { embedding, .. }
+            | FaceModel::Mobilefacenet { embedding, .. } => *embedding,
         }
+    }
+
+    /// The insightface backbone's settings and `init_from`, for `kind: iresnet` and
+    /// `mobilefacenet`.
+    pub fn insightface(&self) -> Option<(InsightfaceConfig, Option<&std::path::PathBuf>)> {
+        Some(match self {
+            FaceModel::Iresnet { depth, width, in_channels, input_size, embedding, dropout, sync_bn, init_from } => (
+                InsightfaceConfig {
+                    arch: Arch::IResNet { depth: *depth, width: *width },
+                    in_channels: *in_channels,
+                    input_size: *input_size,
+                    embedding: *embedding,
+                    dropout: *dropout,
+                    sync_bn: *sync_bn,
+                },
+                init_from.as_ref(),
+            ),
+            FaceModel::Mobilefacenet { scale, blocks, in_channels, input_size, embedding, sync_bn, init_from } => (
+                InsightfaceConfig {
+                    arch: Arch::MobileFaceNet { scale: *scale, blocks: *blocks },
+                    in_channels: *in_channels,
+                    input_size: *input_size,
+                    embedding: *embedding,
+                    dropout: 0.0,
+                    sync_bn: *sync_bn,
+                },
+                init_from.as_ref(),
+            ),
+            _ => return None,
+        })
     }
 
     /// Checks the values.
     pub fn validate(&self) -> std::result::Result<(), ModelError> {
         if self.embedding() == 0 {
             return Err(ModelError::HeadInput("model.embedding must be positive".into()));
+        }
+        if let Some((cfg, _)) = self.insightface() {
+            cfg.validate()?;
         }
         if let FaceModel::Resnet { dropout, .. } = self {
             if !(0.0..1.0).contains(dropout) {
@@ -60,19 +169,6 @@ impl FaceModel {
         }
         Ok(())
     }
-}
-
-/// Where a forward pass is: the mode, and the keys of its dropout masks.
-#[derive(Clone, Copy)]
-pub struct Pass<'a> {
-    /// Training or evaluation, and the group of SyncBatchNorm.
-    pub mode: Mode<'a>,
-    /// The run's seed.
-    pub seed: u64,
-    /// The optimizer step.
-    pub step: usize,
-    /// Global indices of the samples.
-    pub indices: &'a [usize],
 }
 
 /// A built backbone (built once per run: the size difference of the variants does not matter).
@@ -93,10 +189,13 @@ pub enum Backbone {
         /// BatchNorm on the embedding.
         bn2: BatchNorm,
     },
+    /// See [`FaceModel::Iresnet`] and [`FaceModel::Mobilefacenet`].
+    Insightface(InsightfaceNet),
 }
 
 impl Backbone {
-    /// Creates the parameters (`linear.*`, or `encoder.*` and `embedding.{bn1,fc,bn2}.*`);
+    /// Creates the parameters (`linear.*`, `encoder.*` and `embedding.{bn1,fc,bn2}.*`, or
+    /// insightface's names);
     /// `in_dim` is the input width of the linear backbone.
     pub fn new(model: &FaceModel, in_dim: usize, vb: VarBuilder) -> Result<Self> {
         model.validate()?;
@@ -114,6 +213,10 @@ impl Backbone {
                     dropout: *dropout,
                 }
             }
+            FaceModel::Iresnet { .. } | FaceModel::Mobilefacenet { .. } => {
+                let (cfg, init_from) = model.insightface().expect("an insightface model");
+                Backbone::Insightface(insightface::build(&cfg, init_from, vb)?)
+            }
         })
     }
 
@@ -129,6 +232,7 @@ impl Backbone {
                 }
                 bn2.forward(&allgrad_nn::linear_module(fc, &h)?, pass.mode)
             }
+            Backbone::Insightface(net) => net.forward(x, pass),
         }
     }
 
@@ -137,18 +241,7 @@ impl Backbone {
         match self {
             Backbone::Linear(_) => Vec::new(),
             Backbone::Resnet { encoder, bn1, bn2, .. } => encoder.batch_norms().into_iter().chain([bn1, bn2]).collect(),
+            Backbone::Insightface(net) => net.batch_norms(),
         }
     }
-}
-
-/// Inverted-dropout multipliers `[b, width]`: 0 or `1/(1-p)`, each row from the stream
-/// `[seed, DROPOUT_KEY, step, global index]`, so they do not depend on W.
-fn dropout_mask(width: usize, p: f64, pass: Pass, device: &candle_core::Device) -> Result<Tensor> {
-    let keep = 1.0 / (1.0 - p);
-    let mut v = Vec::with_capacity(pass.indices.len() * width);
-    for &i in pass.indices {
-        let mut rng = stream(&[pass.seed, DROPOUT_KEY, pass.step as u64, i as u64]);
-        v.extend((0..width).map(|_| if bernoulli(&mut rng, p) { 0.0 } else { keep }));
-    }
-    Tensor::from_vec(v, (pass.indices.len(), width), device)
 }

@@ -31,7 +31,9 @@
 
 pub mod backbone;
 pub mod data;
+pub mod forward_pass;
 pub mod head;
+pub mod insightface;
 pub mod margin;
 pub mod normalize;
 pub mod objective;

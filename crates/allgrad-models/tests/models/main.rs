@@ -27,6 +27,7 @@ mod clip_preprocess;
 mod clip_reference;
 mod face_bin;
 mod face_head;
+mod face_insightface;
 mod face_margin_softmax;
 mod face_sparse;
 mod losses;

@@ -1,9 +1,10 @@
 //! `relu`, `add_relu` and `gelu_erf` against a plain f64 computation (values and gradients,
 //! f32 and f64, contiguous and strided inputs, sizes spanning several parallel tasks), the ReLU
 //! derivative 0 at 0, GELU at tabulated normal-CDF values and against finite differences, the
-//! fallback for other dtypes, and errors that name the shapes.
+//! fallback for other dtypes, and errors that name the shapes; `prelu` (PyTorch's per-channel
+//! `nn.PReLU`) against the same plain computation, values and both gradients, in f64.
 
-use allgrad_nn::{add_relu, relu};
+use allgrad_nn::{add_relu, prelu, relu};
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::common::{self, err_text, rand_tensor, to_f64_vec};
@@ -147,4 +148,39 @@ fn gelu_falls_back_to_candles_erf_for_other_dtypes() {
         let scale = w.abs().max(x.abs() / 2.0);
         assert!((g - w).abs() <= 5e-3 * scale, "f16 gelu({x}) = {g} vs f32 {w}");
     }
+}
+
+#[test]
+fn prelu_matches_a_plain_per_channel_computation_and_its_gradients() {
+    // [N, C, H, W] and [N, C]: the slope of channel c applies to dim 1.
+    for shape in [vec![2, 3, 4, 5], vec![6, 3]] {
+        let (c, inner): (usize, usize) = (shape[1], shape[2..].iter().product());
+        let x = Var::from_tensor(&rand_tensor(&shape, 11, DType::F64)).unwrap();
+        let a = Var::from_tensor(&(rand_tensor(&[c], 12, DType::F64) * 0.5).unwrap()).unwrap();
+        let r = rand_tensor(&shape, 13, DType::F64);
+        let y = prelu(x.as_tensor(), a.as_tensor()).unwrap();
+        let grads = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let (xs, av, rs) = (to_f64_vec(x.as_tensor()), to_f64_vec(a.as_tensor()), to_f64_vec(&r));
+        let ch = |i: usize| (i / inner) % c;
+        let want_y: Vec<f64> = xs.iter().enumerate().map(|(i, v)| if *v > 0.0 { *v } else { av[ch(i)] * v }).collect();
+        let want_gx: Vec<f64> = xs.iter().enumerate().map(|(i, v)| if *v > 0.0 { rs[i] } else { av[ch(i)] * rs[i] }).collect();
+        let mut want_ga = vec![0.0; c];
+        for (i, v) in xs.iter().enumerate() {
+            want_ga[ch(i)] += v.min(0.0) * rs[i];
+        }
+        let what = format!("prelu {shape:?}");
+        exact(&to_f64_vec(&y), &want_y, &format!("{what}: values"));
+        // The composition's gradients round differently (d/dx of a positive x is
+        // `(r - a·r) + a·r`, of a sum in another order for d/da): f64 rounding.
+        let close = |got: &[f64], want: &[f64], what: &str| {
+            for (k, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!((g - w).abs() <= 1e-14 * (1.0 + w.abs()), "{what}[{k}]: {g} vs {w}");
+            }
+        };
+        close(&to_f64_vec(grads.get(x.as_tensor()).unwrap()), &want_gx, &format!("{what}: d/dx"));
+        close(&to_f64_vec(grads.get(a.as_tensor()).unwrap()), &want_ga, &format!("{what}: d/da"));
+    }
+    let x = rand_tensor(&[2, 3, 4], 1, DType::F32);
+    let err = err_text(prelu(&x, &Tensor::ones(4, DType::F32, &Device::Cpu).unwrap()));
+    assert!(err.contains("prelu") && err.contains("[2, 3, 4]") && err.contains("[4]"), "{err}");
 }

@@ -51,6 +51,23 @@ impl Method for Face {
         }
         s.head.validate().map_err(|e| SectionError::from_model(e, "model"))?;
         s.model.validate().map_err(|e| SectionError::from_model(e, "model"))?;
+        if let Some((cfg, _)) = s.model.insightface() {
+            let crop = match &s.data {
+                FaceData::Images(d) => d.augment.crop.as_ref(),
+                FaceData::Recordio(d) => d.augment.crop.as_ref(),
+                FaceData::Synthetic(_) => None,
+            };
+            if let Some(c) = crop.filter(|c| c.size != cfg.input_size) {
+                return Err(SectionError::new(
+                    "model.input_size",
+                    format!(
+                        "is {}, and data.augment.crop.size is {}: the crops are the backbone's input (insightface's faces \
+                         are 112x112)",
+                        cfg.input_size, c.size
+                    ),
+                ));
+            }
+        }
         if s.head.num_classes < world_size {
             return Err(SectionError::new(
                 "head.num_classes",
@@ -78,7 +95,7 @@ impl Method for Face {
         if kinds.0 != kinds.1 {
             return Err(SectionError::new(
                 "model.kind",
-                "data.kind `synthetic` takes model.kind `linear`, `images` and `recordio` take `resnet`",
+                "data.kind `synthetic` takes model.kind `linear`, `images` and `recordio` take `resnet`, `iresnet` or `mobilefacenet`",
             ));
         }
         if !s.eval.verification.is_empty() && kinds.0 {

@@ -123,6 +123,7 @@ impl SectionError {
         let key = match &e {
             ModelError::LossValue { key, .. } | ModelError::LossKey { key, .. } => format!("loss.{key}"),
             ModelError::HeadValue { key, .. } | ModelError::HeadKey { key, .. } => format!("head.{key}"),
+            ModelError::ModelKey { key, .. } => format!("model.{key}"),
             _ => section.to_string(),
         };
         SectionError::new(key, e.to_string())

@@ -6,6 +6,11 @@
 //! width, input channels and size, normalisation, how to load them, and a note when no
 //! torchvision or timm model has their shape.
 //!
+//! A face run's insightface backbone (`model.kind: iresnet` or `mobilefacenet`) is written
+//! whole, embedding layers included, under insightface's own names (`model.safetensors`, for
+//! `load_state_dict(strict=True)` of arcface_torch's `iresnet50()` etc.), by `--format
+//! safetensors` only.
+//!
 //! `--format torchvision` and `--format timm` refuse an encoder that has no such model
 //! ([`allgrad_models::resnet_io::standard_model`]; torchvision also one of 1 input channel, which
 //! timm builds with `in_chans=1`); `--format safetensors` writes any encoder, with the note.
@@ -14,6 +19,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use allgrad_data::AugmentConfig;
+use allgrad_models::face::insightface::{self, Arch, InsightfaceConfig};
 use allgrad_models::face::FaceModel;
 use allgrad_models::image_ssl::ProjectorConfig;
 use allgrad_models::resnet::{ResNetConfig, Stem};
@@ -100,6 +106,15 @@ pub fn export_run(run_dir: &Path, format: ExportFormat, out: Option<&Path>) -> T
         }
         "face" => {
             let (s, ck, _) = super::run_export::read_run::<FaceSections>(run_dir, None, &method)?;
+            if let Some((cfg, _)) = s.model.insightface() {
+                let augment = match &s.data {
+                    allgrad_models::face::FaceData::Images(d) => Some(&d.augment),
+                    allgrad_models::face::FaceData::Recordio(d) => Some(&d.augment),
+                    _ => None,
+                };
+                write_insightface(&cfg, &ck, augment, format, &out)?;
+                return Ok(out);
+            }
             let FaceModel::Resnet { encoder, dropout, .. } = &s.model else {
                 return Err(setup(format!("{}: a face run with a linear backbone has no ResNet to export", cfg_path.display())));
             };
@@ -330,4 +345,77 @@ fn write(run: &Run, ck: &Checkpoint, format: ExportFormat, out: &Path) -> TrainR
 
 fn backbone_features(cfg: &ResNetConfig) -> usize {
     (cfg.width << 3) * if cfg.depth == 50 { 4 } else { 1 }
+}
+
+/// The insightface backbone of a face run, whole, under insightface's names
+/// (`model.safetensors`), and a `config.json` saying which constructor loads it.
+fn write_insightface(
+    cfg: &InsightfaceConfig,
+    ck: &Checkpoint,
+    augment: Option<&AugmentConfig>,
+    format: ExportFormat,
+    out: &Path,
+) -> TrainResult<()> {
+    let model = cfg.insightface_model();
+    if format != ExportFormat::Safetensors {
+        return Err(setup(format!(
+            "--format {}: an insightface backbone (model.kind iresnet or mobilefacenet) exports under insightface's own \
+             names: `--format safetensors`",
+            format.name()
+        )));
+    }
+    let batches = ck.state.step as i64;
+    let tensors = insightface::export(cfg, &ck.model, &ck.buffers, "backbone.", batches)?;
+    std::fs::create_dir_all(out).map_err(|source| TrainError::Io { action: "creating", path: out.to_path_buf(), source })?;
+    save(tensors, &out.join("model.safetensors"))?;
+    let (arch, depth) = match cfg.arch {
+        Arch::IResNet { depth, .. } => (format!("iresnet{depth}"), Some(depth)),
+        Arch::MobileFaceNet { .. } => ("mobilefacenet".to_string(), None),
+    };
+    let note = match &model {
+        Ok(m) => format!(
+            "insightface's recognition/arcface_torch/backbones: {m} loads model.safetensors \
+             (safetensors.torch.load_file) with load_state_dict(strict=True); its forward takes {0}x{0} faces",
+            cfg.input_size
+        ),
+        Err(why) => format!(
+            "no insightface constructor builds this shape ({why}); the names are those of insightface's {arch} built with \
+             these settings"
+        ),
+    };
+    let (mean, std) = match augment {
+        Some(a) => (a.normalize.mean.clone(), a.normalize.std.clone()),
+        None => (Vec::new(), Vec::new()),
+    };
+    let mut config = json!({
+        "architecture": arch,
+        "format": format.name(),
+        "method": "face",
+        "depth": depth,
+        "in_channels": cfg.in_channels,
+        "input_size": [cfg.in_channels, cfg.input_size, cfg.input_size],
+        "embedding": cfg.embedding,
+        "insightface_model": model.as_ref().ok(),
+        "mean": mean,
+        "std": std,
+        "normalization_note": "pixels in [0, 1], then (x - mean) / std per channel, as the run's data.augment.normalize",
+        "note": note,
+        "num_batches_tracked": format!("the optimizer steps of the checkpoint ({batches}); allgrad does not count batch-norm forwards"),
+        "step": ck.state.step,
+    });
+    let o = config.as_object_mut().unwrap();
+    match cfg.arch {
+        Arch::IResNet { width, .. } => {
+            o.insert("width".into(), json!(width));
+            o.insert("dropout".into(), json!(cfg.dropout));
+        }
+        Arch::MobileFaceNet { scale, blocks } => {
+            o.insert("scale".into(), json!(scale));
+            o.insert("blocks".into(), json!(blocks));
+        }
+    }
+    let path = out.join("config.json");
+    let text = serde_json::to_string_pretty(&config).map_err(|e| setup(e.to_string()))?;
+    std::fs::write(&path, text + "\n").map_err(|source| TrainError::Io { action: "writing", path, source })?;
+    Ok(())
 }

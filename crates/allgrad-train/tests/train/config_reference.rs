@@ -59,6 +59,8 @@ fn configs() -> Vec<(PathBuf, Vec<String>)> {
         ("face.yaml", &["head.storage=bf16"]),
         ("face.yaml", &["head.margin={kind: combined, m2: 0.3, m3: 0.1}"]),
         ("face.yaml", &["data={kind: synthetic, samples: 512, dim: 16}", "model={kind: linear, embedding: 32}"]),
+        ("face.yaml", &["model={kind: iresnet, depth: 50, in_channels: 1, input_size: 32}"]),
+        ("face.yaml", &["model={kind: mobilefacenet, in_channels: 1, input_size: 32}"]),
     ];
     for (file, sets) in variants {
         out.push((dir.join(file), sets.iter().map(|s| s.to_string()).collect()));

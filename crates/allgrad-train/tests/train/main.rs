@@ -35,6 +35,7 @@ mod configs;
 mod device_path;
 mod face;
 mod face_bf16;
+mod face_insightface;
 mod face_recordio;
 mod face_sparse;
 mod grad_cache;
