@@ -91,18 +91,20 @@ memory)
 time)
     printf '%-7s %4s %-9s %28s\n' loss W form "step_s min/median/max"
     for loss in $losses; do for w in $worlds; do
-        declare -A times=()
+        declare -A times=() failed=()
         for ((k = 0; k < rounds; k++)); do for form in $forms; do
             read -r s _ <<<"$(run "$w" "$loss" "$form" "$local_batch") x"
-            times[$form]+="$s "
+            # A failed run (a rank that exited with an error) is counted, not timed.
+            if [[ $s == fail ]]; then failed[$form]=$((${failed[$form]:-0} + 1)); else times[$form]+="$s "; fi
         done; done
         for form in $forms; do
-            printf '%-7s %4s %-9s %28s\n' "$loss" "$w" "$form" \
-                "$(tr ' ' '\n' <<<"${times[$form]}" | grep . | sort -g | awk '{a[NR] = $1} END {printf "%.4f / %.4f / %.4f", a[1], a[int((NR + 1) / 2)], a[NR]}')"
+            printf '%-7s %4s %-9s %28s%s\n' "$loss" "$w" "$form" \
+                "$(tr ' ' '\n' <<<"${times[$form]:-}" | grep . | sort -g | awk '{a[NR] = $1} END {if (NR == 0) printf "no run succeeded"; else printf "%.4f / %.4f / %.4f", a[1], a[int((NR + 1) / 2)], a[NR]}')" \
+                "$( ((${failed[$form]:-0})) && echo "  ($((failed[$form])) of $rounds runs failed)")"
         done
         med() { tr ' ' '\n' <<<"${times[$1]}" | grep . | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
         echo "$loss W=$w ring / gather (medians): $(awk -v a="$(med ring)" -v b="$(med gather)" 'BEGIN {printf "%.3f", a / b}')"
-        unset times
+        unset times failed
     done; done ;;
 fit)
     budget=$(awk -v g="$gib" 'BEGIN {print g * 1024}')
