@@ -24,7 +24,7 @@ const ALLOWED: &[(&str, usize, &str)] = &[
     ),
     ("allgrad-models/src/temperature.rs", 1, "a learned temperature's value check, host path only"),
     ("allgrad-models/src/bert/embeddings.rs", 1, "the token-id range check, host path only"),
-    ("allgrad-models/src/face/insightface.rs", 1, "init_from's check that a file's frozen `features.weight` is 1 (loading, not a step)"),
+    ("allgrad-models/src/face/insightface.rs", 1, "init_from's check that the frozen features.weight is 1 (at load)"),
     ("allgrad-models/src/face/margin.rs", 1, "the margin in f64 on the host: host path, and m1 != 1 (no arccosine op)"),
     ("allgrad-train/src/ddp.rs", 1, "the host path's gradient buckets (a device reduces a tensor)"),
     ("allgrad-train/src/trainer.rs", 3, "the host path's loss and norm; the finite check before a checkpoint"),
