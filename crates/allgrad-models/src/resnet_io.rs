@@ -168,6 +168,41 @@ pub fn export_encoder(
 /// How many mismatched keys an `init_from` error lists.
 const LISTED: usize = 8;
 
+/// The differences between a file's tensors and the `(name, shape)` list a model expects: `None`
+/// when they match; else the model's keys missing from the file or of another shape, and the
+/// file's keys the model has not, at most [`LISTED`] of each.
+pub(crate) fn layout_mismatch(file: &HashMap<String, Tensor>, expected: &[(&str, &[usize])]) -> Option<String> {
+    let mut bad = Vec::new();
+    for &(name, shape) in expected {
+        match file.get(name) {
+            None => bad.push(format!("{name}: file (missing), model {shape:?}")),
+            Some(t) if t.dims() != shape => bad.push(format!("{name}: file {:?}, model {shape:?}", t.dims())),
+            Some(_) => {}
+        }
+    }
+    let mut extra: Vec<&String> = file.keys().filter(|k| !expected.iter().any(|(n, _)| n == k)).collect();
+    extra.sort();
+    let extra: Vec<String> = extra.into_iter().map(|k| format!("{k}: file {:?}, model (none)", file[k].dims())).collect();
+    if bad.is_empty() && extra.is_empty() {
+        return None;
+    }
+    let list = |v: &[String]| {
+        let mut l: Vec<String> = v.iter().take(LISTED).cloned().collect();
+        if v.len() > LISTED {
+            l.push(format!("... {} more", v.len() - LISTED));
+        }
+        l.join("; ")
+    };
+    let mut parts = Vec::new();
+    if !bad.is_empty() {
+        parts.push(format!("{} key(s) of the model missing from the file or of another shape: {}", bad.len(), list(&bad)));
+    }
+    if !extra.is_empty() {
+        parts.push(format!("{} key(s) of the file not in the model: {}", extra.len(), list(&extra)));
+    }
+    Some(parts.join(". "))
+}
+
 /// The tensors of a torchvision or timm ResNet safetensors file that an encoder shaped as `cfg`
 /// starts from (parameters and running statistics, by torchvision name). The classifier
 /// (`fc.*`) and `num_batches_tracked` are left out; any other difference in names or shapes is
@@ -180,42 +215,15 @@ pub fn read_init(path: &Path, cfg: &ResNetConfig) -> Result<HashMap<String, Tens
     let mut file = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| err(format!("not a safetensors file: {e}")))?;
     file.retain(|k, _| !(k.starts_with("fc.") || k.ends_with(".num_batches_tracked")));
     let layout: Vec<Entry> = torchvision_layout(cfg)?.into_iter().filter(|e| e.slot != Slot::Count).collect();
-    let mut bad = Vec::new();
-    for e in &layout {
-        match file.get(&e.name) {
-            None => bad.push(format!("{}: file (missing), model {:?}", e.name, e.shape)),
-            Some(t) if t.dims() != e.shape.as_slice() => {
-                bad.push(format!("{}: file {:?}, model {:?}", e.name, t.dims(), e.shape))
-            }
-            Some(_) => {}
-        }
-    }
-    let mut extra: Vec<&String> = file.keys().filter(|k| !layout.iter().any(|e| &e.name == *k)).collect();
-    extra.sort();
-    let extra: Vec<String> = extra.into_iter().map(|k| format!("{k}: file {:?}, model (none)", file[k].dims())).collect();
-    if !bad.is_empty() || !extra.is_empty() {
-        let list = |v: &[String]| {
-            let mut l: Vec<String> = v.iter().take(LISTED).cloned().collect();
-            if v.len() > LISTED {
-                l.push(format!("... {} more", v.len() - LISTED));
-            }
-            l.join("; ")
-        };
-        let mut parts = Vec::new();
-        if !bad.is_empty() {
-            parts.push(format!("{} key(s) of the model missing from the file or of another shape: {}", bad.len(), list(&bad)));
-        }
-        if !extra.is_empty() {
-            parts.push(format!("{} key(s) of the file not in the model: {}", extra.len(), list(&extra)));
-        }
+    let expected: Vec<(&str, &[usize])> = layout.iter().map(|e| (e.name.as_str(), e.shape.as_slice())).collect();
+    if let Some(mismatch) = layout_mismatch(&file, &expected) {
         return Err(err(format!(
             "the file is not a torchvision ResNet-{} of width {} with {} input channel(s) and the {} stem (fc.* and \
-             num_batches_tracked are ignored). {}",
+             num_batches_tracked are ignored). {mismatch}",
             cfg.depth,
             cfg.width,
             cfg.in_channels,
             if cfg.stem == Stem::Imagenet { "imagenet" } else { "cifar" },
-            parts.join(". ")
         )));
     }
     Ok(file)

@@ -37,7 +37,7 @@ use candle_nn::{Init, Linear, Module, VarBuilder};
 
 use super::forward_pass::{dropout_mask, Pass};
 use crate::batch_norm::{BatchNorm, Mode};
-use crate::resnet_io::Preloaded;
+use crate::resnet_io::{layout_mismatch, Preloaded};
 use crate::ModelError;
 
 /// Which of insightface's networks, with its shape.
@@ -576,9 +576,6 @@ pub fn layout(cfg: &InsightfaceConfig) -> Result<Vec<Entry>> {
     Ok(out)
 }
 
-/// How many mismatched keys an `init_from` error lists.
-const LISTED: usize = 8;
-
 fn describe(cfg: &InsightfaceConfig) -> String {
     let arch = match cfg.arch {
         Arch::IResNet { depth, width } => format!("IResNet-{depth} of width {width}"),
@@ -602,38 +599,11 @@ pub fn read_init(path: &Path, cfg: &InsightfaceConfig) -> Result<HashMap<String,
     let mut file = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| err(format!("not a safetensors file: {e}")))?;
     file.retain(|k, _| !k.ends_with(".num_batches_tracked"));
     let layout: Vec<Entry> = layout(cfg)?.into_iter().filter(|e| e.slot != Slot::Count).collect();
-    let mut bad = Vec::new();
-    for e in &layout {
-        match file.get(&e.name) {
-            None => bad.push(format!("{}: file (missing), model {:?}", e.name, e.shape)),
-            Some(t) if t.dims() != e.shape.as_slice() => {
-                bad.push(format!("{}: file {:?}, model {:?}", e.name, t.dims(), e.shape))
-            }
-            Some(_) => {}
-        }
-    }
-    let mut extra: Vec<&String> = file.keys().filter(|k| !layout.iter().any(|e| &e.name == *k)).collect();
-    extra.sort();
-    let extra: Vec<String> = extra.into_iter().map(|k| format!("{k}: file {:?}, model (none)", file[k].dims())).collect();
-    if !bad.is_empty() || !extra.is_empty() {
-        let list = |v: &[String]| {
-            let mut l: Vec<String> = v.iter().take(LISTED).cloned().collect();
-            if v.len() > LISTED {
-                l.push(format!("... {} more", v.len() - LISTED));
-            }
-            l.join("; ")
-        };
-        let mut parts = Vec::new();
-        if !bad.is_empty() {
-            parts.push(format!("{} key(s) of the model missing from the file or of another shape: {}", bad.len(), list(&bad)));
-        }
-        if !extra.is_empty() {
-            parts.push(format!("{} key(s) of the file not in the model: {}", extra.len(), list(&extra)));
-        }
+    let expected: Vec<(&str, &[usize])> = layout.iter().map(|e| (e.name.as_str(), e.shape.as_slice())).collect();
+    if let Some(mismatch) = layout_mismatch(&file, &expected) {
         return Err(err(format!(
-            "the file is not an insightface {} (num_batches_tracked is ignored). {}",
-            describe(cfg),
-            parts.join(". ")
+            "the file is not an insightface {} (num_batches_tracked is ignored). {mismatch}",
+            describe(cfg)
         )));
     }
     if let Some(w) = file.remove("features.weight") {
