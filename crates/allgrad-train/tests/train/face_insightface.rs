@@ -18,7 +18,6 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use allgrad_data::{RecordHeader, RecordIoWriter};
 use allgrad_dist::{run_threads, ProcessGroup};
 use allgrad_models::batch_norm::{load_running_buffers, Mode};
 use allgrad_models::face::backbone::{Backbone, FaceModel, Pass};
@@ -29,27 +28,11 @@ use allgrad_train::{run, RunConfig};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::face_support::train;
-
-/// A gray 32x32 PNG of identity `class`, variant `k`.
-fn png(class: u32, k: u32) -> Vec<u8> {
-    let img = image::GrayImage::from_fn(32, 32, |x, y| {
-        let v = (x * (class + 1) * 13 + y * (class * 7 + 3) + k * 5 * (x ^ y)) % 256;
-        image::Luma([v as u8])
-    });
-    let mut out = std::io::Cursor::new(Vec::new());
-    img.write_to(&mut out, image::ImageOutputFormat::Png).unwrap();
-    out.into_inner()
-}
+use crate::face_support::{train, write_recordio};
 
 /// `dir/train.{rec,idx}` and `property`: 36 records of 6 identities.
 fn write_data(dir: &Path) {
-    let mut w = RecordIoWriter::create(dir.join("train.rec"), dir.join("train.idx")).unwrap();
-    for i in 0..36u32 {
-        w.write(i as u64, &RecordHeader::scalar((i % 6) as f32, i as u64).pack(&png(i % 6, i / 6))).unwrap();
-    }
-    w.finish().unwrap();
-    std::fs::write(dir.join("property"), "6,32,32\n").unwrap();
+    write_recordio(dir, 32);
 }
 
 // 32x32 inputs: the last stage's maps are 2x2 (on 1x1 maps a padded 3x3 convolution would

@@ -7,35 +7,23 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use allgrad_data::{RecordHeader, RecordIoWriter};
 use allgrad_dist::run_threads;
 use allgrad_train::{run, RunConfig};
 use serde_pickle::Value;
 
 use allgrad_testkit::close::{assert_elem_rel, assert_rel};
 
-use crate::face_support::train;
+use crate::face_support::{identity_png, train, write_recordio};
 
 /// A gray 8x8 PNG of identity `class`, variant `k`.
 fn png(class: u32, k: u32) -> Vec<u8> {
-    let img = image::GrayImage::from_fn(8, 8, |x, y| {
-        let v = (x * (class + 1) * 13 + y * (class * 7 + 3) + k * 5 * (x ^ y)) % 256;
-        image::Luma([v as u8])
-    });
-    let mut out = std::io::Cursor::new(Vec::new());
-    img.write_to(&mut out, image::ImageOutputFormat::Png).unwrap();
-    out.into_inner()
+    identity_png(8, class, k)
 }
 
 /// `dir/train.{rec,idx}` and `property`: 36 records, 6 identities; `dir/pairs.bin`: 12 pairs
 /// of identities 6..9 (held out), alternately the same and different.
 fn write_data(dir: &Path) {
-    let mut w = RecordIoWriter::create(dir.join("train.rec"), dir.join("train.idx")).unwrap();
-    for i in 0..36u32 {
-        w.write(i as u64, &RecordHeader::scalar((i % 6) as f32, i as u64).pack(&png(i % 6, i / 6))).unwrap();
-    }
-    w.finish().unwrap();
-    std::fs::write(dir.join("property"), "6,8,8\n").unwrap();
+    write_recordio(dir, 8);
     let mut bins = Vec::new();
     let mut issame = Vec::new();
     for p in 0..12u32 {

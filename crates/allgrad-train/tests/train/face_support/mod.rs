@@ -1,12 +1,14 @@
 //! Shared by the face-method tests through the trainer (`face.rs`, `face_sparse.rs`,
-//! `face_bf16.rs`): training a run on W thread-ranks to a list of steps, with the sharded
-//! centres put back together in rank order, and comparing two runs.
+//! `face_bf16.rs`, `face_recordio.rs`, `face_insightface.rs`): training a run on W thread-ranks
+//! to a list of steps, with the sharded centres put back together in rank order, comparing two
+//! runs, and a small RecordIO training set of identity images.
 
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use allgrad_data::{RecordHeader, RecordIoWriter};
 use allgrad_dist::run_threads;
 use allgrad_testkit::close::{assert_elem_rel, assert_rel};
 use allgrad_train::{optim_paths, run, OptimPaths, RunConfig};
@@ -109,4 +111,26 @@ pub fn assert_params(a: &Run, b: &Run, tol: f64, what: &str) {
 pub fn assert_close(a: &Run, b: &Run, tol: f64, what: &str) {
     assert_elem_rel(&a.losses, &b.losses, tol, f64::MIN_POSITIVE, &format!("{what}: losses at the stops"));
     assert_params(a, b, tol, what);
+}
+
+/// A gray `side` x `side` PNG of identity `class`, variant `k`.
+pub fn identity_png(side: u32, class: u32, k: u32) -> Vec<u8> {
+    let img = image::GrayImage::from_fn(side, side, |x, y| {
+        let v = (x * (class + 1) * 13 + y * (class * 7 + 3) + k * 5 * (x ^ y)) % 256;
+        image::Luma([v as u8])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageOutputFormat::Png).unwrap();
+    out.into_inner()
+}
+
+/// `dir/train.{rec,idx}` and `property`: 36 records of 6 identities, `side` x `side` PNGs.
+pub fn write_recordio(dir: &Path, side: u32) {
+    let mut w = RecordIoWriter::create(dir.join("train.rec"), dir.join("train.idx")).unwrap();
+    for i in 0..36u32 {
+        let png = identity_png(side, i % 6, i / 6);
+        w.write(i as u64, &RecordHeader::scalar((i % 6) as f32, i as u64).pack(&png)).unwrap();
+    }
+    w.finish().unwrap();
+    std::fs::write(dir.join("property"), format!("6,{side},{side}\n")).unwrap();
 }
