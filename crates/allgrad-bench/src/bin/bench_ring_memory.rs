@@ -53,6 +53,9 @@ struct Args {
     /// The ring one way (default: both ways).
     #[arg(long)]
     one_way: bool,
+    /// Rows of a block per ring message (0: as many as fit in 256 KiB, the default).
+    #[arg(long, default_value_t = 0)]
+    chunk: usize,
     /// Timed steps after the untimed one.
     #[arg(long, default_value_t = 3)]
     steps: usize,
@@ -98,7 +101,7 @@ fn main() -> Result<()> {
     let scale = Var::from_tensor(&Tensor::new(10f32.ln(), &Device::Cpu)?)?;
     let bias = Var::from_tensor(&Tensor::new(-10f32, &Device::Cpu)?)?;
     let tile = (args.tile > 0).then_some(args.tile);
-    let opts = RingOptions { bidirectional: !args.one_way, tile };
+    let opts = RingOptions { bidirectional: !args.one_way, tile, chunk: (args.chunk > 0).then_some(args.chunk) };
     let step = || -> Result<()> {
         let (i, t, s, b) = (img.as_tensor(), txt.as_tensor(), scale.as_tensor(), bias.as_tensor());
         let loss = match (args.loss.as_str(), args.form.as_str(), tile) {

@@ -3,14 +3,17 @@
 //! every rank runs the same pass with the same settings and learns every rank's block size;
 //! then each step exchanges blocks with the peers the [`RingSchedule`] names, point to point,
 //! with no further count exchange or mesh-wide check. Each exchange runs on a communication
-//! thread while the calling thread computes ([`RingPass::exchange`]): the next block is in
+//! thread while the calling thread computes ([`RingPass::exchange`]): the next message is in
 //! flight while the current one is scored.
 //!
-//! Sizes are known from the check: every message is the block of one rank (its `origin`), of
-//! `rows[origin] x unit` elements, and both ends check its length before anything moves. A rank
-//! whose block changes size mid-pass fails with an error naming it and the size the pass
-//! announced, and tells every peer (no peer waits for a message that will not come); a peer
-//! that receives a frame of another length fails naming both ranks.
+//! Blocks travel in chunks: chunk `k` of rank `o`'s block is its rows
+//! `k·chunk_rows .. (k + 1)·chunk_rows` (fewer in its last chunk, none past its rows), so a
+//! rank need never hold more of another's block than the chunks in flight. Sizes are known
+//! from the check: every message is one chunk of one rank's block (its `origin` and `chunk`),
+//! and both ends check its length before anything moves. A rank whose block changes size
+//! mid-pass fails with an error naming it and the size the pass announced, and tells every
+//! peer (no peer waits for a message that will not come); a peer that receives a frame of
+//! another length fails naming both ranks.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -90,6 +93,12 @@ impl RingSchedule {
     pub fn prev(&self, rank: usize, down: bool) -> usize {
         self.next(rank, !down)
     }
+
+    /// The rank that receives `rank`'s own block at step `s` going up (`down`: going down):
+    /// the one whose [`RingSchedule::origin`] it is, for a block sent straight from its owner.
+    pub fn visitor(&self, rank: usize, s: usize, down: bool) -> usize {
+        self.origin(rank, s, !down)
+    }
 }
 
 /// What the ring passes of a group did so far ([`ProcessGroup::ring_counts`]; for tests, which
@@ -132,33 +141,47 @@ pub struct RingPass {
     seq: u64,
     rows: Vec<usize>,
     unit: usize,
+    chunk_rows: usize,
     step: AtomicU64,
 }
 
-/// One message of an exchange: the block (or a block's gradient) of rank `origin`, sent to or
-/// received from `peer`.
+/// One message of an exchange: chunk `chunk` of rank `origin`'s block (or its gradient), sent
+/// to or received from `peer`.
 pub struct RingMessage<B> {
     /// The peer (group rank).
     pub peer: usize,
-    /// The rank whose block this is: the message holds `rows[origin] x unit` elements.
+    /// The rank whose block this is.
     pub origin: usize,
+    /// Which chunk of it: the message holds [`RingPass::chunk_len`]`(origin, chunk)` elements.
+    pub chunk: usize,
     /// The elements.
     pub data: B,
 }
 
 impl ProcessGroup {
     /// Opens a ring pass named `what` (for errors): one all_gather across the group of this
-    /// rank's block size (`rows` rows of `unit` elements) and its `settings`, after which every
-    /// rank knows every block's size. Ranks whose settings differ, or whose rows are not
-    /// whole, fail on every rank with an error naming the ranks and the values; the group is
-    /// left broken (a pass that ran with different settings would be wrong).
-    pub fn ring_pass(&self, what: &str, rows: usize, unit: usize, settings: &[RingSetting]) -> DistResult<RingPass> {
+    /// rank's block size (`rows` rows of `unit` elements), the rows per chunk its messages
+    /// carry (`chunk_rows`, at least 1) and its `settings`, after which every rank knows every
+    /// block's size. Ranks whose settings differ, or whose rows are not whole, fail on every
+    /// rank with an error naming the ranks and the values; the group is left broken (a pass
+    /// that ran with different settings would be wrong).
+    pub fn ring_pass(
+        &self,
+        what: &str,
+        rows: usize,
+        unit: usize,
+        chunk_rows: usize,
+        settings: &[RingSetting],
+    ) -> DistResult<RingPass> {
         if settings.len() > MAX_SETTINGS {
             return Err(DistError::Invalid(format!("ring pass {what}: at most {MAX_SETTINGS} settings, got {}", settings.len())));
         }
+        if chunk_rows == 0 {
+            return Err(DistError::Invalid(format!("ring pass {what}: a chunk must hold at least one row")));
+        }
         let w = self.world_size();
-        // Words per rank: rows, unit, the number of settings, the settings.
-        let width = 3 + MAX_SETTINGS;
+        // Words per rank: rows, unit, the number of settings, the settings, the chunk's rows.
+        let width = 4 + MAX_SETTINGS;
         let mut own = vec![0i64; width];
         own[0] = rows as i64;
         own[1] = unit as i64;
@@ -166,6 +189,7 @@ impl ProcessGroup {
         for (j, s) in settings.iter().enumerate() {
             own[3 + j] = s.value as i64;
         }
+        own[width - 1] = chunk_rows as i64;
         let all = if w == 1 { own.clone() } else { self.all_gather_slice(&own)? };
         let of = |k: usize| &all[k * width..(k + 1) * width];
         // The first word that differs between ranks, with the ranks holding each value.
@@ -193,6 +217,7 @@ impl ProcessGroup {
             let name = match j {
                 1 => "the row width".to_string(),
                 2 => "the number of settings (a different loss?)".to_string(),
+                j if j == width - 1 => "the rows per chunk".to_string(),
                 j => settings.get(j - 3).map_or_else(|| format!("setting #{}", j - 3), |s| s.name.to_string()),
             };
             let held: Vec<String> = values.iter().map(|(v, ranks)| format!("rank(s) {ranks:?}: {v}")).collect();
@@ -208,7 +233,7 @@ impl ProcessGroup {
         let seq = st.seq;
         drop(st);
         let rows = (0..w).map(|k| of(k)[0] as usize).collect();
-        Ok(RingPass { pg: self.clone(), what: what.to_string(), seq, rows, unit, step: AtomicU64::new(0) })
+        Ok(RingPass { pg: self.clone(), what: what.to_string(), seq, rows, unit, chunk_rows, step: AtomicU64::new(0) })
     }
 
     /// What this group's ring passes did so far (for tests).
@@ -239,11 +264,34 @@ impl RingPass {
         self.rows[origin] * self.unit
     }
 
+    /// Rows per chunk.
+    pub fn chunk_rows(&self) -> usize {
+        self.chunk_rows
+    }
+
+    /// Chunks per block: as many as the largest block has (at least 1), the same on every
+    /// rank. A smaller block's last chunks are empty.
+    pub fn chunks(&self) -> usize {
+        self.rows.iter().max().map_or(0, |m| m.div_ceil(self.chunk_rows)).max(1)
+    }
+
+    /// The rows of chunk `k` of rank `origin`'s block (empty past its rows).
+    pub fn chunk_range(&self, origin: usize, k: usize) -> std::ops::Range<usize> {
+        let n = self.rows[origin];
+        let lo = (k * self.chunk_rows).min(n);
+        lo..(lo + self.chunk_rows).min(n)
+    }
+
+    /// The elements of chunk `k` of rank `origin`'s block.
+    pub fn chunk_len(&self, origin: usize, k: usize) -> usize {
+        self.chunk_range(origin, k).len() * self.unit
+    }
+
     /// Sends `sends` and receives `recvs` on a communication thread while `during` runs on
     /// this one, and returns what `during` returned once both are done. Messages to one peer
     /// travel in one frame, in the order listed; the receiver must list its messages from this
-    /// rank in the same order. Every message's length is checked against its origin's block
-    /// size before anything moves: a wrong one fails here, naming this rank, and tells every
+    /// rank in the same order. Every message's length is checked against its chunk's size before
+    /// anything moves: a wrong one fails here, naming this rank, and tells every
     /// peer. With no messages `during` simply runs.
     pub fn exchange<T: Elem + Send + Sync, R>(
         &self,
@@ -254,10 +302,10 @@ impl RingPass {
         let step = self.step.fetch_add(1, Ordering::Relaxed) + 1;
         let me = self.pg.rank();
         let w = self.pg.world_size();
-        for (dir, peer, origin, len) in sends
+        for (dir, peer, origin, chunk, len) in sends
             .iter()
-            .map(|m| ("send", m.peer, m.origin, m.data.len()))
-            .chain(recvs.iter().map(|m| ("receive", m.peer, m.origin, m.data.len())))
+            .map(|m| ("send", m.peer, m.origin, m.chunk, m.data.len()))
+            .chain(recvs.iter().map(|m| ("receive", m.peer, m.origin, m.chunk, m.data.len())))
         {
             if peer >= w || origin >= w || peer == me {
                 return Err(DistError::Invalid(format!(
@@ -266,15 +314,17 @@ impl RingPass {
                     self.pg.name()
                 )));
             }
-            if len != self.len_of(origin) {
+            if len != self.chunk_len(origin, chunk) {
                 let err = DistError::Invalid(format!(
-                    "ring pass {} on {}, step {step}: rank {me} would {dir} a block of rank {origin} of {len} elements ({} \
-                     rows of {}), but the pass announced {} rows: a block changed size mid-pass",
+                    "ring pass {} on {}, step {step}: rank {me} would {dir} a block of rank {origin} (chunk {chunk}) of {len} \
+                     elements ({} rows of {}), but the pass announced {} rows ({} in that chunk): a block changed size \
+                     mid-pass",
                     self.what,
                     self.pg.name(),
                     len as f64 / self.unit.max(1) as f64,
                     self.unit,
-                    self.rows[origin]
+                    self.rows[origin],
+                    self.chunk_range(origin, chunk).len()
                 ));
                 return Err(self.pg.lock().mesh.fail(err));
             }
@@ -297,59 +347,86 @@ impl RingPass {
                 (p, data)
             })
             .collect();
-        let mut recv_peers: Vec<(usize, usize)> = Vec::new();
+        // Per peer: its messages' total length, and how many there are. A peer's one message
+        // is received in place; several from one peer arrive as one frame, into an inbox,
+        // then split.
+        let mut recv_peers: Vec<(usize, usize, usize)> = Vec::new();
         for m in recvs.iter() {
-            match recv_peers.iter_mut().find(|(p, _)| *p == m.peer) {
-                Some((_, n)) => *n += m.data.len(),
-                None => recv_peers.push((m.peer, m.data.len())),
+            match recv_peers.iter_mut().find(|(p, _, _)| *p == m.peer) {
+                Some((_, n, c)) => {
+                    *n += m.data.len();
+                    *c += 1;
+                }
+                None => recv_peers.push((m.peer, m.data.len(), 1)),
             }
         }
-        let mut inbox: Vec<Vec<T>> = recv_peers.iter().map(|(_, n)| vec![T::zeroed(); *n]).collect();
+        let mut inbox: Vec<Vec<T>> =
+            recv_peers.iter().map(|(_, n, c)| if *c > 1 { vec![T::zeroed(); *n] } else { Vec::new() }).collect();
         let what = format!("{} step {step}", self.what);
-        let (out, sent) = std::thread::scope(|sc| {
-            let comm = sc.spawn(|| -> DistResult<()> {
-                let mut st = self.pg.lock();
-                st.mesh.check_usable()?;
-                let call = Call { op: OpCode::Ring, redop: None, seq: self.seq, meta: 0, what: &what };
-                let esz = T::DTYPE.size_in_bytes();
-                let mut s_ops: Vec<SendOp> = joined
-                    .iter()
-                    .map(|(p, d)| SendOp {
-                        peer: *p,
-                        header: call.header::<T>(step as u32, d.len() * esz),
-                        data: bytemuck::cast_slice(d),
-                    })
-                    .collect();
-                let mut r_ops: Vec<RecvOp> = recv_peers
-                    .iter()
-                    .zip(inbox.iter_mut())
-                    .map(|((p, n), buf)| RecvOp {
-                        peer: *p,
-                        expect: call.header::<T>(step as u32, n * esz),
-                        data: bytemuck::cast_slice_mut(buf),
-                        acc: None,
-                    })
-                    .collect();
-                st.mesh.exchange(&mut s_ops, &mut r_ops, &what)?;
-                st.ring.exchanges += 1;
-                st.ring.overlapped += 1;
-                st.ring.frames_sent += s_ops.len() as u64;
-                st.ring.messages_sent += sends.len() as u64;
-                Ok(())
-            });
-            let out = during();
-            let sent =
-                comm.join().unwrap_or_else(|_| Err(DistError::Invalid(format!("{what}: the communication thread panicked"))));
-            (out, sent)
-        });
+        let (out, sent) = {
+            // Where each peer's frame lands: its message's own buffer, or its inbox.
+            let mut targets: Vec<&mut [T]> = Vec::with_capacity(recv_peers.len());
+            let mut singles: Vec<Option<&mut [T]>> = recv_peers.iter().map(|_| None).collect();
+            for m in recvs.iter_mut() {
+                let k = recv_peers.iter().position(|(p, _, _)| *p == m.peer).expect("listed above");
+                if recv_peers[k].2 == 1 {
+                    singles[k] = Some(&mut *m.data);
+                }
+            }
+            for (single, buf) in singles.into_iter().zip(inbox.iter_mut()) {
+                targets.push(match single {
+                    Some(s) => s,
+                    None => &mut buf[..],
+                });
+            }
+            std::thread::scope(|sc| {
+                let comm = sc.spawn(|| -> DistResult<()> {
+                    let mut st = self.pg.lock();
+                    st.mesh.check_usable()?;
+                    let call = Call { op: OpCode::Ring, redop: None, seq: self.seq, meta: 0, what: &what };
+                    let esz = T::DTYPE.size_in_bytes();
+                    let mut s_ops: Vec<SendOp> = joined
+                        .iter()
+                        .map(|(p, d)| SendOp {
+                            peer: *p,
+                            header: call.header::<T>(step as u32, d.len() * esz),
+                            data: bytemuck::cast_slice(d),
+                        })
+                        .collect();
+                    let mut r_ops: Vec<RecvOp> = recv_peers
+                        .iter()
+                        .zip(targets)
+                        .map(|((p, n, _), buf)| RecvOp {
+                            peer: *p,
+                            expect: call.header::<T>(step as u32, n * esz),
+                            data: bytemuck::cast_slice_mut(buf),
+                            acc: None,
+                        })
+                        .collect();
+                    st.mesh.exchange(&mut s_ops, &mut r_ops, &what)?;
+                    st.ring.exchanges += 1;
+                    st.ring.overlapped += 1;
+                    st.ring.frames_sent += s_ops.len() as u64;
+                    st.ring.messages_sent += sends.len() as u64;
+                    Ok(())
+                });
+                let out = during();
+                let sent = comm
+                    .join()
+                    .unwrap_or_else(|_| Err(DistError::Invalid(format!("{what}: the communication thread panicked"))));
+                (out, sent)
+            })
+        };
         sent?;
-        // Each peer's frame, split into its messages in the order listed.
+        // The frames of peers that sent several messages, split in the order listed.
         let mut taken = vec![0usize; recv_peers.len()];
         for m in recvs.iter_mut() {
-            let k = recv_peers.iter().position(|(p, _)| *p == m.peer).expect("listed above");
-            let n = m.data.len();
-            m.data.copy_from_slice(&inbox[k][taken[k]..taken[k] + n]);
-            taken[k] += n;
+            let k = recv_peers.iter().position(|(p, _, _)| *p == m.peer).expect("listed above");
+            if recv_peers[k].2 > 1 {
+                let n = m.data.len();
+                m.data.copy_from_slice(&inbox[k][taken[k]..taken[k] + n]);
+                taken[k] += n;
+            }
         }
         Ok(out)
     }

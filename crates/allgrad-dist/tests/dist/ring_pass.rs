@@ -1,6 +1,8 @@
 //! Ring passes (`ProcessGroup::ring_pass`): blocks delivered by the schedule on W = 1..6, both
-//! ways and one way, with sizes known from the one check; a block whose size changes mid-pass
-//! and ranks that open different passes fail on every rank, naming the ranks, never hang.
+//! ways and one way, passed on by neighbours whole or sent straight from their owners in
+//! chunks (received in place, or split from one frame when a peer sends several), with sizes
+//! known from the one check; a block whose size changes mid-pass and ranks that open different
+//! passes fail on every rank, naming the ranks, never hang.
 
 use std::time::Duration;
 
@@ -27,7 +29,7 @@ fn every_rank_receives_every_other_block_once_in_the_schedules_order() {
                 .run(|pg| {
                     let me = pg.rank();
                     let sched = RingSchedule { world: w, bidirectional };
-                    let pass = pg.ring_pass("test ring", rows(me), 3, &[RingSetting { name: "test", value: 7 }])?;
+                    let pass = pg.ring_pass("test ring", rows(me), 3, 4, &[RingSetting { name: "test", value: 7 }])?;
                     assert_eq!(pass.rows(), (0..w).map(rows).collect::<Vec<_>>());
                     let mut seen = vec![me];
                     let (mut up, mut down) = (block(me), block(me));
@@ -39,16 +41,17 @@ fn every_rank_receives_every_other_block_once_in_the_schedules_order() {
                         let mut sends = vec![RingMessage {
                             peer: sched.next(me, false),
                             origin: sched.origin(me, s - 1, false),
+                            chunk: 0,
                             data: &up[..],
                         }];
-                        let mut recvs = vec![RingMessage { peer: sched.prev(me, false), origin: o_up, data: &mut next_up[..] }];
+                        let mut recvs = vec![RingMessage { peer: sched.prev(me, false), origin: o_up, chunk: 0, data: &mut next_up[..] }];
                         if both {
                             sends.push(RingMessage {
                                 peer: sched.next(me, true),
                                 origin: sched.origin(me, s - 1, true),
-                                data: &down[..],
+                                chunk: 0, data: &down[..],
                             });
-                            recvs.push(RingMessage { peer: sched.prev(me, true), origin: o_down, data: &mut next_down[..] });
+                            recvs.push(RingMessage { peer: sched.prev(me, true), origin: o_down, chunk: 0, data: &mut next_down[..] });
                         }
                         pass.exchange(&sends, &mut recvs, || ())?;
                         drop((sends, recvs));
@@ -74,6 +77,80 @@ fn every_rank_receives_every_other_block_once_in_the_schedules_order() {
     }
 }
 
+/// Rows `range` of rank r's block.
+fn rows_of(r: usize, range: std::ops::Range<usize>) -> Vec<f64> {
+    block(r)[range.start * 3..range.end * 3].to_vec()
+}
+
+#[test]
+fn chunks_sent_straight_from_their_owners_arrive_once_each_with_several_messages_per_peer_split() {
+    for w in 1..=6 {
+        for bidirectional in [true, false] {
+            let seen = world(w)
+                .run(|pg| {
+                    let me = pg.rank();
+                    let sched = RingSchedule { world: w, bidirectional };
+                    // Chunks of 2 rows: blocks of 1 to 4 rows take 1 or 2 chunks, the second
+                    // empty for the smaller ones.
+                    let pass = pg.ring_pass("chunked ring", rows(me), 3, 2, &[])?;
+                    assert_eq!(pass.chunks(), (0..w).map(rows).max().unwrap().div_ceil(2));
+                    let mut seen: Vec<(usize, usize)> = (0..pass.chunks()).map(|k| (me, k)).collect();
+                    for s in 1..=sched.steps() {
+                        let both = s <= sched.steps_down();
+                        for k in 0..pass.chunks() {
+                            let mine = rows_of(me, pass.chunk_range(me, k));
+                            // Each message goes twice, as two messages in one frame when the two
+                            // directions meet one peer (W = 2 one way: both to rank 1 − me).
+                            let mut sends = Vec::new();
+                            let mut recvs_from = Vec::new();
+                            for down in [false, true] {
+                                if down && !both {
+                                    continue;
+                                }
+                                if !mine.is_empty() {
+                                    sends.push((sched.visitor(me, s, down), me, k));
+                                }
+                                let o = sched.origin(me, s, down);
+                                if pass.chunk_len(o, k) > 0 {
+                                    recvs_from.push((o, k));
+                                }
+                            }
+                            // A second copy of each message, to the same peer, after the first.
+                            let sends2: Vec<_> = sends.iter().chain(sends.iter()).copied().collect();
+                            let msgs: Vec<RingMessage<&[f64]>> =
+                                sends2.iter().map(|&(p, o, k)| RingMessage { peer: p, origin: o, chunk: k, data: &mine[..] }).collect();
+                            let mut bufs: Vec<Vec<f64>> = recvs_from
+                                .iter()
+                                .chain(recvs_from.iter())
+                                .map(|&(o, k)| vec![0.0; pass.chunk_len(o, k)])
+                                .collect();
+                            let order: Vec<(usize, usize)> = recvs_from.iter().chain(recvs_from.iter()).copied().collect();
+                            let mut recvs: Vec<RingMessage<&mut [f64]>> = order
+                                .iter()
+                                .zip(bufs.iter_mut())
+                                .map(|(&(o, k), b)| RingMessage { peer: o, origin: o, chunk: k, data: &mut b[..] })
+                                .collect();
+                            pass.exchange(&msgs, &mut recvs, || ())?;
+                            drop(recvs);
+                            for (&(o, k), b) in order.iter().zip(&bufs) {
+                                assert_eq!(b, &rows_of(o, pass.chunk_range(o, k)), "W={w} rank {me} step {s} chunk {k} of {o}");
+                            }
+                            seen.extend(recvs_from);
+                        }
+                    }
+                    seen.sort();
+                    Ok((seen, pass.chunks()))
+                })
+                .unwrap();
+            for (r, (s, chunks)) in seen.iter().enumerate() {
+                let want: Vec<(usize, usize)> =
+                    (0..w).flat_map(|o| (0..*chunks).filter(move |&k| k * 2 < rows(o) || o == r).map(move |k| (o, k))).collect();
+                assert_eq!(s, &want, "W={w} bidirectional={bidirectional} rank {r}");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_block_that_changes_size_mid_pass_fails_every_rank_naming_the_rank_by_its_next_call() {
     let w = 4;
@@ -81,7 +158,7 @@ fn a_block_that_changes_size_mid_pass_fails_every_rank_naming_the_rank_by_its_ne
         .run(|pg| {
             let me = pg.rank();
             let sched = RingSchedule { world: w, bidirectional: false };
-            let pass = pg.ring_pass("test ring", rows(me), 3, &[])?;
+            let pass = pg.ring_pass("test ring", rows(me), 3, 4, &[])?;
             let mut cur = block(me);
             for s in 1..=sched.steps() {
                 // Rank 1 sends one row too many at step 2.
@@ -89,8 +166,8 @@ fn a_block_that_changes_size_mid_pass_fails_every_rank_naming_the_rank_by_its_ne
                 let o = sched.origin(me, s, false);
                 let mut next = vec![0.0; pass.len_of(o)];
                 let sends =
-                    [RingMessage { peer: sched.next(me, false), origin: sched.origin(me, s - 1, false), data: &send[..] }];
-                let mut recvs = [RingMessage { peer: sched.prev(me, false), origin: o, data: &mut next[..] }];
+                    [RingMessage { peer: sched.next(me, false), origin: sched.origin(me, s - 1, false), chunk: 0, data: &send[..] }];
+                let mut recvs = [RingMessage { peer: sched.prev(me, false), origin: o, chunk: 0, data: &mut next[..] }];
                 if let Err(e) = pass.exchange(&sends, &mut recvs, || ()) {
                     return Ok(e.to_string());
                 }
@@ -122,7 +199,7 @@ fn ranks_that_open_different_passes_fail_on_every_rank_naming_both_values() {
         .run(|pg| {
             let me = pg.rank();
             let value = if me == 0 { 2 } else { 1 };
-            Ok(pg.ring_pass("test ring", 2, 3, &[RingSetting { name: "directions", value }]).map(|_| ()).unwrap_err().to_string())
+            Ok(pg.ring_pass("test ring", 2, 3, 4, &[RingSetting { name: "directions", value }]).map(|_| ()).unwrap_err().to_string())
         })
         .unwrap();
     for (r, e) in errors.iter().enumerate() {
@@ -133,7 +210,7 @@ fn ranks_that_open_different_passes_fail_on_every_rank_naming_both_values() {
     }
     // Another row width is another pass too.
     let errors =
-        world(2).run(|pg| Ok(pg.ring_pass("test ring", 2, 3 + pg.rank(), &[]).map(|_| ()).unwrap_err().to_string())).unwrap();
+        world(2).run(|pg| Ok(pg.ring_pass("test ring", 2, 3 + pg.rank(), 4, &[]).map(|_| ()).unwrap_err().to_string())).unwrap();
     for e in &errors {
         assert!(e.contains("the row width differs") && e.contains("rank(s) [1]: 4"), "{e}");
     }

@@ -25,6 +25,9 @@
 //!   staged through host memory (the copies are differentiable) and counted
 //!   (`tiled_paths().ring_staged`).
 
+use std::cell::RefCell;
+use std::ops::Range;
+
 use allgrad_dist::{Elem as DistElem, ProcessGroup, RingMessage, RingPass, RingSchedule, RingSetting};
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 
@@ -38,15 +41,31 @@ pub struct RingOptions {
     /// Blocks travel both ways (about W/2 steps) rather than one way (W − 1 steps). Every
     /// rank must agree.
     pub bidirectional: bool,
-    /// Score each received block in `tile x tile` blocks (`None`: the whole `b x b_k` block at
-    /// once, still independent of W).
+    /// Score each received chunk in `tile x tile` blocks (`None`: the whole `b x chunk` block
+    /// at once, still independent of W).
     pub tile: Option<usize>,
+    /// Rows of a block per message (`None`: as many as fit in [`CHUNK_BYTES`]). What a rank
+    /// holds of other ranks' blocks at once is a few chunks, whatever W and the batch are.
+    /// Every rank must agree.
+    pub chunk: Option<usize>,
 }
 
 impl Default for RingOptions {
     fn default() -> Self {
-        RingOptions { bidirectional: true, tile: None }
+        RingOptions { bidirectional: true, tile: None, chunk: None }
     }
+}
+
+/// The most bytes of a block one message carries unless [`RingOptions::chunk`] says otherwise:
+/// 256 KiB (64 rows of CLIP's images and texts at d = 512 in f32, 128 of SigLIP's texts).
+/// Small beside a rank's own blocks at the batch sizes rings are for, large enough that a
+/// chunk's scoring (a `b x chunk` GEMM) stays efficient and its exchange costs little more
+/// than its bytes.
+pub const CHUNK_BYTES: usize = 256 << 10;
+
+/// The rows per message of a pass.
+fn chunk_rows<T>(kind: Kind, opts: &RingOptions, d: usize) -> usize {
+    opts.chunk.unwrap_or_else(|| CHUNK_BYTES / (kind.width() * d.max(1) * std::mem::size_of::<T>())).max(1)
 }
 
 /// The loss a ring runs.
@@ -82,6 +101,9 @@ fn check(loss: &str, images: &Tensor, texts: &Tensor, opts: &RingOptions) -> Res
     }
     if opts.tile == Some(0) {
         candle_core::bail!("{loss}: the tile must be at least 1");
+    }
+    if opts.chunk == Some(0) {
+        candle_core::bail!("{loss}: a chunk must hold at least 1 row");
     }
     Ok(())
 }
@@ -198,172 +220,196 @@ struct RingLoss {
     factor: f64,
 }
 
-/// One rank's side of a pass: its rows, the schedule, the pass.
+/// This rank's block as its messages carry it: chunk `k` is its rows `k·c .. (k + 1)·c` of
+/// each part, one part after the other (CLIP: images then texts; SigLIP: texts).
+struct Own<'a, T> {
+    parts: Vec<&'a [T]>,
+    d: usize,
+}
+
+impl<T: Copy> Own<'_, T> {
+    fn chunk(&self, rows: Range<usize>) -> Vec<T> {
+        let mut out = Vec::with_capacity(rows.len() * self.d * self.parts.len());
+        for p in &self.parts {
+            out.extend_from_slice(&p[rows.start * self.d..rows.end * self.d]);
+        }
+        out
+    }
+}
+
+/// A chunk on its way: whose block, which chunk, its elements (the chunk, or its gradient).
+type Chunk<T> = (usize, usize, Vec<T>);
+
+/// One rank's side of a pass: its block, the schedule, the pass.
 struct Ring<'a, T> {
     pass: RingPass,
     sched: RingSchedule,
     me: usize,
-    own: &'a [T],
+    own: Own<'a, T>,
 }
 
 impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
-    fn len(&self, origin: usize) -> usize {
-        self.pass.len_of(origin)
+    /// The pass's exchanges that move blocks: one per step and chunk.
+    fn exchanges(&self) -> usize {
+        self.sched.steps() * self.pass.chunks()
     }
 
-    /// Visits every rank's block once, its own first: the exchange of step s runs while the
-    /// block(s) of step s − 1 are visited.
-    fn forward(&self, mut visit: impl FnMut(usize, &[T]) -> Result<()>) -> Result<()> {
-        let (steps, down_steps, me) = (self.sched.steps(), self.sched.steps_down(), self.me);
-        let mut cur_up = self.own.to_vec();
-        let mut cur_down = if down_steps > 0 { self.own.to_vec() } else { Vec::new() };
-        for s in 1..=steps {
-            let down = s <= down_steps;
-            let o_up = self.sched.origin(me, s, false);
-            let o_down = self.sched.origin(me, s, true);
-            let mut next_up = vec![T::from_f64(0.0); self.len(o_up)];
-            let mut next_down = if down { vec![T::from_f64(0.0); self.len(o_down)] } else { Vec::new() };
-            let mut sends = vec![RingMessage {
-                peer: self.sched.next(me, false),
-                origin: self.sched.origin(me, s - 1, false),
-                data: &cur_up[..],
-            }];
-            if down {
-                sends.push(RingMessage {
-                    peer: self.sched.next(me, true),
-                    origin: self.sched.origin(me, s - 1, true),
-                    data: &cur_down[..],
-                });
+    /// Exchange `e`'s step (1-based) and chunk.
+    fn slot(&self, e: usize) -> (usize, usize) {
+        let k = self.pass.chunks();
+        (e / k + 1, e % k)
+    }
+
+    /// The directions blocks travel at step `s`: up, and down too while the schedule has
+    /// down steps.
+    fn dirs(&self, s: usize) -> Vec<bool> {
+        if s <= self.sched.steps_down() {
+            vec![false, true]
+        } else {
+            vec![false]
+        }
+    }
+
+    /// This rank's chunk `k` (empty past its rows).
+    fn own_chunk(&self, k: usize) -> Vec<T> {
+        self.own.chunk(self.pass.chunk_range(self.me, k))
+    }
+
+    /// What exchange `e` moves of the blocks: this rank's chunk, which goes straight to the
+    /// step's visitors (up, then down), and buffers for the chunks of the step's origins.
+    fn moves<'b>(&self, e: usize, mine: &'b [T]) -> (Vec<RingMessage<&'b [T]>>, Vec<Chunk<T>>) {
+        let (s, k) = self.slot(e);
+        let dirs = self.dirs(s);
+        let sends = if mine.is_empty() {
+            Vec::new()
+        } else {
+            dirs.iter()
+                .map(|&down| RingMessage { peer: self.sched.visitor(self.me, s, down), origin: self.me, chunk: k, data: mine })
+                .collect()
+        };
+        let next = dirs
+            .iter()
+            .map(|&down| self.sched.origin(self.me, s, down))
+            .filter(|&o| self.pass.chunk_len(o, k) > 0)
+            .map(|o| (o, k, vec![T::from_f64(0.0); self.pass.chunk_len(o, k)]))
+            .collect();
+        (sends, next)
+    }
+
+    /// Visits every chunk of every rank's block once, its own during the first step: the
+    /// exchange that brings a chunk runs while the chunks of the exchange before are visited.
+    fn forward(&self, mut visit: impl FnMut(usize, usize, &[T]) -> Result<()>) -> Result<()> {
+        let me = self.me;
+        if self.exchanges() == 0 {
+            for k in 0..self.pass.chunks() {
+                let mine = self.own_chunk(k);
+                if !mine.is_empty() {
+                    visit(me, k, &mine)?;
+                }
             }
-            let mut recvs = vec![RingMessage { peer: self.sched.prev(me, false), origin: o_up, data: &mut next_up[..] }];
-            if down {
-                recvs.push(RingMessage { peer: self.sched.prev(me, true), origin: o_down, data: &mut next_down[..] });
-            }
-            let prev_down = s >= 2 && s - 1 <= down_steps;
+            return Ok(());
+        }
+        let mut prev: Vec<Chunk<T>> = Vec::new();
+        for e in 0..self.exchanges() {
+            let (s, k) = self.slot(e);
+            let mine = self.own_chunk(k);
+            let (sends, mut next) = self.moves(e, &mine);
+            let mut recvs: Vec<RingMessage<&mut [T]>> =
+                next.iter_mut().map(|(o, k, buf)| RingMessage { peer: *o, origin: *o, chunk: *k, data: &mut buf[..] }).collect();
             self.pass.exchange(&sends, &mut recvs, || -> Result<()> {
-                visit(self.sched.origin(me, s - 1, false), &cur_up)?;
-                if prev_down {
-                    visit(self.sched.origin(me, s - 1, true), &cur_down)?;
+                if s == 1 && !mine.is_empty() {
+                    visit(me, k, &mine)?;
+                }
+                for (o, k, chunk) in &prev {
+                    visit(*o, *k, chunk)?;
                 }
                 Ok(())
             })??;
-            drop(sends);
             drop(recvs);
-            cur_up = next_up;
-            if down {
-                cur_down = next_down;
-            }
+            prev = next;
         }
-        if steps >= 1 {
-            visit(self.sched.origin(me, steps, false), &cur_up)?;
-            if steps <= down_steps {
-                visit(self.sched.origin(me, steps, true), &cur_down)?;
-            }
-        } else {
-            visit(me, self.own)?;
+        for (o, k, chunk) in &prev {
+            visit(*o, *k, chunk)?;
         }
         Ok(())
     }
 
-    /// Visits every rank's block again; `visit` returns the gradient this rank's loss gives a
-    /// foreign block (`None` for its own, which it keeps itself). Each such gradient goes back
-    /// to the block's owner in the exchange after the next one, while later blocks are
-    /// scored; the gradients other ranks send for this rank's block are added to `own_grad`
-    /// in a fixed order (by step, up then down).
-    fn backward(&self, own_grad: &mut [T], mut visit: impl FnMut(usize, &[T]) -> Result<Option<Vec<T>>>) -> Result<()> {
-        let (steps, down_steps, me, w) = (self.sched.steps(), self.sched.steps_down(), self.me, self.sched.world);
-        let mut cur_up = self.own.to_vec();
-        let mut cur_down = if down_steps > 0 { self.own.to_vec() } else { Vec::new() };
-        // Gradients of the blocks visited at the step before last, waiting to go home.
-        let mut pending: Vec<(usize, Vec<T>)> = Vec::new();
-        for s in 1..=steps + 2 {
-            let blocks = s <= steps;
-            let down = s <= down_steps;
-            let (o_up, o_down) = (self.sched.origin(me, s, false), self.sched.origin(me, s, true));
-            let mut next_up = if blocks { vec![T::from_f64(0.0); self.len(o_up)] } else { Vec::new() };
-            let mut next_down = if down { vec![T::from_f64(0.0); self.len(o_down)] } else { Vec::new() };
-            let mut sends = Vec::new();
-            let mut recvs = Vec::new();
-            if blocks {
-                sends.push(RingMessage {
-                    peer: self.sched.next(me, false),
-                    origin: self.sched.origin(me, s - 1, false),
-                    data: &cur_up[..],
-                });
-            }
-            if down {
-                sends.push(RingMessage {
-                    peer: self.sched.next(me, true),
-                    origin: self.sched.origin(me, s - 1, true),
-                    data: &cur_down[..],
-                });
-            }
-            for (origin, g) in &pending {
-                sends.push(RingMessage { peer: *origin, origin: *origin, data: &g[..] });
-            }
-            if blocks {
-                recvs.push(RingMessage { peer: self.sched.prev(me, false), origin: o_up, data: &mut next_up[..] });
-            }
-            if down {
-                recvs.push(RingMessage { peer: self.sched.prev(me, true), origin: o_down, data: &mut next_down[..] });
-            }
-            // The gradients of this rank's block from the ranks that visited it at step s − 2.
-            let t = s.wrapping_sub(2);
-            let mut home: Vec<Vec<T>> = Vec::new();
-            let mut from: Vec<usize> = Vec::new();
-            if s >= 3 && t <= steps {
-                from.push((me + t) % w);
-                if t <= down_steps {
-                    from.push((me + w - t % w) % w);
+    /// Visits every chunk again; `visit` returns the gradient this rank's loss gives a foreign
+    /// chunk (`None` for its own, whose gradient it keeps itself). Each such gradient goes back
+    /// to the chunk's owner in the exchange after the next one, while later chunks are scored;
+    /// the gradients other ranks send for this rank's chunks are given to `home` in a fixed
+    /// order (by exchange, up then down).
+    fn backward(
+        &self,
+        mut visit: impl FnMut(usize, usize, &[T]) -> Result<Option<Vec<T>>>,
+        mut home: impl FnMut(usize, &[T]),
+    ) -> Result<()> {
+        let me = self.me;
+        let n = self.exchanges();
+        if n == 0 {
+            for k in 0..self.pass.chunks() {
+                let mine = self.own_chunk(k);
+                if !mine.is_empty() {
+                    visit(me, k, &mine)?;
                 }
             }
-            for _ in &from {
-                home.push(vec![T::from_f64(0.0); self.len(me)]);
+            return Ok(());
+        }
+        // Chunks received at the exchange before, visited during this one.
+        let mut prev: Vec<Chunk<T>> = Vec::new();
+        // Their gradients, computed during the exchange before, sent home during this one.
+        let mut pending: Vec<Chunk<T>> = Vec::new();
+        for e in 0..n + 2 {
+            let moving = e < n;
+            let (s, k) = if moving { self.slot(e) } else { (0, 0) };
+            let mine = if moving { self.own_chunk(k) } else { Vec::new() };
+            let (mut sends, mut next) = if moving { self.moves(e, &mine) } else { (Vec::new(), Vec::new()) };
+            for (o, k, g) in &pending {
+                sends.push(RingMessage { peer: *o, origin: *o, chunk: *k, data: &g[..] });
             }
-            for (peer, buf) in from.iter().zip(home.iter_mut()) {
-                recvs.push(RingMessage { peer: *peer, origin: me, data: &mut buf[..] });
+            // The gradients of this rank's chunk sent two exchanges ago, from its visitors.
+            let mut back: Vec<Chunk<T>> = Vec::new();
+            if e >= 2 {
+                let (s2, k2) = self.slot(e - 2);
+                let len = self.pass.chunk_len(me, k2);
+                if len > 0 {
+                    for down in self.dirs(s2) {
+                        back.push((self.sched.visitor(me, s2, down), k2, vec![T::from_f64(0.0); len]));
+                    }
+                }
             }
-            let visiting = s - 1 <= steps;
-            let prev_down = s >= 2 && s - 1 <= down_steps;
-            let fresh = self.pass.exchange(&sends, &mut recvs, || -> Result<Vec<(usize, Vec<T>)>> {
+            let mut recvs: Vec<RingMessage<&mut [T]>> = next
+                .iter_mut()
+                .map(|(o, k, buf)| RingMessage { peer: *o, origin: *o, chunk: *k, data: &mut buf[..] })
+                .chain(back.iter_mut().map(|(v, k, buf)| RingMessage { peer: *v, origin: me, chunk: *k, data: &mut buf[..] }))
+                .collect();
+            let fresh = self.pass.exchange(&sends, &mut recvs, || -> Result<Vec<Chunk<T>>> {
+                if moving && s == 1 && !mine.is_empty() {
+                    visit(me, k, &mine)?;
+                }
                 let mut out = Vec::new();
-                if !visiting {
-                    return Ok(out);
-                }
-                if s == 1 {
-                    visit(me, self.own)?;
-                    return Ok(out);
-                }
-                let o = self.sched.origin(me, s - 1, false);
-                if let Some(g) = visit(o, &cur_up)? {
-                    out.push((o, g));
-                }
-                if prev_down {
-                    let o = self.sched.origin(me, s - 1, true);
-                    if let Some(g) = visit(o, &cur_down)? {
-                        out.push((o, g));
+                for (o, k, chunk) in &prev {
+                    if let Some(g) = visit(*o, *k, chunk)? {
+                        out.push((*o, *k, g));
                     }
                 }
                 Ok(out)
             })??;
-            drop(sends);
             drop(recvs);
-            for g in &home {
-                add_into(own_grad, g);
+            drop(sends);
+            for (_, k2, g) in &back {
+                home(*k2, g);
             }
             pending = fresh;
-            if blocks {
-                cur_up = next_up;
-            }
-            if down {
-                cur_down = next_down;
-            }
-        }
-        if steps == 0 && w == 1 {
-            debug_assert!(pending.is_empty());
+            prev = next;
         }
         Ok(())
     }
+}
+
+/// Adds `g` (rows `rows` of a `[b, d]` matrix, row-major) into those rows of `acc`.
+fn add_rows<T: KernelElem>(acc: &mut [T], rows: &Range<usize>, d: usize, g: &[T]) {
+    add_into(&mut acc[rows.start * d..rows.end * d], g);
 }
 
 impl RingLoss {
@@ -379,32 +425,33 @@ impl RingLoss {
         crate::trace::count(|c| c.ring_forward += 1);
         let (b, d) = img.dims2()?;
         let (img_h, txt_h, p) = (host::<T>(img)?, host::<T>(txt)?, host::<f64>(&params.to_dtype(DType::F64)?)?);
-        let own: Vec<T> = match kind {
-            Kind::Clip => [&img_h[..], &txt_h[..]].concat(),
-            Kind::Siglip => txt_h.clone(),
+        let own = match kind {
+            Kind::Clip => Own { parts: vec![&img_h[..], &txt_h[..]], d },
+            Kind::Siglip => Own { parts: vec![&txt_h[..]], d },
         };
         let pass = pg.ring_pass(
             &format!("{} forward", kind.name()),
             b,
             kind.width() * d,
+            chunk_rows::<T>(kind, &opts, d),
             &settings(kind, &opts, d, img.dtype(), false),
         )?;
         let total: usize = pass.rows().iter().sum();
         let w = pg.world_size();
         let sched = RingSchedule { world: w, bidirectional: opts.bidirectional };
-        let ring = Ring { pass, sched, me: pg.rank(), own: &own };
+        let ring = Ring { pass, sched, me: pg.rank(), own };
         let tile_for = |n: usize| opts.tile.unwrap_or(b.max(n)).max(1);
         let (value, lse, factor) = match kind {
             Kind::Clip => {
                 let scale = p[0];
                 let mut i2t = vec![T::from_f64(f64::NEG_INFINITY); b];
                 let mut t2i = i2t.clone();
-                ring.forward(|origin, block| {
-                    let n = ring.pass.rows()[origin];
+                ring.forward(|_, _, chunk| {
+                    let n = chunk.len() / (2 * d.max(1));
                     if n == 0 || b == 0 {
                         return Ok(());
                     }
-                    let (oi, ot) = block.split_at(n * d);
+                    let (oi, ot) = chunk.split_at(n * d);
                     log_add_exp(&mut i2t, &dot_lse(&img_h, ot, (b, n, d), scale, tile_for(n))?);
                     log_add_exp(&mut t2i, &dot_lse(&txt_h, oi, (b, n, d), scale, tile_for(n))?);
                     Ok(())
@@ -420,18 +467,18 @@ impl RingLoss {
             }
             Kind::Siglip => {
                 let (t, bias) = (p[0], p[1]);
-                let q = Tensor::from_slice(&img_h, (b, d), &Device::Cpu)?;
+                let q = img.detach().contiguous()?;
                 let mut sum = 0f64;
-                ring.forward(|origin, block| {
-                    let n = ring.pass.rows()[origin];
+                ring.forward(|origin, k, chunk| {
+                    let n = chunk.len() / d.max(1);
                     if n == 0 || b == 0 {
                         return Ok(());
                     }
-                    let k = Tensor::from_slice(block, (n, d), &Device::Cpu)?;
-                    sum += sigmoid_block(&q, &k, t, bias, tile_for(n), None)?.0;
+                    let keys = Tensor::from_slice(chunk, (n, d), &Device::Cpu)?;
+                    sum += sigmoid_block(&q, &keys, t, bias, tile_for(n), None)?.0;
                     if origin == ring.me {
                         // The positives: log σ(z) − log σ(−z) = z on the diagonal.
-                        sum -= (0..b).map(|i| t * dot(&img_h, &txt_h, i, d) + bias).sum::<f64>();
+                        sum -= ring.pass.chunk_range(origin, k).map(|i| t * dot(&img_h, &txt_h, i, d) + bias).sum::<f64>();
                     }
                     Ok(())
                 })?;
@@ -454,95 +501,114 @@ impl RingLoss {
         let kind = self.kind;
         let (b, d) = img.dims2()?;
         let (img_h, txt_h, p) = (host::<T>(img)?, host::<T>(txt)?, host::<f64>(&params.to_dtype(DType::F64)?)?);
-        let own: Vec<T> = match kind {
-            Kind::Clip => [&img_h[..], &txt_h[..]].concat(),
-            Kind::Siglip => txt_h.clone(),
+        let own = match kind {
+            Kind::Clip => Own { parts: vec![&img_h[..], &txt_h[..]], d },
+            Kind::Siglip => Own { parts: vec![&txt_h[..]], d },
         };
         let pg = &self.pg;
         let pass = pg.ring_pass(
             &format!("{} backward", kind.name()),
             b,
             kind.width() * d,
+            chunk_rows::<T>(kind, &self.opts, d),
             &settings(kind, &self.opts, d, img.dtype(), true),
         )?;
         let sched = RingSchedule { world: pg.world_size(), bidirectional: self.opts.bidirectional };
-        let ring = Ring { pass, sched, me: pg.rank(), own: &own };
+        let ring = Ring { pass, sched, me: pg.rank(), own };
         let tile_for = |n: usize| self.opts.tile.unwrap_or(b.max(n)).max(1);
         let g = g * self.factor;
         let zero = T::from_f64(0.0);
-        // Gradients of this rank's rows as queries, and of its block as keys (own_grad).
-        let mut d_img = vec![zero; b * d];
-        let mut d_txt = vec![zero; b * d];
-        let mut own_grad = vec![zero; own.len()];
-        let mut d_params = vec![0f64; p.len()];
+        // The gradients of this rank's rows, as queries and as keys (its own chunks, and the
+        // gradients its visitors send home), and of the parameters. The visits and the
+        // gradients coming home both add to them, one after the other on this thread.
+        struct Acc<T> {
+            img: Vec<T>,
+            txt: Vec<T>,
+            params: Vec<f64>,
+        }
+        let acc = RefCell::new(Acc { img: vec![zero; b * d], txt: vec![zero; b * d], params: vec![0f64; p.len()] });
         match kind {
             Kind::Clip => {
                 let scale = p[0];
                 let lse = host::<T>(self.lse.as_ref().expect("the CLIP ring keeps its log-sum-exps"))?;
                 let (l_i2t, l_t2i) = lse.split_at(b);
-                let mut own_keys = vec![zero; own.len()];
-                ring.backward(&mut own_grad, |origin, block| {
-                    let n = ring.pass.rows()[origin];
-                    let mine = origin == ring.me;
-                    if n == 0 || b == 0 {
-                        return Ok(if mine { None } else { Some(vec![zero; 2 * n * d]) });
-                    }
-                    let (oi, ot) = block.split_at(n * d);
-                    let (dq, dk_txt, s1) = dot_grads(&img_h, ot, (b, n, d), scale, tile_for(n), mine, l_i2t, g)?;
-                    let (dq2, dk_img, s2) = dot_grads(&txt_h, oi, (b, n, d), scale, tile_for(n), mine, l_t2i, g)?;
-                    add_into(&mut d_img, &dq);
-                    add_into(&mut d_txt, &dq2);
-                    // s = raw · scale: ∂s/∂scale = s / scale.
-                    d_params[0] += (s1 + s2) / scale;
-                    let contribution = [dk_img, dk_txt].concat();
-                    if mine {
-                        add_into(&mut own_keys, &contribution);
-                        Ok(None)
-                    } else {
-                        Ok(Some(contribution))
-                    }
-                })?;
-                add_into(&mut own_grad, &own_keys);
-                add_into(&mut d_img, &own_grad[..b * d]);
-                add_into(&mut d_txt, &own_grad[b * d..]);
+                ring.backward(
+                    |origin, k, chunk| {
+                        let n = chunk.len() / (2 * d.max(1));
+                        let mine = origin == ring.me;
+                        if n == 0 || b == 0 {
+                            return Ok(if mine { None } else { Some(vec![zero; 2 * n * d]) });
+                        }
+                        let rows = ring.pass.chunk_range(origin, k);
+                        let positives = mine.then_some(rows.start);
+                        let (oi, ot) = chunk.split_at(n * d);
+                        let (dq, dk_txt, s1) = dot_grads(&img_h, ot, (b, n, d), scale, tile_for(n), positives, l_i2t, g)?;
+                        let (dq2, dk_img, s2) = dot_grads(&txt_h, oi, (b, n, d), scale, tile_for(n), positives, l_t2i, g)?;
+                        let mut a = acc.borrow_mut();
+                        add_into(&mut a.img, &dq);
+                        add_into(&mut a.txt, &dq2);
+                        // s = raw · scale: ∂s/∂scale = s / scale.
+                        a.params[0] += (s1 + s2) / scale;
+                        if mine {
+                            add_rows(&mut a.img, &rows, d, &dk_img);
+                            add_rows(&mut a.txt, &rows, d, &dk_txt);
+                            Ok(None)
+                        } else {
+                            Ok(Some([dk_img, dk_txt].concat()))
+                        }
+                    },
+                    |k, grad| {
+                        let rows = ring.pass.chunk_range(ring.me, k);
+                        let (gi, gt) = grad.split_at(rows.len() * d);
+                        let mut a = acc.borrow_mut();
+                        add_rows(&mut a.img, &rows, d, gi);
+                        add_rows(&mut a.txt, &rows, d, gt);
+                    },
+                )?;
             }
             Kind::Siglip => {
                 let (t, bias) = (p[0], p[1]);
-                let q = Tensor::from_slice(&img_h, (b, d), &Device::Cpu)?;
-                let mut own_keys = vec![zero; own.len()];
-                ring.backward(&mut own_grad, |origin, block| {
-                    let n = ring.pass.rows()[origin];
-                    let mine = origin == ring.me;
-                    if n == 0 || b == 0 {
-                        return Ok(if mine { None } else { Some(vec![zero; n * d]) });
-                    }
-                    let k = Tensor::from_slice(block, (n, d), &Device::Cpu)?;
-                    let (_, grads) = sigmoid_block(&q, &k, t, bias, tile_for(n), Some(g))?;
-                    let (dq, dk, dt, db) = grads.expect("asked for gradients");
-                    add_into(&mut d_img, &host::<T>(&dq)?);
-                    d_params[0] += dt;
-                    d_params[1] += db;
-                    let mut dk = host::<T>(&dk)?;
-                    if mine {
-                        // The positives' − z_ii: ∂/∂img_i = −t txt_i, ∂/∂txt_i = −t img_i.
-                        for i in 0..b {
-                            for x in i * d..(i + 1) * d {
-                                d_img[x] = T::from_f64(d_img[x].to_f64() - g * t * txt_h[x].to_f64());
-                                dk[x] = T::from_f64(dk[x].to_f64() - g * t * img_h[x].to_f64());
-                            }
-                            d_params[0] -= g * dot(&img_h, &txt_h, i, d);
+                let q = img.detach().contiguous()?;
+                ring.backward(
+                    |origin, k, chunk| {
+                        let n = chunk.len() / d.max(1);
+                        let mine = origin == ring.me;
+                        if n == 0 || b == 0 {
+                            return Ok(if mine { None } else { Some(vec![zero; n * d]) });
                         }
-                        d_params[1] -= g * b as f64;
-                        add_into(&mut own_keys, &dk);
+                        let keys = Tensor::from_slice(chunk, (n, d), &Device::Cpu)?;
+                        let (_, grads) = sigmoid_block(&q, &keys, t, bias, tile_for(n), Some(g))?;
+                        let (dq, dk, dt, db) = grads.expect("asked for gradients");
+                        let mut dk = host::<T>(&dk)?;
+                        let mut a = acc.borrow_mut();
+                        add_into(&mut a.img, &host::<T>(&dq)?);
+                        a.params[0] += dt;
+                        a.params[1] += db;
+                        if !mine {
+                            return Ok(Some(dk));
+                        }
+                        // The positives' − z_ii: ∂/∂img_i = −t txt_i, ∂/∂txt_i = −t img_i.
+                        let rows = ring.pass.chunk_range(origin, k);
+                        for i in rows.clone() {
+                            for x in i * d..(i + 1) * d {
+                                a.img[x] = T::from_f64(a.img[x].to_f64() - g * t * txt_h[x].to_f64());
+                                let y = x - rows.start * d;
+                                dk[y] = T::from_f64(dk[y].to_f64() - g * t * img_h[x].to_f64());
+                            }
+                            a.params[0] -= g * dot(&img_h, &txt_h, i, d);
+                        }
+                        a.params[1] -= g * rows.len() as f64;
+                        add_rows(&mut a.txt, &rows, d, &dk);
                         Ok(None)
-                    } else {
-                        Ok(Some(dk))
-                    }
-                })?;
-                add_into(&mut own_grad, &own_keys);
-                add_into(&mut d_txt, &own_grad);
+                    },
+                    |k, grad| {
+                        let rows = ring.pass.chunk_range(ring.me, k);
+                        add_rows(&mut acc.borrow_mut().txt, &rows, d, grad);
+                    },
+                )?;
             }
         }
+        let Acc { img: d_img, txt: d_txt, params: d_params } = acc.into_inner();
         let dev = Device::Cpu;
         let d_params = Tensor::from_vec(d_params, p.len(), &dev)?.to_dtype(params.dtype())?.reshape(params.shape())?;
         Ok((Tensor::from_vec(d_img, (b, d), &dev)?, Tensor::from_vec(d_txt, (b, d), &dev)?, d_params))

@@ -125,9 +125,10 @@ pub(crate) fn dot_lse<T: KernelElem>(
     Ok(cpu::forward(&p)?.0)
 }
 
-/// The gradients of `g · Σ_i (lse_i − s_{i,i})` restricted to this block of keys (the `s_{i,i}`
-/// term only when `own`: the block holds the rows' positives on its diagonal), `lse` each row's
-/// log-sum-exp over EVERY key of the loss: `(dq, dk, Σ dS ⊙ s)`, by the fused CPU kernel.
+/// The gradients of `g · Σ_i (lse_i − s_{i,i})` restricted to this block of keys, `lse` each
+/// row's log-sum-exp over EVERY key of the loss: `(dq, dk, Σ dS ⊙ s)`, by the fused CPU kernel.
+/// The `s_{i,i}` terms only with `positives = Some(r0)`: the keys are the rows' own, from row
+/// `r0` on (key `j` is row `r0 + j`'s positive).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dot_grads<T: KernelElem>(
     q: &[T],
@@ -135,11 +136,15 @@ pub(crate) fn dot_grads<T: KernelElem>(
     (m, n, d): (usize, usize, usize),
     scale: f64,
     tile: usize,
-    own: bool,
+    positives: Option<usize>,
     lse: &[T],
     g: f64,
 ) -> Result<(Vec<T>, Vec<T>, f64)> {
-    let pairs = if own { Pairs { target: Some((0..m).collect()), ..Default::default() } } else { Pairs::default() };
+    // A row whose positive is not among these keys gets a column past them (none).
+    let pairs = match positives {
+        Some(r0) => Pairs { target: Some((0..m).map(|i| i.checked_sub(r0).unwrap_or(usize::MAX)).collect()), ..Default::default() },
+        None => Pairs::default(),
+    };
     let p = cpu::Problem { q, k, m, n, n_grad: n, d, inv_t: T::from_f64(scale), pairs: &pairs, tile };
     let gr = cpu::backward(&p, lse, T::from_f64(g), [true, true, true])?;
     Ok((gr.dq.unwrap_or_default(), gr.dk.unwrap_or_default(), gr.ds_dot_s))

@@ -37,20 +37,22 @@ enum Form {
     Clip,
     ClipTiled(usize),
     SiglipGather,
-    /// The ring forms: both ways or one way, and the tile.
-    ClipRing(bool, Option<usize>),
-    SiglipRing(bool, Option<usize>),
+    /// The ring forms: both ways or one way, the tile, and the rows per message.
+    ClipRing(bool, Option<usize>, Option<usize>),
+    SiglipRing(bool, Option<usize>, Option<usize>),
 }
 
-const SIGLIP_RING: Form = Form::SiglipRing(true, None);
+const SIGLIP_RING: Form = Form::SiglipRing(true, None, None);
 
 fn apply(form: Form, img: &Tensor, txt: &Tensor, s: &Tensor, b: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
     match form {
         Form::Clip => clip_loss(img, txt, s, pg),
         Form::ClipTiled(t) => clip_loss_tiled(img, txt, s, t, pg),
         Form::SiglipGather => siglip_loss(img, txt, s, b, pg),
-        Form::ClipRing(bidirectional, tile) => clip_loss_ring(img, txt, s, RingOptions { bidirectional, tile }, pg),
-        Form::SiglipRing(bidirectional, tile) => siglip_loss_ring(img, txt, s, b, RingOptions { bidirectional, tile }, pg),
+        Form::ClipRing(bidirectional, tile, chunk) => clip_loss_ring(img, txt, s, RingOptions { bidirectional, tile, chunk }, pg),
+        Form::SiglipRing(bidirectional, tile, chunk) => {
+            siglip_loss_ring(img, txt, s, b, RingOptions { bidirectional, tile, chunk }, pg)
+        }
     }
 }
 
@@ -117,7 +119,7 @@ const FORMS: [Form; 7] = [
     Form::ClipTiled(64),
     Form::SiglipGather,
     SIGLIP_RING,
-    Form::ClipRing(true, None),
+    Form::ClipRing(true, None, None),
 ];
 
 #[test]
@@ -157,13 +159,18 @@ fn the_ring_losses_equal_the_gather_forms_on_1_to_8_ranks_with_uneven_shards_bot
         // The gather forms on one process over the same global batch.
         let clip = run_shards(Form::Clip, &[n], 1.7, -2.0).0;
         let siglip = run_shards(Form::SiglipGather, &[n], 1.7, -2.0).0;
+        // Whole blocks per message, and chunks of 1 to 3 rows (blocks of 1 to 4 rows: several
+        // chunks, the last partial or empty).
         for (form, want) in [
-            (Form::ClipRing(true, None), &clip),
-            (Form::ClipRing(false, Some(2)), &clip),
-            (Form::ClipRing(true, Some(1)), &clip),
-            (Form::SiglipRing(true, None), &siglip),
-            (Form::SiglipRing(false, None), &siglip),
-            (Form::SiglipRing(true, Some(2)), &siglip),
+            (Form::ClipRing(true, None, None), &clip),
+            (Form::ClipRing(false, Some(2), None), &clip),
+            (Form::ClipRing(true, Some(1), Some(1)), &clip),
+            (Form::ClipRing(true, None, Some(3)), &clip),
+            (Form::ClipRing(false, Some(1), Some(2)), &clip),
+            (Form::SiglipRing(true, None, None), &siglip),
+            (Form::SiglipRing(false, None, Some(1)), &siglip),
+            (Form::SiglipRing(true, Some(2), Some(3)), &siglip),
+            (Form::SiglipRing(true, Some(1), Some(2)), &siglip),
         ] {
             let (got, _) = run_shards(form, &shards, 1.7, -2.0);
             assert_same(&got, want, 1e-10, &format!("{form:?} W={w} shards {shards:?} vs the gather form on one process"));
@@ -171,30 +178,65 @@ fn the_ring_losses_equal_the_gather_forms_on_1_to_8_ranks_with_uneven_shards_bot
     }
 }
 
+/// What rank `r`'s two passes (forward and backward) should exchange under the documented
+/// schedule: step s of `up` steps (the first `down` of them both ways) brings chunk k of the
+/// blocks of ranks r − s (and r + s), each straight from its owner, one exchange per step and
+/// chunk, moving this rank's own chunk k to ranks r + s (and r − s); in the backward each
+/// chunk visited goes home two exchanges after it arrived. An exchange with nothing to move
+/// (every chunk it would move empty) does not happen. Returns (exchanges, messages sent).
+fn expected_exchanges(shards: &[usize], chunk: usize, bidirectional: bool, r: usize) -> (usize, usize) {
+    let w = shards.len();
+    let (up, down) = if bidirectional { (w / 2, (w - 1) / 2) } else { (w - 1, 0) };
+    let chunks = shards.iter().max().unwrap().div_ceil(chunk).max(1);
+    let has = |o: usize, k: usize| shards[o] > k * chunk;
+    let origins = |s: usize| {
+        let mut v = vec![(r + w - s % w) % w];
+        if s <= down {
+            v.push((r + s) % w);
+        }
+        v
+    };
+    let n = up * chunks;
+    // Per block exchange: whether this rank sends its chunk, and the foreign chunks it receives.
+    let slot = |e: usize| (e / chunks + 1, e % chunks);
+    let moves = |e: usize| {
+        let (s, k) = slot(e);
+        (if has(r, k) { origins(s).len() } else { 0 }, origins(s).into_iter().filter(|&o| has(o, k)).count())
+    };
+    let forward = (0..n).filter(|&e| moves(e) != (0, 0)).count();
+    let backward = (0..n + 2)
+        .filter(|&e| {
+            let blocks = if e < n { moves(e) } else { (0, 0) };
+            let going_home = e >= 2 && moves(e - 2).1 > 0;
+            let coming_home = e >= 2 && moves(e - 2).0 > 0;
+            blocks != (0, 0) || going_home || coming_home
+        })
+        .count();
+    let own_sent: usize = (0..n).map(|e| moves(e).0).sum();
+    let received: usize = (0..n).map(|e| moves(e).1).sum();
+    (forward + backward, 2 * own_sent + received)
+}
+
 #[test]
 fn a_ring_pass_checks_once_and_exchanges_point_to_point_overlapped_with_the_scoring() {
     for w in [1, 2, 3, 4, 5, 8] {
         for bidirectional in [true, false] {
-            for form in [Form::ClipRing(bidirectional, Some(2)), Form::SiglipRing(bidirectional, None)] {
-                let (_, exchanged) = run_shards(form, &uneven(w), 1.7, -2.0);
-                // The schedule: W − 1 steps one way; both ways ⌈(W − 1)/2⌉ steps, ⌊(W − 1)/2⌋
-                // of them sending down as well as up.
-                let (up, down) = if bidirectional { (w / 2, (w - 1) / 2) } else { (w - 1, 0) };
-                // The backward: a block per step as in the forward, each block's gradient sent
-                // home two exchanges after the block arrived (one or two more exchanges).
-                let backward = match up {
-                    0 => 0,
-                    1 => 2,
-                    s => s + 2,
-                };
+            for (form, chunk) in [
+                (Form::ClipRing(bidirectional, Some(2), None), 4),
+                (Form::SiglipRing(bidirectional, None, None), 4),
+                (Form::ClipRing(bidirectional, None, Some(1)), 1),
+                (Form::SiglipRing(bidirectional, Some(1), Some(3)), 3),
+            ] {
+                let shards = uneven(w);
+                let (_, exchanged) = run_shards(form, &shards, 1.7, -2.0);
                 for (r, (ring, paths)) in exchanged.iter().enumerate() {
                     let what = format!("{form:?} W={w} rank {r}");
+                    let (exchanges, messages) = expected_exchanges(&shards, chunk, bidirectional, r);
                     assert_eq!((ring.passes, ring.checks), (2, 2), "{what}: one check per pass, forward and backward");
-                    assert_eq!(ring.exchanges, (up + backward) as u64, "{what}: exchanges {ring:?}");
+                    assert_eq!(ring.exchanges, exchanges as u64, "{what}: exchanges {ring:?}");
                     assert_eq!(ring.overlapped, ring.exchanges, "{what}: every exchange ran beside the scoring");
-                    // Forward: one block per direction and step, nothing else (no count
-                    // exchange); backward: the blocks again, and each visited block's gradient.
-                    let messages = 2 * (up + down) + (w - 1);
+                    // Forward: one chunk per direction, step and chunk, nothing else (no count
+                    // exchange); backward: the chunks again, and each visited chunk's gradient.
                     assert_eq!(ring.messages_sent, messages as u64, "{what}: messages {ring:?}");
                     // Messages to one peer in one exchange travel as one frame.
                     assert!(ring.frames_sent <= ring.messages_sent && (w == 1 || ring.frames_sent > 0), "{what}: {ring:?}");
@@ -216,7 +258,7 @@ fn ranks_with_different_ring_settings_fail_on_every_rank_naming_the_setting_and_
             let txt = Tensor::from_vec(embeddings(2, 0.5 + r as f64), (2, D), &CPU)?;
             let s = Tensor::new(1.0f64, &CPU)?;
             // Rank 2 runs the ring one way, the others both ways.
-            let opts = RingOptions { bidirectional: r != 2, tile: None };
+            let opts = RingOptions { bidirectional: r != 2, ..Default::default() };
             Ok(clip_loss_ring(&img, &txt, &s, opts, &pg).map(|_| ()).unwrap_err().to_string())
         })
         .unwrap();
@@ -344,8 +386,8 @@ fn values_and_gradients_match_plain_f64_loops_and_their_central_differences() {
         (Form::ClipTiled(4), 1.7),
         (Form::SiglipGather, 1.2),
         (SIGLIP_RING, 1.2),
-        (Form::ClipRing(true, Some(2)), 1.7),
-        (Form::SiglipRing(false, Some(4)), 1.2),
+        (Form::ClipRing(true, Some(2), Some(1)), 1.7),
+        (Form::SiglipRing(false, Some(4), Some(2)), 1.2),
     ] {
         let bias = -1.5;
         let (img, txt) = (embeddings(n, 0.0), embeddings(n, 1.3));
@@ -394,7 +436,7 @@ fn values_and_gradients_match_plain_f64_loops_and_their_central_differences() {
 fn the_forward_does_not_cap_the_logit_scale_past_ln_100() {
     let s = 100f64.ln() + 0.5;
     let (img, txt) = (embeddings(6, 0.0), embeddings(6, 1.3));
-    for form in [Form::Clip, Form::ClipTiled(2), Form::ClipRing(true, None)] {
+    for form in [Form::Clip, Form::ClipTiled(2), Form::ClipRing(true, None, None)] {
         let got = run(form, 2, 6, s, 0.0);
         assert_rel(&[got.0], &[clip_plain(&img, &txt, s)], 1e-12, &format!("{form:?}: the loss at scale exp(ln 100 + 0.5)"));
         let h = 1e-5;
