@@ -411,9 +411,8 @@ impl RingPass {
                     Ok(())
                 });
                 let out = during();
-                let sent = comm
-                    .join()
-                    .unwrap_or_else(|_| Err(DistError::Invalid(format!("{what}: the communication thread panicked"))));
+                let sent =
+                    comm.join().unwrap_or_else(|_| Err(DistError::Invalid(format!("{what}: the communication thread panicked"))));
                 (out, sent)
             })
         };

@@ -44,14 +44,21 @@ fn every_rank_receives_every_other_block_once_in_the_schedules_order() {
                             chunk: 0,
                             data: &up[..],
                         }];
-                        let mut recvs = vec![RingMessage { peer: sched.prev(me, false), origin: o_up, chunk: 0, data: &mut next_up[..] }];
+                        let mut recvs =
+                            vec![RingMessage { peer: sched.prev(me, false), origin: o_up, chunk: 0, data: &mut next_up[..] }];
                         if both {
                             sends.push(RingMessage {
                                 peer: sched.next(me, true),
                                 origin: sched.origin(me, s - 1, true),
-                                chunk: 0, data: &down[..],
+                                chunk: 0,
+                                data: &down[..],
                             });
-                            recvs.push(RingMessage { peer: sched.prev(me, true), origin: o_down, chunk: 0, data: &mut next_down[..] });
+                            recvs.push(RingMessage {
+                                peer: sched.prev(me, true),
+                                origin: o_down,
+                                chunk: 0,
+                                data: &mut next_down[..],
+                            });
                         }
                         pass.exchange(&sends, &mut recvs, || ())?;
                         drop((sends, recvs));
@@ -117,8 +124,10 @@ fn chunks_sent_straight_from_their_owners_arrive_once_each_with_several_messages
                             }
                             // A second copy of each message, to the same peer, after the first.
                             let sends2: Vec<_> = sends.iter().chain(sends.iter()).copied().collect();
-                            let msgs: Vec<RingMessage<&[f64]>> =
-                                sends2.iter().map(|&(p, o, k)| RingMessage { peer: p, origin: o, chunk: k, data: &mine[..] }).collect();
+                            let msgs: Vec<RingMessage<&[f64]>> = sends2
+                                .iter()
+                                .map(|&(p, o, k)| RingMessage { peer: p, origin: o, chunk: k, data: &mine[..] })
+                                .collect();
                             let mut bufs: Vec<Vec<f64>> = recvs_from
                                 .iter()
                                 .chain(recvs_from.iter())
@@ -165,8 +174,12 @@ fn a_block_that_changes_size_mid_pass_fails_every_rank_naming_the_rank_by_its_ne
                 let send = if me == 1 && s == 2 { [cur.clone(), vec![0.0; 3]].concat() } else { cur.clone() };
                 let o = sched.origin(me, s, false);
                 let mut next = vec![0.0; pass.len_of(o)];
-                let sends =
-                    [RingMessage { peer: sched.next(me, false), origin: sched.origin(me, s - 1, false), chunk: 0, data: &send[..] }];
+                let sends = [RingMessage {
+                    peer: sched.next(me, false),
+                    origin: sched.origin(me, s - 1, false),
+                    chunk: 0,
+                    data: &send[..],
+                }];
                 let mut recvs = [RingMessage { peer: sched.prev(me, false), origin: o, chunk: 0, data: &mut next[..] }];
                 if let Err(e) = pass.exchange(&sends, &mut recvs, || ()) {
                     return Ok(e.to_string());
@@ -199,7 +212,11 @@ fn ranks_that_open_different_passes_fail_on_every_rank_naming_both_values() {
         .run(|pg| {
             let me = pg.rank();
             let value = if me == 0 { 2 } else { 1 };
-            Ok(pg.ring_pass("test ring", 2, 3, 4, &[RingSetting { name: "directions", value }]).map(|_| ()).unwrap_err().to_string())
+            Ok(pg
+                .ring_pass("test ring", 2, 3, 4, &[RingSetting { name: "directions", value }])
+                .map(|_| ())
+                .unwrap_err()
+                .to_string())
         })
         .unwrap();
     for (r, e) in errors.iter().enumerate() {

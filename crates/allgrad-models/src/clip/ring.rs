@@ -4,21 +4,25 @@
 //! Each rank keeps only its own `b x d` blocks (normalised image and text embeddings) and, for
 //! CLIP, each of its rows' log-sum-exp in both directions: never a received block or its
 //! logits as a node of Candle's graph. The loss is one custom op whose forward runs a ring
-//! ([`allgrad_dist::RingPass`]): every other rank's block arrives in turn and is scored against
-//! this rank's rows (in `tile x tile` blocks with `loss.tile`), then dropped. Its backward runs
-//! the ring again: each block is received and scored again, this rank's rows take their
-//! gradient from it, and the block's own gradient (what this rank's loss contributes to it) is
-//! sent back to the rank that owns it, one step later, while the next block is scored. So the
-//! loss's memory per rank is `O(b·d + tile²)` (a few blocks in flight, their gradients, one
-//! tile of logits per worker thread), whatever W is.
+//! ([`allgrad_dist::RingPass`]): every other rank's block arrives in turn, in chunks of at most
+//! [`CHUNK_BYTES`], each scored against this rank's rows (in `tile x tile` blocks with
+//! `loss.tile`) and dropped. Its backward runs the ring again: each chunk is received and
+//! scored again, this rank's rows take their gradient from it, and the chunk's own gradient
+//! (what this rank's loss contributes to it) is sent back to the rank that owns it, one
+//! exchange later, while the next chunk is scored. Blocks go straight from their owner to each
+//! rank that visits them (at step s rank r sends its chunks to r + s, and to r − s going the
+//! other way), so no rank keeps another's block to pass it on. The loss's memory per rank is
+//! `O(b·d + chunk·d + tile²)`: its own blocks and their gradients, at most ten chunks in flight
+//! (both ways, in the backward: the chunks arriving and being scored, the gradients being
+//! computed, going home and coming home), one tile of logits per worker thread — whatever W is.
 //!
 //! - **Exact**: the same sums as the gather forms ([`super::clip_loss`], [`super::siglip_loss`]),
 //!   in another order: equal to rounding (f64: relative 1e-10 in the tests), W-invariant by
 //!   the sum rule (each rank's op returns the gradient of the sum of every rank's loss with
 //!   respect to its own blocks).
-//! - **Exchanges**: the blocks travel both ways by default (about W/2 steps; one way: W − 1);
-//!   each step's exchange runs on a communication thread while the calling thread scores the
-//!   block that arrived at the previous step. One check across the group per pass (forward
+//! - **Exchanges**: the blocks travel both ways by default (about W/2 steps; one way: W − 1),
+//!   one exchange per step and chunk; each exchange runs on a communication thread while the
+//!   calling thread scores the chunks that arrived at the exchange before, received in place. One check across the group per pass (forward
 //!   and backward each): the ranks' settings and block sizes; then only point-to-point
 //!   messages whose sizes are known.
 //! - **Devices**: the ring runs on the host (f32 or f64). Embeddings on another device are
@@ -45,8 +49,8 @@ pub struct RingOptions {
     /// at once, still independent of W).
     pub tile: Option<usize>,
     /// Rows of a block per message (`None`: as many as fit in [`CHUNK_BYTES`]). What a rank
-    /// holds of other ranks' blocks at once is a few chunks, whatever W and the batch are.
-    /// Every rank must agree.
+    /// holds of other ranks' blocks at once is a few chunks (at most ten, in the backward of
+    /// a ring both ways), whatever W and the batch are. Every rank must agree.
     pub chunk: Option<usize>,
 }
 
@@ -57,11 +61,12 @@ impl Default for RingOptions {
 }
 
 /// The most bytes of a block one message carries unless [`RingOptions::chunk`] says otherwise:
-/// 256 KiB (64 rows of CLIP's images and texts at d = 512 in f32, 128 of SigLIP's texts).
-/// Small beside a rank's own blocks at the batch sizes rings are for, large enough that a
-/// chunk's scoring (a `b x chunk` GEMM) stays efficient and its exchange costs little more
-/// than its bytes.
-pub const CHUNK_BYTES: usize = 256 << 10;
+/// 128 KiB (32 rows of CLIP's images and texts at d = 512 in f32, 64 of SigLIP's texts).
+/// Small beside a rank's own blocks at the batch sizes rings are for (the chunks in flight,
+/// at most ten, then add nothing measurable to the loss's peak: docs/performance.md), large
+/// enough that a chunk's scoring (a `b x chunk` GEMM) stays efficient and its exchange costs
+/// little more than its bytes.
+pub const CHUNK_BYTES: usize = 128 << 10;
 
 /// The rows per message of a pass.
 fn chunk_rows<T>(kind: Kind, opts: &RingOptions, d: usize) -> usize {

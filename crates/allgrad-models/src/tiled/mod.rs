@@ -142,7 +142,9 @@ pub(crate) fn dot_grads<T: KernelElem>(
 ) -> Result<(Vec<T>, Vec<T>, f64)> {
     // A row whose positive is not among these keys gets a column past them (none).
     let pairs = match positives {
-        Some(r0) => Pairs { target: Some((0..m).map(|i| i.checked_sub(r0).unwrap_or(usize::MAX)).collect()), ..Default::default() },
+        Some(r0) => {
+            Pairs { target: Some((0..m).map(|i| i.checked_sub(r0).unwrap_or(usize::MAX)).collect()), ..Default::default() }
+        }
         None => Pairs::default(),
     };
     let p = cpu::Problem { q, k, m, n, n_grad: n, d, inv_t: T::from_f64(scale), pairs: &pairs, tile };
