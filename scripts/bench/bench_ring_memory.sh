@@ -16,7 +16,9 @@
 #       doubled from 256 until the peak passes the budget, then halved intervals down to 64.
 #
 # Common options: --steps N (timed steps per run, default 3), --threads N (per rank, default 1),
-# --tile T (allgrad's loss.tile, default 0: none), --profile release|dev (the cargo profile of
+# --tile T (allgrad's loss.tile, default 0: none), --chunk R (the ring's rows per message,
+# default 0: 128 KiB's worth), --forms "gather ring openclip" (the forms to run, default all
+# three; openclip only with PYTHON below), --profile release|dev (the cargo profile of
 # allgrad's binaries, default release; dev builds into target/debug, for a quick check only). PYTHON is the interpreter with torch and
 # open-clip-torch (scripts/ci/get_torch.sh; without it only allgrad runs). Run on an idle
 # machine: the load average is printed before and after.
@@ -27,13 +29,15 @@ cd "$(dirname "$0")/../.."
 what=${1:-}
 [[ $what == memory || $what == time || $what == fit ]] || { sed -n '2,26p' "$0"; exit 2; }
 shift
-local_batch=1024 dim=512 worlds="" losses="clip siglip" rounds=3 gib=1 steps=3 threads=1 tile=0 profile=release
+local_batch=1024 dim=512 worlds="" losses="clip siglip" rounds=3 gib=1 steps=3 threads=1 tile=0 profile=release only_forms="" chunk=0
 while (($#)); do
     case "$1" in
         --local-batch) local_batch=$2; shift 2 ;;
         --dim) dim=$2; shift 2 ;;
         --worlds) worlds=$2; shift 2 ;;
         --losses) losses=$2; shift 2 ;;
+        --forms) only_forms=$2; shift 2 ;;
+        --chunk) chunk=$2; shift 2 ;;
         --rounds) rounds=$2; shift 2 ;;
         --gib) gib=$2; shift 2 ;;
         --steps) steps=$2; shift 2 ;;
@@ -68,7 +72,7 @@ run() {
     else
         out=$(RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads "$bin/launch" --nproc-per-node "$w" \
             "$bin/bench_ring_memory" --loss "$loss" --form "$form" --local-batch "$b" --dim "$dim" \
-            --tile "$tile" --steps "$steps" 2>&1) || { echo fail; return; }
+            --tile "$tile" --chunk "$chunk" --steps "$steps" 2>&1) || { echo fail; return; }
     fi
     # launch prefixes each rank's lines with "[rankN]: ".
     sed 's/^\[rank[0-9]*\]: //' <<<"$out" | grep '^bench_ring_memory:' | awk '
@@ -79,6 +83,7 @@ run() {
 }
 forms="gather ring"
 ((peer)) && forms="$forms openclip"
+[[ -n $only_forms ]] && forms=$only_forms
 
 case $what in
 memory)
