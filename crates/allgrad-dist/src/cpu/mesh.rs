@@ -165,6 +165,12 @@ pub(crate) trait Opener: Send {
     fn take(&self, peer: usize) -> Option<TcpStream>;
     /// Waits at most `wait` for a connection to come.
     fn wait(&self, wait: Duration);
+    /// Every connection that has come and not been taken, by group rank.
+    fn take_all(&self) -> Vec<(usize, TcpStream)>;
+    /// The group failed for `reason`: every connection that comes from now on is answered
+    /// with the handshake and then `abort` (an ABORT frame), and closed for writing; and the
+    /// reason is left where a rank that finds this one gone can read it (the store).
+    fn poison(&self, reason: &str, abort: &[u8]);
 }
 
 /// The connections a rank that waits for something else than its TCP connections (a
@@ -451,6 +457,15 @@ impl Mesh {
             let secondary = err.is_secondary();
             let reason = format!("rank {} failed: {err}", self.members[self.rank]);
             self.failure = Some((err.to_string(), secondary));
+            // Connections that came but that no call has taken yet get the ABORT frame too, and
+            // so do those still to come: a peer that connected to this rank hears why.
+            if let Some(opener) = self.opener.take() {
+                for (p, c) in opener.take_all() {
+                    let _ = self.adopt(p, c);
+                }
+                opener.poison(&reason, &abort_frame(&reason));
+                self.opener = Some(opener);
+            }
             self.broadcast_abort(&reason);
             // Peers waiting at a shared-memory barrier look at this word first (the ABORT frame
             // sent above carries the reason).
@@ -518,10 +533,7 @@ impl Mesh {
     }
 
     fn broadcast_abort(&mut self, reason: &str) {
-        let reason = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON as usize)];
-        let h = Header { kind: KIND_ABORT, len: reason.len() as u64, ..Default::default() };
-        let mut frame = h.encode().to_vec();
-        frame.extend_from_slice(reason);
+        let frame = abort_frame(reason);
         for (p, s) in self.peers.iter_mut().enumerate() {
             let Some(s) = s else { continue };
             // Best effort and never blocking: a peer that cannot take it (or that is in the
@@ -924,6 +936,15 @@ impl Default for RecvState {
     fn default() -> Self {
         RecvState { phase: Phase::Header, hdr: [0; HEADER_LEN], got: 0, reduced: 0, reason: Vec::new(), done: false }
     }
+}
+
+/// The ABORT frame that carries `reason` (cut to [`MAX_ABORT_REASON`] bytes).
+fn abort_frame(reason: &str) -> Vec<u8> {
+    let reason = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON as usize)];
+    let h = Header { kind: KIND_ABORT, len: reason.len() as u64, ..Default::default() };
+    let mut frame = h.encode().to_vec();
+    frame.extend_from_slice(reason);
+    frame
 }
 
 fn is_disconnect(e: &std::io::Error) -> bool {

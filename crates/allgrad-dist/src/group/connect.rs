@@ -82,7 +82,8 @@ pub(super) fn connect_mesh(ctx: &Arc<Context>, group: &str, me: usize, members: 
                 detail: "unreadable address in the store".into(),
             })
         });
-        let mut mesh = super::on_demand::form(mesh, listener, hello, address)?;
+        let board = Box::new(StoreBoard { ctx: ctx.clone(), group: group.to_string() });
+        let mut mesh = super::on_demand::form(mesh, listener, hello, address, board)?;
         mesh.setup_shm(&info.token, ShmConfig::from(&ctx.settings))?;
         return Ok(mesh);
     }
@@ -252,4 +253,31 @@ fn accept_higher(
         }
     }
     Ok(out)
+}
+
+/// The failures of a group that connects on demand, left in the store under
+/// `{group}/failed/{rank}` (`on_demand::FailureBoard`).
+struct StoreBoard {
+    ctx: Arc<Context>,
+    group: String,
+}
+
+impl super::on_demand::FailureBoard for StoreBoard {
+    fn post(&self, rank: usize, reason: &str) {
+        if let Some(store) = &self.ctx.store {
+            if let Err(e) = store.set(&format!("{}/failed/{rank}", self.group), reason.as_bytes()) {
+                tracing::debug!("{}: leaving this rank's failure in the store: {e}", self.group);
+            }
+        }
+    }
+
+    fn read(&self, rank: usize) -> Option<String> {
+        let store = self.ctx.store.as_ref()?;
+        let key = format!("{}/failed/{rank}", self.group);
+        // `check` answers at once; `get` only once the key is known to be there.
+        if !store.check(&key).ok()? {
+            return None;
+        }
+        store.get(&key).ok().map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
 }

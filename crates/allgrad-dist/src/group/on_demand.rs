@@ -49,6 +49,8 @@ struct InboxState {
     ready: Vec<Option<TcpStream>>,
     /// Per group rank, whether it connected already (a second connection is refused).
     seen: Vec<bool>,
+    /// Once the group failed: the ABORT frame every connection that comes is answered with.
+    abort: Option<Vec<u8>>,
 }
 
 impl Inbox {
@@ -70,6 +72,8 @@ impl Inbox {
 /// closes the listener.
 pub(crate) struct Acceptor {
     inbox: Arc<Inbox>,
+    /// This rank's group rank.
+    me: usize,
 }
 
 impl Acceptor {
@@ -80,7 +84,7 @@ impl Acceptor {
         listener.set_nonblocking(true).map_err(|e| DistError::io("data-plane listener", e))?;
         let n = members.len();
         let inbox = Arc::new(Inbox {
-            state: Mutex::new(InboxState { ready: (0..n).map(|_| None).collect(), seen: vec![false; n] }),
+            state: Mutex::new(InboxState { ready: (0..n).map(|_| None).collect(), seen: vec![false; n], abort: None }),
             came: Condvar::new(),
             stop: AtomicBool::new(false),
             refused: AtomicU64::new(0),
@@ -90,7 +94,7 @@ impl Acceptor {
             .name("allgrad-accept".into())
             .spawn(move || serve(listener, shared))
             .map_err(|e| DistError::io("starting the thread that accepts connections", e))?;
-        Ok(Acceptor { inbox })
+        Ok(Acceptor { inbox, me })
     }
 
     #[cfg(test)]
@@ -103,8 +107,25 @@ impl Drop for Acceptor {
     fn drop(&mut self) {
         self.inbox.stop.store(true, Ordering::SeqCst);
         let mut st = self.inbox.state.lock().unwrap_or_else(|p| p.into_inner());
-        st.ready.iter_mut().for_each(|s| *s = None);
+        for s in st.ready.iter_mut().filter_map(Option::take) {
+            close_gently(&s);
+        }
     }
+}
+
+/// Closes a connection no call has read from, reading what came first: closing a socket with
+/// unread input makes the kernel send a reset, which can make the peer lose an ABORT frame
+/// still queued for it.
+fn close_gently(mut s: &TcpStream) {
+    let mut sink = [0u8; 4096];
+    let _ = s.set_nonblocking(true);
+    for _ in 0..256 {
+        match std::io::Read::read(&mut s, &mut sink) {
+            Ok(n) if n > 0 => {}
+            _ => break,
+        }
+    }
+    let _ = s.shutdown(std::net::Shutdown::Both);
 }
 
 /// What the accepting thread and its handshake threads share.
@@ -185,6 +206,11 @@ fn handshake(mut s: TcpStream, from: SocketAddr, shared: &Shared) {
         return;
     }
     let mut st = inbox.state.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(abort) = &st.abort {
+        // The group failed meanwhile: the peer hears why.
+        let _ = std::io::Write::write_all(&mut s, abort);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+    }
     if !inbox.stop.load(Ordering::SeqCst) {
         st.ready[i] = Some(s);
         inbox.came.notify_all();
@@ -201,6 +227,18 @@ pub(crate) struct OnDemand {
     members: Vec<usize>,
     /// The data-plane address of a group rank (one store `get`).
     address: Box<dyn Fn(usize) -> DistResult<SocketAddr> + Send + Sync>,
+    /// Where failures are left for the ranks that find a failed rank gone (the store).
+    board: Option<Box<dyn FailureBoard>>,
+}
+
+/// Where the rank that fails a group leaves its reason, and where a rank whose connection to
+/// it is refused (it has exited) reads it: the error then names the root cause, not only the
+/// rank that is gone.
+pub(crate) trait FailureBoard: Send + Sync {
+    /// Leaves group rank `rank`'s failure `reason` (best effort).
+    fn post(&self, rank: usize, reason: &str);
+    /// Group rank `rank`'s failure, if it left one (without waiting).
+    fn read(&self, rank: usize) -> Option<String>;
 }
 
 impl OnDemand {
@@ -210,7 +248,24 @@ impl OnDemand {
         members: &[usize],
         address: Box<dyn Fn(usize) -> DistResult<SocketAddr> + Send + Sync>,
     ) -> OnDemand {
-        OnDemand { acceptor, hello, members: members.to_vec(), address }
+        OnDemand { acceptor, hello, members: members.to_vec(), address, board: None }
+    }
+
+    /// Leaves failures on `board` and reads them there.
+    pub(crate) fn with_board(mut self, board: Box<dyn FailureBoard>) -> OnDemand {
+        self.board = Some(board);
+        self
+    }
+
+    /// `err`, with the failure group rank `peer` left on the board, if any.
+    fn with_cause(&self, peer: usize, err: DistError) -> DistError {
+        match self.board.as_ref().and_then(|b| b.read(peer)) {
+            Some(reason) => DistError::Io {
+                context: format!("{err}; rank {} had failed: {reason}", self.members[peer]),
+                source: std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+            },
+            None => err,
+        }
     }
 }
 
@@ -226,7 +281,8 @@ impl Opener for OnDemand {
                 // Its listener is open from before its address is published until the group
                 // goes: a refusal means the process is gone.
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                    return Err(DistError::io(format!("connecting to {target} (refused: is the process gone?)"), e))
+                    let err = DistError::io(format!("connecting to {target} (refused: is the process gone?)"), e);
+                    return Err(self.with_cause(peer, err));
                 }
                 Err(e) if Instant::now() < deadline && e.raw_os_error() != Some(libc::EMFILE) => {
                     tracing::debug!("connecting to {who} at {target}: {e}; retrying");
@@ -236,12 +292,15 @@ impl Opener for OnDemand {
             }
         };
         wire::write_all_by(&mut s, &self.hello.encode(), deadline, &who)?;
-        let reply = Hello::read(&mut s, deadline, &who).map_err(|e| DistError::Unauthenticated {
-            addr: target.to_string(),
-            detail: format!(
-                "no handshake back ({e}): the rank refused this connection (another job token or group, or a second \
-                 connection from this rank) or is gone"
-            ),
+        let reply = Hello::read(&mut s, deadline, &who).map_err(|e| {
+            let err = DistError::Unauthenticated {
+                addr: target.to_string(),
+                detail: format!(
+                    "no handshake back ({e}): the rank refused this connection (another job token or group, or a \
+                     second connection from this rank) or is gone"
+                ),
+            };
+            self.with_cause(peer, err)
         })?;
         if reply.service != Service::Data
             || !same_secret(&reply.token, &self.hello.token)
@@ -256,6 +315,18 @@ impl Opener for OnDemand {
     fn take(&self, peer: usize) -> Option<TcpStream> {
         let mut st = self.acceptor.inbox.state.lock().unwrap_or_else(|p| p.into_inner());
         st.ready[peer].take()
+    }
+
+    fn take_all(&self) -> Vec<(usize, TcpStream)> {
+        let mut st = self.acceptor.inbox.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.ready.iter_mut().enumerate().filter_map(|(p, s)| s.take().map(|s| (p, s))).collect()
+    }
+
+    fn poison(&self, reason: &str, abort: &[u8]) {
+        self.acceptor.inbox.state.lock().unwrap_or_else(|p| p.into_inner()).abort = Some(abort.to_vec());
+        if let Some(b) = &self.board {
+            b.post(self.acceptor.me, reason);
+        }
     }
 
     fn wait(&self, wait: Duration) {
@@ -274,10 +345,12 @@ pub(crate) fn form(
     listener: TcpListener,
     hello: Hello,
     address: Box<dyn Fn(usize) -> DistResult<SocketAddr> + Send + Sync>,
+    board: Box<dyn FailureBoard>,
 ) -> DistResult<Mesh> {
     let (me, n) = (mesh.rank, mesh.size());
     let acceptor = Acceptor::start(listener, hello.clone(), me, &mesh.members)?;
-    mesh.set_opener(Box::new(OnDemand::new(acceptor, hello, &mesh.members.clone(), address)));
+    let opener = OnDemand::new(acceptor, hello, &mesh.members.clone(), address).with_board(board);
+    mesh.set_opener(Box::new(opener));
     if let Err(e) = mesh.ensure_connected(&formation_peers(me, n), "forming the group") {
         // Its ABORT frames tell the peers connected so far why.
         return Err(mesh.fail(e));
