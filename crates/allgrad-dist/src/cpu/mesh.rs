@@ -659,12 +659,14 @@ impl Mesh {
             // Peers still to connect (`waiting`) have no connection to poll yet.
             let connecting = !waiting.is_empty();
             for (i, s) in sends.iter().enumerate() {
-                if sent[i] < HEADER_LEN + s.data.len() && !(connecting && self.peers[s.peer].is_none()) {
+                let connected = !connecting || self.peers[s.peer].is_some();
+                if sent[i] < HEADER_LEN + s.data.len() && connected {
                     self.poll_for(&mut fds, &mut fd_peer, s.peer, libc::POLLOUT);
                 }
             }
             for (i, r) in recvs.iter().enumerate() {
-                if !rs[i].done && !(connecting && self.peers[r.peer].is_none()) {
+                let connected = !connecting || self.peers[r.peer].is_some();
+                if !rs[i].done && connected {
                     self.poll_for(&mut fds, &mut fd_peer, r.peer, libc::POLLIN);
                 }
             }
