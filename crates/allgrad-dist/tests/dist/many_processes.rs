@@ -57,7 +57,8 @@ fn child_rank() {
         std::process::exit(3)
     });
     let (w, r) = (pg.world_size(), pg.rank());
-    let victim: usize = std::env::var("ALLGRAD_TEST_VICTIM").ok().and_then(|v| v.parse().ok()).unwrap_or(VICTIM);
+    // ALLGRAD_TEST_CHILD names the rank that kills itself.
+    let victim: usize = mode.parse().unwrap_or(VICTIM);
     let formed_with = pg.connection_count();
     let res: Result<(), String> = (|| {
         pg.barrier().map_err(|e| e.to_string())?;
@@ -169,8 +170,7 @@ fn form_and_kill(w: usize, victim: usize, watchdog: Duration) {
         .map(|r| {
             let mut cmd = Command::new(&exe);
             cmd.args(["many_processes::child_rank", "--ignored", "--exact", "--nocapture", "--test-threads=1"])
-                .env("ALLGRAD_TEST_CHILD", "1")
-                .env("ALLGRAD_TEST_VICTIM", victim.to_string())
+                .env("ALLGRAD_TEST_CHILD", victim.to_string())
                 .env_remove("ALLGRAD_TREE_FROM")
                 .env_remove("ALLGRAD_ON_DEMAND_FROM")
                 .env("RANK", r.to_string())
