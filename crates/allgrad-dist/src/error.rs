@@ -91,6 +91,20 @@ pub enum DistError {
         detail: String,
     },
 
+    /// A connection a call needed could not be opened (groups that connect on demand): refused,
+    /// rejected in the handshake, or past this process's limit on open files.
+    #[error("rank {rank} could not open its connection to rank {peer} on group {group}: {cause}")]
+    Connect {
+        /// The rank that tried to connect.
+        rank: usize,
+        /// The rank it tried to reach.
+        peer: usize,
+        /// Group name.
+        group: String,
+        /// What went wrong.
+        cause: String,
+    },
+
     /// The group was already broken by an earlier failure; no further collective can run.
     #[error("group {group} is unusable after an earlier failure: {first}")]
     Poisoned {

@@ -13,6 +13,7 @@
 //! | `ALLGRAD_SHM_SLOT_BYTES` | 1048576 | bytes each rank moves per shared-memory step (at least 4096; rounded down to pages) |
 //! | `ALLGRAD_CUDA_COLLECTIVES` | `auto` | `auto`, `nccl` or `host`: how collectives of CUDA tensors move their data ([`crate::gpu`]) |
 //! | `ALLGRAD_TREE_FROM` | 32 | groups of at least this many ranks check calls and run small collectives through a binomial tree (at least 2) |
+//! | `ALLGRAD_ON_DEMAND_FROM` | 32 | groups of at least this many ranks connect at formation only along the tree and the ring, and open any other connection when a call first needs it (at least 2) |
 //! | `ALLGRAD_PEER_WINDOW` | 64 | connections a rank waiting on shared memory or NCCL looks at each time for a dead or failed peer (at least 1) |
 //!
 //! An empty value counts as unset. A value that does not parse is an error naming the
@@ -45,6 +46,9 @@ pub(crate) const DEFAULT_SHM_SLOT_BYTES: usize = 1 << 20;
 pub(crate) const MIN_SHM_SLOT_BYTES: usize = 4096;
 /// Groups of at least this many ranks take the binomial tree (ALLGRAD_TREE_FROM overrides).
 pub(crate) const DEFAULT_TREE_FROM: usize = 32;
+/// Groups of at least this many ranks connect on demand (ALLGRAD_ON_DEMAND_FROM overrides):
+/// below it every call of the direct paths uses every peer anyway.
+pub(crate) const DEFAULT_ON_DEMAND_FROM: usize = 32;
 /// Connections a rank that waits on shared memory or NCCL looks at each time for a dead or
 /// failed peer (ALLGRAD_PEER_WINDOW overrides).
 pub(crate) const DEFAULT_PEER_WINDOW: usize = 64;
@@ -118,6 +122,11 @@ pub struct Settings {
     /// binomial tree (2 log2(W) rounds, at most 2 log2(W) frames per rank) instead of
     /// one round with every peer (2(W - 1) frames per rank).
     pub tree_from: usize,
+    /// ALLGRAD_ON_DEMAND_FROM: groups of at least this many ranks connect at formation only
+    /// to their parent and children in the binomial tree and to their neighbours on the ring
+    /// (r - 1 and r + 1), and open every other connection when a call first needs it; smaller
+    /// groups connect every pair at formation.
+    pub on_demand_from: usize,
     /// ALLGRAD_PEER_WINDOW: how many of its connections a rank waiting on shared memory or
     /// NCCL looks at each time for a peer that died or failed, the window moving on at every
     /// look (rank r's k-th look covers group ranks r + 1 + k * window onwards, modulo the
@@ -136,6 +145,7 @@ impl Default for Settings {
             shm_slot_bytes: DEFAULT_SHM_SLOT_BYTES,
             cuda_collectives: None,
             tree_from: DEFAULT_TREE_FROM,
+            on_demand_from: DEFAULT_ON_DEMAND_FROM,
             peer_window: DEFAULT_PEER_WINDOW,
         }
     }
@@ -183,6 +193,13 @@ impl Settings {
                 .ok()
                 .filter(|n| *n >= 2)
                 .ok_or_else(|| bad("ALLGRAD_TREE_FROM", v, "a number of ranks of at least 2"))?;
+        }
+        if let Some(v) = get("ALLGRAD_ON_DEMAND_FROM") {
+            s.on_demand_from = v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n >= 2)
+                .ok_or_else(|| bad("ALLGRAD_ON_DEMAND_FROM", v, "a number of ranks of at least 2"))?;
         }
         if let Some(v) = get("ALLGRAD_PEER_WINDOW") {
             s.peer_window = v
@@ -246,6 +263,7 @@ mod tests {
         assert_eq!((s.max_message_bytes, s.bind_addr, s.job_token), (None, None, None));
         assert_eq!(s.cuda_collectives, None);
         assert_eq!(s.tree_from, 32);
+        assert_eq!(s.on_demand_from, 32);
         assert_eq!(s.peer_window, 64);
     }
 
@@ -260,6 +278,7 @@ mod tests {
             ("ALLGRAD_SHM_SLOT_BYTES", "65536"),
             ("ALLGRAD_CUDA_COLLECTIVES", "host"),
             ("ALLGRAD_TREE_FROM", "5"),
+            ("ALLGRAD_ON_DEMAND_FROM", "7"),
             ("ALLGRAD_PEER_WINDOW", "2"),
         ]))
         .unwrap();
@@ -271,6 +290,7 @@ mod tests {
         assert_eq!(s.shm_slot_bytes, 65536);
         assert_eq!(s.cuda_collectives, Some(CudaCollectives::Host));
         assert_eq!(s.tree_from, 5);
+        assert_eq!(s.on_demand_from, 7);
         assert_eq!(s.peer_window, 2);
     }
 
@@ -287,6 +307,8 @@ mod tests {
             ("ALLGRAD_CUDA_COLLECTIVES", "gloo"),
             ("ALLGRAD_TREE_FROM", "1"),
             ("ALLGRAD_TREE_FROM", "many"),
+            ("ALLGRAD_ON_DEMAND_FROM", "1"),
+            ("ALLGRAD_ON_DEMAND_FROM", "all"),
             ("ALLGRAD_PEER_WINDOW", "0"),
             ("ALLGRAD_PEER_WINDOW", "two"),
             ("ALLGRAD_PEER_WINDOW", "-3"),

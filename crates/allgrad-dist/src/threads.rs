@@ -45,6 +45,7 @@ pub struct ThreadWorld {
     /// A rank that runs with shared memory off while the others have it on (tests).
     declining: Option<usize>,
     tree_from: Option<usize>,
+    on_demand_from: Option<usize>,
     peer_window: Option<usize>,
 }
 
@@ -64,6 +65,7 @@ impl ThreadWorld {
             cuda_collectives: None,
             declining: None,
             tree_from: None,
+            on_demand_from: None,
             peer_window: None,
         }
     }
@@ -72,6 +74,13 @@ impl ThreadWorld {
     /// (tests run the tree on small worlds with 2).
     pub fn tree_from(mut self, ranks: usize) -> Self {
         self.tree_from = Some(ranks);
+        self
+    }
+
+    /// Groups of at least `ranks` ranks connect on demand, overriding ALLGRAD_ON_DEMAND_FROM
+    /// (tests open connections on demand in small worlds with 2).
+    pub fn on_demand_from(mut self, ranks: usize) -> Self {
+        self.on_demand_from = Some(ranks);
         self
     }
 
@@ -151,6 +160,7 @@ impl ThreadWorld {
         settings.cuda_collectives = self.cuda_collectives.or(settings.cuda_collectives);
         settings.timeout = self.timeout;
         settings.tree_from = self.tree_from.unwrap_or(settings.tree_from).max(2);
+        settings.on_demand_from = self.on_demand_from.unwrap_or(settings.on_demand_from).max(2);
         settings.peer_window = self.peer_window.unwrap_or(settings.peer_window).max(1);
         let token = format!("threads-{:032x}", rand::random::<u128>());
         let server = if w > 1 { Some(StoreServer::start("127.0.0.1:0", &token)?) } else { None };

@@ -352,6 +352,7 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
         }
     }
     show(&mut s, "open fds", "fds", 1.0, "")?;
+    show(&mut s, "connections to peers", "conns", 1.0, "")?;
     show(&mut s, "threads", "threads", 1.0, "")?;
     show(&mut s, "RSS (shared pages counted whole)", "rss_kb", 1.0 / 1024.0, "MiB")?;
     show(&mut s, "PSS (shared pages split)", "pss_kb", 1.0 / 1024.0, "MiB")?;
@@ -432,7 +433,7 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
             write!(s, ",\"{k}_after_last_start_median\":{},\"{k}_after_last_start_max\":{}", st.median, st.max)?;
         }
     }
-    for k in ["formed_s", "ready_s", "fds", "threads", "rss_kb", "pss_kb", "uss_kb", "pss_end_kb", "form_frames"] {
+    for k in ["formed_s", "ready_s", "fds", "conns", "threads", "rss_kb", "pss_kb", "uss_kb", "pss_end_kb", "form_frames"] {
         if let Some(st) = stats(column(&reps, k)) {
             write!(s, ",\"{k}_median\":{},\"{k}_max\":{}", st.median, st.max)?;
         }
@@ -517,6 +518,7 @@ fn rank_main(args: &Args) -> Result<()> {
     rep.put("shm", pg.shared_memory() as u8);
     let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
     rep.put("fds", fds);
+    rep.put("conns", pg.connection_count());
     if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
         for (key, name) in [("VmRSS:", "rss_kb"), ("VmHWM:", "hwm_kb"), ("Threads:", "threads")] {
             if let Some(v) = field(&status, key) {

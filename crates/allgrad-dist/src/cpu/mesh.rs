@@ -150,6 +150,27 @@ pub(crate) struct Mesh {
     /// Per peer, the send and receive of the exchange in progress and its slot in the poll
     /// set, so that an exchange finds them without a search (it may have W - 1 of each).
     index: Vec<PeerIndex>,
+    /// What opens the connections not made at formation, in groups that connect on demand
+    /// (`group::on_demand`); `None` where every pair connected at formation.
+    opener: Option<Box<dyn Opener>>,
+}
+
+/// What opens a group's connections when a call first needs them (`group::on_demand`). The
+/// higher group rank of a pair connects, the lower one accepts: both ends of an exchange name
+/// each other, so both know at the same call that the connection is needed.
+pub(crate) trait Opener: Send {
+    /// Connects to the lower group rank `peer` and authenticates both ways, before `deadline`.
+    fn dial(&self, peer: usize, deadline: Instant) -> DistResult<TcpStream>;
+    /// The authenticated connection the higher group rank `peer` opened, once it has come.
+    fn take(&self, peer: usize) -> Option<TcpStream>;
+    /// Waits at most `wait` for a connection to come.
+    fn wait(&self, wait: Duration);
+    /// Every connection that has come and not been taken, by group rank.
+    fn take_all(&self) -> Vec<(usize, TcpStream)>;
+    /// The group failed for `reason`: every connection that comes from now on is answered
+    /// with the handshake and then `abort` (an ABORT frame), and closed for writing; and the
+    /// reason is left where a rank that finds this one gone can read it (the store).
+    fn poison(&self, reason: &str, abort: &[u8]);
 }
 
 /// The connections a rank that waits for something else than its TCP connections (a
@@ -185,7 +206,13 @@ impl PeerWatch {
 
     /// Looks at the next window of `mesh`'s connections and moves on.
     pub(crate) fn look(&mut self, mesh: &Mesh, what: &str) -> Option<DistError> {
-        let failed = mesh.peer_failure_among(what, self.covers(self.looks));
+        // A group that connects on demand may hold fewer connections than a window: then every
+        // look covers all of them, rather than a window of mostly unconnected ranks.
+        let failed = if mesh.opener.is_some() && mesh.connections() <= self.window {
+            mesh.peer_failure(what)
+        } else {
+            mesh.peer_failure_among(what, self.covers(self.looks))
+        };
         self.looks += 1;
         failed
     }
@@ -293,7 +320,103 @@ impl Mesh {
             tree_from: crate::settings::DEFAULT_TREE_FROM,
             peer_window: crate::settings::DEFAULT_PEER_WINDOW,
             index: vec![PeerIndex::UNUSED; n],
+            opener: None,
         }
+    }
+
+    /// Makes this group open the connections it lacks when a call first needs them.
+    pub(crate) fn set_opener(&mut self, opener: Box<dyn Opener>) {
+        self.opener = Some(opener);
+    }
+
+    /// How many peers this rank has a connection to.
+    pub fn connections(&self) -> usize {
+        self.peers.iter().flatten().count()
+    }
+
+    /// Opens the connections to the group ranks `wanted` that this rank lacks (groups that
+    /// connect on demand), as an exchange without frames: see [`Mesh::connect_lower`].
+    pub(crate) fn ensure_connected(&mut self, wanted: &[usize], what: &str) -> DistResult<()> {
+        let waiting = self.connect_lower(wanted)?;
+        self.exchange_inner(&mut [], &mut [], what, waiting)
+    }
+
+    /// Of the group ranks `wanted` that this rank has no connection to, connects to the lower
+    /// ones (the higher rank of a pair connects) and returns the higher ones, which the
+    /// exchange waits for ([`Mesh::exchange_inner`]): both ends of every exchange name each
+    /// other, so each knows at the same call that the connection is needed. A connection that
+    /// cannot be opened fails with [`DistError::Connect`] naming both ranks and the cause.
+    fn connect_lower(&mut self, wanted: &[usize]) -> DistResult<Vec<usize>> {
+        let r = self.rank;
+        let mut missing: Vec<usize> = wanted.iter().copied().filter(|p| *p != r && self.peers[*p].is_none()).collect();
+        if missing.is_empty() {
+            return Ok(missing);
+        }
+        missing.sort_unstable();
+        missing.dedup();
+        let me = self.members[r];
+        let Some(opener) = self.opener.take() else {
+            return Err(DistError::Invalid(format!(
+                "group {}: rank {me} has no connection to rank {}",
+                self.group, self.members[missing[0]]
+            )));
+        };
+        let deadline = Instant::now() + self.timeout;
+        let mut res = Ok(());
+        for &p in missing.iter().filter(|p| **p < r) {
+            res = opener
+                .dial(p, deadline)
+                .map_err(|e| DistError::Connect {
+                    rank: me,
+                    peer: self.members[p],
+                    group: self.group.clone(),
+                    cause: e.to_string(),
+                })
+                .and_then(|s| self.adopt(p, s));
+            if res.is_err() {
+                break;
+            }
+        }
+        self.opener = Some(opener);
+        res.map(|_| missing.into_iter().filter(|p| *p > r).collect())
+    }
+
+    /// Adopts the connections of `waiting` (higher group ranks) that have come, dropping them
+    /// from the list.
+    fn take_arrived(&mut self, waiting: &mut Vec<usize>) -> DistResult<()> {
+        let mut i = 0;
+        while i < waiting.len() {
+            match self.opener.as_ref().and_then(|o| o.take(waiting[i])) {
+                Some(s) => self.adopt(waiting.swap_remove(i), s)?,
+                None => i += 1,
+            }
+        }
+        Ok(())
+    }
+
+    /// An ABORT frame at the front of the connection of a peer that `busy` does not name (the
+    /// peers an exchange is reading a frame from look for theirs as they read).
+    fn abort_among_idle(&self, busy: impl Fn(usize) -> bool) -> Option<DistError> {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut fd_peer: Vec<usize> = Vec::new();
+        for (p, s) in self.peers.iter().enumerate() {
+            if let Some(s) = s.as_ref().filter(|_| !busy(p)) {
+                fds.push(wire::pollfd(s, libc::POLLIN));
+                fd_peer.push(p);
+            }
+        }
+        if wire::poll(&mut fds, Duration::ZERO).ok()? == 0 {
+            return None;
+        }
+        fds.iter().zip(&fd_peer).filter(|(fd, _)| fd.revents != 0).find_map(|(_, &p)| self.pending_abort(p))
+    }
+
+    /// Makes `s` this rank's connection to group rank `peer`.
+    fn adopt(&mut self, peer: usize, s: TcpStream) -> DistResult<()> {
+        s.set_nonblocking(true).map_err(|e| DistError::io("configuring a data-plane socket", e))?;
+        wire::tune_data_socket(&s);
+        self.peers[peer] = Some(s);
+        Ok(())
     }
 
     pub fn size(&self) -> usize {
@@ -334,6 +457,15 @@ impl Mesh {
             let secondary = err.is_secondary();
             let reason = format!("rank {} failed: {err}", self.members[self.rank]);
             self.failure = Some((err.to_string(), secondary));
+            // Connections that came but that no call has taken yet get the ABORT frame too, and
+            // so do those still to come: a peer that connected to this rank hears why.
+            if let Some(opener) = self.opener.take() {
+                for (p, c) in opener.take_all() {
+                    let _ = self.adopt(p, c);
+                }
+                opener.poison(&reason, &abort_frame(&reason));
+                self.opener = Some(opener);
+            }
             self.broadcast_abort(&reason);
             // Peers waiting at a shared-memory barrier look at this word first (the ABORT frame
             // sent above carries the reason).
@@ -401,10 +533,7 @@ impl Mesh {
     }
 
     fn broadcast_abort(&mut self, reason: &str) {
-        let reason = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON as usize)];
-        let h = Header { kind: KIND_ABORT, len: reason.len() as u64, ..Default::default() };
-        let mut frame = h.encode().to_vec();
-        frame.extend_from_slice(reason);
+        let frame = abort_frame(reason);
         for (p, s) in self.peers.iter_mut().enumerate() {
             let Some(s) = s else { continue };
             // Best effort and never blocking: a peer that cannot take it (or that is in the
@@ -464,13 +593,21 @@ impl Mesh {
     /// error messages. On error the group is poisoned (see [`Mesh::fail`]).
     pub fn exchange(&mut self, sends: &mut [SendOp], recvs: &mut [RecvOp], what: &str) -> DistResult<()> {
         self.check_usable()?;
+        let mut waiting = Vec::new();
+        if self.opener.is_some() {
+            let peers = sends.iter().map(|s| s.peer).chain(recvs.iter().map(|r| r.peer));
+            if peers.clone().any(|p| self.peers[p].is_none()) {
+                let wanted: Vec<usize> = peers.collect();
+                waiting = self.connect_lower(&wanted).map_err(|e| self.fail(e))?;
+            }
+        }
         for (i, s) in sends.iter().enumerate() {
             self.index[s.peer].send = i as u32;
         }
         for (i, r) in recvs.iter().enumerate() {
             self.index[r.peer].recv = i as u32;
         }
-        let r = self.exchange_inner(sends, recvs, what);
+        let r = self.exchange_inner(sends, recvs, what, waiting);
         for p in sends.iter().map(|s| s.peer).chain(recvs.iter().map(|r| r.peer)) {
             self.index[p] = PeerIndex::UNUSED;
         }
@@ -489,7 +626,18 @@ impl Mesh {
         }
     }
 
-    fn exchange_inner(&mut self, sends: &mut [SendOp], recvs: &mut [RecvOp], what: &str) -> DistResult<()> {
+    /// The exchange proper. `waiting`: peers of the exchange whose connections have not come
+    /// yet (groups that connect on demand); their sends and receives start once they come,
+    /// the others' meanwhile, and any ABORT frame on this rank's other connections fails the
+    /// wait (a rank that could not open a connection floods its failure through the ones it
+    /// holds).
+    fn exchange_inner(
+        &mut self,
+        sends: &mut [SendOp],
+        recvs: &mut [RecvOp],
+        what: &str,
+        mut waiting: Vec<usize>,
+    ) -> DistResult<()> {
         let deadline = Instant::now() + self.timeout;
         let busy_until = Instant::now() + BUSY_POLL;
         // Per send: bytes of (header + data) written. Per receive: state.
@@ -500,37 +648,66 @@ impl Mesh {
         let mut fd_peer: Vec<usize> = Vec::with_capacity(fds.capacity());
 
         loop {
+            if !waiting.is_empty() {
+                self.take_arrived(&mut waiting)?;
+            }
             for &p in &fd_peer {
                 self.index[p].fd = PeerIndex::NONE;
             }
             fds.clear();
             fd_peer.clear();
+            // Peers still to connect (`waiting`) have no connection to poll yet.
+            let connecting = !waiting.is_empty();
             for (i, s) in sends.iter().enumerate() {
-                if sent[i] < HEADER_LEN + s.data.len() {
+                let connected = !connecting || self.peers[s.peer].is_some();
+                if sent[i] < HEADER_LEN + s.data.len() && connected {
                     self.poll_for(&mut fds, &mut fd_peer, s.peer, libc::POLLOUT);
                 }
             }
             for (i, r) in recvs.iter().enumerate() {
-                if !rs[i].done {
+                let connected = !connecting || self.peers[r.peer].is_some();
+                if !rs[i].done && connected {
                     self.poll_for(&mut fds, &mut fd_peer, r.peer, libc::POLLIN);
                 }
             }
-            if fds.is_empty() {
+            if fds.is_empty() && !connecting {
                 self.counts.frames_sent += sends.len() as u64;
                 self.counts.frames_received += recvs.len() as u64;
                 return Ok(());
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let mut waiting: Vec<usize> = fd_peer.iter().map(|p| self.members[*p]).collect();
-                waiting.dedup();
-                return Err(DistError::Timeout {
-                    what: format!("in {what} on group {}, waiting for rank(s) {waiting:?}", self.group),
-                    timeout: self.timeout,
-                });
+                let mut ranks: Vec<usize> = fd_peer.iter().map(|p| self.members[*p]).collect();
+                ranks.dedup();
+                let mut what = format!("in {what} on group {}", self.group);
+                if !ranks.is_empty() {
+                    what += &format!(", waiting for rank(s) {ranks:?}");
+                }
+                if connecting {
+                    waiting.sort_unstable();
+                    let late: Vec<usize> = waiting.iter().map(|p| self.members[*p]).collect();
+                    let me = self.members[self.rank];
+                    what += &format!(", waiting for rank(s) {late:?} to open their connections to rank {me}");
+                }
+                return Err(DistError::Timeout { what, timeout: self.timeout });
             }
             self.counts.polls += 1;
-            if Instant::now() < busy_until {
+            if connecting {
+                let index = &self.index;
+                let reading = |p: usize| index[p].recv != PeerIndex::NONE && !rs[index[p].recv as usize].done;
+                if let Some(e) = self.abort_among_idle(reading) {
+                    return Err(e);
+                }
+                // Looks for new connections every few milliseconds.
+                let wait = left.min(Duration::from_millis(5));
+                if fds.is_empty() {
+                    if let Some(o) = self.opener.as_ref() {
+                        o.wait(wait);
+                    }
+                    continue;
+                }
+                wire::poll(&mut fds, wait).map_err(|e| DistError::io(format!("poll in {what}"), e))?;
+            } else if Instant::now() < busy_until {
                 // A peer a few microseconds behind is cheaper to wait for awake than asleep.
                 let ready = wire::poll(&mut fds, Duration::ZERO).map_err(|e| DistError::io(format!("poll in {what}"), e))?;
                 if ready == 0 {
@@ -761,6 +938,15 @@ impl Default for RecvState {
     fn default() -> Self {
         RecvState { phase: Phase::Header, hdr: [0; HEADER_LEN], got: 0, reduced: 0, reason: Vec::new(), done: false }
     }
+}
+
+/// The ABORT frame that carries `reason` (cut to [`MAX_ABORT_REASON`] bytes).
+fn abort_frame(reason: &str) -> Vec<u8> {
+    let reason = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON as usize)];
+    let h = Header { kind: KIND_ABORT, len: reason.len() as u64, ..Default::default() };
+    let mut frame = h.encode().to_vec();
+    frame.extend_from_slice(reason);
+    frame
 }
 
 fn is_disconnect(e: &std::io::Error) -> bool {

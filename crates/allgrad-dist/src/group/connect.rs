@@ -1,9 +1,11 @@
 //! The network of a group: the address its data plane binds to, and the authenticated
-//! connections between every pair of members.
+//! connections between its members: every pair at formation in groups below
+//! ALLGRAD_ON_DEMAND_FROM ranks, along the tree and the ring in larger ones (`on_demand`).
 
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Context;
@@ -48,7 +50,7 @@ pub(super) fn bind_ip_toward(configured: Option<IpAddr>, master: &str, port: u16
 /// A rank accepts (on a thread of its own) while it connects: were it to accept only once
 /// connected to every lower rank, rank r could not finish before rank r - 1 began accepting,
 /// and forming a group would take W handshakes one after the other.
-pub(super) fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usize]) -> DistResult<Mesh> {
+pub(super) fn connect_mesh(ctx: &Arc<Context>, group: &str, me: usize, members: &[usize]) -> DistResult<Mesh> {
     let info = &ctx.info;
     let store = ctx.store.as_ref().expect("a multi-rank group has a store");
     let deadline = Instant::now() + info.timeout;
@@ -66,6 +68,25 @@ pub(super) fn connect_mesh(ctx: &Context, group: &str, me: usize, members: &[usi
         token: info.token.clone(),
         group: group.to_string(),
     };
+    if n >= ctx.settings.on_demand_from {
+        let mut mesh = Mesh::new(group.to_string(), me, members.to_vec(), (0..n).map(|_| None).collect(), info.timeout);
+        mesh.tree_from = ctx.settings.tree_from;
+        mesh.peer_window = ctx.settings.peer_window;
+        let (ctx2, group2, members2) = (ctx.clone(), group.to_string(), members.to_vec());
+        let address = Box::new(move |p: usize| -> DistResult<SocketAddr> {
+            let store = ctx2.store.as_ref().expect("a multi-rank group has a store");
+            let raw = store.get(&format!("{group2}/addr/{p}"))?;
+            String::from_utf8_lossy(&raw).parse().map_err(|_| DistError::Protocol {
+                peer: members2[p],
+                group: group2.clone(),
+                detail: "unreadable address in the store".into(),
+            })
+        });
+        let board = Box::new(StoreBoard { ctx: ctx.clone(), group: group.to_string() });
+        let mut mesh = super::on_demand::form(mesh, listener, hello, address, board)?;
+        mesh.setup_shm(&info.token, ShmConfig::from(&ctx.settings))?;
+        return Ok(mesh);
+    }
     let stop = AtomicBool::new(false);
     let (lower, higher) = std::thread::scope(|scope| {
         let accepting = std::thread::Builder::new()
@@ -232,4 +253,31 @@ fn accept_higher(
         }
     }
     Ok(out)
+}
+
+/// The failures of a group that connects on demand, left in the store under
+/// `{group}/failed/{rank}` (`on_demand::FailureBoard`).
+struct StoreBoard {
+    ctx: Arc<Context>,
+    group: String,
+}
+
+impl super::on_demand::FailureBoard for StoreBoard {
+    fn post(&self, rank: usize, reason: &str) {
+        if let Some(store) = &self.ctx.store {
+            if let Err(e) = store.set(&format!("{}/failed/{rank}", self.group), reason.as_bytes()) {
+                tracing::debug!("{}: leaving this rank's failure in the store: {e}", self.group);
+            }
+        }
+    }
+
+    fn read(&self, rank: usize) -> Option<String> {
+        let store = self.ctx.store.as_ref()?;
+        let key = format!("{}/failed/{rank}", self.group);
+        // `check` answers at once; `get` only once the key is known to be there.
+        if !store.check(&key).ok()? {
+            return None;
+        }
+        store.get(&key).ok().map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
 }

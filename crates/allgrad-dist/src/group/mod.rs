@@ -20,6 +20,9 @@ pub(crate) mod cuda;
 mod cuda_path;
 pub(crate) mod fd_limit;
 pub(crate) mod host_ops;
+mod on_demand;
+#[cfg(test)]
+mod on_demand_tests;
 mod ring;
 mod slices;
 mod tensors;
@@ -248,6 +251,14 @@ impl ProcessGroup {
     /// member runs on this host and none set ALLGRAD_SHM=0. Decided when the group is made.
     pub fn shared_memory(&self) -> bool {
         self.lock().mesh.shm.is_some()
+    }
+
+    /// How many peers this rank holds a connection to (for tests and benchmarks): every other
+    /// rank in groups that connect every pair at formation, fewer in groups that connect on
+    /// demand (ALLGRAD_ON_DEMAND_FROM) until their calls have needed more.
+    #[doc(hidden)]
+    pub fn connection_count(&self) -> usize {
+        self.lock().mesh.connections()
     }
 
     /// How many of this group's all_reduce calls took each path so far (for tests).

@@ -26,6 +26,7 @@ mod differentiable;
 mod failures;
 mod invariance_check;
 mod many_processes;
+mod on_demand;
 mod redistribution;
 mod ring_pass;
 mod rooted_and_p2p;

@@ -1,11 +1,16 @@
-//! A group of 64 processes on this host: this test binary starts 64 copies of itself as ranks
-//! (the `child_rank` test, which does nothing unless ALLGRAD_TEST_CHILD is set) with the
+//! Groups of 64 and 128 processes on this host: this test binary starts W copies of itself as
+//! ranks (the `child_rank` test, which does nothing unless ALLGRAD_TEST_CHILD is set) with the
 //! launcher variables, each under a watchdog (`allgrad_testkit::process`). They form one
-//! group (a full mesh of 2,016 connections; 64 ranks are past the default ALLGRAD_TREE_FROM of
-//! 32, so calls are checked and small collectives run through the binomial tree), run a
-//! barrier, small and 1 MiB all_reduce calls and an all_gather with their results checked
-//! against the closed-form sums, and then one rank SIGKILLs itself while the others wait in a
-//! 4-byte all_reduce: every survivor must fail, naming it, well before the timeout.
+//! group (both sizes are past the default ALLGRAD_TREE_FROM and ALLGRAD_ON_DEMAND_FROM of 32,
+//! so calls are checked and small collectives run through the binomial tree, and each rank
+//! connects at formation only to its parent and children in the tree and its two ring
+//! neighbours), run a barrier, small and 1 MiB all_reduce calls and an all_gather with their
+//! results checked against the closed-form sums, and each rank reports the connections it
+//! holds, which must be those of formation (counted here from the tree's and the ring's
+//! rules). Then one rank SIGKILLs itself while the others wait in a 4-byte all_reduce: every
+//! survivor must fail, naming it, well before the timeout, though most of them hold no
+//! connection to it (at W = 128 the victim is known to five ranks, its tree and ring
+//! neighbours).
 //!
 //! `scripts/bench/bench_scale_ranks.sh` measures the same at up to 1,024 ranks; this test holds the
 //! behaviour at a size CI can afford.
@@ -52,6 +57,9 @@ fn child_rank() {
         std::process::exit(3)
     });
     let (w, r) = (pg.world_size(), pg.rank());
+    // ALLGRAD_TEST_CHILD names the rank that kills itself.
+    let victim: usize = mode.parse().unwrap_or(VICTIM);
+    let formed_with = pg.connection_count();
     let res: Result<(), String> = (|| {
         pg.barrier().map_err(|e| e.to_string())?;
         let mut x = [r as f64 + 1.0, 1.0];
@@ -72,9 +80,9 @@ fn child_rank() {
         }
         let paths = pg.all_reduce_paths();
         let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
-        say(format!("formed tree={} fds={fds}", paths.tree));
+        say(format!("formed tree={} fds={fds} conns={formed_with} then={}", paths.tree, pg.connection_count()));
         pg.barrier().map_err(|e| e.to_string())?;
-        if r == VICTIM {
+        if r == victim {
             std::thread::sleep(Duration::from_millis(200));
             // SAFETY: raising a signal against this process.
             unsafe { libc::raise(libc::SIGKILL) };
@@ -132,33 +140,55 @@ fn too_low_a_limit_on_open_files_is_refused_at_start_with_the_numbers() {
     }
 }
 
-#[test]
-fn sixty_four_processes_form_a_group_and_every_survivor_names_a_killed_rank() {
+/// Rank `r`'s peers at formation in a group of `w` (the tree's parent and children, the
+/// ring's neighbours), from the rules as documented.
+fn formation_peers(r: usize, w: usize) -> usize {
+    let mut out = Vec::new();
+    if r > 0 {
+        out.push(r - (r & r.wrapping_neg()));
+    }
+    let below = if r == 0 { usize::MAX } else { r & r.wrapping_neg() };
+    let mut d = 1;
+    while d < below && r + d < w {
+        out.push(r + d);
+        d *= 2;
+    }
+    out.extend([(r + 1) % w, (r + w - 1) % w]);
+    out.retain(|p| *p != r);
+    out.sort_unstable();
+    out.dedup();
+    out.len()
+}
+
+/// Starts `w` ranks, of which `victim` kills itself once the group has run its calls, and
+/// checks every rank's report.
+fn form_and_kill(w: usize, victim: usize, watchdog: Duration) {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let token = format!("many-{port}-{}", std::process::id());
     let exe = std::env::current_exe().unwrap();
-    let ranks: Vec<Watched> = (0..W)
+    let ranks: Vec<Watched> = (0..w)
         .map(|r| {
             let mut cmd = Command::new(&exe);
             cmd.args(["many_processes::child_rank", "--ignored", "--exact", "--nocapture", "--test-threads=1"])
-                .env("ALLGRAD_TEST_CHILD", "1")
+                .env("ALLGRAD_TEST_CHILD", victim.to_string())
                 .env_remove("ALLGRAD_TREE_FROM")
+                .env_remove("ALLGRAD_ON_DEMAND_FROM")
                 .env("RANK", r.to_string())
-                .env("WORLD_SIZE", W.to_string())
+                .env("WORLD_SIZE", w.to_string())
                 .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", W.to_string())
+                .env("LOCAL_WORLD_SIZE", w.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env("ALLGRAD_JOB_TOKEN", &token)
                 .env("ALLGRAD_TIMEOUT_S", TIMEOUT_S.to_string());
-            spawn(&mut cmd, &format!("rank {r} of {W}"), Duration::from_secs(150))
+            spawn(&mut cmd, &format!("rank {r} of {w}"), watchdog)
         })
         .collect();
     for (r, rank) in ranks.into_iter().enumerate() {
         let (out, _) = rank.wait();
         let text = String::from_utf8_lossy(&out.stdout);
         let said: Vec<&str> = text.lines().filter_map(|l| l.find("CHILD: ").map(|i| &l[i + 7..])).collect();
-        if r == VICTIM {
+        if r == victim {
             assert_eq!(out.status.code(), None, "rank {r} should have died of SIGKILL: {said:?}");
             continue;
         }
@@ -166,9 +196,25 @@ fn sixty_four_processes_form_a_group_and_every_survivor_names_a_killed_rank() {
         let formed = said.iter().find(|l| l.starts_with("formed ")).unwrap_or_else(|| panic!("rank {r} never formed: {said:?}"));
         // Past ALLGRAD_TREE_FROM the small all_reduce went through the tree.
         assert!(formed.starts_with("formed tree=1 "), "rank {r}: {formed}");
+        // Past ALLGRAD_ON_DEMAND_FROM the rank connected to its tree and ring neighbours only,
+        // and the calls (tree, shared memory or the ring) opened no other connection.
+        let want = formation_peers(r, w);
+        assert!(formed.ends_with(&format!(" conns={want} then={want}")), "rank {r} (expected {want} connections): {formed}");
         let failed = said.iter().find(|l| l.starts_with("failed after ")).unwrap_or_else(|| panic!("rank {r}: {said:?}"));
-        assert!(names_rank(failed, VICTIM), "rank {r}'s error does not name rank {VICTIM}: {failed}");
+        assert!(names_rank(failed, victim), "rank {r}'s error does not name rank {victim}: {failed}");
         let ms: u64 = failed["failed after ".len()..].split(' ').next().unwrap().parse().unwrap();
         assert!(ms < TIMEOUT_S * 1000 / 3, "rank {r} took {ms} ms to notice (timeout {TIMEOUT_S} s): {failed}");
     }
+}
+
+#[test]
+fn sixty_four_processes_form_a_group_and_every_survivor_names_a_killed_rank() {
+    form_and_kill(W, VICTIM, Duration::from_secs(150));
+}
+
+#[test]
+fn a_hundred_and_twenty_eight_processes_connected_on_demand_all_name_a_killed_rank() {
+    // Rank 72: parent 64, children 73, 74 and 76, ring neighbours 71 and 73; the other 122
+    // survivors hold no connection to it.
+    form_and_kill(128, 72, Duration::from_secs(300));
 }
