@@ -260,7 +260,8 @@ fn later_keys_contribute_exactly_nothing_to_a_causal_query() {
         }
         // The last position's key and value reach no query but the last one's own: with the
         // upstream gradient of every other row zero, they get none.
-        let wl: Vec<f64> = (0..c.b * c.len * h).map(|j| if (j / h) % c.len == 0 { 1.0 } else { 0.0 }).collect();
+        // Row j / h is position 0 of its sequence when it is a multiple of the length.
+        let wl: Vec<f64> = (0..c.b * c.len * h).map(|j| if (j / h).is_multiple_of(c.len) { 1.0 } else { 0.0 }).collect();
         let wl = Tensor::from_vec(wl, (c.b, c.len, h), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
         let (_, g0) = loss_and_grad(&|x| c.fused(x, &bias, mask.as_ref()), &qkv, &wl);
         let g0 = to_f64_vec(&g0);

@@ -141,7 +141,7 @@ impl AllgradStep {
             .collect::<anyhow::Result<Vec<Tensor>>>()?;
         let sharded = vec![false; g.len()];
         self.optimizer.step(&self.params, &g, &sharded, LR, &self.pg)?;
-        // The trainer's clamp of the logit scale (Trainer::clamp_params), in place.
+        // The logit scale clamped to [0, ln 100], as the trainer clamps it (Trainer::clamp_params).
         let v = &self.params[self.scale_index].1;
         v.set(&v.as_tensor().detach().clamp(0f32, MAX_LOGIT_SCALE.ln() as f32)?)?;
         let t_opt = Instant::now();
