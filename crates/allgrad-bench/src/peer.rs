@@ -1,6 +1,7 @@
-//! The PyTorch side of a step benchmark (`scripts/bench/bench_simclr_step.py --worker`, or
-//! `scripts/bench/bench_simcse_step.py --worker`) as a child process that runs one step (or one
-//! layer breakdown) per command, so the two implementations alternate in one invocation while
+//! The PyTorch side of a step benchmark (`scripts/bench/bench_simclr_step.py --worker`,
+//! `scripts/bench/bench_simcse_step.py --worker` or `scripts/bench/bench_clip_step.py
+//! --worker`) as a child process that runs one step (or one layer breakdown, or a profile) per
+//! command, so the two implementations alternate in one invocation while
 //! each keeps its warm model and memory.
 
 use std::io::{BufRead, BufReader, Write};
@@ -90,6 +91,17 @@ impl Peer {
     pub fn step(&mut self) -> anyhow::Result<Sample> {
         let line = self.ask("step")?;
         fields(&line, "STEP")
+    }
+
+    /// The lines the worker answers `cmd` with, up to its `DONE` line (a profile's table).
+    pub fn lines(&mut self, cmd: &str) -> anyhow::Result<Vec<String>> {
+        let mut line = self.ask(cmd)?;
+        let mut out = Vec::new();
+        while line != "DONE" {
+            out.push(line);
+            line = self.line()?;
+        }
+        Ok(out)
     }
 
     /// The layer breakdown: (kind, count, forward s, backward s) per layer type.

@@ -1,5 +1,5 @@
-//! How the step benchmarks (`bench_simclr_step` and `bench_simcse_step`) alternate allgrad's
-//! step with the PyTorch peer's and print the step table and the layer breakdown.
+//! How the step benchmarks (`bench_simclr_step`, `bench_simcse_step`, `bench_clip_step`)
+//! alternate allgrad's step with the PyTorch peer's and print the step table and the layer breakdown.
 
 use crate::machine::summary;
 use crate::peer::Peer;

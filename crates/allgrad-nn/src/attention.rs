@@ -28,6 +28,10 @@ use crate::simd::SimdPlan;
 
 const OP: &str = "attention";
 
+/// Added to the scores of keys a causal query may not see, in the composed form (the fused
+/// kernel leaves them out of the softmax); exp of it underflows to exactly 0.
+const LATER: f64 = -1e30;
+
 /// Batch, length, heads and head size of one call.
 #[derive(Clone, Copy, Debug)]
 struct Dims {
@@ -35,6 +39,8 @@ struct Dims {
     len: usize,
     heads: usize,
     d: usize,
+    /// Each query sees only the keys at its position and before (a causal mask).
+    causal: bool,
 }
 
 impl Dims {
@@ -60,8 +66,23 @@ impl Dims {
 /// When the shapes do not fit together (`3·h` not divisible into `heads`, a bias or mask of
 /// another shape), or the dtypes or devices differ.
 pub fn attention(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>) -> Result<Tensor> {
+    fused(qkv, key_bias, heads, dropout, false)
+}
+
+/// [`attention`] with a causal mask: query `t` sees the keys `0..=t` only (a text
+/// transformer's decoder-style attention, as CLIP's text tower runs it), its scores of later
+/// keys left out of the softmax (their probabilities exactly 0). On the CPU the same fused
+/// kernel; elsewhere [`causal_attention_composed`].
+///
+/// # Errors
+/// As [`attention`].
+pub fn causal_attention(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>) -> Result<Tensor> {
+    fused(qkv, key_bias, heads, dropout, true)
+}
+
+fn fused(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>, causal: bool) -> Result<Tensor> {
     let _timer = crate::trace::OpTimer::start("attention", crate::trace::Pass::Forward, qkv.device());
-    let dims = check(qkv, key_bias, heads, dropout)?;
+    let dims = Dims { causal, ..check(qkv, key_bias, heads, dropout)? };
     if cpu_float(qkv) {
         // With bf16 projections (autocast) the kernel computes in f32: f32 constants.
         let consts = if qkv.dtype() == DType::BF16 {
@@ -90,14 +111,33 @@ pub fn attention_composed(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout
     composed(qkv, &key_bias, dims, mask.as_ref())
 }
 
+/// [`causal_attention`] written with Candle's differentiable ops: [`attention_composed`] with
+/// a large negative number added to the scores of later keys (made on the device).
+///
+/// # Errors
+/// As [`attention`].
+pub fn causal_attention_composed(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>) -> Result<Tensor> {
+    let dims = Dims { causal: true, ..check(qkv, key_bias, heads, dropout)? };
+    let key_bias = key_bias.to_dtype(qkv.dtype())?;
+    let mask = dropout.map(|m| m.to_dtype(qkv.dtype())).transpose()?;
+    composed(qkv, &key_bias, dims, mask.as_ref())
+}
+
 fn composed(qkv: &Tensor, key_bias: &Tensor, dims: Dims, dropout: Option<&Tensor>) -> Result<Tensor> {
-    let Dims { b, len, heads, d } = dims;
+    let Dims { b, len, heads, d, causal } = dims;
     let h = dims.hidden();
     let split = |part: usize| -> Result<Tensor> {
         qkv.narrow(2, part * h, h)?.contiguous()?.reshape((b, len, heads, d))?.transpose(1, 2)?.contiguous()
     };
     let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-    let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&key_bias.reshape((b, 1, 1, len))?)?;
+    let mut scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&key_bias.reshape((b, 1, 1, len))?)?;
+    if causal {
+        // LATER above the diagonal (key k > query t), 0 elsewhere, from position numbers
+        // kept on the device (no upload).
+        let pos = crate::transfer::numbers(len, qkv.device())?;
+        let later = pos.reshape((1, len))?.broadcast_gt(&pos.reshape((len, 1))?)?.to_dtype(scores.dtype())?;
+        scores = scores.broadcast_add(&later.affine(LATER, 0.0)?)?;
+    }
     let mut probs = crate::softmax_last_dim(&scores)?;
     if let Some(mask) = dropout {
         probs = crate::dropout_mask(&probs, mask, None)?;
@@ -121,7 +161,7 @@ fn check(qkv: &Tensor, key_bias: &Tensor, heads: usize, dropout: Option<&Tensor>
             expected: format!("its last dimension must be 3 x {heads} heads x the head size"),
         });
     }
-    let dims = Dims { b, len, heads, d: width / (3 * heads) };
+    let dims = Dims { b, len, heads, d: width / (3 * heads), causal: false };
     if key_bias.dims() != [b, len] {
         return fail(NnError::ParamShape {
             op: OP,
@@ -267,9 +307,13 @@ fn probabilities<T: Float>(x: &[T], bias: &[T], head: usize, dims: Dims, p: &mut
     let q = MatRef::new(&x[head * d..], 3 * h, 1);
     let kt = MatRef::new(&x[h + head * d..], 1, 3 * h);
     matmul(p, len, false, q, kt, (len, len, d), Parallelism::None);
-    for row in p.chunks_mut(len) {
+    for (t, row) in p.chunks_mut(len).enumerate() {
+        // Causal: the keys after `t` get probability exactly 0, the softmax runs over the rest.
+        let seen = if dims.causal { t + 1 } else { len };
+        let (row, later) = row.split_at_mut(seen);
         row.iter_mut().zip(bias).for_each(|(s, &b)| *s = *s * scale + b);
         softmax_row(row, scratch, level);
+        later.fill(T::from_f64(0.0));
     }
 }
 

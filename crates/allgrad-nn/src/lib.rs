@@ -29,6 +29,8 @@
 //!   heads merged) over packed query/key/value projections as one op, with a backward that
 //!   recomputes the probabilities (composed from Candle's ops it is about fifteen graph nodes,
 //!   each a pass forward and an accumulation backward).
+//!   [`causal_attention`]: the same with a causal mask (each query sees its position and the
+//!   earlier ones), as a text transformer such as CLIP's runs it.
 //! - [`channel_moments`], [`channel_affine`]: the two passes of batch normalisation over
 //!   `[N, C, ...]` tensors, fused, with backward (sums in f64).
 //! - [`batch_norm`]: the whole batch-norm layer (and a following ReLU or residual
@@ -107,7 +109,7 @@ pub mod transfer;
 mod vmath;
 
 pub use activation::{add_relu, gelu_erf, gelu_erf_composed, prelu, relu};
-pub use attention::{attention, attention_composed};
+pub use attention::{attention, attention_composed, causal_attention, causal_attention_composed};
 pub use backend::has_fused_kernels;
 pub use batch_norm::finalize;
 pub use batch_norm::{batch_norm, BnBranch, BnStats, BnTail, ChannelSum};

@@ -74,7 +74,10 @@ fn exp_one(x: f32) -> f32 {
     // The low bits of `shifted` hold n + 2^22 (mod 2^23); subtracting the bits of ROUND
     // itself leaves n as a two's-complement integer.
     let n_int = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-    let y = poly * f32::from_bits(((n_int + 127) as u32) << 23);
+    // n is in [-126, 127] after the clamp, so n + 127 never overflows; `wrapping_add` says so
+    // to the compiler: a checked add (debug builds, tests) is a possible panic that keeps
+    // LLVM from vectorising the loop, which then runs scalar. The release code is the same.
+    let y = poly * f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
     if flush {
         0.0
     } else {

@@ -20,9 +20,6 @@ use candle_nn::{Init, VarBuilder};
 use super::config::{Activation, Architecture, ClipConfig, ClipTextConfig, ClipVisionConfig, TextPooling};
 use crate::bert::{Dense, Norm};
 
-/// Added to the scores of keys a query may not see (later tokens in the text tower).
-const MASKED: f64 = -1e30;
-
 /// A linear layer's weight without bias (the projections), fresh from N(0, `std`).
 fn weight(vb: &VarBuilder, out: usize, inp: usize, std: f64) -> Result<Tensor> {
     vb.get_with_hints((out, inp), "weight", normal(std))
@@ -141,34 +138,20 @@ impl Block {
     fn forward(&self, x: &Tensor, causal: bool) -> Result<Tensor> {
         let (b, len, h) = x.dims3()?;
         let qkv = Dense::stacked(&[&self.q, &self.k, &self.v])?.forward(&self.ln1.forward(x)?)?;
+        // allgrad-nn's fused attention, causal in CLIP's text tower. No key is masked out:
+        // CLIP's padding follows the end-of-text token, which no causal query looks past; the
+        // image tower and SigLIP's text tower attend to every token (SigLIP to its padding too,
+        // as it was trained).
+        let bias = Tensor::zeros((b, len), qkv.dtype(), qkv.device())?;
         let ctx = if causal {
-            causal_attention(&qkv, self.heads)?
+            allgrad_nn::causal_attention(&qkv, &bias, self.heads, None)?
         } else {
-            // allgrad-nn's fused attention, every key visible.
-            let bias = Tensor::zeros((b, len), qkv.dtype(), qkv.device())?;
             allgrad_nn::attention(&qkv, &bias, self.heads, None)?
         };
         let x = (x + self.out.forward(&ctx)?.reshape((b, len, h))?)?;
         let m = self.fc2.forward(&self.act.apply(&self.fc1.forward(&self.ln2.forward(&x)?)?)?)?;
         x + m
     }
-}
-
-/// Causal multi-head attention over packed `[b, len, 3h]` projections, from Candle's
-/// differentiable ops and allgrad-nn's softmax (the fused kernel takes a per-key bias only).
-fn causal_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
-    let (b, len, h3) = qkv.dims3()?;
-    let h = h3 / 3;
-    let d = h / heads;
-    let split = |i: usize| qkv.narrow(2, i * h, h)?.reshape((b, len, heads, d))?.transpose(1, 2)?.contiguous();
-    let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-    // MASKED above the diagonal (column j > row i), 0 elsewhere, made on the device from kept
-    // position numbers (no upload).
-    let pos = allgrad_nn::transfer::numbers(len, qkv.device())?;
-    let mask = pos.reshape((1, len))?.broadcast_gt(&pos.reshape((len, 1))?)?.to_dtype(qkv.dtype())?.affine(MASKED, 0.0)?;
-    let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask)?;
-    let p = allgrad_nn::softmax_last_dim(&scores)?;
-    p.matmul(&v)?.transpose(1, 2)?.reshape((b, len, h))
 }
 
 /// How the image tower turns its tokens into one embedding.
