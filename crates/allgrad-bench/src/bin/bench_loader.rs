@@ -116,7 +116,7 @@ fn loader(data: Arc<ImageFolder>, views: Arc<TwoViews>, workers: usize, samples:
         bail!("{total} samples asked for (with a warm-up batch of {batch}), the set has {}", data.len());
     }
     let plan: Vec<Vec<usize>> = (0..total / batch).map(|b| (b * batch..(b + 1) * batch).collect()).collect();
-    let cfg = LoaderConfig { workers, prefetch: 2 * workers.max(1) };
+    let cfg = LoaderConfig { workers, prefetch: 2 * workers.max(1), ..Default::default() };
     let mut loader = Loader::new(data, views, 0, 0, plan, &cfg, &candle_core::Device::Cpu)?;
     loader.next().context("no batch")??;
     let start = Instant::now();
