@@ -4,8 +4,10 @@
 //! The plan lists this rank's coming (micro-)batches as positions of the epoch, ascending
 //! (the trainer's unshuffled sampler gives exactly that). A batch's positions fall into
 //! streams ([`StreamLayout::locate`]); worker `w` reads streams `l` with `l % workers == w`,
-//! and for each batch in order builds the part of each of its streams (decode, then the
-//! views keyed by the position). The consumer takes the parts in the same (batch, stream)
+//! and for each batch in order builds the part of each of its streams: it reads the part's
+//! samples, then decodes them and makes their views (keyed by the position) on as many threads
+//! as make the workers asked for in all (a rank has `streams / W` streams, fewer than its
+//! workers perhaps), each thread a run of consecutive samples, the views placed in order. The consumer takes the parts in the same (batch, stream)
 //! order, so nothing waits in a cycle, and joins them in position order. A stream that the
 //! plan enters in the middle (a resume) starts from its saved state when the stream has one
 //! ([`ShardStream::resume_from`]), and is read forward from there (or from the epoch's start)

@@ -355,3 +355,33 @@ fn a_rank_decodes_on_the_workers_asked_for_and_keeps_the_order() {
         }
     }
 }
+
+#[test]
+fn an_image_folder_loader_decodes_scaled_the_same_for_any_number_of_workers() {
+    // The photographs as a folder of two classes, 24 files.
+    let dir = tempfile::tempdir().unwrap();
+    for i in 0..24 {
+        let class = dir.path().join(format!("c{}", i % 2));
+        std::fs::create_dir_all(&class).unwrap();
+        std::fs::copy(&photos()[i % 4], class.join(format!("{i:02}.jpg"))).unwrap();
+    }
+    let data: Arc<dyn allgrad_data::Dataset> =
+        Arc::new(allgrad_data::ImageFolder::open(dir.path(), &allgrad_data::FolderOptions::default()).unwrap());
+    let views: Arc<dyn Pipeline> = Arc::new(two_views());
+    let plan: Vec<Vec<usize>> = vec![vec![3, 7, 1, 20], vec![10, 0, 5, 23], vec![2, 9, 4, 15]];
+    let run = |workers, scaled_decode| -> Vec<Vec<Vec<f32>>> {
+        let cfg = LoaderConfig { workers, prefetch: 2, scaled_decode };
+        allgrad_data::Loader::new(data.clone(), views.clone(), 4, 1, plan.clone(), &cfg, &Device::Cpu)
+            .unwrap()
+            .map(|b| b.unwrap().views.iter().map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect())
+            .collect()
+    };
+    let scaled = run(2, true);
+    assert_eq!(scaled, run(0, true));
+    assert_eq!(scaled, run(3, true));
+    let full = run(2, false);
+    let diffs: Vec<f64> =
+        scaled.iter().flatten().flatten().zip(full.iter().flatten().flatten()).map(|(a, b)| (a - b).abs() as f64).collect();
+    let mean = diffs.iter().sum::<f64>() / diffs.len() as f64;
+    assert!(diffs.iter().any(|&d| d > 0.0) && mean <= VIEW_MEAN[2], "mean {mean}");
+}
