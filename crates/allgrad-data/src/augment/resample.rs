@@ -108,9 +108,158 @@ fn taps(len: usize, out: usize, filter: Resample) -> Vec<(usize, Vec<i32>)> {
         .collect()
 }
 
-/// Pillow's `clip8`: the accumulator (with its half added) back to a byte.
-fn clip8(acc: i64) -> u8 {
-    (acc >> PRECISION_BITS).clamp(0, 255) as u8
+/// One axis's taps laid out flat for the passes: output `o` (counted from the first output
+/// kept) reads `n[o]` source pixels from `lo[o]` with the taps `coeffs[o * ksize..][..n[o]]`.
+/// Built once per call and reused by every row (the horizontal pass) or column (the vertical).
+struct Taps {
+    lo: Vec<usize>,
+    n: Vec<usize>,
+    ksize: usize,
+    coeffs: Vec<i32>,
+    /// Whether Pillow's 32-bit accumulator holds every sum of these taps over bytes (see
+    /// [`Taps::new`]); when not, the passes sum in i64 (the same values, as long as Pillow's
+    /// own `int` sum does not overflow).
+    fits_i32: bool,
+}
+
+impl Taps {
+    /// The taps of `taps(len, out, filter)` for the outputs `keep`.
+    ///
+    /// The i32 bound: an accumulator starts at `1 << (PRECISION_BITS - 1)` and adds
+    /// `p * w` with `0 <= p <= 255`, so every partial sum lies within
+    /// `half + 255 * (sum of the negative taps) ..= half + 255 * (sum of the positive taps)`.
+    /// The taps are normalised to sum to `1 << PRECISION_BITS` (2^22), so for the triangle
+    /// filter (no negative taps) the largest sum is about `2^21 + 255 * 2^22 < 2^31`; Keys'
+    /// cubic has negative lobes, and rather than rely on an analytic bound for every scale and
+    /// clipped edge, the bound is checked here on the actual taps, exactly in i64.
+    fn new(len: usize, out: usize, filter: Resample, keep: std::ops::Range<usize>) -> Taps {
+        let all = taps(len, out, filter);
+        let kept = &all[keep];
+        let ksize = kept.iter().map(|(_, w)| w.len()).max().unwrap_or(0);
+        let mut coeffs = vec![0i32; kept.len() * ksize];
+        let (mut pos_max, mut neg_min) = (0i64, 0i64);
+        for (o, (_, w)) in kept.iter().enumerate() {
+            coeffs[o * ksize..o * ksize + w.len()].copy_from_slice(w);
+            pos_max = pos_max.max(w.iter().filter(|&&x| x > 0).map(|&x| x as i64).sum());
+            neg_min = neg_min.min(w.iter().filter(|&&x| x < 0).map(|&x| x as i64).sum());
+        }
+        let half = 1i64 << (PRECISION_BITS - 1);
+        let fits_i32 = half + 255 * pos_max <= i32::MAX as i64 && half + 255 * neg_min >= i32::MIN as i64;
+        Taps {
+            lo: kept.iter().map(|(lo, _)| *lo).collect(),
+            n: kept.iter().map(|(_, w)| w.len()).collect(),
+            ksize,
+            coeffs,
+            fits_i32,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.lo.len()
+    }
+
+    /// The first source pixel and the taps of output `o`.
+    #[inline(always)]
+    fn get(&self, o: usize) -> (usize, &[i32]) {
+        let start = o * self.ksize;
+        (self.lo[o], &self.coeffs[start..start + self.n[o]])
+    }
+}
+
+/// A fixed-point accumulator: i32 (Pillow's own) when [`Taps::fits_i32`], else i64.
+trait Acc: Copy {
+    const HALF: Self;
+    fn mac(self, p: u8, w: i32) -> Self;
+    /// Pillow's `clip8`: the accumulator (with its half added) back to a byte.
+    fn byte(self) -> u8;
+}
+
+impl Acc for i32 {
+    const HALF: i32 = 1 << (PRECISION_BITS - 1);
+    #[inline(always)]
+    fn mac(self, p: u8, w: i32) -> i32 {
+        self + p as i32 * w
+    }
+    #[inline(always)]
+    fn byte(self) -> u8 {
+        (self >> PRECISION_BITS).clamp(0, 255) as u8
+    }
+}
+
+impl Acc for i64 {
+    const HALF: i64 = 1 << (PRECISION_BITS - 1);
+    #[inline(always)]
+    fn mac(self, p: u8, w: i32) -> i64 {
+        self + p as i64 * w as i64
+    }
+    #[inline(always)]
+    fn byte(self) -> u8 {
+        (self >> PRECISION_BITS).clamp(0, 255) as u8
+    }
+}
+
+/// The horizontal pass over one row `src` (the box's pixels, `C` channels each) into `out`
+/// (`t.len()` pixels): all channels of a pixel summed together, no bounds check in the tap loop.
+#[inline(always)]
+fn horizontal_row<const C: usize, A: Acc>(src: &[u8], t: &Taps, out: &mut [u8]) {
+    for (o, px) in out.chunks_exact_mut(C).enumerate() {
+        let (lo, ws) = t.get(o);
+        let mut acc = [A::HALF; C];
+        for (p, &w) in src[lo * C..(lo + ws.len()) * C].chunks_exact(C).zip(ws) {
+            for k in 0..C {
+                acc[k] = acc[k].mac(p[k], w);
+            }
+        }
+        for k in 0..C {
+            px[k] = acc[k].byte();
+        }
+    }
+}
+
+/// [`horizontal_row`] for any number of channels (not 1 to 4: none of allgrad's images).
+fn horizontal_row_any<A: Acc>(c: usize, src: &[u8], t: &Taps, out: &mut [u8]) {
+    for (o, px) in out.chunks_exact_mut(c).enumerate() {
+        let (lo, ws) = t.get(o);
+        for (k, q) in px.iter_mut().enumerate() {
+            let mut acc = A::HALF;
+            for (i, &w) in ws.iter().enumerate() {
+                acc = acc.mac(src[(lo + i) * c + k], w);
+            }
+            *q = acc.byte();
+        }
+    }
+}
+
+fn horizontal<A: Acc>(c: usize, rows: &mut dyn Iterator<Item = &[u8]>, t: &Taps, tmp: &mut [u8]) {
+    let row_len = t.len() * c;
+    for (src, out) in rows.zip(tmp.chunks_exact_mut(row_len.max(1))) {
+        match c {
+            1 => horizontal_row::<1, A>(src, t, out),
+            2 => horizontal_row::<2, A>(src, t, out),
+            3 => horizontal_row::<3, A>(src, t, out),
+            4 => horizontal_row::<4, A>(src, t, out),
+            _ => horizontal_row_any::<A>(c, src, t, out),
+        }
+    }
+}
+
+/// The vertical pass: output row `o` of `t` from the rows of `tmp` (`row_len` bytes each, the
+/// first being source row `first`), every byte of a row at once.
+fn vertical<A: Acc>(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8]) {
+    let mut acc = vec![A::HALF; row_len];
+    for (o, dst) in out.chunks_exact_mut(row_len.max(1)).enumerate() {
+        let (lo, ws) = t.get(o);
+        acc.fill(A::HALF);
+        let rows = &tmp[(lo - first) * row_len..(lo - first + ws.len()) * row_len];
+        for (row, &w) in rows.chunks_exact(row_len).zip(ws) {
+            for (a, &p) in acc.iter_mut().zip(row) {
+                *a = a.mac(p, w);
+            }
+        }
+        for (d, a) in dst.iter_mut().zip(&acc) {
+            *d = a.byte();
+        }
+    }
 }
 
 /// Resizes the box `b` of `img` to `out_width` x `out_height` with `filter`, in Pillow's
@@ -118,62 +267,85 @@ fn clip8(acc: i64) -> u8 {
 /// `resized_crop` and `transformers`' resize do on PIL images), byte for byte. A side that
 /// keeps its length is not filtered (Pillow skips that pass).
 pub fn resize_pil(img: &Image, b: CropBox, out_width: usize, out_height: usize, filter: Resample) -> Image {
+    let all = CropBox { x: 0, y: 0, width: out_width, height: out_height };
+    resize_pil_part(img, b, out_width, out_height, filter, all)
+}
+
+/// The part `keep` of [`resize_pil`]'s output, computed alone: the same bytes as cropping
+/// `keep` out of `resize_pil(img, b, out_width, out_height, filter)` (each output byte depends
+/// only on its own taps), without the work for the rest (torchvision's `Resize` then
+/// `CenterCrop` in one step). `keep` is clipped to the output.
+///
+/// Pillow's two passes (its `ImagingResample`): the horizontal pass, rounded to bytes, over the
+/// source rows the kept output rows read, then the vertical pass; taps in 22-bit fixed point
+/// computed once per axis, all channels of a pixel at once.
+pub fn resize_pil_part(img: &Image, b: CropBox, out_width: usize, out_height: usize, filter: Resample, keep: CropBox) -> Image {
+    resize_part(img, b, (out_width, out_height), filter, keep, false)
+}
+
+/// [`resize_pil_part`] summing in i64 whatever the taps: for tests of the wide accumulator,
+/// which the filters' taps never need on bytes (see [`Taps::new`]).
+#[doc(hidden)]
+pub fn resize_pil_part_i64(
+    img: &Image,
+    b: CropBox,
+    out_width: usize,
+    out_height: usize,
+    filter: Resample,
+    keep: CropBox,
+) -> Image {
+    resize_part(img, b, (out_width, out_height), filter, keep, true)
+}
+
+fn resize_part(
+    img: &Image,
+    b: CropBox,
+    (out_width, out_height): (usize, usize),
+    filter: Resample,
+    keep: CropBox,
+    wide: bool,
+) -> Image {
     let c = img.channels;
-    let half = 1i64 << (PRECISION_BITS - 1);
-    // Horizontal pass over the rows the vertical pass reads, to bytes.
-    let (rows_first, rows, vertical) = if out_height != b.height {
-        let t = taps(b.height, out_height, filter);
-        let first = t[0].0;
-        let last = t.last().map_or(first, |(lo, w)| lo + w.len());
+    let kx = keep.x.min(out_width)..(keep.x + keep.width).min(out_width);
+    let ky = keep.y.min(out_height)..(keep.y + keep.height).min(out_height);
+    let (kw, kh) = (kx.len(), ky.len());
+    // The source rows (within the box) the vertical pass reads.
+    let (rows_first, rows, vertical_taps) = if out_height != b.height {
+        let t = Taps::new(b.height, out_height, filter, ky.clone());
+        let first = t.lo.iter().copied().min().unwrap_or(0);
+        let last = (0..t.len()).map(|o| t.lo[o] + t.n[o]).max().unwrap_or(first);
         (first, last - first, Some(t))
     } else {
-        (0, b.height, None)
+        (ky.start, kh, None)
     };
-    let (tmp, tmp_width) = if out_width != b.width {
-        let t = taps(b.width, out_width, filter);
-        let mut tmp = vec![0u8; rows * out_width * c];
-        for r in 0..rows {
-            let y = b.y + rows_first + r;
-            let src = &img.pixels[(y * img.width + b.x) * c..(y * img.width + b.x + b.width) * c];
-            let out = &mut tmp[r * out_width * c..(r + 1) * out_width * c];
-            for (ox, (lo, ws)) in t.iter().enumerate() {
-                for k in 0..c {
-                    let mut acc = half;
-                    for (i, w) in ws.iter().enumerate() {
-                        acc += src[(lo + i) * c + k] as i64 * *w as i64;
-                    }
-                    out[ox * c + k] = clip8(acc);
-                }
-            }
+    let mut src_rows = (0..rows).map(|r| {
+        let start = ((b.y + rows_first + r) * img.width + b.x) * c;
+        &img.pixels[start..start + b.width * c]
+    });
+    let mut tmp = vec![0u8; rows * kw * c];
+    if out_width != b.width {
+        let t = Taps::new(b.width, out_width, filter, kx);
+        if t.fits_i32 && !wide {
+            horizontal::<i32>(c, &mut src_rows, &t, &mut tmp);
+        } else {
+            horizontal::<i64>(c, &mut src_rows, &t, &mut tmp);
         }
-        (tmp, out_width)
     } else {
-        let mut tmp = Vec::with_capacity(rows * b.width * c);
-        for r in 0..rows {
-            let y = b.y + rows_first + r;
-            tmp.extend_from_slice(&img.pixels[(y * img.width + b.x) * c..(y * img.width + b.x + b.width) * c]);
-        }
-        (tmp, b.width)
-    };
-    let Some(t) = vertical else {
-        return Image { width: tmp_width, height: rows, channels: c, pixels: tmp };
-    };
-    let row_len = tmp_width * c;
-    let mut out = vec![0u8; out_height * row_len];
-    let mut acc = vec![0i64; row_len];
-    for (oy, (lo, ws)) in t.iter().enumerate() {
-        acc.iter_mut().for_each(|a| *a = half);
-        for (i, w) in ws.iter().enumerate() {
-            let r = lo - rows_first + i;
-            for (a, p) in acc.iter_mut().zip(&tmp[r * row_len..(r + 1) * row_len]) {
-                *a += *p as i64 * *w as i64;
-            }
-        }
-        for (o, a) in out[oy * row_len..(oy + 1) * row_len].iter_mut().zip(&acc) {
-            *o = clip8(*a);
+        for (src, dst) in src_rows.zip(tmp.chunks_exact_mut((kw * c).max(1))) {
+            dst.copy_from_slice(&src[kx.start * c..kx.end * c]);
         }
     }
-    Image { width: tmp_width, height: out_height, channels: c, pixels: out }
+    let Some(t) = vertical_taps else {
+        return Image { width: kw, height: rows, channels: c, pixels: tmp };
+    };
+    let row_len = kw * c;
+    let mut out = vec![0u8; kh * row_len];
+    if t.fits_i32 && !wide {
+        vertical::<i32>(&tmp, row_len, rows_first, &t, &mut out);
+    } else {
+        vertical::<i64>(&tmp, row_len, rows_first, &t, &mut out);
+    }
+    Image { width: kw, height: kh, channels: c, pixels: out }
 }
 
 /// The size a shortest-side resize gives a `width` x `height` image: the shorter side becomes
