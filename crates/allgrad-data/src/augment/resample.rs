@@ -198,53 +198,81 @@ impl Acc for i64 {
     }
 }
 
-/// The horizontal pass over one row `src` (the box's pixels, `C` channels each) into `out`
-/// (`t.len()` pixels): all channels of a pixel summed together, no bounds check in the tap loop.
-#[inline(always)]
-fn horizontal_row<const C: usize, A: Acc>(src: &[u8], t: &Taps, out: &mut [u8]) {
-    for (o, px) in out.chunks_exact_mut(C).enumerate() {
-        let (lo, ws) = t.get(o);
-        let mut acc = [A::HALF; C];
-        for (p, &w) in src[lo * C..(lo + ws.len()) * C].chunks_exact(C).zip(ws) {
-            for k in 0..C {
-                acc[k] = acc[k].mac(p[k], w);
-            }
-        }
-        for k in 0..C {
-            px[k] = acc[k].byte();
-        }
-    }
-}
-
-/// [`horizontal_row`] for any number of channels (not 1 to 4: none of allgrad's images).
-fn horizontal_row_any<A: Acc>(c: usize, src: &[u8], t: &Taps, out: &mut [u8]) {
-    for (o, px) in out.chunks_exact_mut(c).enumerate() {
-        let (lo, ws) = t.get(o);
-        for (k, q) in px.iter_mut().enumerate() {
-            let mut acc = A::HALF;
-            for (i, &w) in ws.iter().enumerate() {
-                acc = acc.mac(src[(lo + i) * c + k], w);
-            }
-            *q = acc.byte();
-        }
-    }
-}
-
-fn horizontal<A: Acc>(c: usize, rows: &mut dyn Iterator<Item = &[u8]>, t: &Taps, tmp: &mut [u8]) {
+/// The horizontal pass over rows `rows` (the box's pixels, `c` channels each) into `tmp`
+/// (`rows.len()` rows of `t.len()` pixels), one pixel's channels after another: the wide (i64)
+/// path, and the i32 path's for a channel count other than 1 to 4 (none of allgrad's images).
+fn horizontal_direct<A: Acc>(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
     let row_len = t.len() * c;
-    for (src, out) in rows.zip(tmp.chunks_exact_mut(row_len.max(1))) {
-        match c {
-            1 => horizontal_row::<1, A>(src, t, out),
-            2 => horizontal_row::<2, A>(src, t, out),
-            3 => horizontal_row::<3, A>(src, t, out),
-            4 => horizontal_row::<4, A>(src, t, out),
-            _ => horizontal_row_any::<A>(c, src, t, out),
+    for (src, out) in rows.iter().zip(tmp.chunks_exact_mut(row_len.max(1))) {
+        for (o, px) in out.chunks_exact_mut(c).enumerate() {
+            let (lo, ws) = t.get(o);
+            for (k, q) in px.iter_mut().enumerate() {
+                let mut acc = A::HALF;
+                for (i, &w) in ws.iter().enumerate() {
+                    acc = acc.mac(src[(lo + i) * c + k], w);
+                }
+                *q = acc.byte();
+            }
         }
+    }
+}
+
+/// Writes the `rows.len()` x `width` pixels (`C` bytes each) of `rows` transposed into `dst`
+/// (`width` rows of `rows.len()` pixels), 16 source rows at a time so that the writes to a
+/// destination row stay together.
+#[inline(always)]
+fn transpose<const C: usize>(rows: &[&[u8]], width: usize, dst: &mut [u8]) {
+    let dst_len = rows.len() * C;
+    for (b, block) in rows.chunks(16).enumerate() {
+        let r0 = b * 16 * C;
+        for x in 0..width {
+            let d = &mut dst[x * dst_len + r0..x * dst_len + r0 + block.len() * C];
+            for (dp, row) in d.chunks_exact_mut(C).zip(block) {
+                let px: [u8; C] = row[x * C..x * C + C].try_into().unwrap_or([0; C]);
+                dp.copy_from_slice(&px);
+            }
+        }
+    }
+}
+
+/// The horizontal pass in i32 as a vertical one: the source columns the taps read transposed
+/// into rows, each output column summed over whole columns at once ([`vertical`], which the
+/// compiler vectorises, where summing along a row pixel by pixel does not), and the result
+/// transposed back. The same sums of the same products as [`horizontal_direct`].
+#[inline(always)]
+fn horizontal_by_columns<const C: usize>(rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+    let n = rows.len();
+    let (Some(x0), Some(x1)) = (t.lo.iter().min(), (0..t.len()).map(|o| t.lo[o] + t.n[o]).max()) else {
+        return;
+    };
+    let (x0, x1) = (*x0, x1);
+    let col_len = n * C;
+    if col_len == 0 {
+        return;
+    }
+    let shifted: Vec<&[u8]> = rows.iter().map(|r| &r[x0 * C..x1 * C]).collect();
+    let mut cols = vec![0u8; (x1 - x0) * col_len];
+    transpose::<C>(&shifted, x1 - x0, &mut cols);
+    let mut out_t = vec![0u8; t.len() * col_len];
+    vertical::<i32>(&cols, col_len, x0, t, &mut out_t);
+    let out_rows: Vec<&[u8]> = out_t.chunks_exact(col_len).collect();
+    transpose::<C>(&out_rows, n, tmp);
+}
+
+#[inline(always)]
+fn horizontal_i32_any(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+    match c {
+        1 => horizontal_by_columns::<1>(rows, t, tmp),
+        2 => horizontal_by_columns::<2>(rows, t, tmp),
+        3 => horizontal_by_columns::<3>(rows, t, tmp),
+        4 => horizontal_by_columns::<4>(rows, t, tmp),
+        _ => horizontal_direct::<i32>(c, rows, t, tmp),
     }
 }
 
 /// The vertical pass: output row `o` of `t` from the rows of `tmp` (`row_len` bytes each, the
 /// first being source row `first`), every byte of a row at once.
+#[inline(always)]
 fn vertical<A: Acc>(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8]) {
     let mut acc = vec![A::HALF; row_len];
     for (o, dst) in out.chunks_exact_mut(row_len.max(1)).enumerate() {
@@ -260,6 +288,49 @@ fn vertical<A: Acc>(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mu
             *d = a.byte();
         }
     }
+}
+
+/// Whether this CPU runs AVX2 (read once).
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX2.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+}
+
+// The i32 passes are compiled twice: for the target's baseline and, run when the CPU has it,
+// for AVX2. Their loops are written for the compiler to vectorise (no intrinsics); x86-64's
+// baseline (SSE2) has no multiply of 32-bit lanes, which the sums need, and AVX2 has 8 of them.
+// allgrad-nn's `simd_dispatch` does the same for its kernels, but allgrad-data does not depend
+// on allgrad-nn (a sibling crate), so the two copies are written out here.
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn horizontal_i32_avx2(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+    horizontal_i32_any(c, rows, t, tmp)
+}
+
+fn horizontal_i32(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: the CPU has AVX2 (checked at run time just above).
+        return unsafe { horizontal_i32_avx2(c, rows, t, tmp) };
+    }
+    horizontal_i32_any(c, rows, t, tmp)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn vertical_i32_avx2(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8]) {
+    vertical::<i32>(tmp, row_len, first, t, out)
+}
+
+fn vertical_i32(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: the CPU has AVX2 (checked at run time just above).
+        return unsafe { vertical_i32_avx2(tmp, row_len, first, t, out) };
+    }
+    vertical::<i32>(tmp, row_len, first, t, out)
 }
 
 /// Resizes the box `b` of `img` to `out_width` x `out_height` with `filter`, in Pillow's
@@ -318,20 +389,22 @@ fn resize_part(
     } else {
         (ky.start, kh, None)
     };
-    let mut src_rows = (0..rows).map(|r| {
-        let start = ((b.y + rows_first + r) * img.width + b.x) * c;
-        &img.pixels[start..start + b.width * c]
-    });
+    let src_rows: Vec<&[u8]> = (0..rows)
+        .map(|r| {
+            let start = ((b.y + rows_first + r) * img.width + b.x) * c;
+            &img.pixels[start..start + b.width * c]
+        })
+        .collect();
     let mut tmp = vec![0u8; rows * kw * c];
     if out_width != b.width {
         let t = Taps::new(b.width, out_width, filter, kx);
         if t.fits_i32 && !wide {
-            horizontal::<i32>(c, &mut src_rows, &t, &mut tmp);
+            horizontal_i32(c, &src_rows, &t, &mut tmp);
         } else {
-            horizontal::<i64>(c, &mut src_rows, &t, &mut tmp);
+            horizontal_direct::<i64>(c, &src_rows, &t, &mut tmp);
         }
     } else {
-        for (src, dst) in src_rows.zip(tmp.chunks_exact_mut((kw * c).max(1))) {
+        for (src, dst) in src_rows.iter().zip(tmp.chunks_exact_mut((kw * c).max(1))) {
             dst.copy_from_slice(&src[kx.start * c..kx.end * c]);
         }
     }
@@ -341,7 +414,7 @@ fn resize_part(
     let row_len = kw * c;
     let mut out = vec![0u8; kh * row_len];
     if t.fits_i32 && !wide {
-        vertical::<i32>(&tmp, row_len, rows_first, &t, &mut out);
+        vertical_i32(&tmp, row_len, rows_first, &t, &mut out);
     } else {
         vertical::<i64>(&tmp, row_len, rows_first, &t, &mut out);
     }

@@ -283,3 +283,58 @@ fn timing_of_the_evaluation_resize() {
     assert_eq!(whole, old);
     assert_eq!(part, old);
 }
+
+/// The evaluation view of [`Preprocess`] (shortest side, then the centre crop, now one resize
+/// of the crop's part) against the reference's resize then crop, on landscape, portrait and
+/// square images, square and oblong crops, a shortest side equal to the crop and larger, and
+/// no resize (the crop of the image itself); a crop larger than the resized image is still the
+/// error naming `preprocess.crop`.
+#[test]
+fn the_evaluation_view_equals_the_resize_then_the_centre_crop() {
+    use allgrad_data::augment::{centre_box, shortest_side, Normalize};
+    use allgrad_data::{Preprocess, ViewKey};
+    let mut rng = Rng(11);
+    let key = ViewKey { seed: 0, epoch: 0, index: 0, view: 0 };
+    for (w, h) in [(500, 375), (375, 500), (97, 97), (64, 33), (31, 80)] {
+        for channels in [1, 3] {
+            let img = random_image(&mut rng, w, h, channels);
+            for (shortest_edge, crop) in [(Some(24), [24, 24]), (Some(30), [24, 24]), (Some(29), [20, 27]), (None, [17, 23])] {
+                for resample in FILTERS {
+                    let p = Preprocess {
+                        channels,
+                        shortest_edge,
+                        crop: Some(crop),
+                        resample,
+                        normalize: Normalize { mean: vec![0.5], std: vec![0.25] },
+                        random_crop: None,
+                    };
+                    let resized = match shortest_edge {
+                        Some(s) => {
+                            let (rw, rh) = shortest_side(w, h, s);
+                            reference::resize_pil(&img, CropBox { x: 0, y: 0, width: w, height: h }, rw, rh, resample)
+                        }
+                        None => img.clone(),
+                    };
+                    let [ch, cw] = crop;
+                    let b = centre_box(resized.width, resized.height, cw, ch).unwrap();
+                    let want = reference::resize_pil(&resized, b, cw, ch, resample);
+                    assert_eq!(
+                        p.resized(&img, key).unwrap(),
+                        want,
+                        "{w}x{h}x{channels}, {shortest_edge:?}, {crop:?}, {resample:?}"
+                    );
+                }
+            }
+        }
+    }
+    let p = Preprocess {
+        channels: 3,
+        shortest_edge: Some(16),
+        crop: Some([20, 20]),
+        resample: Resample::Bicubic,
+        normalize: Normalize { mean: vec![0.5], std: vec![0.25] },
+        random_crop: None,
+    };
+    let err = p.resized(&random_image(&mut rng, 40, 30, 3), key).unwrap_err().to_string();
+    assert!(err.contains("preprocess.crop") && err.contains("21x16"), "{err}");
+}
