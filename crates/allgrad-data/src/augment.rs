@@ -35,7 +35,7 @@ pub use jitter::{
     RandomGrayscale,
 };
 pub use normalize::Normalize;
-pub use resample::{centre_box, resize_pil, resize_pil_part, resize_pil_part_i64, shortest_side, Resample};
+pub use resample::{centre_box, resize_pil, resize_pil_part, resize_pil_part_on, shortest_side, Resample, ResizePath};
 
 use serde::{Deserialize, Serialize};
 

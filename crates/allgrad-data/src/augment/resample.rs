@@ -309,9 +309,9 @@ unsafe fn horizontal_i32_avx2(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]
     horizontal_i32_any(c, rows, t, tmp)
 }
 
-fn horizontal_i32(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+fn horizontal_i32(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8], path: ResizePath) {
     #[cfg(target_arch = "x86_64")]
-    if avx2() {
+    if path == ResizePath::Auto && avx2() {
         // SAFETY: the CPU has AVX2 (checked at run time just above).
         return unsafe { horizontal_i32_avx2(c, rows, t, tmp) };
     }
@@ -324,9 +324,9 @@ unsafe fn vertical_i32_avx2(tmp: &[u8], row_len: usize, first: usize, t: &Taps, 
     vertical::<i32>(tmp, row_len, first, t, out)
 }
 
-fn vertical_i32(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8]) {
+fn vertical_i32(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8], path: ResizePath) {
     #[cfg(target_arch = "x86_64")]
-    if avx2() {
+    if path == ResizePath::Auto && avx2() {
         // SAFETY: the CPU has AVX2 (checked at run time just above).
         return unsafe { vertical_i32_avx2(tmp, row_len, first, t, out) };
     }
@@ -351,21 +351,36 @@ pub fn resize_pil(img: &Image, b: CropBox, out_width: usize, out_height: usize, 
 /// source rows the kept output rows read, then the vertical pass; taps in 22-bit fixed point
 /// computed once per axis, all channels of a pixel at once.
 pub fn resize_pil_part(img: &Image, b: CropBox, out_width: usize, out_height: usize, filter: Resample, keep: CropBox) -> Image {
-    resize_part(img, b, (out_width, out_height), filter, keep, false)
+    resize_part(img, b, (out_width, out_height), filter, keep, ResizePath::Auto)
 }
 
-/// [`resize_pil_part`] summing in i64 whatever the taps: for tests of the wide accumulator,
-/// which the filters' taps never need on bytes (see [`Taps::new`]).
+/// Which copy of [`resize_pil`]'s passes runs, for the tests that compare them: `Auto` is what
+/// [`resize_pil`] runs (i32 sums, AVX2 when the CPU has it), `Baseline` the i32 copy compiled
+/// for the target's baseline, `Wide` the i64 sums (which the filters' taps never need on
+/// bytes, see [`Taps::new`]).
 #[doc(hidden)]
-pub fn resize_pil_part_i64(
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResizePath {
+    /// i32 sums, compiled for AVX2 when the CPU has it.
+    Auto,
+    /// i32 sums, compiled for the target's baseline.
+    Baseline,
+    /// i64 sums.
+    Wide,
+}
+
+/// [`resize_pil_part`] through the copy `path`: the same bytes whichever (tested).
+#[doc(hidden)]
+pub fn resize_pil_part_on(
     img: &Image,
     b: CropBox,
     out_width: usize,
     out_height: usize,
     filter: Resample,
     keep: CropBox,
+    path: ResizePath,
 ) -> Image {
-    resize_part(img, b, (out_width, out_height), filter, keep, true)
+    resize_part(img, b, (out_width, out_height), filter, keep, path)
 }
 
 fn resize_part(
@@ -374,7 +389,7 @@ fn resize_part(
     (out_width, out_height): (usize, usize),
     filter: Resample,
     keep: CropBox,
-    wide: bool,
+    path: ResizePath,
 ) -> Image {
     let c = img.channels;
     let kx = keep.x.min(out_width)..(keep.x + keep.width).min(out_width);
@@ -398,8 +413,8 @@ fn resize_part(
     let mut tmp = vec![0u8; rows * kw * c];
     if out_width != b.width {
         let t = Taps::new(b.width, out_width, filter, kx);
-        if t.fits_i32 && !wide {
-            horizontal_i32(c, &src_rows, &t, &mut tmp);
+        if t.fits_i32 && path != ResizePath::Wide {
+            horizontal_i32(c, &src_rows, &t, &mut tmp, path);
         } else {
             horizontal_direct::<i64>(c, &src_rows, &t, &mut tmp);
         }
@@ -413,8 +428,8 @@ fn resize_part(
     };
     let row_len = kw * c;
     let mut out = vec![0u8; kh * row_len];
-    if t.fits_i32 && !wide {
-        vertical_i32(&tmp, row_len, rows_first, &t, &mut out);
+    if t.fits_i32 && path != ResizePath::Wide {
+        vertical_i32(&tmp, row_len, rows_first, &t, &mut out, path);
     } else {
         vertical::<i64>(&tmp, row_len, rows_first, &t, &mut out);
     }

@@ -3,9 +3,10 @@
 //! itself tested against Pillow's values (the unit tests in `augment/resample.rs`, and
 //! allgrad-models' `clip_preprocess` against `transformers` on Pillow-decoded pixels). Every
 //! byte must be equal, on random images of odd sizes, both filters, boxes anywhere in the image
-//! at scales that are not whole numbers, up and down, and sides that keep their length.
+//! at scales that are not whole numbers, up and down, and sides that keep their length; and
+//! through each copy of the passes (AVX2 where the CPU has it, the baseline build, i64 sums).
 
-use allgrad_data::augment::{resize_pil, resize_pil_part, resize_pil_part_i64};
+use allgrad_data::augment::{resize_pil, resize_pil_part, resize_pil_part_on, ResizePath};
 use allgrad_data::{CropBox, Image, Resample};
 
 mod reference {
@@ -201,11 +202,14 @@ fn resize_pil_equals_the_previous_implementation_byte_for_byte() {
                     assert_eq!((got.width, got.height, got.channels), (want.width, want.height, want.channels));
                     let diff = got.pixels.iter().zip(&want.pixels).filter(|(a, b)| a != b).count();
                     assert_eq!(diff, 0, "{diff} bytes differ: {w}x{h}x{channels}, box {b:?} to {ow}x{oh}, {f:?}");
-                    assert_eq!(
-                        resize_pil_part_i64(&img, b, ow, oh, f, CropBox { x: 0, y: 0, width: ow, height: oh }),
-                        want,
-                        "the i64 accumulator: {w}x{h}x{channels}, box {b:?} to {ow}x{oh}, {f:?}"
-                    );
+                    for path in [ResizePath::Baseline, ResizePath::Wide] {
+                        let all = CropBox { x: 0, y: 0, width: ow, height: oh };
+                        assert_eq!(
+                            resize_pil_part_on(&img, b, ow, oh, f, all, path),
+                            want,
+                            "{path:?}: {w}x{h}x{channels}, box {b:?} to {ow}x{oh}, {f:?}"
+                        );
+                    }
                     cases += 1;
                 }
             }
@@ -238,7 +242,9 @@ fn a_part_of_the_output_equals_that_crop_of_the_whole_output() {
                         want,
                         "{w}x{h}x{channels}, box {b:?} to {ow}x{oh}, part {keep:?}, {f:?}"
                     );
-                    assert_eq!(resize_pil_part_i64(&img, b, ow, oh, f, keep), want, "i64: part {keep:?}");
+                    for path in [ResizePath::Baseline, ResizePath::Wide] {
+                        assert_eq!(resize_pil_part_on(&img, b, ow, oh, f, keep, path), want, "{path:?}: part {keep:?}");
+                    }
                 }
             }
         }
