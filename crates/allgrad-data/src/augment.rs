@@ -28,14 +28,14 @@ mod normalize;
 mod resample;
 
 pub use blur::{gaussian_blur, gaussian_blur_composed, gaussian_kernel, GaussianBlur};
-pub use crop::{resize_bilinear, resize_box, CropBox, RandomResizedCrop};
+pub use crop::{resize_bilinear, resize_box, resize_box_shrunk, shrink_for, CropBox, RandomResizedCrop};
 pub use flip::{hflip, RandomHorizontalFlip};
 pub use jitter::{
     adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation, grayscale, hsv_to_rgb, rgb_to_hsv, ColorJitter,
     RandomGrayscale,
 };
 pub use normalize::Normalize;
-pub use resample::{centre_box, resize_pil, shortest_side, Resample};
+pub use resample::{centre_box, resize_pil, resize_pil_part, resize_pil_part_on, shortest_side, Resample, ResizePath};
 
 use serde::{Deserialize, Serialize};
 
@@ -147,6 +147,28 @@ pub trait Pipeline: Send + Sync {
     /// View `key.view` of `img`.
     fn view(&self, img: &Image, key: ViewKey) -> DataResult<Chw>;
 
+    /// The factor `s` (1, 2, 4 or 8) by which the image of sample `key` (its `view` ignored),
+    /// `width` x `height` at full size, may be decoded smaller for all of its views: the
+    /// largest that leaves every view's crop box at least `s` times the view's output size in
+    /// both axes. The loaders ask it with `scaled_decode` on, then give
+    /// [`Pipeline::view_shrunk`] the image decoded at 1/`s`. Default: 1 (full size).
+    fn shrink(&self, _width: usize, _height: usize, _key: ViewKey) -> usize {
+        1
+    }
+
+    /// View `key.view` of `img`, a source of size `full` decoded at 1/`shrink`, as
+    /// [`crate::Decoded`] describes. Default: [`Pipeline::view`] for `shrink` 1, an error
+    /// otherwise (a pipeline that can take a smaller decode overrides both methods).
+    fn view_shrunk(&self, img: &Image, full: (usize, usize), shrink: usize, key: ViewKey) -> DataResult<Chw> {
+        if shrink == 1 {
+            return self.view(img, key);
+        }
+        Err(DataError::Config {
+            field: "data.loader.scaled_decode",
+            reason: format!("this pipeline takes images at full size only (given one decoded at 1/{shrink} of {full:?})"),
+        })
+    }
+
     /// Whether the pipeline takes each sample's text (its caption: [`crate::Dataset::text`],
     /// a shard sample's caption member): then every sample needs one, and the loaders turn it
     /// into token ids with [`Pipeline::encode_text`] on their threads, into
@@ -194,8 +216,55 @@ impl Augment {
 
     /// [`Augment::apply`], calling `done(stage)` as each stage ends (in the order of
     /// [`Stage`]): what the loader benchmark times the stages with.
-    pub fn apply_staged(&self, img: &Image, key: ViewKey, mut done: impl FnMut(Stage)) -> DataResult<Chw> {
+    pub fn apply_staged(&self, img: &Image, key: ViewKey, done: impl FnMut(Stage)) -> DataResult<Chw> {
+        self.apply_shrunk_staged(img, (img.width, img.height), 1, key, done)
+    }
+
+    /// The factor the image of sample `key`, `width` x `height`, may be decoded smaller by for
+    /// this view ([`Pipeline::shrink`]): from the view's crop box, drawn as [`Augment::apply`]
+    /// draws it, and the crop's output size ([`shrink_for`]); 1 without a crop.
+    pub fn shrink(&self, width: usize, height: usize, key: ViewKey) -> usize {
+        match &self.cfg.crop {
+            Some(crop) if width > 0 && height > 0 => {
+                let b = crop.sample_box(width, height, &mut key.stream(CROP));
+                shrink_for(b.width, b.height, crop.size, crop.size)
+            }
+            _ => 1,
+        }
+    }
+
+    /// The view named by `key` of a source `full` in size, from `img`, that source decoded
+    /// at 1/`shrink` ([`crate::Decoded`]): the crop box is drawn on the full size, as
+    /// [`Augment::apply`] draws it, and mapped onto `img` exactly ([`resize_box_shrunk`]);
+    /// the other stages work on the output's pixels as always. With `shrink` 1 it is
+    /// [`Augment::apply`]. Without a crop only `shrink` 1 is taken.
+    pub fn apply_shrunk(&self, img: &Image, full: (usize, usize), shrink: usize, key: ViewKey) -> DataResult<Chw> {
+        self.apply_shrunk_staged(img, full, shrink, key, |_| {})
+    }
+
+    /// [`Augment::apply_shrunk`], calling `done(stage)` as each stage ends.
+    pub fn apply_shrunk_staged(
+        &self,
+        img: &Image,
+        full: (usize, usize),
+        shrink: usize,
+        key: ViewKey,
+        mut done: impl FnMut(Stage),
+    ) -> DataResult<Chw> {
         let cfg = &self.cfg;
+        if shrink != 1 && (cfg.crop.is_none() || img.width != full.0.div_ceil(shrink) || img.height != full.1.div_ceil(shrink)) {
+            return Err(DataError::Config {
+                field: "data.loader.scaled_decode",
+                reason: format!(
+                    "a {}x{} image decoded at 1/{shrink} of {}x{} for a view {}",
+                    img.width,
+                    img.height,
+                    full.0,
+                    full.1,
+                    if cfg.crop.is_none() { "without a crop" } else { "(its size is not the source's / the factor)" }
+                ),
+            });
+        }
         if img.width == 0 || img.height == 0 {
             return Err(DataError::ImageShape {
                 width: img.width,
@@ -206,7 +275,11 @@ impl Augment {
             });
         }
         let mut x = match &cfg.crop {
-            Some(crop) => crop.apply_bytes(img, &mut key.stream(CROP)),
+            Some(crop) if shrink == 1 => crop.apply_bytes(img, &mut key.stream(CROP)),
+            Some(crop) => {
+                let b = crop.sample_box(full.0, full.1, &mut key.stream(CROP));
+                resize_box_shrunk(img, b, shrink, crop.size, crop.size)
+            }
             None => FloatImage::from_image(img),
         };
         cfg.flip.apply_in_place(&mut x, &mut key.stream(FLIP));
@@ -242,6 +315,14 @@ impl Pipeline for Augment {
 
     fn view(&self, img: &Image, key: ViewKey) -> DataResult<Chw> {
         self.apply(img, key)
+    }
+
+    fn shrink(&self, width: usize, height: usize, key: ViewKey) -> usize {
+        Augment::shrink(self, width, height, ViewKey { view: 0, ..key })
+    }
+
+    fn view_shrunk(&self, img: &Image, full: (usize, usize), shrink: usize, key: ViewKey) -> DataResult<Chw> {
+        self.apply_shrunk(img, full, shrink, key)
     }
 }
 
@@ -293,6 +374,20 @@ impl Pipeline for TwoViews {
             self.first.apply(img, key)
         } else {
             self.second.apply(img, key)
+        }
+    }
+
+    /// The smaller of the two views' factors: one decode serves both.
+    fn shrink(&self, width: usize, height: usize, key: ViewKey) -> usize {
+        let first = self.first.shrink(width, height, ViewKey { view: 0, ..key });
+        first.min(self.second.shrink(width, height, ViewKey { view: 1, ..key }))
+    }
+
+    fn view_shrunk(&self, img: &Image, full: (usize, usize), shrink: usize, key: ViewKey) -> DataResult<Chw> {
+        if key.view == 0 {
+            self.first.apply_shrunk(img, full, shrink, key)
+        } else {
+            self.second.apply_shrunk(img, full, shrink, key)
         }
     }
 }

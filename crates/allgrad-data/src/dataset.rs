@@ -1,7 +1,7 @@
 //! The [`Dataset`] trait shared by every reader, [`Split`], and the [`InMemory`] dataset.
 
 use crate::error::{DataError, DataResult};
-use crate::image::Image;
+use crate::image::{Decoded, Image};
 
 /// A labelled image dataset indexed by global sample index `0..len()`.
 ///
@@ -18,6 +18,14 @@ pub trait Dataset: Send + Sync {
     /// Sample `index` as an 8-bit HWC image. Fails for an index out of range, and for
     /// readers that decode lazily, for a file that turned out unreadable.
     fn get(&self, index: usize) -> DataResult<Image>;
+
+    /// Sample `index` decoded at 1/`s` of its size, `s` what `shrink(width, height)` answers
+    /// for its full size, where the reader can decode smaller (JPEG files); otherwise, and by
+    /// default, [`Dataset::get`] at full size.
+    fn get_shrunk(&self, index: usize, shrink: &dyn Fn(usize, usize) -> usize) -> DataResult<Decoded> {
+        let _ = shrink;
+        Ok(Decoded::whole(self.get(index)?))
+    }
 
     /// The class id of sample `index`, in `0..num_classes()`. Fails for an index out of range.
     fn label(&self, index: usize) -> DataResult<usize>;

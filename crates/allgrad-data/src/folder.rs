@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::dataset::Dataset;
 use crate::decode::ColorMode;
 use crate::error::{DataError, DataResult};
-use crate::image::Image;
+use crate::image::{Decoded, Image};
 
 /// Options of [`ImageFolder::open`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,6 +107,12 @@ impl Dataset for ImageFolder {
 
     fn get(&self, index: usize) -> DataResult<Image> {
         decode(&self.item(index)?.0, self.color)
+    }
+
+    fn get_shrunk(&self, index: usize, shrink: &dyn Fn(usize, usize) -> usize) -> DataResult<Decoded> {
+        let path = &self.item(index)?.0;
+        let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
+        crate::decode::decode_image_shrunk(&bytes, self.color, path, shrink)
     }
 
     fn label(&self, index: usize) -> DataResult<usize> {

@@ -20,6 +20,28 @@ pub struct Image {
     pub pixels: Vec<u8>,
 }
 
+/// An image as decoded for its views: `image` is the file's picture decoded at 1/`shrink` of
+/// its size `full` (`shrink` 1, 2, 4 or 8; 1: at full size). Pixel `j` of `image` stands for
+/// the source pixels `j * shrink..(j + 1) * shrink` in each axis, so a box of the source maps
+/// onto `image` by dividing its coordinates by `shrink`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decoded {
+    /// The pixels, `ceil(full / shrink)` in each axis.
+    pub image: Image,
+    /// The source's `(width, height)`.
+    pub full: (usize, usize),
+    /// The factor it was decoded smaller by.
+    pub shrink: usize,
+}
+
+impl Decoded {
+    /// An image decoded at full size.
+    pub fn whole(image: Image) -> Self {
+        let full = (image.width, image.height);
+        Decoded { image, full, shrink: 1 }
+    }
+}
+
 impl Image {
     /// An image from HWC bytes; fails unless `channels` is 1 or 3 and `pixels` has
     /// `width * height * channels` bytes.

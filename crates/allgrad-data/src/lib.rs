@@ -55,19 +55,20 @@ pub mod rng;
 mod sampler;
 pub mod webdataset;
 
+pub use augment::{resize_box, resize_box_shrunk, shrink_for};
 pub use augment::{
     Augment, AugmentConfig, ColorJitter, CropBox, GaussianBlur, Normalize, Pipeline, RandomGrayscale, RandomHorizontalFlip,
     RandomResizedCrop, Resample, Stage, TwoViews, ViewKey,
 };
 pub use cifar::{Cifar10, CIFAR10_CLASSES, CIFAR_RECORD, CIFAR_SIDE};
 pub use dataset::{Dataset, InMemory, Split};
-pub use decode::{decode_counts, decode_image, is_jpeg, ColorMode};
+pub use decode::{decode_counts, decode_image, decode_image_shrunk, is_jpeg, ColorMode};
 pub use error::{DataError, DataResult};
 pub use face_bin::VerificationBin;
 pub use folder::{FolderOptions, ImageFolder};
 pub use host::{pinned_uploads, Batch};
 pub use idx::IdxDataset;
-pub use image::{Chw, FloatImage, Image};
+pub use image::{Chw, Decoded, FloatImage, Image};
 pub use loader::{Loader, LoaderConfig};
 pub use preprocess::Preprocess;
 pub use recordio::{OnBadRecord, RecordHeader, RecordIo, RecordIoOptions, RecordIoWriter, IR_HEADER_LEN, RECORD_MAGIC};

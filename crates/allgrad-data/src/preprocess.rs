@@ -5,7 +5,9 @@
 //! size. Resizing is Pillow's ([`resize_pil`]): a pretrained model sees the pixels it was
 //! trained and evaluated on.
 
-use crate::augment::{centre_box, resize_pil, shortest_side, CropBox, Normalize, Pipeline, RandomResizedCrop, Resample, ViewKey};
+use crate::augment::{
+    centre_box, resize_pil, resize_pil_part, shortest_side, CropBox, Normalize, Pipeline, RandomResizedCrop, Resample, ViewKey,
+};
 use crate::error::{DataError, DataResult};
 use crate::image::{Chw, FloatImage, Image};
 use crate::rng::stream;
@@ -85,24 +87,25 @@ impl Preprocess {
             let b = self.box_draw(scale, w, h).sample_box(img.width, img.height, &mut rng);
             return Ok(resize_pil(img, b, w, h, self.resample));
         }
-        let resized;
-        let img = match self.shortest_edge {
-            Some(s) => {
-                let (w, h) = shortest_side(img.width, img.height, s);
-                resized = resize_pil(img, whole(img), w, h, self.resample);
-                &resized
-            }
-            None => img,
+        // The shortest-side resize then the centre crop, in one step when both are asked for:
+        // only the crop's part of the resized image is computed (the same bytes).
+        let (width, height) = match self.shortest_edge {
+            Some(s) => shortest_side(img.width, img.height, s),
+            None => (img.width, img.height),
         };
-        let Some([h, w]) = self.crop else { return Ok(img.clone()) };
-        let b = centre_box(img.width, img.height, w, h).ok_or_else(|| DataError::Config {
+        let Some([h, w]) = self.crop else {
+            return Ok(match self.shortest_edge {
+                Some(_) => resize_pil(img, whole(img), width, height, self.resample),
+                None => img.clone(),
+            });
+        };
+        let b = centre_box(width, height, w, h).ok_or_else(|| DataError::Config {
             field: "preprocess.crop",
             reason: format!(
-                "a centre crop of {w}x{h} from an image of {}x{} (resize its shortest side to at least the crop first)",
-                img.width, img.height
+                "a centre crop of {w}x{h} from an image of {width}x{height} (resize its shortest side to at least the crop first)"
             ),
         })?;
-        Ok(resize_pil(img, b, w, h, self.resample))
+        Ok(resize_pil_part(img, whole(img), width, height, self.resample, b))
     }
 
     /// The view named by `key`: converted to the channels, resized and cropped, normalised.

@@ -63,7 +63,7 @@ fn batches_copied_through_pinned_memory_equal_the_cpu_batches() {
     let cpu = flat(Loader::new(data.clone(), views(), 2, 1, plan.clone(), &LoaderConfig::default(), &Device::Cpu).unwrap());
     for workers in [0, 1, 3] {
         let before = allgrad_data::pinned_uploads();
-        let cfg = LoaderConfig { workers, prefetch: 2 };
+        let cfg = LoaderConfig { workers, prefetch: 2, ..Default::default() };
         let loader = Loader::new(data.clone(), views(), 2, 1, plan.clone(), &cfg, &gpu).unwrap();
         let got: Vec<_> = loader.collect();
         assert!(got.iter().all(|b| b.as_ref().unwrap().views[0].device().is_cuda()));
@@ -81,7 +81,7 @@ fn batches_copied_through_pinned_memory_equal_the_cpu_batches() {
         WebDatasetOptions { train: vec!["x".into()], epoch_samples: 24, streams: 4, shuffle_buffer: 3, ..Default::default() };
     let source = Arc::new(ShardStream::new(w.finish().unwrap(), opts, 8, ColorMode::Rgb).unwrap());
     let plan: Vec<Vec<usize>> = (0..3).map(|b| (b * 8..b * 8 + 8).collect()).collect();
-    let cfg = LoaderConfig { workers: 2, prefetch: 2 };
+    let cfg = LoaderConfig { workers: 2, prefetch: 2, ..Default::default() };
     let cpu = flat(StreamLoader::new(source.clone(), views(), 2, 0, plan.clone(), &cfg, &Device::Cpu).unwrap());
     let before = allgrad_data::pinned_uploads();
     let got = flat(StreamLoader::new(source, views(), 2, 0, plan, &cfg, &gpu).unwrap());

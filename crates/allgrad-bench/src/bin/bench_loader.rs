@@ -1,10 +1,16 @@
-//! The loader on ImageNet-sized JPEGs: SimCLR's two views at 224, as `scripts/bench/bench_loader.sh`
-//! runs it beside torchvision (scripts/bench/bench_loader.py).
+//! The loader on ImageNet-sized JPEGs: SimCLR's two views at 224, or (`--pipeline eval`) the
+//! evaluation / CLIP view (decode, shortest side to 224 with Pillow's bicubic filter, the centre
+//! 224x224, CLIP's normalisation: [`allgrad::data::Preprocess`]), as
+//! `scripts/bench/bench_loader.sh` runs it beside torchvision (scripts/bench/bench_loader.py).
 //!
 //! ```text
 //! bench_loader --images DIR loader --workers 2 --samples 512
 //! bench_loader --images DIR stages --samples 200
+//! bench_loader --images DIR --pipeline eval loader --workers 1 [--scaled-decode]
 //! ```
+//!
+//! With `--pipeline eval` the RESULT lines say `loader-eval` and `stage-eval`, and the stages
+//! are read, decode, resize+crop and to tensor.
 //!
 //! - `loader`: [`allgrad::data::Loader`] with `--workers` threads over `DIR/train` (an image
 //!   folder), batches of `--batch` in file order, both views of every sample; the time from
@@ -26,8 +32,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use allgrad::data::{
-    AugmentConfig, ColorJitter, Dataset, FolderOptions, GaussianBlur, ImageFolder, Loader, LoaderConfig, Normalize,
-    RandomGrayscale, RandomHorizontalFlip, RandomResizedCrop, Stage, TwoViews, ViewKey,
+    AugmentConfig, ColorJitter, Dataset, FloatImage, FolderOptions, GaussianBlur, ImageFolder, Loader, LoaderConfig, Normalize,
+    Pipeline, Preprocess, RandomGrayscale, RandomHorizontalFlip, RandomResizedCrop, Resample, Stage, TwoViews, ViewKey,
 };
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -40,6 +46,9 @@ struct Args {
     /// Output side of the views.
     #[arg(long, default_value_t = 224)]
     size: usize,
+    /// `simclr` (two augmented views) or `eval` (the evaluation / CLIP view).
+    #[arg(long, default_value = "simclr", value_parser = ["simclr", "eval"])]
+    pipeline: String,
     #[command(subcommand)]
     mode: Mode,
 }
@@ -57,6 +66,9 @@ enum Mode {
         /// Samples per batch.
         #[arg(long, default_value_t = 64)]
         batch: usize,
+        /// Decode JPEGs at the size the crop needs (`data.loader.scaled_decode`).
+        #[arg(long)]
+        scaled_decode: bool,
     },
     /// Milliseconds per sample of each stage, on one thread.
     Stages {
@@ -94,8 +106,14 @@ fn main() -> Result<()> {
     let data =
         Arc::new(ImageFolder::open(&root, &FolderOptions::default()).with_context(|| format!("opening {}", root.display()))?);
     let views = Arc::new(TwoViews::new(recipe(args.size))?);
+    let eval = args.pipeline == "eval";
+    let clip = Arc::new(clip_view(args.size)?);
     match args.mode {
-        Mode::Loader { workers, samples, batch } => loader(data, views, workers, samples, batch),
+        Mode::Loader { workers, samples, batch, scaled_decode } => {
+            let (pipeline, kind): (Arc<dyn Pipeline>, _) = if eval { (clip, "loader-eval") } else { (views, "loader") };
+            loader(data, pipeline, kind, workers, samples, batch, scaled_decode)
+        }
+        Mode::Stages { samples } if eval => stages_eval(&data, &clip, samples),
         Mode::Stages { samples } => stages(&data, &views, samples),
         Mode::Decoded { samples, out } => {
             let mut bytes = Vec::new();
@@ -110,13 +128,35 @@ fn main() -> Result<()> {
     }
 }
 
-fn loader(data: Arc<ImageFolder>, views: Arc<TwoViews>, workers: usize, samples: usize, batch: usize) -> Result<()> {
+/// The evaluation / CLIP view at `size`: OpenAI CLIP's preprocessing.
+fn clip_view(size: usize) -> Result<Preprocess> {
+    let p = Preprocess {
+        channels: 3,
+        shortest_edge: Some(size),
+        crop: Some([size, size]),
+        resample: Resample::Bicubic,
+        normalize: Normalize { mean: vec![0.48145466, 0.4578275, 0.40821073], std: vec![0.26862954, 0.261_302_6, 0.275_777_1] },
+        random_crop: None,
+    };
+    p.validate()?;
+    Ok(p)
+}
+
+fn loader(
+    data: Arc<ImageFolder>,
+    views: Arc<dyn Pipeline>,
+    kind: &str,
+    workers: usize,
+    samples: usize,
+    batch: usize,
+    scaled_decode: bool,
+) -> Result<()> {
     let total = samples + batch; // one warm-up batch
     if total > data.len() {
         bail!("{total} samples asked for (with a warm-up batch of {batch}), the set has {}", data.len());
     }
     let plan: Vec<Vec<usize>> = (0..total / batch).map(|b| (b * batch..(b + 1) * batch).collect()).collect();
-    let cfg = LoaderConfig { workers, prefetch: 2 * workers.max(1) };
+    let cfg = LoaderConfig { workers, prefetch: 2 * workers.max(1), scaled_decode };
     let mut loader = Loader::new(data, views, 0, 0, plan, &cfg, &candle_core::Device::Cpu)?;
     loader.next().context("no batch")??;
     let start = Instant::now();
@@ -125,7 +165,7 @@ fn loader(data: Arc<ImageFolder>, views: Arc<TwoViews>, workers: usize, samples:
         n += b?.indices.len();
     }
     let rate = n as f64 / start.elapsed().as_secs_f64();
-    println!("RESULT\tloader\tallgrad\t{workers}\t{rate:.1}");
+    println!("RESULT\t{kind}\tallgrad\t{workers}\t{rate:.1}");
     Ok(())
 }
 
@@ -161,5 +201,32 @@ fn stages(data: &ImageFolder, views: &TwoViews, samples: usize) -> Result<()> {
         println!("RESULT\tstage\tallgrad\t{name}\t{:.3}", s / n as f64 * 1e3);
     }
     println!("RESULT\tstage\tallgrad\ttotal\t{:.3}", secs.iter().sum::<f64>() / n as f64 * 1e3);
+    Ok(())
+}
+
+fn stages_eval(data: &ImageFolder, view: &Preprocess, samples: usize) -> Result<()> {
+    let names = ["read", "decode", "resize+crop", "to tensor"];
+    let mut secs = [0f64; 4];
+    let n = samples.min(data.len());
+    for i in 0..n {
+        let path = data.path(i).context("no such sample")?;
+        let t = Instant::now();
+        let bytes = std::fs::read(path)?;
+        secs[0] += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let img = allgrad::data::decode_image(&bytes, Default::default(), path)?;
+        secs[1] += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let key = ViewKey { seed: 0, epoch: 0, index: i as u64, view: 0 };
+        let out = view.resized(&img, key)?;
+        secs[2] += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        view.normalize.apply(&FloatImage::from_image(&out))?;
+        secs[3] += t.elapsed().as_secs_f64();
+    }
+    for (name, s) in names.iter().zip(secs) {
+        println!("RESULT\tstage-eval\tallgrad\t{name}\t{:.3}", s / n as f64 * 1e3);
+    }
+    println!("RESULT\tstage-eval\tallgrad\ttotal\t{:.3}", secs.iter().sum::<f64>() / n as f64 * 1e3);
     Ok(())
 }

@@ -114,7 +114,7 @@ fn write_shards(a: &Args) -> Result<Vec<PathBuf>> {
 /// The batches of `plan` from `source` as they come: the time to the first, each one's values,
 /// and the stream's position right after the first was handed out.
 fn batches(source: &Arc<ShardStream>, plan: Vec<Vec<usize>>, workers: usize) -> Result<(f64, Vec<Vec<f32>>, StreamState)> {
-    let cfg = LoaderConfig { workers, prefetch: 1 };
+    let cfg = LoaderConfig { workers, prefetch: 1, ..Default::default() };
     let started = Instant::now();
     let mut loader = StreamLoader::new(source.clone(), Arc::new(Mean), 1, 0, plan, &cfg, &Device::Cpu)?;
     let first = loader.next().context("no batch")??;

@@ -115,15 +115,44 @@ impl RandomResizedCrop {
 /// (the bundled runs' views stay what they were; fast_image_resize rounds to 8 bits between
 /// its passes, PIL's arithmetic, which would change every view by up to 1/255).
 pub fn resize_box(img: &Image, b: CropBox, out_width: usize, out_height: usize) -> FloatImage {
-    let c = img.channels;
-    let lut = byte_values();
     let wx = Taps::new(b.x, b.width, out_width);
     let wy = Taps::new(b.y, b.height, out_height);
+    resize_taps(img, &wx, &wy, b.y, b.height, out_width, out_height)
+}
+
+/// The box `b` of a source image resized to `out_width` x `out_height` as [`resize_box`]
+/// does, from `img`, that source decoded at 1/`shrink` of its size (pixel `j` of `img`
+/// standing for source pixels `j * shrink..(j + 1) * shrink`): the box maps onto `img`
+/// exactly, with fractional edges (`b.x / shrink`, ...), and the filter is the same triangle,
+/// widened by the shrink factor left (`b.width / shrink / out_width`), over `img`'s pixels
+/// that the mapped box touches. What a view of a scaled decode is; with `shrink` 1 it is
+/// [`resize_box`] up to float rounding.
+pub fn resize_box_shrunk(img: &Image, b: CropBox, shrink: usize, out_width: usize, out_height: usize) -> FloatImage {
+    let s = shrink.max(1) as f64;
+    let wx = Taps::from_filter(filter_at(b.x as f64 / s, b.width as f64 / s, out_width, img.width));
+    let wy = Taps::from_filter(filter_at(b.y as f64 / s, b.height as f64 / s, out_height, img.height));
+    let first = wy.starts.iter().copied().min().unwrap_or(0);
+    let last = wy.starts.iter().zip(wy.offsets.windows(2)).map(|(s, o)| s + o[1] - o[0]).max().unwrap_or(first);
+    resize_taps(img, &wx, &wy, first, last - first, out_width, out_height)
+}
+
+/// The largest factor `s` in {8, 4, 2} with the box `width` x `height` at least `s` times the
+/// output `out_width` x `out_height` in both axes (so a decode at 1/`s` still has a source
+/// pixel per output pixel), else 1: the rule of Pillow's `draft` and FFCV.
+pub fn shrink_for(width: usize, height: usize, out_width: usize, out_height: usize) -> usize {
+    [8, 4, 2].into_iter().find(|&s| width >= s * out_width && height >= s * out_height).unwrap_or(1)
+}
+
+/// Resizes with the taps `wx` (columns) and `wy` (rows, reading rows `row0..row0 + rows` of
+/// `img`), bytes to floats.
+fn resize_taps(img: &Image, wx: &Taps, wy: &Taps, row0: usize, rows: usize, out_width: usize, out_height: usize) -> FloatImage {
+    let c = img.channels;
+    let lut = byte_values();
     let row_len = out_width * c;
     // Horizontal pass over the box's rows: box height x out_width.
-    let mut tmp = vec![0f32; b.height * row_len];
+    let mut tmp = vec![0f32; rows * row_len];
     for (row, out) in tmp.chunks_exact_mut(row_len).enumerate() {
-        let src = &img.pixels[(b.y + row) * img.width * c..(b.y + row + 1) * img.width * c];
+        let src = &img.pixels[(row0 + row) * img.width * c..(row0 + row + 1) * img.width * c];
         if c == 3 {
             for (ox, px) in out.chunks_exact_mut(3).enumerate() {
                 let (start, ws) = wx.get(ox);
@@ -153,7 +182,7 @@ pub fn resize_box(img: &Image, b: CropBox, out_width: usize, out_height: usize) 
     for (oy, out) in data.chunks_exact_mut(row_len).enumerate() {
         let (start, ws) = wy.get(oy);
         for (i, w) in ws.iter().enumerate() {
-            let r = start - b.y + i;
+            let r = start - row0 + i;
             for (o, t) in out.iter_mut().zip(&tmp[r * row_len..(r + 1) * row_len]) {
                 *o += w * t;
             }
@@ -181,6 +210,16 @@ impl Taps {
         let (mut starts, mut offsets, mut weights) = (Vec::with_capacity(out), Vec::with_capacity(out + 1), Vec::new());
         offsets.push(0);
         for (start, ws) in filter(offset, len, out) {
+            starts.push(start);
+            weights.extend_from_slice(&ws);
+            offsets.push(weights.len());
+        }
+        Taps { starts, offsets, weights }
+    }
+
+    fn from_filter(taps: Vec<(usize, Vec<f32>)>) -> Self {
+        let (mut starts, mut offsets, mut weights) = (Vec::with_capacity(taps.len()), vec![0], Vec::new());
+        for (start, ws) in taps {
             starts.push(start);
             weights.extend_from_slice(&ws);
             offsets.push(weights.len());
@@ -237,6 +276,29 @@ fn filter(offset: usize, len: usize, out: usize) -> Vec<(usize, Vec<f32>)> {
             let raw: Vec<f64> = (lo..hi).map(|i| (1.0 - ((i as f64 + 0.5 - centre) / support).abs()).max(0.0)).collect();
             let sum: f64 = raw.iter().sum();
             (offset + lo, raw.iter().map(|w| (w / sum) as f32).collect())
+        })
+        .collect()
+}
+
+/// [`filter`] for a box with fractional edges, `x0..x0 + len` in source pixels (pixel `i`
+/// spans `i..i + 1`, its centre at `i + 0.5`): output `o` is centred at `x0 + (o + 0.5) *
+/// len / out`, and reads the pixels within the filter's support that the box touches
+/// (`floor(x0)..ceil(x0 + len)`, clipped to `0..limit`).
+fn filter_at(x0: f64, len: f64, out: usize, limit: usize) -> Vec<(usize, Vec<f32>)> {
+    let scale = len / out as f64;
+    let support = scale.max(1.0);
+    let (first, end) = ((x0.floor() as usize).min(limit.saturating_sub(1)), ((x0 + len).ceil() as usize).min(limit));
+    (0..out)
+        .map(|o| {
+            let centre = x0 + (o as f64 + 0.5) * scale;
+            let lo = ((centre - support).floor().max(0.0) as usize).max(first);
+            let hi = ((centre + support).ceil() as usize).min(end).max(lo + 1);
+            let raw: Vec<f64> = (lo..hi).map(|i| (1.0 - ((i as f64 + 0.5 - centre) / support).abs()).max(0.0)).collect();
+            let sum: f64 = raw.iter().sum();
+            // A tap set whose weights all vanish (possible only at a box edge thinner than a
+            // pixel): the nearest pixel.
+            let ws = if sum > 0.0 { raw.iter().map(|w| (w / sum) as f32).collect() } else { vec![1.0; raw.len().min(1)] };
+            (lo, ws)
         })
         .collect()
 }

@@ -108,9 +108,229 @@ fn taps(len: usize, out: usize, filter: Resample) -> Vec<(usize, Vec<i32>)> {
         .collect()
 }
 
-/// Pillow's `clip8`: the accumulator (with its half added) back to a byte.
-fn clip8(acc: i64) -> u8 {
-    (acc >> PRECISION_BITS).clamp(0, 255) as u8
+/// One axis's taps laid out flat for the passes: output `o` (counted from the first output
+/// kept) reads `n[o]` source pixels from `lo[o]` with the taps `coeffs[o * ksize..][..n[o]]`.
+/// Built once per call and reused by every row (the horizontal pass) or column (the vertical).
+struct Taps {
+    lo: Vec<usize>,
+    n: Vec<usize>,
+    ksize: usize,
+    coeffs: Vec<i32>,
+    /// Whether Pillow's 32-bit accumulator holds every sum of these taps over bytes (see
+    /// [`Taps::new`]); when not, the passes sum in i64 (the same values, as long as Pillow's
+    /// own `int` sum does not overflow).
+    fits_i32: bool,
+}
+
+impl Taps {
+    /// The taps of `taps(len, out, filter)` for the outputs `keep`.
+    ///
+    /// The i32 bound: an accumulator starts at `1 << (PRECISION_BITS - 1)` and adds
+    /// `p * w` with `0 <= p <= 255`, so every partial sum lies within
+    /// `half + 255 * (sum of the negative taps) ..= half + 255 * (sum of the positive taps)`.
+    /// The taps are normalised to sum to `1 << PRECISION_BITS` (2^22), so for the triangle
+    /// filter (no negative taps) the largest sum is about `2^21 + 255 * 2^22 < 2^31`; Keys'
+    /// cubic has negative lobes, and rather than rely on an analytic bound for every scale and
+    /// clipped edge, the bound is checked here on the actual taps, exactly in i64.
+    fn new(len: usize, out: usize, filter: Resample, keep: std::ops::Range<usize>) -> Taps {
+        let all = taps(len, out, filter);
+        let kept = &all[keep];
+        let ksize = kept.iter().map(|(_, w)| w.len()).max().unwrap_or(0);
+        let mut coeffs = vec![0i32; kept.len() * ksize];
+        let (mut pos_max, mut neg_min) = (0i64, 0i64);
+        for (o, (_, w)) in kept.iter().enumerate() {
+            coeffs[o * ksize..o * ksize + w.len()].copy_from_slice(w);
+            pos_max = pos_max.max(w.iter().filter(|&&x| x > 0).map(|&x| x as i64).sum());
+            neg_min = neg_min.min(w.iter().filter(|&&x| x < 0).map(|&x| x as i64).sum());
+        }
+        let half = 1i64 << (PRECISION_BITS - 1);
+        let fits_i32 = half + 255 * pos_max <= i32::MAX as i64 && half + 255 * neg_min >= i32::MIN as i64;
+        Taps {
+            lo: kept.iter().map(|(lo, _)| *lo).collect(),
+            n: kept.iter().map(|(_, w)| w.len()).collect(),
+            ksize,
+            coeffs,
+            fits_i32,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.lo.len()
+    }
+
+    /// The first source pixel and the taps of output `o`.
+    #[inline(always)]
+    fn get(&self, o: usize) -> (usize, &[i32]) {
+        let start = o * self.ksize;
+        (self.lo[o], &self.coeffs[start..start + self.n[o]])
+    }
+}
+
+/// A fixed-point accumulator: i32 (Pillow's own) when [`Taps::fits_i32`], else i64.
+trait Acc: Copy {
+    const HALF: Self;
+    fn mac(self, p: u8, w: i32) -> Self;
+    /// Pillow's `clip8`: the accumulator (with its half added) back to a byte.
+    fn byte(self) -> u8;
+}
+
+impl Acc for i32 {
+    const HALF: i32 = 1 << (PRECISION_BITS - 1);
+    #[inline(always)]
+    fn mac(self, p: u8, w: i32) -> i32 {
+        self + p as i32 * w
+    }
+    #[inline(always)]
+    fn byte(self) -> u8 {
+        (self >> PRECISION_BITS).clamp(0, 255) as u8
+    }
+}
+
+impl Acc for i64 {
+    const HALF: i64 = 1 << (PRECISION_BITS - 1);
+    #[inline(always)]
+    fn mac(self, p: u8, w: i32) -> i64 {
+        self + p as i64 * w as i64
+    }
+    #[inline(always)]
+    fn byte(self) -> u8 {
+        (self >> PRECISION_BITS).clamp(0, 255) as u8
+    }
+}
+
+/// The horizontal pass over rows `rows` (the box's pixels, `c` channels each) into `tmp`
+/// (`rows.len()` rows of `t.len()` pixels), one pixel's channels after another: the wide (i64)
+/// path, and the i32 path's for a channel count other than 1 to 4 (none of allgrad's images).
+fn horizontal_direct<A: Acc>(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+    let row_len = t.len() * c;
+    for (src, out) in rows.iter().zip(tmp.chunks_exact_mut(row_len.max(1))) {
+        for (o, px) in out.chunks_exact_mut(c).enumerate() {
+            let (lo, ws) = t.get(o);
+            for (k, q) in px.iter_mut().enumerate() {
+                let mut acc = A::HALF;
+                for (i, &w) in ws.iter().enumerate() {
+                    acc = acc.mac(src[(lo + i) * c + k], w);
+                }
+                *q = acc.byte();
+            }
+        }
+    }
+}
+
+/// Writes the `rows.len()` x `width` pixels (`C` bytes each) of `rows` transposed into `dst`
+/// (`width` rows of `rows.len()` pixels), 16 source rows at a time so that the writes to a
+/// destination row stay together.
+#[inline(always)]
+fn transpose<const C: usize>(rows: &[&[u8]], width: usize, dst: &mut [u8]) {
+    let dst_len = rows.len() * C;
+    for (b, block) in rows.chunks(16).enumerate() {
+        let r0 = b * 16 * C;
+        for x in 0..width {
+            let d = &mut dst[x * dst_len + r0..x * dst_len + r0 + block.len() * C];
+            for (dp, row) in d.chunks_exact_mut(C).zip(block) {
+                let px: [u8; C] = row[x * C..x * C + C].try_into().unwrap_or([0; C]);
+                dp.copy_from_slice(&px);
+            }
+        }
+    }
+}
+
+/// The horizontal pass in i32 as a vertical one: the source columns the taps read transposed
+/// into rows, each output column summed over whole columns at once ([`vertical`], which the
+/// compiler vectorises, where summing along a row pixel by pixel does not), and the result
+/// transposed back. The same sums of the same products as [`horizontal_direct`].
+#[inline(always)]
+fn horizontal_by_columns<const C: usize>(rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+    let n = rows.len();
+    let (Some(x0), Some(x1)) = (t.lo.iter().min(), (0..t.len()).map(|o| t.lo[o] + t.n[o]).max()) else {
+        return;
+    };
+    let (x0, x1) = (*x0, x1);
+    let col_len = n * C;
+    if col_len == 0 {
+        return;
+    }
+    let shifted: Vec<&[u8]> = rows.iter().map(|r| &r[x0 * C..x1 * C]).collect();
+    let mut cols = vec![0u8; (x1 - x0) * col_len];
+    transpose::<C>(&shifted, x1 - x0, &mut cols);
+    let mut out_t = vec![0u8; t.len() * col_len];
+    vertical::<i32>(&cols, col_len, x0, t, &mut out_t);
+    let out_rows: Vec<&[u8]> = out_t.chunks_exact(col_len).collect();
+    transpose::<C>(&out_rows, n, tmp);
+}
+
+#[inline(always)]
+fn horizontal_i32_any(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+    match c {
+        1 => horizontal_by_columns::<1>(rows, t, tmp),
+        2 => horizontal_by_columns::<2>(rows, t, tmp),
+        3 => horizontal_by_columns::<3>(rows, t, tmp),
+        4 => horizontal_by_columns::<4>(rows, t, tmp),
+        _ => horizontal_direct::<i32>(c, rows, t, tmp),
+    }
+}
+
+/// The vertical pass: output row `o` of `t` from the rows of `tmp` (`row_len` bytes each, the
+/// first being source row `first`), every byte of a row at once.
+#[inline(always)]
+fn vertical<A: Acc>(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8]) {
+    let mut acc = vec![A::HALF; row_len];
+    for (o, dst) in out.chunks_exact_mut(row_len.max(1)).enumerate() {
+        let (lo, ws) = t.get(o);
+        acc.fill(A::HALF);
+        let rows = &tmp[(lo - first) * row_len..(lo - first + ws.len()) * row_len];
+        for (row, &w) in rows.chunks_exact(row_len).zip(ws) {
+            for (a, &p) in acc.iter_mut().zip(row) {
+                *a = a.mac(p, w);
+            }
+        }
+        for (d, a) in dst.iter_mut().zip(&acc) {
+            *d = a.byte();
+        }
+    }
+}
+
+/// Whether this CPU runs AVX2 (read once).
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX2.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+}
+
+// The i32 passes are compiled twice: for the target's baseline and, run when the CPU has it,
+// for AVX2. Their loops are written for the compiler to vectorise (no intrinsics); x86-64's
+// baseline (SSE2) has no multiply of 32-bit lanes, which the sums need, and AVX2 has 8 of them.
+// allgrad-nn's `simd_dispatch` does the same for its kernels, but allgrad-data does not depend
+// on allgrad-nn (a sibling crate), so the two copies are written out here.
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn horizontal_i32_avx2(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8]) {
+    horizontal_i32_any(c, rows, t, tmp)
+}
+
+fn horizontal_i32(c: usize, rows: &[&[u8]], t: &Taps, tmp: &mut [u8], path: ResizePath) {
+    #[cfg(target_arch = "x86_64")]
+    if path == ResizePath::Auto && avx2() {
+        // SAFETY: the CPU has AVX2 (checked at run time just above).
+        return unsafe { horizontal_i32_avx2(c, rows, t, tmp) };
+    }
+    horizontal_i32_any(c, rows, t, tmp)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn vertical_i32_avx2(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8]) {
+    vertical::<i32>(tmp, row_len, first, t, out)
+}
+
+fn vertical_i32(tmp: &[u8], row_len: usize, first: usize, t: &Taps, out: &mut [u8], path: ResizePath) {
+    #[cfg(target_arch = "x86_64")]
+    if path == ResizePath::Auto && avx2() {
+        // SAFETY: the CPU has AVX2 (checked at run time just above).
+        return unsafe { vertical_i32_avx2(tmp, row_len, first, t, out) };
+    }
+    vertical::<i32>(tmp, row_len, first, t, out)
 }
 
 /// Resizes the box `b` of `img` to `out_width` x `out_height` with `filter`, in Pillow's
@@ -118,62 +338,102 @@ fn clip8(acc: i64) -> u8 {
 /// `resized_crop` and `transformers`' resize do on PIL images), byte for byte. A side that
 /// keeps its length is not filtered (Pillow skips that pass).
 pub fn resize_pil(img: &Image, b: CropBox, out_width: usize, out_height: usize, filter: Resample) -> Image {
+    let all = CropBox { x: 0, y: 0, width: out_width, height: out_height };
+    resize_pil_part(img, b, out_width, out_height, filter, all)
+}
+
+/// The part `keep` of [`resize_pil`]'s output, computed alone: the same bytes as cropping
+/// `keep` out of `resize_pil(img, b, out_width, out_height, filter)` (each output byte depends
+/// only on its own taps), without the work for the rest (torchvision's `Resize` then
+/// `CenterCrop` in one step). `keep` is clipped to the output.
+///
+/// Pillow's two passes (its `ImagingResample`): the horizontal pass, rounded to bytes, over the
+/// source rows the kept output rows read, then the vertical pass; taps in 22-bit fixed point
+/// computed once per axis, all channels of a pixel at once.
+pub fn resize_pil_part(img: &Image, b: CropBox, out_width: usize, out_height: usize, filter: Resample, keep: CropBox) -> Image {
+    resize_part(img, b, (out_width, out_height), filter, keep, ResizePath::Auto)
+}
+
+/// Which copy of [`resize_pil`]'s passes runs, for the tests that compare them: `Auto` is what
+/// [`resize_pil`] runs (i32 sums, AVX2 when the CPU has it), `Baseline` the i32 copy compiled
+/// for the target's baseline, `Wide` the i64 sums (which the filters' taps never need on
+/// bytes, see [`Taps::new`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResizePath {
+    /// i32 sums, compiled for AVX2 when the CPU has it.
+    Auto,
+    /// i32 sums, compiled for the target's baseline.
+    Baseline,
+    /// i64 sums.
+    Wide,
+}
+
+/// [`resize_pil_part`] through the copy `path`: the same bytes whichever (tested).
+#[doc(hidden)]
+pub fn resize_pil_part_on(
+    img: &Image,
+    b: CropBox,
+    out_width: usize,
+    out_height: usize,
+    filter: Resample,
+    keep: CropBox,
+    path: ResizePath,
+) -> Image {
+    resize_part(img, b, (out_width, out_height), filter, keep, path)
+}
+
+fn resize_part(
+    img: &Image,
+    b: CropBox,
+    (out_width, out_height): (usize, usize),
+    filter: Resample,
+    keep: CropBox,
+    path: ResizePath,
+) -> Image {
     let c = img.channels;
-    let half = 1i64 << (PRECISION_BITS - 1);
-    // Horizontal pass over the rows the vertical pass reads, to bytes.
-    let (rows_first, rows, vertical) = if out_height != b.height {
-        let t = taps(b.height, out_height, filter);
-        let first = t[0].0;
-        let last = t.last().map_or(first, |(lo, w)| lo + w.len());
+    let kx = keep.x.min(out_width)..(keep.x + keep.width).min(out_width);
+    let ky = keep.y.min(out_height)..(keep.y + keep.height).min(out_height);
+    let (kw, kh) = (kx.len(), ky.len());
+    // The source rows (within the box) the vertical pass reads.
+    let (rows_first, rows, vertical_taps) = if out_height != b.height {
+        let t = Taps::new(b.height, out_height, filter, ky.clone());
+        let first = t.lo.iter().copied().min().unwrap_or(0);
+        let last = (0..t.len()).map(|o| t.lo[o] + t.n[o]).max().unwrap_or(first);
         (first, last - first, Some(t))
     } else {
-        (0, b.height, None)
+        (ky.start, kh, None)
     };
-    let (tmp, tmp_width) = if out_width != b.width {
-        let t = taps(b.width, out_width, filter);
-        let mut tmp = vec![0u8; rows * out_width * c];
-        for r in 0..rows {
-            let y = b.y + rows_first + r;
-            let src = &img.pixels[(y * img.width + b.x) * c..(y * img.width + b.x + b.width) * c];
-            let out = &mut tmp[r * out_width * c..(r + 1) * out_width * c];
-            for (ox, (lo, ws)) in t.iter().enumerate() {
-                for k in 0..c {
-                    let mut acc = half;
-                    for (i, w) in ws.iter().enumerate() {
-                        acc += src[(lo + i) * c + k] as i64 * *w as i64;
-                    }
-                    out[ox * c + k] = clip8(acc);
-                }
-            }
+    let src_rows: Vec<&[u8]> = (0..rows)
+        .map(|r| {
+            let start = ((b.y + rows_first + r) * img.width + b.x) * c;
+            &img.pixels[start..start + b.width * c]
+        })
+        .collect();
+    let mut tmp = vec![0u8; rows * kw * c];
+    if out_width != b.width {
+        let t = Taps::new(b.width, out_width, filter, kx);
+        if t.fits_i32 && path != ResizePath::Wide {
+            horizontal_i32(c, &src_rows, &t, &mut tmp, path);
+        } else {
+            horizontal_direct::<i64>(c, &src_rows, &t, &mut tmp);
         }
-        (tmp, out_width)
     } else {
-        let mut tmp = Vec::with_capacity(rows * b.width * c);
-        for r in 0..rows {
-            let y = b.y + rows_first + r;
-            tmp.extend_from_slice(&img.pixels[(y * img.width + b.x) * c..(y * img.width + b.x + b.width) * c]);
-        }
-        (tmp, b.width)
-    };
-    let Some(t) = vertical else {
-        return Image { width: tmp_width, height: rows, channels: c, pixels: tmp };
-    };
-    let row_len = tmp_width * c;
-    let mut out = vec![0u8; out_height * row_len];
-    let mut acc = vec![0i64; row_len];
-    for (oy, (lo, ws)) in t.iter().enumerate() {
-        acc.iter_mut().for_each(|a| *a = half);
-        for (i, w) in ws.iter().enumerate() {
-            let r = lo - rows_first + i;
-            for (a, p) in acc.iter_mut().zip(&tmp[r * row_len..(r + 1) * row_len]) {
-                *a += *p as i64 * *w as i64;
-            }
-        }
-        for (o, a) in out[oy * row_len..(oy + 1) * row_len].iter_mut().zip(&acc) {
-            *o = clip8(*a);
+        for (src, dst) in src_rows.iter().zip(tmp.chunks_exact_mut((kw * c).max(1))) {
+            dst.copy_from_slice(&src[kx.start * c..kx.end * c]);
         }
     }
-    Image { width: tmp_width, height: out_height, channels: c, pixels: out }
+    let Some(t) = vertical_taps else {
+        return Image { width: kw, height: rows, channels: c, pixels: tmp };
+    };
+    let row_len = kw * c;
+    let mut out = vec![0u8; kh * row_len];
+    if t.fits_i32 && path != ResizePath::Wide {
+        vertical_i32(&tmp, row_len, rows_first, &t, &mut out, path);
+    } else {
+        vertical::<i64>(&tmp, row_len, rows_first, &t, &mut out);
+    }
+    Image { width: kw, height: kh, channels: c, pixels: out }
 }
 
 /// The size a shortest-side resize gives a `width` x `height` image: the shorter side becomes

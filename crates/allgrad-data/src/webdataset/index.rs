@@ -6,7 +6,7 @@ use super::shard::{Sample, ShardReader};
 use crate::dataset::Dataset;
 use crate::decode::ColorMode;
 use crate::error::{DataError, DataResult};
-use crate::image::Image;
+use crate::image::{Decoded, Image};
 
 /// The samples of some shards, in shard order, each read again (one seek) and decoded when
 /// asked for. Opening reads every shard once to find the samples, their offsets and their
@@ -79,6 +79,21 @@ pub(super) fn decode_sample(path: &Path, sample: &Sample, color: ColorMode) -> D
         sample.image().ok_or_else(|| corrupt(format!("no jpg, jpeg, png or webp member (members: {})", member_names(sample))))?;
     let name = PathBuf::from(format!("{}:{}.{ext}", path.display(), sample.key));
     crate::decode::decode_image(bytes, color, &name).map_err(|e| corrupt(e.to_string()))
+}
+
+/// [`decode_sample`] at 1/`s` of the image's size, `s` from `shrink` ([`crate::decode_image_shrunk`]).
+pub(super) fn decode_sample_shrunk(
+    path: &Path,
+    sample: &Sample,
+    color: ColorMode,
+    shrink: &dyn Fn(usize, usize) -> usize,
+) -> DataResult<Decoded> {
+    let corrupt =
+        |reason: String| DataError::CorruptSample { shard: path.into(), key: sample.key.clone(), offset: sample.offset, reason };
+    let (ext, bytes) =
+        sample.image().ok_or_else(|| corrupt(format!("no jpg, jpeg, png or webp member (members: {})", member_names(sample))))?;
+    let name = PathBuf::from(format!("{}:{}.{ext}", path.display(), sample.key));
+    crate::decode::decode_image_shrunk(bytes, color, &name, shrink).map_err(|e| corrupt(e.to_string()))
 }
 
 impl Dataset for TarDataset {

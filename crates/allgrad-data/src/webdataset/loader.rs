@@ -4,8 +4,10 @@
 //! The plan lists this rank's coming (micro-)batches as positions of the epoch, ascending
 //! (the trainer's unshuffled sampler gives exactly that). A batch's positions fall into
 //! streams ([`StreamLayout::locate`]); worker `w` reads streams `l` with `l % workers == w`,
-//! and for each batch in order builds the part of each of its streams (decode, then the
-//! views keyed by the position). The consumer takes the parts in the same (batch, stream)
+//! and for each batch in order builds the part of each of its streams: it reads the part's
+//! samples, then decodes them and makes their views (keyed by the position) on as many threads
+//! as make the workers asked for in all (a rank has `streams / W` streams, fewer than its
+//! workers perhaps), each thread a run of consecutive samples, the views placed in order. The consumer takes the parts in the same (batch, stream)
 //! order, so nothing waits in a cycle, and joins them in position order. A stream that the
 //! plan enters in the middle (a resume) starts from its saved state when the stream has one
 //! ([`ShardStream::resume_from`]), and is read forward from there (or from the epoch's start)
@@ -20,11 +22,13 @@ use std::thread::JoinHandle;
 
 use candle_core::Device;
 
+use super::shard::Sample;
 use super::stream::{Lane, LaneState, ShardStream};
 use crate::augment::{Pipeline, ViewKey};
 use crate::error::{DataError, DataResult};
 use crate::host::{to_batch, Batch, HostBatch, HostView, Staging};
-use crate::loader::{assemble, LoaderConfig};
+use crate::image::{Chw, Decoded};
+use crate::loader::{place, views_of, LoaderConfig};
 
 /// The part of one batch that one stream gives.
 struct Part {
@@ -50,6 +54,10 @@ struct Work {
     epoch: u64,
     groups: Arc<Groups>,
     staging: Staging,
+    /// Threads that decode and augment one part's samples ([`StreamLoader::new`]).
+    decode_threads: usize,
+    /// Decode JPEGs at the size the views need ([`LoaderConfig::scaled_decode`]).
+    scaled_decode: bool,
 }
 
 /// The streams one thread reads, positioned.
@@ -82,23 +90,83 @@ impl Readers {
                 "the pipeline takes captions but the stream reads none (ShardStream::with_caption)".into(),
             ));
         }
-        let samples = positions.iter().map(|&p| {
+        // Read the part's samples in order (reading is sequential: a stream is one tar read
+        // and one shuffle buffer), then decode and augment them on `decode_threads` threads,
+        // each taking a run of consecutive samples, their views placed in position order.
+        // Under `on_corrupt: skip` a sample's decode decides which sample comes next, so the
+        // read decodes (at full size) and the threads only augment.
+        let apart = w.source.decodes_apart();
+        let mut read = Vec::with_capacity(positions.len());
+        for &p in positions {
             let (_, m) = layout.locate(p);
             if m != reader.good() {
                 return Err(DataError::Stream(format!("batch {batch}: positions of stream {lane} are not consecutive at {p}")));
             }
-            let (img, label, caption) = reader.next_good(true)?;
+            let ((img, label, caption), shard, sample) = reader.next_good_read(!apart)?;
             labels.push(label as u32);
             if let (true, Some(text)) = (pipeline.takes_text(), caption) {
                 tokens.push(pipeline.encode_text(&text)?);
             }
-            Ok((p, img.expect("decoded when asked to")))
-        });
+            read.push(match img {
+                Some(img) => (p, Read::Decoded(Decoded::whole(img))),
+                None => (p, Read::Later(shard, sample)),
+            });
+        }
         let key = |p: usize, view| ViewKey { seed: w.seed, epoch: w.epoch, index: p as u64, view };
-        let views = assemble(samples, positions.len(), w.pipeline.as_ref(), &w.staging, key)?;
+        let one = |(p, r): &(usize, Read)| -> DataResult<(usize, Vec<Chw>)> {
+            let decoded;
+            let img = match r {
+                Read::Decoded(img) => img,
+                Read::Later(shard, sample) => {
+                    let shrink = |wd: usize, ht: usize| pipeline.shrink(wd, ht, key(*p, 0));
+                    decoded = w.source.decode_read(
+                        *shard,
+                        sample,
+                        w.scaled_decode.then_some(&shrink as &dyn Fn(usize, usize) -> usize),
+                    )?;
+                    &decoded
+                }
+            };
+            Ok((*p, views_of(img, *p, pipeline, &key)?))
+        };
+        let threads = w.decode_threads.clamp(1, read.len().max(1));
+        let done: Vec<DataResult<(usize, Vec<Chw>)>> = if threads == 1 {
+            read.iter().map(one).collect()
+        } else {
+            let run = read.len().div_ceil(threads);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = read
+                    .chunks(run)
+                    .enumerate()
+                    .map(|(t, chunk)| {
+                        std::thread::Builder::new()
+                            .name(format!("allgrad-decode-{lane}-{t}"))
+                            .spawn_scoped(scope, move || chunk.iter().map(one).collect::<Vec<_>>())
+                            .map_err(|source| DataError::Spawn { worker: t, source })
+                    })
+                    .collect();
+                let mut out = Vec::with_capacity(read.len());
+                for h in handles {
+                    match h {
+                        Ok(h) => out.extend(h.join().unwrap_or_else(|_| {
+                            vec![Err(DataError::Stream(format!("batch {batch}: a decode thread of stream {lane} panicked")))]
+                        })),
+                        Err(e) => out.push(Err(e)),
+                    }
+                }
+                out
+            })
+        };
+        let views = place(done.into_iter(), positions.len(), &w.staging)?;
         let state = reader.state();
         Ok(Part { batch, lane, positions: positions.to_vec(), views, labels, tokens, state })
     }
+}
+
+/// A sample of a part as read: decoded already, or to be decoded from its shard.
+enum Read {
+    Decoded(Decoded),
+    Later(usize, Sample),
 }
 
 /// A batch and its streams' states after it.
@@ -152,10 +220,24 @@ impl StreamLoader {
             groups.push(by_lane.into_iter().collect());
         }
         let staging = Staging::for_device(device)?;
-        let work = Work { source, pipeline, seed, epoch, groups: Arc::new(groups), staging };
-        let stop = Arc::new(AtomicBool::new(false));
         let streams = layout.streams;
         let workers = cfg.workers.min(streams);
+        // A worker reads the streams `l % workers == w`; this rank's streams keep `busy` of
+        // them reading, and each of those decodes a part on enough threads that all of them
+        // together are the workers asked for (streams / W readers would otherwise be all).
+        let busy = groups.iter().flatten().map(|(l, _)| l % workers.max(1)).collect::<std::collections::BTreeSet<_>>().len();
+        let decode_threads = if workers == 0 { 1 } else { cfg.workers.div_ceil(busy.max(1)) };
+        let work = Work {
+            source,
+            pipeline,
+            seed,
+            epoch,
+            groups: Arc::new(groups),
+            staging,
+            decode_threads,
+            scaled_decode: cfg.scaled_decode,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
         let mut loader = StreamLoader {
             work: work.clone(),
             receivers: Vec::new(),

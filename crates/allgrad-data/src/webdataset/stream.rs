@@ -34,12 +34,12 @@ use std::sync::{Arc, Mutex};
 use allgrad_rng::{below, shuffle, stream};
 use serde::{Deserialize, Serialize};
 
-use super::index::{decode_sample, member_names};
+use super::index::{decode_sample, decode_sample_shrunk, member_names};
 use super::shard::{CaptionField, Sample, ShardReader};
 use super::{OnCorrupt, WebDatasetOptions};
 use crate::decode::ColorMode;
 use crate::error::{DataError, DataResult};
-use crate::image::Image;
+use crate::image::{Decoded, Image};
 
 /// Key words of the streams' random draws.
 const TAG_SHARDS: u64 = 0x5AAD;
@@ -254,6 +254,30 @@ impl ShardStream {
     pub fn with_caption(mut self, field: CaptionField) -> Self {
         self.caption = Some(field);
         self
+    }
+
+    /// Whether a sample read without decoding ([`Lane::next_good_read`]) may be decoded later,
+    /// apart from the read: under `on_corrupt: error`, where a sample's decode decides nothing
+    /// about the samples after it (a failure stops the run). Under `skip`, a sample that does
+    /// not decode is left out and the next one read in its place, so the read decodes.
+    pub(super) fn decodes_apart(&self) -> bool {
+        self.opts.on_corrupt == OnCorrupt::Error
+    }
+
+    /// Decodes the image of `sample`, read from shard `shard` ([`Lane::next_good_read`]), at
+    /// 1/`s` of its size with `s` from `shrink` when given ([`crate::decode_image_shrunk`]);
+    /// errors name the shard, the key and the offset.
+    pub(super) fn decode_read(
+        &self,
+        shard: usize,
+        sample: &Sample,
+        shrink: Option<&dyn Fn(usize, usize) -> usize>,
+    ) -> DataResult<Decoded> {
+        let path = self.shards[shard].as_path();
+        match shrink {
+            Some(shrink) => decode_sample_shrunk(path, sample, self.color, shrink),
+            None => decode_sample(path, sample, self.color).map(Decoded::whole),
+        }
     }
 
     /// Where the captions are read from, for image-caption pairs.
@@ -716,6 +740,12 @@ impl Lane {
     /// Under `skip`, once every shard the stream reads has been read through giving only
     /// corrupt samples, an error naming the last of them and why.
     pub(super) fn next_good(&mut self, decode: bool) -> DataResult<Good> {
+        self.next_good_read(decode).map(|(good, _, _)| good)
+    }
+
+    /// [`Lane::next_good`], with the sample itself and the number of its shard (to decode it
+    /// later, [`ShardStream::decode_read`]).
+    pub(super) fn next_good_read(&mut self, decode: bool) -> DataResult<(Good, usize, Sample)> {
         loop {
             let (d, s, sample) = self.next_candidate()?;
             let path = self.src.shards[s].as_path();
@@ -728,7 +758,7 @@ impl Lane {
                     self.dead.remove(&s);
                     self.settle(d)?;
                     self.good += 1;
-                    return Ok(out);
+                    return Ok((out, s, sample));
                 }
                 Err(e) if self.src.opts.on_corrupt == OnCorrupt::Skip => {
                     self.leave_out(sample.offset, &e)?;

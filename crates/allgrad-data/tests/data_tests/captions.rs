@@ -65,7 +65,7 @@ fn options(on_corrupt: OnCorrupt) -> WebDatasetOptions {
 
 /// The captions of the batches of `plan`, decoded back from their token ids.
 fn captions(stream: ShardStream, plan: Vec<Vec<usize>>, workers: usize) -> DataResult<Vec<Vec<String>>> {
-    let cfg = LoaderConfig { workers, prefetch: 2 };
+    let cfg = LoaderConfig { workers, prefetch: 2, ..Default::default() };
     let loader = StreamLoader::new(Arc::new(stream), Arc::new(Bytes), 3, 0, plan, &cfg, &Device::Cpu)?;
     loader
         .map(|b| {
@@ -114,7 +114,7 @@ fn a_sample_without_its_caption_is_named_with_shard_and_key_or_skipped() {
         // Skipped: the epoch's samples all have captions, and the skip is counted.
         let stream =
             Arc::new(ShardStream::new(shards.clone(), options(OnCorrupt::Skip), 8, ColorMode::Rgb).unwrap().with_caption(field));
-        let cfg = LoaderConfig { workers: 1, prefetch: 1 };
+        let cfg = LoaderConfig { workers: 1, prefetch: 1, ..Default::default() };
         let batches: Vec<_> =
             StreamLoader::new(stream.clone(), Arc::new(Bytes), 3, 0, plan.clone(), &cfg, &Device::Cpu).unwrap().collect();
         let texts: Vec<String> =
@@ -149,7 +149,7 @@ impl Dataset for Texts {
 #[test]
 fn an_indexed_data_sets_text_is_encoded_on_the_loaders_threads() {
     let data = Arc::new(Texts((0..5).map(|i| Image::new(3, 3, 1, vec![i as u8; 9]).unwrap()).collect()));
-    let cfg = LoaderConfig { workers: 2, prefetch: 2 };
+    let cfg = LoaderConfig { workers: 2, prefetch: 2, ..Default::default() };
     let out: Vec<_> =
         Loader::new(data, Arc::new(Bytes), 0, 0, vec![vec![3, 1], vec![0, 4]], &cfg, &Device::Cpu).unwrap().collect();
     let first = out[0].as_ref().unwrap();
@@ -169,7 +169,7 @@ fn a_captioned_stream_resumed_from_its_saved_position_gives_the_uninterrupted_ca
         Arc::new(ShardStream::new(shards.clone(), opts.clone(), 4, ColorMode::Rgb).unwrap().with_caption(CaptionField::default()))
     };
     let plan: Vec<Vec<usize>> = (0..4).map(|b| (b * 4..b * 4 + 4).collect()).collect();
-    let cfg = LoaderConfig { workers: 2, prefetch: 2 };
+    let cfg = LoaderConfig { workers: 2, prefetch: 2, ..Default::default() };
     let read = |s: Arc<ShardStream>, plan: Vec<Vec<usize>>| -> Vec<Vec<Vec<u32>>> {
         StreamLoader::new(s, Arc::new(Bytes), 3, 0, plan, &cfg, &Device::Cpu).unwrap().map(|b| b.unwrap().tokens).collect()
     };

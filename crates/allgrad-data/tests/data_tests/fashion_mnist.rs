@@ -31,7 +31,9 @@ fn bundled_subset_through_two_views_and_the_loader() {
     let cfg = AugmentConfig { normalize: Normalize { mean: vec![0.2860], std: vec![0.3530] }, ..AugmentConfig::simclr(28) };
     let views = Arc::new(TwoViews::new(cfg).unwrap());
     let plan: Vec<Vec<usize>> = (0..3).map(|b| (0..32).map(|i| (b * 977 + i * 131) % 10_000).collect()).collect();
-    let loader = Loader::new(train, views, 1, 0, plan, &LoaderConfig { workers: 2, prefetch: 2 }, &Device::Cpu).unwrap();
+    let loader =
+        Loader::new(train, views, 1, 0, plan, &LoaderConfig { workers: 2, prefetch: 2, ..Default::default() }, &Device::Cpu)
+            .unwrap();
     for batch in loader {
         let batch = batch.unwrap();
         assert_eq!(batch.views.len(), 2);

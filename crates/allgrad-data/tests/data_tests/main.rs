@@ -15,6 +15,8 @@
 mod captions;
 mod fashion_mnist;
 mod recordio;
+mod resize_pil;
+mod scaled_decode;
 mod views_pinned;
 mod webdataset;
 mod webdataset_resume;

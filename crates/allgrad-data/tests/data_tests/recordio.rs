@@ -99,7 +99,7 @@ fn records_through_the_sampler_and_loader_are_split_over_ranks_and_equal_for_any
     // Epoch 1, steps 0..5, for 2 ranks: each rank's slices, through 0 and 3 workers.
     let run = |rank: usize, workers: usize, sampler: &mut DistributedSampler| {
         let plan: Vec<Vec<usize>> = (0..5).map(|p| sampler.local(sampler.clone().global_batch(1, p), rank, 2).to_vec()).collect();
-        let cfg = LoaderConfig { workers, prefetch: 2 };
+        let cfg = LoaderConfig { workers, prefetch: 2, ..Default::default() };
         Loader::new(ds.clone(), views.clone(), 3, 1, plan, &cfg, &candle_core::Device::Cpu)
             .unwrap()
             .map(|b| {

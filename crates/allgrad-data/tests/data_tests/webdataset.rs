@@ -292,7 +292,7 @@ pub(crate) fn views() -> Arc<TwoViews> {
 pub(crate) type Flat = (Vec<usize>, Vec<Vec<f32>>, Vec<u32>);
 
 pub(crate) fn run(source: &Arc<ShardStream>, plan: Vec<Vec<usize>>, workers: usize) -> Vec<Flat> {
-    let cfg = LoaderConfig { workers, prefetch: 2 };
+    let cfg = LoaderConfig { workers, prefetch: 2, ..Default::default() };
     let loader = StreamLoader::new(source.clone(), views(), 7, 1, plan, &cfg, &Device::Cpu).unwrap();
     loader
         .map(|b| {
@@ -419,7 +419,7 @@ pub(crate) fn keyed(
     plan: Vec<Vec<usize>>,
     workers: usize,
 ) -> Vec<Vec<(usize, String)>> {
-    let cfg = LoaderConfig { workers, prefetch: 2 };
+    let cfg = LoaderConfig { workers, prefetch: 2, ..Default::default() };
     let loader = StreamLoader::new(source.clone(), Arc::new(Pixels), 7, epoch, plan, &cfg, &Device::Cpu).unwrap();
     loader
         .map(|b| {

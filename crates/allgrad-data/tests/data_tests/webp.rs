@@ -150,7 +150,7 @@ fn webp_members_of_shards_and_webp_files_of_a_folder_decode_to_pillows_pixels() 
     };
     let stream = Arc::new(ShardStream::new(shards, opts, 1, ColorMode::Rgb).unwrap());
     let plan: Vec<Vec<usize>> = (0..lossless.len()).map(|i| vec![i]).collect();
-    let cfg = LoaderConfig { workers: 2, prefetch: 2 };
+    let cfg = LoaderConfig { workers: 2, prefetch: 2, ..Default::default() };
     let loader = StreamLoader::new(stream, Arc::new(Plain), 0, 0, plan, &cfg, &Device::Cpu).unwrap();
     let mut seen = Vec::new();
     for b in loader {

@@ -207,7 +207,7 @@ impl PairData {
         }
         // Unplanned: built on this thread (a stream read from the epoch's start to it).
         let pipeline: Arc<dyn Pipeline> = self.inputs.clone();
-        let cfg = allgrad_data::LoaderConfig { workers: 0, prefetch: 0 };
+        let cfg = allgrad_data::LoaderConfig { workers: 0, prefetch: 0, ..Default::default() };
         let plan = vec![batch.indices.to_vec()];
         let (seed, epoch) = (batch.seed, batch.epoch as u64);
         let mut once = match &self.source {

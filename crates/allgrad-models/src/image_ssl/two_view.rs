@@ -163,7 +163,7 @@ impl TwoViewImages {
         if self.is_stream() {
             // Unplanned: the stream read from the epoch's start to this batch, here.
             let pipeline: Arc<dyn allgrad_data::Pipeline> = self.views.clone();
-            let cfg = LoaderConfig { workers: 0, prefetch: 0 };
+            let cfg = LoaderConfig { workers: 0, prefetch: 0, ..Default::default() };
             let stream = self.stream()?.clone();
             let plan = vec![batch.indices.to_vec()];
             let mut once = StreamLoader::new(stream, pipeline, batch.seed, batch.epoch as u64, plan, &cfg, &self.device)
@@ -241,7 +241,7 @@ mod tests {
             format: ImageFormat::Idx,
             augment: AugmentConfig { normalize: allgrad_data::Normalize::identity(), ..AugmentConfig::simclr(12) },
             knn: KnnConfig::default(),
-            loader: LoaderConfig { workers, prefetch: 2 },
+            loader: LoaderConfig { workers, prefetch: 2, ..Default::default() },
             folder: FolderOptions::default(),
             webdataset: Default::default(),
         };
