@@ -21,5 +21,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHON="${PYTHON:-python3}"
-cargo build --release -q -p allgrad-bench --bin bench_clip_step >&2
+cargo build --release -q --workspace --bin bench_clip_step >&2
 exec "${CARGO_TARGET_DIR:-target}/release/bench_clip_step" "$@"

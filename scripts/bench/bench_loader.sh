@@ -82,7 +82,7 @@ if [[ $SIMD == 1 && -z $SIMD_PY ]]; then
     SIMD_PY="$("$ROOT/scripts/bench/get_pillow_simd.sh" | tail -n 1)/bin/python"
 fi
 
-(cd "$ROOT" && cargo build --release -q -p allgrad-bench --bin bench_loader)
+(cd "$ROOT" && cargo build --release -q --workspace --bin bench_loader)
 BIN="$ROOT/target/release/bench_loader"
 
 echo "load average (1, 5, 15 min): $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores"

@@ -60,7 +60,7 @@ echo "   (the figures below are this machine's only if the load average above is
 if [[ -n "${ALLGRAD_BENCH_BIN:-}" ]]; then
     BIN="$ALLGRAD_BENCH_BIN"
 else
-    (cd "$ROOT" && cargo build --release -p allgrad-bench --bin bench_scale_ranks)
+    (cd "$ROOT" && cargo build --release --workspace --bin bench_scale_ranks)
     BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/bench_scale_ranks"
 fi
 [[ -x "$BIN" ]] || { echo "bench_scale_ranks.sh: no bench_scale_ranks binary at $BIN" >&2; exit 1; }
