@@ -37,7 +37,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, T
 
 use super::loss::clip_scale;
 use crate::losses::l2_normalize;
-use crate::tiled::{dot_grads, dot_lse, KernelElem};
+use crate::tiled::{dot_grads, dot_lse, host_gemm, KernelElem};
 
 /// How a ring loss runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -472,15 +472,13 @@ impl RingLoss {
             }
             Kind::Siglip => {
                 let (t, bias) = (p[0], p[1]);
-                let q = img.detach().contiguous()?;
                 let mut sum = 0f64;
                 ring.forward(|origin, k, chunk| {
                     let n = chunk.len() / d.max(1);
                     if n == 0 || b == 0 {
                         return Ok(());
                     }
-                    let keys = Tensor::from_slice(chunk, (n, d), &Device::Cpu)?;
-                    sum += sigmoid_block(&q, &keys, t, bias, tile_for(n), None)?.0;
+                    sum += sigmoid_chunk(&img_h, chunk, (b, n, d), t, bias, tile_for(n), None).sum;
                     if origin == ring.me {
                         // The positives: log σ(z) − log σ(−z) = z on the diagonal.
                         sum -= ring.pass.chunk_range(origin, k).map(|i| t * dot(&img_h, &txt_h, i, d) + bias).sum::<f64>();
@@ -547,11 +545,11 @@ impl RingLoss {
                         let rows = ring.pass.chunk_range(origin, k);
                         let positives = mine.then_some(rows.start);
                         let (oi, ot) = chunk.split_at(n * d);
-                        let (dq, dk_txt, s1) = dot_grads(&img_h, ot, (b, n, d), scale, tile_for(n), positives, l_i2t, g)?;
-                        let (dq2, dk_img, s2) = dot_grads(&txt_h, oi, (b, n, d), scale, tile_for(n), positives, l_t2i, g)?;
                         let mut a = acc.borrow_mut();
-                        add_into(&mut a.img, &dq);
-                        add_into(&mut a.txt, &dq2);
+                        let a = &mut *a;
+                        // The queries' gradients go straight into this rank's rows'.
+                        let (dk_txt, s1) = dot_grads(&img_h, ot, (b, n, d), scale, tile_for(n), positives, l_i2t, g, &mut a.img)?;
+                        let (dk_img, s2) = dot_grads(&txt_h, oi, (b, n, d), scale, tile_for(n), positives, l_t2i, g, &mut a.txt)?;
                         // s = raw · scale: ∂s/∂scale = s / scale.
                         a.params[0] += (s1 + s2) / scale;
                         if mine {
@@ -573,7 +571,6 @@ impl RingLoss {
             }
             Kind::Siglip => {
                 let (t, bias) = (p[0], p[1]);
-                let q = img.detach().contiguous()?;
                 ring.backward(
                     |origin, k, chunk| {
                         let n = chunk.len() / d.max(1);
@@ -581,14 +578,13 @@ impl RingLoss {
                         if n == 0 || b == 0 {
                             return Ok(if mine { None } else { Some(vec![zero; n * d]) });
                         }
-                        let keys = Tensor::from_slice(chunk, (n, d), &Device::Cpu)?;
-                        let (_, grads) = sigmoid_block(&q, &keys, t, bias, tile_for(n), Some(g))?;
-                        let (dq, dk, dt, db) = grads.expect("asked for gradients");
-                        let mut dk = host::<T>(&dk)?;
                         let mut a = acc.borrow_mut();
-                        add_into(&mut a.img, &host::<T>(&dq)?);
-                        a.params[0] += dt;
-                        a.params[1] += db;
+                        let a = &mut *a;
+                        // The queries' gradients go straight into this rank's rows'.
+                        let out = sigmoid_chunk(&img_h, chunk, (b, n, d), t, bias, tile_for(n), Some((g, &mut a.img)));
+                        let mut dk = out.dk;
+                        a.params[0] += out.dt;
+                        a.params[1] += out.db;
                         if !mine {
                             return Ok(Some(dk));
                         }
@@ -624,59 +620,65 @@ fn dot<T: KernelElem>(a: &[T], b: &[T], i: usize, d: usize) -> f64 {
     (0..d).map(|j| a[i * d + j].to_f64() * b[i * d + j].to_f64()).sum()
 }
 
-/// Gradients of a SigLIP block: queries, keys, `∂/∂t`, `∂/∂bias`.
-type SigmoidGrads = Option<(Tensor, Tensor, f64, f64)>;
+/// What [`sigmoid_chunk`] returns.
+struct SigmoidChunk<T> {
+    /// `Σ softplus(z)` (forward only).
+    sum: f64,
+    /// The keys' gradient (backward only).
+    dk: Vec<T>,
+    /// `∂/∂t` and `∂/∂bias` (backward only).
+    dt: f64,
+    db: f64,
+}
 
-/// `Σ softplus(z)` over the block, `z = t · q·kᵀ + bias`, in `tile x tile` blocks (the
-/// negatives' `−log σ(−z)`; the caller subtracts the positives' `z`), and with `g` its
-/// gradients: `∂z = g σ(z)`.
-fn sigmoid_block(q: &Tensor, k: &Tensor, t: f64, bias: f64, tile: usize, g: Option<f64>) -> Result<(f64, SigmoidGrads)> {
-    let (m, n) = (q.dim(0)?, k.dim(0)?);
-    let mut sum = 0f64;
-    let (mut dq_rows, mut dk_parts): (Vec<Tensor>, Vec<Option<Tensor>>) = (Vec::new(), vec![None; n.div_ceil(tile)]);
-    let (mut dt, mut db) = (0f64, 0f64);
-    for r0 in (0..m).step_by(tile) {
-        let qi = q.narrow(0, r0, tile.min(m - r0))?;
-        let mut dqi: Option<Tensor> = None;
-        for (j, c0) in (0..n).step_by(tile).enumerate() {
-            let kj = k.narrow(0, c0, tile.min(n - c0))?;
-            let raw = qi.matmul(&kj.t()?)?;
-            let z = raw.affine(t, bias)?;
-            match g {
-                None => {
+/// SigLIP's negatives over one chunk of keys, `tile` query rows at a time, with
+/// `z = t · q·kᵀ + bias` (`q`: `[b, d]`, `keys`: `[n, d]`): forward, `Σ softplus(z)` (the
+/// caller subtracts the positives' `z`); with `grad = Some((g, dq))`, the gradients of
+/// `g · Σ softplus(z)`: `∂z = g σ(z)`, `dq += t ∂z·k` added into `dq`, and `dk = t ∂zᵀ·q`,
+/// `∂t = Σ ∂z ⊙ q·kᵀ`, `∂bias = Σ ∂z` returned. On host slices, one tile of logits at a time:
+/// each chunk's contributions go into `dq` in place, with no `[b, d]` temporary per chunk.
+fn sigmoid_chunk<T: KernelElem>(
+    q: &[T],
+    keys: &[T],
+    (b, n, d): (usize, usize, usize),
+    t: f64,
+    bias: f64,
+    tile: usize,
+    mut grad: Option<(f64, &mut [T])>,
+) -> SigmoidChunk<T> {
+    let mut out = SigmoidChunk { sum: 0.0, dk: Vec::new(), dt: 0.0, db: 0.0 };
+    if grad.is_some() {
+        out.dk = vec![T::from_f64(0.0); n * d];
+    }
+    let mut raw = vec![T::from_f64(0.0); tile.min(b) * n];
+    for r0 in (0..b).step_by(tile) {
+        let m = tile.min(b - r0);
+        let qi = &q[r0 * d..(r0 + m) * d];
+        let raw = &mut raw[..m * n];
+        host_gemm(raw, false, qi, false, keys, true, (m, n, d), 1.0);
+        match grad.as_mut() {
+            None => {
+                for x in raw.iter() {
                     // softplus(z) = max(z, 0) + log(1 + e^−|z|).
-                    let sp = (z.relu()? + (z.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
-                    sum += sp.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-                }
-                Some(g) => {
-                    // σ(z) = 1 / (1 + e^−z); e^−z = ∞ gives 0.
-                    let dz = ((z.neg()?.exp()? + 1.0)?.recip()? * g)?;
-                    dt += (&dz * &raw)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-                    db += dz.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-                    let gq = (dz.matmul(&kj)? * t)?;
-                    let gk = (dz.t()?.matmul(&qi)? * t)?;
-                    dqi = Some(match dqi {
-                        Some(a) => (a + gq)?,
-                        None => gq,
-                    });
-                    dk_parts[j] = Some(match dk_parts[j].take() {
-                        Some(a) => (a + gk)?,
-                        None => gk,
-                    });
+                    let z = t * x.to_f64() + bias;
+                    out.sum += z.max(0.0) + (-z.abs()).exp().ln_1p();
                 }
             }
-        }
-        if let Some(d) = dqi {
-            dq_rows.push(d);
+            Some((g, dq)) => {
+                for x in raw.iter_mut() {
+                    // σ(z) = 1 / (1 + e^−z); e^−z = ∞ gives 0.
+                    let r = x.to_f64();
+                    let dz = *g / (1.0 + (-(t * r + bias)).exp());
+                    out.dt += dz * r;
+                    out.db += dz;
+                    *x = T::from_f64(dz);
+                }
+                host_gemm(&mut dq[r0 * d..(r0 + m) * d], true, raw, false, keys, false, (m, d, n), t);
+                host_gemm(&mut out.dk, true, raw, true, qi, false, (n, d, m), t);
+            }
         }
     }
-    if g.is_none() {
-        return Ok((sum, None));
-    }
-    let dq = Tensor::cat(&dq_rows, 0)?;
-    let dk_parts: Vec<Tensor> = dk_parts.into_iter().flatten().collect();
-    let dk = Tensor::cat(&dk_parts, 0)?;
-    Ok((0.0, Some((dq, dk, dt, db))))
+    out
 }
 
 impl CustomOp3 for RingLoss {

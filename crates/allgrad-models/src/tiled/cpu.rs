@@ -293,23 +293,37 @@ fn logits<T: Elem>(p: &Problem<T>, rows: &Range<usize>, cols: &Range<usize>, out
 /// # Errors
 /// A bad `ALLGRAD_CPU_SIMD` (see `allgrad_nn::simd_level`).
 pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]) -> candle_core::Result<Grads<T>> {
-    let plan = allgrad_nn::simd_plan()?;
-    let (rb, cb) = (blocks(p.m, p.tile), blocks(p.n, p.tile));
     let mut dq = vec![T::from_f64(0.0); if need[0] { p.m * p.d } else { 0 }];
     let mut dk = vec![T::from_f64(0.0); if need[1] { p.n_grad * p.d } else { 0 }];
+    let ds_dot_s = backward_into(p, lse, g, need, &mut dq, &mut dk)?;
+    Ok(Grads { dq: need[0].then_some(dq), dk: need[1].then_some(dk), ds_dot_s })
+}
+
+/// [`backward`], adding the gradients to `dq` (`[m, d]`, empty unless `need[0]`) and `dk`
+/// (`[n_grad, d]`, empty unless `need[1]`) as they are; returns `Σ dS ⊙ s`.
+pub(super) fn backward_into<T: Elem>(
+    p: &Problem<T>,
+    lse: &[T],
+    g: T,
+    need: [bool; 3],
+    dq: &mut [T],
+    dk: &mut [T],
+) -> candle_core::Result<f64> {
+    let plan = allgrad_nn::simd_plan()?;
+    let (rb, cb) = (blocks(p.m, p.tile), blocks(p.n, p.tile));
     // Each column block's rows of dK: its columns below `n_grad` (none for a queue's).
     let cb_grad: Vec<Range<usize>> = cb.iter().map(|c| c.start.min(p.n_grad)..c.end.min(p.n_grad)).collect();
     let pool = Pool::new();
     let mut ds_dot_s = 0f64;
     if rb.is_empty() || cb.is_empty() {
-        return Ok(Grads { dq: need[0].then_some(dq), dk: need[1].then_some(dk), ds_dot_s });
+        return Ok(ds_dot_s);
     }
     // Waves over the longer side: each task of a wave owns one block of dQ and one of dK.
     let rows_lead = rb.len() <= cb.len();
     let waves = if rows_lead { cb.len() } else { rb.len() };
     for w in 0..waves {
-        let dq_blocks = split_blocks(&mut dq, &rb, p.d);
-        let dk_blocks = split_blocks(&mut dk, &cb_grad, p.d);
+        let dq_blocks = split_blocks(&mut *dq, &rb, p.d);
+        let dk_blocks = split_blocks(&mut *dk, &cb_grad, p.d);
         let tasks: Vec<(usize, &mut [T], usize, &mut [T])> = if rows_lead {
             let mut dk_blocks: Vec<Option<&mut [T]>> = dk_blocks.into_iter().map(Some).collect();
             dq_blocks
@@ -337,7 +351,7 @@ pub(super) fn backward<T: Elem>(p: &Problem<T>, lse: &[T], g: T, need: [bool; 3]
             .collect();
         ds_dot_s += sums.iter().sum::<f64>();
     }
-    Ok(Grads { dq: need[0].then_some(dq), dk: need[1].then_some(dk), ds_dot_s })
+    Ok(ds_dot_s)
 }
 
 /// `buf` (rows of `d` elements) cut into the given consecutive blocks of rows; all empty when
@@ -475,6 +489,25 @@ impl<T> Mat<'_, T> {
             assert!((rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len(), "tiled loss: matrix view out of bounds");
         }
     }
+}
+
+/// `dst (m x n) = scale · a · b`, or `+=` with `accumulate`, on row-major host slices: `a` is
+/// `m x k` (`a_t`: stored `k x m`, read transposed), `b` is `k x n` (`b_t`: stored `n x k`).
+/// Single-threaded. For the ring losses' host loops.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm<T: Elem>(
+    dst: &mut [T],
+    accumulate: bool,
+    a: &[T],
+    a_t: bool,
+    b: &[T],
+    b_t: bool,
+    (m, n, k): (usize, usize, usize),
+    scale: f64,
+) {
+    let lhs = if a_t { Mat { data: a, rs: 1, cs: m } } else { Mat { data: a, rs: k, cs: 1 } };
+    let rhs = if b_t { Mat { data: b, rs: 1, cs: k } } else { Mat { data: b, rs: n, cs: 1 } };
+    matmul(dst, n, accumulate, lhs, rhs, (m, n, k), T::from_f64(scale));
 }
 
 /// `dst (m x n, row stride dst_rs) = scale · lhs (m x k) · rhs (k x n)`, or `+=` with

@@ -107,7 +107,7 @@ pub use queue::{load_queue_buffers, queue_buffers, KeyQueue};
 pub use tiling::{Tiling, QUEUED_LOSSES, TILED_LOSSES};
 
 use crate::temperature::Temperature;
-pub(crate) use cpu::Elem as KernelElem;
+pub(crate) use cpu::{gemm as host_gemm, Elem as KernelElem};
 use op::Kernel;
 
 /// `q·kᵀ · scale` of `m` query rows against `n` key rows (`d` wide, row-major host slices)
@@ -126,9 +126,10 @@ pub(crate) fn dot_lse<T: KernelElem>(
 }
 
 /// The gradients of `g · Σ_i (lse_i − s_{i,i})` restricted to this block of keys, `lse` each
-/// row's log-sum-exp over EVERY key of the loss: `(dq, dk, Σ dS ⊙ s)`, by the fused CPU kernel.
-/// The `s_{i,i}` terms only with `positives = Some(r0)`: the keys are the rows' own, from row
-/// `r0` on (key `j` is row `r0 + j`'s positive).
+/// row's log-sum-exp over EVERY key of the loss, by the fused CPU kernel: the queries' added to
+/// `dq` (`[m, d]`), and `(dk, Σ dS ⊙ s)` returned. The `s_{i,i}` terms only with
+/// `positives = Some(r0)`: the keys are the rows' own, from row `r0` on (key `j` is row
+/// `r0 + j`'s positive).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dot_grads<T: KernelElem>(
     q: &[T],
@@ -139,7 +140,8 @@ pub(crate) fn dot_grads<T: KernelElem>(
     positives: Option<usize>,
     lse: &[T],
     g: f64,
-) -> Result<(Vec<T>, Vec<T>, f64)> {
+    dq: &mut [T],
+) -> Result<(Vec<T>, f64)> {
     // A row whose positive is not among these keys gets a column past them (none).
     let pairs = match positives {
         Some(r0) => {
@@ -148,8 +150,9 @@ pub(crate) fn dot_grads<T: KernelElem>(
         None => Pairs::default(),
     };
     let p = cpu::Problem { q, k, m, n, n_grad: n, d, inv_t: T::from_f64(scale), pairs: &pairs, tile };
-    let gr = cpu::backward(&p, lse, T::from_f64(g), [true, true, true])?;
-    Ok((gr.dq.unwrap_or_default(), gr.dk.unwrap_or_default(), gr.ds_dot_s))
+    let mut dk = vec![T::from_f64(0.0); n * d];
+    let ds_dot_s = cpu::backward_into(&p, lse, T::from_f64(g), [true, true, true], dq, &mut dk)?;
+    Ok((dk, ds_dot_s))
 }
 
 /// The logits of a block of queries against a block of keys: what a pairwise loss of your own
