@@ -17,7 +17,7 @@
 #
 # Common options: --steps N (timed steps per run, default 3), --threads N (per rank, default 1),
 # --tile T (allgrad's loss.tile, default 0: none), --chunk R (the ring's rows per message,
-# default 0: 128 KiB's worth), --forms "gather ring openclip" (the forms to run, default all
+# default 0: 256 KiB's worth), --forms "gather ring openclip" (the forms to run, default all
 # three; openclip only with PYTHON below), --profile release|dev (the cargo profile of
 # allgrad's binaries, default release; dev builds into target/debug, for a quick check only). PYTHON is the interpreter with torch and
 # open-clip-torch (scripts/ci/get_torch.sh; without it only allgrad runs). Run on an idle

@@ -53,7 +53,7 @@ struct Args {
     /// The ring one way (default: both ways).
     #[arg(long)]
     one_way: bool,
-    /// Rows of a block per ring message (0: as many as fit in 128 KiB, the default).
+    /// Rows of a block per ring message (0: as many as fit in 256 KiB, the default).
     #[arg(long, default_value_t = 0)]
     chunk: usize,
     /// Timed steps after the untimed one.

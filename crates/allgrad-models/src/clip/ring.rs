@@ -61,12 +61,12 @@ impl Default for RingOptions {
 }
 
 /// The most bytes of a block one message carries unless [`RingOptions::chunk`] says otherwise:
-/// 128 KiB (32 rows of CLIP's images and texts at d = 512 in f32, 64 of SigLIP's texts).
+/// 256 KiB (64 rows of CLIP's images and texts at d = 512 in f32, 128 of SigLIP's texts).
 /// Small beside a rank's own blocks at the batch sizes rings are for (the chunks in flight,
-/// at most ten, then add nothing measurable to the loss's peak: docs/performance.md), large
-/// enough that a chunk's scoring (a `b x chunk` GEMM) stays efficient and its exchange costs
-/// little more than its bytes.
-pub const CHUNK_BYTES: usize = 128 << 10;
+/// at most ten, stay under the loss's heap peak at local batch 1,024: docs/performance.md),
+/// large enough that a chunk's scoring (a `b x chunk` GEMM) stays efficient: at 32 rows the
+/// CLIP ring took 1.2-1.4x the gather's step, at 64 rows 0.86-0.96x.
+pub const CHUNK_BYTES: usize = 256 << 10;
 
 /// The rows per message of a pass.
 fn chunk_rows<T>(kind: Kind, opts: &RingOptions, d: usize) -> usize {
