@@ -140,26 +140,6 @@ fn too_low_a_limit_on_open_files_is_refused_at_start_with_the_numbers() {
     }
 }
 
-/// Rank `r`'s peers at formation in a group of `w` (the tree's parent and children, the
-/// ring's neighbours), from the rules as documented.
-fn formation_peers(r: usize, w: usize) -> usize {
-    let mut out = Vec::new();
-    if r > 0 {
-        out.push(r - (r & r.wrapping_neg()));
-    }
-    let below = if r == 0 { usize::MAX } else { r & r.wrapping_neg() };
-    let mut d = 1;
-    while d < below && r + d < w {
-        out.push(r + d);
-        d *= 2;
-    }
-    out.extend([(r + 1) % w, (r + w - 1) % w]);
-    out.retain(|p| *p != r);
-    out.sort_unstable();
-    out.dedup();
-    out.len()
-}
-
 /// Starts `w` ranks, of which `victim` kills itself once the group has run its calls, and
 /// checks every rank's report.
 fn form_and_kill(w: usize, victim: usize, watchdog: Duration) {
@@ -198,7 +178,7 @@ fn form_and_kill(w: usize, victim: usize, watchdog: Duration) {
         assert!(formed.starts_with("formed tree=1 "), "rank {r}: {formed}");
         // Past ALLGRAD_ON_DEMAND_FROM the rank connected to its tree and ring neighbours only,
         // and the calls (tree, shared memory or the ring) opened no other connection.
-        let want = formation_peers(r, w);
+        let want = crate::on_demand::formation_peers(r, w).len();
         assert!(formed.ends_with(&format!(" conns={want} then={want}")), "rank {r} (expected {want} connections): {formed}");
         let failed = said.iter().find(|l| l.starts_with("failed after ")).unwrap_or_else(|| panic!("rank {r}: {said:?}"));
         assert!(names_rank(failed, victim), "rank {r}'s error does not name rank {victim}: {failed}");

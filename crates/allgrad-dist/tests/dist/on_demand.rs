@@ -19,8 +19,9 @@ fn on_demand(w: usize) -> ThreadWorld {
     ThreadWorld::new(w).timeout(TIMEOUT).shm(false).on_demand_from(2)
 }
 
-/// Rank `r`'s peers at formation in a group of `w`: tree parent and children, ring neighbours.
-fn formation_peers(r: usize, w: usize) -> Vec<usize> {
+/// Rank `r`'s peers at formation in a group of `w`: tree parent and children, ring neighbours,
+/// from the rules as documented (also used by `many_processes`).
+pub(crate) fn formation_peers(r: usize, w: usize) -> Vec<usize> {
     let mut out = Vec::new();
     if r > 0 {
         out.push(r - (r & r.wrapping_neg()));
