@@ -65,7 +65,7 @@ impl Default for RingOptions {
 /// Small beside a rank's own blocks at the batch sizes rings are for (the chunks in flight,
 /// at most ten, stay under the loss's heap peak at local batch 1,024: docs/performance.md),
 /// large enough that a chunk's scoring (a `b x chunk` GEMM) stays efficient: at 32 rows the
-/// CLIP ring took 1.2-1.4x the gather's step, at 64 rows 0.86-0.96x.
+/// CLIP ring took 1.23-1.37x the gather's step at W = 2-4, at 64 rows 0.88-0.94x at W = 2-8.
 pub const CHUNK_BYTES: usize = 256 << 10;
 
 /// The rows per message of a pass.
