@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # allgrad's collectives next to PyTorch gloo's across two "hosts" on this machine: two network
-# namespaces joined by a veth pair, 2 ranks in each (`launch --nnodes 2`), the link limited to
-# RATE with tbf and, where the kernel has sch_netem, delayed by DELAY each way. Needs root.
+# namespaces joined by a bridge (scripts/bench/netns_hosts.sh), 2 ranks in each
+# (`launch --nnodes 2`), each host's outgoing traffic limited to RATE with tbf and, where the
+# kernel has sch_netem, delayed by DELAY. Needs root.
 #
 #   sudo scripts/bench/bench_two_hosts.sh [--min-bytes 64K] [--max-bytes 64M] [--ops all_reduce] ...
 #
@@ -21,29 +22,14 @@ mkdir -p "$OUT"
 (cd "$ROOT" && cargo build --release -p allgrad -p allgrad-bench --bin launch --bin bench_collectives)
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 
-NS=(agbench-a agbench-b)
-DEV=(agbench-va agbench-vb)
-IPS=(10.231.0.1 10.231.0.2)
-cleanup() { for ns in "${NS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done; }
-trap cleanup EXIT
-cleanup
-ip netns add "${NS[0]}"
-ip netns add "${NS[1]}"
-ip link add "${DEV[0]}" type veth peer name "${DEV[1]}"
-SHAPE="rate $RATE"
-for i in 0 1; do
-    ip link set "${DEV[$i]}" netns "${NS[$i]}"
-    ip -n "${NS[$i]}" addr add "${IPS[$i]}/24" dev "${DEV[$i]}"
-    ip -n "${NS[$i]}" link set "${DEV[$i]}" up
-    ip -n "${NS[$i]}" link set lo up
-    if ip netns exec "${NS[$i]}" tc qdisc add dev "${DEV[$i]}" root netem delay "$DELAY" rate "$RATE" 2>/dev/null; then
-        SHAPE="netem delay $DELAY rate $RATE"
-    else
-        ip netns exec "${NS[$i]}" tc qdisc add dev "${DEV[$i]}" root tbf rate "$RATE" burst 256kb latency 100ms
-        SHAPE="tbf rate $RATE (this kernel has no sch_netem: no added delay)"
-    fi
-done
-echo "link: veth between two namespaces, $SHAPE; load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+# shellcheck source=scripts/bench/netns_hosts.sh
+. "$ROOT/scripts/bench/netns_hosts.sh"
+hosts_up 2 agbench 10.231.0
+hosts_shape "$RATE" "$DELAY"
+NS=("${HOSTS_NS[@]}")
+DEV=("${HOSTS_DEV[@]}")
+IPS=("${HOSTS_IP[@]}")
+echo "link: two namespaces joined by a bridge, each sending through $HOSTS_SHAPE; load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # Runs "$@" as a 2-node job, 2 ranks per node, one node per namespace.
 two_nodes() {
