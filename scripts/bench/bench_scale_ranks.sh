@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # allgrad's control plane at W ranks (processes) on this one machine, beside PyTorch gloo.
 #
-#   scripts/bench/bench_scale_ranks.sh [--sizes 8,32,128,256,512,1024] [--nnodes 1] [--iters 20] \
-#       [--time-limit-s 600] [--no-gloo] [--no-kill] [--start-only]
+#   scripts/bench/bench_scale_ranks.sh [--sizes 8,32,128,256,512,1024] [--nnodes 1[,2,4,8]] [--netns] \
+#       [--iters 20] [--time-limit-s 600] [--no-gloo] [--no-kill] [--start-only]
 #
-# For each W: `bench_scale_ranks` (the start of the W processes, first to last, and the
-# group's formation after the last start, apart; 4-byte and 1 MiB all_reduce and
-# all_gather, frames per call, open fds, threads and memory per rank, time for the survivors to
-# name a SIGKILLed rank), then the same with gloo through torchrun
-# (scripts/bench/bench_scale_gloo.py) when torch is importable. --nnodes K > 1 runs allgrad's ranks
-# under K launchers with ALLGRAD_SHM=0 (TCP between the simulated hosts); gloo always runs
-# under one torchrun. Each job is stopped at --time-limit-s; a W whose estimated memory exceeds
+# For each K of --nnodes and each W: `bench_scale_ranks` (the start of the W processes, first
+# to last, and the group's formation after the last start, apart; 4-byte and 1 MiB all_reduce
+# and all_gather, frames per call, open fds, threads and memory per rank, time for the survivors
+# to name a SIGKILLed rank), then, for K = 1, the same with gloo through torchrun
+# (scripts/bench/bench_scale_gloo.py) when torch is importable. K > 1 runs allgrad's ranks under
+# K launchers, W/K ranks each, as K simulated hosts: with --netns (root) each in a network
+# namespace of its own joined by a bridge (scripts/bench/netns_hosts.sh), shared memory inside a
+# host and TCP between hosts, each node's own group measured too and the survivors naming the
+# killed rank counted per host; without it all on one loopback with ALLGRAD_SHM=0 (TCP between
+# every pair of ranks). Each job is stopped at --time-limit-s; a W whose estimated memory exceeds
 # what the machine has available is skipped, with the estimate printed. The machine's limits
 # are printed first. --start-only: the ranks note when they were forked and started and exit
 # without joining (the cost of starting W processes through the launcher alone; no gloo).
@@ -22,6 +25,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 SIZES="8,32,128,256,512,1024"
 NNODES=1
+NETNS=0
 ITERS=20
 LIMIT=600
 GLOO=1
@@ -31,12 +35,13 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --sizes) SIZES="$2"; shift 2 ;;
         --nnodes) NNODES="$2"; shift 2 ;;
+        --netns) NETNS=1; shift ;;
         --iters) ITERS="$2"; shift 2 ;;
         --time-limit-s) LIMIT="$2"; shift 2 ;;
         --no-gloo) GLOO=0; shift ;;
         --no-kill) KILL=(--no-kill); shift ;;
         --start-only) START_ONLY=(--start-only); GLOO=0; shift ;;
-        -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench_scale_ranks.sh: unknown argument $1" >&2; exit 64 ;;
     esac
 done
@@ -93,33 +98,55 @@ if rows and "uss_kb_max" in rows[-1]:
 EOF
 }
 
+if [[ "$NETNS" == 1 ]]; then
+    [[ "$(id -u)" == 0 ]] || { echo "bench_scale_ranks.sh: --netns needs root (network namespaces)" >&2; exit 1; }
+    # shellcheck source=scripts/bench/netns_hosts.sh
+    . "$ROOT/scripts/bench/netns_hosts.sh"
+fi
+
 IFS=',' read -r -a WS <<< "$SIZES"
-for W in "${WS[@]}"; do
-    echo
-    # allgrad: ranks plus the kernel's sockets, up to about 8 KiB for each of the W - 1 per rank.
-    PER=$(( RANK_MB + (W * 8) / 1024 + 1 ))
-    if estimate_ok allgrad "$W" "$PER"; then
-        "$BIN" --nproc "$W" --nnodes "$NNODES" --iters "$ITERS" --time-limit-s "$LIMIT" "${KILL[@]}" "${START_ONLY[@]}" \
-            --json "$OUT/scale.jsonl" --out "$OUT/allgrad-$W" 2> >(tail -n 20 >&2) || echo "   (harness exited with $?)"
-        M=$(last_uss_mb "$OUT/scale.jsonl"); [[ -n "$M" ]] && RANK_MB=$M
+IFS=',' read -r -a KS <<< "$NNODES"
+for K in "${KS[@]}"; do
+    HOSTS=()
+    if [[ "$NETNS" == 1 && "$K" -gt 1 ]]; then
+        hosts_up "$K" agscale 10.232.0
+        HOSTS=(--node-netns "$(IFS=,; echo "${HOSTS_NS[*]}")" --master-addr "${HOSTS_IP[0]}")
+        echo
+        echo "== $K simulated hosts: network namespaces ${HOSTS_NS[*]} joined by a bridge, rank 0's store on ${HOSTS_IP[0]}"
+        echo "   in each: somaxconn $(ip netns exec "${HOSTS_NS[0]}" cat /proc/sys/net/core/somaxconn), tcp_max_syn_backlog $(ip netns exec "${HOSTS_NS[0]}" cat /proc/sys/net/ipv4/tcp_max_syn_backlog), ip_local_port_range $(ip netns exec "${HOSTS_NS[0]}" cat /proc/sys/net/ipv4/ip_local_port_range | tr '\t' ' ')"
     fi
-    if [[ "$HAVE_TORCH" == 1 ]] && estimate_ok gloo "$W" "$GLOO_MB"; then
-        D="$OUT/gloo-$W"; rm -rf "$D"; mkdir -p "$D"
-        T0=$(date +%s%N)
-        set +e
-        ALLGRAD_SCALE_T0_NS=$T0 OMP_NUM_THREADS=1 timeout --kill-after=10 "$LIMIT" "$TORCHRUN" --nproc-per-node "$W" \
-            --master-port "$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')" \
-            "$ROOT/scripts/bench/bench_scale_gloo.py" --out "$D" --iters "$ITERS" "${KILL[@]}" >"$D/torchrun.log" 2>&1
-        RC=$?
-        set -e
-        (( RC == 124 || RC == 137 )) && echo "   (gloo: TIME LIMIT of $LIMIT s hit)"
-        "$PYTHON" "$ROOT/scripts/bench/bench_scale_gloo.py" --summarise "$D" --nproc "$W" "${KILL[@]}"
-        G=$("$PYTHON" -c "
+    for W in "${WS[@]}"; do
+        echo
+        if (( W % K != 0 )); then
+            echo "== W = $W: skipped, not a multiple of $K nodes"
+            continue
+        fi
+        # allgrad: ranks plus the kernel's sockets, up to about 8 KiB for each of the W - 1 per rank.
+        PER=$(( RANK_MB + (W * 8) / 1024 + 1 ))
+        if estimate_ok allgrad "$W" "$PER"; then
+            "$BIN" --nproc "$W" --nnodes "$K" "${HOSTS[@]}" --iters "$ITERS" --time-limit-s "$LIMIT" "${KILL[@]}" "${START_ONLY[@]}" \
+                --json "$OUT/scale.jsonl" --out "$OUT/allgrad-$K-$W" 2> >(tail -n 20 >&2) || echo "   (harness exited with $?)"
+            M=$(last_uss_mb "$OUT/scale.jsonl"); [[ -n "$M" ]] && RANK_MB=$M
+        fi
+        if [[ "$HAVE_TORCH" == 1 && "$K" == 1 ]] && estimate_ok gloo "$W" "$GLOO_MB"; then
+            D="$OUT/gloo-$W"; rm -rf "$D"; mkdir -p "$D"
+            T0=$(date +%s%N)
+            set +e
+            ALLGRAD_SCALE_T0_NS=$T0 OMP_NUM_THREADS=1 timeout --kill-after=10 "$LIMIT" "$TORCHRUN" --nproc-per-node "$W" \
+                --master-port "$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')" \
+                "$ROOT/scripts/bench/bench_scale_gloo.py" --out "$D" --iters "$ITERS" "${KILL[@]}" >"$D/torchrun.log" 2>&1
+            RC=$?
+            set -e
+            (( RC == 124 || RC == 137 )) && echo "   (gloo: TIME LIMIT of $LIMIT s hit)"
+            "$PYTHON" "$ROOT/scripts/bench/bench_scale_gloo.py" --summarise "$D" --nproc "$W" "${KILL[@]}"
+            G=$("$PYTHON" -c "
 import os,sys
 v=[int(l.split()[1]) for r in range($W) for l in open(os.path.join('$D',f'rank-{r}.txt')) if l.startswith('uss_kb ')] if os.path.exists('$D/rank-0.txt') else []
 print(max(v)//1024+1 if v else '')" 2>/dev/null || true)
-        [[ -n "$G" ]] && GLOO_MB=$G
-    fi
+            [[ -n "$G" ]] && GLOO_MB=$G
+        fi
+    done
+    if [[ "$NETNS" == 1 && "$K" -gt 1 ]]; then hosts_down; fi
 done
 echo
 echo "(rows: $OUT/scale.jsonl; reports per rank under $OUT)"

@@ -6,22 +6,39 @@
 //!
 //! ```text
 //! cargo run --release -p allgrad-bench --bin bench_scale_ranks -- --nproc 128 \
-//!     [--nnodes 4] [--iters 20] [--time-limit-s 600] [--no-kill] [--start-only] [--json rows.jsonl]
+//!     [--nnodes 4 [--node-netns h0,h1,h2,h3 --master-addr 10.231.0.1]] [--iters 20] \
+//!     [--time-limit-s 600] [--no-kill] [--start-only] [--json rows.jsonl]
 //! ```
 //!
 //! Run without RANK it is the harness: it starts `--nnodes` launchers (itself again, each
 //! calling `allgrad::launch` for its node's `--nproc / --nnodes` ranks with the same master
-//! port and job token, as separate hosts would), waits for them at most `--time-limit-s`,
-//! then reads the report every rank wrote and prints one row. With more than one node the
-//! ranks run with ALLGRAD_SHM=0: on one machine every rank shares the host, and shared memory
-//! is what tells hosts apart, so the nodes talk TCP to each other as separate hosts do.
+//! address, port and job token, as separate hosts would), waits for them at most
+//! `--time-limit-s`, then reads the report every rank wrote and prints one row.
+//!
+//! Several nodes on one machine, two ways:
+//! - `--node-netns` (root): node k's launcher runs under `ip netns exec` in the k-th network
+//!   namespace (`scripts/bench/netns_hosts.sh` makes them, joined by a bridge), and rank 0's
+//!   store listens on `--master-addr`, node 0's address. The ranks of a node reach each other
+//!   over the namespace's loopback and share memory; the nodes reach each other only through
+//!   their addresses on the bridge. A group decides whether its members share a host from the
+//!   kernel's boot id, the host name and the mount namespace (`cpu/shm/setup.rs`), and `ip netns
+//!   exec` gives each launcher a mount namespace of its own: the world group, which spans
+//!   nodes, talks TCP, and each node's group (`new_group` of its ranks, measured too) uses
+//!   shared memory. Every rank reports which of its groups use it, and the row says whether
+//!   that held on every rank.
+//! - without it (no root needed): every node on the one loopback, with ALLGRAD_SHM=0, since
+//!   all the ranks then share the host and only turning shared memory off keeps the nodes on
+//!   TCP to each other (node groups are not measured then: they would not use shared memory).
 //!
 //! Each rank: joins the job (`ProcessGroup::from_env`), runs one barrier, counts its open file
 //! descriptors, threads and memory, times `--iters` calls of each measured collective (the
-//! max over ranks of the mean per call; frames per call from the group's counters), writes
-//! its report, then (unless `--no-kill`) enters a 4-byte all_reduce that rank `--victim`
-//! never joins: the victim sleeps a moment, notes the time and SIGKILLs itself; every
-//! survivor notes when its all_reduce failed and whether the error names the victim. Survivors
+//! max over ranks of the mean per call; frames per call from the group's counters; for the
+//! 4-byte all_reduce also each call's time on its slowest rank, whose median and 90th
+//! percentile the row shows), with several nodes the same on its node's group, writes its
+//! report, then (unless `--no-kill`) enters a 4-byte all_reduce that rank `--victim` (by
+//! default W/2, the first rank of node K/2) never joins: the victim sleeps a moment, notes the
+//! time and SIGKILLs itself; every survivor notes when its all_reduce failed and whether the
+//! error names the victim, and the row counts them per node. Survivors
 //! ignore SIGTERM in this last phase, so that the launcher stopping the job after the victim's
 //! death does not cut the measurement short (they are SIGKILLed at the time limit).
 //!
@@ -58,9 +75,18 @@ struct Args {
     /// Ranks in the job (all nodes together).
     #[arg(long, default_value_t = 8)]
     nproc: usize,
-    /// Simulated nodes (launchers); must divide --nproc. Above 1, ranks use TCP only.
+    /// Simulated nodes (launchers); must divide --nproc. Above 1 without --node-netns, ranks
+    /// use TCP only (ALLGRAD_SHM=0).
     #[arg(long, default_value_t = 1)]
     nnodes: usize,
+    /// One network namespace per node, comma-separated: node k's launcher runs in the k-th
+    /// (`ip netns exec`, needs root), shared memory inside a node and TCP between nodes.
+    #[arg(long, value_delimiter = ',')]
+    node_netns: Vec<String>,
+    /// Address of rank 0's store: node 0's address on the namespaces' bridge with
+    /// --node-netns, loopback without.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
     /// Timed calls per measured collective (after 2 untimed ones).
     #[arg(long, default_value_t = 20)]
     iters: u64,
@@ -116,6 +142,9 @@ fn harness(args: &Args) -> Result<()> {
     if victim == 0 || victim >= w {
         bail!("--victim {victim} must be a rank in 1..{w} (rank 0 hosts the store)");
     }
+    if !args.node_netns.is_empty() && args.node_netns.len() != args.nnodes {
+        bail!("--node-netns names {} namespace(s) for --nnodes {}: one per node", args.node_netns.len(), args.nnodes);
+    }
     let (out, temp) = match &args.out {
         Some(p) => (p.clone(), false),
         None => (std::env::temp_dir().join(format!("allgrad-scale-{}-{w}", std::process::id())), true),
@@ -127,11 +156,18 @@ fn harness(args: &Args) -> Result<()> {
     let port = allgrad::launch::free_port()?;
     let token = format!("{:032x}", rand_u128());
     let exe = std::env::current_exe()?;
-    let listen_before = listen_counters();
+    let listen_before = listen_counters(&args.node_netns);
     let t0 = now_ns();
     let mut nodes: Vec<Child> = Vec::new();
     for node in 0..args.nnodes {
-        let mut cmd = Command::new(&exe);
+        let mut cmd = match args.node_netns.get(node) {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
         cmd.args(std::env::args().skip(1))
             .env(ENV_NODE, node.to_string())
             .env(ENV_PORT, port.to_string())
@@ -139,10 +175,10 @@ fn harness(args: &Args) -> Result<()> {
             .env(ENV_OUT, &out)
             .env("ALLGRAD_JOB_TOKEN", &token)
             .env("ALLGRAD_SCALE_VICTIM", victim.to_string());
-        if args.nnodes > 1 {
+        if args.nnodes > 1 && args.node_netns.is_empty() {
             cmd.env("ALLGRAD_SHM", "0");
         }
-        nodes.push(cmd.spawn().context("starting a node launcher")?);
+        nodes.push(cmd.spawn().with_context(|| format!("starting the launcher of node {node}"))?);
     }
     let limit = Duration::from_secs_f64(args.time_limit_s);
     let start = Instant::now();
@@ -181,8 +217,8 @@ fn harness(args: &Args) -> Result<()> {
             b.saturating_sub(a) as f64 / 1024.0
         );
     }
-    if let (Some(a), Some(b)) = (listen_before, listen_counters()) {
-        // Host-wide: other programs' connections count too.
+    if let (Some(a), Some(b)) = (listen_before, listen_counters(&args.node_netns)) {
+        // Namespace-wide (every node's namespace with --node-netns): other programs' connections count too.
         println!(
             "   listen queue overflows during the job: {} (ListenOverflows), {} SYNs dropped (ListenDrops)",
             b.0.saturating_sub(a.0),
@@ -206,9 +242,22 @@ fn slab_kb() -> Option<u64> {
 }
 
 /// The kernel's TcpExt ListenOverflows and ListenDrops counters (connections refused because a
-/// listener's accept queue was full), from /proc/net/netstat.
-fn listen_counters() -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string("/proc/net/netstat").ok()?;
+/// listener's accept queue was full), from /proc/net/netstat: this network namespace's, or the
+/// sum over `namespaces` (each keeps its own counters; read through `ip netns exec`).
+fn listen_counters(namespaces: &[String]) -> Option<(u64, u64)> {
+    if namespaces.is_empty() {
+        return parse_listen_counters(&std::fs::read_to_string("/proc/net/netstat").ok()?);
+    }
+    let mut sum = (0, 0);
+    for ns in namespaces {
+        let out = Command::new("ip").args(["netns", "exec", ns, "cat", "/proc/net/netstat"]).output().ok()?;
+        let (o, d) = parse_listen_counters(&String::from_utf8_lossy(&out.stdout))?;
+        sum = (sum.0 + o, sum.1 + d);
+    }
+    Some(sum)
+}
+
+fn parse_listen_counters(text: &str) -> Option<(u64, u64)> {
     let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
     let (names, values) = (lines.next()?, lines.next()?);
     let pairs: BTreeMap<&str, u64> =
@@ -235,6 +284,7 @@ fn node_main(args: &Args, node: &str) -> Result<()> {
     let cfg = allgrad::launch::LaunchConfig {
         nnodes: args.nnodes,
         node_rank: node,
+        master_addr: args.master_addr.clone(),
         master_port: port,
         prefix: true,
         // Survivors of the kill phase ignore SIGTERM; they end on their own, or at the limit.
@@ -286,6 +336,10 @@ const MEASURED: [(&str, &str); 4] = [
     ("all_gather 1 MiB out", "ag1m"),
 ];
 
+/// Those measured again on each node's own group when there are several nodes (report keys
+/// prefixed `node_`).
+const NODE_MEASURED: [(&str, &str); 2] = [("node group: all_reduce 4 B", "ar4"), ("node group: all_reduce 1 MiB", "ar1m")];
+
 fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Duration) -> Result<String> {
     let w = args.nproc;
     let reps = reports(out, w);
@@ -295,7 +349,11 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
         s,
         "== allgrad, W = {w} ranks, {} node(s){}{}",
         args.nnodes,
-        if args.nnodes > 1 { ", ALLGRAD_SHM=0" } else { "" },
+        match (args.nnodes > 1, args.node_netns.is_empty()) {
+            (false, _) => "",
+            (true, true) => " on one loopback, ALLGRAD_SHM=0",
+            (true, false) => ", a network namespace each (shared memory inside a node, TCP between nodes)",
+        },
         if args.start_only { ", start only (the ranks exit without joining)" } else { "" }
     )?;
     writeln!(
@@ -359,7 +417,23 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
     show(&mut s, "private memory (USS)", "uss_kb", 1.0 / 1024.0, "MiB")?;
     show(&mut s, "PSS after the collectives", "pss_end_kb", 1.0 / 1024.0, "MiB")?;
     show(&mut s, "frames to form the group", "form_frames", 1.0, "")?;
-    for (label, k) in MEASURED {
+    if args.nnodes > 1 {
+        let on = |k: &str| column(&reps, k).iter().filter(|x| **x == 1.0).count();
+        writeln!(
+            s,
+            "   {:<34} world group on {} of {have} ranks, node groups on {} of {have}",
+            "shared memory",
+            on("shm"),
+            on("node_shm")
+        )?;
+        show(&mut s, "node group formed in", "node_form_s", 1.0, "s")?;
+        show(&mut s, "open fds after every call", "fds_end", 1.0, "")?;
+        show(&mut s, "connections after every call", "conns_end", 1.0, "")?;
+    }
+    let measured = MEASURED.iter().map(|(l, k)| (*l, k.to_string()));
+    let node = NODE_MEASURED.iter().map(|(l, k)| (*l, format!("node_{k}"))).filter(|_| args.nnodes > 1);
+    for (label, k) in measured.chain(node) {
+        let k = k.as_str();
         // Every rank reports the same max-over-ranks figure; rank 0's is the row.
         let t = reps[0].as_ref().and_then(|m| num(m, &format!("{k}_us")));
         let f = stats(column(&reps, &format!("{k}_frames")));
@@ -370,6 +444,10 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
                 f.median, f.max
             )?,
             _ => writeln!(s, "   {label:<34} (not measured)")?,
+        }
+        let call = |q: &str| reps[0].as_ref().and_then(|m| num(m, &format!("{k}_call_us_{q}")));
+        if let (Some(m), Some(p)) = (call("median"), call("p90")) {
+            writeln!(s, "   {:<34} {m:>12.1} us median, {p:.1} us p90 (each call's slowest rank)", "")?;
         }
     }
     if !args.no_kill && !args.start_only {
@@ -388,11 +466,36 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
                     )?,
                     None => writeln!(s, "   rank {victim} SIGKILLed: no survivor reported a failure")?,
                 }
+                if args.nnodes > 1 {
+                    let per = naming_per_node(&reps, args.nnodes, victim);
+                    let all = per.iter().filter(|(named, of)| named == of).count();
+                    let list: Vec<String> = per.iter().map(|(named, of)| format!("{named}/{of}")).collect();
+                    writeln!(
+                        s,
+                        "   survivors naming it, per node (victim on node {}): {}; every survivor on {all} of {} nodes",
+                        victim / (w / args.nnodes),
+                        list.join(" "),
+                        args.nnodes
+                    )?;
+                }
             }
             None => writeln!(s, "   kill phase: rank {victim} did not reach it")?,
         }
     }
     Ok(s.trim_end().to_string())
+}
+
+/// Per node, (survivors whose error named the victim, survivors): ranks are numbered node by
+/// node, `W / nnodes` each.
+fn naming_per_node(reps: &[Option<BTreeMap<String, String>>], nnodes: usize, victim: usize) -> Vec<(usize, usize)> {
+    let per_node = reps.len() / nnodes;
+    (0..nnodes)
+        .map(|node| {
+            let ranks = (node * per_node..(node + 1) * per_node).filter(|r| *r != victim);
+            let named = ranks.clone().filter(|r| reps[*r].as_ref().and_then(|m| num(m, "named_victim")) == Some(1.0)).count();
+            (named, ranks.count())
+        })
+        .collect()
 }
 
 /// Per rank, from the launcher's fork to its `main` (seconds).
@@ -415,8 +518,9 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
     let w = args.nproc;
     let reps = reports(out, w);
     let mut s = format!(
-        "{{\"impl\":\"allgrad\",\"world_size\":{w},\"nnodes\":{},\"reports\":{},\"timed_out\":{timed_out}",
+        "{{\"impl\":\"allgrad\",\"world_size\":{w},\"nnodes\":{},\"netns\":{},\"reports\":{},\"timed_out\":{timed_out}",
         args.nnodes,
+        !args.node_netns.is_empty(),
         reps.iter().filter(|r| r.is_some()).count()
     );
     write!(s, ",\"start_only\":{}", args.start_only)?;
@@ -433,14 +537,40 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
             write!(s, ",\"{k}_after_last_start_median\":{},\"{k}_after_last_start_max\":{}", st.median, st.max)?;
         }
     }
-    for k in ["formed_s", "ready_s", "fds", "conns", "threads", "rss_kb", "pss_kb", "uss_kb", "pss_end_kb", "form_frames"] {
+    for k in [
+        "formed_s",
+        "ready_s",
+        "fds",
+        "conns",
+        "threads",
+        "rss_kb",
+        "pss_kb",
+        "uss_kb",
+        "pss_end_kb",
+        "form_frames",
+        "node_form_s",
+        "fds_end",
+        "conns_end",
+    ] {
         if let Some(st) = stats(column(&reps, k)) {
             write!(s, ",\"{k}_median\":{},\"{k}_max\":{}", st.median, st.max)?;
         }
     }
-    for (_, k) in MEASURED {
+    for k in ["shm", "node_shm"] {
+        let v = column(&reps, k);
+        if !v.is_empty() {
+            write!(s, ",\"{k}_ranks\":{}", v.iter().filter(|x| **x == 1.0).count())?;
+        }
+    }
+    let node = NODE_MEASURED.iter().map(|(_, k)| format!("node_{k}"));
+    for k in MEASURED.iter().map(|(_, k)| k.to_string()).chain(node) {
         if let Some(t) = reps[0].as_ref().and_then(|m| num(m, &format!("{k}_us"))) {
             write!(s, ",\"{k}_us\":{t}")?;
+        }
+        for q in ["median", "p90"] {
+            if let Some(t) = reps[0].as_ref().and_then(|m| num(m, &format!("{k}_call_us_{q}"))) {
+                write!(s, ",\"{k}_call_us_{q}\":{t}")?;
+            }
         }
         if let Some(st) = stats(column(&reps, &format!("{k}_frames"))) {
             write!(s, ",\"{k}_frames_max\":{}", st.max)?;
@@ -458,6 +588,11 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
             )?;
             let named = column(&reps, "named_victim").iter().filter(|x| **x == 1.0).count();
             write!(s, ",\"named_victim\":{named}")?;
+            if args.nnodes > 1 {
+                let per = naming_per_node(&reps, args.nnodes, victim);
+                let all = per.iter().filter(|(named, of)| named == of).count();
+                write!(s, ",\"nodes_all_named\":{all}")?;
+            }
         }
     }
     s.push('}');
@@ -516,8 +651,7 @@ fn rank_main(args: &Args) -> Result<()> {
     rep.put("ready_s", secs(ready));
     rep.put("form_frames", form_frames.frames_sent + form_frames.frames_received);
     rep.put("shm", pg.shared_memory() as u8);
-    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
-    rep.put("fds", fds);
+    rep.put("fds", open_fds());
     rep.put("conns", pg.connection_count());
     if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
         for (key, name) in [("VmRSS:", "rss_kb"), ("VmHWM:", "hwm_kb"), ("Threads:", "threads")] {
@@ -535,54 +669,33 @@ fn rank_main(args: &Args) -> Result<()> {
     }
     rep.flush()?;
 
-    let w = pg.world_size();
-    let small = vec![rank as f32; 1];
-    let big_n = (1 << 20) / 4;
-    let mut ar_small = [rank as f32 + 1.0];
-    let mut ar_big = vec![1.0f32; big_n];
-    let ag_per = (big_n / w).max(1);
-    let ag_own = vec![rank as f32; ag_per];
-    let mut ag_big = vec![0f32; ag_per * w];
-    let mut ag_small = vec![0f32; w];
-    for (_, key) in MEASURED {
-        let mut call = || -> Result<()> {
-            match key {
-                "ar4" => {
-                    ar_small[0] = 1.0;
-                    pg.all_reduce_slice(&mut ar_small, ReduceOp::Sum)?;
-                    if ar_small[0] != w as f32 {
-                        bail!("all_reduce returned {} on rank {rank}, expected {w}", ar_small[0]);
-                    }
-                }
-                "ar1m" => pg.all_reduce_slice(&mut ar_big, ReduceOp::Max)?,
-                "ag4" => {
-                    pg.all_gather_into(&small, &mut ag_small)?;
-                    if ag_small.iter().enumerate().any(|(i, x)| *x != i as f32) {
-                        bail!("all_gather returned a wrong result on rank {rank}");
-                    }
-                }
-                _ => pg.all_gather_into(&ag_own, &mut ag_big)?,
-            }
-            Ok(())
-        };
-        for _ in 0..2 {
-            call().with_context(|| format!("untimed {key}"))?;
-        }
+    measure(&pg, "", &MEASURED, args.iters, &mut rep)?;
+    // Each node's own group, with several nodes: its ranks, consecutive (the launcher numbers
+    // a node's ranks together). Every rank makes every node's group, in the same order (that
+    // names them), and forms its own with its members only. Held to the end of the process:
+    // closing it while a peer still reads from it would fail that peer.
+    let _node_group = if args.nnodes > 1 {
+        let per_node = pg.world_size() / args.nnodes;
         pg.barrier()?;
-        let before = pg.wire_counts();
         let t = Instant::now();
-        for _ in 0..args.iters {
-            call().with_context(|| format!("timed {key}"))?;
+        let mut mine = None;
+        for node in 0..args.nnodes {
+            let members: Vec<usize> = (node * per_node..(node + 1) * per_node).collect();
+            if let Some(g) = pg.new_group(&members)? {
+                mine = Some(g);
+            }
         }
-        let mut el = [t.elapsed().as_secs_f64() / args.iters.max(1) as f64];
-        let after = pg.wire_counts();
-        let frames = (after.frames_sent + after.frames_received - before.frames_sent - before.frames_received) as f64
-            / args.iters.max(1) as f64;
-        pg.all_reduce_slice(&mut el, ReduceOp::Max)?;
-        rep.put(&format!("{key}_us"), el[0] * 1e6);
-        rep.put(&format!("{key}_frames"), frames);
+        let ng = mine.context("this rank is a member of its node's group")?;
+        rep.put("node_form_s", t.elapsed().as_secs_f64());
+        rep.put("node_shm", ng.shared_memory() as u8);
+        measure(&ng, "node_", &NODE_MEASURED, args.iters, &mut rep)?;
+        rep.put("fds_end", open_fds());
+        rep.put("conns_end", pg.connection_count());
         rep.flush()?;
-    }
+        Some(ng)
+    } else {
+        None
+    };
     pg.barrier()?;
     // Memory again, after the collectives touched their buffers (shared memory included).
     if let Ok(roll) = std::fs::read_to_string("/proc/self/smaps_rollup") {
@@ -621,6 +734,88 @@ fn rank_main(args: &Args) -> Result<()> {
     rep.put("error", msg.replace('\n', " "));
     rep.flush()?;
     std::process::exit(1);
+}
+
+/// Times `iters` calls of each of `keys` on `pg` (after 2 untimed ones) and puts into `rep`,
+/// under `prefix` + key: the mean time per call of the slowest rank (`_us`) and the frames per
+/// call (`_frames`); for the 4-byte all_reduce also each call's time on its slowest rank,
+/// its median and 90th percentile (`_call_us_median`, `_call_us_p90`).
+fn measure(pg: &ProcessGroup, prefix: &str, keys: &[(&str, &str)], iters: u64, rep: &mut Report) -> Result<()> {
+    let (w, rank) = (pg.world_size(), pg.rank());
+    let small = vec![rank as f32; 1];
+    let big_n = (1 << 20) / 4;
+    let mut ar_small = [rank as f32 + 1.0];
+    let mut ar_big = vec![1.0f32; big_n];
+    let ag_per = (big_n / w).max(1);
+    let ag_own = vec![rank as f32; ag_per];
+    let mut ag_big = vec![0f32; ag_per * w];
+    let mut ag_small = vec![0f32; w];
+    let iters = iters.max(1);
+    for &(_, key) in keys {
+        let mut call = || -> Result<()> {
+            match key {
+                "ar4" => {
+                    ar_small[0] = 1.0;
+                    pg.all_reduce_slice(&mut ar_small, ReduceOp::Sum)?;
+                    if ar_small[0] != w as f32 {
+                        bail!("all_reduce returned {} on rank {rank}, expected {w}", ar_small[0]);
+                    }
+                }
+                "ar1m" => pg.all_reduce_slice(&mut ar_big, ReduceOp::Max)?,
+                "ag4" => {
+                    pg.all_gather_into(&small, &mut ag_small)?;
+                    if ag_small.iter().enumerate().any(|(i, x)| *x != i as f32) {
+                        bail!("all_gather returned a wrong result on rank {rank}");
+                    }
+                }
+                _ => pg.all_gather_into(&ag_own, &mut ag_big)?,
+            }
+            Ok(())
+        };
+        for _ in 0..2 {
+            call().with_context(|| format!("untimed {prefix}{key}"))?;
+        }
+        pg.barrier()?;
+        let before = pg.wire_counts();
+        let mut each = Vec::with_capacity(iters as usize);
+        let t = Instant::now();
+        for _ in 0..iters {
+            let c = Instant::now();
+            call().with_context(|| format!("timed {prefix}{key}"))?;
+            each.push(c.elapsed().as_secs_f64());
+        }
+        let mut el = [t.elapsed().as_secs_f64() / iters as f64];
+        let after = pg.wire_counts();
+        let frames =
+            (after.frames_sent + after.frames_received - before.frames_sent - before.frames_received) as f64 / iters as f64;
+        pg.all_reduce_slice(&mut el, ReduceOp::Max)?;
+        rep.put(&format!("{prefix}{key}_us"), el[0] * 1e6);
+        rep.put(&format!("{prefix}{key}_frames"), frames);
+        if key == "ar4" {
+            // Call i's time on its slowest rank: the calls are in step on every rank.
+            pg.all_reduce_slice(&mut each, ReduceOp::Max)?;
+            let (median, p90) = median_p90(&mut each);
+            rep.put(&format!("{prefix}{key}_call_us_median"), median * 1e6);
+            rep.put(&format!("{prefix}{key}_call_us_p90"), p90 * 1e6);
+        }
+        rep.flush()?;
+    }
+    Ok(())
+}
+
+/// The median and the 90th percentile (nearest rank) of `v`, which it sorts; 0 when empty.
+fn median_p90(v: &mut [f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    (v[n / 2], v[(n * 9).div_ceil(10) - 1])
+}
+
+/// This process's open file descriptors.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
 }
 
 /// When this process was forked, as wall-clock nanoseconds, given the wall clock `now`: its
@@ -671,6 +866,27 @@ mod tests {
         let now = now_ns();
         let f = forked_ns(now).expect("the fork time of this process");
         assert!(f <= now, "forked {f} after now {now}");
+    }
+
+    #[test]
+    fn the_90th_percentile_is_the_nearest_rank() {
+        let mut v: Vec<f64> = (1..=20).rev().map(f64::from).collect();
+        assert_eq!(median_p90(&mut v), (11.0, 18.0));
+        let mut v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(median_p90(&mut v), (6.0, 9.0));
+        assert_eq!(median_p90(&mut [3.0]), (3.0, 3.0));
+        assert_eq!(median_p90(&mut []), (0.0, 0.0));
+    }
+
+    #[test]
+    fn survivors_naming_the_victim_are_counted_per_node() {
+        // 3 nodes of 2 ranks; rank 2 (node 1) is the victim; rank 5 did not name it, rank 4
+        // reported nothing.
+        let rep = |named: Option<u8>| {
+            Some(named.map(|n| [("named_victim".to_string(), n.to_string())].into_iter().collect()).unwrap_or_default())
+        };
+        let reps = vec![rep(Some(1)), rep(Some(1)), rep(None), rep(Some(1)), rep(None), rep(Some(0))];
+        assert_eq!(naming_per_node(&reps, 3, 2), vec![(2, 2), (1, 1), (0, 2)]);
     }
 
     #[test]
