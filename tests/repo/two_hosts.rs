@@ -1,11 +1,12 @@
-//! More than one host without a second machine: two network namespaces joined by a veth
-//! pair, each running `launch --nnodes 2` with 2 ranks, the way two hosts would. Needs root
-//! with CAP_NET_ADMIN and iproute2's `ip`; without them each test skips, saying why
-//! (`allgrad_testkit::skip`).
+//! More than one host without a second machine: network namespaces joined by a bridge (one veth
+//! pair from each into a bridge in a namespace of its own), each running `launch --nnodes K`
+//! with 2 ranks, the way K hosts would. Needs root with CAP_NET_ADMIN and iproute2's `ip`;
+//! without them each test skips, saying why (`allgrad_testkit::skip`).
 //!
 //! - Collectives across the link are exact, shared memory is used inside a node (its ranks
 //!   share a mount namespace, hence a /dev/shm) and not across nodes (`ip netns exec` gives
-//!   each node its own mount namespace, so the ranks tell the hosts apart).
+//!   each node its own mount namespace, so the ranks tell the hosts apart): with two hosts and
+//!   with four.
 //! - A 4-rank training run across the two "hosts" ends bit for bit where a 4-rank run on one
 //!   host ends.
 //! - When a rank of one node dies, the other node's ranks fail with an error, promptly, and
@@ -20,10 +21,12 @@ use crate::common::{self, example, run_with_watchdog, spawn_watched};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
-/// Two namespaces `<name>a` and `<name>b` with one veth pair between them; removed on drop.
-struct TwoHosts {
-    ns: [String; 2],
-    ips: [String; 2],
+/// Namespaces `<name>0` .. `<name>{K-1}`, each with a veth interface into one bridge in the
+/// namespace `<name>br`; removed on drop.
+struct Hosts {
+    ns: Vec<String>,
+    ips: Vec<String>,
+    bridge: String,
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -35,72 +38,91 @@ fn ip(args: &[&str]) -> Result<(), String> {
     }
 }
 
-impl TwoHosts {
-    /// The pair, or why it cannot be made here.
-    fn create() -> Result<TwoHosts, String> {
+impl Hosts {
+    /// `k` hosts, or why they cannot be made here.
+    fn create(k: usize) -> Result<Hosts, String> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             return Err("not root (network namespaces need CAP_NET_ADMIN)".into());
         }
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
+        // At most 10 characters, so that "<name>h<k>" fits an interface name (15).
         let name = format!("ag{}x{n}", pid % 100_000);
-        let ns = [format!("{name}a"), format!("{name}b")];
         let net = format!("10.{}.{}", 64 + pid % 128, n % 250);
-        let ips = [format!("{net}.1"), format!("{net}.2")];
-        let hosts = TwoHosts { ns: ns.clone(), ips: ips.clone() };
-        ip(&["netns", "add", &ns[0]])?;
-        ip(&["netns", "add", &ns[1]])?;
-        let (va, vb) = (format!("{name}a"), format!("{name}b"));
-        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-        for (dev, (ns, addr)) in [&va, &vb].into_iter().zip(ns.iter().zip(&ips)) {
-            ip(&["link", "set", dev, "netns", ns])?;
-            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
+        let hosts = Hosts {
+            ns: (0..k).map(|i| format!("{name}{i}")).collect(),
+            ips: (1..=k).map(|i| format!("{net}.{i}")).collect(),
+            bridge: format!("{name}br"),
+        };
+        ip(&["netns", "add", &hosts.bridge])?;
+        ip(&["-n", &hosts.bridge, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &hosts.bridge, "link", "set", "br0", "up"])?;
+        for (i, (ns, addr)) in hosts.ns.iter().zip(&hosts.ips).enumerate() {
+            let (dev, port) = (format!("{name}h{i}"), format!("{name}b{i}"));
+            ip(&["netns", "add", ns])?;
+            ip(&["link", "add", &dev, "type", "veth", "peer", "name", &port])?;
+            ip(&["link", "set", &dev, "netns", ns])?;
+            ip(&["link", "set", &port, "netns", &hosts.bridge])?;
+            ip(&["-n", &hosts.bridge, "link", "set", &port, "master", "br0"])?;
+            ip(&["-n", &hosts.bridge, "link", "set", &port, "up"])?;
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", &dev])?;
+            ip(&["-n", ns, "link", "set", &dev, "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
         }
         Ok(hosts)
     }
 
-    /// `launch` as node `node` of 2 (2 ranks each), inside that node's namespace.
+    /// `launch` as node `node` of all (2 ranks each), inside that node's namespace.
     fn launch(&self, node: usize, port: u16, program: &[&str]) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.ns[node], env!("CARGO_BIN_EXE_launch")])
-            .args(["--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "2"])
+            .args(["--nnodes", &self.ns.len().to_string(), "--node-rank", &node.to_string(), "--nproc-per-node", "2"])
             .args(["--master-addr", &self.ips[0], "--master-port", &port.to_string()])
             .args(program)
-            .env("ALLGRAD_JOB_TOKEN", format!("two-hosts-{}", std::process::id()))
+            .env("ALLGRAD_JOB_TOKEN", format!("hosts-{}", std::process::id()))
             .env("ALLGRAD_TIMEOUT_S", "30");
         c
     }
 }
 
-impl Drop for TwoHosts {
+impl Drop for Hosts {
     fn drop(&mut self) {
         // Deleting a namespace deletes the veth end inside it, and with it the pair.
-        for ns in &self.ns {
+        for ns in self.ns.iter().chain([&self.bridge]) {
             let _ = ip(&["netns", "del", ns]);
         }
     }
 }
 
-/// The two hosts, or `None` after [`allgrad_testkit::skip`] said why they cannot be made here.
-fn hosts_or_skip() -> Option<TwoHosts> {
-    match TwoHosts::create() {
+/// `k` hosts, or `None` after [`allgrad_testkit::skip`] said why they cannot be made here.
+fn hosts_or_skip(k: usize) -> Option<Hosts> {
+    match Hosts::create(k) {
         Ok(h) => Some(h),
         Err(why) => {
-            allgrad_testkit::skip(allgrad_testkit::Need::NetNs, &format!("cannot make two network namespaces here: {why}"));
+            allgrad_testkit::skip(allgrad_testkit::Need::NetNs, &format!("cannot make {k} network namespaces here: {why}"));
             None
         }
     }
 }
 
-/// Runs both nodes of `program` and returns (node 0's output, node 1's output, their times).
-fn both(hosts: &TwoHosts, program: &[&str], limit: Duration) -> [(Output, Duration); 2] {
+/// Runs every node of `program` and returns each node's output and time, node 0 first.
+fn all_nodes(hosts: &Hosts, program: &[&str], limit: Duration) -> Vec<(Output, Duration)> {
     let port = allgrad::launch::free_port().unwrap();
-    let b = spawn_watched(&mut hosts.launch(1, port, program), "node 1", limit);
+    // The other nodes first, node 0 (the store's) last, as in the two-host runs.
+    let others: Vec<_> =
+        (1..hosts.ns.len()).map(|k| spawn_watched(&mut hosts.launch(k, port, program), &format!("node {k}"), limit)).collect();
     let a = spawn_watched(&mut hosts.launch(0, port, program), "node 0", limit);
-    [a.wait(), b.wait()]
+    let mut out = vec![a.wait()];
+    out.extend(others.into_iter().map(|w| w.wait()));
+    out
+}
+
+/// Runs both nodes of `program` and returns (node 0's output, node 1's output, their times).
+fn both(hosts: &Hosts, program: &[&str], limit: Duration) -> [(Output, Duration); 2] {
+    let mut v = all_nodes(hosts, program, limit);
+    let b = v.pop().unwrap();
+    [v.pop().unwrap(), b]
 }
 
 fn text(o: &Output) -> String {
@@ -109,7 +131,7 @@ fn text(o: &Output) -> String {
 
 #[test]
 fn collectives_across_two_hosts_are_exact_and_use_shared_memory_only_inside_a_node() {
-    let Some(hosts) = hosts_or_skip() else { return };
+    let Some(hosts) = hosts_or_skip(2) else { return };
     let probe = example("host_probe");
     let [(a, _), (b, _)] = both(&hosts, &[probe.to_str().unwrap()], Duration::from_secs(120));
     assert!(a.status.success() && b.status.success(), "node 0:\n{}\nnode 1:\n{}", text(&a), text(&b));
@@ -123,7 +145,7 @@ fn collectives_across_two_hosts_are_exact_and_use_shared_memory_only_inside_a_no
 
 #[test]
 fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
-    let Some(hosts) = hosts_or_skip() else { return };
+    let Some(hosts) = hosts_or_skip(2) else { return };
     let d = tempfile::tempdir().unwrap();
     let config = d.path().join("run.yaml");
     let run_config = "train: {global_batch: 24, epochs: 4}\ncheckpoint: {every: 4, keep_last: 1}\nlog: {every: 1, progress: quiet, plot: false}\n";
@@ -154,7 +176,7 @@ fn training_across_two_hosts_ends_bitwise_where_one_host_does() {
 
 #[test]
 fn a_rank_dying_on_one_host_fails_the_other_hosts_ranks_promptly() {
-    let Some(hosts) = hosts_or_skip() else { return };
+    let Some(hosts) = hosts_or_skip(2) else { return };
     // Rank 3 (node 1) kills itself with SIGKILL at its 4th all_reduce.
     let drill = example("failure_drill");
     let [(a, ta), (b, _)] = both(&hosts, &[drill.to_str().unwrap(), "3"], Duration::from_secs(60));
@@ -164,4 +186,19 @@ fn a_rank_dying_on_one_host_fails_the_other_hosts_ranks_promptly() {
     assert!(err.contains("failed after"), "node 0's ranks did not report the failure:\n{err}");
     assert!(ta < Duration::from_secs(20), "node 0 took {ta:?} to stop (its timeout is 30 s):\n{err}");
     assert!(String::from_utf8_lossy(&b.stderr).contains("rank 3 exited with code 137"), "{}", text(&b));
+}
+
+#[test]
+fn collectives_across_four_hosts_are_exact_and_use_shared_memory_only_inside_each() {
+    let Some(hosts) = hosts_or_skip(4) else { return };
+    let probe = example("host_probe");
+    let nodes = all_nodes(&hosts, &[probe.to_str().unwrap()], Duration::from_secs(120));
+    let all: String = nodes.iter().enumerate().map(|(k, (o, _))| format!("node {k}:\n{}\n", text(o))).collect();
+    assert!(nodes.iter().all(|(o, _)| o.status.success()), "{all}");
+    let out: String = nodes.iter().map(|(o, _)| String::from_utf8_lossy(&o.stdout).into_owned()).collect();
+    for rank in 0..8 {
+        let line =
+            format!("rank {rank} node {}: world shm=false node shm=true; all_reduce and all_gather exact in both", rank / 2);
+        assert!(out.contains(&line), "missing {line:?} in:\n{all}");
+    }
 }
