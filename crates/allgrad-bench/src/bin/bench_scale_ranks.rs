@@ -34,7 +34,7 @@
 //! descriptors, threads and memory, times `--iters` calls of each measured collective (the
 //! max over ranks of the mean per call; frames per call from the group's counters; for the
 //! 4-byte all_reduce also each call's time on its slowest rank, whose median and 90th
-//! percentile the row shows), with several nodes the same on its node's group, writes its
+//! percentile the row shows), with `--node-netns` the same on its node's group, writes its
 //! report, then (unless `--no-kill`) enters a 4-byte all_reduce that rank `--victim` (by
 //! default W/2, the first rank of node K/2) never joins: the victim sleeps a moment, notes the
 //! time and SIGKILLs itself; every survivor notes when its all_reduce failed and whether the
@@ -109,6 +109,14 @@ struct Args {
     /// Also append the row as a JSON line to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+impl Args {
+    /// Whether each node runs in a network namespace of its own, hence its own host, and its
+    /// node's group is measured (with shared memory) beside the world group.
+    fn hosts(&self) -> bool {
+        self.nnodes > 1 && !self.node_netns.is_empty()
+    }
 }
 
 fn main() {
@@ -417,7 +425,7 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
     show(&mut s, "private memory (USS)", "uss_kb", 1.0 / 1024.0, "MiB")?;
     show(&mut s, "PSS after the collectives", "pss_end_kb", 1.0 / 1024.0, "MiB")?;
     show(&mut s, "frames to form the group", "form_frames", 1.0, "")?;
-    if args.nnodes > 1 {
+    if args.hosts() {
         let on = |k: &str| column(&reps, k).iter().filter(|x| **x == 1.0).count();
         writeln!(
             s,
@@ -431,7 +439,7 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
         show(&mut s, "connections after every call", "conns_end", 1.0, "")?;
     }
     let measured = MEASURED.iter().map(|(l, k)| (*l, k.to_string()));
-    let node = NODE_MEASURED.iter().map(|(l, k)| (*l, format!("node_{k}"))).filter(|_| args.nnodes > 1);
+    let node = NODE_MEASURED.iter().map(|(l, k)| (*l, format!("node_{k}"))).filter(|_| args.hosts());
     for (label, k) in measured.chain(node) {
         let k = k.as_str();
         // Every rank reports the same max-over-ranks figure; rank 0's is the row.
@@ -670,11 +678,11 @@ fn rank_main(args: &Args) -> Result<()> {
     rep.flush()?;
 
     measure(&pg, "", &MEASURED, args.iters, &mut rep)?;
-    // Each node's own group, with several nodes: its ranks, consecutive (the launcher numbers
+    // Each node's own group, with a host per node: its ranks, consecutive (the launcher numbers
     // a node's ranks together). Every rank makes every node's group, in the same order (that
     // names them), and forms its own with its members only. Held to the end of the process:
     // closing it while a peer still reads from it would fail that peer.
-    let _node_group = if args.nnodes > 1 {
+    let _node_group = if args.hosts() {
         let per_node = pg.world_size() / args.nnodes;
         pg.barrier()?;
         let t = Instant::now();
