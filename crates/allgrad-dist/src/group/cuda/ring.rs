@@ -23,7 +23,6 @@
 //! scoring that reads them); the chunks sent are the caller's tensors, borrowed for the call,
 //! and freed (on the compute stream) only after step 4, which orders them after the sends.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc;
 use candle_core::cuda::CudaDType;
 use candle_core::op::BackpropOp;
