@@ -58,6 +58,7 @@ pub(crate) type OpenPass = Arc<dyn Fn(bool) -> Result<RingPass> + Send + Sync>;
 /// The loss of normalised `img`, `txt` (`[b, d]`, f32 or f64, one device) and its `params`
 /// (see [`TensorLoss`]), run as a ring on tensors; `bidirectional` as the pass's schedule,
 /// `tile` bounds the logits scored at once.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn apply(
     kind: TensorLoss,
     img: &Tensor,
