@@ -22,6 +22,8 @@
 //! Buffers: received chunks are allocated on the compute stream (freed there, after the
 //! scoring that reads them); the chunks sent are the caller's tensors, borrowed for the call,
 //! and freed (on the compute stream) only after step 4, which orders them after the sends.
+//! This ordering is explicit (stream joins), so it holds whether or not cudarc's event
+//! tracking is on.
 
 use candle_core::cuda::cudarc;
 use candle_core::cuda::CudaDType;
@@ -115,9 +117,9 @@ where
             result::group_start()?;
             let launched = (|| {
                 for (p, n, peer) in &ptrs {
-                    // SAFETY: `p` addresses `n` elements of T of a live tensor (its storage is
-                    // read-locked until this returns; the compute stream waits for the
-                    // exchange before the tensor can be freed).
+                    // SAFETY: `p` addresses `n` elements of T of a tensor the caller borrows for
+                    // the whole call; the compute stream waits for the exchange (step 4)
+                    // before the tensor can be freed (on that stream).
                     unsafe { result::send(*p as _, *n, T::as_nccl_type(), *peer as i32, c, st) }?;
                 }
                 for (n, peer, (p, _)) in &mut dst {
