@@ -190,3 +190,109 @@ fn clip_siglip_ring_on_2_ranks_equals_1_rank() {
 fn clip_ring_tiled_on_2_ranks_equals_1_rank() {
     equivalence("clip_ring", "configs/clip.yaml", &["loss={kind: clip_ring, tile: 4}", CLIP_SGD], &[2]);
 }
+
+/// Rank r's rows of the in-process ring test: uneven, none alike.
+fn ring_shard(r: usize) -> usize {
+    (r * 5 + 2) % 4 + 1
+}
+
+/// One rank's loss, embedding gradients and parameter gradients of a ring (or gather) loss
+/// on `dev`, its ring counts and its tiled-path counts.
+type RingLossRun = (f64, Vec<f64>, Vec<f64>, Vec<f64>, allgrad::dist::RingCounts, allgrad::models::TiledPaths);
+
+fn ring_loss_run(
+    pg: &allgrad::dist::ProcessGroup,
+    dev: &candle_core::Device,
+    siglip: bool,
+    ring: Option<allgrad::models::clip::RingOptions>,
+) -> candle_core::Result<RingLossRun> {
+    use allgrad::models::clip::{clip_loss, clip_loss_ring, siglip_loss, siglip_loss_ring};
+    use candle_core::{Device, Tensor, Var};
+    let (w, r) = (pg.world_size(), pg.rank());
+    let d = 6;
+    let rows = ring_shard(r);
+    let values = |phase: f64| -> Vec<f64> {
+        (0..rows * d).map(|j| ((j as f64) * 0.41 + phase + 1.7 * r as f64).sin() * (1.0 + (j % 5) as f64 * 0.2)).collect()
+    };
+    let on = |v: Vec<f64>, shape: &[usize]| Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu)?.to_device(dev)?);
+    let (i, t) = (on(values(0.0), &[rows, d])?, on(values(1.3), &[rows, d])?);
+    let s = on(vec![1.1], &[])?;
+    let b = on(vec![-1.5], &[])?;
+    let (counts0, paths0) = (pg.ring_counts(), allgrad::models::tiled_paths());
+    let loss = match (siglip, ring) {
+        (false, None) => clip_loss(i.as_tensor(), t.as_tensor(), s.as_tensor(), pg)?,
+        (true, None) => siglip_loss(i.as_tensor(), t.as_tensor(), s.as_tensor(), b.as_tensor(), pg)?,
+        (false, Some(o)) => clip_loss_ring(i.as_tensor(), t.as_tensor(), s.as_tensor(), o, pg)?,
+        (true, Some(o)) => siglip_loss_ring(i.as_tensor(), t.as_tensor(), s.as_tensor(), b.as_tensor(), o, pg)?,
+    };
+    let g = (&loss / w as f64)?.backward()?;
+    let counts = pg.ring_counts().since(counts0);
+    let paths = allgrad::models::tiled_paths().since(paths0);
+    let host = |v: &Var| -> candle_core::Result<Vec<f64>> {
+        match g.get(v) {
+            Some(x) => x.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f64>(),
+            None => Ok(vec![0.0; v.elem_count()]),
+        }
+    };
+    let params = [host(&s)?, if siglip { host(&b)? } else { Vec::new() }].concat();
+    Ok((loss.to_device(&Device::Cpu)?.to_scalar::<f64>()?, host(&i)?, host(&t)?, params, counts, paths))
+}
+
+/// CLIP's and SigLIP's ring losses with CUDA embeddings, in one process (ranks as threads on
+/// GPU r % GPUs, `auto` collectives): loss and every gradient equal the gather forms on the
+/// CPU at the same W (f64, 1e-10), W = 1, 2, 3, uneven shards, both ways and one way, in tiles
+/// and chunks of 1 to 3 rows. Where the group goes through NCCL (a GPU per rank) the ring's
+/// tensor form ran: nothing staged through the host, every exchange on the device, one host
+/// wait per pass (forward and backward); elsewhere the host form ran, staged.
+#[test]
+fn clip_and_siglip_ring_losses_on_cuda_equal_the_gather_on_the_cpu_in_one_process() {
+    use allgrad::dist::gpu::{cuda_ordinal, CudaCollectives, CudaPath};
+    use allgrad::dist::ThreadWorld;
+    use allgrad::models::clip::RingOptions;
+    let test = "clip_and_siglip_ring_losses_on_cuda_equal_the_gather_on_the_cpu_in_one_process";
+    let gpus = match target() {
+        Ok(Target::Gpu(n)) => n,
+        Ok(Target::CpuHarness) => return skip(test, "ALLGRAD_GPU_TEST_DEVICE=cpu: this test is about CUDA tensors", true),
+        Err(reason) => return skip(test, &reason, true),
+    };
+    let opts = [
+        RingOptions { bidirectional: true, tile: None, chunk: None },
+        RingOptions { bidirectional: false, tile: Some(2), chunk: Some(1) },
+        RingOptions { bidirectional: true, tile: Some(3), chunk: Some(2) },
+        RingOptions { bidirectional: true, tile: Some(1), chunk: Some(3) },
+    ];
+    for w in [1, 2, 3] {
+        for siglip in [false, true] {
+            let cpu = ThreadWorld::new(w).run(|pg| ring_loss_run(&pg, &candle_core::Device::Cpu, siglip, None)).unwrap();
+            for o in opts {
+                let gpu = ThreadWorld::new(w)
+                    .cuda_collectives(CudaCollectives::Auto)
+                    .run(|pg| {
+                        let ordinal = cuda_ordinal(pg.rank(), w, gpus, None).map_err(candle_core::Error::Msg)?;
+                        let dev = candle_core::Device::new_cuda(ordinal)?;
+                        let path = pg.cuda_path(&dev)?;
+                        Ok((ring_loss_run(&pg, &dev, siglip, Some(o))?, path))
+                    })
+                    .unwrap();
+                let what = format!("{} ring {o:?} W={w}", if siglip { "SigLIP" } else { "CLIP" });
+                for (r, ((g, path), c)) in gpu.iter().zip(&cpu).enumerate() {
+                    let what = format!("{what} rank {r} ({path} path)");
+                    allgrad_testkit::close::assert_rel(&[g.0], &[c.0], 1e-10, &format!("{what}: loss"));
+                    allgrad_testkit::close::assert_rel(&g.1, &c.1, 1e-10, &format!("{what}: image gradients"));
+                    allgrad_testkit::close::assert_rel(&g.2, &c.2, 1e-10, &format!("{what}: text gradients"));
+                    allgrad_testkit::close::assert_rel(&g.3, &c.3, 1e-10, &format!("{what}: scale (and bias) gradients"));
+                    let (counts, paths) = (&g.4, &g.5);
+                    if *path == CudaPath::Nccl {
+                        assert_eq!(paths.ring_staged, 0, "{what}: nothing staged through the host: {paths:?}");
+                        assert_eq!(counts.device_exchanges, counts.exchanges, "{what}: {counts:?}");
+                        assert!(w == 1 || counts.device_exchanges > 0, "{what}: {counts:?}");
+                        assert_eq!(counts.host_waits, if w == 1 { 0 } else { 2 }, "{what}: one host wait per pass: {counts:?}");
+                    } else {
+                        assert_eq!(counts.device_exchanges, 0, "{what}: {counts:?}");
+                    }
+                }
+                println!("{what}: on CUDA == the gather on the CPU (f64, 1e-10), path {}", gpu[0].1);
+            }
+        }
+    }
+}

@@ -14,7 +14,8 @@
 # ALLGRAD_GPU_PARTS=a,b runs only those (to split the proof over several sessions of 10 minutes):
 #  1. collectives: every differentiable collective on CUDA tensors vs the CPU backend, f64
 #     1e-10, at W = 1, 2, 3 on the host path and on `auto` (NCCL where each rank has its own
-#     GPU) (crates/allgrad-dist/tests/nccl_ops.rs);
+#     GPU), and the ring losses' exchange of chunks (grouped NCCL sends and receives on the
+#     ring's stream) vs the CPU ring (crates/allgrad-dist/tests/nccl_ops.rs);
 #  2. cudnn_conv: conv2d and both its gradients through cuDNN vs the CPU kernels
 #     (crates/allgrad-nn/tests/conv_cuda.rs), when the build has the `cudnn` feature;
 #     fused_ops: allgrad-nn's CUDA kernels for ReLU, add+ReLU, channel moments and batch norm
@@ -31,7 +32,8 @@
 #     the shipped configs, W = 2 (and 3) ranks on the GPU == 1 rank on the GPU, and 1 rank on the
 #     GPU == 1 rank on the CPU, parameter by parameter (tests/gpu_equivalence.rs): SimCLR,
 #     BarlowTwins and the face head; SimCSE and vectors; CLIP (gathered, and the memory-flat
-#     ring in tiles) and SigLIP's ring form;
+#     ring in tiles) and SigLIP's ring form, and both ring losses on CUDA in one process vs the
+#     gather on the CPU (the tensor form through NCCL where each rank has a GPU);
 #  4. fault_drill: a rank SIGKILLed while training on the GPU; the other fails within the
 #     timeout naming it; the last checkpoint loads (tests/gpu_faults.rs);
 #  5. bench_r18, bench_r50, bench_simcse: the training step beside PyTorch on the same GPU,
@@ -287,7 +289,7 @@ part() {
 
 t="--nocapture --test-threads 1"
 # shellcheck disable=SC2086 # $t is split on purpose
-want collectives && part collectives "differentiable collectives on CUDA vs the CPU backend, W = 1, 2, 3, host and auto paths" "$bin/nccl_ops" $t
+want collectives && part collectives "differentiable collectives and the ring's exchange on CUDA vs the CPU backend, W = 1, 2, 3, host and auto paths" "$bin/nccl_ops" $t
 if want cudnn_conv; then
     if [ -x "$bin/conv_cuda" ]; then
         # shellcheck disable=SC2086
@@ -328,7 +330,7 @@ want equivalence_images && part equivalence_images "SimCLR, BarlowTwins, face he
 want equivalence_text && part equivalence_text "SimCSE (3 variants), vectors: W = 2 == W = 1 on the GPU, GPU == CPU" \
     "$bin/gpu_equivalence" $t simcse vectors
 # shellcheck disable=SC2086
-want equivalence_clip && part equivalence_clip "CLIP (gathered; ring, tiled), SigLIP (ring): W = 2 == W = 1 on the GPU, GPU == CPU" \
+want equivalence_clip && part equivalence_clip "CLIP (gathered; ring, tiled), SigLIP (ring): W = 2 == W = 1 on the GPU, GPU == CPU; ring losses on CUDA == gather on CPU" \
     "$bin/gpu_equivalence" $t clip_
 # shellcheck disable=SC2086
 want fault_drill && part fault_drill "a rank SIGKILLed on the GPU path" "$bin/gpu_faults" $t

@@ -10,13 +10,22 @@
 //! ranks of one communicator on one GPU: ncclInvalidUsage), and with two GPUs W = 2 runs
 //! through NCCL. Nothing skips on a machine with a GPU.
 //!
+//! The ring passes' exchange of tensors (`RingPass::exchange_tensors`, what the ring losses
+//! run on CUDA) is held to the same exchange on the CPU: every chunk delivered, W = 1, 2, 3,
+//! both ways and one way, chunks of 1 to 3 rows of uneven blocks, with work on the chunks
+//! before queued beside each exchange; on the `nccl` path every exchange went through NCCL on
+//! the device and the host waited once per pass, at its end.
+//!
 //! It needs the `cuda` feature and a GPU machine (`scripts/ci/gpu_ci.sh`). Without either (the
 //! repository's CPU CI) every test prints why it skipped, by name, and fails with
 //! ALLGRAD_REQUIRE_GPU=1.
 
 use allgrad_dist::gpu::{cuda_ordinal, CudaCollectives, CudaPath};
-use allgrad_dist::{all_gather, all_reduce, all_to_all_sizes, broadcast, reduce_scatter, ProcessGroup, ReduceOp, ThreadWorld};
-use candle_core::{Device, Result, Tensor, Var};
+use allgrad_dist::{
+    all_gather, all_reduce, all_to_all_sizes, broadcast, reduce_scatter, ProcessGroup, ReduceOp, RingCounts, RingMessage,
+    RingSchedule, ThreadWorld,
+};
+use candle_core::{DType, Device, Result, Tensor, Var};
 
 type Op<'a> = &'a (dyn Fn(&Tensor, &ProcessGroup) -> Result<Tensor> + Sync);
 
@@ -206,6 +215,113 @@ fn plain_collectives_and_the_device_barrier_keep_cuda_tensors_on_their_device() 
             assert!(on_device, "{mode}: results must stay on the GPU");
             assert_close("plain all_reduce", 3, &format!("{mode}"), &summed, &want);
             assert_eq!(dims, vec![6, 3]);
+        }
+    }
+}
+
+/// Rank r's ring block: `ring_rows(r)` rows of 3 values naming the rank and the position.
+fn ring_rows(r: usize) -> usize {
+    (r * 3 + 1) % 4 + 1
+}
+
+fn ring_block(r: usize) -> Vec<f64> {
+    (0..ring_rows(r) * 3).map(|i| (r * 1000 + i) as f64 + 0.25).collect()
+}
+
+/// What one rank got from a pass of chunks sent straight from their owners (the ring losses'
+/// pattern) through `exchange_tensors` on `dev`: each received (origin, chunk) with its values,
+/// the sums of the chunks computed on `dev` during the exchange after the one that brought
+/// them, the pass's counts, and whether the pass went through NCCL.
+type RingRun = (Vec<((usize, usize), Vec<f64>)>, Vec<f64>, RingCounts, bool);
+
+fn ring_run(pg: &ProcessGroup, dev: &Device, bidirectional: bool, chunk_rows: usize) -> Result<RingRun> {
+    let (me, w) = (pg.rank(), pg.world_size());
+    let sched = RingSchedule { world: w, bidirectional };
+    let on_nccl = pg.ring_on_nccl(dev)?;
+    let before = pg.ring_counts();
+    let pass = pg.ring_pass("gpu test ring", ring_rows(me), 3, chunk_rows, &[])?;
+    let mine = Tensor::from_vec(ring_block(me), (ring_rows(me), 3), &Device::Cpu)?.to_device(dev)?;
+    let (mut got, mut sums) = (Vec::new(), Vec::new());
+    let mut prev: Vec<Tensor> = Vec::new();
+    let mut during_sums: Vec<Tensor> = Vec::new();
+    for s in 1..=sched.steps() {
+        let dirs: &[bool] = if s <= sched.steps_down() { &[false, true] } else { &[false] };
+        for k in 0..pass.chunks() {
+            let range = pass.chunk_range(me, k);
+            let own = if range.is_empty() { None } else { Some(mine.narrow(0, range.start, range.len())?.flatten_all()?) };
+            let sends: Vec<RingMessage<&Tensor>> = match &own {
+                None => Vec::new(),
+                Some(t) => {
+                    dirs.iter().map(|&d| RingMessage { peer: sched.visitor(me, s, d), origin: me, chunk: k, data: t }).collect()
+                }
+            };
+            let recvs: Vec<RingMessage<()>> = dirs
+                .iter()
+                .map(|&d| sched.origin(me, s, d))
+                .filter(|&o| pass.chunk_len(o, k) > 0)
+                .map(|o| RingMessage { peer: o, origin: o, chunk: k, data: () })
+                .collect();
+            // The work on the chunks before is queued on the compute stream beside the exchange;
+            // nothing is read back until the pass has settled.
+            let (during, fresh) = pass.exchange_tensors(&sends, &recvs, DType::F64, dev, || {
+                prev.iter().map(|t| t.sum_all()).collect::<Result<Vec<_>>>()
+            })?;
+            during_sums.extend(during?);
+            for (m, t) in recvs.iter().zip(&fresh) {
+                got.push(((m.origin, m.chunk), t.clone()));
+            }
+            prev = fresh;
+        }
+    }
+    for t in &prev {
+        during_sums.push(t.sum_all()?);
+    }
+    pass.settle(dev)?;
+    let counts = pg.ring_counts().since(before);
+    for t in during_sums {
+        sums.push(t.to_device(&Device::Cpu)?.to_scalar::<f64>()?);
+    }
+    let got =
+        got.into_iter().map(|(key, t)| Ok((key, t.to_device(&Device::Cpu)?.to_vec1::<f64>()?))).collect::<Result<Vec<_>>>()?;
+    Ok((got, sums, counts, on_nccl))
+}
+
+#[test]
+fn ring_exchanges_of_cuda_chunks_match_the_cpu_ring_and_through_nccl_never_wait_on_the_host() {
+    let name = "ring_exchanges_of_cuda_chunks_match_the_cpu_ring_and_through_nccl_never_wait_on_the_host";
+    let Some(gpus) = gpus(name) else { return };
+    for w in [1, 2, 3] {
+        for bidirectional in [true, false] {
+            for chunk_rows in 1..=3 {
+                let cpu = ThreadWorld::new(w).run(|pg| ring_run(&pg, &Device::Cpu, bidirectional, chunk_rows)).unwrap();
+                for mode in [CudaCollectives::Host, CudaCollectives::Auto] {
+                    let want_path = expected_path(w, gpus, mode);
+                    let gpu = ThreadWorld::new(w)
+                        .cuda_collectives(mode)
+                        .run(|pg| {
+                            let ordinal = cuda_ordinal(pg.rank(), w, gpus, None).map_err(candle_core::Error::Msg)?;
+                            ring_run(&pg, &Device::new_cuda(ordinal)?, bidirectional, chunk_rows)
+                        })
+                        .unwrap();
+                    let what = format!("W={w} both ways {bidirectional} chunk {chunk_rows} {mode} ({want_path} path)");
+                    for (r, ((g_got, g_sums, g_counts, g_nccl), (c_got, c_sums, c_counts, _))) in gpu.iter().zip(&cpu).enumerate()
+                    {
+                        // Copies: the same bits.
+                        assert_eq!(g_got, c_got, "{what} rank {r}: chunks received");
+                        assert_eq!(g_sums, c_sums, "{what} rank {r}: sums computed beside the exchanges");
+                        assert_eq!(*g_nccl, want_path == CudaPath::Nccl, "{what} rank {r}: through NCCL");
+                        assert_eq!(g_counts.exchanges, c_counts.exchanges, "{what} rank {r}: exchanges");
+                        assert_eq!(g_counts.messages_sent, c_counts.messages_sent, "{what} rank {r}: messages");
+                        if *g_nccl {
+                            assert_eq!(g_counts.device_exchanges, g_counts.exchanges, "{what} rank {r}: {g_counts:?}");
+                            assert_eq!(g_counts.host_waits, 1, "{what} rank {r}: one host wait, at the pass's end");
+                        } else {
+                            assert_eq!((g_counts.device_exchanges, g_counts.host_waits), (0, 0), "{what} rank {r}");
+                        }
+                    }
+                    eprintln!("ring exchange: {what} on {gpus} GPU(s) equals the CPU backend");
+                }
+            }
         }
     }
 }

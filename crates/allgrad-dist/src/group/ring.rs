@@ -17,6 +17,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use candle_core::{DType, Device, Tensor};
+
 use super::ProcessGroup;
 use crate::cpu::call::Call;
 use crate::cpu::mesh::{OpCode, RecvOp, SendOp};
@@ -115,8 +117,15 @@ pub struct RingCounts {
     pub overlapped: u64,
     /// Messages sent (blocks, and blocks' gradients going home).
     pub messages_sent: u64,
-    /// Frames sent (one per peer per exchange: messages to one peer travel together).
+    /// Frames sent (one per peer per exchange: messages to one peer travel together; through
+    /// NCCL, one per message).
     pub frames_sent: u64,
+    /// Exchanges of CUDA tensors through NCCL ([`RingPass::exchange_tensors`]): launched on
+    /// the ring's stream, waited for by the compute stream, never by the host.
+    pub device_exchanges: u64,
+    /// Host waits for a pass's NCCL exchanges: one per pass, at its end
+    /// ([`RingPass::settle`]), none inside it.
+    pub host_waits: u64,
 }
 
 impl RingCounts {
@@ -129,6 +138,8 @@ impl RingCounts {
             overlapped: self.overlapped - before.overlapped,
             messages_sent: self.messages_sent - before.messages_sent,
             frames_sent: self.frames_sent - before.frames_sent,
+            device_exchanges: self.device_exchanges - before.device_exchanges,
+            host_waits: self.host_waits - before.host_waits,
         }
     }
 }
@@ -234,6 +245,24 @@ impl ProcessGroup {
         drop(st);
         let rows = (0..w).map(|k| of(k)[0] as usize).collect();
         Ok(RingPass { pg: self.clone(), what: what.to_string(), seq, rows, unit, chunk_rows, step: AtomicU64::new(0) })
+    }
+
+    /// Whether ring passes over tensors on `device` exchange them through NCCL
+    /// ([`RingPass::exchange_tensors`]): a CUDA device whose group takes the `nccl` path
+    /// ([`ProcessGroup::cuda_path`]) in a build with the `nccl` feature. When it does, the
+    /// group's NCCL communicator is made now if no collective has made it yet. For a CUDA
+    /// device this is a collective the first time (every rank calls it at the same point, as
+    /// the ring losses do before each pass); for another device it answers `false` at once.
+    pub fn ring_on_nccl(&self, device: &candle_core::Device) -> DistResult<bool> {
+        #[cfg(feature = "nccl")]
+        if let candle_core::Device::Cuda(d) = device {
+            if self.cuda_path_of(d)? == crate::gpu::CudaPath::Nccl {
+                super::cuda::ring_comm(self, d)?;
+                return Ok(true);
+            }
+        }
+        let _ = device;
+        Ok(false)
     }
 
     /// What this group's ring passes did so far (for tests).
@@ -429,4 +458,136 @@ impl RingPass {
         }
         Ok(out)
     }
+}
+
+impl RingPass {
+    /// [`RingPass::exchange`] for tensors: sends each message's tensor (contiguous, of
+    /// `dtype`, on `device`, with its chunk's [`RingPass::chunk_len`] elements) and receives
+    /// each of `recvs` (whose `data` is unused) as a new 1-D tensor of its chunk's length on
+    /// `device`, in the order listed, while `during` runs on this thread.
+    ///
+    /// - Through NCCL ([`ProcessGroup::ring_on_nccl`]): the sends and receives are one group
+    ///   of `ncclSend`/`ncclRecv` (`ncclGroupStart`/`ncclGroupEnd`), not an all_to_all,
+    ///   launched on the ring's own stream after the work already queued on the compute stream
+    ///   (the chunks' producers); `during` then queues its work on the compute stream, which
+    ///   runs beside the exchange, and the compute stream is made to wait for the exchange
+    ///   before anything queued after this returns (the chunks received, about to be scored).
+    ///   The host waits for nothing here: the pass's one host wait is [`RingPass::settle`].
+    /// - Otherwise (CPU tensors, or CUDA tensors on the `host` path): through
+    ///   [`RingPass::exchange`] on host copies, the received chunks put on `device`.
+    pub fn exchange_tensors<R>(
+        &self,
+        sends: &[RingMessage<&Tensor>],
+        recvs: &[RingMessage<()>],
+        dtype: DType,
+        device: &Device,
+        during: impl FnOnce() -> R,
+    ) -> DistResult<(R, Vec<Tensor>)> {
+        for m in sends {
+            let t = m.data;
+            if t.dtype() != dtype || !t.device().same_device(device) || t.elem_count() != self.chunk_len(m.origin, m.chunk) {
+                let err = DistError::Invalid(format!(
+                    "ring pass {} on {}: rank {} would send chunk {} of rank {}'s block as a {:?} tensor of {} elements on \
+                     {:?}, but the pass moves {dtype:?} chunks of {} elements on {device:?}: a block changed size mid-pass",
+                    self.what,
+                    self.pg.name(),
+                    self.pg.rank(),
+                    m.chunk,
+                    m.origin,
+                    t.dtype(),
+                    t.elem_count(),
+                    t.device(),
+                    self.chunk_len(m.origin, m.chunk)
+                ));
+                return Err(self.pg.lock().mesh.fail(err));
+            }
+        }
+        #[cfg(feature = "nccl")]
+        if let Device::Cuda(d) = device {
+            if self.pg.cuda_path_of(d)? == crate::gpu::CudaPath::Nccl {
+                let (what, _) = self.next_step();
+                let out: Vec<(usize, &Tensor)> = sends.iter().map(|m| (m.peer, m.data)).collect();
+                let into: Vec<(usize, usize)> = recvs.iter().map(|m| (m.peer, self.chunk_len(m.origin, m.chunk))).collect();
+                return crate::with_elem_type!(dtype, T => super::cuda::ring_exchange::<T, R>(&self.pg, what, d, &out, &into, during),
+                    other => Err(crate::dispatch::unsupported_dtype(other)));
+            }
+        }
+        crate::with_elem_type!(dtype, T => self.exchange_host::<T, R>(sends, recvs, device, during),
+            other => Err(crate::dispatch::unsupported_dtype(other)))
+    }
+
+    fn exchange_host<T: Elem + Send + Sync, R>(
+        &self,
+        sends: &[RingMessage<&Tensor>],
+        recvs: &[RingMessage<()>],
+        device: &Device,
+        during: impl FnOnce() -> R,
+    ) -> DistResult<(R, Vec<Tensor>)> {
+        let data: Vec<Vec<T>> = host_copy(device, || {
+            sends.iter().map(|m| m.data.flatten_all()?.to_vec1::<T>()).collect::<candle_core::Result<Vec<_>>>()
+        })
+        .map_err(candle)?;
+        let out: Vec<RingMessage<&[T]>> = sends
+            .iter()
+            .zip(&data)
+            .map(|(m, d)| RingMessage { peer: m.peer, origin: m.origin, chunk: m.chunk, data: &d[..] })
+            .collect();
+        let mut bufs: Vec<Vec<T>> = recvs.iter().map(|m| vec![T::zeroed(); self.chunk_len(m.origin, m.chunk)]).collect();
+        let mut into: Vec<RingMessage<&mut [T]>> = recvs
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(m, b)| RingMessage { peer: m.peer, origin: m.origin, chunk: m.chunk, data: &mut b[..] })
+            .collect();
+        let r = self.exchange(&out, &mut into, during)?;
+        drop(into);
+        let got = host_copy(device, || {
+            bufs.into_iter()
+                .map(|b| {
+                    let n = b.len();
+                    Tensor::from_vec(b, n, device)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()
+        })
+        .map_err(candle)?;
+        Ok((r, got))
+    }
+
+    /// Ends the pass's exchanges of tensors on `device`: through NCCL, the host waits once,
+    /// under the group's watchdog and watching the peers on the TCP mesh, for the pass's last
+    /// exchange to finish (a peer that died mid-pass fails this rank here, naming it, instead
+    /// of hanging the next read of the device); otherwise nothing (the host exchanges were
+    /// waited for each in turn).
+    pub fn settle(&self, device: &Device) -> DistResult<()> {
+        #[cfg(feature = "nccl")]
+        if let Device::Cuda(d) = device {
+            if self.pg.cuda_path_of(d)? == crate::gpu::CudaPath::Nccl {
+                return super::cuda::ring_settle(&self.pg, format!("{} (its end)", self.what));
+            }
+        }
+        let _ = device;
+        Ok(())
+    }
+
+    /// The pass's name and the next exchange's step, for messages; counts the exchange.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    fn next_step(&self) -> (String, u64) {
+        let step = self.step.fetch_add(1, Ordering::Relaxed) + 1;
+        (format!("{} step {step}", self.what), step)
+    }
+}
+
+/// Runs the host copies of an exchange of tensors: for CPU tensors, outside the count of host
+/// traffic (`candle_core::host_traffic`: with the CPU counted as a device they stand for the
+/// transfers NCCL makes in device memory, as the CPU collectives' copies do); for tensors on a
+/// device (the `host` path), counted, since they are real reads and uploads.
+fn host_copy<R>(device: &Device, f: impl FnOnce() -> R) -> R {
+    if device.is_cpu() {
+        candle_core::host_traffic::uncounted(f)
+    } else {
+        f()
+    }
+}
+
+fn candle(e: candle_core::Error) -> DistError {
+    DistError::Invalid(format!("ring pass: {e}"))
 }

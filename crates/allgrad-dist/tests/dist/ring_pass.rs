@@ -2,11 +2,15 @@
 //! ways and one way, passed on by neighbours whole or sent straight from their owners in
 //! chunks (received in place, or split from one frame when a peer sends several), with sizes
 //! known from the one check; a block whose size changes mid-pass and ranks that open different
-//! passes fail on every rank, naming the ranks, never hang.
+//! passes fail on every rank, naming the ranks, never hang. The exchange of tensors
+//! (`RingPass::exchange_tensors`, the ring losses' tensor form; on the CPU through the host
+//! path) delivers the same chunks, with the caller's work on the chunks before running beside
+//! it, and refuses a chunk of another size the same way.
 
 use std::time::Duration;
 
-use allgrad_dist::{RingMessage, RingSchedule, RingSetting, ThreadWorld};
+use allgrad_dist::{ProcessGroup, RingMessage, RingSchedule, RingSetting, ThreadWorld};
+use candle_core::{DType, Device, Tensor};
 
 /// Rank r's block: `rows(r)` rows of 3 values that name the rank and the position.
 fn block(r: usize) -> Vec<f64> {
@@ -230,5 +234,130 @@ fn ranks_that_open_different_passes_fail_on_every_rank_naming_both_values() {
         world(2).run(|pg| Ok(pg.ring_pass("test ring", 2, 3 + pg.rank(), 4, &[]).map(|_| ()).unwrap_err().to_string())).unwrap();
     for e in &errors {
         assert!(e.contains("the row width differs") && e.contains("rank(s) [1]: 4"), "{e}");
+    }
+}
+
+/// What one rank got from a pass of chunks sent straight from their owners through
+/// `exchange_tensors`: each received (origin, chunk) with its values, and the sums of the
+/// chunks computed during the exchange after the one that brought them (as the ring losses
+/// score them), in the same order.
+type TensorRing = (Vec<((usize, usize), Vec<f64>)>, Vec<f64>);
+
+fn tensor_ring(
+    pg: &ProcessGroup,
+    bidirectional: bool,
+    chunk_rows: usize,
+    wrong_at: Option<(usize, usize)>,
+) -> candle_core::Result<TensorRing> {
+    let dev = Device::Cpu;
+    let (me, w) = (pg.rank(), pg.world_size());
+    let sched = RingSchedule { world: w, bidirectional };
+    assert!(!pg.ring_on_nccl(&dev)?, "CPU tensors never go through NCCL");
+    let pass = pg.ring_pass("test tensor ring", rows(me), 3, chunk_rows, &[])?;
+    let mine = Tensor::from_vec(block(me), (rows(me), 3), &dev)?;
+    let (mut got, mut sums) = (Vec::new(), Vec::new());
+    let mut prev: Vec<Tensor> = Vec::new();
+    for s in 1..=sched.steps() {
+        let dirs: &[bool] = if s <= sched.steps_down() { &[false, true] } else { &[false] };
+        for k in 0..pass.chunks() {
+            let range = pass.chunk_range(me, k);
+            let own = if range.is_empty() {
+                None
+            } else if wrong_at == Some((me, s)) {
+                // One row too many.
+                Some(mine.narrow(0, range.start, range.len())?.flatten_all()?.pad_with_zeros(0, 0, 3)?)
+            } else {
+                Some(mine.narrow(0, range.start, range.len())?.flatten_all()?)
+            };
+            let sends: Vec<RingMessage<&Tensor>> = match &own {
+                None => Vec::new(),
+                Some(t) => {
+                    dirs.iter().map(|&d| RingMessage { peer: sched.visitor(me, s, d), origin: me, chunk: k, data: t }).collect()
+                }
+            };
+            let recvs: Vec<RingMessage<()>> = dirs
+                .iter()
+                .map(|&d| sched.origin(me, s, d))
+                .filter(|&o| pass.chunk_len(o, k) > 0)
+                .map(|o| RingMessage { peer: o, origin: o, chunk: k, data: () })
+                .collect();
+            let (during, fresh) = pass.exchange_tensors(&sends, &recvs, DType::F64, &dev, || {
+                prev.iter().map(|t| t.sum_all()).collect::<candle_core::Result<Vec<_>>>()
+            })?;
+            for t in during? {
+                sums.push(t.to_scalar::<f64>()?);
+            }
+            for (m, t) in recvs.iter().zip(&fresh) {
+                got.push(((m.origin, m.chunk), t.to_vec1::<f64>()?));
+            }
+            prev = fresh;
+        }
+    }
+    for t in &prev {
+        sums.push(t.sum_all()?.to_scalar::<f64>()?);
+    }
+    pass.settle(&dev)?;
+    Ok((got, sums))
+}
+
+/// The chunks rank `me` should receive, in order, and their sums.
+fn expected_tensor_ring(w: usize, me: usize, bidirectional: bool, chunk_rows: usize) -> TensorRing {
+    let sched = RingSchedule { world: w, bidirectional };
+    let chunks = (0..w).map(rows).max().unwrap().div_ceil(chunk_rows);
+    let mut got = Vec::new();
+    for s in 1..=sched.steps() {
+        let dirs: &[bool] = if s <= sched.steps_down() { &[false, true] } else { &[false] };
+        for k in 0..chunks {
+            for &d in dirs {
+                let o = sched.origin(me, s, d);
+                let lo = (k * chunk_rows).min(rows(o));
+                let hi = (lo + chunk_rows).min(rows(o));
+                if hi > lo {
+                    got.push(((o, k), block(o)[lo * 3..hi * 3].to_vec()));
+                }
+            }
+        }
+    }
+    let sums = got.iter().map(|(_, v)| v.iter().sum()).collect();
+    (got, sums)
+}
+
+#[test]
+fn the_exchange_of_tensors_delivers_every_chunk_with_the_work_on_the_one_before_beside_it() {
+    for w in 1..=4 {
+        for bidirectional in [true, false] {
+            for chunk_rows in 1..=3 {
+                let out = world(w).run(|pg| tensor_ring(&pg, bidirectional, chunk_rows, None)).unwrap();
+                for (r, got) in out.iter().enumerate() {
+                    let want = expected_tensor_ring(w, r, bidirectional, chunk_rows);
+                    assert_eq!(got, &want, "W={w} both ways {bidirectional} chunk {chunk_rows} rank {r}");
+                    // Every other rank's block arrives whole: its chunks' values, concatenated.
+                    for o in (0..w).filter(|&o| o != r) {
+                        let whole: Vec<f64> = got.0.iter().filter(|((x, _), _)| *x == o).flat_map(|(_, v)| v.clone()).collect();
+                        assert_eq!(whole, block(o), "W={w} rank {r}: rank {o}'s block");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_tensor_chunk_of_another_size_fails_on_every_rank_naming_the_rank() {
+    let w = 3;
+    let errors = world(w)
+        .run(|pg| {
+            Ok(match tensor_ring(&pg, false, 2, Some((1, 2))) {
+                Ok(_) => match pg.barrier() {
+                    Ok(()) => "no error".to_string(),
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => e.to_string(),
+            })
+        })
+        .unwrap();
+    assert!(errors[1].contains("rank 1 would send chunk") && errors[1].contains("changed size mid-pass"), "{}", errors[1]);
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e != "no error" && e.contains("rank 1"), "rank {r}: {e}");
     }
 }

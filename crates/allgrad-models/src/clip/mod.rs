@@ -31,6 +31,7 @@ mod model;
 mod objective;
 mod preprocess;
 pub mod ring;
+mod ring_tensors;
 mod settings;
 
 pub use config::{Activation, Architecture, ClipConfig, ClipTextConfig, ClipVisionConfig, TextPooling, LEGACY_EOS, OPENAI_EOT};

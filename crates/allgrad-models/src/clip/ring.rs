@@ -25,17 +25,22 @@
 //!   calling thread scores the chunks that arrived at the exchange before, received in place. One check across the group per pass (forward
 //!   and backward each): the ranks' settings and block sizes; then only point-to-point
 //!   messages whose sizes are known.
-//! - **Devices**: the ring runs on the host (f32 or f64). Embeddings on another device are
-//!   staged through host memory (the copies are differentiable) and counted
-//!   (`tiled_paths().ring_staged`).
+//! - **Devices**: CUDA embeddings in a group whose collectives go through NCCL take the ring's
+//!   tensor form (`ring_tensors.rs`): the same schedule and chunks, scored with Candle ops on
+//!   the GPU, each exchange grouped NCCL sends and receives on a stream of its own beside the
+//!   compute stream, no host read or wait inside a pass. Elsewhere the ring runs on the host
+//!   (f32 or f64): embeddings on another device are staged through host memory (the copies
+//!   are differentiable) and counted (`tiled_paths().ring_staged`).
 
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::Arc;
 
 use allgrad_dist::{Elem as DistElem, ProcessGroup, RingMessage, RingPass, RingSchedule, RingSetting};
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 
 use super::loss::clip_scale;
+use super::ring_tensors::{self, OpenPass, TensorLoss};
 use crate::losses::l2_normalize;
 use crate::tiled::{dot_grads, dot_lse, host_gemm, KernelElem};
 
@@ -124,6 +129,9 @@ pub fn clip_loss_ring(
     pg: &ProcessGroup,
 ) -> Result<Tensor> {
     check("clip_loss_ring", images, texts, &opts)?;
+    if pg.ring_on_nccl(images.device())? {
+        return clip_loss_ring_tensors(images, texts, logit_scale, opts, pg);
+    }
     on_host(&[images, texts, logit_scale], |t| {
         let (img, txt) = (l2_normalize(t[0])?, l2_normalize(t[1])?);
         let scale = clip_scale(t[2])?.to_dtype(img.dtype())?.reshape(1)?;
@@ -143,6 +151,9 @@ pub fn siglip_loss_ring(
     pg: &ProcessGroup,
 ) -> Result<Tensor> {
     check("siglip_loss_ring", images, texts, &opts)?;
+    if pg.ring_on_nccl(images.device())? {
+        return siglip_loss_ring_tensors(images, texts, logit_scale, logit_bias, opts, pg);
+    }
     on_host(&[images, texts, logit_scale, logit_bias], |t| {
         let (img, txt) = (l2_normalize(t[0])?, l2_normalize(t[1])?);
         let scale = t[2].flatten_all()?.exp()?.to_dtype(img.dtype())?;
@@ -150,6 +161,68 @@ pub fn siglip_loss_ring(
         let params = Tensor::cat(&[&scale, &bias], 0)?;
         apply(Kind::Siglip, &img, &txt, &params, opts, pg)
     })
+}
+
+/// [`clip_loss_ring`] scored with Candle ops on the embeddings' device (`ring_tensors.rs`):
+/// what it runs for CUDA embeddings whose group exchanges through NCCL; on other devices the
+/// same arithmetic with the exchanges through the host path (the tests hold it to the host
+/// ring there). Every rank must take the same form (a setting of the pass).
+#[doc(hidden)]
+pub fn clip_loss_ring_tensors(
+    images: &Tensor,
+    texts: &Tensor,
+    logit_scale: &Tensor,
+    opts: RingOptions,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    check("clip_loss_ring", images, texts, &opts)?;
+    let (img, txt) = (l2_normalize(images)?, l2_normalize(texts)?);
+    let scale = clip_scale(logit_scale)?.to_dtype(img.dtype())?.reshape(1)?;
+    let open = opener(Kind::Clip, &img, opts, pg)?;
+    ring_tensors::apply(TensorLoss::Clip, &img, &txt, &scale, opts.bidirectional, opts.tile, open, pg)
+}
+
+/// [`siglip_loss_ring`] scored with Candle ops on the embeddings' device (see
+/// [`clip_loss_ring_tensors`]).
+#[doc(hidden)]
+pub fn siglip_loss_ring_tensors(
+    images: &Tensor,
+    texts: &Tensor,
+    logit_scale: &Tensor,
+    logit_bias: &Tensor,
+    opts: RingOptions,
+    pg: &ProcessGroup,
+) -> Result<Tensor> {
+    check("siglip_loss_ring", images, texts, &opts)?;
+    let (img, txt) = (l2_normalize(images)?, l2_normalize(texts)?);
+    let scale = logit_scale.flatten_all()?.exp()?.to_dtype(img.dtype())?;
+    let bias = logit_bias.flatten_all()?.to_dtype(img.dtype())?;
+    let params = Tensor::cat(&[&scale, &bias], 0)?;
+    let open = opener(Kind::Siglip, &img, opts, pg)?;
+    ring_tensors::apply(TensorLoss::Siglip, &img, &txt, &params, opts.bidirectional, opts.tile, open, pg)
+}
+
+/// How the tensor form opens its passes: the same sizes and settings as the host form's, the
+/// path (tensors) among them.
+fn opener(kind: Kind, img: &Tensor, opts: RingOptions, pg: &ProcessGroup) -> Result<OpenPass> {
+    let (b, d) = img.dims2()?;
+    let dtype = img.dtype();
+    let rows = match dtype {
+        DType::F32 => chunk_rows::<f32>(kind, &opts, d),
+        DType::F64 => chunk_rows::<f64>(kind, &opts, d),
+        other => candle_core::bail!("{}: the ring takes f32 or f64 embeddings, got {other:?}", kind.name()),
+    };
+    let pg = pg.clone();
+    Ok(Arc::new(move |backward: bool| {
+        let pass = if backward { "backward" } else { "forward" };
+        Ok(pg.ring_pass(
+            &format!("{} {pass}", kind.name()),
+            b,
+            kind.width() * d,
+            rows,
+            &settings(kind, &opts, d, dtype, backward, true),
+        )?)
+    }))
 }
 
 /// Runs `f` on host copies of tensors that live elsewhere (differentiable copies), its result
@@ -176,13 +249,17 @@ fn apply(kind: Kind, img: &Tensor, txt: &Tensor, params: &Tensor, opts: RingOpti
 }
 
 /// The settings every rank of a pass must share.
-fn settings(kind: Kind, opts: &RingOptions, d: usize, dtype: DType, backward: bool) -> [RingSetting; 5] {
+fn settings(kind: Kind, opts: &RingOptions, d: usize, dtype: DType, backward: bool, tensors: bool) -> [RingSetting; 6] {
     [
         RingSetting { name: "the loss (clip_ring or siglip_ring)", value: kind as u64 },
         RingSetting { name: "bidirectional", value: opts.bidirectional as u64 },
         RingSetting { name: "the embedding width d", value: d as u64 },
         RingSetting { name: "the dtype (f32 or f64)", value: (dtype == DType::F64) as u64 },
         RingSetting { name: "the pass (forward or backward: a rank in another step?)", value: backward as u64 },
+        RingSetting {
+            name: "the ring's form (on host slices, or on tensors: CUDA embeddings through NCCL)",
+            value: tensors as u64,
+        },
     ]
 }
 
@@ -439,7 +516,7 @@ impl RingLoss {
             b,
             kind.width() * d,
             chunk_rows::<T>(kind, &opts, d),
-            &settings(kind, &opts, d, img.dtype(), false),
+            &settings(kind, &opts, d, img.dtype(), false, false),
         )?;
         let total: usize = pass.rows().iter().sum();
         let w = pg.world_size();
@@ -514,7 +591,7 @@ impl RingLoss {
             b,
             kind.width() * d,
             chunk_rows::<T>(kind, &self.opts, d),
-            &settings(kind, &self.opts, d, img.dtype(), true),
+            &settings(kind, &self.opts, d, img.dtype(), true, false),
         )?;
         let sched = RingSchedule { world: pg.world_size(), bidirectional: self.opts.bidirectional };
         let ring = Ring { pass, sched, me: pg.rank(), own };

@@ -4,7 +4,9 @@
 //!   and of the logit scale and bias (summed over ranks, / W), f64 1e-10;
 //! - the tiled CLIP loss against the untiled one;
 //! - the ring forms of both losses (one way and both ways, whole blocks and tiles) against the
-//!   gather forms on one process, W = 1..8 with uneven shards; what their passes exchanged
+//!   gather forms on one process, W = 1..8 with uneven shards; their tensor form (the one CUDA
+//!   embeddings take through NCCL, here on the CPU with host exchanges) against both, and
+//!   reading nothing back from the device (the CPU counted as one) in its forward and backward; what their passes exchanged
 //!   (one check per pass, the documented number of exchanges, all overlapped, one frame per
 //!   peer and step); ranks that run the ring with different settings;
 //! - an independent reference: both losses written as plain f64 loops, values and, by central
@@ -15,6 +17,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use allgrad_dist::{run_threads, ProcessGroup, RingCounts, ThreadWorld};
+use allgrad_models::clip::ring::{clip_loss_ring_tensors, siglip_loss_ring_tensors};
 use allgrad_models::clip::{clip_loss, clip_loss_ring, clip_loss_tiled, siglip_loss, siglip_loss_ring, RingOptions};
 use allgrad_models::tiled_paths;
 use allgrad_testkit::close::assert_rel;
@@ -40,6 +43,9 @@ enum Form {
     /// The ring forms: both ways or one way, the tile, and the rows per message.
     ClipRing(bool, Option<usize>, Option<usize>),
     SiglipRing(bool, Option<usize>, Option<usize>),
+    /// The ring forms scored with Candle ops (what CUDA embeddings take through NCCL).
+    ClipRingTensors(bool, Option<usize>, Option<usize>),
+    SiglipRingTensors(bool, Option<usize>, Option<usize>),
 }
 
 const SIGLIP_RING: Form = Form::SiglipRing(true, None, None);
@@ -52,6 +58,12 @@ fn apply(form: Form, img: &Tensor, txt: &Tensor, s: &Tensor, b: &Tensor, pg: &Pr
         Form::ClipRing(bidirectional, tile, chunk) => clip_loss_ring(img, txt, s, RingOptions { bidirectional, tile, chunk }, pg),
         Form::SiglipRing(bidirectional, tile, chunk) => {
             siglip_loss_ring(img, txt, s, b, RingOptions { bidirectional, tile, chunk }, pg)
+        }
+        Form::ClipRingTensors(bidirectional, tile, chunk) => {
+            clip_loss_ring_tensors(img, txt, s, RingOptions { bidirectional, tile, chunk }, pg)
+        }
+        Form::SiglipRingTensors(bidirectional, tile, chunk) => {
+            siglip_loss_ring_tensors(img, txt, s, b, RingOptions { bidirectional, tile, chunk }, pg)
         }
     }
 }
@@ -178,6 +190,115 @@ fn the_ring_losses_equal_the_gather_forms_on_1_to_8_ranks_with_uneven_shards_bot
     }
 }
 
+#[test]
+fn the_tensor_ring_equals_the_host_ring_and_the_gather_forms_on_1_to_8_ranks_with_uneven_shards() {
+    for w in 1..=8 {
+        let shards = uneven(w);
+        let n: usize = shards.iter().sum();
+        let clip = run_shards(Form::Clip, &[n], 1.7, -2.0).0;
+        let siglip = run_shards(Form::SiglipGather, &[n], 1.7, -2.0).0;
+        // Both ways and one way, whole blocks and tiles, chunks of 1 to 3 rows (blocks of 1 to
+        // 4 rows: several chunks, the last partial or empty).
+        for (tensors, host, want) in [
+            (Form::ClipRingTensors(true, None, None), Form::ClipRing(true, None, None), &clip),
+            (Form::ClipRingTensors(false, Some(2), Some(1)), Form::ClipRing(false, Some(2), Some(1)), &clip),
+            (Form::ClipRingTensors(true, Some(1), Some(3)), Form::ClipRing(true, Some(1), Some(3)), &clip),
+            (Form::ClipRingTensors(true, Some(3), Some(2)), Form::ClipRing(true, Some(3), Some(2)), &clip),
+            (Form::SiglipRingTensors(true, None, None), Form::SiglipRing(true, None, None), &siglip),
+            (Form::SiglipRingTensors(false, None, Some(1)), Form::SiglipRing(false, None, Some(1)), &siglip),
+            (Form::SiglipRingTensors(true, Some(2), Some(3)), Form::SiglipRing(true, Some(2), Some(3)), &siglip),
+            (Form::SiglipRingTensors(true, Some(1), Some(2)), Form::SiglipRing(true, Some(1), Some(2)), &siglip),
+        ] {
+            let (got, _) = run_shards(tensors, &shards, 1.7, -2.0);
+            let what = format!("{tensors:?} W={w} shards {shards:?}");
+            assert_same(&got, want, 1e-10, &format!("{what} vs the gather form on one process"));
+            assert_same(&got, &run_shards(host, &shards, 1.7, -2.0).0, 1e-10, &format!("{what} vs the host ring"));
+            // W ranks against one rank of the same form.
+            assert_same(&got, &run_shards(tensors, &[n], 1.7, -2.0).0, 1e-10, &format!("{what} vs W = 1"));
+        }
+    }
+}
+
+/// The reads back from the device (the CPU counted as one, `candle_core::host_traffic`) and
+/// the synchronisations of each rank's forward and backward of `form` on W ranks.
+fn traffic_of(form: Form, w: usize) -> Vec<candle_core::host_traffic::Traffic> {
+    use candle_core::host_traffic::{set_cpu_as_device_for_thread, thread_traffic};
+    let shards = uneven(w);
+    let n: usize = shards.iter().sum();
+    let (img, txt) = (embeddings(n, 0.0), embeddings(n, 1.3));
+    run_threads(w, |pg| {
+        let r = pg.rank();
+        let lo: usize = shards[..r].iter().sum();
+        let hi = lo + shards[r];
+        let part = |v: &[f64]| Var::from_tensor(&Tensor::from_vec(v[lo * D..hi * D].to_vec(), (hi - lo, D), &CPU)?);
+        let (i, t) = (part(&img)?, part(&txt)?);
+        let s = Var::from_tensor(&Tensor::new(1.7f64, &CPU)?)?;
+        let b = Var::from_tensor(&Tensor::new(-2.0f64, &CPU)?)?;
+        let was = set_cpu_as_device_for_thread(true);
+        let before = thread_traffic();
+        let out = apply(form, i.as_tensor(), t.as_tensor(), s.as_tensor(), b.as_tensor(), &pg).and_then(|l| l.backward());
+        let during = thread_traffic() - before;
+        set_cpu_as_device_for_thread(was);
+        let g = out?;
+        assert!(g.get(&i).is_some() && g.get(&s).is_some(), "{form:?}: the gradients must be there");
+        Ok(during)
+    })
+    .unwrap()
+}
+
+#[test]
+fn the_tensor_ring_reads_nothing_back_from_the_device_in_its_forward_and_backward() {
+    for w in [1, 2, 3] {
+        for form in [
+            Form::ClipRingTensors(true, None, None),
+            Form::ClipRingTensors(false, Some(2), Some(1)),
+            Form::SiglipRingTensors(true, Some(1), Some(2)),
+            Form::SiglipRingTensors(false, None, Some(3)),
+        ] {
+            for (r, t) in traffic_of(form, w).iter().enumerate() {
+                assert_eq!((t.reads, t.syncs), (0, 0), "{form:?} W={w} rank {r}: {t:?}");
+            }
+        }
+        // The positive control: the host form reads its blocks (and the incoming gradient) back,
+        // and the count sees it.
+        for form in [Form::ClipRing(true, None, None), Form::SiglipRing(true, None, None)] {
+            for (r, t) in traffic_of(form, w).iter().enumerate() {
+                assert!(t.reads > 0, "{form:?} W={w} rank {r}: the host form's reads must be counted: {t:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_on_the_tensor_ring_and_the_host_ring_fail_naming_the_form_and_the_ranks() {
+    let world =
+        ThreadWorld::new(3).timeout(std::time::Duration::from_secs(20)).watchdog(Some(std::time::Duration::from_secs(60)));
+    let errors = world
+        .run(|pg| {
+            let r = pg.rank();
+            let img = Tensor::from_vec(embeddings(2, r as f64), (2, D), &CPU)?;
+            let txt = Tensor::from_vec(embeddings(2, 0.5 + r as f64), (2, D), &CPU)?;
+            let (s, b) = (Tensor::new(1.0f64, &CPU)?, Tensor::new(-1.0f64, &CPU)?);
+            let opts = RingOptions::default();
+            let out = if r == 1 {
+                siglip_loss_ring_tensors(&img, &txt, &s, &b, opts, &pg)
+            } else {
+                siglip_loss_ring(&img, &txt, &s, &b, opts, &pg)
+            };
+            Ok(out.map(|_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    for (r, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("the ring's form")
+                && e.contains("differs")
+                && e.contains("rank(s) [0, 2]: 0")
+                && e.contains("rank(s) [1]: 1"),
+            "rank {r}: {e}"
+        );
+    }
+}
+
 /// What rank `r`'s two passes (forward and backward) should exchange under the documented
 /// schedule: step s of `up` steps (the first `down` of them both ways) brings chunk k of the
 /// blocks of ranks r − s (and r + s), each straight from its owner, one exchange per step and
@@ -226,6 +347,8 @@ fn a_ring_pass_checks_once_and_exchanges_point_to_point_overlapped_with_the_scor
                 (Form::SiglipRing(bidirectional, None, None), 4),
                 (Form::ClipRing(bidirectional, None, Some(1)), 1),
                 (Form::SiglipRing(bidirectional, Some(1), Some(3)), 3),
+                (Form::ClipRingTensors(bidirectional, Some(1), Some(2)), 2),
+                (Form::SiglipRingTensors(bidirectional, None, Some(3)), 3),
             ] {
                 let shards = uneven(w);
                 let (_, exchanged) = run_shards(form, &shards, 1.7, -2.0);
@@ -373,8 +496,8 @@ fn siglip_plain(img: &[f64], txt: &[f64], s: f64, bias: f64) -> f64 {
 fn plain(form: Form, img: &[f64], txt: &[f64], s: f64, bias: f64) -> f64 {
     match form {
         Form::Clip | Form::ClipTiled(_) => clip_plain(img, txt, s),
-        Form::ClipRing(..) => clip_plain(img, txt, s),
-        Form::SiglipGather | Form::SiglipRing(..) => siglip_plain(img, txt, s, bias),
+        Form::ClipRing(..) | Form::ClipRingTensors(..) => clip_plain(img, txt, s),
+        Form::SiglipGather | Form::SiglipRing(..) | Form::SiglipRingTensors(..) => siglip_plain(img, txt, s, bias),
     }
 }
 
@@ -388,6 +511,8 @@ fn values_and_gradients_match_plain_f64_loops_and_their_central_differences() {
         (SIGLIP_RING, 1.2),
         (Form::ClipRing(true, Some(2), Some(1)), 1.7),
         (Form::SiglipRing(false, Some(4), Some(2)), 1.2),
+        (Form::ClipRingTensors(true, Some(2), Some(1)), 1.7),
+        (Form::SiglipRingTensors(false, Some(4), Some(2)), 1.2),
     ] {
         let bias = -1.5;
         let (img, txt) = (embeddings(n, 0.0), embeddings(n, 1.3));

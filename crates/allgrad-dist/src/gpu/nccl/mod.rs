@@ -22,17 +22,17 @@
 use std::ffi::{c_char, CStr};
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::cuda::cudarc;
 use candle_core::CudaDevice;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::{result, sys};
 
 use crate::cpu::mesh::Mesh;
 use crate::error::{DistError, DistResult};
 use crate::gpu::unique_id::{share_unique_id, UNIQUE_ID_BYTES};
-use crate::gpu::watchdog::{bounded, Abort, Watchdog};
+use crate::gpu::watchdog::{bounded, Abort, Armed, Watchdog};
 use crate::gpu::{Elsewhere, Names};
 use crate::reduce::ReduceOp;
 
@@ -83,6 +83,9 @@ pub(crate) struct GroupComm {
     comm: Arc<RawComm>,
     device: CudaDevice,
     stream: Arc<CudaStream>,
+    /// The stream ring passes exchange on (`group/cuda/ring.rs`), made by the first: beside
+    /// `stream`, which computes, so that the next chunk moves while the current one is scored.
+    ring_stream: OnceLock<Arc<CudaStream>>,
 }
 
 /// NCCL's own words for a result code.
@@ -139,7 +142,7 @@ pub(crate) fn comm_for<'p>(place: &'p mut Elsewhere<'_>, device: &CudaDevice) ->
         let comm = Arc::new(RawComm { comm: made.0, aborted: AtomicBool::new(false) });
         let watchdog = Watchdog::start(comm.clone(), place.group, place.timeout)?;
         tracing::debug!("group {}: NCCL communicator made on {:?}", place.group, device);
-        *place.nccl = Some(GroupComm { watchdog, comm, device: device.clone(), stream });
+        *place.nccl = Some(GroupComm { watchdog, comm, device: device.clone(), stream, ring_stream: OnceLock::new() });
     }
     let gc = place.nccl.as_ref().expect("made above");
     if gc.device.id() != device.id() {
@@ -166,6 +169,46 @@ impl GroupComm {
         let armed = self.watchdog.arm(names.what)?;
         launch(self.comm.comm, self.stream.cu_stream() as _).map_err(|e| nccl_error(names, "launch", describe(e.0)))?;
         let done = self.stream.record_event(None).map_err(|e| nccl_error(names, "recording an event", format!("{e:?}")))?;
+        self.wait_armed(armed, names, mesh, &done)
+    }
+
+    /// The stream ring passes exchange on, made (forked from the compute stream) the first time.
+    pub(crate) fn ring_stream(&self, names: Names<'_>) -> DistResult<&Arc<CudaStream>> {
+        if self.ring_stream.get().is_none() {
+            let forked = self.stream.fork().map_err(|e| nccl_error(names, "making the ring's stream", format!("{e:?}")))?;
+            let _ = self.ring_stream.set(forked);
+        }
+        Ok(self.ring_stream.get().expect("set above"))
+    }
+
+    /// The stream the group's tensors are computed on (the device's).
+    pub(crate) fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Launches NCCL operations on `stream` through `launch` and returns without waiting for
+    /// them: the watchdog is armed only while `launch` runs (`ncclGroupEnd` may wait for a
+    /// peer's connection). The caller waits later, on the device or with [`GroupComm::wait`].
+    pub(crate) fn launch_on(
+        &self,
+        names: Names<'_>,
+        stream: &CudaStream,
+        launch: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<(), result::NcclError>,
+    ) -> DistResult<()> {
+        let armed = self.watchdog.arm(names.what)?;
+        let launched = launch(self.comm.comm, stream.cu_stream() as _).map_err(|e| nccl_error(names, "launch", describe(e.0)));
+        drop(armed);
+        launched
+    }
+
+    /// Waits on the host, under the watchdog, for `done` (an event recorded after NCCL
+    /// operations), looking at the group's TCP mesh as [`GroupComm::run`] does.
+    pub(crate) fn wait(&self, names: Names<'_>, mesh: &Mesh, done: &CudaEvent) -> DistResult<()> {
+        let armed = self.watchdog.arm(names.what)?;
+        self.wait_armed(armed, names, mesh, done)
+    }
+
+    fn wait_armed(&self, armed: Armed<'_>, names: Names<'_>, mesh: &Mesh, done: &CudaEvent) -> DistResult<()> {
         let comm = self.comm.comm;
         // A window of the connections per look, moving on each time (PeerWatch,
         // ALLGRAD_PEER_WINDOW): a look every 50 µs over all W - 1 would keep this thread in

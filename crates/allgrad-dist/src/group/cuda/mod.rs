@@ -12,6 +12,8 @@
 mod host;
 #[cfg(feature = "nccl")]
 mod nccl;
+#[cfg(feature = "nccl")]
+mod ring;
 
 use std::sync::OnceLock;
 
@@ -23,6 +25,8 @@ use crate::gpu::CudaPath;
 use crate::group::host_ops::Kind;
 use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
+#[cfg(feature = "nccl")]
+pub(crate) use ring::{ring_comm, ring_exchange, ring_settle};
 
 /// A collective's output on the device: storage, shape and, for all_gather and all_to_all,
 /// the rows per rank.
