@@ -251,13 +251,17 @@ fn form_and_kill(w: usize, victim: usize, watchdog: Duration) {
         // and the calls (tree, shared memory or the ring) opened no other connection.
         let want = crate::on_demand::formation_peers(r, w).len();
         assert!(formed.ends_with(&format!(" conns={want} then={want}")), "rank {r} (expected {want} connections): {formed}");
-        assert!(said.iter().any(|l| l.starts_with("store calls done ")), "rank {r} never finished the calls that need the store: {said:?}");
+        assert!(
+            said.iter().any(|l| l.starts_with("store calls done ")),
+            "rank {r} never finished the calls that need the store: {said:?}"
+        );
         if r == 0 {
             // O(log W) at most (none once they have closed): about W - 1 while every rank kept its
             // connection to the store open for the life of the job.
             let bound = w.ilog2() as usize;
             for when in ["after forming", "after more calls"] {
-                let line = said.iter().find(|l| l.starts_with(&format!("store sockets {when}: "))).unwrap_or_else(|| panic!("{said:?}"));
+                let line =
+                    said.iter().find(|l| l.starts_with(&format!("store sockets {when}: "))).unwrap_or_else(|| panic!("{said:?}"));
                 let n: usize = line.rsplit(' ').next().unwrap().parse().unwrap();
                 assert!(n <= bound, "rank 0 serves {n} store connections {when} (at most {bound} expected at W = {w})");
             }
