@@ -7,7 +7,11 @@
 //! neighbours), run a barrier, small and 1 MiB all_reduce calls and an all_gather with their
 //! results checked against the closed-form sums, and each rank reports the connections it
 //! holds, which must be those of formation (counted here from the tree's and the ring's
-//! rules). Then one rank SIGKILLs itself while the others wait in a 4-byte all_reduce: every
+//! rules). Rank 0, which serves the store, counts the store connections among its descriptors
+//! once the group has formed, and again after calls that need the store (a subgroup of every
+//! rank in reverse order, and a permute to rank r + 3, which opens connections on demand): at
+//! most log2(W) (the ranks close theirs once formed), where each rank used to keep one open. Then
+//! one rank SIGKILLs itself while the others wait in a 4-byte all_reduce: every
 //! survivor must fail, naming it, well before the timeout, though most of them hold no
 //! connection to it (at W = 128 the victim is known to five ranks, its tree and ring
 //! neighbours).
