@@ -31,13 +31,15 @@
 //!   TCP to each other (node groups are not measured then: they would not use shared memory).
 //!
 //! Each rank: joins the job (`ProcessGroup::from_env`), runs one barrier, counts its open file
-//! descriptors, threads and memory, times `--iters` calls of each measured collective (the
-//! max over ranks of the mean per call; frames per call from the group's counters; for the
-//! 4-byte all_reduce also each call's time on its slowest rank, whose median and 90th
-//! percentile the row shows), with `--node-netns` the same on its node's group, writes its
-//! report, then (unless `--no-kill`) enters a 4-byte all_reduce that rank `--victim` (by
-//! default W/2, the first rank of node K/2) never joins: the victim sleeps a moment, notes the
-//! time and SIGKILLs itself; every survivor notes when its all_reduce failed and whether the
+//! descriptors, connections, threads and memory (rank 0 also the store connections it serves;
+//! descriptors and connections are counted again after the collectives, and the row shows rank 0
+//! apart from the median and max, as it serves the store), times `--iters` calls of each
+//! measured collective (the max over ranks of the mean per call; frames per call from the
+//! group's counters; for the 4-byte all_reduce also each call's time on its slowest rank, whose
+//! median and 90th percentile the row shows), with `--node-netns` the same on its node's group,
+//! writes its report, then (unless `--no-kill`) enters a 4-byte all_reduce that rank `--victim`
+//! (by default W/2, the first rank of node K/2) never joins: the victim sleeps a moment, notes
+//! the time and SIGKILLs itself; every survivor notes when its all_reduce failed and whether the
 //! error names the victim, and the row counts them per node. Survivors
 //! ignore SIGTERM in this last phase, so that the launcher stopping the job after the victim's
 //! death does not cut the measurement short (they are SIGKILLed at the time limit).
@@ -417,8 +419,34 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
             None => writeln!(s, "   {label:<34} (not every rank reported its start)")?,
         }
     }
-    show(&mut s, "open fds", "fds", 1.0, "")?;
-    show(&mut s, "connections to peers", "conns", 1.0, "")?;
+    // Rank 0 apart: it serves the store too.
+    let rank0 = |k: &str| reps[0].as_ref().and_then(|m| num(m, k));
+    let show0 = |s: &mut String, label: &str, k: &str| -> Result<()> {
+        match (stats(column(&reps, k)), rank0(k)) {
+            (Some(st), r0) => writeln!(
+                s,
+                "   {label:<34} min {:>10.0}  median {:>10.0}  max {:>10.0}  rank 0 {:>6} ({} ranks)",
+                st.min,
+                st.median,
+                st.max,
+                r0.map_or("?".to_string(), |v| format!("{v:.0}")),
+                st.n
+            )?,
+            (None, _) => writeln!(s, "   {label:<34} (no rank reported it)")?,
+        }
+        Ok(())
+    };
+    show0(&mut s, "open fds after forming", "fds")?;
+    show0(&mut s, "open fds after the collectives", "fds_end")?;
+    show0(&mut s, "connections to peers", "conns")?;
+    show0(&mut s, "connections to peers at the end", "conns_end")?;
+    for (label, k) in
+        [("store connections, after forming", "store_conns"), ("the same, after the collectives", "store_conns_end")]
+    {
+        if let Some(v) = rank0(k) {
+            writeln!(s, "   {label:<34} {v:.0} (served by rank 0)")?;
+        }
+    }
     show(&mut s, "threads", "threads", 1.0, "")?;
     show(&mut s, "RSS (shared pages counted whole)", "rss_kb", 1.0 / 1024.0, "MiB")?;
     show(&mut s, "PSS (shared pages split)", "pss_kb", 1.0 / 1024.0, "MiB")?;
@@ -435,8 +463,6 @@ fn summarise(out: &Path, args: &Args, victim: usize, timed_out: bool, took: Dura
             on("node_shm")
         )?;
         show(&mut s, "node group formed in", "node_form_s", 1.0, "s")?;
-        show(&mut s, "open fds after every call", "fds_end", 1.0, "")?;
-        show(&mut s, "connections after every call", "conns_end", 1.0, "")?;
     }
     let measured = MEASURED.iter().map(|(l, k)| (*l, k.to_string()));
     let node = NODE_MEASURED.iter().map(|(l, k)| (*l, format!("node_{k}"))).filter(|_| args.hosts());
@@ -549,7 +575,9 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
         "formed_s",
         "ready_s",
         "fds",
+        "fds_end",
         "conns",
+        "conns_end",
         "threads",
         "rss_kb",
         "pss_kb",
@@ -557,8 +585,6 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
         "pss_end_kb",
         "form_frames",
         "node_form_s",
-        "fds_end",
-        "conns_end",
     ] {
         if let Some(st) = stats(column(&reps, k)) {
             write!(s, ",\"{k}_median\":{},\"{k}_max\":{}", st.median, st.max)?;
@@ -568,6 +594,12 @@ fn row_json(out: &Path, args: &Args, victim: usize, timed_out: bool) -> Result<S
         let v = column(&reps, k);
         if !v.is_empty() {
             write!(s, ",\"{k}_ranks\":{}", v.iter().filter(|x| **x == 1.0).count())?;
+        }
+    }
+    // Rank 0 apart: it serves the store too.
+    for k in ["fds", "fds_end", "conns", "conns_end", "threads", "store_conns", "store_conns_end"] {
+        if let Some(v) = reps[0].as_ref().and_then(|m| num(m, k)) {
+            write!(s, ",\"{k}_rank0\":{v}")?;
         }
     }
     let node = NODE_MEASURED.iter().map(|(_, k)| format!("node_{k}"));
@@ -661,6 +693,9 @@ fn rank_main(args: &Args) -> Result<()> {
     rep.put("shm", pg.shared_memory() as u8);
     rep.put("fds", open_fds());
     rep.put("conns", pg.connection_count());
+    if let Some(n) = pg.store_connections() {
+        rep.put("store_conns", n);
+    }
     if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
         for (key, name) in [("VmRSS:", "rss_kb"), ("VmHWM:", "hwm_kb"), ("Threads:", "threads")] {
             if let Some(v) = field(&status, key) {
@@ -697,14 +732,19 @@ fn rank_main(args: &Args) -> Result<()> {
         rep.put("node_form_s", t.elapsed().as_secs_f64());
         rep.put("node_shm", ng.shared_memory() as u8);
         measure(&ng, "node_", &NODE_MEASURED, args.iters, &mut rep)?;
-        rep.put("fds_end", open_fds());
-        rep.put("conns_end", pg.connection_count());
         rep.flush()?;
         Some(ng)
     } else {
         None
     };
     pg.barrier()?;
+    // Descriptors and connections again, once the collectives ran (and the ranks' store
+    // connections, closed after formation, are gone from rank 0).
+    rep.put("fds_end", open_fds());
+    rep.put("conns_end", pg.connection_count());
+    if let Some(n) = pg.store_connections() {
+        rep.put("store_conns_end", n);
+    }
     // Memory again, after the collectives touched their buffers (shared memory included).
     if let Ok(roll) = std::fs::read_to_string("/proc/self/smaps_rollup") {
         for (key, name) in [("Rss:", "rss_end_kb"), ("Pss:", "pss_end_kb")] {

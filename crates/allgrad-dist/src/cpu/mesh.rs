@@ -161,6 +161,9 @@ pub(crate) struct Mesh {
 pub(crate) trait Opener: Send {
     /// Connects to the lower group rank `peer` and authenticates both ways, before `deadline`.
     fn dial(&self, peer: usize, deadline: Instant) -> DistResult<TcpStream>;
+    /// A run of dials begins (`true`) or ends (`false`): what the dials read their peers'
+    /// addresses from (the store) may keep one connection open across it.
+    fn dialing(&self, _on: bool) {}
     /// The authenticated connection the higher group rank `peer` opened, once it has come.
     fn take(&self, peer: usize) -> Option<TcpStream>;
     /// Waits at most `wait` for a connection to come.
@@ -363,6 +366,10 @@ impl Mesh {
         };
         let deadline = Instant::now() + self.timeout;
         let mut res = Ok(());
+        let dials = missing.iter().any(|p| *p < r);
+        if dials {
+            opener.dialing(true);
+        }
         for &p in missing.iter().filter(|p| **p < r) {
             res = opener
                 .dial(p, deadline)
@@ -376,6 +383,9 @@ impl Mesh {
             if res.is_err() {
                 break;
             }
+        }
+        if dials {
+            opener.dialing(false);
         }
         self.opener = Some(opener);
         res.map(|_| missing.into_iter().filter(|p| *p > r).collect())

@@ -53,6 +53,8 @@ pub(super) fn bind_ip_toward(configured: Option<IpAddr>, master: &str, port: u16
 pub(super) fn connect_mesh(ctx: &Arc<Context>, group: &str, me: usize, members: &[usize]) -> DistResult<Mesh> {
     let info = &ctx.info;
     let store = ctx.store.as_ref().expect("a multi-rank group has a store");
+    // One connection to the store for the whole formation.
+    let _forming = store.hold();
     let deadline = Instant::now() + info.timeout;
     let n = members.len();
     super::fd_limit::ensure_room(group, n)?;
@@ -72,16 +74,7 @@ pub(super) fn connect_mesh(ctx: &Arc<Context>, group: &str, me: usize, members: 
         let mut mesh = Mesh::new(group.to_string(), me, members.to_vec(), (0..n).map(|_| None).collect(), info.timeout);
         mesh.tree_from = ctx.settings.tree_from;
         mesh.peer_window = ctx.settings.peer_window;
-        let (ctx2, group2, members2) = (ctx.clone(), group.to_string(), members.to_vec());
-        let address = Box::new(move |p: usize| -> DistResult<SocketAddr> {
-            let store = ctx2.store.as_ref().expect("a multi-rank group has a store");
-            let raw = store.get(&format!("{group2}/addr/{p}"))?;
-            String::from_utf8_lossy(&raw).parse().map_err(|_| DistError::Protocol {
-                peer: members2[p],
-                group: group2.clone(),
-                detail: "unreadable address in the store".into(),
-            })
-        });
+        let address = Box::new(StoreAddresses { ctx: ctx.clone(), group: group.to_string(), members: members.to_vec() });
         let board = Box::new(StoreBoard { ctx: ctx.clone(), group: group.to_string() });
         let mut mesh = super::on_demand::form(mesh, listener, hello, address, board)?;
         mesh.setup_shm(&info.token, ShmConfig::from(&ctx.settings))?;
@@ -255,6 +248,35 @@ fn accept_higher(
     Ok(out)
 }
 
+/// The data-plane addresses of a group that connects on demand, read from the store.
+struct StoreAddresses {
+    ctx: Arc<Context>,
+    group: String,
+    members: Vec<usize>,
+}
+
+impl super::on_demand::Addresses for StoreAddresses {
+    fn address(&self, p: usize) -> DistResult<SocketAddr> {
+        let store = self.ctx.store.as_ref().expect("a multi-rank group has a store");
+        let raw = store.get(&format!("{}/addr/{p}", self.group))?;
+        String::from_utf8_lossy(&raw).parse().map_err(|_| DistError::Protocol {
+            peer: self.members[p],
+            group: self.group.clone(),
+            detail: "unreadable address in the store".into(),
+        })
+    }
+
+    fn hold(&self, on: bool) {
+        if let Some(store) = &self.ctx.store {
+            if on {
+                store.acquire();
+            } else {
+                store.release();
+            }
+        }
+    }
+}
+
 /// The failures of a group that connects on demand, left in the store under
 /// `{group}/failed/{rank}` (`on_demand::FailureBoard`).
 struct StoreBoard {
@@ -273,6 +295,7 @@ impl super::on_demand::FailureBoard for StoreBoard {
 
     fn read(&self, rank: usize) -> Option<String> {
         let store = self.ctx.store.as_ref()?;
+        let _both = store.hold();
         let key = format!("{}/failed/{rank}", self.group);
         // `check` answers at once; `get` only once the key is known to be there.
         if !store.check(&key).ok()? {

@@ -165,7 +165,14 @@ impl ProcessGroup {
             settings,
             _server: server,
         });
-        let mesh = connect_mesh(&ctx, "world", info.rank, &members)?;
+        // The connection to the store stays open while the group forms, and closes after: rank 0
+        // serves no connection per rank for the life of the job (`StoreClient`'s notes).
+        let mesh = {
+            let store = ctx.store.as_ref().expect("set above");
+            let _forming = store.hold();
+            store.set_close_when_idle(true);
+            connect_mesh(&ctx, "world", info.rank, &members)?
+        };
         let pg = Self::from_mesh("world".into(), info.rank, members, mesh, ctx);
         tracing::debug!("rank {} joined a world of {}", info.rank, info.world_size);
         Ok(pg)
@@ -302,9 +309,18 @@ impl ProcessGroup {
         self.lock().mesh.counts
     }
 
-    /// The rendezvous store, when the world has more than one rank.
+    /// The rendezvous store, when the world has more than one rank. Its connection closes
+    /// after each request ([`StoreClient::set_close_when_idle`]); hold it open across a run of
+    /// requests with [`StoreClient::hold`].
     pub fn store(&self) -> Option<&StoreClient> {
         self.inner.ctx.store.as_ref()
+    }
+
+    /// Client connections rank 0's store serves now, on rank 0 of the world (`None` elsewhere;
+    /// for tests and benchmarks).
+    #[doc(hidden)]
+    pub fn store_connections(&self) -> Option<usize> {
+        self.inner.ctx._server.as_ref().map(StoreServer::connections)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -226,9 +226,23 @@ pub(crate) struct OnDemand {
     hello: Hello,
     members: Vec<usize>,
     /// The data-plane address of a group rank (one store `get`).
-    address: Box<dyn Fn(usize) -> DistResult<SocketAddr> + Send + Sync>,
+    address: Box<dyn Addresses>,
     /// Where failures are left for the ranks that find a failed rank gone (the store).
     board: Option<Box<dyn FailureBoard>>,
+}
+
+/// Where the data-plane address of each group rank is found (the store).
+pub(crate) trait Addresses: Send + Sync {
+    /// Group rank `p`'s address, waiting (up to the timeout) until it is published.
+    fn address(&self, p: usize) -> DistResult<SocketAddr>;
+    /// A run of lookups begins (`true`) or ends: the store keeps one connection open across it.
+    fn hold(&self, _on: bool) {}
+}
+
+impl<F: Fn(usize) -> DistResult<SocketAddr> + Send + Sync> Addresses for F {
+    fn address(&self, p: usize) -> DistResult<SocketAddr> {
+        self(p)
+    }
 }
 
 /// Where the rank that fails a group leaves its reason, and where a rank whose connection to
@@ -242,12 +256,7 @@ pub(crate) trait FailureBoard: Send + Sync {
 }
 
 impl OnDemand {
-    pub(crate) fn new(
-        acceptor: Acceptor,
-        hello: Hello,
-        members: &[usize],
-        address: Box<dyn Fn(usize) -> DistResult<SocketAddr> + Send + Sync>,
-    ) -> OnDemand {
+    pub(crate) fn new(acceptor: Acceptor, hello: Hello, members: &[usize], address: Box<dyn Addresses>) -> OnDemand {
         OnDemand { acceptor, hello, members: members.to_vec(), address, board: None }
     }
 
@@ -273,7 +282,7 @@ impl Opener for OnDemand {
     fn dial(&self, peer: usize, deadline: Instant) -> DistResult<TcpStream> {
         let group = &self.hello.group;
         let who = format!("rank {} ({group})", self.members[peer]);
-        let target = (self.address)(peer)?;
+        let target = self.address.address(peer)?;
         let mut s = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match TcpStream::connect_timeout(&target, left.clamp(Duration::from_millis(1), Duration::from_secs(5))) {
@@ -312,6 +321,10 @@ impl Opener for OnDemand {
         Ok(s)
     }
 
+    fn dialing(&self, on: bool) {
+        self.address.hold(on);
+    }
+
     fn take(&self, peer: usize) -> Option<TcpStream> {
         let mut st = self.acceptor.inbox.state.lock().unwrap_or_else(|p| p.into_inner());
         st.ready[peer].take()
@@ -344,7 +357,7 @@ pub(crate) fn form(
     mut mesh: Mesh,
     listener: TcpListener,
     hello: Hello,
-    address: Box<dyn Fn(usize) -> DistResult<SocketAddr> + Send + Sync>,
+    address: Box<dyn Addresses>,
     board: Box<dyn FailureBoard>,
 ) -> DistResult<Mesh> {
     let (me, n) = (mesh.rank, mesh.size());

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -80,6 +80,17 @@ struct Shared {
     token: String,
     /// Waiters woken by a key they waited for (not by the periodic check for a stop).
     wake_ups: AtomicU64,
+    /// Client connections served now (accepted and not yet closed).
+    connections: AtomicUsize,
+}
+
+/// Counts one served connection for as long as it lives.
+struct Served(Arc<Shared>);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Shared {
@@ -159,6 +170,7 @@ impl StoreServer {
             stop: AtomicBool::new(false),
             token: token.to_string(),
             wake_ups: AtomicU64::new(0),
+            connections: AtomicUsize::new(0),
         });
         let s = shared.clone();
         let accept = std::thread::Builder::new()
@@ -177,6 +189,12 @@ impl StoreServer {
     /// the server started (the measure of the store's work while a group forms).
     pub fn wake_ups(&self) -> u64 {
         self.shared.wake_ups.load(Ordering::Relaxed)
+    }
+
+    /// Client connections the server holds open now: each is a descriptor and a thread of the
+    /// process that serves the store (rank 0).
+    pub fn connections(&self) -> usize {
+        self.shared.connections.load(Ordering::SeqCst)
     }
 }
 
@@ -200,7 +218,11 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         match listener.accept() {
             Ok((stream, peer)) => {
                 let s = shared.clone();
+                shared.connections.fetch_add(1, Ordering::SeqCst);
+                // Dropped with the thread's closure, after the connection: also when no thread starts.
+                let served = Served(shared.clone());
                 let _ = std::thread::Builder::new().name("allgrad-store-conn".into()).spawn(move || {
+                    let _served = served;
                     if let Err(e) = serve(stream, &s) {
                         if !s.stop.load(Ordering::SeqCst) {
                             tracing::debug!("store connection from {peer} ended: {e}");
@@ -386,62 +408,250 @@ fn respond(stream: &mut TcpStream, status: u8, body: &[u8], who: &str) -> DistRe
     write_all_by(stream, &b, Instant::now() + REQUEST_GRACE, who)
 }
 
-/// A connection to the store. Cheap to share between threads (requests are serialised).
+/// Opens an authenticated connection to the store at `addr` within `timeout`: retries while
+/// nothing answers (with a pause growing from 10 ms to half a second), and, for a first
+/// connection only, while the store refuses (rank 0 may not have started it yet).
+fn open(addr: &str, token: &str, rank: usize, timeout: Duration, opening: Opening) -> DistResult<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let mut last_err = None;
+    let mut pause = Duration::from_millis(10);
+    let again = opening == Opening::Again;
+    loop {
+        if Instant::now() >= deadline {
+            return Err(DistError::Timeout {
+                what: format!(
+                    "{} the rendezvous store at {addr} (is rank 0 running and MASTER_ADDR/MASTER_PORT right?{})",
+                    if again { "reconnecting to" } else { "connecting to" },
+                    last_err.map(|e: DistError| format!(" last error: {e}")).unwrap_or_default()
+                ),
+                timeout,
+            });
+        }
+        let target = addr
+            .to_socket_addrs()
+            .map_err(|e| DistError::io(format!("resolving the store address {addr}"), e))?
+            .next()
+            .ok_or_else(|| DistError::Env(format!("store address {addr} resolves to nothing")))?;
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let err = match TcpStream::connect_timeout(&target, left.min(Duration::from_secs(5))) {
+            Ok(s) => match handshake(s, addr, token, rank, deadline) {
+                Ok(s) => return Ok(s),
+                // Another token is not worth retrying; a closed connection on a reconnect (the
+                // token was accepted before) may be a store busy accepting: retried.
+                Err(e @ DistError::Unauthenticated { .. }) if !again => return Err(e),
+                Err(e) => e,
+            },
+            Err(e) if again && e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                return Err(DistError::io(
+                    format!("reconnecting to the rendezvous store at {addr} (refused: has rank 0, which serves it, exited?)"),
+                    e,
+                ));
+            }
+            Err(e) => DistError::io(format!("connecting to {addr}"), e),
+        };
+        tracing::debug!("connecting to the rendezvous store at {addr}: {err}; retrying");
+        last_err = Some(err);
+        std::thread::sleep(if again { pause } else { Duration::from_millis(50) });
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// Presents the job token on a new connection to the store and checks the store's answer.
+fn handshake(mut stream: TcpStream, addr: &str, token: &str, rank: usize, deadline: Instant) -> DistResult<TcpStream> {
+    let _ = stream.set_nodelay(true);
+    let hello = Hello { service: Service::Store, rank: rank as u32, world: 0, token: token.to_string(), group: String::new() };
+    let who = format!("rendezvous store {addr}");
+    write_all_by(&mut stream, &hello.encode(), deadline, &who)?;
+    let reply = Hello::read(&mut stream, deadline, &who).map_err(|e| match e {
+        DistError::Io { .. } => DistError::Unauthenticated {
+            addr: addr.to_string(),
+            detail: "the store closed the connection during the handshake (is this rank's job token, ALLGRAD_JOB_TOKEN, the same as rank 0's?)".into(),
+        },
+        e => e,
+    })?;
+    if reply.service != Service::Store || !same_secret(&reply.token, token) {
+        return Err(DistError::Unauthenticated {
+            addr: addr.to_string(),
+            detail: "the store answered with another job token".into(),
+        });
+    }
+    Ok(stream)
+}
+
+/// Sends one request on `s` and reads its reply (status and body), before the request's wait
+/// plus [`REQUEST_GRACE`].
+fn exchange(
+    s: &mut TcpStream,
+    addr: &str,
+    cmd: u8,
+    key: &str,
+    val: &[u8],
+    arg: u64,
+    wait: Duration,
+) -> DistResult<(u8, Vec<u8>)> {
+    let who = format!("rendezvous store {addr}");
+    let deadline = Instant::now() + wait + REQUEST_GRACE;
+    let mut b = Vec::with_capacity(17 + key.len() + val.len());
+    b.push(cmd);
+    b.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    b.extend_from_slice(&(val.len() as u32).to_le_bytes());
+    b.extend_from_slice(&arg.to_le_bytes());
+    b.extend_from_slice(key.as_bytes());
+    b.extend_from_slice(val);
+    write_all_by(s, &b, deadline, &who)?;
+    let mut head = [0u8; 5];
+    read_exact_by(s, &mut head, deadline, &who)?;
+    let len = u32::from_le_bytes(head[1..5].try_into().unwrap()) as usize;
+    if len > MAX_VALUE {
+        return Err(DistError::Store(format!("reply of {len} bytes exceeds {MAX_VALUE}")));
+    }
+    let mut body = vec![0u8; len];
+    read_exact_by(s, &mut body, deadline, &who)?;
+    Ok((head[0], body))
+}
+
+/// A client of the store. Cheap to share between threads (requests are serialised).
+///
+/// # Connections that close when idle
+///
+/// Rank 0 serves the store, so each connection open to it is a descriptor (and a thread) there:
+/// W of them for a job of W ranks, for the life of the job, while a group needs the store only
+/// to form (and later for a subgroup, a connection opened on demand, a failure record). So a
+/// group's client closes its connection once idle ([`StoreClient::set_close_when_idle`]) and
+/// opens a new one for its next request: after formation rank 0 serves no connection but those
+/// of requests in progress. [`StoreClient::hold`] keeps it open across a run of requests (a
+/// formation, a run of on-demand connections). Why this design rather than the others:
+///
+/// - The client closes, never the server (an idle timeout on the server would race a request
+///   already on its way, which the client could not tell from one that was lost). A connection
+///   closes only between requests, under the lock that serialises them, and a request is sent
+///   on exactly one connection and never sent again: a failure in the middle of one (the store
+///   gone, a reply that does not come) is that request's error, as it was before. So no
+///   request is lost or applied twice across a reconnect: an `add` counts once, and a `get`
+///   or `get_many` that waits keeps its connection until answered.
+/// - A reconnect presents the job token as the first connection did, within the client's
+///   timeout (and no longer than the request could take on an open connection); while the
+///   store does not answer it retries with a growing pause. A refusal is
+///   not retried: the store was up, so a closed port means rank 0 has exited, and the request
+///   fails at once naming the store's address, as a request on a connection kept open did.
+/// - Nothing relies on the connection staying open: the server keeps no state per connection
+///   (keys, counters and waiters live in its table), and no rank's death is told by its store
+///   connection closing (the data plane and the failure records tell it).
+///
+/// A client made by [`StoreClient::connect`] keeps its connection open until dropped.
 pub struct StoreClient {
-    stream: Mutex<TcpStream>,
+    /// The connection, while open. Lock order: `io` before `holds`.
+    io: Mutex<Option<TcpStream>>,
+    holds: Mutex<Holds>,
     addr: String,
+    token: String,
+    rank: usize,
     timeout: Duration,
+    /// Connections opened so far (the first one included).
+    opened: AtomicU64,
+}
+
+#[derive(Default)]
+struct Holds {
+    /// [`StoreHold`]s alive.
+    count: usize,
+    /// Whether the connection closes once idle with no hold alive.
+    close_when_idle: bool,
+}
+
+/// Keeps a [`StoreClient`]'s connection open across requests until dropped
+/// ([`StoreClient::hold`]).
+pub struct StoreHold<'a> {
+    client: &'a StoreClient,
+}
+
+impl Drop for StoreHold<'_> {
+    fn drop(&mut self) {
+        self.client.release();
+    }
+}
+
+/// Whether a connection is the client's first (the store may not be up yet: refusals are
+/// retried) or a reconnect (the store was up: a refusal means it is gone).
+#[derive(Clone, Copy, PartialEq)]
+enum Opening {
+    First,
+    Again,
 }
 
 impl StoreClient {
     /// Connects to the store at `addr`, retrying while it is not up yet, for at most `timeout`.
     pub fn connect(addr: &str, token: &str, rank: usize, timeout: Duration) -> DistResult<StoreClient> {
-        let deadline = Instant::now() + timeout;
-        let mut last_err = None;
-        let stream = loop {
-            if Instant::now() >= deadline {
-                return Err(DistError::Timeout {
-                    what: format!(
-                        "connecting to the rendezvous store at {addr} (is rank 0 running and MASTER_ADDR/MASTER_PORT right?{})",
-                        last_err.map(|e: std::io::Error| format!(" last error: {e}")).unwrap_or_default()
-                    ),
-                    timeout,
-                });
-            }
-            let target = addr
-                .to_socket_addrs()
-                .map_err(|e| DistError::io(format!("resolving the store address {addr}"), e))?
-                .next()
-                .ok_or_else(|| DistError::Env(format!("store address {addr} resolves to nothing")))?;
-            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-            match TcpStream::connect_timeout(&target, left.min(Duration::from_secs(5))) {
-                Ok(s) => break s,
-                Err(e) => {
-                    last_err = Some(e);
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let mut stream = stream;
-        let hello =
-            Hello { service: Service::Store, rank: rank as u32, world: 0, token: token.to_string(), group: String::new() };
-        let who = format!("rendezvous store {addr}");
-        write_all_by(&mut stream, &hello.encode(), deadline, &who)?;
-        let reply = Hello::read(&mut stream, deadline, &who).map_err(|e| match e {
-            DistError::Io { .. } => DistError::Unauthenticated {
-                addr: addr.to_string(),
-                detail: "the store closed the connection during the handshake (is this rank's job token, ALLGRAD_JOB_TOKEN, the same as rank 0's?)".into(),
-            },
-            e => e,
-        })?;
-        if reply.service != Service::Store || !same_secret(&reply.token, token) {
-            return Err(DistError::Unauthenticated {
-                addr: addr.to_string(),
-                detail: "the store answered with another job token".into(),
-            });
+        let stream = open(addr, token, rank, timeout, Opening::First)?;
+        Ok(StoreClient {
+            io: Mutex::new(Some(stream)),
+            holds: Mutex::new(Holds::default()),
+            addr: addr.to_string(),
+            token: token.to_string(),
+            rank,
+            timeout,
+            opened: AtomicU64::new(1),
+        })
+    }
+
+    /// From now on (`true`), closes the connection whenever it is idle and no [`StoreHold`] is
+    /// alive, now included, and opens a new one for the next request (see the type's notes).
+    pub fn set_close_when_idle(&self, on: bool) {
+        let mut h = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        h.close_when_idle = on;
+        if on && h.count == 0 {
+            self.close_if_idle();
         }
-        Ok(StoreClient { stream: Mutex::new(stream), addr: addr.to_string(), timeout })
+    }
+
+    /// Keeps the connection open (opened by the next request if closed) until the returned
+    /// hold is dropped.
+    pub fn hold(&self) -> StoreHold<'_> {
+        self.acquire();
+        StoreHold { client: self }
+    }
+
+    /// [`StoreClient::hold`] without the guard: each call is undone by one [`StoreClient::release`].
+    pub(crate) fn acquire(&self) {
+        self.holds.lock().unwrap_or_else(|p| p.into_inner()).count += 1;
+    }
+
+    /// Undoes one [`StoreClient::acquire`].
+    pub(crate) fn release(&self) {
+        let mut h = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        h.count = h.count.saturating_sub(1);
+        if h.count == 0 && h.close_when_idle {
+            // Not waiting for a request in progress (a `get` may wait long): that request
+            // closes the connection when it ends, as it finds no hold alive (it looks at the
+            // holds before it lets the connection go, and this thread changed them first).
+            self.close_if_idle();
+        }
+    }
+
+    /// Closes the connection unless a request is using it (called with `holds` locked).
+    fn close_if_idle(&self) {
+        match self.io.try_lock() {
+            Ok(mut io) => *io = None,
+            Err(std::sync::TryLockError::Poisoned(p)) => *p.into_inner() = None,
+            Err(std::sync::TryLockError::WouldBlock) => {}
+        }
+    }
+
+    /// Whether the client holds a connection to the store now (for tests).
+    #[doc(hidden)]
+    pub fn is_connected(&self) -> bool {
+        self.io.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// Connections this client opened so far, its first included (for tests).
+    #[doc(hidden)]
+    pub fn connections_opened(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
+    }
+
+    /// The store's address, as given to [`StoreClient::connect`].
+    pub fn addr(&self) -> &str {
+        &self.addr
     }
 
     fn request(&self, cmd: u8, key: &str, val: &[u8], arg: u64, wait: Duration) -> DistResult<(u8, Vec<u8>)> {
@@ -452,29 +662,40 @@ impl StoreClient {
                 val.len()
             )));
         }
-        let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        let who = format!("rendezvous store {}", self.addr);
-        let deadline = Instant::now() + wait + REQUEST_GRACE;
-        let mut b = Vec::with_capacity(17 + key.len() + val.len());
-        b.push(cmd);
-        b.extend_from_slice(&(key.len() as u32).to_le_bytes());
-        b.extend_from_slice(&(val.len() as u32).to_le_bytes());
-        b.extend_from_slice(&arg.to_le_bytes());
-        b.extend_from_slice(key.as_bytes());
-        b.extend_from_slice(val);
-        write_all_by(&mut s, &b, deadline, &who)?;
-        let mut head = [0u8; 5];
-        read_exact_by(&mut s, &mut head, deadline, &who)?;
-        let len = u32::from_le_bytes(head[1..5].try_into().unwrap()) as usize;
-        if len > MAX_VALUE {
-            return Err(DistError::Store(format!("reply of {len} bytes exceeds {MAX_VALUE}")));
+        let mut io = self.io.lock().unwrap_or_else(|p| p.into_inner());
+        let answer = match &mut *io {
+            Some(s) => exchange(s, &self.addr, cmd, key, val, arg, wait),
+            // Within the client's timeout, and no longer than the request itself may take on an
+            // open connection (a best-effort `set` to a store whose host went silent gives up as
+            // soon as it did).
+            None => open(&self.addr, &self.token, self.rank, self.timeout.min(wait + REQUEST_GRACE), Opening::Again).and_then(
+                |mut s| {
+                    self.opened.fetch_add(1, Ordering::Relaxed);
+                    let a = exchange(&mut s, &self.addr, cmd, key, val, arg, wait);
+                    *io = Some(s);
+                    a
+                },
+            ),
+        };
+        // A request that failed on the way may have left bytes on the connection (a reply still
+        // to come): the next request starts on a new one. This one is not sent again.
+        if answer.is_err() {
+            *io = None;
         }
-        let mut body = vec![0u8; len];
-        read_exact_by(&mut s, &mut body, deadline, &who)?;
-        if head[0] == ST_ERROR {
+        let h = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        if h.close_when_idle && h.count == 0 {
+            *io = None;
+        }
+        // `io` goes before `holds`: a hold released meanwhile either saw this request's lock
+        // taken (and this request closes, having read `holds` after it changed) or finds the
+        // connection idle.
+        drop(io);
+        drop(h);
+        let (status, body) = answer?;
+        if status == ST_ERROR {
             return Err(DistError::Store(String::from_utf8_lossy(&body).into_owned()));
         }
-        Ok((head[0], body))
+        Ok((status, body))
     }
 
     /// Sets `key` to `value`, replacing any earlier value.

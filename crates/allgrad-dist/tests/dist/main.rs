@@ -31,5 +31,6 @@ mod redistribution;
 mod ring_pass;
 mod rooted_and_p2p;
 mod shm_processes;
+mod store_idle;
 mod subgroups;
 mod tree;

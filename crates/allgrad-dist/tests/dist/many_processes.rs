@@ -7,7 +7,11 @@
 //! neighbours), run a barrier, small and 1 MiB all_reduce calls and an all_gather with their
 //! results checked against the closed-form sums, and each rank reports the connections it
 //! holds, which must be those of formation (counted here from the tree's and the ring's
-//! rules). Then one rank SIGKILLs itself while the others wait in a 4-byte all_reduce: every
+//! rules). Rank 0, which serves the store, counts the store connections among its descriptors
+//! once the group has formed, and again after calls that need the store (a subgroup of every
+//! rank in reverse order, and a permute to rank r + 3, which opens connections on demand): at
+//! most log2(W) (the ranks close theirs once formed), where each rank used to keep one open. Then
+//! one rank SIGKILLs itself while the others wait in a 4-byte all_reduce: every
 //! survivor must fail, naming it, well before the timeout, though most of them hold no
 //! connection to it (at W = 128 the victim is known to five ranks, its tree and ring
 //! neighbours).
@@ -81,6 +85,31 @@ fn child_rank() {
         let paths = pg.all_reduce_paths();
         let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
         say(format!("formed tree={} fds={fds} conns={formed_with} then={}", paths.tree, pg.connection_count()));
+        // Rank 0 serves the store: once every rank has formed (the barrier above), the ranks'
+        // connections to it are closed.
+        if r == 0 {
+            say(format!("store sockets after forming: {}", settled_store_sockets()));
+        }
+        // Calls that need the store again: a subgroup (its members publish and read addresses
+        // there) and connections opened on demand by a permute to rank r + 3 (each higher rank
+        // of a new pair reads the lower one's address there).
+        let reversed: Vec<usize> = (0..w).rev().collect();
+        let sub = pg.new_group(&reversed).map_err(|e| e.to_string())?.ok_or("not a member of the reversed group")?;
+        let mut s = [r as f64];
+        sub.all_reduce_slice(&mut s, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        if s[0] != (w * (w - 1) / 2) as f64 || sub.rank() != w - 1 - r {
+            return Err(format!("the reversed subgroup gave {} as rank {}", s[0], sub.rank()));
+        }
+        let dst_of: Vec<usize> = (0..w).map(|q| (q + 3) % w).collect();
+        let got = pg.permute_slice(&[r as u32], &dst_of, 1, &[]).map_err(|e| e.to_string())?;
+        if got != [((r + w - 3) % w) as u32] {
+            return Err(format!("the permute to rank r + 3 gave {got:?}"));
+        }
+        say(format!("store calls done conns={}", pg.connection_count()));
+        pg.barrier().map_err(|e| e.to_string())?;
+        if r == 0 {
+            say(format!("store sockets after more calls: {}", settled_store_sockets()));
+        }
         pg.barrier().map_err(|e| e.to_string())?;
         if r == victim {
             std::thread::sleep(Duration::from_millis(200));
@@ -99,6 +128,52 @@ fn child_rank() {
     if let Err(e) = res {
         say(format!("error {e}"));
         std::process::exit(3);
+    }
+}
+
+/// The connections rank 0's store serves now, counted from this process's descriptors: the
+/// sockets in /proc/self/fd whose local port is the store's (MASTER_PORT), the listener apart,
+/// as /proc/self/net/tcp and tcp6 list them; and how many listeners on that port it holds.
+fn store_server_sockets(port: u16) -> (usize, usize) {
+    let inodes: std::collections::HashSet<u64> = std::fs::read_dir("/proc/self/fd")
+        .expect("listing /proc/self/fd")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok())
+        .collect();
+    let (mut n, mut listeners) = (0, 0);
+    for table in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for line in text.lines().skip(1) {
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let Some(local_port) = cols.get(1).and_then(|a| a.rsplit(':').next()) else { continue };
+            let (Ok(local_port), Some(inode)) = (u16::from_str_radix(local_port, 16), cols.get(9)) else { continue };
+            let listening = cols.get(3) == Some(&"0A");
+            if local_port == port && inode.parse().is_ok_and(|i: u64| inodes.contains(&i)) {
+                if listening {
+                    listeners += 1;
+                } else {
+                    n += 1;
+                }
+            }
+        }
+    }
+    (n, listeners)
+}
+
+/// Rank 0's store connections once they have had time to close (the peers close theirs and the
+/// store's side follows): waits up to 10 s for none to be left, and returns what is left.
+fn settled_store_sockets() -> usize {
+    let port: u16 = std::env::var("MASTER_PORT").expect("MASTER_PORT").parse().expect("MASTER_PORT is a port");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (n, listeners) = store_server_sockets(port);
+        // The count sees the store: its listener is among this process's sockets.
+        assert_eq!(listeners, 1, "rank 0 holds no listener on the store's port {port}");
+        if n == 0 || std::time::Instant::now() >= until {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -180,6 +255,21 @@ fn form_and_kill(w: usize, victim: usize, watchdog: Duration) {
         // and the calls (tree, shared memory or the ring) opened no other connection.
         let want = crate::on_demand::formation_peers(r, w).len();
         assert!(formed.ends_with(&format!(" conns={want} then={want}")), "rank {r} (expected {want} connections): {formed}");
+        assert!(
+            said.iter().any(|l| l.starts_with("store calls done ")),
+            "rank {r} never finished the calls that need the store: {said:?}"
+        );
+        if r == 0 {
+            // O(log W) at most (none once they have closed): about W - 1 while every rank kept its
+            // connection to the store open for the life of the job.
+            let bound = w.ilog2() as usize;
+            for when in ["after forming", "after more calls"] {
+                let line =
+                    said.iter().find(|l| l.starts_with(&format!("store sockets {when}: "))).unwrap_or_else(|| panic!("{said:?}"));
+                let n: usize = line.rsplit(' ').next().unwrap().parse().unwrap();
+                assert!(n <= bound, "rank 0 serves {n} store connections {when} (at most {bound} expected at W = {w})");
+            }
+        }
         let failed = said.iter().find(|l| l.starts_with("failed after ")).unwrap_or_else(|| panic!("rank {r}: {said:?}"));
         assert!(names_rank(failed, victim), "rank {r}'s error does not name rank {victim}: {failed}");
         let ms: u64 = failed["failed after ".len()..].split(' ').next().unwrap().parse().unwrap();

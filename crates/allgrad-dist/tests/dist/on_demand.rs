@@ -5,7 +5,9 @@
 //! opens the rest (W - 1 in all); every collective gives the same bits as on a group that
 //! connected every pair at formation, including the direct paths, whose first calls open every
 //! connection in the middle of the call; and a departed rank fails every survivor naming it,
-//! whether they wait on a connection it holds, on one it was to open, or on one to it.
+//! whether they wait on a connection it holds, on one it was to open, or on one to it; a rank
+//! that finds a failed rank gone reads its reason from the store, through a store connection
+//! opened again after formation.
 //!
 //! The expected connections come from the tree's rule as documented (rank r's parent is r
 //! without its lowest set bit; its children r + 1, r + 2, r + 4, ... below that bit and below W)
@@ -189,4 +191,48 @@ fn a_departed_rank_fails_every_survivor_naming_it_when_most_pairs_are_not_connec
             assert!(names_rank(e, dead), "{call}: rank {r}'s error does not name rank {dead}: {e}");
         }
     }
+}
+
+/// A rank that fails leaves its reason in the store, and a rank that later needs a connection
+/// to it, finding it gone, reads the reason there: both through store connections opened again
+/// after the group formed (each rank closes its connection to the store once formed).
+#[test]
+fn a_failure_record_is_left_and_read_through_the_store_after_its_connections_closed() {
+    let w = 8;
+    let (dead, late) = (3, 7);
+    // Rank 7's peers at formation are 0 and 6: it has no connection to rank 3.
+    assert!(!formation_peers(late, w).contains(&dead));
+    let others = std::sync::Barrier::new(w - 1);
+    let got = on_demand(w)
+        .tree_from(2)
+        .run(|pg| {
+            let r = pg.rank();
+            let store = pg.store().expect("a group of 8 has a store");
+            let closed_after_forming = !store.is_connected();
+            if r == dead {
+                pg.abort("rank 3 ran out of disk");
+                return Ok((closed_after_forming, None));
+            }
+            let mut said = None;
+            if r == late {
+                // The record, read from a fresh connection (the rank's own closed when it formed).
+                let rec = store.get_timeout(&format!("world/failed/{dead}"), TIMEOUT).map_err(candle_core::Error::wrap)?;
+                let rec = String::from_utf8_lossy(&rec).into_owned();
+                assert!(rec.contains("ran out of disk"), "{rec}");
+                assert!(!store.is_connected(), "the store connection stayed open after a request");
+                // Rank 3's group, and its listener, go once its thread has returned.
+                std::thread::sleep(Duration::from_millis(1500));
+                let e = pg.send_slice(&[1.0f32], dead).expect_err("a send to a rank that is gone");
+                said = Some(e.to_string());
+            }
+            // Nobody leaves (closing connections) before rank 7 has its answer.
+            others.wait();
+            Ok((closed_after_forming, said))
+        })
+        .unwrap();
+    for (r, (closed, _)) in got.iter().enumerate() {
+        assert!(closed, "rank {r} kept its store connection open after its group formed");
+    }
+    let e = got[late].1.as_deref().unwrap();
+    assert!(names_rank(e, dead) && e.contains("had failed") && e.contains("ran out of disk"), "{e}");
 }
