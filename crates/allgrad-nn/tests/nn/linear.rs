@@ -44,7 +44,8 @@ fn values_and_gradients_match_a_plain_computation() {
     // (1031 rows, in 517, out 67): odd sizes whose GEMMs span several depth blocks of the GEMM
     // (512 deep) for ∂W (depth: the rows) and the forward (depth: in), so a destination the
     // backward's GEMMs write without a zero fill first is written by the first block and
-    // accumulated by the next.
+    // accumulated by the next; its 1031 x 67 output gradient is two chunks of the
+    // bias gradient's row sums (978 rows, then 53).
     for (lead, inp, out, strided) in [
         (vec![5], 7, 3, false),
         (vec![3, 4], 9, 130, false),
