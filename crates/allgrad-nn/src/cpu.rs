@@ -438,43 +438,90 @@ pub(crate) fn matmul<T: Float>(
     if m == 0 || n == 0 {
         return;
     }
-    let zero = T::from_f64(0.0);
+    MatRef::new(&*dst, dst_rs, 1).check(m, n, "dst");
+    // SAFETY: `dst` holds the `m x n` view (checked above) and, borrowed mutably, aliases
+    // neither operand.
+    unsafe { gemm_raw(dst.as_mut_ptr(), dst_rs, accumulate, lhs, rhs, (m, n, k), parallelism) }
+}
+
+/// `lhs (m x k) · rhs (k x n)` as a new row-major `m x n` vector. The GEMM writes every element
+/// without reading it (`gemm`'s `read_dst = false` sets its `alpha` to zero, and no path then
+/// reads the destination), so the buffer is not zero-filled first: on a dense layer's `∂x` that
+/// fill was a full pass over an activation-sized buffer per layer and step. In debug builds the
+/// buffer is filled with NaN first, so a GEMM that read it would fail the tests.
+pub(crate) fn matmul_new<T: Float>(
+    lhs: MatRef<'_, T>,
+    rhs: MatRef<'_, T>,
+    (m, n, k): (usize, usize, usize),
+    parallelism: Parallelism,
+) -> Vec<T> {
+    let len = m * n;
+    if cfg!(debug_assertions) || k == 0 || len == 0 {
+        let mut v = vec![T::from_f64(if k == 0 { 0.0 } else { f64::NAN }); len];
+        matmul(&mut v, n, false, lhs, rhs, (m, n, k), parallelism);
+        return v;
+    }
+    let mut v = Vec::<T>::with_capacity(len);
+    // SAFETY: the spare capacity holds `len` elements, the `m x n` view with row stride `n`;
+    // it aliases neither operand; the GEMM writes every element of it without reading any
+    // (see above, `k > 0`), so all `len` are initialised when the length is set.
+    unsafe {
+        gemm_raw(v.spare_capacity_mut().as_mut_ptr().cast::<T>(), n, false, lhs, rhs, (m, n, k), parallelism);
+        v.set_len(len);
+    }
+    v
+}
+
+/// The GEMM behind [`matmul`] and [`matmul_new`], on a raw destination.
+///
+/// # Safety
+/// `dst` must be valid for writes (and, with `accumulate`, for reads of initialised values) of
+/// the `m x n` view with row stride `dst_rs` and unit column stride, and alias neither operand.
+/// `m` and `n` are positive.
+unsafe fn gemm_raw<T: Float>(
+    dst: *mut T,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: MatRef<'_, T>,
+    rhs: MatRef<'_, T>,
+    (m, n, k): (usize, usize, usize),
+    parallelism: Parallelism,
+) {
     if k == 0 {
         if !accumulate {
             for i in 0..m {
-                dst[i * dst_rs..i * dst_rs + n].fill(zero);
+                for j in 0..n {
+                    dst.add(i * dst_rs + j).write(T::from_f64(0.0));
+                }
             }
         }
         return;
     }
-    MatRef::new(&*dst, dst_rs, 1).check(m, n, "dst");
     lhs.check(m, k, "lhs");
     rhs.check(k, n, "rhs");
-    // SAFETY: the three views were bounds-checked above, `dst` is borrowed mutably and cannot
-    // alias `lhs` or `rhs`, and `T` is f32 or f64, both supported by `gemm`.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.cs as isize,
-            lhs.rs as isize,
-            rhs.data.as_ptr(),
-            rhs.cs as isize,
-            rhs.rs as isize,
-            T::from_f64(1.0),
-            T::from_f64(1.0),
-            false,
-            false,
-            false,
-            parallelism,
-        )
-    }
+    // SAFETY: the operands' views were bounds-checked above, the destination is the caller's
+    // to vouch for, and `T` is f32 or f64, both supported by `gemm`.
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs.data.as_ptr(),
+        lhs.cs as isize,
+        lhs.rs as isize,
+        rhs.data.as_ptr(),
+        rhs.cs as isize,
+        rhs.rs as isize,
+        T::from_f64(1.0),
+        T::from_f64(1.0),
+        false,
+        false,
+        false,
+        parallelism,
+    )
 }
 
 /// A backward kernel that computes several gradients at once (`∂x`, `∂W`, `∂b`), each into a

@@ -120,6 +120,8 @@ pub use cpu::{kernel_output, strided_copies};
 pub use dropout::dropout_mask;
 pub use error::NnError;
 pub use finalize::{batch_moments, batch_statistics, TensorSum};
+#[doc(hidden)]
+pub use linear::dense_product;
 pub use linear::{linear, linear_module};
 pub use loss::{cross_entropy, per_row_cross_entropy};
 pub use norm::{layer_norm, layer_norm_composed, LayerNorm, LayerNormConfig};

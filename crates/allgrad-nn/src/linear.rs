@@ -8,7 +8,10 @@
 //!
 //! Here the forward writes the bias into the output and the GEMM accumulates onto it; the
 //! backward computes `∂x = g·W`, `∂W = gᵀ·x` and `∂b = Σ_rows g` in one untracked kernel, each
-//! into a buffer of its own. Both GEMMs run on the whole rayon pool.
+//! into a buffer of its own that the GEMM writes without a zero fill first. Both GEMMs run on
+//! the whole rayon pool. `∂x` is left out when the input is not tracked (no variable behind
+//! it: a vision tower's patch embedding on pixels), as PyTorch's autograd leaves out gradients
+//! no one asked for; that is a whole GEMM of the layer's backward.
 //!
 //! [`linear_module`] runs a `candle_nn::Linear` through [`linear`] under autocast
 //! ([`crate::autocast`]), and through its own `forward` otherwise.
@@ -21,7 +24,8 @@ use rayon::prelude::*;
 
 use crate::backend::cpu_float;
 use crate::cpu::{
-    bf16_values, bf16_with_f32, contiguous, float_kernel, matmul, narrow, run_split, widen, zeros, Float, MatRef, SplitKernel,
+    bf16_values, bf16_with_f32, contiguous, float_kernel, matmul, matmul_new, narrow, run_split, widen, zeros, Float, MatRef,
+    SplitKernel,
 };
 use crate::error::{fail, NnError};
 
@@ -61,26 +65,72 @@ fn forward_kernel<T: Float>(x: &[T], w: &[T], b: Option<&[T]>, (rows, inp, out):
     y
 }
 
-/// `[∂x (rows·in), ∂W (out·in), ∂b (out)]` from `x`, `w` and the output gradient `g`.
-fn backward_kernel<T: Float>(x: &[T], w: &[T], g: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<Vec<T>> {
-    let (mut dx, mut dw, mut db) = (zeros(rows * inp), zeros(out * inp), zeros(out));
-    // ∂x = g (rows x out) · w (out x in).
-    matmul(&mut dx, inp, false, MatRef::new(g, out, 1), MatRef::new(w, inp, 1), (rows, inp, out), pool());
-    // ∂W = gᵀ (out x rows) · x (rows x in).
-    matmul(&mut dw, inp, false, MatRef::new(g, 1, out), MatRef::new(x, inp, 1), (out, inp, rows), pool());
-    // ∂b = column sums of g, each column summed in row order in f64; blocks of columns in
-    // parallel, each block read row by row (contiguous runs).
-    const BLOCK: usize = 64;
-    db.par_chunks_mut(BLOCK).enumerate().for_each(|(blk, d)| {
-        let c0 = blk * BLOCK;
-        let mut acc = [0f64; BLOCK];
-        for r in 0..rows {
-            let row = &g[r * out + c0..r * out + c0 + d.len()];
-            acc.iter_mut().zip(row).for_each(|(a, v)| *a += v.to_f64());
-        }
-        d.iter_mut().zip(acc).for_each(|(d, a)| *d = T::from_f64(a));
-    });
-    vec![dx, dw, db]
+/// `∂x = g (rows x out) · w (out x in)`.
+fn input_grad<T: Float>(g: &[T], w: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+    matmul_new(MatRef::new(g, out, 1), MatRef::new(w, inp, 1), (rows, inp, out), pool())
+}
+
+/// `∂W = gᵀ (out x rows) · x (rows x in)`.
+fn weight_grad<T: Float>(g: &[T], x: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+    matmul_new(MatRef::new(g, 1, out), MatRef::new(x, inp, 1), (out, inp, rows), pool())
+}
+
+/// `∂b` = the column sums of `g`, in f64. The rows go in fixed chunks of about
+/// [`BIAS_CHUNK`] elements, in parallel, each chunk summed row by row (contiguous reads) into
+/// partial sums of its own, and the partials are added in chunk order: the order depends on
+/// the shape only, never on the pool. (Summing blocks of 64 columns down all rows instead read
+/// `g` with a stride of a whole row, beyond a page for a wide layer, and took 2-3x PyTorch's
+/// `sum` on the CLIP towers' attention projections and MLPs.)
+fn bias_grad<T: Float>(g: &[T], (rows, _, out): (usize, usize, usize)) -> Vec<T> {
+    if out == 0 || rows == 0 {
+        return zeros(out);
+    }
+    let rows_per_chunk = (BIAS_CHUNK / out).max(1);
+    let partials: Vec<Vec<f64>> = g[..rows * out]
+        .par_chunks(rows_per_chunk * out)
+        .map(|chunk| {
+            let mut acc = vec![0f64; out];
+            for row in chunk.chunks_exact(out) {
+                acc.iter_mut().zip(row).for_each(|(a, v)| *a += v.to_f64());
+            }
+            acc
+        })
+        .collect();
+    let mut sum = vec![0f64; out];
+    for p in &partials {
+        sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
+    }
+    sum.into_iter().map(T::from_f64).collect()
+}
+
+/// Elements of `g` per chunk of [`bias_grad`] (whole rows; one row when a row is longer).
+const BIAS_CHUNK: usize = 1 << 16;
+
+/// `[∂x (rows·in), ∂W (out·in), ∂b (out)]` from `x`, `w` and the output gradient `g`; without
+/// `∂x` unless `input`.
+fn backward_kernel<T: Float>(x: &[T], w: &[T], g: &[T], d: (usize, usize, usize), input: bool) -> Vec<Vec<T>> {
+    let dx = input.then(|| input_grad(g, w, d));
+    dx.into_iter().chain([weight_grad(g, x, d), bias_grad(g, d)]).collect()
+}
+
+/// The kernels [`linear`] runs on the CPU, one product at a time, on f32 rows of `(rows, in,
+/// out)`, for the dense-layer benchmark (`bench_dense`) to time each against PyTorch's:
+/// `"fwd"` the output `x·Wᵀ + b` (`b` empty: none), `"dx"` `g·W`, `"dw"` `gᵀ·x`, `"db"` the
+/// column sums of `g`. Not an API: `None` for another name.
+#[doc(hidden)]
+pub fn dense_product(product: &str, [x, w, b, g]: [&[f32]; 4], (rows, inp, out): (usize, usize, usize)) -> Option<Vec<f32>> {
+    let d = (rows, inp, out);
+    assert!(
+        x.len() == rows * inp && w.len() == out * inp && g.len() == rows * out && (b.is_empty() || b.len() == out),
+        "dense_product: the slices do not fit (rows, in, out) = {d:?}"
+    );
+    Some(match product {
+        "fwd" => forward_kernel(x, w, (!b.is_empty()).then_some(b), d),
+        "dx" => input_grad(g, w, d),
+        "dw" => weight_grad(g, x, d),
+        "db" => bias_grad(g, d),
+        _ => return None,
+    })
 }
 
 struct Linear {
@@ -109,7 +159,8 @@ impl Linear {
         Ok((out, Shape::from(shape)))
     }
 
-    fn grads(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// `(∂x, ∂W, ∂b)`; `∂x` only when `input`.
+    fn grads(x: &Tensor, w: &Tensor, g: &Tensor, input: bool) -> Result<(Option<Tensor>, Tensor, Tensor)> {
         let (rows, inp, out) = dims(x.dims(), w.dims(), "linear backward")?;
         let mut expected = x.dims().to_vec();
         *expected.last_mut().expect("checked by dims") = out;
@@ -120,14 +171,15 @@ impl Linear {
             // The f32 kernel on the forward's bf16 values: ∂x rounded to bf16, ∂W and ∂b f32.
             let (xf, gf) = (x.detach().to_dtype(DType::F32)?, g.detach().to_dtype(DType::BF16)?.to_dtype(DType::F32)?);
             let wf = w.detach().to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
-            let (dx, dw, db) = Linear::grads(&xf, &wf, &gf)?;
-            return Ok((dx.to_dtype(DType::BF16)?, dw, db));
+            let (dx, dw, db) = Linear::grads(&xf, &wf, &gf, input)?;
+            return Ok((dx.map(|dx| dx.to_dtype(DType::BF16)).transpose()?, dw, db));
         }
         let g = g.detach().to_dtype(x.dtype())?;
-        let shapes = [x.shape().clone(), w.shape().clone(), Shape::from(out)];
-        let Ok([dx, dw, db]) = <[Tensor; 3]>::try_from(run_split(&LinearBackward((rows, inp, out)), [x, w, &g], &shapes)?) else {
-            unreachable!("three shapes, three gradients")
-        };
+        let input_shape = input.then(|| x.shape().clone());
+        let shapes: Vec<Shape> = input_shape.into_iter().chain([w.shape().clone(), Shape::from(out)]).collect();
+        let mut grads = run_split(&LinearBackward { dims: (rows, inp, out), input }, [x, w, &g], &shapes)?.into_iter();
+        let dx = if input { grads.next() } else { None };
+        let (Some(dw), Some(db)) = (grads.next(), grads.next()) else { unreachable!("one gradient per shape") };
         Ok((dx, dw, db))
     }
 }
@@ -144,8 +196,9 @@ impl CustomOp2 for Linear {
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let _timer = crate::trace::OpTimer::start("linear", crate::trace::Pass::Backward, x.device());
-        let (dx, dw, _) = Linear::grads(x, w, g)?;
-        Ok((Some(dx), Some(dw)))
+        // Only a tracked input can have a gradient that anyone reads.
+        let (dx, dw, _) = Linear::grads(x, w, g, x.track_op())?;
+        Ok((dx, Some(dw)))
     }
 }
 
@@ -175,19 +228,23 @@ impl CustomOp3 for Linear {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let _timer = crate::trace::OpTimer::start("linear", crate::trace::Pass::Backward, x.device());
-        let (dx, dw, db) = Linear::grads(x, w, g)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let (dx, dw, db) = Linear::grads(x, w, g, x.track_op())?;
+        Ok((dx, Some(dw), Some(db)))
     }
 }
 
-/// The backward's kernel on `(x, w, g)` of `(rows, in, out)`: `[∂x, ∂W, ∂b]`.
-struct LinearBackward((usize, usize, usize));
+/// The backward's kernel on `(x, w, g)` of `dims` `(rows, in, out)`: `[∂x, ∂W, ∂b]`, without
+/// `∂x` unless `input`.
+struct LinearBackward {
+    dims: (usize, usize, usize),
+    input: bool,
+}
 
 impl SplitKernel<3> for LinearBackward {
     const OP: &'static str = "linear backward";
 
     fn run<T: Float>(&self, [(x, lx), (w, lw), (g, lg)]: [(&[T], &Layout); 3]) -> Result<Vec<Vec<T>>> {
-        Ok(backward_kernel(&contiguous(x, lx), &contiguous(w, lw), &contiguous(g, lg), self.0))
+        Ok(backward_kernel(&contiguous(x, lx), &contiguous(w, lw), &contiguous(g, lg), self.dims, self.input))
     }
 }
 

@@ -1,9 +1,10 @@
 //! `linear` against a plain f64 computation (values and the three gradients, with and
-//! without bias, 2-D and 3-D inputs, a strided input, sizes spanning several bias blocks),
-//! against finite differences in f64, against Candle's composed ops in f32, and errors that
-//! name the shapes.
+//! without bias, 2-D and 3-D inputs, a strided input, sizes spanning several bias blocks and
+//! several of the GEMM's depth blocks), against finite differences in f64, against Candle's
+//! composed ops in f32; an untracked input gets no gradient while the parameters get theirs;
+//! the backward's products with an empty inner dimension are zeros; errors that name the shapes.
 
-use allgrad_nn::linear;
+use allgrad_nn::{dense_product, linear};
 use candle_core::{DType, Tensor};
 
 use crate::common::{assert_close, err_text, fd_grad, rand_tensor, rand_var, to_f64_vec};
@@ -40,9 +41,18 @@ fn vec_tensor(v: Vec<f64>, shape: &[usize]) -> Tensor {
 #[test]
 fn values_and_gradients_match_a_plain_computation() {
     // (leading dims, in, out, strided input): out 130 spans three 64-column bias blocks.
-    for (lead, inp, out, strided) in
-        [(vec![5], 7, 3, false), (vec![3, 4], 9, 130, false), (vec![6, 2], 5, 11, true), (vec![1], 1, 1, false)]
-    {
+    // (1031 rows, in 517, out 67): odd sizes whose GEMMs span several depth blocks of the GEMM
+    // (512 deep) for ∂W (depth: the rows) and the forward (depth: in), so a destination the
+    // backward's GEMMs write without a zero fill first is written by the first block and
+    // accumulated by the next; its 1031 x 67 output gradient is two chunks of the
+    // bias gradient's row sums (978 rows, then 53).
+    for (lead, inp, out, strided) in [
+        (vec![5], 7, 3, false),
+        (vec![3, 4], 9, 130, false),
+        (vec![6, 2], 5, 11, true),
+        (vec![1], 1, 1, false),
+        (vec![1031], 517, 67, false),
+    ] {
         for dtype in [DType::F32, DType::F64] {
             for with_bias in [true, false] {
                 let rows: usize = lead.iter().product();
@@ -86,6 +96,51 @@ fn values_and_gradients_match_a_plain_computation() {
             }
         }
     }
+}
+
+#[test]
+fn an_untracked_input_gets_no_gradient_and_the_parameters_theirs() {
+    // A constant input (pixels into a patch embedding): its gradient is not computed, and the
+    // weight's and bias's are those of the plain computation.
+    let (rows, inp, out) = (37, 19, 23);
+    for dtype in [DType::F32, DType::F64] {
+        let x = rand_tensor(&[rows, inp], 21, dtype);
+        let w = rand_var(&[out, inp], 22, dtype);
+        let b = rand_var(&[out], 23, dtype);
+        let p = rand_tensor(&[rows, out], 24, dtype);
+        for with_bias in [true, false] {
+            let what = format!("{dtype:?} bias={with_bias}");
+            let y = linear(&x, w.as_tensor(), with_bias.then_some(b.as_tensor())).unwrap();
+            let grads = (&y * &p).unwrap().sum_all().unwrap().backward().unwrap();
+            assert!(grads.get(&x).is_none(), "{what}: an input gradient for an untracked input");
+            let bv = to_f64_vec(b.as_tensor());
+            let r = reference(
+                &to_f64_vec(&x),
+                &to_f64_vec(w.as_tensor()),
+                with_bias.then_some(&bv[..]),
+                &to_f64_vec(&p),
+                rows,
+                inp,
+                out,
+            );
+            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+            assert_close(grads.get(&w).unwrap(), &vec_tensor(r.dw, &[out, inp]), tol, &format!("dw {what}"));
+            if with_bias {
+                assert_close(grads.get(&b).unwrap(), &vec_tensor(r.db, &[out]), tol, &format!("db {what}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn products_over_an_empty_inner_dimension_are_zeros() {
+    // ∂W over no rows and ∂x through no outputs: nothing is summed, and the buffers that the
+    // GEMM would otherwise write must hold zeros, not whatever the allocation held.
+    let zero_rows = dense_product("dw", [&[], &[1.0; 6], &[], &[]], (0, 3, 2)).unwrap();
+    assert_eq!(zero_rows, vec![0.0; 6]);
+    let no_outputs = dense_product("dx", [&[1.0; 12], &[], &[], &[]], (4, 3, 0)).unwrap();
+    assert_eq!(no_outputs, vec![0.0; 12]);
+    assert!(dense_product("dy", [&[], &[], &[], &[]], (0, 0, 0)).is_none());
 }
 
 #[test]
