@@ -88,7 +88,7 @@ fn child_rank() {
         // Rank 0 serves the store: once every rank has formed (the barrier above), the ranks'
         // connections to it are closed.
         if r == 0 {
-            say(format!("store sockets after forming: {}", settled_store_sockets()));
+            say(format!("store sockets after forming: {}", settled_store_connections(&pg)));
         }
         // Calls that need the store again: a subgroup (its members publish and read addresses
         // there) and connections opened on demand by a permute to rank r + 3 (each higher rank
@@ -108,7 +108,7 @@ fn child_rank() {
         say(format!("store calls done conns={}", pg.connection_count()));
         pg.barrier().map_err(|e| e.to_string())?;
         if r == 0 {
-            say(format!("store sockets after more calls: {}", settled_store_sockets()));
+            say(format!("store sockets after more calls: {}", settled_store_connections(&pg)));
         }
         pg.barrier().map_err(|e| e.to_string())?;
         if r == victim {
@@ -162,16 +162,21 @@ fn store_server_sockets(port: u16) -> (usize, usize) {
 }
 
 /// Rank 0's store connections once they have had time to close (the peers close theirs and the
-/// store's side follows): waits up to 10 s for none to be left, and returns what is left.
-fn settled_store_sockets() -> usize {
+/// store's side follows): waits up to 10 s for none to be left, and returns what is left, by
+/// the server's own count of the connections it serves (a thread each). The sockets in this
+/// process whose local port is the store's are checked too, for the listener (the count sees
+/// the store), and given beside it: that port was free when the test picked it, and another
+/// socket of this process may come to share the number (an outgoing connection's ephemeral
+/// port), so they are not what is counted.
+fn settled_store_connections(pg: &ProcessGroup) -> String {
     let port: u16 = std::env::var("MASTER_PORT").expect("MASTER_PORT").parse().expect("MASTER_PORT is a port");
     let until = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let (n, listeners) = store_server_sockets(port);
-        // The count sees the store: its listener is among this process's sockets.
+        let served = pg.store_connections().expect("rank 0 serves the store");
+        let (sockets, listeners) = store_server_sockets(port);
         assert_eq!(listeners, 1, "rank 0 holds no listener on the store's port {port}");
-        if n == 0 || std::time::Instant::now() >= until {
-            return n;
+        if served == 0 || std::time::Instant::now() >= until {
+            return format!("(sockets on the port {sockets}) {served}");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
