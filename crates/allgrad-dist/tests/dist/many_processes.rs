@@ -90,6 +90,9 @@ fn child_rank() {
         if r == 0 {
             say(format!("store sockets after forming: {}", settled_store_connections(&pg)));
         }
+        // The others wait while rank 0 counts: the subgroup below opens their store connections
+        // again (and holds them until rank 0 joins it), which the count must not see.
+        pg.barrier().map_err(|e| e.to_string())?;
         // Calls that need the store again: a subgroup (its members publish and read addresses
         // there) and connections opened on demand by a permute to rank r + 3 (each higher rank
         // of a new pair reads the lower one's address there).
@@ -163,11 +166,9 @@ fn store_server_sockets(port: u16) -> (usize, usize) {
 
 /// Rank 0's store connections once they have had time to close (the peers close theirs and the
 /// store's side follows): waits up to 10 s for none to be left, and returns what is left, by
-/// the server's own count of the connections it serves (a thread each). The sockets in this
-/// process whose local port is the store's are checked too, for the listener (the count sees
-/// the store), and given beside it: that port was free when the test picked it, and another
-/// socket of this process may come to share the number (an outgoing connection's ephemeral
-/// port), so they are not what is counted.
+/// the server's own count of the connections it serves (a thread each), with the sockets in
+/// this process on the store's port beside it (and the store's listener among them: the count
+/// sees the store).
 fn settled_store_connections(pg: &ProcessGroup) -> String {
     let port: u16 = std::env::var("MASTER_PORT").expect("MASTER_PORT").parse().expect("MASTER_PORT is a port");
     let until = std::time::Instant::now() + Duration::from_secs(10);
