@@ -171,13 +171,9 @@ pub(crate) trait Opener: Send {
     /// Every connection that has come and not been taken, by group rank.
     fn take_all(&self) -> Vec<(usize, TcpStream)>;
     /// The group failed for `reason`: every connection that comes from now on is answered
-    /// with the handshake and then `abort` (an ABORT frame), and closed for writing.
+    /// with the handshake and then `abort` (an ABORT frame), and closed for writing; and the
+    /// reason is left where a rank that finds this one gone can read it (the store).
     fn poison(&self, reason: &str, abort: &[u8]);
-    /// Leaves `reason` where a rank that finds this one gone can read it (the store). Called
-    /// once the peers have been told: with connections on demand it may open a connection to
-    /// the store, and at a thousand ranks failing at once those would otherwise delay the ABORT
-    /// frames on their way down the tree.
-    fn leave_failure(&self, _reason: &str) {}
 }
 
 /// The connections a rank that waits for something else than its TCP connections (a
@@ -485,9 +481,6 @@ impl Mesh {
             // sent above carries the reason).
             if let Some(seg) = &self.shm {
                 seg.raise_abort(self.rank);
-            }
-            if let Some(opener) = &self.opener {
-                opener.leave_failure(&reason);
             }
         }
         err

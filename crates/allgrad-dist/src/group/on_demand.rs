@@ -335,11 +335,8 @@ impl Opener for OnDemand {
         st.ready.iter_mut().enumerate().filter_map(|(p, s)| s.take().map(|s| (p, s))).collect()
     }
 
-    fn poison(&self, _reason: &str, abort: &[u8]) {
+    fn poison(&self, reason: &str, abort: &[u8]) {
         self.acceptor.inbox.state.lock().unwrap_or_else(|p| p.into_inner()).abort = Some(abort.to_vec());
-    }
-
-    fn leave_failure(&self, reason: &str) {
         if let Some(b) = &self.board {
             b.post(self.acceptor.me, reason);
         }
