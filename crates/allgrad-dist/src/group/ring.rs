@@ -101,6 +101,26 @@ impl RingSchedule {
     pub fn visitor(&self, rank: usize, s: usize, down: bool) -> usize {
         self.origin(rank, s, !down)
     }
+
+    /// The directions blocks travel at step `s` (1-based): up (`false`), and down (`true`) too
+    /// while the schedule has down steps.
+    pub fn directions(&self, s: usize) -> &'static [bool] {
+        if s <= self.steps_down() {
+            &[false, true]
+        } else {
+            &[false]
+        }
+    }
+
+    /// The exchanges of a pass whose blocks travel in `chunks` chunks: one per step and chunk.
+    pub fn exchanges(&self, chunks: usize) -> usize {
+        self.steps() * chunks
+    }
+
+    /// Exchange `e`'s step (1-based) and chunk, with `chunks` chunks per block.
+    pub fn slot(&self, e: usize, chunks: usize) -> (usize, usize) {
+        (e / chunks + 1, e % chunks)
+    }
 }
 
 /// What the ring passes of a group did so far ([`ProcessGroup::ring_counts`]; for tests, which

@@ -331,27 +331,6 @@ struct Ring<'a, T> {
 }
 
 impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
-    /// The pass's exchanges that move blocks: one per step and chunk.
-    fn exchanges(&self) -> usize {
-        self.sched.steps() * self.pass.chunks()
-    }
-
-    /// Exchange `e`'s step (1-based) and chunk.
-    fn slot(&self, e: usize) -> (usize, usize) {
-        let k = self.pass.chunks();
-        (e / k + 1, e % k)
-    }
-
-    /// The directions blocks travel at step `s`: up, and down too while the schedule has
-    /// down steps.
-    fn dirs(&self, s: usize) -> Vec<bool> {
-        if s <= self.sched.steps_down() {
-            vec![false, true]
-        } else {
-            vec![false]
-        }
-    }
-
     /// This rank's chunk `k` (empty past its rows).
     fn own_chunk(&self, k: usize) -> Vec<T> {
         self.own.chunk(self.pass.chunk_range(self.me, k))
@@ -360,8 +339,8 @@ impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
     /// What exchange `e` moves of the blocks: this rank's chunk, which goes straight to the
     /// step's visitors (up, then down), and buffers for the chunks of the step's origins.
     fn moves<'b>(&self, e: usize, mine: &'b [T]) -> (Vec<RingMessage<&'b [T]>>, Vec<Chunk<T>>) {
-        let (s, k) = self.slot(e);
-        let dirs = self.dirs(s);
+        let (s, k) = self.sched.slot(e, self.pass.chunks());
+        let dirs = self.sched.directions(s);
         let sends = if mine.is_empty() {
             Vec::new()
         } else {
@@ -382,7 +361,7 @@ impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
     /// exchange that brings a chunk runs while the chunks of the exchange before are visited.
     fn forward(&self, mut visit: impl FnMut(usize, usize, &[T]) -> Result<()>) -> Result<()> {
         let me = self.me;
-        if self.exchanges() == 0 {
+        if self.sched.exchanges(self.pass.chunks()) == 0 {
             for k in 0..self.pass.chunks() {
                 let mine = self.own_chunk(k);
                 if !mine.is_empty() {
@@ -392,8 +371,8 @@ impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
             return Ok(());
         }
         let mut prev: Vec<Chunk<T>> = Vec::new();
-        for e in 0..self.exchanges() {
-            let (s, k) = self.slot(e);
+        for e in 0..self.sched.exchanges(self.pass.chunks()) {
+            let (s, k) = self.sched.slot(e, self.pass.chunks());
             let mine = self.own_chunk(k);
             let (sends, mut next) = self.moves(e, &mine);
             let mut recvs: Vec<RingMessage<&mut [T]>> =
@@ -427,7 +406,7 @@ impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
         mut home: impl FnMut(usize, &[T]),
     ) -> Result<()> {
         let me = self.me;
-        let n = self.exchanges();
+        let n = self.sched.exchanges(self.pass.chunks());
         if n == 0 {
             for k in 0..self.pass.chunks() {
                 let mine = self.own_chunk(k);
@@ -443,7 +422,7 @@ impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
         let mut pending: Vec<Chunk<T>> = Vec::new();
         for e in 0..n + 2 {
             let moving = e < n;
-            let (s, k) = if moving { self.slot(e) } else { (0, 0) };
+            let (s, k) = if moving { self.sched.slot(e, self.pass.chunks()) } else { (0, 0) };
             let mine = if moving { self.own_chunk(k) } else { Vec::new() };
             let (mut sends, mut next) = if moving { self.moves(e, &mine) } else { (Vec::new(), Vec::new()) };
             for (o, k, g) in &pending {
@@ -452,10 +431,10 @@ impl<T: KernelElem + DistElem + Send + Sync> Ring<'_, T> {
             // The gradients of this rank's chunk sent two exchanges ago, from its visitors.
             let mut back: Vec<Chunk<T>> = Vec::new();
             if e >= 2 {
-                let (s2, k2) = self.slot(e - 2);
+                let (s2, k2) = self.sched.slot(e - 2, self.pass.chunks());
                 let len = self.pass.chunk_len(me, k2);
                 if len > 0 {
-                    for down in self.dirs(s2) {
+                    for &down in self.sched.directions(s2) {
                         back.push((self.sched.visitor(me, s2, down), k2, vec![T::from_f64(0.0); len]));
                     }
                 }

@@ -86,23 +86,6 @@ struct Ring<'a> {
 }
 
 impl Ring<'_> {
-    fn exchanges(&self) -> usize {
-        self.sched.steps() * self.pass.chunks()
-    }
-
-    fn slot(&self, e: usize) -> (usize, usize) {
-        let k = self.pass.chunks();
-        (e / k + 1, e % k)
-    }
-
-    fn dirs(&self, s: usize) -> Vec<bool> {
-        if s <= self.sched.steps_down() {
-            vec![false, true]
-        } else {
-            vec![false]
-        }
-    }
-
     /// This rank's chunk `k` as one 1-D tensor (`None` past its rows).
     fn own_chunk(&self, k: usize) -> Result<Option<Tensor>> {
         let rows = self.pass.chunk_range(self.me, k);
@@ -117,8 +100,8 @@ impl Ring<'_> {
     /// Exchange `e`'s moves of blocks: this rank's chunk to the step's visitors, and the
     /// chunks of the step's origins to receive.
     fn moves<'b>(&self, e: usize, mine: Option<&'b Tensor>) -> (Vec<RingMessage<&'b Tensor>>, Vec<RingMessage<()>>) {
-        let (s, k) = self.slot(e);
-        let dirs = self.dirs(s);
+        let (s, k) = self.sched.slot(e, self.pass.chunks());
+        let dirs = self.sched.directions(s);
         let sends = match mine {
             None => Vec::new(),
             Some(m) => dirs
@@ -148,7 +131,7 @@ impl Ring<'_> {
     /// The host form's `Ring::forward`, on tensors.
     fn forward(&self, mut visit: impl FnMut(usize, usize, &Tensor) -> Result<()>) -> Result<()> {
         let me = self.me;
-        if self.exchanges() == 0 {
+        if self.sched.exchanges(self.pass.chunks()) == 0 {
             for k in 0..self.pass.chunks() {
                 if let Some(mine) = self.own_chunk(k)? {
                     visit(me, k, &mine)?;
@@ -157,8 +140,8 @@ impl Ring<'_> {
             return Ok(());
         }
         let mut prev: Vec<Chunk> = Vec::new();
-        for e in 0..self.exchanges() {
-            let (s, k) = self.slot(e);
+        for e in 0..self.sched.exchanges(self.pass.chunks()) {
+            let (s, k) = self.sched.slot(e, self.pass.chunks());
             let mine = self.own_chunk(k)?;
             let (sends, recvs) = self.moves(e, mine.as_ref());
             let (done, got) = self.exchange(&sends, &recvs, || -> Result<()> {
@@ -191,7 +174,7 @@ impl Ring<'_> {
         mut home: impl FnMut(usize, &Tensor) -> Result<()>,
     ) -> Result<()> {
         let me = self.me;
-        let n = self.exchanges();
+        let n = self.sched.exchanges(self.pass.chunks());
         if n == 0 {
             for k in 0..self.pass.chunks() {
                 if let Some(mine) = self.own_chunk(k)? {
@@ -204,7 +187,7 @@ impl Ring<'_> {
         let mut pending: Vec<Chunk> = Vec::new();
         for e in 0..n + 2 {
             let moving = e < n;
-            let (s, k) = if moving { self.slot(e) } else { (0, 0) };
+            let (s, k) = if moving { self.sched.slot(e, self.pass.chunks()) } else { (0, 0) };
             let mine = if moving { self.own_chunk(k)? } else { None };
             let (mut sends, mut recvs) = if moving { self.moves(e, mine.as_ref()) } else { (Vec::new(), Vec::new()) };
             for (o, k, g) in &pending {
@@ -212,9 +195,9 @@ impl Ring<'_> {
             }
             let fresh_from = recvs.len();
             if e >= 2 {
-                let (s2, k2) = self.slot(e - 2);
+                let (s2, k2) = self.sched.slot(e - 2, self.pass.chunks());
                 if self.pass.chunk_len(me, k2) > 0 {
-                    for down in self.dirs(s2) {
+                    for &down in self.sched.directions(s2) {
                         recvs.push(RingMessage { peer: self.sched.visitor(me, s2, down), origin: me, chunk: k2, data: () });
                     }
                 }
