@@ -17,7 +17,8 @@
 #
 # Common options: --steps N (timed steps per run, default 3), --threads N (per rank, default 1),
 # --tile T (allgrad's loss.tile, default 0: none), --chunk R (the ring's rows per message,
-# default 0: 256 KiB's worth), --forms "gather ring openclip" (the forms to run, default all
+# default 0: 256 KiB's worth), --one-way (allgrad's ring one way round, W - 1 steps, instead of
+# both ways; the gather forms and OpenCLIP's are unchanged), --forms "gather ring openclip" (the forms to run, default all
 # three; openclip only with PYTHON below), --profile release|dev (the cargo profile of
 # allgrad's binaries, default release; dev builds into target/debug, for a quick check only). PYTHON is the interpreter with torch and
 # open-clip-torch (scripts/ci/get_torch.sh; without it only allgrad runs). Run on an idle
@@ -27,9 +28,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-}
-[[ $what == memory || $what == time || $what == fit ]] || { sed -n '2,26p' "$0"; exit 2; }
+[[ $what == memory || $what == time || $what == fit ]] || { sed -n '2,27p' "$0"; exit 2; }
 shift
-local_batch=1024 dim=512 worlds="" losses="clip siglip" rounds=3 gib=1 steps=3 threads=1 tile=0 profile=release only_forms="" chunk=0
+local_batch=1024 dim=512 worlds="" losses="clip siglip" rounds=3 gib=1 steps=3 threads=1 tile=0 profile=release only_forms="" chunk=0 one_way=""
 while (($#)); do
     case "$1" in
         --local-batch) local_batch=$2; shift 2 ;;
@@ -38,13 +39,14 @@ while (($#)); do
         --losses) losses=$2; shift 2 ;;
         --forms) only_forms=$2; shift 2 ;;
         --chunk) chunk=$2; shift 2 ;;
+        --one-way) one_way=--one-way; shift ;;
         --rounds) rounds=$2; shift 2 ;;
         --gib) gib=$2; shift 2 ;;
         --steps) steps=$2; shift 2 ;;
         --threads) threads=$2; shift 2 ;;
         --tile) tile=$2; shift 2 ;;
         --profile) profile=$2; shift 2 ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) echo "bench_ring_memory.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -72,7 +74,7 @@ run() {
     else
         out=$(RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads "$bin/launch" --nproc-per-node "$w" \
             "$bin/bench_ring_memory" --loss "$loss" --form "$form" --local-batch "$b" --dim "$dim" \
-            --tile "$tile" --chunk "$chunk" --steps "$steps" 2>&1) || { echo fail; return; }
+            --tile "$tile" --chunk "$chunk" --steps "$steps" $one_way 2>&1) || { echo fail; return; }
     fi
     # launch prefixes each rank's lines with "[rankN]: ".
     sed 's/^\[rank[0-9]*\]: //' <<<"$out" | grep '^bench_ring_memory:' | awk '
