@@ -62,7 +62,7 @@ esac
 peer=1
 "$PYTHON" -c "import importlib.metadata as m, torch; assert m.version('open_clip_torch') == '3.3.0'" 2>/dev/null ||
     { peer=0; echo "no torch with open-clip-torch 3.3.0 for $PYTHON: allgrad only" >&2; }
-echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) CPUs; $threads thread(s) per rank"
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) CPUs; $threads thread(s) per rank${one_way:+; the allgrad ring one way round}"
 
 # One run: W, loss, form (gather, ring, openclip), local batch. Prints "step_s rss_mib heap_mib"
 # (the largest over ranks), or "fail" when a rank failed (out of memory, say).
